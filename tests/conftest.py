@@ -1,0 +1,28 @@
+"""Shared test setup: 8 fake CPU devices (set before JAX is imported) and shared fixtures."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from llds_jax import tokenizer as tokenizer_lib  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory):
+    """A folder holding the real Qwen2.5 (base) tokenizer, built offline."""
+    return tokenizer_lib.write_qwen25_tokenizer(str(tmp_path_factory.mktemp("qwen25_tok")), "base")
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir):
+    """The real Qwen2.5 base tokenizer (eos <|endoftext|>, base chat template)."""
+    return tokenizer_lib.load_tokenizer(qwen_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen_instruct_tokenizer(tmp_path_factory):
+    """The real Qwen2.5 instruct tokenizer (eos <|im_end|>, instruct chat template)."""
+    path = tokenizer_lib.write_qwen25_tokenizer(str(tmp_path_factory.mktemp("qwen25_inst")), "instruct")
+    return tokenizer_lib.load_tokenizer(path)
