@@ -1,0 +1,198 @@
+"""Decoder configuration for the Qwen2/Qwen2.5 and Llama-3.x family: presets and Hugging Face config.json."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping, Optional
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.x RoPE frequency scaling ("rope_type": "llama3")."""
+
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of one decoder.
+
+    Attributes:
+      model_type: "qwen2" (Qwen2 / Qwen2.5) or "llama" (Llama-3.x); used for export.
+      head_dim: per-head size H; attention width is num_heads * head_dim.
+      qkv_bias: Qwen has biases on the q/k/v projections, Llama does not.
+      param_dtype: storage dtype of parameters ("float32" master weights).
+      dtype: compute dtype of matmuls ("bfloat16" on TPU, "float32" on CPU tests). Norms, softmax,
+        log-softmax and RoPE angles are always float32.
+      scan_layers: run the layer stack with `lax.scan` (compile time independent of depth).
+      remat: rematerialize each decoder block in the backward pass.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[Llama3RopeScaling] = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    model_type: str = "qwen2"
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    scan_layers: bool = True
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "ModelConfig":
+        """A tiny random test config (float32, Qwen2 layout with QKV bias, untied embeddings)."""
+        fields = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=10000.0, qkv_bias=True, tie_word_embeddings=False)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def num_params(self) -> int:
+        """Parameter count of this architecture (embeddings counted once when tied)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * h, self.num_kv_heads * h
+        attn = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if self.qkv_bias else 0)
+        layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + d
+
+
+_QWEN25_COMMON = dict(model_type="qwen2", qkv_bias=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                      max_position_embeddings=32768, head_dim=128)
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": ModelConfig(**{**_QWEN25_COMMON, "head_dim": 64}, vocab_size=151936, hidden_size=896,
+                                intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                                tie_word_embeddings=True),
+    "qwen2.5-1.5b": ModelConfig(**_QWEN25_COMMON, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                num_layers=28, num_heads=12, num_kv_heads=2, tie_word_embeddings=True),
+    "qwen2.5-3b": ModelConfig(**_QWEN25_COMMON, vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                              num_layers=36, num_heads=16, num_kv_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": ModelConfig(**_QWEN25_COMMON, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                              num_layers=28, num_heads=28, num_kv_heads=4, tie_word_embeddings=False),
+    "qwen2.5-14b": ModelConfig(**{**_QWEN25_COMMON, "rms_norm_eps": 1e-5}, vocab_size=152064, hidden_size=5120,
+                               intermediate_size=13824, num_layers=48, num_heads=40, num_kv_heads=8,
+                               tie_word_embeddings=False),
+    "llama-3.2-3b": ModelConfig(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                                num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                                rope_scaling=Llama3RopeScaling(), rms_norm_eps=1e-5, qkv_bias=False,
+                                tie_word_embeddings=True, max_position_embeddings=131072),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named preset (see PRESETS), with optional field overrides (e.g. dtype="bfloat16")."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[key].replace(**overrides)
+
+
+def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, Optional[Llama3RopeScaling]]:
+    """RoPE theta and scaling from either the transformers-5 `rope_parameters` or the older flat keys."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {}) or params
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"{where}: unsupported rope_type {rope_type!r} (supported: default, llama3)")
+    return theta, Llama3RopeScaling(
+        factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+
+
+def from_hf_config(config: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """Builds a ModelConfig from a Hugging Face `config.json` (path, folder or dict).
+
+    `overrides` set our own fields (dtype, param_dtype, scan_layers, remat).
+    """
+    where = "config dict"
+    if not isinstance(config, Mapping):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        where = path
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    hf = dict(config)
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (expected 'silu')")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias=true is not supported")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in hf]
+    if missing:
+        raise KeyError(f"{where}: missing keys {missing}")
+    theta, scaling = _rope_fields(hf, where)
+    heads = int(hf["num_attention_heads"])
+    fields = dict(
+        model_type=model_type, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads), rope_theta=theta,
+        rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """The Hugging Face config.json dict of `cfg` (Qwen2ForCausalLM or LlamaForCausalLM)."""
+    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.model_type]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **dataclasses.asdict(cfg.rope_scaling)}
+    out = {
+        "architectures": [arch], "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else rope, "rope_parameters": rope,
+        "torch_dtype": torch_dtype,
+    }
+    if cfg.model_type == "llama":
+        out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
+    return out

@@ -1,0 +1,198 @@
+"""The Qwen2/Qwen2.5/Llama-3.x decoder in Flax NNX.
+
+Layer parameters are stacked along a leading layer axis L so the stack runs under `lax.scan` (compile time
+independent of depth) or, with `scan_layers=False`, as an unrolled Python loop over the same arrays.
+
+Dimension letters: B batch, T new tokens, S cache slots, D hidden, N query heads, K key/value heads,
+G = N / K query heads per key/value head, H head size, F MLP width, V vocabulary, L layers.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from llds_jax import parallel
+from llds_jax.model import kv_cache as kv_lib
+from llds_jax.model import rope as rope_lib
+from llds_jax.model.config import ModelConfig
+
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def rms_norm(x_btd: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, returned in x's dtype (scaled by weight)."""
+    x = x_btd.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (weight_d.astype(jnp.float32) * x).astype(x_btd.dtype)
+
+
+def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, visible_bts: jax.Array) -> jax.Array:
+    """Grouped-query attention; scores and softmax in float32. Returns [B, T, N, H] in q's dtype.
+
+    A query that sees no key (a padding row) gets a uniform average instead of NaN.
+    """
+    b, t, n, h = q_btnh.shape
+    k = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    scores = scores * (h ** -0.5)
+    scores = jnp.where(visible_bts[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, kind: str) -> nnx.Param:
+    if kind == "ones":
+        return nnx.Param(jnp.ones(shape, dtype))
+    if kind == "zeros":
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param(0.02 * jax.random.normal(rngs.params(), shape, dtype))
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder blocks, parameters stacked on a leading layer axis L."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        L, D, N, K, H, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            cfg.intermediate_size)
+        pd = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = _init(rngs, (L, D), pd, "ones")
+        self.q_proj = _init(rngs, (L, D, N, H), pd, "normal")
+        self.k_proj = _init(rngs, (L, D, K, H), pd, "normal")
+        self.v_proj = _init(rngs, (L, D, K, H), pd, "normal")
+        if cfg.qkv_bias:
+            self.q_bias = _init(rngs, (L, N, H), pd, "zeros")
+            self.k_bias = _init(rngs, (L, K, H), pd, "zeros")
+            self.v_bias = _init(rngs, (L, K, H), pd, "zeros")
+        self.o_proj = _init(rngs, (L, N, H, D), pd, "normal")
+        self.mlp_norm = _init(rngs, (L, D), pd, "ones")
+        self.gate_proj = _init(rngs, (L, D, F), pd, "normal")
+        self.up_proj = _init(rngs, (L, D, F), pd, "normal")
+        self.down_proj = _init(rngs, (L, F, D), pd, "normal")
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked layer parameters as a dict of arrays (the scan operand)."""
+        return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, visible_bts, kv):
+    """One decoder block. `kv` is None (keys = this chunk) or (k_bskh, v_bskh, slot_start_b) to write into."""
+    dt = jnp.dtype(cfg.dtype)
+    w = {name: a.astype(dt) for name, a in p.items()}
+    h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, w["q_proj"])
+    k = jnp.einsum("btd,dkh->btkh", h, w["k_proj"])
+    v = jnp.einsum("btd,dkh->btkh", h, w["v_proj"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q = parallel.constrain(rope_lib.apply_rope(q, cos_bth, sin_bth), parallel.BATCH, None, "tensor", None)
+    k = rope_lib.apply_rope(k, cos_bth, sin_bth)
+    new_kv = None
+    if kv is not None:
+        k_cache, v_cache, start_b = kv
+        k = kv_lib.write_slots(k_cache, k, start_b)
+        v = kv_lib.write_slots(v_cache, v, start_b)
+        new_kv = (k, v)
+    out = attention(q, k, v, visible_bts)
+    x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out, w["o_proj"])
+    x_btd = parallel.constrain(x_btd, parallel.BATCH, None, None)
+    h = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
+    act = jax.nn.silu(jnp.einsum("btd,df->btf", h, w["gate_proj"])) * jnp.einsum("btd,df->btf", h, w["up_proj"])
+    act = parallel.constrain(act, parallel.BATCH, None, "tensor")
+    x_btd = x_btd + jnp.einsum("btf,fd->btd", act, w["down_proj"])
+    return parallel.constrain(x_btd, parallel.BATCH, None, None), new_kv
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM: embeddings, L blocks (RMSNorm, GQA + RoPE, SwiGLU), final norm, unembedding."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = jnp.dtype(cfg.param_dtype)
+        self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), pd, "normal")
+        self.layers = DecoderLayers(cfg, rngs=rngs)
+        self.final_norm = _init(rngs, (cfg.hidden_size,), pd, "ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), pd, "normal")
+
+    def unembedding(self) -> jax.Array:
+        """The output projection [D, V] in the compute dtype (the embedding transposed when tied)."""
+        w = self.embed.get_value().T if self.cfg.tie_word_embeddings else self.lm_head.get_value()
+        return w.astype(jnp.dtype(self.cfg.dtype))
+
+    def _run_layers(self, x_btd, positions_bt, visible_bts, cache: Optional[kv_lib.KVCache], slot_start_b):
+        cfg = self.cfg
+        cos, sin = rope_lib.rope_angles(positions_bt, rope_lib.inverse_frequencies(cfg))
+        params = self.layers.arrays()
+
+        def body(x, xs):
+            p, kv = xs
+            kv_in = None if kv is None else (kv[0], kv[1], slot_start_b)
+            x, kv_out = _block(cfg, x, p, cos, sin, visible_bts, kv_in)
+            return x, kv_out
+
+        if cfg.remat:
+            body = jax.checkpoint(body, prevent_cse=not cfg.scan_layers)
+        kv_stack = None if cache is None else (cache.k_lbskh, cache.v_lbskh)
+        if cfg.scan_layers:
+            x_btd, kv_out = jax.lax.scan(body, x_btd, (params, kv_stack))
+        else:
+            outs = []
+            for i in range(cfg.num_layers):
+                layer = jax.tree.map(lambda a: a[i], (params, kv_stack))
+                x_btd, kv_i = body(x_btd, layer)
+                outs.append(kv_i)
+            kv_out = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return rms_norm(x_btd, self.final_norm.get_value(), cfg.rms_norm_eps), kv_out
+
+    def _embed(self, tokens_bt: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed.get_value(), tokens_bt, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return parallel.constrain(x, parallel.BATCH, None, None)
+
+    def hidden(self, tokens_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, D] of a full forward.
+
+        mask_bt is 1 on real tokens and 0 on padding (left or right); RoPE positions count real tokens only,
+        attention is causal over real tokens.
+        """
+        mask = mask_bt.astype(bool)
+        positions_bt = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        t = tokens_bt.shape[1]
+        causal_tt = jnp.tril(jnp.ones((t, t), bool))
+        visible_bts = causal_tt[None] & mask[:, None, :]
+        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, visible_bts, None, None)
+        return h
+
+    def __call__(self, tokens_bt: jax.Array, mask_bt: Optional[jax.Array] = None) -> jax.Array:
+        """Float32 logits [B, T, V] of a full forward (mask_bt defaults to all ones)."""
+        if mask_bt is None:
+            mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+        return self.logits(self.hidden(tokens_bt, mask_bt))
+
+    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """Float32 logits [B, T, V] from hidden states."""
+        return jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
+
+    def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array,
+               cache: kv_lib.KVCache) -> tuple[jax.Array, kv_lib.KVCache]:
+        """Appends T tokens per sequence to the cache at each row's own offset and runs them through the model.
+
+        Serves prefill (left-padded prompts into an empty cache), decode (T = 1) and multi-turn extend
+        (observation tokens, right-padded to a common T). valid_bt marks real tokens. Each new token attends to
+        the real tokens in its row's slots up to its own. The caller keeps end_b + T <= capacity.
+
+        Returns (final-normed hidden states [B, T, D], updated cache).
+        """
+        valid = valid_bt.astype(bool)
+        valid_bs, slot_bt, end_b, next_pos_b = kv_lib.advance(cache, valid)
+        positions_bt = cache.next_pos_b[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+        positions_bt = jnp.maximum(positions_bt, 0)
+        slots_s = jnp.arange(cache.capacity, dtype=jnp.int32)
+        visible_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= slot_bt[:, :, None])
+        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, visible_bts, cache, cache.end_b)
+        new_cache = kv_lib.KVCache(k_lbskh=k, v_lbskh=v, valid_bs=valid_bs, end_b=end_b, next_pos_b=next_pos_b)
+        return h, new_cache
