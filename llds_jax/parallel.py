@@ -97,8 +97,7 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     """NamedShardings for every parameter of an nnx state (same tree), validated against the mesh."""
     flat = {path_str(path): var.get_value().shape for path, var in nnx.to_flat_state(state)}
     validate(flat, mesh)
-    return jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(mesh, spec_for(path_str(path))),
-                                            state)
+    return nnx.map_state(lambda path, var: var.replace(NamedSharding(mesh, spec_for(path_str(path)))), state)
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:

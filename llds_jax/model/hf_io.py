@@ -1,0 +1,283 @@
+"""Hugging Face checkpoint folders <-> model parameters.
+
+Import reads safetensors lazily through a tensorstore key-value store (local folders and `gs://` alike) and
+builds every parameter with `jax.make_array_from_callback`, so each device's shard is read straight from the
+files: the host never holds a full copy of the model, only the rows of one tensor a shard needs.
+Export writes config.json and (sharded) safetensors that `transformers` loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import Any, Callable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from safetensors.numpy import save as safetensors_save
+
+from llds_jax import parallel
+from llds_jax.model.config import ModelConfig, from_hf_config, to_hf_config
+from llds_jax.model.transformer import Transformer
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _kvstore_url(path: str) -> str:
+    path = os.fspath(path)
+    if "://" in path:
+        return path.rstrip("/") + "/"
+    return "file://" + os.path.abspath(path) + "/"
+
+
+class CheckpointFolder:
+    """Lazy, byte-range reader of a Hugging Face checkpoint folder (local path or gs://bucket/path)."""
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        self._kv = ts.KvStore.open(_kvstore_url(self.path)).result()
+        self._tensors: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
+        index = self._read_optional(INDEX_FILE)
+        if index is not None:
+            files = sorted(set(json.loads(index)["weight_map"].values()))
+        elif self._read_optional(SINGLE_FILE, byte_range=slice(0, 8)) is not None:
+            files = [SINGLE_FILE]
+        else:
+            raise FileNotFoundError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} found")
+        for name in files:
+            self._read_header(name)
+
+    def _read_optional(self, key: str, byte_range: Optional[slice] = None) -> Optional[bytes]:
+        result = self._kv.read(key, byte_range=byte_range).result()
+        return None if result.state == "missing" else bytes(result.value)
+
+    def read_bytes(self, key: str, byte_range: Optional[slice] = None) -> bytes:
+        data = self._read_optional(key, byte_range)
+        if data is None:
+            raise FileNotFoundError(f"{self.path}/{key} not found")
+        return data
+
+    def _read_header(self, file: str) -> None:
+        (n,) = struct.unpack("<Q", self.read_bytes(file, slice(0, 8)))
+        header = json.loads(self.read_bytes(file, slice(8, 8 + n)))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"{self.path}/{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            self._tensors[name] = (file, info["dtype"], tuple(info["shape"]), 8 + n + start, 8 + n + end)
+
+    def config(self) -> dict[str, Any]:
+        data = self._read_optional("config.json")
+        if data is None:
+            raise FileNotFoundError(f"{self.path}/config.json not found")
+        return json.loads(data)
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._tensors[name][2]
+
+    def read_rows(self, name: str, rows: slice) -> np.ndarray:
+        """Rows [start, stop) of a tensor's leading dimension, read as one byte range."""
+        file, dtype, shape, begin, _ = self._tensors[name]
+        np_dtype = np.dtype(_ST_DTYPES[dtype])
+        start, stop, _ = rows.indices(shape[0] if shape else 1)
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np_dtype.itemsize
+        data = self.read_bytes(file, slice(begin + start * row_bytes, begin + stop * row_bytes))
+        return np.frombuffer(data, dtype=np_dtype).reshape((stop - start,) + tuple(shape[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mapping:
+    """How one HF tensor maps into (a layer of) one of our parameters.
+
+    rows_of: our index (without the layer axis) -> the slice of HF rows the block needs.
+    to_ours: (HF rows block, our index) -> our block.
+    """
+
+    rows_of: Callable[[tuple[slice, ...]], slice]
+    to_ours: Callable[[np.ndarray, tuple[slice, ...]], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _scaled(s: slice, n: int, unit: int) -> slice:
+    start, stop, _ = s.indices(n)
+    return slice(start * unit, stop * unit)
+
+
+def _mappings(cfg: ModelConfig) -> dict[str, _Mapping]:
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def heads(n: int) -> _Mapping:  # ours [D, n, H] <- HF [n*H, D]
+        return _Mapping(
+            rows_of=lambda idx: _scaled(idx[1], n, H),
+            to_ours=lambda blk, idx: blk.T.reshape(D, -1, H)[idx[0], :, idx[2]],
+            to_hf=lambda w: w.reshape(D, n * H).T)
+
+    def head_bias(n: int) -> _Mapping:  # ours [n, H] <- HF [n*H]
+        return _Mapping(rows_of=lambda idx: _scaled(idx[0], n, H),
+                        to_ours=lambda blk, idx: blk.reshape(-1, H)[:, idx[1]],
+                        to_hf=lambda w: w.reshape(n * H))
+
+    copy = _Mapping(rows_of=lambda idx: idx[0], to_ours=lambda blk, idx: blk[(slice(None),) + tuple(idx[1:])],
+                    to_hf=lambda w: w)
+    transpose = _Mapping(rows_of=lambda idx: idx[1], to_ours=lambda blk, idx: blk.T[idx[0]],
+                         to_hf=lambda w: w.T)
+    o_proj = _Mapping(  # ours [N, H, D] <- HF [D, N*H]
+        rows_of=lambda idx: idx[2], to_ours=lambda blk, idx: blk.T.reshape(N, H, -1)[idx[0], idx[1]],
+        to_hf=lambda w: w.reshape(N * H, D).T)
+    out = {
+        "attn_norm": copy, "mlp_norm": copy, "q_proj": heads(N), "k_proj": heads(K), "v_proj": heads(K),
+        "q_bias": head_bias(N), "k_bias": head_bias(K), "v_bias": head_bias(K), "o_proj": o_proj,
+        "gate_proj": transpose, "up_proj": transpose, "down_proj": transpose,
+        "embed": copy, "final_norm": copy, "lm_head": transpose,
+    }
+    return out
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight", "v_proj": "self_attn.v_proj.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+    "o_proj": "self_attn.o_proj.weight", "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def hf_names(path: str, num_layers: int) -> list[str]:
+    """The HF tensor names behind one of our parameter paths ('layers/q_proj' -> one per layer)."""
+    if path.startswith("layers/"):
+        leaf = _LAYER_NAMES[path.split("/", 1)[1]]
+        return [f"model.layers.{i}.{leaf}" for i in range(num_layers)]
+    return [_TOP_NAMES[path]]
+
+
+def _expected_hf_shape(our_shape: tuple[int, ...], path: str, cfg: ModelConfig) -> tuple[int, ...]:
+    leaf = path.split("/")[-1]
+    layer_shape = our_shape[1:] if path.startswith("layers/") else our_shape
+    return _mappings(cfg)[leaf].to_hf(np.empty(layer_shape, np.int8)).shape
+
+
+def _abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+
+def load_model(path: str, mesh: Optional[Mesh] = None, **config_overrides: Any) -> Transformer:
+    """Loads an HF checkpoint folder into a Transformer whose parameters sit on their shards.
+
+    Args:
+      path: local folder or gs://bucket/path holding config.json and model.safetensors (or shards + index).
+      mesh: place parameters by the partition rules of `llds_jax.parallel`; None: the default device.
+      config_overrides: ModelConfig fields to set (dtype, param_dtype, scan_layers, remat).
+    Raises:
+      ValueError naming missing, unexpected or mis-shaped tensors.
+    """
+    folder = CheckpointFolder(path)
+    cfg = from_hf_config(folder.config(), **config_overrides)
+    graphdef, abstract = _abstract_model(cfg)
+    flat = {parallel.path_str(p): v.get_value() for p, v in nnx.to_flat_state(abstract)}
+    _check_tensors(folder, flat, cfg)
+    if mesh is not None:
+        parallel.validate({k: v.shape for k, v in flat.items()}, mesh)
+    maps = _mappings(cfg)
+    param_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
+
+    def build(path_tuple, var):
+        path = parallel.path_str(path_tuple)
+        abstract_leaf = var.get_value()
+        sharding = (NamedSharding(mesh, parallel.spec_for(path)) if mesh is not None
+                    else SingleDeviceSharding(jax.devices()[0]))
+        mapping, names = maps[path.split("/")[-1]], hf_names(path, cfg.num_layers)
+        stacked = path.startswith("layers/")
+
+        def read_block(index: tuple[slice, ...]) -> np.ndarray:
+            if not stacked:
+                blk = folder.read_rows(names[0], mapping.rows_of(index))
+                return mapping.to_ours(blk, index).astype(param_dtype)
+            layers = range(*index[0].indices(cfg.num_layers))
+            inner = index[1:]
+            return np.stack([mapping.to_ours(folder.read_rows(names[i], mapping.rows_of(inner)), inner)
+                             for i in layers]).astype(param_dtype)
+
+        value = jax.make_array_from_callback(abstract_leaf.shape, sharding, read_block)
+        return var.replace(value)
+
+    return nnx.merge(graphdef, nnx.map_state(build, abstract))
+
+
+def _check_tensors(folder: CheckpointFolder, flat: dict[str, Any], cfg: ModelConfig) -> None:
+    expected: dict[str, tuple[int, ...]] = {}
+    for path, leaf in flat.items():
+        hf_shape = _expected_hf_shape(leaf.shape, path, cfg)
+        for name in hf_names(path, cfg.num_layers):
+            expected[name] = hf_shape
+    present = folder.names()
+    allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(n for n in present - set(expected) - allowed_extra if not n.endswith("rotary_emb.inv_freq"))
+    bad = [f"{n}: expected {expected[n]}, got {folder.shape(n)}" for n in sorted(set(expected) & present)
+           if folder.shape(n) != expected[n]]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    if bad:
+        problems.append("shape mismatch " + "; ".join(bad[:8]))
+    if problems:
+        raise ValueError(f"{folder.path}: checkpoint does not fit the config: " + " | ".join(problems))
+
+
+def hf_state_dict(model: Transformer, dtype: str = "float32") -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array) pairs of a model's parameters, one tensor at a time."""
+    cfg = model.cfg
+    maps = _mappings(cfg)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    for path_tuple, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path = parallel.path_str(path_tuple)
+        arr = np.asarray(jax.device_get(var.get_value()))
+        to_hf = maps[path.split("/")[-1]].to_hf
+        names = hf_names(path, cfg.num_layers)
+        layers = list(arr) if path.startswith("layers/") else [arr]
+        for name, layer in zip(names, layers):
+            yield name, np.ascontiguousarray(to_hf(layer)).astype(np_dtype)
+
+
+def save_model(model: Transformer, path: str, dtype: str = "float32", max_shard_bytes: int = 2 << 30) -> None:
+    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`) to a folder or gs://."""
+    kv = ts.KvStore.open(_kvstore_url(path)).result()
+    config = to_hf_config(model.cfg, torch_dtype=dtype)
+    kv.write("config.json", json.dumps(config, indent=2).encode()).result()
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in hf_state_dict(model, dtype):
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        kv.write(SINGLE_FILE, safetensors_save(shards[0], metadata={"format": "pt"})).result()
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        kv.write(file, safetensors_save(shard, metadata={"format": "pt"})).result()
+        for name, arr in shard.items():
+            weight_map[name] = file
+            total += arr.nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    kv.write(INDEX_FILE, json.dumps(index, indent=2).encode()).result()

@@ -1,0 +1,31 @@
+"""Presets reproduce the published parameter counts (abstract shapes only: nothing is allocated)."""
+import math
+
+import jax
+import pytest
+from flax import nnx
+
+from llds_jax.model import Transformer, preset
+
+PUBLISHED = {  # from the safetensors metadata of the Hugging Face checkpoints
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-3b": 3_085_938_688,
+    "qwen2.5-7b": 7_615_616_512,
+    "llama-3.2-3b": 3_212_749_824,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_count(name):
+    cfg = preset(name)
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    leaves = jax.tree.leaves(abstract)
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+    assert sum(math.prod(leaf.shape) for leaf in leaves) == PUBLISHED[name]
+    assert cfg.num_params() == PUBLISHED[name]
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(KeyError, match="qwen2.5-7b"):
+        preset("qwen9")
