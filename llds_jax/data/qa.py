@@ -1,0 +1,163 @@
+"""Search-R1 QA data files (parquet, or JSONL with the same fields): reader and writers.
+
+A Search-R1 row has `id, question, golden_answers, data_source, prompt, ability, reward_model,
+extra_info`. We need `question`, `golden_answers` (falling back to `reward_model.ground_truth.target`)
+and `data_source`; `id` is kept when present. Search-R1's `extra_info.index` restarts for every
+source, so examples carry their own `uid`, unique within a file, as the GRPO group key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llds_jax.rollout.protocol import make_prompt
+
+REQUIRED_COLUMNS = ("question", "data_source")
+_ANSWERS = "golden_answers"
+_ANSWERS_FALLBACK = "reward_model"
+
+_PARQUET_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("question", pa.string()),
+    ("golden_answers", pa.list_(pa.string())),
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([
+        ("style", pa.string()),
+        ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
+    ])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+])
+
+
+@dataclasses.dataclass(frozen=True)
+class QAExample:
+    """One question: `uid` is `{data_source}-{row}` (unique within its file), `id` the file's own id."""
+    uid: str
+    question: str
+    golden_answers: tuple[str, ...]
+    data_source: str
+    id: str | None = None
+
+
+def read_qa(path: str | os.PathLike) -> list[QAExample]:
+    """Reads a Search-R1 QA file; `.parquet` or `.jsonl` decides the format."""
+    path = os.fspath(path)
+    if path.endswith(".parquet"):
+        return _examples(path, _parquet_rows(path))
+    if path.endswith(".jsonl"):
+        return _examples(path, _jsonl_rows(path))
+    raise ValueError(f"{path}: unknown QA file format (expected .parquet or .jsonl)")
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
+    names = pq.read_schema(path).names
+    columns = [name for name in ("id", *REQUIRED_COLUMNS, _ANSWERS, _ANSWERS_FALLBACK) if name in names]
+    _check_columns(path, names)
+    for row, record in enumerate(pq.read_table(path, columns=columns).to_pylist()):
+        yield f"{path}: row {row}", record
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            _check_columns(where, record.keys())
+            yield where, record
+
+
+def _check_columns(where: str, names: Iterable[str]) -> None:
+    names = set(names)
+    for column in REQUIRED_COLUMNS:
+        if column not in names:
+            raise ValueError(f"{where}: missing required column '{column}'")
+    if _ANSWERS not in names and _ANSWERS_FALLBACK not in names:
+        raise ValueError(
+            f"{where}: missing required column '{_ANSWERS}' (and no '{_ANSWERS_FALLBACK}' to fall back on)")
+
+
+def _examples(path: str, rows: Iterator[tuple[str, dict]]) -> list[QAExample]:
+    examples = []
+    for row, (where, record) in enumerate(rows):
+        question = _string(where, "question", record["question"])
+        data_source = _string(where, "data_source", record["data_source"])
+        examples.append(QAExample(
+            uid=f"{data_source}-{row}",
+            question=question,
+            golden_answers=_golden_answers(where, record),
+            data_source=data_source,
+            id=None if record.get("id") is None else str(record["id"]),
+        ))
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+def _string(where: str, column: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: column '{column}' must be a string, got {value!r}")
+    return value
+
+
+def _golden_answers(where: str, record: Mapping[str, Any]) -> tuple[str, ...]:
+    answers = record.get(_ANSWERS)
+    column = _ANSWERS
+    if answers is None:
+        column = "reward_model.ground_truth.target"
+        try:
+            answers = record[_ANSWERS_FALLBACK]["ground_truth"]["target"]
+        except (KeyError, TypeError):
+            raise ValueError(f"{where}: no '{_ANSWERS}' and no '{column}'") from None
+    if isinstance(answers, str):
+        answers = [answers]
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise ValueError(f"{where}: column '{column}' must be a non-empty list of strings, got {answers!r}")
+    return tuple(answers)
+
+
+def search_r1_records(examples: Iterable[QAExample], split: str) -> list[dict]:
+    """Rows in Search-R1's full schema; `extra_info.index` counts per data source, as Search-R1's does."""
+    counts: dict[str, int] = {}
+    records = []
+    for ex in examples:
+        index = counts.get(ex.data_source, 0)
+        counts[ex.data_source] = index + 1
+        answers = list(ex.golden_answers)
+        records.append({
+            "id": ex.id if ex.id is not None else f"{split}_{index}",
+            "question": ex.question,
+            "golden_answers": answers,
+            "data_source": ex.data_source,
+            "prompt": [{"role": "user", "content": make_prompt(ex.question)}],
+            "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": answers}},
+            "extra_info": {"split": split, "index": index},
+        })
+    return records
+
+
+def write_qa_parquet(path: str | os.PathLike, examples: Iterable[QAExample], split: str = "test") -> None:
+    """Writes `examples` as a Search-R1 parquet file."""
+    pq.write_table(pa.Table.from_pylist(search_r1_records(examples, split), schema=_PARQUET_SCHEMA), path)
+
+
+def write_qa_jsonl(path: str | os.PathLike, examples: Iterable[QAExample], split: str = "test") -> None:
+    """Writes `examples` as JSONL, one Search-R1 row per line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in search_r1_records(examples, split):
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")

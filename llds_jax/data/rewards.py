@@ -1,0 +1,38 @@
+"""Search-R1's exact-match reward: answer normalization, final-answer extraction and EM."""
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Sequence
+
+_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    """Lowercase, drop punctuation, replace the words a/an/the by a space, collapse whitespace (in this order)."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _PUNCTUATION)
+    s = _ARTICLES_RE.sub(" ", s)
+    return " ".join(s.split())
+
+
+def exact_match(prediction: str, golden_answers: str | Sequence[str]) -> float:
+    """1.0 if the normalized prediction equals any normalized gold answer, else 0.0."""
+    if isinstance(golden_answers, str):
+        golden_answers = [golden_answers]
+    normalized = normalize_answer(prediction)
+    return float(any(normalize_answer(gold) == normalized for gold in golden_answers))
+
+
+def extract_final_answer(model_text: str) -> str | None:
+    """The stripped content of the last `<answer>...</answer>` in the model's own text, or None."""
+    matches = _ANSWER_RE.findall(model_text)
+    return matches[-1].strip() if matches else None
+
+
+def em_reward(model_text: str, golden_answers: str | Sequence[str]) -> float:
+    """Exact match of the model's final answer against the gold answers; 0.0 when it gave no answer."""
+    answer = extract_final_answer(model_text)
+    return 0.0 if answer is None else exact_match(answer, golden_answers)

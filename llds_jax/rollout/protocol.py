@@ -1,0 +1,160 @@
+"""The Search-R1 text protocol: prompt, turn cut, action parsing and observations.
+
+Pure Python, no JAX. Every string here must match Search-R1 byte for byte (see
+`search-r1-protocol.md`); the sampler and the rollout loop build on these functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+SEARCH_R1_TEMPLATE = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
+    "new information. After reasoning, if you find you lack some knowledge, you can call a search engine by "
+    "<search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge "
+    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed illustrations. "
+    "For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+
+INVALID_ACTION_MESSAGE = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+
+SEARCH_CLOSE = "</search>"
+ANSWER_CLOSE = "</answer>"
+# Decoded-text markers that end a turn; the sampler may stop a sequence once one appears.
+STOP_STRINGS = (SEARCH_CLOSE, ANSWER_CLOSE)
+
+DEFAULT_MAX_PROMPT_TOKENS = 2048
+
+_ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+def make_prompt(question: str) -> str:
+    """The Search-R1 user message for `question` (stripped, with `?` appended when missing)."""
+    question = question.strip()
+    if not question:
+        raise ValueError("make_prompt: the question is empty")
+    if not question.endswith("?"):
+        question += "?"
+    return SEARCH_R1_TEMPLATE.format(question=question)
+
+
+def chat_prompt_ids(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[int]:
+    """Token ids of the prompt for `question`, as Search-R1 feeds them to the policy.
+
+    With a chat template the prompt is one user message followed by the generation prompt; without
+    one it is the raw prompt text. Encoded with `add_special_tokens=False` and left-truncated to the
+    last `max_prompt_tokens` tokens.
+    """
+    if max_prompt_tokens <= 0:
+        raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
+    text = make_prompt(question)
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return ids[-max_prompt_tokens:]
+
+
+def turn_finished(text: str) -> bool:
+    """True when decoded turn text contains a closing `</search>` or `</answer>` (the turn is over)."""
+    return any(stop in text for stop in STOP_STRINGS)
+
+
+def cut_turn(text: str) -> str:
+    """The turn text cut right after the first `</search>`, else after the first `</answer>`, else whole.
+
+    `</search>` wins even when an `</answer>` comes before it (Search-R1's rule).
+    """
+    for close in STOP_STRINGS:
+        end = text.find(close)
+        if end >= 0:
+            return text[:end + len(close)]
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """The action of one turn: kind "search", "answer" or None (invalid), and its stripped content."""
+    kind: Literal["search", "answer"] | None
+    content: str = ""
+
+
+def parse_action(text: str) -> Action:
+    """The first `<search>...</search>` or `<answer>...</answer>` of the cut turn text.
+
+    Tags are case sensitive and content may span lines. No match gives `Action(None, "")`.
+    """
+    match = _ACTION_RE.search(cut_turn(text))
+    if match is None:
+        return Action(None, "")
+    return Action(match.group(1), match.group(2).strip())
+
+
+def _contents(doc: Any) -> str:
+    if isinstance(doc, Mapping):
+        if "contents" not in doc:
+            raise KeyError(f"document dict has no 'contents' key (keys: {sorted(doc)})")
+        return doc["contents"]
+    if hasattr(doc, "contents"):
+        return doc.contents
+    raise TypeError(f"document must have a 'contents' attribute or key, got {type(doc).__name__}")
+
+
+def format_docs(docs: Sequence[Any]) -> str:
+    """Search-R1's passage string: `Doc {i}(Title: {title}) {text}\\n` per document, i from 1.
+
+    The title is the first line of `contents` (quotes kept), the text the remaining lines.
+    """
+    parts = []
+    for i, doc in enumerate(docs, start=1):
+        title, _, text = _contents(doc).partition("\n")
+        parts.append(f"Doc {i}(Title: {title}) {text}\n")
+    return "".join(parts)
+
+
+def format_observation(docs: Sequence[Any]) -> str:
+    """The observation appended after a search turn: the documents inside an <information> block."""
+    return "\n\n<information>" + format_docs(docs).strip() + "</information>\n\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnCut:
+    """Where a sampled turn ends: keep `token_ids[:num_tokens]`; `text` is the cut turn text."""
+    num_tokens: int
+    text: str
+
+
+def cut_turn_tokens(token_ids: Sequence[int], tokenizer) -> TurnCut:
+    """The shortest prefix of a turn's sampled tokens whose decoded text reaches the cut point.
+
+    The text is decoded with `skip_special_tokens=True`, as Search-R1 does, and cut with `cut_turn`.
+    The sampled tokens themselves stay the trained tokens (no re-tokenization), so the cut lands on a
+    token boundary: when one token straddles the cut (e.g. `>\\n\\n` completing `</search>`), that
+    token is kept, and the decoded kept tokens may run a few characters past `text`. The action must
+    be parsed from `text`. Without a closing tag every token is kept.
+    """
+    ids = list(token_ids)
+    text = cut_turn(tokenizer.decode(ids, skip_special_tokens=True))
+    if not turn_finished(text):
+        return TurnCut(len(ids), text)
+
+    def reaches_cut(n: int) -> bool:
+        # A prefix decodes to a prefix of the full text, up to a trailing partial UTF-8 character;
+        # the cut ends in ASCII `>`, so reaching the cut is monotone in n.
+        return tokenizer.decode(ids[:n], skip_special_tokens=True).startswith(text)
+
+    lo, hi = 0, len(ids)  # invariant: reaches_cut(hi); not reaches_cut(lo) since text is non-empty
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if reaches_cut(mid):
+            hi = mid
+        else:
+            lo = mid
+    return TurnCut(hi, text)
