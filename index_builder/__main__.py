@@ -1,0 +1,112 @@
+"""Builds a retrieval index from a wiki-18 style corpus (JSON lines, plain or .gz).
+
+    python -m index_builder wiki-18.jsonl.gz --to bm25 --out /data/wiki18_bm25
+    python -m index_builder wiki-18.jsonl.gz --to elasticsearch --es-hosts https://es:9200 --es-index wiki18
+
+A malformed line stops the build with `file:line: reason` (exit status 2), or with --skip-bad is skipped and
+counted. Elasticsearch builds are resumable: re-run the same command and documents already indexed are skipped.
+Elasticsearch credentials come from LLDS_ES_API_KEY or LLDS_ES_USER + LLDS_ES_PASSWORD.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import sys
+
+import elasticsearch
+
+from index_builder.corpus import CorpusError, CorpusReader
+from index_builder.progress import Progress
+from index_builder.summary import BuildSummary
+from index_builder.to_bm25 import build_bm25
+from index_builder.to_elasticsearch import BulkRejectedError, build_elasticsearch
+from llds_jax.search.elastic import hosts_for_display, make_client, parse_hosts
+from llds_jax.search.retry import describe
+
+EXIT_BAD_CORPUS = 2
+EXIT_INDEX = 3
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m index_builder", description=__doc__.split("\n")[0])
+    parser.add_argument("corpus", help="corpus file: JSON lines {id, contents}, plain or gzip")
+    parser.add_argument("--to", choices=("bm25", "elasticsearch"), required=True, help="index kind to build")
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
+    parser.add_argument("--k1", type=float, default=0.9, help="BM25 k1 (default 0.9)")
+    parser.add_argument("--b", type=float, default=0.4, help="BM25 b (default 0.4)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bm25 = parser.add_argument_group("--to bm25")
+    bm25.add_argument("--out", help="index folder to create")
+    bm25.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    bm25.add_argument("--chunk-docs", type=int, default=100_000,
+                      help="documents processed at a time, the memory bound (default 100000)")
+    es = parser.add_argument_group("--to elasticsearch")
+    es.add_argument("--es-hosts", default="http://127.0.0.1:9200", help="comma-separated cluster URLs")
+    es.add_argument("--es-index", help="index name (created if missing, resumed if present)")
+    es.add_argument("--es-shards", type=int, default=1, help="primary shards of a new index (default 1)")
+    es.add_argument("--es-replicas", type=int, default=1, help="replicas of a new index (default 1)")
+    es.add_argument("--bulk-docs", type=int, default=500, help="documents per bulk request (default 500)")
+    es.add_argument("--es-timeout", type=float, default=60.0, help="seconds per request (default 60)")
+    es.add_argument("--ca-certs", help="CA bundle file for TLS")
+    es.add_argument("--no-verify-certs", action="store_true", help="do not verify TLS certificates (unsafe)")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.corpus):
+        parser.error(f"{args.corpus}: no such file")
+    if args.to == "bm25" and not args.out:
+        parser.error("--to bm25 needs --out FOLDER")
+    if args.to == "elasticsearch" and not args.es_index:
+        parser.error("--to elasticsearch needs --es-index NAME")
+    return args
+
+
+def build(args: argparse.Namespace) -> BuildSummary:
+    """Runs the build `args` describe; raises CorpusError, BulkRejectedError or the backend's errors."""
+    reader = CorpusReader(args.corpus, skip_bad=args.skip_bad)
+    progress = None if args.no_progress else Progress(reader.size, f"indexing {os.path.basename(args.corpus)}")
+    if args.to == "bm25":
+        if args.overwrite and os.path.exists(args.out):
+            shutil.rmtree(args.out)
+        return build_bm25(reader, args.out, k1=args.k1, b=args.b, chunk_docs=args.chunk_docs, progress=progress)
+
+    async def to_elasticsearch() -> BuildSummary:
+        hosts = parse_hosts(args.es_hosts)
+        client = make_client(hosts, timeout_s=args.es_timeout, verify_certs=not args.no_verify_certs,
+                             ca_certs=args.ca_certs)
+        try:
+            return await build_elasticsearch(
+                reader, client, args.es_index, location=f"{hosts_for_display(hosts)} index {args.es_index!r}",
+                k1=args.k1, b=args.b, shards=args.es_shards, replicas=args.es_replicas, bulk_docs=args.bulk_docs,
+                progress=progress)
+        finally:
+            await client.close()
+
+    return asyncio.run(to_elasticsearch())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point; returns the exit status (0 ok, 2 malformed corpus, 3 index/cluster error)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("elastic_transport").setLevel(logging.WARNING)  # it logs every request at INFO
+    try:
+        summary = build(args)
+    except CorpusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_CORPUS
+    except (BulkRejectedError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INDEX
+    except (elasticsearch.ApiError, elasticsearch.TransportError) as e:
+        where = hosts_for_display(parse_hosts(args.es_hosts))
+        print(f"error: elasticsearch at {where} failed ({describe(e)}); re-run the same command to resume",
+              file=sys.stderr)
+        return EXIT_INDEX
+    print(summary.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The http backend: a client of a Search-R1 retrieval server (Search-R1's own, or ours in server.py).
+
+Protocol (docs/search-r1-protocol.md): `POST {url}` with `{"queries": [str, ...], "topk": k, "return_scores": true}`
+returns `{"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...], ...]}`, one list per query
+in order. A batch is sent as requests of `batch_size` queries, at most `max_concurrency` in flight, each under the
+timeout/retry policy of `retry.py`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+
+import aiohttp
+
+from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
+from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
+
+
+class HttpStatusError(Exception):
+    """The server answered with a non-200 status; the message holds the start of its body."""
+
+    def __init__(self, status: int, body: str):
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+class ResponseShapeError(ValueError):
+    """The server's JSON is not the Search-R1 response shape."""
+
+
+def is_permanent(error: BaseException) -> bool:
+    """Whether a request error will not go away on retry (a 4xx other than 408/429, or a malformed answer)."""
+    if isinstance(error, HttpStatusError):
+        return 400 <= error.status < 500 and error.status not in (408, 429)
+    return not isinstance(error, aiohttp.ClientError)
+
+
+def parse_response(payload: object, num_queries: int) -> list[list[Document]]:
+    """Documents per query from a `return_scores: true` response; raises ResponseShapeError on any mismatch."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("result"), list):
+        raise ResponseShapeError(f'expected {{"result": [...]}}, got {str(payload)[:200]}')
+    result = payload["result"]
+    if len(result) != num_queries:
+        raise ResponseShapeError(f"{len(result)} result lists for {num_queries} queries")
+    try:
+        return [[Document(id=str(item["document"]["id"]), contents=item["document"]["contents"],
+                          score=float(item["score"])) for item in hits] for hits in result]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ResponseShapeError(f"result item without document id/contents or score: {describe(e)}") from e
+
+
+class HttpRetriever(Retriever):
+    """Searches through the Search-R1 retrieval server at `url` (the full endpoint, e.g. http://host:8000/retrieve)."""
+
+    backend = "http"
+
+    def __init__(self, url: str, *, policy: RequestPolicy = RequestPolicy(), batch_size: int = 64):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.url = url
+        self.policy = policy
+        self.batch_size = batch_size
+        self._slots = asyncio.Semaphore(policy.max_concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created on first use, inside the event loop that uses it
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def _post(self, queries: list[str], k: int) -> list[list[Document]]:
+        body = {"queries": queries, "topk": k, "return_scores": True}
+        async with self._client().post(self.url, json=body) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise HttpStatusError(response.status, text)
+        return parse_response(json.loads(text), len(queries))
+
+    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
+        """Top-k documents per query; failures after retries become one error result per query."""
+        check_k(k)
+        queries = list(queries)
+        batches = [queries[i:i + self.batch_size] for i in range(0, len(queries), self.batch_size)]
+        answers = await asyncio.gather(*(self._search_batch(batch, k) for batch in batches))
+        return [result for batch in answers for result in batch]
+
+    async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
+        async with self._slots:
+            try:
+                docs = await call_with_retries(lambda: self._post(queries, k), self.policy,
+                                               what=f"http backend at {self.url}", is_permanent=is_permanent)
+            except GiveUpError as e:
+                return [SearchResult([], str(e)) for _ in queries]
+        return [SearchResult(d) for d in docs]
+
+    async def check(self) -> None:
+        try:
+            await asyncio.wait_for(self._post(["retriever check"], 1), self.policy.timeout_s)
+        except asyncio.TimeoutError as e:
+            raise RetrieverUnavailableError(
+                f"http backend at {self.url}: no answer within {self.policy.timeout_s:g} s") from e
+        except Exception as e:
+            raise RetrieverUnavailableError(f"http backend at {self.url} cannot serve searches: {describe(e)}") from e
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,79 @@
+"""Timeouts and retries with exponential backoff for the network backends (elasticsearch, http).
+
+A call is tried up to `1 + max_retries` times; each attempt is cut off after `timeout_s` seconds; before retry i
+(1-based) it sleeps `backoff_s * 2 ** (i - 1)` seconds. The worst case before giving up is therefore
+`(1 + max_retries) * timeout_s + backoff_s * (2 ** max_retries - 1)` seconds (`RequestPolicy.worst_case_s`).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class GiveUpError(RuntimeError):
+    """All attempts failed, or one failed in a way a retry cannot fix; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestPolicy:
+    """`timeout_s` per attempt (seconds), `max_retries` after the first attempt, `backoff_s` first pause (seconds),
+    `max_concurrency` requests in flight per backend."""
+
+    timeout_s: float = 10.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    max_concurrency: int = 8
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+        if not self.backoff_s >= 0:
+            raise ValueError(f"backoff_s must be >= 0 seconds, got {self.backoff_s!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+    @property
+    def worst_case_s(self) -> float:
+        """Seconds a failing call can take before it gives up."""
+        return (1 + self.max_retries) * self.timeout_s + self.backoff_s * (2**self.max_retries - 1)
+
+
+async def call_with_retries(attempt: Callable[[], Awaitable[T]], policy: RequestPolicy, *, what: str,
+                            is_permanent: Callable[[BaseException], bool]) -> T:
+    """Awaits `attempt()` under `policy`; raises GiveUpError naming `what` when it cannot succeed.
+
+    `is_permanent(error)` says an error will not go away on retry (a bad request): it stops at once.
+    """
+    last: BaseException | None = None
+    for i in range(1 + policy.max_retries):
+        if i:
+            pause = policy.backoff_s * 2 ** (i - 1)
+            log.warning("%s: attempt %d failed (%s); retrying in %.2f s", what, i, describe(last), pause)
+            await asyncio.sleep(pause)
+        try:
+            return await asyncio.wait_for(attempt(), policy.timeout_s)
+        except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+            last = TimeoutError(f"no answer within {policy.timeout_s:g} s")
+        except Exception as e:  # anything else a network call raises is judged by is_permanent
+            if is_permanent(e):
+                raise GiveUpError(f"{what}: {describe(e)}") from e
+            last = e
+    attempts = 1 + policy.max_retries
+    raise GiveUpError(f"{what}: gave up after {attempts} attempt{'s' if attempts > 1 else ''},"
+                      f" last error: {describe(last)}") from last
+
+
+def describe(error: BaseException | None) -> str:
+    """A one-line description of an error: its type and message."""
+    name, text = type(error).__name__, str(error).strip()
+    if not text:
+        return name
+    return text if text.startswith(name) else f"{name}: {text}"

@@ -1,0 +1,82 @@
+"""Generated wiki-18 style corpora with planted answers, for tests and benchmarks (no downloads).
+
+Filler passages draw pseudo-words (consonant-vowel syllables) from a Zipf-like distribution, so term statistics
+look like prose: a few very common terms, a long tail of rare ones. Planted passage i states a fact about an
+entity named by two words that occur nowhere else ("Zylo{i} Quarn{i}"); its query asks about that entity, so its
+passage is the unique best BM25 match. A distractor passage per planted one mentions only the first word.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import itertools
+import json
+import random
+from collections.abc import Iterator
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlantedQuery:
+    """A question whose best answer is passage `doc_id`."""
+
+    query: str
+    doc_id: str
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 4)))
+
+
+class SyntheticCorpus:
+    """`n_docs` passages (ids "0".."n_docs-1"), of which 2 * `n_planted` are planted ones and their distractors.
+
+    Passage lengths are uniform in `words_per_doc` (inclusive). The same arguments give the same corpus.
+    """
+
+    def __init__(self, n_docs: int, *, seed: int = 0, n_planted: int = 10, vocab_size: int = 20_000,
+                 words_per_doc: tuple[int, int] = (40, 100)):
+        if n_docs < 2 * n_planted:
+            raise ValueError(f"n_docs ({n_docs}) must be >= 2 * n_planted ({2 * n_planted})")
+        self.n_docs, self.seed, self.words_per_doc = n_docs, seed, words_per_doc
+        rng = random.Random(seed)
+        self.vocab = sorted({_word(rng) for _ in range(vocab_size)})
+        rng.shuffle(self.vocab)
+        self._cum_weights = list(itertools.accumulate(1.0 / (rank + 1) for rank in range(len(self.vocab))))
+        slots = rng.sample(range(n_docs), 2 * n_planted)
+        self._planted = {slot: i for i, slot in enumerate(slots[:n_planted])}
+        self._distractors = {slot: i for i, slot in enumerate(slots[n_planted:])}
+        self.planted = [PlantedQuery(f"Which river flows past the village of Zylo{i} Quarn{i}?", str(slot))
+                        for slot, i in self._planted.items()]
+
+    def _filler(self, rng: random.Random, n_words: int) -> list[str]:
+        return rng.choices(self.vocab, cum_weights=self._cum_weights, k=n_words)
+
+    def records(self) -> Iterator[dict]:
+        """The passages in id order, as wiki-18 records {"id": str, "contents": '"Title"\\nbody'}."""
+        rng = random.Random(self.seed + 1)
+        for number in range(self.n_docs):
+            title = " ".join(w.capitalize() for w in self._filler(rng, 2))
+            body = self._filler(rng, rng.randint(*self.words_per_doc))
+            if number in self._planted:
+                i = self._planted[number]
+                title = f"Zylo{i} Quarn{i}"
+                body = [f"Zylo{i}", f"Quarn{i}", "is", "a", "village", "on", "the", f"river{i}", "banks"] + body
+            elif number in self._distractors:
+                body = body + ["near", f"Zylo{self._distractors[number]}"]
+            yield {"id": str(number), "contents": f'"{title}"\n' + " ".join(body)}
+
+    def write(self, path: str) -> str:
+        """Writes the corpus as JSON lines (gzip when `path` ends in .gz); returns `path`."""
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "wt", encoding="utf-8") as f:
+            for record in self.records():
+                f.write(json.dumps(record) + "\n")
+        return path
+
+    def random_queries(self, n: int, *, seed: int = 1, words: tuple[int, int] = (3, 6)) -> list[str]:
+        """`n` queries of filler words (drawn like passage words), for throughput measurements."""
+        rng = random.Random(seed)
+        return [" ".join(self._filler(rng, rng.randint(*words))) for _ in range(n)]

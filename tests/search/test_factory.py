@@ -1,0 +1,47 @@
+"""make_retriever config: backends, defaults, and errors that name the offending key."""
+import asyncio
+
+import ml_collections
+import pytest
+
+from llds_jax.search import make_retriever, resolve_config
+from llds_jax.search.elastic import ElasticsearchRetriever
+from llds_jax.search.http import HttpRetriever
+
+
+def test_defaults_are_filled_in():
+    assert resolve_config({"index_dir": "/idx"}) == {"backend": "bm25", "index_dir": "/idx", "workers": 2}
+    assert resolve_config({"backend": "http", "url": "http://127.0.0.1:1/retrieve"}) == {
+        "backend": "http", "url": "http://127.0.0.1:1/retrieve", "batch_size": 64, "timeout_s": 10.0,
+        "max_retries": 3, "backoff_s": 0.5, "max_concurrency": 8}
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"backend": "solr"}, "key 'backend': 'solr' is not one of bm25, elasticsearch, http"),
+    ({"backend": "bm25"}, "key 'index_dir' is required for backend 'bm25'"),
+    ({"backend": "bm25", "index_dir": "/i", "url": "x"}, "key 'url' is not an option of backend 'bm25'"),
+    ({"backend": "bm25", "index_dir": "/i", "workers": "4"}, "key 'workers' must be int, got '4'"),
+    ({"backend": "bm25", "index_dir": "/i", "workers": True}, "key 'workers' must be int, got True"),
+    ({"backend": "elasticsearch", "index": "w", "verify_certs": "no"}, "key 'verify_certs' must be bool"),
+    ({"backend": "http", "url": "http://h/retrieve", "timeout_s": None}, "key 'timeout_s' must be int or float"),
+])
+def test_bad_config_names_the_key(cfg, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        resolve_config(cfg)
+
+
+def test_network_backends_from_configdict():
+    async def run():
+        es = make_retriever(ml_collections.ConfigDict({
+            "backend": "elasticsearch", "hosts": ["http://127.0.0.1:9", "http://127.0.0.1:10"], "index": "wiki",
+            "timeout_s": 2, "max_retries": 1}))
+        http = make_retriever(ml_collections.ConfigDict({"backend": "http", "url": "http://127.0.0.1:9/retrieve"}))
+        try:
+            return (type(es), es.hosts, es.index, es.policy.timeout_s, es.policy.max_retries,
+                    type(http), http.url, http.batch_size)
+        finally:
+            await es.close()
+            await http.close()
+
+    assert asyncio.run(run()) == (ElasticsearchRetriever, ["http://127.0.0.1:9", "http://127.0.0.1:10"], "wiki",
+                                  2.0, 1, HttpRetriever, "http://127.0.0.1:9/retrieve", 64)
