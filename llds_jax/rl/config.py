@@ -1,0 +1,106 @@
+"""Coefficients of the per-micro-batch objective (GRPO + KL + entropy + LLDS), defaults = the reference code.
+
+See docs llds-method.md. Every field is validated at construction with an error naming the key.
+"""
+import dataclasses
+
+GATES = ("action", "response", "token")
+ANSWER_WEIGHTINGS = ("none", "fixed", "adaptive", "adaptive_paper")
+KL_ESTIMATORS = ("k1", "abs", "mse", "low_var_kl")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {choices}; got {value!r}")
+
+
+def _check_non_negative(key: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{key} must be >= 0; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLDSConfig:
+    """The likelihood-preserving regularizer.
+
+    Attributes:
+      enabled: add the LLDS term to the loss.
+      variant: name of the registered loss term that implements it (see `llds_jax.rl.terms`).
+      lam: lambda, the weight w on gated tokens (0.2; 0.3 for Qwen2.5-7B-Instruct).
+      gate: "action" (default: net delta over the token's action > 0), "response" (over the trajectory), "token".
+      answer_weighting: LLDS-MA on the final answer span: "none"; "fixed" (beta = answer_beta); "adaptive" (code:
+        beta = adaptive_c * max(V - 1, 0), V = mean search actions per trajectory of the rollout batch);
+        "adaptive_paper" (beta = min(V / 2, 1) * lam). Answer tokens get w = min(beta, lam).
+      answer_beta: beta of "fixed" (the paper's v1 used 0.05).
+      adaptive_c: c of "adaptive".
+    """
+
+    enabled: bool = True
+    variant: str = "llds"
+    lam: float = 0.2
+    gate: str = "action"
+    answer_weighting: str = "none"
+    answer_beta: float = 0.05
+    adaptive_c: float = 0.2
+
+    def __post_init__(self):
+        _check_choice("llds.gate", self.gate, GATES)
+        _check_choice("llds.answer_weighting", self.answer_weighting, ANSWER_WEIGHTINGS)
+        _check_non_negative("llds.lam", self.lam)
+        _check_non_negative("llds.answer_beta", self.answer_beta)
+        _check_non_negative("llds.adaptive_c", self.adaptive_c)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """The per-micro-batch loss `L = pg - entropy_coef * ent + kl_coef * kl + llds`.
+
+    Attributes:
+      clip_ratio: PPO clip epsilon (ratio clipped to [1 - eps, 1 + eps]).
+      ratio_cap: the ratio exp(logp - old_logp) is capped at this value (100 in the reference code).
+      entropy_coef: weight of the entropy bonus (subtracted).
+      kl_coef: weight of the KL to the reference model (0 disables the term).
+      kl_estimator: "low_var_kl" (k3, default), "k1", "abs" or "mse".
+      kl_clamp: k3 values are clipped to [-kl_clamp, kl_clamp].
+      aggregation: "token-mean" (default: over all loss tokens of the micro-batch) or "seq-mean-token-mean"
+        (paper Eq. 1: token mean per trajectory, then mean over trajectories); applies to every term.
+      temperature: rollout temperature; all log-probs use logits / temperature.
+      llds: the LLDS sub-config.
+    """
+
+    clip_ratio: float = 0.2
+    ratio_cap: float = 100.0
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.001
+    kl_estimator: str = "low_var_kl"
+    kl_clamp: float = 10.0
+    aggregation: str = "token-mean"
+    temperature: float = 1.0
+    llds: LLDSConfig = dataclasses.field(default_factory=LLDSConfig)
+
+    def __post_init__(self):
+        _check_choice("objective.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("objective.aggregation", self.aggregation, AGGREGATIONS)
+        _check_non_negative("objective.clip_ratio", self.clip_ratio)
+        _check_non_negative("objective.entropy_coef", self.entropy_coef)
+        _check_non_negative("objective.kl_coef", self.kl_coef)
+        if not self.ratio_cap > 1:
+            raise ValueError(f"objective.ratio_cap must be > 1; got {self.ratio_cap!r}")
+        if not self.kl_clamp > 0:
+            raise ValueError(f"objective.kl_clamp must be > 0; got {self.kl_clamp!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"objective.temperature must be > 0; got {self.temperature!r}")
+        if not isinstance(self.llds, LLDSConfig):
+            raise TypeError(f"objective.llds must be an LLDSConfig; got {type(self.llds).__name__}")
+
+    def weighted_terms(self) -> tuple[tuple[str, float], ...]:
+        """(registered term name, coefficient) pairs whose weighted sum is the loss; zero-weight terms are left out."""
+        terms = [("policy", 1.0)]
+        if self.entropy_coef:
+            terms.append(("entropy", -self.entropy_coef))
+        if self.kl_coef:
+            terms.append(("kl", self.kl_coef))
+        if self.llds.enabled:
+            terms.append((self.llds.variant, 1.0))
+        return tuple(terms)

@@ -1,0 +1,78 @@
+"""GRPO loss terms (clipped policy, entropy bonus, KL to reference) and the per-micro-batch objective.
+
+`objective_loss` sums the registered terms named by `ObjectiveConfig.weighted_terms()`:
+`L = pg - entropy_coef * ent + kl_coef * kl + llds` (code-exact default, docs llds-method.md).
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+
+from llds_jax.rl import llds  # noqa: F401  (registers the "llds" term)
+from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.rl.terms import LossInputs, aggregate, get_loss_term, register_loss_term
+
+# exp() argument bound for k3: exp(20) - 21 is far above any clamp, so the value is unchanged and the gradient
+# stays finite (0) where exp would overflow.
+_K3_EXP_BOUND = 20.0
+
+
+def policy_ratio(logp_bt: jax.Array, old_logp_bt: jax.Array, ratio_cap: float) -> jax.Array:
+    """`min(exp(logp - old_logp), ratio_cap)`, computed on the log scale so it never overflows. [B, T]."""
+    return jnp.exp(jnp.minimum(logp_bt - old_logp_bt, math.log(ratio_cap)))
+
+
+def clipped_policy_loss_bt(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
+    """Per-token `max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps))`. [B, T]."""
+    advantages_b1 = jax.lax.stop_gradient(inputs.advantages_b)[:, None]
+    ratio_bt = policy_ratio(inputs.logp_bt, inputs.old_logp_bt, cfg.ratio_cap)
+    clipped_bt = jnp.clip(ratio_bt, 1.0 - cfg.clip_ratio, 1.0 + cfg.clip_ratio)
+    return jnp.maximum(-advantages_b1 * ratio_bt, -advantages_b1 * clipped_bt)
+
+
+def kl_penalty_bt(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str, clamp: float) -> jax.Array:
+    """Per-token KL(current || reference) estimate. [B, T].
+
+    "k1": logp - ref; "abs": |logp - ref|; "mse": 0.5 (logp - ref)^2;
+    "low_var_kl" (k3): with d = ref - logp, clip(exp(d) - d - 1, -clamp, clamp).
+    """
+    diff_bt = logp_bt - ref_logp_bt
+    if estimator == "k1":
+        return diff_bt
+    if estimator == "abs":
+        return jnp.abs(diff_bt)
+    if estimator == "mse":
+        return 0.5 * diff_bt**2
+    if estimator == "low_var_kl":
+        d_bt = -diff_bt
+        k3_bt = jnp.exp(jnp.minimum(d_bt, _K3_EXP_BOUND)) - d_bt - 1.0
+        return jnp.clip(k3_bt, -clamp, clamp)
+    raise ValueError(f"objective.kl_estimator: unknown {estimator!r}")
+
+
+@register_loss_term("policy")
+def policy_loss(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
+    """Clipped surrogate, aggregated over loss tokens."""
+    return aggregate(clipped_policy_loss_bt(inputs, cfg), inputs.loss_mask_bt, cfg.aggregation)
+
+
+@register_loss_term("entropy")
+def entropy_bonus(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
+    """Mean next-token entropy over loss tokens (enters the loss with a negative coefficient)."""
+    return aggregate(inputs.entropy_bt, inputs.loss_mask_bt, cfg.aggregation)
+
+
+@register_loss_term("kl")
+def kl_loss(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
+    """KL to the reference model with the configured estimator, aggregated over loss tokens."""
+    if inputs.ref_logp_bt is None:
+        raise ValueError("objective.kl_coef > 0 needs ref_logp_bt (reference log-probs)")
+    kl_bt = kl_penalty_bt(inputs.logp_bt, jax.lax.stop_gradient(inputs.ref_logp_bt), cfg.kl_estimator, cfg.kl_clamp)
+    return aggregate(kl_bt, inputs.loss_mask_bt, cfg.aggregation)
+
+
+def objective_loss(inputs: LossInputs, cfg: ObjectiveConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The per-micro-batch loss and each term's unweighted value (keyed by term name)."""
+    values = {name: get_loss_term(name)(inputs, cfg) for name, _ in cfg.weighted_terms()}
+    loss = sum(coef * values[name] for name, coef in cfg.weighted_terms())
+    return loss, values

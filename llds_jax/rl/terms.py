@@ -1,0 +1,79 @@
+"""Loss terms registered by name, their common inputs and the masked aggregation they share.
+
+A loss term is `fn(inputs: LossInputs, cfg: ObjectiveConfig) -> scalar`; `ObjectiveConfig.weighted_terms()` says which
+names are summed with which coefficients. A new term (e.g. an LLDS variant) is a new function decorated with
+`@register_loss_term("name")`, selected from the config, with no change to the loss or train step.
+"""
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from llds_jax.rl.config import ObjectiveConfig
+
+
+class LossInputs(NamedTuple):
+    """Per-token arrays of one micro-batch, aligned to token positions (column t is about token t).
+
+    Attributes:
+      logp_bt: [B, T] float32 log-probs under the current parameters (differentiated).
+      entropy_bt: [B, T] float32 entropy of the next-token distribution that produced token t.
+      old_logp_bt: [B, T] log-probs before any update of this rollout batch (frozen).
+      ref_logp_bt: [B, T] log-probs under the reference model (frozen); None when the KL term is off.
+      advantages_b: [B] per-trajectory advantages (frozen).
+      loss_mask_bt: [B, T] 1 on model-generated tokens, 0 on prompt, observations and padding.
+      action_ids_bt: [B, T] int, 0-based index of the model turn (action) a loss token belongs to; -1 elsewhere.
+      answer_mask_bt: [B, T] 1 on the final <answer>...</answer> span (tags included), else 0.
+      answer_beta: scalar beta of LLDS-MA for this rollout batch (unused unless answer weighting is on).
+    """
+
+    logp_bt: jax.Array
+    entropy_bt: jax.Array
+    old_logp_bt: jax.Array
+    ref_logp_bt: jax.Array | None
+    advantages_b: jax.Array
+    loss_mask_bt: jax.Array
+    action_ids_bt: jax.Array
+    answer_mask_bt: jax.Array
+    answer_beta: jax.Array | float = 0.0
+
+
+def aggregate(x_bt: jax.Array, mask_bt: jax.Array, mode: str) -> jax.Array:
+    """Masked mean of per-token values.
+
+    "token-mean": `sum(x * m) / sum(m)` over every token of the micro-batch. "seq-mean-token-mean": the token mean of
+    each trajectory, averaged over the trajectories that have loss tokens. An empty mask gives 0.
+    """
+    mask_bt = mask_bt.astype(jnp.float32)
+    if mode == "token-mean":
+        return jnp.sum(x_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+    if mode == "seq-mean-token-mean":
+        count_b = jnp.sum(mask_bt, axis=-1)
+        seq_mean_b = jnp.sum(x_bt * mask_bt, axis=-1) / jnp.maximum(count_b, 1.0)
+        has_tokens_b = (count_b > 0).astype(jnp.float32)
+        return jnp.sum(seq_mean_b * has_tokens_b) / jnp.maximum(jnp.sum(has_tokens_b), 1.0)
+    raise ValueError(f"unknown aggregation {mode!r}")
+
+
+LossTerm = Callable[[LossInputs, ObjectiveConfig], jax.Array]
+_LOSS_TERMS: dict[str, LossTerm] = {}
+
+
+def register_loss_term(name: str) -> Callable[[LossTerm], LossTerm]:
+    """Decorator registering `fn(inputs, cfg) -> scalar` under `name`."""
+
+    def register(fn: LossTerm) -> LossTerm:
+        if name in _LOSS_TERMS:
+            raise ValueError(f"loss term {name!r} is already registered")
+        _LOSS_TERMS[name] = fn
+        return fn
+
+    return register
+
+
+def get_loss_term(name: str) -> LossTerm:
+    """The loss term registered under `name`."""
+    if name not in _LOSS_TERMS:
+        raise KeyError(f"no loss term named {name!r}; registered: {sorted(_LOSS_TERMS)}")
+    return _LOSS_TERMS[name]

@@ -1,0 +1,451 @@
+"""One GRPO + LLDS training step on a rollout batch: frozen log-probs, then mini-batch updates with accumulation.
+
+Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`:
+1. check the batch on the host; advantages from rewards + uids when not given; LLDS-MA beta from the batch's mean
+   search count; lay the batch out as [updates U, micro-batches K, micro-batch size, ...] (sharded on the micro-batch
+   axis over the mesh's data axes, so every micro-batch spans all devices);
+2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only;
+3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
+   loss of each of the K micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
+   non-finite loss or gradient leaves params and optimizer state unchanged and counts the skip;
+4. optionally (`measure_lld`) logp of the same batch under the new params: Delta_traj and the LLD rate;
+5. every metric fetched from the device once, at the end.
+
+The learning rate follows the reference code: linear warmup from 0 counted in rollout batches
+(`lr = base * step / warmup_steps`, the first batch at lr 0), then constant; it is fixed within a batch.
+
+Batch format (host or device arrays; B trajectories, T tokens, left or right padding):
+  tokens_bt       int [B, T]    prompt + model turns + observations + padding
+  mask_bt         [B, T]        attention mask, 1 on real tokens
+  loss_mask_bt    [B, T]        1 on model-generated tokens (the tokens whose log-prob is trained); loss_mask_bt[:, 0]
+                                must be 0: logp of token t comes from the hidden state at t - 1 (shifted inside)
+  rewards_b       [B]           outcome reward; a trajectory is "correct" when its reward is > 0
+  advantages_b    [B]           optional; else computed from rewards_b and uids_b (GRPO)
+  uids_b          int [B]       prompt id of each trajectory (its group); needed without advantages_b
+  action_ids_bt   int [B, T]    optional; 0-based model-turn index of each loss token, -1 elsewhere (default: the
+                                maximal runs of loss_mask_bt)
+  answer_mask_bt  [B, T]        optional; 1 on the final <answer>...</answer> span (needed for LLDS-MA)
+  search_count_b  [B]           optional; <search> actions per trajectory (needed for adaptive LLDS-MA)
+  sampler_logp_bt [B, T]        optional; the sampler's log-probs, for the sampler/trainer gap metric
+"""
+import contextlib
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from llds_jax.rl.advantages import grpo_advantages
+from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
+from llds_jax.rl.llds import action_ids_from_loss_mask, answer_beta
+from llds_jax.rl.logprobs import DEFAULT_TIME_CHUNK, mesh_batch_axes, model_token_logp
+from llds_jax.rl.losses import objective_loss
+from llds_jax.rl.terms import LossInputs
+
+REFERENCE_DTYPES = ("float32", "bfloat16")
+_grpo_advantages = jax.jit(grpo_advantages)
+_action_ids_from_loss_mask = jax.jit(action_ids_from_loss_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """How a rollout batch becomes optimizer updates (defaults: the paper's code).
+
+    Attributes:
+      mini_batch_size: trajectories per optimizer update (the batch size must be a multiple).
+      micro_batch_size: trajectories per gradient-accumulation micro-batch (divides mini_batch_size; on a mesh, a
+        multiple of the data-axes size).
+      learning_rate: base learning rate, reached after warmup.
+      warmup_steps: rollout batches of linear warmup from 0 (0: constant learning rate).
+      max_grad_norm: global gradient norm clip.
+      adam_b1, adam_b2, adam_eps, weight_decay: AdamW.
+      logp_time_chunk: time steps per log-prob chunk (peak logits memory: micro_batch * chunk * V float32).
+      reference_dtype: storage dtype of the frozen reference parameters, "float32" or "bfloat16".
+    """
+
+    mini_batch_size: int = 256
+    micro_batch_size: int = 16
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    logp_time_chunk: int = DEFAULT_TIME_CHUNK
+    reference_dtype: str = "float32"
+
+    def __post_init__(self):
+        for key in ("mini_batch_size", "micro_batch_size", "logp_time_chunk"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"update.{key} must be >= 1; got {getattr(self, key)!r}")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(f"update.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
+                             f"update.micro_batch_size ({self.micro_batch_size})")
+        for key in ("learning_rate", "warmup_steps", "weight_decay"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"update.{key} must be >= 0; got {getattr(self, key)!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"update.max_grad_norm must be > 0; got {self.max_grad_norm!r}")
+        if self.reference_dtype not in REFERENCE_DTYPES:
+            raise ValueError(f"update.reference_dtype must be one of {REFERENCE_DTYPES}; got {self.reference_dtype!r}")
+
+
+class TrainState(NamedTuple):
+    """What changes from step to step.
+
+    Attributes:
+      params: trainable parameters (nnx.State of the model's nnx.Param variables).
+      opt_state: optax state.
+      step: int32 scalar, rollout batches trained on (drives the learning-rate schedule).
+      nonfinite_count: int32 scalar, updates skipped because the loss or gradient was not finite.
+    """
+
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+    nonfinite_count: jax.Array
+
+
+class PreparedBatch(NamedTuple):
+    """A checked rollout batch on the device(s), laid out for the updates.
+
+    Attributes:
+      arrays: every per-trajectory array as [U, K, micro, ...] (sharded on the micro axis over the data axes):
+        the batch's fields plus the filled-in `advantages_b`, `action_ids_bt`, `answer_mask_bt` and `correct_b`.
+      answer_beta: scalar beta of LLDS-MA for this rollout batch.
+      num_updates: U, the optimizer updates of this batch.
+    """
+
+    arrays: dict[str, jax.Array]
+    answer_beta: jax.Array
+    num_updates: int
+
+
+class BatchMetrics(NamedTuple):
+    """Metrics of one rollout batch, on the host.
+
+    Attributes:
+      scalars: name -> float: means over updates (plus `actor/grad_norm_max`), pre-update likelihood metrics,
+        post-update LLD metrics when measured.
+      per_update: name -> [U] array, one value per optimizer update (mean over its micro-batches).
+      delta_traj_b: [B] Delta_traj per trajectory when `measure_lld`, else None.
+    """
+
+    scalars: dict[str, float]
+    per_update: dict[str, np.ndarray]
+    delta_traj_b: np.ndarray | None
+
+
+def learning_rate(step: jax.Array, cfg: UpdateConfig) -> jax.Array:
+    """`base * min(step / warmup_steps, 1)` (constant `base` without warmup); step counts rollout batches."""
+    if cfg.warmup_steps == 0:
+        return jnp.float32(cfg.learning_rate)
+    return cfg.learning_rate * jnp.minimum(jnp.asarray(step, jnp.float32) / cfg.warmup_steps, 1.0)
+
+
+def make_optimizer(cfg: UpdateConfig) -> optax.GradientTransformation:
+    """clip_by_global_norm then AdamW, the learning rate an injected hyperparameter set per rollout batch."""
+
+    def build(learning_rate):
+        return optax.chain(
+            optax.clip_by_global_norm(cfg.max_grad_norm),
+            optax.adamw(learning_rate, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                        weight_decay=cfg.weight_decay),
+        )
+
+    return optax.inject_hyperparams(build)(learning_rate=0.0)
+
+
+def _with_learning_rate(opt_state, lr):
+    return opt_state._replace(hyperparams={**opt_state.hyperparams, "learning_rate": lr})
+
+
+def _fresh_copy(tree, dtype=None):
+    """New buffers holding `tree` (optionally cast), laid out like it: never aliases what the updates donate."""
+    shardings = jax.tree.map(lambda x: x.sharding, tree)
+    copy = lambda x: jnp.copy(x if dtype is None else x.astype(dtype))  # noqa: E731
+    return jax.jit(lambda t: jax.tree.map(copy, t), out_shardings=shardings)(tree)
+
+
+def _as_numpy(batch: dict[str, Any], key: str) -> np.ndarray:
+    if key not in batch:
+        raise KeyError(f"batch is missing {key!r}")
+    return np.asarray(batch[key])
+
+
+def _check_shape(key: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
+    if array.shape != shape:
+        raise ValueError(f"batch[{key!r}] must have shape {shape}; got {array.shape}")
+
+
+class RLTrainStep:
+    """GRPO + KL + entropy + LLDS updates of a model on rollout batches (jitted; sharded when given a mesh).
+
+    Usage:
+      step = RLTrainStep(model, ObjectiveConfig(), UpdateConfig(...), mesh=mesh)
+      state = step.init_state()
+      ref_params = step.reference_params(state.params)
+      state, metrics = step.train_on_batch(state, ref_params, batch)
+      model = step.to_model(state.params)
+
+    Args:
+      model: an nnx model with `hidden(tokens, mask)` and `unembedding()` (llds_jax.model.Transformer), its parameters
+        already placed (e.g. `parallel.shard_model(model, mesh)`); its nnx.Param variables are trained.
+      objective: loss coefficients.
+      update: mini/micro-batching and optimizer.
+      mesh: optional (data, fsdp, tensor) mesh: batches are split over (data, fsdp), the vocabulary of the log-probs
+        over tensor, and the model runs under `jax.set_mesh(mesh)`.
+    """
+
+    def __init__(self, model: nnx.Module, objective: ObjectiveConfig, update: UpdateConfig, mesh: Mesh | None = None):
+        self.graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
+        self.objective = objective
+        self.update_cfg = update
+        self.mesh = mesh
+        self.optimizer = make_optimizer(update)
+        self._logp = jax.jit(self._logp_impl)
+        self._likelihood = jax.jit(likelihood_metrics)
+        self._lld = jax.jit(lld_metrics)
+        self._update = None  # jitted on first use, with the state's shardings as output shardings
+
+    # ----- state ---------------------------------------------------------------------------------------------------
+    def init_state(self, params: nnx.State | None = None) -> TrainState:
+        """A fresh state: `params` (default: the model's) and a zero optimizer state laid out like them."""
+        params = _fresh_copy(self._params if params is None else params)  # updates donate the state's buffers
+        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        abstract = jax.eval_shape(self.optimizer.init, params)
+        replicated = self._replicated()
+        opt_shardings = optax.tree_map_params(
+            self.optimizer, lambda _, sharding: sharding, abstract, param_shardings,
+            transform_non_params=lambda _: replicated)
+        with self._mesh_context():
+            opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
+        step, nonfinite_count = (jax.device_put(np.int32(0), replicated) for _ in range(2))  # distinct buffers
+        return TrainState(params=params, opt_state=opt_state, step=step, nonfinite_count=nonfinite_count)
+
+    def reference_params(self, params: nnx.State) -> nnx.State:
+        """A frozen copy of `params` for the KL reference, in `update.reference_dtype`, laid out like `params`."""
+        return _fresh_copy(params, jnp.dtype(self.update_cfg.reference_dtype))
+
+    def to_model(self, params: nnx.State) -> nnx.Module:
+        """The model with `params` (e.g. to hand new weights to the sampler)."""
+        return nnx.merge(self.graphdef, params, self._rest)
+
+    # ----- batch ---------------------------------------------------------------------------------------------------
+    def prepare_batch(self, batch: dict[str, Any]) -> PreparedBatch:
+        """Checks a rollout batch (see the module docstring) and lays it out on the device(s).
+
+        Warns when LLDS is on and the batch makes a single optimizer update (LLDS would be exactly zero).
+        """
+        cfg = self.update_cfg
+        tokens_bt = _as_numpy(batch, "tokens_bt")
+        if tokens_bt.ndim != 2:
+            raise ValueError(f"batch['tokens_bt'] must be [B, T]; got shape {tokens_bt.shape}")
+        num, time = tokens_bt.shape
+        arrays = {"tokens_bt": tokens_bt.astype(np.int32)}
+        for key in ("mask_bt", "loss_mask_bt"):
+            arrays[key] = _as_numpy(batch, key).astype(np.float32)
+            _check_shape(key, arrays[key], (num, time))
+        if np.any(arrays["loss_mask_bt"][:, 0]):
+            raise ValueError("batch['loss_mask_bt'][:, 0] must be 0: the first token has no prediction")
+        if np.any((arrays["loss_mask_bt"] > 0) & (arrays["mask_bt"] == 0)):
+            raise ValueError("batch['loss_mask_bt'] is 1 where batch['mask_bt'] is 0 (a loss token on padding)")
+        rewards_b = _as_numpy(batch, "rewards_b").astype(np.float32)
+        _check_shape("rewards_b", rewards_b, (num,))
+        arrays["correct_b"] = rewards_b > 0
+        if "advantages_b" in batch:
+            arrays["advantages_b"] = np.asarray(batch["advantages_b"], np.float32)
+        elif "uids_b" in batch:
+            uids_b = np.asarray(batch["uids_b"])
+            _check_shape("uids_b", uids_b, (num,))
+            arrays["advantages_b"] = np.asarray(_grpo_advantages(rewards_b, uids_b))
+        else:
+            raise KeyError("batch needs 'advantages_b', or 'uids_b' (with 'rewards_b') to compute them")
+        _check_shape("advantages_b", arrays["advantages_b"], (num,))
+        if "action_ids_bt" in batch:
+            arrays["action_ids_bt"] = np.asarray(batch["action_ids_bt"], np.int32)
+        else:
+            arrays["action_ids_bt"] = np.asarray(_action_ids_from_loss_mask(arrays["loss_mask_bt"]))
+        _check_shape("action_ids_bt", arrays["action_ids_bt"], (num, time))
+        llds_cfg = self.objective.llds
+        if "answer_mask_bt" in batch:
+            arrays["answer_mask_bt"] = np.asarray(batch["answer_mask_bt"], np.float32)
+        elif llds_cfg.enabled and llds_cfg.answer_weighting != "none":
+            raise KeyError("batch is missing 'answer_mask_bt' (llds.answer_weighting is on)")
+        else:
+            arrays["answer_mask_bt"] = np.zeros((num, time), np.float32)
+        _check_shape("answer_mask_bt", arrays["answer_mask_bt"], (num, time))
+        if llds_cfg.answer_weighting in ("adaptive", "adaptive_paper"):
+            search_count_b = _as_numpy(batch, "search_count_b").astype(np.float32)
+            _check_shape("search_count_b", search_count_b, (num,))
+            beta = answer_beta(llds_cfg, float(search_count_b.mean()))
+        else:
+            beta = answer_beta(llds_cfg, 0.0)
+        if "sampler_logp_bt" in batch:
+            arrays["sampler_logp_bt"] = np.asarray(batch["sampler_logp_bt"], np.float32)
+            _check_shape("sampler_logp_bt", arrays["sampler_logp_bt"], (num, time))
+
+        if num % cfg.mini_batch_size:
+            raise ValueError(f"batch size {num} is not a multiple of update.mini_batch_size ({cfg.mini_batch_size})")
+        num_updates = num // cfg.mini_batch_size
+        if self.objective.llds.enabled and num_updates == 1:
+            warnings.warn("LLDS is on but there is one optimizer update per rollout batch: logp == old_logp on the "
+                          "first update, so LLDS is exactly zero; use update.mini_batch_size < the batch size",
+                          stacklevel=2)
+        layout = (num_updates, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size)
+        if self.mesh is not None:
+            shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh))
+            if cfg.micro_batch_size % shards:
+                raise ValueError(f"update.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
+                                 f"data axes size ({shards})")
+        device_arrays = {key: self._put(value.reshape(layout + value.shape[1:])) for key, value in arrays.items()}
+        return PreparedBatch(arrays=device_arrays, answer_beta=self._put(np.float32(beta)), num_updates=num_updates)
+
+    def _put(self, array: np.ndarray) -> jax.Array:
+        """[U, K, micro, ...] arrays split on the micro axis over the data axes; scalars replicated."""
+        if self.mesh is None:
+            return jnp.asarray(array)
+        batch_axes = mesh_batch_axes(self.mesh) or None
+        spec = P(None, None, batch_axes) if array.ndim >= 3 else P()
+        return jax.device_put(array, NamedSharding(self.mesh, spec))
+
+    def _replicated(self):
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
+
+    def _mesh_context(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    # ----- jitted pieces -------------------------------------------------------------------------------------------
+    def _token_logp(self, params, tokens_bt, mask_bt):
+        model = nnx.merge(self.graphdef, params, self._rest)
+        return model_token_logp(model, tokens_bt, mask_bt, temperature=self.objective.temperature,
+                                time_chunk=self.update_cfg.logp_time_chunk, mesh=self.mesh)
+
+    def _logp_impl(self, params, tokens_ukmt, mask_ukmt):
+        """Forward-only logp of a laid-out batch, one micro-batch at a time. [U, K, micro, T]."""
+        layout = tokens_ukmt.shape
+        flat = (tokens_ukmt.reshape((-1,) + layout[2:]), mask_ukmt.reshape((-1,) + layout[2:]))
+        logp_nmt = jax.lax.map(lambda xs: self._token_logp(params, *xs)[0], flat)
+        return logp_nmt.reshape(layout)
+
+    def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
+        """logp of every token of a prepared batch under `params` (jitted, no gradient). [U, K, micro, T]."""
+        with self._mesh_context():
+            return self._logp(params, prepared.arrays["tokens_bt"], prepared.arrays["mask_bt"])
+
+    def _micro_loss(self, params, micro, old_logp_bt, ref_logp_bt, beta, first_update):
+        logp_bt, entropy_bt = self._token_logp(params, micro["tokens_bt"], micro["mask_bt"])
+        # The first update runs on the very parameters old_logp came from, so logp == old_logp exactly; take old_logp's
+        # value (gradient unchanged) so that recomputation noise cannot open LLDS gates or move the ratio off 1.
+        logp_bt = jnp.where(first_update, old_logp_bt + (logp_bt - jax.lax.stop_gradient(logp_bt)), logp_bt)
+        inputs = LossInputs(
+            logp_bt=logp_bt, entropy_bt=entropy_bt, old_logp_bt=old_logp_bt, ref_logp_bt=ref_logp_bt,
+            advantages_b=micro["advantages_b"], loss_mask_bt=micro["loss_mask_bt"],
+            action_ids_bt=micro["action_ids_bt"], answer_mask_bt=micro["answer_mask_bt"], answer_beta=beta)
+        loss, terms = objective_loss(inputs, self.objective)
+        metrics = {f"loss/{name}": value for name, value in terms.items()}
+        metrics.update(update_metrics(inputs, self.objective))
+        return loss, metrics
+
+    def _update_impl(self, state: TrainState, arrays, answer_beta, old_logp, ref_logp, index):
+        """One optimizer update on mini-batch `index` (of the [U, K, micro, ...] arrays of a prepared batch).
+
+        Update 0 must run on the parameters old_logp was computed with (train_on_batch guarantees it).
+        """
+        take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
+        micro_k = {key: take(value) for key, value in arrays.items()}
+        old_k = take(old_logp)
+        ref_k = None if ref_logp is None else take(ref_logp)
+        grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+
+        def accumulate(grad_sum, xs):
+            micro, old_bt, ref_bt = xs
+            (loss, metrics), grads = grad_fn(state.params, micro, old_bt, ref_bt, answer_beta, index == 0)
+            return jax.tree.map(jnp.add, grad_sum, grads), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grad_sum, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (micro_k, old_k, ref_k))
+        num_micro = loss_k.shape[0]
+        grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
+        loss = jnp.mean(loss_k)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        lr = learning_rate(state.step, self.update_cfg)
+        opt_state = _with_learning_rate(state.opt_state, lr)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+        new_state = TrainState(
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt_state, state.opt_state),
+            step=state.step,
+            nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+        )
+        metrics = {name: jnp.mean(value) for name, value in metrics_k.items()}
+        metrics.update({"actor/loss": loss, "actor/grad_norm": grad_norm, "actor/lr": lr,
+                        "actor/nonfinite": (~finite).astype(jnp.float32)})
+        return new_state, metrics
+
+    def _jitted_update(self, state: TrainState):
+        if self._update is None:
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            self._update = jax.jit(self._update_impl, donate_argnums=0, out_shardings=(shardings, self._replicated()))
+        return self._update
+
+    # ----- the step ------------------------------------------------------------------------------------------------
+    def train_on_batch(
+        self, state: TrainState, ref_params: nnx.State | None, batch: dict[str, Any], *, measure_lld: bool = False
+    ) -> tuple[TrainState, BatchMetrics]:
+        """All updates of one rollout batch (see the module docstring).
+
+        Args:
+          state: the train state (donated: use the returned one).
+          ref_params: frozen reference parameters (`reference_params`); None only when objective.kl_coef == 0.
+          batch: the rollout batch dict.
+          measure_lld: recompute logp after the updates and report Delta_traj / LLD rate (one extra forward).
+
+        Returns:
+          (new state, metrics fetched to the host).
+        """
+        if ref_params is None and self.objective.kl_coef:
+            raise ValueError("ref_params is required when objective.kl_coef > 0")
+        prepared = self.prepare_batch(batch)
+        arrays = prepared.arrays
+        old_logp = self.sequence_logp(state.params, prepared)
+        ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
+        flat = lambda x: x.reshape((-1,) + x.shape[3:])  # noqa: E731  [U, K, micro, ...] -> [B, ...]
+        sampler = arrays.get("sampler_logp_bt")
+        before = self._likelihood(flat(old_logp), flat(arrays["loss_mask_bt"]), flat(arrays["action_ids_bt"]),
+                                  flat(arrays["correct_b"]), None if sampler is None else flat(sampler))
+        update = self._jitted_update(state)
+        per_update = []
+        with self._mesh_context():
+            for index in range(prepared.num_updates):
+                state, metrics = update(state, arrays, prepared.answer_beta, old_logp, ref_logp, jnp.int32(index))
+                per_update.append(metrics)
+        state = state._replace(step=state.step + 1)
+        after, delta_traj_b = {}, None
+        if measure_lld:
+            new_logp = self.sequence_logp(state.params, prepared)
+            delta_traj_b, after = self._lld(flat(new_logp), flat(old_logp), flat(arrays["loss_mask_bt"]),
+                                            flat(arrays["correct_b"]))
+        before, per_update, after, delta_traj_b, total_skips = jax.device_get(
+            (before, per_update, after, delta_traj_b, state.nonfinite_count))
+        stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}
+        scalars = {key: float(np.mean(values)) for key, values in stacked.items()}
+        scalars["actor/grad_norm_max"] = float(np.max(stacked["actor/grad_norm"]))
+        scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
+        scalars["actor/nonfinite_total"] = float(total_skips)
+        scalars["actor/updates"] = float(prepared.num_updates)
+        scalars.update({key: float(value) for key, value in {**before, **after}.items()})
+        return state, BatchMetrics(scalars=scalars, per_update=stacked, delta_traj_b=delta_traj_b)

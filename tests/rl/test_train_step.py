@@ -1,0 +1,196 @@
+"""The train step: update schedule, micro-batch accumulation, sharding, non-finite skips, LLDS timing.
+
+The shared steps (conftest) train on 32 trajectories: 2 optimizer updates of 4 micro-batches of 4, lr 1e-3, no warmup.
+"""
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from llds_jax.model import Transformer
+from llds_jax.rl.advantages import grpo_advantages
+from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
+from llds_jax.rl.llds import action_ids_from_loss_mask
+from llds_jax.rl.losses import objective_loss
+from llds_jax.rl.terms import LossInputs
+from llds_jax.rl.train_step import RLTrainStep, UpdateConfig, learning_rate
+
+
+def assert_trees_close(got, want, atol=1e-5):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=atol, rtol=0)
+
+
+def test_llds_is_exactly_zero_on_the_first_update_and_acts_on_the_second(plain_step_result):
+    _, _, metrics = plain_step_result
+    llds_u = metrics.per_update["loss/llds"]
+    assert llds_u[0] == 0.0 and metrics.per_update["actor/approx_kl"][0] == 0.0
+    assert llds_u[1] > 0.0
+    assert metrics.scalars["actor/updates"] == 2
+
+
+def test_warns_when_llds_is_on_with_one_update_per_batch(plain_step, step_batch, tiny_model_cfg):
+    one_update = {key: value[:16] for key, value in step_batch.items()}
+    with pytest.warns(UserWarning, match="LLDS is on but there is one optimizer update"):
+        plain_step.prepare_batch(one_update)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain_step.prepare_batch(step_batch)  # two updates: no warning
+        no_llds = RLTrainStep(Transformer(tiny_model_cfg, rngs=nnx.Rngs(0)),
+                              ObjectiveConfig(llds=LLDSConfig(enabled=False)), plain_step.update_cfg)
+        no_llds.prepare_batch(one_update)
+
+
+def naive_logp_entropy(model, tokens_bt, mask_bt, temperature):
+    """Full-logits log-probs / entropies aligned to tokens (column 0 = 0)."""
+    logp_btv = jax.nn.log_softmax(model(tokens_bt, mask_bt) / temperature, axis=-1)[:, :-1]
+    logp_bt = jnp.take_along_axis(logp_btv, tokens_bt[:, 1:, None], axis=-1)[..., 0]
+    entropy_bt = -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
+    pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
+    return pad(logp_bt), pad(entropy_bt)
+
+
+def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, plain_step_result, step_batch):
+    """Each update = AdamW on the clipped gradient of the MEAN of the 4 per-micro-batch losses (each a token mean
+    over its own loss tokens), computed here directly with full logits and plain optax."""
+    initial, state, metrics = plain_step_result
+    objective, cfg = plain_step.objective, plain_step.update_cfg
+    graphdef = plain_step.graphdef
+    batch = {key: jnp.asarray(value) for key, value in step_batch.items()}
+    advantages_b = jax.jit(grpo_advantages)(batch["rewards_b"], batch["uids_b"])
+    action_ids_bt = jax.jit(action_ids_from_loss_mask)(batch["loss_mask_bt"])
+    params0 = jax.tree.map(jnp.asarray, initial)
+    old_logp_bt = jax.jit(lambda p: naive_logp_entropy(nnx.merge(graphdef, p), batch["tokens_bt"], batch["mask_bt"],
+                                                       objective.temperature)[0])(params0)  # = ref_logp (frozen copy)
+    counts = [float(batch["loss_mask_bt"][4 * k:4 * k + 4].sum()) for k in range(4)]
+    assert len(set(counts)) > 1  # micro-batches with different token counts: mean of means != global token mean
+
+    def micro_batches(update, x):  # [32, ...] -> [4 micro-batches, 4, ...] of mini-batch `update`
+        return jax.lax.dynamic_slice_in_dim(x, 16 * update, 16).reshape((4, 4) + x.shape[1:])
+
+    def mini_batch_loss(params, update, first):
+        # Rows are independent in the forward pass: one full-logits forward of the 16 rows, then per micro-batch.
+        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, 16 * update, 16)  # noqa: E731
+        logp_bt, entropy_bt = naive_logp_entropy(nnx.merge(graphdef, params), rows(batch["tokens_bt"]),
+                                                 rows(batch["mask_bt"]), objective.temperature)
+
+        def micro_loss(logp_bt, entropy_bt, loss_mask_bt, action_ids_bt, answer_bt, advantages_b, old_bt):
+            # On the first update the parameters are those of old_logp: logp == old_logp by definition.
+            old_logp_bt = jnp.where(first, jax.lax.stop_gradient(logp_bt), old_bt)
+            inputs = LossInputs(logp_bt, entropy_bt, old_logp_bt, old_bt, advantages_b, loss_mask_bt,
+                                action_ids_bt, answer_bt, 0.2)
+            return objective_loss(inputs, objective)[0]
+
+        per_micro = [logp_bt.reshape(4, 4, -1), entropy_bt.reshape(4, 4, -1)] + [
+            micro_batches(update, x) for x in (batch["loss_mask_bt"], action_ids_bt, batch["answer_mask_bt"],
+                                               advantages_b, old_logp_bt)]
+        return jnp.mean(jax.vmap(micro_loss)(*per_micro))
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(cfg.learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01))
+    params, opt_state = params0, tx.init(params0)
+
+    @jax.jit
+    def direct_update(params, opt_state, update):
+        loss, grads = jax.value_and_grad(mini_batch_loss)(params, update, update == 0)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+    for update in range(2):
+        params, opt_state, loss, grad_norm = direct_update(params, opt_state, update)
+        np.testing.assert_allclose(metrics.per_update["actor/loss"][update], float(loss), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(metrics.per_update["actor/grad_norm"][update], float(grad_norm), rtol=1e-4)
+    assert_trees_close(state.params, params)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params0))) > 1e-4
+
+
+def test_sharded_step_equals_unsharded(sharded_step, plain_step_result, step_batch, mesh8):
+    _, plain_state, plain_metrics = plain_step_result
+    state = sharded_step.init_state()
+    state, metrics = sharded_step.train_on_batch(state, sharded_step.reference_params(state.params), step_batch)
+    assert_trees_close(state.params, plain_state.params)
+    np.testing.assert_allclose(metrics.per_update["actor/loss"], plain_metrics.per_update["actor/loss"], rtol=1e-5,
+                               atol=1e-7)
+    lm_head = state.params["lm_head"].get_value()
+    assert lm_head.sharding.mesh.shape == mesh8.shape and lm_head.sharding.spec == P("fsdp", "tensor")
+    mu_lm_head = jax.tree.leaves(state.opt_state)[[x.shape for x in jax.tree.leaves(state.opt_state)].index(
+        lm_head.shape)]
+    assert mu_lm_head.sharding.spec == P("fsdp", "tensor")  # optimizer state laid out like its parameter
+
+
+def test_nonfinite_gradient_skips_the_update_and_is_counted(plain_step, step_batch, host_copy):
+    state = plain_step.init_state()
+    ref = plain_step.reference_params(state.params)
+    before = host_copy((state.params, state.opt_state))
+    poisoned = dict(step_batch, advantages_b=np.ones(32, np.float32))
+    poisoned["advantages_b"][[3, 20]] = np.nan  # one trajectory in each mini-batch: both gradients become NaN
+    state, metrics = plain_step.train_on_batch(state, ref, poisoned)
+    assert metrics.scalars["actor/nonfinite"] == 2 and int(state.nonfinite_count) == 2
+    assert np.all(np.isnan(metrics.per_update["actor/grad_norm"]))
+    after = host_copy((state.params, state.opt_state))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)
+    # A clean batch afterwards trains normally; the counter keeps its total.
+    state, metrics = plain_step.train_on_batch(state, ref, step_batch)
+    assert metrics.scalars["actor/nonfinite"] == 0 and int(state.nonfinite_count) == 2
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(host_copy(state.params)))
+    assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(host_copy(state.params)), jax.tree.leaves(before[0])))
+
+
+def test_learning_rate_warms_up_linearly_from_zero_per_rollout_batch():
+    cfg = UpdateConfig(learning_rate=1e-6, warmup_steps=4)
+    np.testing.assert_allclose([float(learning_rate(s, cfg)) for s in range(6)],
+                               [0.0, 0.25e-6, 0.5e-6, 0.75e-6, 1e-6, 1e-6], rtol=1e-6)
+    assert float(learning_rate(0, UpdateConfig(learning_rate=1e-6))) == np.float32(1e-6)
+
+
+def test_metrics_are_reported(plain_step_result, step_batch):
+    _, state, metrics = plain_step_result
+    s = metrics.scalars
+    for key in ("actor/grad_norm", "actor/grad_norm_max", "actor/entropy", "actor/clip_frac", "actor/approx_kl",
+                "actor/ref_kl_k3", "llds/gate_share", "llds/preserved_delta", "loss/llds", "lld/logp_sum_correct",
+                "lld/logp_mean_incorrect", "lld/logp_mean_first_action", "lld/logp_mean_later_actions",
+                "lld/delta_traj_correct", "lld/rate", "actor/nonfinite"):
+        assert np.isfinite(s[key]), key
+    assert s["actor/grad_norm_max"] == max(metrics.per_update["actor/grad_norm"])
+    correct = step_batch["rewards_b"] > 0
+    np.testing.assert_allclose(s["lld/rate"], np.mean(metrics.delta_traj_b[correct] <= 0), rtol=1e-6)
+    np.testing.assert_allclose(s["lld/delta_traj_correct"], np.mean(metrics.delta_traj_b[correct]), rtol=1e-5)
+    assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda b: b.pop("rewards_b"), "rewards_b"),
+    (lambda b: b.pop("uids_b"), "uids_b"),
+    (lambda b: b["loss_mask_bt"].__setitem__((0, 0), 1.0), "loss_mask_bt"),
+    (lambda b: b.__setitem__("mask_bt", b["mask_bt"][:, 1:]), "mask_bt"),
+])
+def test_batch_errors_name_the_key(plain_step, step_batch, change, key):
+    batch = {k: np.array(v) for k, v in step_batch.items()}
+    change(batch)
+    with pytest.raises((KeyError, ValueError), match=key):
+        plain_step.prepare_batch(batch)
+
+
+def test_reference_params_are_a_frozen_bf16_copy(plain_step, step_batch, tiny_model_cfg):
+    step = RLTrainStep(Transformer(tiny_model_cfg, rngs=nnx.Rngs(0)), ObjectiveConfig(),
+                       dataclasses.replace(plain_step.update_cfg, reference_dtype="bfloat16"))
+    state = step.init_state()
+    ref = step.reference_params(state.params)
+    assert {x.dtype for x in jax.tree.leaves(ref)} == {jnp.dtype(jnp.bfloat16)}
+    # Even a same-dtype copy owns its buffers: the updates donate the state's, the reference must survive them.
+    f32_ref = plain_step.reference_params(state.params)
+    assert all(r.unsafe_buffer_pointer() != p.unsafe_buffer_pointer()
+               for r, p in zip(jax.tree.leaves(f32_ref), jax.tree.leaves(state.params)))
+    prepared = step.prepare_batch(step_batch)
+    ref_logp, logp = step.sequence_logp(ref, prepared), step.sequence_logp(state.params, prepared)
+    assert ref_logp.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(ref_logp), np.asarray(logp), atol=0.05)
