@@ -45,11 +45,11 @@ class LLDSConfig:
     adaptive_c: float = 0.2
 
     def __post_init__(self):
-        _check_choice("llds.gate", self.gate, GATES)
-        _check_choice("llds.answer_weighting", self.answer_weighting, ANSWER_WEIGHTINGS)
-        _check_non_negative("llds.lam", self.lam)
-        _check_non_negative("llds.answer_beta", self.answer_beta)
-        _check_non_negative("llds.adaptive_c", self.adaptive_c)
+        _check_choice("objective.llds.gate", self.gate, GATES)
+        _check_choice("objective.llds.answer_weighting", self.answer_weighting, ANSWER_WEIGHTINGS)
+        _check_non_negative("objective.llds.lam", self.lam)
+        _check_non_negative("objective.llds.answer_beta", self.answer_beta)
+        _check_non_negative("objective.llds.adaptive_c", self.adaptive_c)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,7 +77,7 @@ def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) ->
       [B, T] float32 gate, a stop-gradient.
     """
     if gate not in _GATE_TESTS:
-        raise ValueError(f"llds.gate must be one of {sorted(_GATE_TESTS)}; got {gate!r}")
+        raise ValueError(f"objective.llds.gate must be one of {sorted(_GATE_TESTS)}; got {gate!r}")
     delta_bt = jax.lax.stop_gradient(delta_bt)
     mask_bt = loss_mask_bt.astype(jnp.float32)
     preserve_b1 = (jax.lax.stop_gradient(advantages_b) >= 0)[:, None]
@@ -104,7 +104,7 @@ def answer_beta(cfg: LLDSConfig, mean_searches: jax.Array | float) -> jax.Array:
         return cfg.adaptive_c * jnp.maximum(mean_searches - 1.0, 0.0)
     if cfg.answer_weighting == "adaptive_paper":
         return jnp.minimum(mean_searches / 2.0, 1.0) * cfg.lam
-    raise ValueError(f"llds.answer_weighting: unknown {cfg.answer_weighting!r}")
+    raise ValueError(f"objective.llds.answer_weighting: unknown {cfg.answer_weighting!r}")
 
 
 def llds_weight(cfg: LLDSConfig, answer_mask_bt: jax.Array, beta: jax.Array | float) -> jax.Array:

@@ -86,17 +86,17 @@ class UpdateConfig:
     def __post_init__(self):
         for key in ("mini_batch_size", "micro_batch_size", "logp_time_chunk"):
             if getattr(self, key) < 1:
-                raise ValueError(f"update.{key} must be >= 1; got {getattr(self, key)!r}")
+                raise ValueError(f"optim.{key} must be >= 1; got {getattr(self, key)!r}")
         if self.mini_batch_size % self.micro_batch_size:
-            raise ValueError(f"update.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
-                             f"update.micro_batch_size ({self.micro_batch_size})")
+            raise ValueError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
+                             f"optim.micro_batch_size ({self.micro_batch_size})")
         for key in ("learning_rate", "warmup_steps", "weight_decay"):
             if getattr(self, key) < 0:
-                raise ValueError(f"update.{key} must be >= 0; got {getattr(self, key)!r}")
+                raise ValueError(f"optim.{key} must be >= 0; got {getattr(self, key)!r}")
         if not self.max_grad_norm > 0:
-            raise ValueError(f"update.max_grad_norm must be > 0; got {self.max_grad_norm!r}")
+            raise ValueError(f"optim.max_grad_norm must be > 0; got {self.max_grad_norm!r}")
         if self.reference_dtype not in REFERENCE_DTYPES:
-            raise ValueError(f"update.reference_dtype must be one of {REFERENCE_DTYPES}; got {self.reference_dtype!r}")
+            raise ValueError(f"optim.reference_dtype must be one of {REFERENCE_DTYPES}; got {self.reference_dtype!r}")
 
 
 class TrainState(NamedTuple):
@@ -233,7 +233,7 @@ class RLTrainStep:
         return TrainState(params=params, opt_state=opt_state, step=step, nonfinite_count=nonfinite_count)
 
     def reference_params(self, params: nnx.State) -> nnx.State:
-        """A frozen copy of `params` for the KL reference, in `update.reference_dtype`, laid out like `params`."""
+        """A frozen copy of `params` for the KL reference, in `optim.reference_dtype`, laid out like `params`."""
         return _fresh_copy(params, jnp.dtype(self.update_cfg.reference_dtype))
 
     def to_model(self, params: nnx.State) -> nnx.Module:
@@ -295,17 +295,17 @@ class RLTrainStep:
             _check_shape("sampler_logp_bt", arrays["sampler_logp_bt"], (num, time))
 
         if num % cfg.mini_batch_size:
-            raise ValueError(f"batch size {num} is not a multiple of update.mini_batch_size ({cfg.mini_batch_size})")
+            raise ValueError(f"batch size {num} is not a multiple of optim.mini_batch_size ({cfg.mini_batch_size})")
         num_updates = num // cfg.mini_batch_size
         if self.objective.llds.enabled and num_updates == 1:
             warnings.warn("LLDS is on but there is one optimizer update per rollout batch: logp == old_logp on the "
-                          "first update, so LLDS is exactly zero; use update.mini_batch_size < the batch size",
+                          "first update, so LLDS is exactly zero; use optim.mini_batch_size < the batch size",
                           stacklevel=2)
         layout = (num_updates, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size)
         if self.mesh is not None:
             shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh))
             if cfg.micro_batch_size % shards:
-                raise ValueError(f"update.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
+                raise ValueError(f"optim.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
                                  f"data axes size ({shards})")
         device_arrays = {key: self._put(value.reshape(layout + value.shape[1:])) for key, value in arrays.items()}
         return PreparedBatch(arrays=device_arrays, answer_beta=self._put(np.float32(beta)), num_updates=num_updates)

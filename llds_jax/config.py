@@ -1,0 +1,228 @@
+"""Run configuration: the paper's code-exact defaults, schema validation, and typed views for each component.
+
+`default_config()` is the schema: a run config may change values, never add keys (except retriever options,
+which `llds_jax.search.factory` validates per backend) or change a value's type.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_collections
+
+from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
+from llds_jax.rl.train_step import UpdateConfig
+from llds_jax.rollout.agent import AgentConfig
+from llds_jax.rollout.sampler import SamplingConfig
+
+
+class ConfigError(ValueError):
+    """A run config problem; the message names the key."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Paper defaults (llds-method.md, search-r1-protocol.md): GRPO + LLDS as the reference code runs it."""
+    c = ml_collections.ConfigDict()
+    c.run_dir = "runs/default"          # local folder or gs://bucket/path: checkpoints, events, metrics, config
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""                   # Hugging Face checkpoint folder (local or gs://)
+    c.model.tokenizer_path = ""         # defaults to model.path
+    c.model.chat_template = "base"      # shipped Qwen2.5 template used when the tokenizer has none
+    c.model.dtype = "bfloat16"          # compute dtype
+    c.model.param_dtype = "float32"     # master weights
+    c.model.scan_layers = True
+    c.model.remat = True
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1                    # -1: the rest of the devices
+    c.mesh.tensor = 1
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""   # multi-process without TPU auto-detection, e.g. "10.0.0.2:1234"
+    c.distributed.num_processes = 0
+    c.distributed.process_id = -1
+
+    c.data = ml_collections.ConfigDict()
+    c.data.train_files = ["data/nq_hotpotqa_train/train.parquet"]
+    c.data.eval_files = ["data/nq_hotpotqa_train/test.parquet"]
+    c.data.prompts_per_step = 512       # P
+    c.data.samples_per_prompt = 5       # n: GRPO group size
+
+    c.retriever = ml_collections.ConfigDict()
+    c.retriever.backend = "bm25"
+    c.retriever.index_dir = "indexes/wiki18_bm25"
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.max_turns = 3             # turns with search; one final turn follows
+    c.rollout.max_turn_tokens = 500
+    c.rollout.max_observation_tokens = 500
+    c.rollout.max_prompt_tokens = 2048
+    c.rollout.max_context_tokens = 4096
+    c.rollout.max_response_tokens = 4096
+    c.rollout.retrieval_top_k = 3
+    c.rollout.search_timeout_s = 60.0
+    c.rollout.max_batch_size = 0        # sequences per sampler session (0: the whole rollout batch)
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 0.95
+    c.rollout.top_k = 0
+    c.rollout.decode_chunk = 32
+
+    c.objective = ml_collections.ConfigDict()
+    c.objective.clip_ratio = 0.2
+    c.objective.ratio_cap = 100.0
+    c.objective.entropy_coef = 0.001
+    c.objective.kl_coef = 0.001
+    c.objective.kl_estimator = "low_var_kl"
+    c.objective.kl_clamp = 10.0
+    c.objective.aggregation = "token-mean"
+    c.objective.llds = ml_collections.ConfigDict()
+    c.objective.llds.enabled = True
+    c.objective.llds.variant = "llds"
+    c.objective.llds.lam = 0.2
+    c.objective.llds.gate = "action"
+    c.objective.llds.answer_weighting = "none"
+    c.objective.llds.answer_beta = 0.05
+    c.objective.llds.adaptive_c = 0.2
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.mini_batch_size = 256      # trajectories per optimizer update (10 updates per 2560-trajectory batch)
+    c.optim.micro_batch_size = 16
+    c.optim.learning_rate = 1e-6
+    c.optim.warmup_ratio = 0.285       # of train.total_steps
+    c.optim.max_grad_norm = 1.0
+    c.optim.adam_b1 = 0.9
+    c.optim.adam_b2 = 0.999
+    c.optim.adam_eps = 1e-8
+    c.optim.weight_decay = 0.01
+    c.optim.logp_time_chunk = 256
+    c.optim.reference_dtype = "bfloat16"
+
+    c.train = ml_collections.ConfigDict()
+    c.train.total_steps = 1005
+    c.train.checkpoint_every = 20
+    c.train.keep_checkpoints = 3
+    c.train.lld_every = 10              # post-update Delta_traj / LLD rate every k steps (one extra forward)
+    c.train.eval_every = 100            # 0: no periodic evaluation
+    c.train.eval_max_examples = 512     # subset size of the periodic evaluation
+    c.train.transcripts_every = 20      # TensorBoard text summaries of a few transcripts
+    c.train.num_transcripts = 2
+    c.train.final_eval = True           # evaluate data.eval_files (eval.max_examples) when training ends
+    c.train.sequence_bucket = 256       # training batches are padded to a multiple of this many tokens
+
+    c.demo = ml_collections.ConfigDict()   # self-contained assets (llds_jax.demo); off for real runs
+    c.demo.enabled = False
+    c.demo.num_people = 200
+    c.demo.hidden_size = 64
+    c.demo.num_layers = 2
+    c.demo.num_heads = 4
+    c.demo.num_kv_heads = 2
+    c.demo.intermediate_size = 128
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.max_turns = 4
+    c.eval.max_examples = 0             # 0: every example of data.eval_files
+    c.eval.batch_size = 256             # questions per rollout call
+    return c
+
+
+_FREE_FORM = ("retriever",)  # sub-configs whose keys depend on a choice inside them
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict | None = None,
+                 prefix: str = "") -> None:
+    """Raises ConfigError for a key the schema lacks or a value of another type (an int is a valid float)."""
+    schema = default_config() if schema is None else schema
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if key not in schema:
+            raise ConfigError(f"unknown config key {name!r} (known at this level: {', '.join(sorted(schema))})")
+        expected = schema[key]
+        if isinstance(expected, ml_collections.ConfigDict):
+            if not isinstance(value, ml_collections.ConfigDict):
+                raise ConfigError(f"config key {name!r} must be a section, got {_type_name(value)}")
+            if key not in _FREE_FORM or prefix:
+                check_schema(value, expected, name + ".")
+            continue
+        ok = isinstance(value, type(expected)) or (isinstance(expected, float) and isinstance(value, int)
+                                                    and not isinstance(value, bool))
+        if isinstance(expected, (list, tuple)):
+            ok = isinstance(value, (list, tuple))
+        if not ok or (isinstance(value, bool) != isinstance(expected, bool)):
+            raise ConfigError(f"config key {name!r} must be {_type_name(expected)}, got {_type_name(value)} "
+                              f"{value!r}")
+
+
+def rollout_batch_size(cfg: ml_collections.ConfigDict) -> int:
+    """Trajectories per training step: prompts_per_step x samples_per_prompt."""
+    return cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+
+
+def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
+    return rollout_batch_size(cfg) // cfg.optim.mini_batch_size
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Schema plus the combinations a run cannot start with; each error names the key."""
+    check_schema(cfg)
+    from llds_jax import parallel
+    data, fsdp, _ = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    for key in ("prompts_per_step", "samples_per_prompt"):
+        if cfg.data[key] < 1:
+            raise ConfigError(f"data.{key} must be >= 1, got {cfg.data[key]}")
+    batch = rollout_batch_size(cfg)
+    if batch % cfg.optim.mini_batch_size:
+        raise ConfigError(f"optim.mini_batch_size ({cfg.optim.mini_batch_size}) must divide the rollout batch "
+                          f"data.prompts_per_step x data.samples_per_prompt = {batch}")
+    if cfg.optim.micro_batch_size % (data * fsdp):
+        raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
+                          f"mesh's batch axes data x fsdp = {data * fsdp}")
+    if cfg.train.total_steps < 1:
+        raise ConfigError(f"train.total_steps must be >= 1, got {cfg.train.total_steps}")
+    if not 0 <= cfg.optim.warmup_ratio <= 1:
+        raise ConfigError(f"optim.warmup_ratio must be in [0, 1], got {cfg.optim.warmup_ratio}")
+    if not cfg.run_dir:
+        raise ConfigError("run_dir must be set")
+    if not cfg.model.path:
+        raise ConfigError("model.path must name a Hugging Face checkpoint folder")
+    # The typed views validate their own fields (each error names its key).
+    objective_config(cfg)
+    update_config(cfg)
+    agent_config(cfg)
+
+
+def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:
+    o = cfg.objective
+    return ObjectiveConfig(
+        clip_ratio=o.clip_ratio, ratio_cap=o.ratio_cap, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
+        kl_estimator=o.kl_estimator, kl_clamp=o.kl_clamp, aggregation=o.aggregation,
+        temperature=cfg.rollout.temperature, llds=LLDSConfig(**o.llds.to_dict()))
+
+
+def update_config(cfg: ml_collections.ConfigDict) -> UpdateConfig:
+    u = dict(cfg.optim.to_dict())
+    warmup_steps = int(math.floor(u.pop("warmup_ratio") * cfg.train.total_steps))
+    return UpdateConfig(warmup_steps=warmup_steps, **u)
+
+
+def agent_config(cfg: ml_collections.ConfigDict, evaluation: bool = False) -> AgentConfig:
+    r = cfg.rollout
+    return AgentConfig(
+        max_turns=cfg.eval.max_turns if evaluation else r.max_turns, max_turn_tokens=r.max_turn_tokens,
+        max_observation_tokens=r.max_observation_tokens, max_prompt_tokens=r.max_prompt_tokens,
+        max_context_tokens=r.max_context_tokens, max_response_tokens=r.max_response_tokens,
+        retrieval_top_k=r.retrieval_top_k, search_timeout_s=r.search_timeout_s, max_batch_size=r.max_batch_size)
+
+
+def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],
+                    evaluation: bool = False) -> SamplingConfig:
+    """Training samples at the rollout temperature / top-p / top-k; evaluation is greedy."""
+    r = cfg.rollout
+    return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, greedy=evaluation,
+                          stop_ids=stop_ids, decode_chunk=r.decode_chunk)

@@ -1,0 +1,128 @@
+"""The product command.
+
+    python -m llds_jax.launch --config=configs/qwen7b_v4.py [--config.objective.llds.lam=0.1 ...] [--mode=train]
+
+Modes: `train` (default; resumes from the run folder's latest checkpoint), `eval` (greedy, eval.max_turns, over
+data.eval_files with the latest checkpoint or the initial weights: EM per data_source), `export` (the latest
+checkpoint's policy as a Hugging Face folder at --export_dir).
+
+A bad config, a missing file or an unreachable retriever ends the command with one line naming the problem and
+exit status 2.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export"], "What to run.")
+_EXPORT_DIR = flags.DEFINE_string("export_dir", "", "Output folder of --mode=export (local or gs://).")
+
+EXIT_BAD_INPUT = 2
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from llds_jax.config import ConfigError
+    from llds_jax.search.types import RetrieverUnavailableError
+    from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
+    return (ConfigError, FileNotFoundError, KeyError, ValueError, RetrieverUnavailableError,
+            CheckpointMismatchError, CheckpointUnreadableError)
+
+
+def _params_for_eval(trainer):
+    """The latest checkpoint's parameters, or the initial weights when the run folder has none."""
+    from llds_jax.train.checkpoint import Checkpointer
+
+    params = trainer.step_fn.init_state().params
+    ckpt = Checkpointer(str(trainer.run_dir / "checkpoints"), save_every=1, keep=1 << 30)
+    try:
+        restored = ckpt.restore_latest(params)
+    finally:
+        ckpt.close()
+    if restored is None:
+        logging.warning("no checkpoint in %s: using the initial weights", trainer.run_dir)
+        return params, 0
+    return restored.params, restored.step
+
+
+def run(cfg, mode: str, export_dir: str = "") -> int:
+    """Runs one mode; returns the process exit status."""
+    from llds_jax import demo, distributed
+
+    d = cfg.distributed
+    distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
+                                 d.process_id if d.process_id >= 0 else None)
+    from llds_jax.model import hf_io
+    from llds_jax.train.trainer import Trainer
+
+    demo.prepare(cfg)
+    if distributed.is_main_process():
+        print(cfg, flush=True)
+    trainer = Trainer(cfg, training=mode == "train")
+    try:
+        if mode == "train":
+            step = trainer.run()
+            print(f"training stopped after step {step} of {cfg.train.total_steps}; run folder {cfg.run_dir}")
+            if step == cfg.train.total_steps and cfg.train.final_eval and trainer.eval_examples:
+                _print_eval(trainer, trainer.final_params, step)
+        elif mode == "eval":
+            params, step = _params_for_eval(trainer)
+            _print_eval(trainer, params, step)
+        else:
+            if not export_dir:
+                raise ValueError("--mode=export needs --export_dir")
+            params, step = _params_for_eval(trainer)
+            hf_io.save_model(trainer.step_fn.to_model(params), export_dir)
+            if "://" in export_dir:
+                logging.warning("tokenizer files are not written to %s: copy them from %s", export_dir,
+                                cfg.model.tokenizer_path or cfg.model.path)
+            else:
+                trainer.tokenizer.save_pretrained(export_dir)
+            print(f"exported step {step} to {export_dir}")
+    finally:
+        trainer.close()
+    return 0
+
+
+def _print_eval(trainer, params, step: int) -> None:
+    from llds_jax.train import evaluation
+
+    out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
+    examples = trainer.eval_examples[:trainer.cfg.eval.max_examples or None]
+    table = trainer.evaluate(params, examples, out_dir, prefix="eval")
+    em = {key[len("eval/em_"):]: value for key, value in table.items()}
+    print(f"evaluation at step {step} ({len(examples)} questions, greedy, max_turns "
+          f"{trainer.cfg.eval.max_turns}); transcripts in {out_dir}")
+    print(evaluation.format_table(em))
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+    try:
+        sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value))
+    except _known_errors() as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"llds_jax: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with a one-line error naming a config override key that does not exist."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:
+        keys = [a.split("=", 1)[0][2:] for a in argv[1:] if a.startswith("--config.")]
+        print(f"llds_jax: error: unknown config key in {' '.join(keys)} ({e})", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,293 @@
+"""The Search-R1 multi-turn agent loop over a sampler session and an async retriever.
+
+Per batch of questions: prompts (protocol.chat_prompt_ids, last `max_prompt_tokens` kept) are encoded once into
+the KV cache; then up to `max_turns` turns with search and one final turn in which a search is not executed:
+
+  1. every unfinished sequence decodes until its text holds `</search>` or `</answer>`, a stop token (EOS), or
+     `max_turn_tokens` new tokens;
+  2. the turn is cut (protocol.cut_turn_tokens): the kept, trained tokens are the sampled ones up to the token that
+     completes the cut. The stop token is never kept (Search-R1 drops the end-of-turn token too). Sampled tokens
+     after the cut are rolled back out of the KV cache;
+  3. the action is parsed from the cut text: `answer` ends the sequence; `search` queries from all sequences of
+     the turn go to the retriever in ONE batched call; no valid action appends the invalid-action message;
+  4. the observation is tokenized (add_special_tokens=False), cut to `max_observation_tokens` (counted per turn)
+     and appended to the KV cache with model.extend; the conversation is never re-encoded.
+
+A failed search (an error result for that query, an exception or a timeout of the whole call) gives that
+sequence the observation `SEARCH_ERROR_OBSERVATION` (an information block holding one "Search failed: ..." line)
+and records the error; the other sequences are unaffected.
+
+Context caps differ from Search-R1 in one way: Search-R1 left-truncates the rolling context to 4096 tokens; with a
+KV cache we instead end a sequence cleanly (end reason "context_full") when its next turn or observation would
+take prompt + response past `max_context_tokens` or the response past `max_response_tokens`. A turn's budget is
+shortened to what fits.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax
+
+from llds_jax.data.qa import QAExample
+from llds_jax.rollout import protocol
+from llds_jax.rollout.trajectory import (END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Trajectory, Turn,
+                                         build_trajectory, rollout_metrics)
+
+log = logging.getLogger(__name__)
+
+SEARCH_ERROR_OBSERVATION = "\n\n<information>Search failed: {error}</information>\n\n"
+MAX_ERROR_CHARS = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """The multi-turn protocol's limits (Search-R1 defaults).
+
+    Attributes:
+      max_turns: turns whose search is executed; one final turn (search not executed) follows.
+      max_turn_tokens: new tokens per turn.
+      max_observation_tokens: observation tokens kept (the first ones).
+      max_prompt_tokens: the prompt keeps its last this many tokens.
+      max_context_tokens: cap on prompt + response tokens of a sequence.
+      max_response_tokens: cap on response tokens (model and observation) of a sequence.
+      retrieval_top_k: documents per search.
+      search_timeout_s: timeout of one batched retriever call.
+      max_batch_size: sequences per sampler session (0: all at once); larger inputs run in several sessions.
+    """
+
+    max_turns: int = 4
+    max_turn_tokens: int = 500
+    max_observation_tokens: int = 500
+    max_prompt_tokens: int = 2048
+    max_context_tokens: int = 4096
+    max_response_tokens: int = 4096
+    retrieval_top_k: int = 3
+    search_timeout_s: float = 60.0
+    max_batch_size: int = 0
+
+    def __post_init__(self):
+        positive = ("max_turn_tokens", "max_observation_tokens", "max_prompt_tokens", "max_context_tokens",
+                    "max_response_tokens", "retrieval_top_k")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_turns < 0:
+            raise ValueError(f"agent.max_turns must be >= 0, got {self.max_turns}")
+        if self.max_batch_size < 0:
+            raise ValueError(f"agent.max_batch_size must be >= 0 (0: all), got {self.max_batch_size}")
+        if not self.search_timeout_s > 0:
+            raise ValueError(f"agent.search_timeout_s must be > 0, got {self.search_timeout_s}")
+        if self.max_prompt_tokens >= self.max_context_tokens:
+            raise ValueError(f"agent.max_prompt_tokens ({self.max_prompt_tokens}) must be below "
+                             f"agent.max_context_tokens ({self.max_context_tokens})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """Finished trajectories (in input order) and batch metrics (means, shares, seconds and tokens/s)."""
+
+    trajectories: list[Trajectory]
+    metrics: dict[str, float]
+
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")  # Qwen2.5, Llama-3
+
+
+def turn_stop_ids(tokenizer) -> tuple[int, ...]:
+    """Token ids that end a turn: the tokenizer's EOS plus the end-of-turn / end-of-text tokens of the Qwen2.5 and
+    Llama-3 vocabularies it has (a base model prompted with a chat template may close its turn with either)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for token in END_OF_TURN_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token: set sampling.stop_ids explicitly")
+    return tuple(sorted(ids))
+
+
+def search_error_observation(error: str) -> str:
+    """The observation of a failed search: an information block with the error's first line (shortened)."""
+    line = (error.strip().splitlines() or ["unknown error"])[0]
+    if len(line) > MAX_ERROR_CHARS:
+        line = line[:MAX_ERROR_CHARS - 3] + "..."
+    return SEARCH_ERROR_OBSERVATION.format(error=line)
+
+
+def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
+            config: AgentConfig, runner: Optional[asyncio.Runner] = None) -> Rollout:
+    """Runs the agent loop for `examples` (repeat an example for several samples; they share its uid).
+
+    Args:
+      sampler: a `sampler.Sampler` (or any object with `start(params, prompts, rng) -> session`, see
+        `sampler.Session` for the session methods used).
+      params: the policy parameters (`nnx.split(model)[1]`).
+      tokenizer: a Hugging Face tokenizer (prompt, turn text, observations).
+      retriever: an object with `async search(queries, k) -> list of results with .docs and .error`.
+      rng: a PRNG key.
+      runner: an `asyncio.Runner` to reuse one event loop across calls (async retriever clients bind to a
+        loop); a fresh loop per call without one.
+    Returns a Rollout with one trajectory per example, in order.
+    """
+    coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config)
+    return runner.run(coro) if runner is not None else asyncio.run(coro)
+
+
+async def rollout_async(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
+                        config: AgentConfig) -> Rollout:
+    """`rollout` as a coroutine."""
+    if not examples:
+        raise ValueError("rollout: no examples")
+    size = config.max_batch_size or len(examples)
+    trajectories: list[Trajectory] = []
+    timing = {"decode_s": 0.0, "search_s": 0.0, "sampled_tokens": 0.0}
+    start = time.perf_counter()
+    for index, first in enumerate(range(0, len(examples), size)):
+        batch_rng = rng if size >= len(examples) else jax.random.fold_in(rng, index)
+        loop = _BatchLoop(sampler, params, tokenizer, retriever, examples[first:first + size], config, timing)
+        trajectories += await loop.run(batch_rng)
+    elapsed = time.perf_counter() - start
+    metrics = rollout_metrics(trajectories)
+    metrics.update(timing, rollout_s=elapsed,
+                   sampled_tokens_per_s=timing["sampled_tokens"] / max(timing["decode_s"], 1e-9))
+    return Rollout(trajectories, metrics)
+
+
+@dataclasses.dataclass
+class _Conversation:
+    """Host-side record of one sequence while it runs."""
+    prompt_ids: list[int]
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    response_len: int = 0
+    end_reason: Optional[str] = None
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt_ids) + self.response_len
+
+
+class _BatchLoop:
+    """The turn loop of one sampler session."""
+
+    def __init__(self, sampler, params, tokenizer, retriever, examples: Sequence[QAExample], config: AgentConfig,
+                 timing: dict[str, float]):
+        self.sampler, self.params, self.tokenizer, self.retriever = sampler, params, tokenizer, retriever
+        self.examples, self.config, self.timing = list(examples), config, timing
+        self.convs = [_Conversation(protocol.chat_prompt_ids(tokenizer, ex.question, config.max_prompt_tokens))
+                      for ex in self.examples]
+
+    async def run(self, rng: jax.Array) -> list[Trajectory]:
+        session = self.sampler.start(self.params, [c.prompt_ids for c in self.convs], rng)
+        for turn_index in range(self.config.max_turns + 1):
+            if all(c.end_reason is not None for c in self.convs):
+                break
+            await self._turn(session, final=turn_index == self.config.max_turns)
+        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer)
+                for ex, c in zip(self.examples, self.convs)]
+
+    def _budget(self, conv: _Conversation) -> int:
+        cfg = self.config
+        return max(0, min(cfg.max_turn_tokens, cfg.max_context_tokens - conv.context_len,
+                          cfg.max_response_tokens - conv.response_len))
+
+    def _turn_finished(self, token_lists: list[list[int]]) -> list[bool]:
+        texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+        return [protocol.turn_finished(text) for text in texts]
+
+    async def _turn(self, session, final: bool) -> None:
+        n = len(self.convs)
+        budgets = [self._budget(c) if c.end_reason is None else 0 for c in self.convs]
+        start = time.perf_counter()
+        samples = session.decode_turn(budgets, self._turn_finished)
+        self.timing["decode_s"] += time.perf_counter() - start
+        self.timing["sampled_tokens"] += sum(len(s.token_ids) for s in samples)
+        keep = [0] * n
+        observations: list[Optional[str]] = [None] * n
+        searching: list[int] = []
+        turns: dict[int, Turn] = {}
+        for i, (conv, sample) in enumerate(zip(self.convs, samples)):
+            if conv.end_reason is not None:
+                continue
+            if budgets[i] == 0:
+                conv.end_reason = END_CONTEXT_FULL
+                continue
+            body = sample.token_ids[:-1] if sample.hit_stop else sample.token_ids
+            cut = protocol.cut_turn_tokens(body, self.tokenizer)
+            keep[i] = cut.num_tokens
+            action = protocol.parse_action(cut.text)
+            turns[i] = Turn(token_ids=tuple(body[:keep[i]]), logps=tuple(sample.logps[:keep[i]]), text=cut.text,
+                            action=action, num_sampled=len(sample.token_ids), hit_stop=sample.hit_stop)
+            if action.kind == "answer":
+                conv.end_reason = END_ANSWER
+            elif final:
+                conv.end_reason = END_MAX_TURNS
+            elif action.kind == "search":
+                searching.append(i)
+            else:
+                observations[i] = protocol.INVALID_ACTION_MESSAGE
+        errors = await self._search(searching, turns, observations)
+        obs_ids: list[Optional[list[int]]] = [None] * n
+        truncations = 0
+        for i, turn in turns.items():
+            conv = self.convs[i]
+            conv.response_len += len(turn.token_ids)
+            if observations[i] is not None:
+                ids = self.tokenizer.encode(observations[i], add_special_tokens=False)
+                truncated = len(ids) > self.config.max_observation_tokens
+                ids = ids[:self.config.max_observation_tokens]
+                truncations += truncated
+                if self._fits(conv, len(ids)):
+                    obs_ids[i] = ids
+                    conv.response_len += len(ids)
+                    turn = dataclasses.replace(turn, observation=observations[i], observation_ids=tuple(ids),
+                                               observation_truncated=truncated)
+                else:
+                    conv.end_reason = END_CONTEXT_FULL
+            if i in errors:
+                turn = dataclasses.replace(turn, search_error=errors[i])
+            conv.turns.append(turn)
+        if truncations:
+            log.warning("%d observation(s) cut to agent.max_observation_tokens=%d tokens", truncations,
+                        self.config.max_observation_tokens)
+        session.end_turn(keep, obs_ids)
+
+    def _fits(self, conv: _Conversation, extra: int) -> bool:
+        cfg = self.config
+        return (conv.context_len + extra <= cfg.max_context_tokens
+                and conv.response_len + extra <= cfg.max_response_tokens)
+
+    async def _search(self, searching: list[int], turns: dict[int, Turn],
+                      observations: list[Optional[str]]) -> dict[int, str]:
+        """One batched retriever call for the searching sequences; fills their observations.
+
+        Returns the error message of each sequence whose search failed.
+        """
+        if not searching:
+            return {}
+        queries = [turns[i].action.content for i in searching]
+        start = time.perf_counter()
+        results: Sequence[Any]
+        try:
+            results = await asyncio.wait_for(self.retriever.search(queries, self.config.retrieval_top_k),
+                                             timeout=self.config.search_timeout_s)
+            if len(results) != len(queries):
+                raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
+            failures = [getattr(r, "error", None) for r in results]
+        except asyncio.TimeoutError:
+            results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
+        except Exception as e:  # a failing backend must not crash the rollout
+            results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
+        self.timing["search_s"] += time.perf_counter() - start
+        errors = {}
+        for j, i in enumerate(searching):
+            if failures[j]:
+                errors[i] = str(failures[j])
+                observations[i] = search_error_observation(errors[i])
+            else:
+                observations[i] = protocol.format_observation(results[j].docs)
+        return errors

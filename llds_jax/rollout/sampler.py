@@ -1,0 +1,509 @@
+"""Batched sampling with the KV cache under jit: prefill, chunked decode, turn rollback and observation extend.
+
+A `Sampler` holds the jitted programs of one model architecture; `Sampler.start(params, prompts, rng)` opens a
+`Session`, one batch of conversations living in a KV cache on device. The multi-turn agent drives a session:
+
+  decode_turn(budgets, turn_finished)  samples each sequence's next turn. Decoding runs `decode_chunk` steps per
+                                       device call (a `lax.while_loop`, no host round trip per token); between
+                                       calls the host asks `turn_finished` (e.g. "the decoded text holds
+                                       </search>") and stops those rows. A row also stops on a stop token (EOS)
+                                       or when it has sampled its budget.
+  end_turn(keep, observations)         keeps the first keep[i] sampled tokens of each row in the cache (later
+                                       slots are marked invalid and rewritten: the roll back), then appends the
+                                       observation tokens with `model.extend` (no re-encoding of the
+                                       conversation). A row given no observation is finished and leaves the batch.
+
+Log-probs are those of the sampling distribution over the full vocabulary: log_softmax(logits / temperature) in
+float32, what the learner recomputes. Top-k / top-p only restrict which tokens can be drawn; the log-probs are not
+renormalized over the kept set. Greedy decoding reports temperature-1 log-probs.
+
+Shapes are bucketed (see `buckets`): rows to a power of two (a multiple of the mesh's batch shards), prompt length,
+cache capacity and observation length to powers of two. The cache grows to the next bucket only when a turn needs
+it, and when enough rows have finished the batch is compacted to a smaller bucket, so early turns and small
+remaining batches attend over fewer slots and rows. With a mesh, rows are split over (data, fsdp).
+
+Dimension letters: B rows, T new tokens, C decode steps of one chunk, S cache slots, V vocabulary, D hidden.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from llds_jax import parallel
+from llds_jax.model import KVCache, init_cache
+from llds_jax.rollout import buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn and how the decode loop is shaped.
+
+    Attributes:
+      temperature: logits are divided by it before sampling (and for the reported log-probs); > 0.
+      top_p: nucleus sampling mass in (0, 1]; 1 disables it. Without top_k it sorts the whole vocabulary every
+        step; with top_k only the k candidates are sorted.
+      top_k: sample among the k most likely tokens; 0 disables it.
+      greedy: take the argmax (temperature, top_p, top_k ignored; log-probs at temperature 1).
+      stop_ids: token ids that end a row's turn (EOS); the stop token itself is returned with the turn.
+      decode_chunk: decode steps per device call between host checks of the turn text.
+      min_prompt_bucket, min_capacity_bucket, min_observation_bucket, min_batch_bucket: smallest buckets.
+      compact: move the unfinished rows into a smaller batch bucket when enough rows have finished.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    stop_ids: tuple[int, ...] = ()
+    decode_chunk: int = 32
+    min_prompt_bucket: int = 16
+    min_capacity_bucket: int = 128
+    min_observation_bucket: int = 16
+    min_batch_bucket: int = 1
+    compact: bool = True
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"sampling.temperature must be > 0 (use sampling.greedy for argmax), got "
+                             f"{self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.decode_chunk < 1:
+            raise ValueError(f"sampling.decode_chunk must be >= 1, got {self.decode_chunk}")
+        for name in ("min_prompt_bucket", "min_capacity_bucket", "min_observation_bucket", "min_batch_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sampling.{name} must be >= 1, got {getattr(self, name)}")
+        object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledTurn:
+    """The tokens one row sampled in a turn, in order, with their log-probs (float32 values).
+
+    `hit_stop` is True when the last token is one of the stop ids (it is included in token_ids).
+    """
+
+    token_ids: list[int]
+    logps: list[float]
+    hit_stop: bool
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Device state of a session between calls.
+
+    Attributes:
+      cache: the KV cache.
+      logits_bv: float32 logits of each row's next token.
+      key_b: per-row PRNG keys; the key of a row's n-th sampled token is fold_in(key, n).
+      count_b: int32 tokens sampled so far by each row (all turns, kept or not).
+      remaining_b: int32 tokens each row may still sample in this turn.
+      done_b: bool, the row samples no more in this turn.
+    """
+
+    cache: KVCache
+    logits_bv: jax.Array
+    key_b: jax.Array
+    count_b: jax.Array
+    remaining_b: jax.Array
+    done_b: jax.Array
+
+
+def sample_tokens(logits_bv: jax.Array, key_b: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row. Returns (tokens int32 [B], log-probs float32 [B]).
+
+    The log-prob is log_softmax(logits / temperature) over the full vocabulary at the drawn token (temperature 1
+    when greedy); top-k and top-p only restrict the candidates.
+    """
+    logits_bv = logits_bv.astype(jnp.float32)
+    if cfg.greedy:
+        tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        return tokens_b, _logp_of(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b)
+    scaled_bv = logits_bv / cfg.temperature
+    logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
+    candidates_bk, index_bk = scaled_bv, None
+    if cfg.top_k or cfg.top_p < 1:
+        k = min(cfg.top_k or scaled_bv.shape[-1], scaled_bv.shape[-1])
+        candidates_bk, index_bk = jax.lax.top_k(scaled_bv, k)  # sorted, most likely first
+    if cfg.top_p < 1:
+        probs_bk = jax.nn.softmax(candidates_bk, axis=-1)
+        mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
+        candidates_bk = jnp.where(mass_before_bk < cfg.top_p, candidates_bk, -jnp.inf)
+    choice_b = _inverse_cdf_draw(key_b, candidates_bk)
+    tokens_b = choice_b if index_bk is None else jnp.take_along_axis(index_bk, choice_b[:, None], axis=1)[:, 0]
+    return tokens_b, _logp_of(logp_bv, tokens_b)
+
+
+def _inverse_cdf_draw(key_b: jax.Array, logits_bk: jax.Array) -> jax.Array:
+    """One categorical draw per row from softmax(logits_bk), by inverting the CDF with a single uniform per row.
+
+    Gumbel-max (`jax.random.categorical`) needs K random numbers per row, which at a 152k vocabulary costs more
+    than a decode step's forward pass; this needs one. -inf logits are never drawn.
+    """
+    cdf_bk = jnp.cumsum(jax.nn.softmax(logits_bk, axis=-1), axis=-1)
+    u_b = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(key_b)  # in (0, 1]
+    below_bk = cdf_bk < (u_b * cdf_bk[:, -1])[:, None]
+    return jnp.sum(below_bk, axis=-1, dtype=jnp.int32)
+
+
+def _logp_of(logp_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=1)[:, 0]
+
+
+def _constrain_cache(cache: KVCache) -> KVCache:
+    """Rows over the mesh's batch axes, key/value heads over `tensor` (no-op without a mesh)."""
+    return cache.replace(
+        k_lbskh=parallel.constrain(cache.k_lbskh, None, parallel.BATCH, None, "tensor", None),
+        v_lbskh=parallel.constrain(cache.v_lbskh, None, parallel.BATCH, None, "tensor", None),
+        valid_bs=parallel.constrain(cache.valid_bs, parallel.BATCH, None),
+        end_b=parallel.constrain(cache.end_b, parallel.BATCH),
+        next_pos_b=parallel.constrain(cache.next_pos_b, parallel.BATCH))
+
+
+def _constrain_state(state: DecodeState) -> DecodeState:
+    """Every field of a decode state split by rows, so that each program returns the layout it was compiled for
+    and feeding one program's output to the next never recompiles (no-op without a mesh)."""
+    rows = lambda a: parallel.constrain(a, parallel.BATCH, *([None] * (a.ndim - 1)))
+    return DecodeState(cache=_constrain_cache(state.cache), logits_bv=rows(state.logits_bv), key_b=rows(state.key_b),
+                       count_b=rows(state.count_b), remaining_b=rows(state.remaining_b), done_b=rows(state.done_b))
+
+
+def _last_logits(model, hidden_btd: jax.Array, valid_bt: jax.Array) -> jax.Array:
+    """Float32 logits [B, V] at each row's last valid position (position 0 for a row with none)."""
+    t = valid_bt.shape[1]
+    last_b = jnp.max(jnp.where(valid_bt, jnp.arange(t, dtype=jnp.int32)[None, :], 0), axis=1)
+    hidden_b1d = jnp.take_along_axis(hidden_btd, last_b[:, None, None], axis=1)
+    return parallel.constrain(model.logits(hidden_b1d)[:, 0], parallel.BATCH, None)
+
+
+def _prefill(graphdef, params, tokens_bt, valid_bt, rng, seq_ids_b, capacity: int) -> DecodeState:
+    """Encodes left-padded prompts into an empty cache of `capacity` slots."""
+    model = nnx.merge(graphdef, params)
+    cache = _constrain_cache(init_cache(model.cfg, tokens_bt.shape[0], capacity))
+    hidden_btd, cache = model.extend(tokens_bt, valid_bt, cache)
+    batch = tokens_bt.shape[0]
+    zeros_b = jnp.zeros((batch,), jnp.int32)
+    return _constrain_state(DecodeState(
+        cache=cache, logits_bv=_last_logits(model, hidden_btd, valid_bt),
+        key_b=jax.vmap(lambda i: jax.random.fold_in(rng, i))(seq_ids_b), count_b=zeros_b, remaining_b=zeros_b,
+        done_b=jnp.ones((batch,), bool)))
+
+
+def _decode_chunk(graphdef, cfg: SamplingConfig, params, state: DecodeState, stop_b):
+    """Up to `cfg.decode_chunk` decode steps; stops early once every row is done.
+
+    Each step samples a token for every row not done, writes it into the cache (rows that are done write an
+    invalid slot and do not advance) and computes the next logits. `stop_b` marks rows the host has finished.
+    Returns (state, tokens [B, C], log-probs [B, C], emitted [B, C]: the row sampled at that step).
+    """
+    model = nnx.merge(graphdef, params)
+    batch, steps = state.done_b.shape[0], cfg.decode_chunk
+    stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
+
+    def cond(carry):
+        i, st = carry[0], carry[1]
+        return (i < steps) & ~jnp.all(st.done_b)
+
+    def body(carry):
+        i, st, tokens_bc, logp_bc, emitted_bc = carry
+        active_b = ~st.done_b
+        keys_b = jax.vmap(jax.random.fold_in)(st.key_b, st.count_b)
+        token_b, logp_b = sample_tokens(st.logits_bv, keys_b, cfg)
+        hidden_btd, cache = model.extend(token_b[:, None], active_b[:, None], st.cache)
+        remaining_b = st.remaining_b - active_b
+        hit_stop_b = jnp.any(token_b[:, None] == stop_ids[None, :], axis=1)
+        st = DecodeState(cache=_constrain_cache(cache), logits_bv=model.logits(hidden_btd)[:, 0], key_b=st.key_b,
+                         count_b=st.count_b + active_b, remaining_b=remaining_b,
+                         done_b=st.done_b | (active_b & (hit_stop_b | (remaining_b <= 0))))
+        tokens_bc = tokens_bc.at[:, i].set(jnp.where(active_b, token_b, 0))
+        logp_bc = logp_bc.at[:, i].set(jnp.where(active_b, logp_b, 0.0))
+        emitted_bc = emitted_bc.at[:, i].set(active_b)
+        return i + 1, st, tokens_bc, logp_bc, emitted_bc
+
+    state = state.replace(done_b=state.done_b | stop_b)
+    init = (jnp.int32(0), state, jnp.zeros((batch, steps), jnp.int32), jnp.zeros((batch, steps), jnp.float32),
+            jnp.zeros((batch, steps), bool))
+    _, state, tokens_bc, logp_bc, emitted_bc = jax.lax.while_loop(cond, body, init)
+    return _constrain_state(state), tokens_bc, logp_bc, emitted_bc
+
+
+def _end_turn(graphdef, params, state: DecodeState, end_b, next_pos_b, obs_bt, obs_valid_bt) -> DecodeState:
+    """Rolls each row back to its kept tokens (end_b, next_pos_b), then appends right-padded observations."""
+    model = nnx.merge(graphdef, params)
+    cache = state.cache
+    slots_s = jnp.arange(cache.capacity, dtype=jnp.int32)
+    cache = cache.replace(valid_bs=cache.valid_bs & (slots_s[None, :] < end_b[:, None]), end_b=end_b,
+                          next_pos_b=next_pos_b)
+    hidden_btd, cache = model.extend(obs_bt, obs_valid_bt, cache)
+    return _constrain_state(state.replace(cache=cache, logits_bv=_last_logits(model, hidden_btd, obs_valid_bt)))
+
+
+def _grow(state: DecodeState, capacity: int) -> DecodeState:
+    """The same state with `capacity` cache slots (new slots empty)."""
+    cache = state.cache
+    extra = capacity - cache.capacity
+    pad = lambda a, axis: jnp.pad(a, [(0, extra if d == axis else 0) for d in range(a.ndim)])
+    cache = cache.replace(k_lbskh=pad(cache.k_lbskh, 2), v_lbskh=pad(cache.v_lbskh, 2),
+                          valid_bs=pad(cache.valid_bs, 1))
+    return _constrain_state(state.replace(cache=cache))
+
+
+def _select_rows(state: DecodeState, rows_b) -> DecodeState:
+    """The state of rows `rows_b` (a smaller batch)."""
+    take = lambda a, axis=0: jnp.take(a, rows_b, axis=axis)
+    cache = state.cache
+    cache = KVCache(k_lbskh=take(cache.k_lbskh, 1), v_lbskh=take(cache.v_lbskh, 1), valid_bs=take(cache.valid_bs),
+                    end_b=take(cache.end_b), next_pos_b=take(cache.next_pos_b))
+    return _constrain_state(DecodeState(cache=cache, logits_bv=take(state.logits_bv), key_b=take(state.key_b),
+                                        count_b=take(state.count_b), remaining_b=take(state.remaining_b),
+                                        done_b=take(state.done_b)))
+
+
+class Sampler:
+    """The jitted prefill / decode / extend programs of one model architecture and sampling config.
+
+    Args:
+      graphdef: from `graphdef, params = nnx.split(model)`; parameters are passed to `start` so that one sampler
+        serves every training step without recompiling.
+      config: a SamplingConfig.
+      mesh: optional (data, fsdp, tensor) mesh; rows are split over data x fsdp. Parameters must already be
+        placed on it (`parallel.shard_model`).
+    """
+
+    def __init__(self, graphdef, config: SamplingConfig, mesh: Optional[Mesh] = None):
+        self.config = config
+        self.mesh = mesh
+        self.batch_multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in parallel.BATCH]))
+        self._prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames="capacity")
+        self._decode = jax.jit(functools.partial(_decode_chunk, graphdef, config), donate_argnums=1)
+        self._end_turn = jax.jit(functools.partial(_end_turn, graphdef), donate_argnums=1)
+        self._grow = jax.jit(_grow, static_argnums=1)
+        self._select = jax.jit(_select_rows)
+
+    def mesh_context(self):
+        """`jax.set_mesh(mesh)`, or a null context without a mesh."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def put(self, array: np.ndarray) -> jax.Array:
+        """A host array on device, rows split over the mesh's batch axes."""
+        if self.mesh is None:
+            return jnp.asarray(array)
+        return jax.device_put(array, parallel.batch_sharding(self.mesh, array.ndim))
+
+    def start(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array) -> "Session":
+        """Opens a session over `prompts` (token ids each). The prompts are encoded at the first decode_turn.
+
+        rng: a PRNG key; sequence i samples from the stream fold_in(rng, i), so its tokens do not depend on
+        which other sequences share the batch or how the batch is split over devices.
+        """
+        return Session(self, params, prompts, rng)
+
+
+class Session:
+    """One batch of conversations in the KV cache. Sequences are indexed 0..n-1 in `prompts` order."""
+
+    def __init__(self, sampler: Sampler, params, prompts: Sequence[Sequence[int]], rng: jax.Array):
+        if not prompts:
+            raise ValueError("Session: no prompts")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("Session: every prompt needs at least one token")
+        if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            rng = jax.random.wrap_key_data(rng)
+        self._sampler = sampler
+        self._cfg = sampler.config
+        self._params = params
+        self._prompts = [list(map(int, p)) for p in prompts]
+        self._rng = rng
+        self._state: Optional[DecodeState] = None
+        n = len(prompts)
+        self._alive = np.ones(n, bool)
+        # Host mirrors, per sequence: the cache slot the sequence writes to next and its next RoPE position.
+        self._end = np.zeros(n, np.int64)
+        self._pos = np.array([len(p) for p in self._prompts], np.int64)
+        self._turn_start_end = np.zeros(n, np.int64)
+        self._turn_start_pos = np.zeros(n, np.int64)
+        self._slot_of = np.full(n, -1, np.int64)  # the batch row holding each sequence (-1: none)
+        self._seq_of: np.ndarray = np.zeros(0, np.int64)  # the sequence in each batch row (-1: padding)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows of the device batch (a bucket), 0 before the first turn."""
+        return len(self._seq_of)
+
+    @property
+    def capacity(self) -> int:
+        """Cache slots per row, 0 before the first turn."""
+        return 0 if self._state is None else self._state.cache.capacity
+
+    def decode_turn(self, budgets: Sequence[int],
+                    turn_finished: Callable[[list[list[int]]], list[bool]]) -> list[SampledTurn]:
+        """Samples one turn for every sequence with budget > 0 (at most budgets[i] tokens each).
+
+        A row stops at a stop token, at its budget, or once `turn_finished` (called between decode chunks with
+        the token lists of the rows still sampling) says its turn is over; tokens of the chunk in which that
+        happens come back too (the caller cuts them). Finished sequences must get budget 0.
+        Returns one SampledTurn per sequence (empty for budget 0).
+        """
+        budgets_n = np.asarray(budgets, np.int64)
+        if budgets_n.shape != (self.num_sequences,) or (budgets_n < 0).any():
+            raise ValueError(f"decode_turn: need {self.num_sequences} budgets >= 0, got {list(budgets)}")
+        if (budgets_n[~self._alive] > 0).any():
+            raise ValueError("decode_turn: a finished sequence was given a budget > 0")
+        turns = [SampledTurn([], [], False) for _ in range(self.num_sequences)]
+        with self._sampler.mesh_context():
+            if budgets_n.any():
+                self._start(int(budgets_n.max()))
+                self._compact()
+                # + 1: a row that is done still writes one (invalid) slot per decode step at its end.
+                self._ensure_capacity(int(np.max(self._end + budgets_n + 1)))
+            self._turn_start_end, self._turn_start_pos = self._end.copy(), self._pos.copy()
+            if budgets_n.any():
+                self._run_turn(budgets_n, turn_finished, turns)
+        return turns
+
+    def end_turn(self, keep: Sequence[int], observations: Sequence[Optional[Sequence[int]]]) -> None:
+        """Keeps the first keep[i] tokens of sequence i's last turn and appends observations[i] after them.
+
+        Sampled tokens after the kept ones are rolled back (their cache slots become invalid and are
+        rewritten). observations[i] None finishes sequence i (it leaves the batch); otherwise it must hold at
+        least one token, whose logits give the next turn's first token.
+        """
+        n = self.num_sequences
+        keep_n = np.asarray(keep, np.int64)
+        sampled_n = self._end - self._turn_start_end
+        if keep_n.shape != (n,) or len(observations) != n:
+            raise ValueError(f"end_turn: need {n} keep counts and {n} observations")
+        if (keep_n < 0).any() or (keep_n > sampled_n).any():
+            raise ValueError(f"end_turn: keep must be in [0, sampled tokens]; keep={keep_n.tolist()}, sampled="
+                             f"{sampled_n.tolist()}")
+        for i, obs in enumerate(observations):
+            if obs is None:
+                self._alive[i] = False
+            elif not self._alive[i]:
+                raise ValueError(f"end_turn: sequence {i} is finished and cannot take an observation")
+            elif not len(obs):
+                raise ValueError(f"end_turn: sequence {i} continues with an empty observation (give None to "
+                                 "finish it)")
+        self._end, self._pos = self._turn_start_end + keep_n, self._turn_start_pos + keep_n
+        obs_len = np.array([len(o) if o is not None else 0 for o in observations], np.int64)
+        if not obs_len.any():
+            return
+        t = buckets.pow2_bucket(int(obs_len.max()), self._cfg.min_observation_bucket)
+        with self._sampler.mesh_context():
+            self._start(0)
+            self._ensure_capacity(int(np.max(np.where(obs_len > 0, self._end + t, 0))))
+            rows = len(self._seq_of)
+            obs_bt = np.zeros((rows, t), np.int32)
+            valid_bt = np.zeros((rows, t), bool)
+            end_b = np.zeros(rows, np.int32)
+            pos_b = np.zeros(rows, np.int32)
+            for row, seq in enumerate(self._seq_of):
+                if seq < 0:
+                    continue
+                end_b[row], pos_b[row] = self._end[seq], self._pos[seq]
+                if obs_len[seq]:
+                    obs_bt[row, :obs_len[seq]] = observations[seq]
+                    valid_bt[row, :obs_len[seq]] = True
+            put = self._sampler.put
+            self._state = self._sampler._end_turn(self._params, self._state, put(end_b), put(pos_b), put(obs_bt),
+                                                  put(valid_bt))
+        self._end += obs_len
+        self._pos += obs_len
+
+    def context_lengths(self) -> list[int]:
+        """Real tokens (prompt + kept turns + observations) of each sequence so far."""
+        return self._pos.tolist()
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _start(self, max_budget: int) -> None:
+        """Encodes the prompts (once), into a cache with room for a first turn of `max_budget` tokens."""
+        if self._state is not None:
+            return
+        cfg, n = self._cfg, self.num_sequences
+        rows = buckets.batch_bucket(n, self._sampler.batch_multiple, cfg.min_batch_bucket)
+        p = buckets.pow2_bucket(max(len(x) for x in self._prompts), cfg.min_prompt_bucket)
+        tokens_bt = np.zeros((rows, p), np.int32)
+        valid_bt = np.zeros((rows, p), bool)
+        valid_bt[n:, -1] = True  # padding rows hold one token so that attention never sees an empty row
+        for i, prompt in enumerate(self._prompts):
+            tokens_bt[i, p - len(prompt):] = prompt
+            valid_bt[i, p - len(prompt):] = True
+        seq_ids_b = np.arange(rows, dtype=np.uint32)
+        capacity = buckets.pow2_bucket(p + max_budget + 1, cfg.min_capacity_bucket)
+        put = self._sampler.put
+        self._state = self._sampler._prefill(self._params, put(tokens_bt), put(valid_bt), self._rng,
+                                             put(seq_ids_b), capacity=capacity)
+        self._seq_of = np.concatenate([np.arange(n), np.full(rows - n, -1)])
+        self._slot_of = np.arange(n)
+        self._end[:] = p
+
+    def _compact(self) -> None:
+        """Moves the unfinished sequences into a smaller batch bucket when they fit one."""
+        live = np.flatnonzero(self._alive)
+        rows = buckets.batch_bucket(len(live), self._sampler.batch_multiple, self._cfg.min_batch_bucket)
+        if not self._cfg.compact or rows >= len(self._seq_of) or len(live) == 0:
+            return
+        take = np.concatenate([self._slot_of[live], np.full(rows - len(live), self._slot_of[live[0]])])
+        self._state = self._sampler._select(self._state, self._sampler.put(take.astype(np.int32)))
+        self._seq_of = np.concatenate([live, np.full(rows - len(live), -1)])
+        self._slot_of[:] = -1
+        self._slot_of[live] = np.arange(len(live))
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self._state.cache.capacity:
+            self._state = self._sampler._grow(self._state,
+                                              buckets.pow2_bucket(needed, self._cfg.min_capacity_bucket))
+
+    def _row_array(self, per_sequence: np.ndarray, dtype) -> np.ndarray:
+        out = np.zeros(len(self._seq_of), dtype)
+        real = self._seq_of >= 0
+        out[real] = per_sequence[self._seq_of[real]]
+        return out
+
+    def _run_turn(self, budgets_n: np.ndarray, turn_finished, turns: list[SampledTurn]) -> None:
+        sampler, put = self._sampler, self._sampler.put
+        remaining_b = self._row_array(budgets_n, np.int32)
+        self._state = self._state.replace(remaining_b=put(remaining_b), done_b=put(remaining_b <= 0))
+        rows = len(self._seq_of)
+        running_b = remaining_b > 0  # host view: rows still sampling this turn
+        stop_b = np.zeros(rows, bool)
+        while running_b.any():
+            self._state, tokens_bc, logp_bc, emitted_bc = sampler._decode(self._params, self._state, put(stop_b))
+            tokens_bc, logp_bc, emitted_bc, done_b = jax.device_get(
+                (tokens_bc, logp_bc, emitted_bc, self._state.done_b))
+            for row in np.flatnonzero(emitted_bc.any(axis=1)):
+                turn = turns[self._seq_of[row]]
+                emitted = emitted_bc[row]
+                turn.token_ids.extend(tokens_bc[row, emitted].tolist())
+                turn.logps.extend(logp_bc[row, emitted].tolist())
+            running_b &= ~done_b
+            check = np.flatnonzero(running_b)
+            if check.size:
+                finished = turn_finished([turns[self._seq_of[row]].token_ids for row in check])
+                stop_b = np.zeros(rows, bool)
+                stop_b[check[np.asarray(finished, bool)]] = True
+                running_b &= ~stop_b
+        stop_set = set(self._cfg.stop_ids)
+        for seq, turn in enumerate(turns):
+            n_tok = len(turn.token_ids)
+            self._end[seq] += n_tok
+            self._pos[seq] += n_tok
+            if n_tok and turn.token_ids[-1] in stop_set:
+                turns[seq] = dataclasses.replace(turn, hit_stop=True)

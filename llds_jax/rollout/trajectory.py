@@ -1,0 +1,253 @@
+"""Trajectories of the multi-turn rollout: per-token arrays for training, rewards, and padded batches.
+
+One trajectory is the prompt followed by its turns; each turn is the model tokens kept for training (sampled
+tokens up to the one completing the turn's cut, never the stop token) and, after it, the observation appended to
+the context (an information block, a search error block or the invalid-action message), which is not trained.
+
+Per-token arrays of a trajectory of T tokens (prompt + response), aligned with `tokens`:
+  loss_mask     1 on model tokens, 0 on prompt and observation tokens.
+  action_ids    the turn (0, 1, ...) a model token belongs to, -1 elsewhere.
+  answer_mask   1 on the model tokens spanning the final `<answer>...</answer>` of the model text (tags included;
+                a token straddling a tag boundary counts), 0 elsewhere.
+  sampler_logp  log p(token t | tokens < t) under the sampling distribution for model tokens, 0 elsewhere.
+The reward is exact match of the final answer in the model's own text (observations excluded); it belongs on the
+last model token (the last 1 of loss_mask).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from llds_jax.data.qa import QAExample
+from llds_jax.data.rewards import em_reward, extract_final_answer
+from llds_jax.rollout.protocol import Action
+
+# The same pattern as data.rewards.extract_final_answer, whose last match is the final answer.
+_ANSWER_SPAN_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+END_ANSWER = "answer"              # the model gave an answer
+END_MAX_TURNS = "max_turns"        # the final turn ended without an answer
+END_CONTEXT_FULL = "context_full"  # the next turn or observation would exceed a context cap
+END_REASONS = (END_ANSWER, END_MAX_TURNS, END_CONTEXT_FULL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One model turn and the observation that followed it.
+
+    Attributes:
+      token_ids: the kept (trained) model tokens.
+      logps: their sampler log-probs (float32 values).
+      text: the turn text cut at the protocol's cut point; the action is parsed from it.
+      action: the parsed action (kind None: invalid).
+      num_sampled: tokens sampled in the turn, including the discarded ones after the cut and the stop token.
+      hit_stop: the turn ended on a stop token (EOS), which is not kept.
+      observation: the observation text appended after the turn (None: the trajectory ended with this turn).
+      observation_ids: its tokens as appended (after truncation).
+      observation_truncated: the observation was cut to the observation token limit.
+      search_error: the retriever's error for this turn's search, if any.
+    """
+
+    token_ids: tuple[int, ...]
+    logps: tuple[float, ...]
+    text: str
+    action: Action
+    num_sampled: int
+    hit_stop: bool = False
+    observation: Optional[str] = None
+    observation_ids: tuple[int, ...] = ()
+    observation_truncated: bool = False
+    search_error: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """A finished conversation with its training arrays (numpy, length T = prompt + response tokens)."""
+
+    example: QAExample
+    prompt_ids: tuple[int, ...]
+    turns: tuple[Turn, ...]
+    end_reason: str
+    tokens: np.ndarray        # int32 [T]
+    loss_mask: np.ndarray     # int32 [T]
+    action_ids: np.ndarray    # int32 [T]
+    answer_mask: np.ndarray   # int32 [T]
+    sampler_logp: np.ndarray  # float32 [T]
+    model_text: str
+    final_answer: Optional[str]
+    reward: float
+
+    @property
+    def uid(self) -> str:
+        return self.example.uid
+
+    @property
+    def num_turns(self) -> int:
+        """Model turns generated (Search-R1's turn statistic counts one less for sequences that ended)."""
+        return len(self.turns)
+
+    @property
+    def num_valid_actions(self) -> int:
+        return sum(t.action.kind is not None for t in self.turns)
+
+    @property
+    def num_valid_searches(self) -> int:
+        """Turns whose action is a search, the final turn's unexecuted one included (as Search-R1 counts)."""
+        return sum(t.action.kind == "search" for t in self.turns)
+
+    @property
+    def num_truncated_observations(self) -> int:
+        return sum(t.observation_truncated for t in self.turns)
+
+    @property
+    def retriever_errors(self) -> list[str]:
+        return [t.search_error for t in self.turns if t.search_error is not None]
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+
+def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Sequence[Turn], end_reason: str,
+                     tokenizer) -> Trajectory:
+    """Assembles the token arrays, the model text, the final answer and the exact-match reward."""
+    if end_reason not in END_REASONS:
+        raise ValueError(f"end_reason must be one of {END_REASONS}, got {end_reason!r}")
+    tokens, loss_mask, action_ids, logp = list(prompt_ids), [0] * len(prompt_ids), [-1] * len(prompt_ids), \
+        [0.0] * len(prompt_ids)
+    model_positions: list[int] = []
+    for turn_id, turn in enumerate(turns):
+        if len(turn.logps) != len(turn.token_ids):
+            raise ValueError(f"turn {turn_id}: {len(turn.token_ids)} tokens but {len(turn.logps)} log-probs")
+        model_positions.extend(range(len(tokens), len(tokens) + len(turn.token_ids)))
+        tokens += turn.token_ids
+        loss_mask += [1] * len(turn.token_ids)
+        action_ids += [turn_id] * len(turn.token_ids)
+        logp += turn.logps
+        tokens += turn.observation_ids
+        loss_mask += [0] * len(turn.observation_ids)
+        action_ids += [-1] * len(turn.observation_ids)
+        logp += [0.0] * len(turn.observation_ids)
+    model_ids = [t for turn in turns for t in turn.token_ids]
+    model_text = tokenizer.decode(model_ids, skip_special_tokens=True)
+    answer_mask = np.zeros(len(tokens), np.int32)
+    span = answer_token_span(model_ids, model_text, tokenizer)
+    if span is not None:
+        answer_mask[[model_positions[i] for i in range(*span)]] = 1
+    return Trajectory(
+        example=example, prompt_ids=tuple(prompt_ids), turns=tuple(turns), end_reason=end_reason,
+        tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(loss_mask, np.int32),
+        action_ids=np.asarray(action_ids, np.int32), answer_mask=answer_mask,
+        sampler_logp=np.asarray(logp, np.float32), model_text=model_text,
+        final_answer=extract_final_answer(model_text), reward=em_reward(model_text, example.golden_answers))
+
+
+def answer_token_span(model_ids: Sequence[int], model_text: str, tokenizer) -> Optional[tuple[int, int]]:
+    """[first, last + 1) indices into model_ids of the tokens covering the last `<answer>...</answer>`.
+
+    model_text must be `tokenizer.decode(model_ids, skip_special_tokens=True)`. None without an answer.
+    """
+    matches = list(_ANSWER_SPAN_RE.finditer(model_text))
+    if not matches:
+        return None
+    start, end = matches[-1].span()
+    first = _tokens_reaching(model_ids, model_text[:start + 1], tokenizer) - 1
+    last = _tokens_reaching(model_ids, model_text[:end], tokenizer)
+    return first, last
+
+
+def _tokens_reaching(ids: Sequence[int], prefix: str, tokenizer) -> int:
+    """The fewest leading tokens whose decoded text starts with `prefix` (which must end in an ASCII char).
+
+    Decoding a token prefix gives a prefix of the full text up to an incomplete trailing UTF-8 character, so
+    reaching an ASCII character is monotone in the number of tokens and a binary search applies.
+    """
+    lo, hi = 0, len(ids)  # not reached with lo tokens (prefix is non-empty); reached with all of them
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tokenizer.decode(list(ids[:mid]), skip_special_tokens=True).startswith(prefix):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Trajectories right-padded to a common length L (numpy).
+
+    Attributes:
+      tokens_bt: int32 [B, L] token ids (pad_id after the end).
+      attn_mask_bt: int32 [B, L] 1 on real tokens.
+      loss_mask_bt: int32 [B, L] 1 on model tokens.
+      action_ids_bt: int32 [B, L] turn of each model token, -1 elsewhere.
+      answer_mask_bt: int32 [B, L] 1 on the final answer span's model tokens.
+      sampler_logp_bt: float32 [B, L] sampler log-probs of model tokens, 0 elsewhere.
+      rewards_b: float32 [B] exact-match reward (belongs on each row's last model token).
+      uids: the GRPO group key of each row.
+    """
+
+    tokens_bt: np.ndarray
+    attn_mask_bt: np.ndarray
+    loss_mask_bt: np.ndarray
+    action_ids_bt: np.ndarray
+    answer_mask_bt: np.ndarray
+    sampler_logp_bt: np.ndarray
+    rewards_b: np.ndarray
+    uids: list[str]
+
+
+def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int = 0, length: Optional[int] = None,
+                      pad_to_multiple: int = 1) -> PackedBatch:
+    """Right-pads trajectories into arrays of length `length` (default: the longest, rounded up to a multiple
+    of `pad_to_multiple`). A trajectory longer than `length` is an error."""
+    if not trajectories:
+        raise ValueError("pack_trajectories: no trajectories")
+    longest = max(len(t.tokens) for t in trajectories)
+    if length is None:
+        length = -(-longest // pad_to_multiple) * pad_to_multiple
+    elif longest > length:
+        raise ValueError(f"pack_trajectories: a trajectory has {longest} tokens, more than length={length}")
+    b = len(trajectories)
+    arrays = {
+        "tokens_bt": np.full((b, length), pad_id, np.int32),
+        "attn_mask_bt": np.zeros((b, length), np.int32),
+        "loss_mask_bt": np.zeros((b, length), np.int32),
+        "action_ids_bt": np.full((b, length), -1, np.int32),
+        "answer_mask_bt": np.zeros((b, length), np.int32),
+        "sampler_logp_bt": np.zeros((b, length), np.float32),
+    }
+    for row, t in enumerate(trajectories):
+        n = len(t.tokens)
+        arrays["tokens_bt"][row, :n] = t.tokens
+        arrays["attn_mask_bt"][row, :n] = 1
+        arrays["loss_mask_bt"][row, :n] = t.loss_mask
+        arrays["action_ids_bt"][row, :n] = t.action_ids
+        arrays["answer_mask_bt"][row, :n] = t.answer_mask
+        arrays["sampler_logp_bt"][row, :n] = t.sampler_logp
+    return PackedBatch(**arrays, rewards_b=np.asarray([t.reward for t in trajectories], np.float32),
+                       uids=[t.uid for t in trajectories])
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Batch means of the per-trajectory statistics (turns, valid actions, valid searches, truncated
+    observations, retriever errors, response length, reward) and the share of each end reason."""
+    if not trajectories:
+        return {}
+    mean = lambda values: float(np.mean(list(values)))
+    metrics = {
+        "turns": mean(t.num_turns for t in trajectories),
+        "valid_actions": mean(t.num_valid_actions for t in trajectories),
+        "valid_searches": mean(t.num_valid_searches for t in trajectories),
+        "truncated_observations": mean(t.num_truncated_observations for t in trajectories),
+        "retriever_errors": mean(len(t.retriever_errors) for t in trajectories),
+        "response_length": mean(t.response_length for t in trajectories),
+        "reward": mean(t.reward for t in trajectories),
+    }
+    for reason in END_REASONS:
+        metrics[f"end/{reason}"] = mean(t.end_reason == reason for t in trajectories)
+    return metrics

@@ -1,0 +1,69 @@
+"""Evaluation: exact match per data_source, the unweighted mean over sources, transcripts and a printed table."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+from etils import epath
+
+from llds_jax.rollout.trajectory import Trajectory
+
+MEAN_KEY = "mean"
+
+
+def em_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean EM per data_source (sorted by name) and their unweighted mean under "mean"."""
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        by_source[t.example.data_source].append(t.reward)
+    table = {source: sum(v) / len(v) for source, v in sorted(by_source.items())}
+    table[MEAN_KEY] = sum(table.values()) / len(table) if table else 0.0
+    return table
+
+
+def format_table(table: Mapping[str, float], counts: Mapping[str, int] | None = None) -> str:
+    """The EM table as aligned text, one source per line, the mean last."""
+    width = max(len(k) for k in table)
+    lines = [f"{'data_source'.ljust(width)}  {'EM':>6}" + ("  n" if counts else "")]
+    for source, value in table.items():
+        n = f"  {counts[source]}" if counts and source in counts else ""
+        lines.append(f"{source.ljust(width)}  {value:6.3f}{n}")
+    return "\n".join(lines)
+
+
+def transcript_record(t: Trajectory, tokenizer) -> dict[str, Any]:
+    """One trajectory as a JSON-able transcript: prompt, turns with observations, answer, score."""
+    return {
+        "uid": t.uid, "id": t.example.id, "data_source": t.example.data_source, "question": t.example.question,
+        "golden_answers": list(t.example.golden_answers),
+        "prompt": tokenizer.decode(list(t.prompt_ids), skip_special_tokens=False),
+        "turns": [{"text": turn.text, "action": turn.action.kind, "content": turn.action.content,
+                   "observation": turn.observation, "observation_truncated": turn.observation_truncated,
+                   "search_error": turn.search_error} for turn in t.turns],
+        "final_answer": t.final_answer, "score": t.reward, "end_reason": t.end_reason,
+    }
+
+
+def transcript_text(t: Trajectory, tokenizer) -> str:
+    """A trajectory as readable text: the question, each turn followed by its observation, the score."""
+    parts = [f"question: {t.example.question}", f"gold: {list(t.example.golden_answers)}", ""]
+    for turn in t.turns:
+        parts.append(turn.text)
+        if turn.observation:
+            parts.append(turn.observation)
+    parts.append(f"\nanswer: {t.final_answer!r}  score: {t.reward}  end: {t.end_reason}")
+    return "\n".join(parts)
+
+
+def write_results(out_dir: epath.Path, trajectories: Sequence[Trajectory], table: Mapping[str, float],
+                  tokenizer) -> None:
+    """Writes `transcripts.jsonl` (one record per question) and `results.json` (the EM table and counts)."""
+    out_dir = epath.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(transcript_record(t, tokenizer), ensure_ascii=False) for t in trajectories]
+    (out_dir / "transcripts.jsonl").write_text("\n".join(lines) + "\n")
+    counts: dict[str, int] = defaultdict(int)
+    for t in trajectories:
+        counts[t.example.data_source] += 1
+    (out_dir / "results.json").write_text(json.dumps({"em": dict(table), "counts": dict(counts)}, indent=2))

@@ -1,0 +1,424 @@
+"""The multi-turn agent loop: scripted policies through the real loop, then a tiny random model end to end."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from llds_jax.data.qa import QAExample
+from llds_jax.model import ModelConfig, Transformer
+from llds_jax.rollout import agent, generate, protocol
+from llds_jax.rollout.sampler import Sampler, SamplingConfig
+from llds_jax.rollout.trajectory import pack_trajectories
+
+PARIS_DOCS = ['"Paris"\nParis is the capital of France.', '"France"\nFrance is a country.\nIt is in Europe.',
+              '"Lyon"\nLyon is a city.', '"Extra"\nNot returned with k = 3.']
+# Written out by hand from the protocol page.
+PARIS_OBSERVATION = ('\n\n<information>Doc 1(Title: "Paris") Paris is the capital of France.\n'
+                     'Doc 2(Title: "France") France is a country.\nIt is in Europe.\n'
+                     'Doc 3(Title: "Lyon") Lyon is a city.</information>\n\n')
+INVALID = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+           "</search>. If I want to give the final answer, I should put the answer between <answer> and "
+           "</answer>. Let me try again.\n")
+
+SEARCH_TURN = "<think>I need to search.</think>\n<search> capital of france </search>\n\nI will wait for it"
+ANSWER_TURN = "<think>Paris.</think>\n<answer> Paris </answer> trailing words here"
+INVALID_TURN = "I think I know it already."
+
+
+def example(i=0, question="what is the capital of france", answers=("Paris",)):
+    return QAExample(uid=f"nq-{i}", question=question, golden_answers=tuple(answers), data_source="nq")
+
+
+def run(tokenizer, sampler, retriever, examples, **config):
+    cfg = agent.AgentConfig(**{"max_turns": 3, **config})
+    return agent.rollout(sampler, None, tokenizer, retriever, examples, jax.random.key(0), cfg)
+
+
+def kept_tokens(tokenizer, text, stop="</search>"):
+    """Independent oracle: the script's tokens up to the first one whose prefix decodes to contain `stop`."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if stop is None:
+        return ids
+    n = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
+    return ids[:n]
+
+
+def check_segments(traj, segments):
+    """Token-by-token check of tokens, loss mask and action ids against (kind, ids) segments."""
+    tokens, mask, actions = list(traj.prompt_ids), [0] * len(traj.prompt_ids), [-1] * len(traj.prompt_ids)
+    turn = 0
+    for kind, ids in segments:
+        tokens += ids
+        mask += [1 if kind == "model" else 0] * len(ids)
+        actions += [turn if kind == "model" else -1] * len(ids)
+        turn += kind == "model"
+    assert traj.tokens.tolist() == tokens
+    assert traj.loss_mask.tolist() == mask
+    assert traj.action_ids.tolist() == actions
+
+
+def check_answer_span(tokenizer, traj, span_text):
+    """The answer mask covers the span, and dropping its first or last token loses part of it."""
+    ids = traj.tokens[traj.answer_mask == 1].tolist()
+    assert np.all(np.diff(np.flatnonzero(traj.answer_mask)) == 1)
+    assert span_text in tokenizer.decode(ids)
+    assert span_text not in tokenizer.decode(ids[1:]) and span_text not in tokenizer.decode(ids[:-1])
+    assert np.all(traj.loss_mask[traj.answer_mask == 1] == 1)
+
+
+def test_search_then_answer(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
+    result = run(tok, sampler, retriever, [example()])
+    (traj,) = result.trajectories
+    kept0, kept1 = kept_tokens(tok, SEARCH_TURN), kept_tokens(tok, ANSWER_TURN, "</answer>")
+    obs = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
+    assert tok.decode(kept0[-1:]) == ">\n\n"  # the token straddling the cut is kept
+    check_segments(traj, [("model", kept0), ("obs", obs), ("model", kept1)])
+    assert traj.prompt_ids == tuple(protocol.chat_prompt_ids(tok, "what is the capital of france"))
+    assert tok.decode(traj.tokens[len(traj.prompt_ids) + len(kept0):][:len(obs)].tolist()) == PARIS_OBSERVATION
+    assert traj.turns[0].observation == PARIS_OBSERVATION
+    assert retriever.calls == [(["capital of france"], 3)]
+    # Sampled tokens past the cut were emitted and rolled back: the session kept only the cut prefix.
+    session = sampler.sessions[0]
+    assert session.end_calls[0] == ([len(kept0)], [obs])
+    assert traj.turns[0].num_sampled > len(kept0)
+    assert session.end_calls[1] == ([len(kept1)], [None])
+    # Sampler log-probs line up with the kept tokens; zero elsewhere.
+    expected_logp = np.zeros(len(traj.tokens), np.float32)
+    p = len(traj.prompt_ids)
+    expected_logp[p:p + len(kept0)] = [-0.001 * (k + 1) for k in range(len(kept0))]
+    expected_logp[p + len(kept0) + len(obs):] = [-0.001 * (k + 1) - 0.1 for k in range(len(kept1))]
+    np.testing.assert_allclose(traj.sampler_logp, expected_logp, rtol=1e-6)
+    check_answer_span(tok, traj, "<answer> Paris </answer>")
+    assert (traj.final_answer, traj.reward, traj.end_reason) == ("Paris", 1.0, "answer")
+    assert (traj.num_turns, traj.num_valid_actions, traj.num_valid_searches, traj.num_truncated_observations) == \
+        (2, 2, 1, 0)
+    assert result.metrics["reward"] == 1.0 and result.metrics["valid_searches"] == 1.0
+
+
+def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[INVALID_TURN, SEARCH_TURN, ANSWER_TURN],
+                                            [SEARCH_TURN, ANSWER_TURN]])
+    retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
+    a, b = run(tok, sampler, retriever, [example(0), example(1)]).trajectories
+    invalid = tok.encode(INVALID, add_special_tokens=False)
+    obs = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
+    check_segments(a, [("model", kept_tokens(tok, INVALID_TURN, None)), ("obs", invalid),
+                       ("model", kept_tokens(tok, SEARCH_TURN)), ("obs", obs),
+                       ("model", kept_tokens(tok, ANSWER_TURN, "</answer>"))])
+    assert a.turns[0].observation == INVALID and a.turns[0].action == protocol.Action(None, "")
+    assert tok.decode(list(a.turns[0].observation_ids)) == INVALID
+    check_segments(b, [("model", kept_tokens(tok, SEARCH_TURN)), ("obs", obs),
+                       ("model", kept_tokens(tok, ANSWER_TURN, "</answer>"))])
+    assert (a.num_turns, a.num_valid_actions, a.num_valid_searches) == (3, 2, 1)
+    assert a.reward == b.reward == 1.0
+    # Turn 1: only b searches; turn 2: only a. One call per turn.
+    assert retriever.calls == [(["capital of france"], 3), (["capital of france"], 3)]
+    assert sampler.sessions[0].decode_calls[2][1] == 0  # b answered in turn 2 and no longer decodes
+
+
+def test_running_out_of_turns(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN] * 3])
+    retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
+    (traj,) = run(tok, sampler, retriever, [example()], max_turns=2).trajectories
+    kept, obs = kept_tokens(tok, SEARCH_TURN), tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
+    # Two executed searches, then a final turn whose search is not executed and which ends the trajectory.
+    check_segments(traj, [("model", kept), ("obs", obs), ("model", kept), ("obs", obs), ("model", kept)])
+    assert len(retriever.calls) == 2
+    assert traj.turns[-1].observation is None
+    assert (traj.end_reason, traj.reward, traj.final_answer) == ("max_turns", 0.0, None)
+    assert traj.num_valid_searches == 3 and traj.answer_mask.sum() == 0
+    assert sampler.sessions[0].end_calls[-1] == ([len(kept)], [None])
+
+
+def test_observation_truncation(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
+    result = run(tok, sampler, retriever, [example()], max_observation_tokens=12)
+    (traj,) = result.trajectories
+    full = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
+    assert len(full) > 12
+    check_segments(traj, [("model", kept_tokens(tok, SEARCH_TURN)), ("obs", full[:12]),
+                          ("model", kept_tokens(tok, ANSWER_TURN, "</answer>"))])
+    assert PARIS_OBSERVATION.startswith(tok.decode(full[:12]))
+    assert traj.turns[0].observation_truncated and traj.num_truncated_observations == 1
+    assert result.metrics["truncated_observations"] == 1.0
+
+
+def test_retriever_errors_only_affect_their_sequences(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    turns = [[SEARCH_TURN.replace("capital of france", q), ANSWER_TURN] for q in ("good", "bad", "slow")]
+    sampler = doubles.ScriptedSampler(tok, turns + [[ANSWER_TURN]])
+    retriever = doubles.FakeRetriever({"good": PARIS_DOCS},
+                                      errors={"bad": "HTTP 500: internal error\ntraceback...",
+                                              "slow": "timed out after 5 s"})
+    good, bad, slow, answered = run(tok, sampler, retriever, [example(i) for i in range(4)]).trajectories
+    assert retriever.calls == [(["good", "bad", "slow"], 3)]
+    assert good.turns[0].observation == PARIS_OBSERVATION and good.retriever_errors == []
+    assert bad.turns[0].observation == "\n\n<information>Search failed: HTTP 500: internal error</information>\n\n"
+    assert slow.turns[0].observation == "\n\n<information>Search failed: timed out after 5 s</information>\n\n"
+    assert bad.retriever_errors == ["HTTP 500: internal error\ntraceback..."]
+    for traj in (good, bad, slow):
+        obs_ids = list(traj.turns[0].observation_ids)
+        assert tok.decode(obs_ids) == traj.turns[0].observation
+        assert traj.end_reason == "answer" and traj.reward == 1.0
+    assert answered.num_turns == 1 and answered.reward == 1.0
+
+
+@pytest.mark.parametrize("failure", ["timeout", "exception"])
+def test_whole_search_call_failure_gives_error_observations(qwen_tokenizer, doubles, failure):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
+    if failure == "timeout":
+        retriever = doubles.FakeRetriever({}, delay_s=2.0)
+        expected = "timed out after 0.05 s"
+    else:
+        retriever = doubles.FakeRetriever({}, raises=ConnectionError("connection refused"))
+        expected = "ConnectionError: connection refused"
+    searched, answered = run(tok, sampler, retriever, [example(0), example(1)], search_timeout_s=0.05).trajectories
+    assert searched.turns[0].observation == f"\n\n<information>Search failed: {expected}</information>\n\n"
+    assert searched.retriever_errors == [expected] and searched.reward == 1.0
+    assert answered.retriever_errors == [] and answered.reward == 1.0 and answered.num_turns == 1
+
+
+def test_end_of_turn_token_is_not_trained(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    eos = tok.eos_token_id
+    before = tok.encode("<think>hmm</think> no action", add_special_tokens=False)
+    after = tok.encode(" sampled after eos", add_special_tokens=False)
+    sampler = doubles.ScriptedSampler(tok, [[before + [eos] + after, ANSWER_TURN]], stop_ids=[eos])
+    (traj,) = run(tok, sampler, doubles.FakeRetriever({}), [example()]).trajectories
+    invalid = tok.encode(INVALID, add_special_tokens=False)
+    check_segments(traj, [("model", before), ("obs", invalid), ("model", kept_tokens(tok, ANSWER_TURN, "</answer>"))])
+    assert traj.turns[0].hit_stop and traj.turns[0].num_sampled == len(before) + 1
+    assert eos not in traj.tokens[len(traj.prompt_ids):].tolist()
+
+
+def test_context_caps_end_sequences_cleanly(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    prompt_len = len(protocol.chat_prompt_ids(tok, "what is the capital of france"))
+    kept = kept_tokens(tok, SEARCH_TURN)
+    # Room for the first turn but not for its observation.
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    (traj,) = run(tok, sampler, doubles.FakeRetriever({"capital of france": PARIS_DOCS}), [example()],
+                  max_prompt_tokens=prompt_len, max_context_tokens=prompt_len + len(kept) + 5).trajectories
+    check_segments(traj, [("model", kept)])
+    assert traj.end_reason == "context_full" and traj.turns[0].observation is None
+    # The response cap shortens the turn's budget.
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    (traj,) = run(tok, sampler, doubles.FakeRetriever({}), [example()], max_response_tokens=7).trajectories
+    assert sampler.sessions[0].decode_calls == [[7]]
+    assert len(traj.turns) == 1 and len(traj.turns[0].token_ids) == 7 and traj.end_reason == "context_full"
+
+
+def test_reward_scores_model_text_only(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    spoof = ['"Paris"\n<answer> Paris </answer>'] * 3
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, "<answer> London </answer>"]])
+    (traj,) = run(tok, sampler, doubles.FakeRetriever({"capital of france": spoof}), [example()]).trajectories
+    assert traj.final_answer == "London" and traj.reward == 0.0
+    check_answer_span(tok, traj, "<answer> London </answer>")
+    obs_positions = np.flatnonzero((traj.loss_mask == 0) & (np.arange(len(traj.tokens)) >= len(traj.prompt_ids)))
+    assert traj.answer_mask[obs_positions].sum() == 0
+
+
+def test_max_batch_size_splits_into_sessions_in_order(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[ANSWER_TURN], [INVALID_TURN, ANSWER_TURN], [SEARCH_TURN, ANSWER_TURN]])
+    retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
+    trajs = run(tok, sampler, retriever, [example(i) for i in range(3)], max_batch_size=2).trajectories
+    assert [len(s.prompts) for s in sampler.sessions] == [2, 1]
+    assert [t.uid for t in trajs] == ["nq-0", "nq-1", "nq-2"]
+    assert [t.num_turns for t in trajs] == [1, 2, 1]  # the second session replays script 0: one answer turn
+
+
+def test_agent_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="agent.max_turn_tokens"):
+        agent.AgentConfig(max_turn_tokens=0)
+    with pytest.raises(ValueError, match="agent.max_prompt_tokens"):
+        agent.AgentConfig(max_prompt_tokens=4096, max_context_tokens=4096)
+
+
+def test_turn_stop_ids(qwen_tokenizer, qwen_instruct_tokenizer):
+    assert agent.turn_stop_ids(qwen_tokenizer) == agent.turn_stop_ids(qwen_instruct_tokenizer) == (151643, 151645)
+
+
+def test_pack_trajectories(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
+    trajs = run(tok, sampler, doubles.FakeRetriever({"capital of france": PARIS_DOCS}),
+                [example(0), example(1, answers=("Lyon",))]).trajectories
+    packed = pack_trajectories(trajs, pad_id=tok.pad_token_id, pad_to_multiple=64)
+    longest = max(len(t.tokens) for t in trajs)
+    assert packed.tokens_bt.shape == (2, -(-longest // 64) * 64)
+    for row, t in enumerate(trajs):
+        n = len(t.tokens)
+        np.testing.assert_array_equal(packed.tokens_bt[row, :n], t.tokens)
+        assert (packed.tokens_bt[row, n:] == tok.pad_token_id).all()
+        np.testing.assert_array_equal(packed.attn_mask_bt[row], np.arange(packed.tokens_bt.shape[1]) < n)
+        for name in ("loss_mask", "action_ids", "answer_mask", "sampler_logp"):
+            np.testing.assert_array_equal(getattr(packed, f"{name}_bt")[row, :n], getattr(t, name))
+        assert (packed.action_ids_bt[row, n:] == -1).all() and (packed.loss_mask_bt[row, n:] == 0).all()
+    np.testing.assert_array_equal(packed.rewards_b, [1.0, 0.0])
+    assert packed.uids == ["nq-0", "nq-1"]
+    with pytest.raises(ValueError, match="more than length"):
+        pack_trajectories(trajs, length=longest - 1)
+
+
+def test_generate_writes_transcripts(qwen_tokenizer, doubles, tmp_path):
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[INVALID_TURN, SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
+    examples = [example(0), QAExample(uid="popqa-0", question="where is lyon", golden_answers=("France",),
+                                      data_source="popqa", id="p17")]
+    out = tmp_path / "gen" / "transcripts.jsonl"
+    result = generate.generate(sampler, None, tok, doubles.FakeRetriever({"capital of france": PARIS_DOCS}),
+                               examples, jax.random.key(0), agent.AgentConfig(max_turns=3), out)
+    first, second = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert first["prompt"] == tok.decode(protocol.chat_prompt_ids(tok, "what is the capital of france"))
+    assert [t["action"] for t in first["turns"]] == [None, "search", "answer"]
+    assert [t["observation"] for t in first["turns"]] == [INVALID, PARIS_OBSERVATION, None]
+    assert first["turns"][1]["model"] == "<think>I need to search.</think>\n<search> capital of france </search>\n\n"
+    assert first["turns"][1]["content"] == "capital of france"
+    assert (first["answer"], first["score"], first["end_reason"]) == ("Paris", 1.0, "answer")
+    assert (second["id"], second["data_source"], second["score"]) == ("p17", "popqa", 0.0)
+    assert result.metrics["em/nq"] == 1.0 and result.metrics["em/popqa"] == 0.0
+
+
+# -- a tiny random model through the real sampler ----------------------------------------------------------------
+
+# Token ids of the Qwen2.5 vocabulary.
+NEWLINE, OBS_END, INVALID_END = 198, 1339, 624        # "\n" (ends the prompt), ">\n\n", ".\n"
+LT, SEARCH, ANSWER, GT, PARIS, CLOSE = 27, 1836, 9217, 29, 40858, 690  # "<" "search" "answer" ">" " paris" " </"
+# A bigram program written into the unembedding: after "<" or " </" comes "search" or "answer" (even odds), so
+# turns read "<search> paris </search>", "<answer> paris </answer>" or mismatched (invalid) tags, and run on
+# past the cut point ("... paris </search> paris </...") so the loop must roll tokens back.
+STEERING = {NEWLINE: [LT], OBS_END: [LT], INVALID_END: [LT], LT: [SEARCH, ANSWER], SEARCH: [GT], ANSWER: [GT],
+            GT: [PARIS], PARIS: [CLOSE], CLOSE: [SEARCH, ANSWER]}
+REAL_TEMPERATURE = 0.9
+REAL_CONFIG = dict(max_turns=2, max_turn_tokens=24, max_observation_tokens=40)
+
+
+def steered_params(model, layer_scale=0.1, logit=30.0):
+    """Params whose next-token logits follow STEERING (logit ~30 against ~0 for the rest of the vocabulary).
+
+    The layers are scaled down, not removed: attention over the KV cache still moves every logit, so a wrong cache
+    shows up in the log-prob check.
+    """
+    graphdef, params = nnx.split(model)
+    steered = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
+    cfg = model.cfg
+    embed = np.asarray(steered.embed.get_value())
+    w_dv = np.zeros((cfg.hidden_size, cfg.vocab_size), np.float32)
+    for current, successors in STEERING.items():
+        h_d = embed[current] / np.sqrt(np.mean(embed[current] ** 2))  # the final RMSNorm of this embedding
+        for successor in successors:
+            w_dv[:, successor] += logit * h_d / cfg.hidden_size
+    steered.lm_head.set_value(jnp.asarray(w_dv))
+    for name in ("o_proj", "down_proj"):
+        var = getattr(steered.layers, name)
+        var.set_value(var.get_value() * layer_scale)
+    return nnx.split(steered)[1]
+
+
+@pytest.fixture(scope="module")
+def real(qwen_tokenizer):
+    model = Transformer(ModelConfig.tiny(vocab_size=151936), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    sampler = Sampler(graphdef, SamplingConfig(temperature=REAL_TEMPERATURE, decode_chunk=8,
+                                               stop_ids=agent.turn_stop_ids(qwen_tokenizer)))
+    return graphdef, params, steered_params(model), sampler
+
+
+class EchoRetriever:
+    async def search(self, queries, k):
+        from types import SimpleNamespace as NS
+        return [NS(docs=[NS(contents=f'"{q}"\nabout {q}') for _ in range(k)], error=None) for q in queries]
+
+
+def full_forward_logps(graphdef, params, trajectories, temperatures):
+    """For each temperature T, log_softmax(logits / T) at each token from a full forward of each packed row
+    (rows one at a time, so only one row's [L, V] logits exist at once)."""
+    packed = pack_trajectories(trajectories, pad_to_multiple=128)
+
+    @jax.jit
+    def logps(params, tokens_bt, mask_bt):
+        model = nnx.merge(graphdef, params)
+
+        def row(args):
+            tokens_t, mask_t = args
+            logits_tv = model(tokens_t[None], mask_t[None])[0, :-1]
+            return jnp.stack([jnp.take_along_axis(jax.nn.log_softmax(logits_tv / t, axis=-1), tokens_t[1:, None],
+                                                  axis=1)[:, 0] for t in temperatures])
+        return jax.lax.map(row, (tokens_bt, mask_bt))
+
+    out = np.asarray(logps(params, packed.tokens_bt, packed.attn_mask_bt))
+    return packed, [out[:, k] for k in range(len(temperatures))]
+
+
+REAL_EXAMPLES = [example(i, f"question number {i}", ("paris",)) for i in range(6)]
+
+
+def steered_rollout(tokenizer, real, seed):
+    _, _, params, sampler = real
+    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), REAL_EXAMPLES, jax.random.key(seed),
+                         agent.AgentConfig(**REAL_CONFIG)).trajectories
+
+
+@pytest.fixture(scope="module")
+def steered_trajectories(qwen_tokenizer, real):
+    return steered_rollout(qwen_tokenizer, real, seed=0)
+
+
+def test_real_model_rollout_logps_match_full_forward(qwen_tokenizer, real, steered_trajectories):
+    graphdef, _, params, _ = real
+    trajs = steered_trajectories
+    turns = [t for traj in trajs for t in traj.turns]
+    # The rollout exercised every path: executed searches, answers, invalid turns, and cuts with roll back.
+    assert any(t.action.kind == "search" and t.observation is not None for t in turns)
+    assert any(traj.end_reason == "answer" and traj.reward == 1.0 for traj in trajs)
+    assert any(t.action.kind is None and t.observation == INVALID for t in turns)
+    assert any(t.num_sampled > len(t.token_ids) + t.hit_stop for t in turns)
+    assert sum(len(traj.turns) for traj in trajs) > len(trajs)
+    for t in turns:
+        assert qwen_tokenizer.decode(list(t.token_ids)).startswith(t.text) and protocol.cut_turn(t.text) == t.text
+    packed, (ref_bt, other_bt) = full_forward_logps(graphdef, params, trajs, (REAL_TEMPERATURE, 1.0))
+    model_bt = packed.loss_mask_bt[:, 1:] == 1
+    np.testing.assert_allclose(packed.sampler_logp_bt[:, 1:][model_bt], ref_bt[model_bt], atol=1e-4)
+    # The check is sharp: the same tokens scored at another temperature disagree.
+    assert np.abs(packed.sampler_logp_bt[:, 1:][model_bt] - other_bt[model_bt]).max() > 1e-2
+
+
+def test_real_model_rollout_is_deterministic_per_seed(qwen_tokenizer, real, steered_trajectories):
+    first, again, other = steered_trajectories, steered_rollout(qwen_tokenizer, real, 0), \
+        steered_rollout(qwen_tokenizer, real, 1)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.sampler_logp, b.sampler_logp)
+    assert any(len(a.tokens) != len(c.tokens) or (a.tokens != c.tokens).any() for a, c in zip(first, other))
+
+
+def test_second_batch_with_same_buckets_compiles_nothing(qwen_tokenizer, real):
+    _, random_params, _, sampler = real  # the random model never closes a tag: every batch has the same shapes
+    cfg = agent.AgentConfig(**REAL_CONFIG)
+    batch = lambda offset: [example(i, f"which city is number {offset + i}", ("paris",)) for i in range(5)]
+    warm = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(), batch(0), jax.random.key(3), cfg)
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") \
+        else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        second = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(), batch(100),
+                               jax.random.key(4), cfg)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert [t.tokens.tolist() for t in second.trajectories] != [t.tokens.tolist() for t in warm.trajectories]
+    assert second.metrics["turns"] == REAL_CONFIG["max_turns"] + 1

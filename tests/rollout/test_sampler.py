@@ -1,0 +1,238 @@
+"""The sampler: sampling distributions, and sessions over the KV cache checked against full forwards."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from llds_jax import parallel
+from llds_jax.model import ModelConfig, Transformer
+from llds_jax.rollout import buckets
+from llds_jax.rollout.sampler import Sampler, SamplingConfig, sample_tokens
+
+TEMPERATURE = 0.7
+
+
+def draw(logits_v, cfg, n=4000):
+    """n samples (tokens, log-probs) of one row of logits, each with its own key."""
+    logits_nv = jnp.broadcast_to(jnp.asarray(logits_v, jnp.float32), (n, len(logits_v)))
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, logps = jax.jit(lambda l, k: sample_tokens(l, k, cfg))(logits_nv, keys)
+    return np.asarray(tokens), np.asarray(logps)
+
+
+LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def frequencies(tokens, v=len(LOGITS)):
+    return np.bincount(tokens, minlength=v) / len(tokens)
+
+
+def test_temperature_sampling_matches_distribution_and_logp():
+    tokens, logps = draw(LOGITS, SamplingConfig(temperature=TEMPERATURE))
+    expected_logp = jax.nn.log_softmax(LOGITS / TEMPERATURE)
+    np.testing.assert_allclose(logps, np.asarray(expected_logp)[tokens], atol=1e-6)
+    np.testing.assert_allclose(frequencies(tokens), np.exp(expected_logp), atol=0.03)
+
+
+def test_top_k_and_top_p_restrict_candidates_but_not_logp():
+    full_logp = np.asarray(jax.nn.log_softmax(LOGITS / TEMPERATURE))
+    probs = np.exp(full_logp)
+    tokens, logps = draw(LOGITS, SamplingConfig(temperature=TEMPERATURE, top_k=3))
+    assert set(tokens) == {0, 1, 2}
+    np.testing.assert_allclose(frequencies(tokens)[:3], probs[:3] / probs[:3].sum(), atol=0.03)
+    np.testing.assert_allclose(logps, full_logp[tokens], atol=1e-6)  # full-vocabulary log-probs
+    # top_p: the smallest prefix of sorted tokens whose mass reaches p.
+    p = probs[:2].sum() + 0.5 * probs[2]
+    tokens, _ = draw(LOGITS, SamplingConfig(temperature=TEMPERATURE, top_p=float(p)))
+    assert set(tokens) == {0, 1, 2}
+    np.testing.assert_allclose(frequencies(tokens)[:3], probs[:3] / probs[:3].sum(), atol=0.03)
+    tokens, _ = draw(LOGITS, SamplingConfig(temperature=TEMPERATURE, top_p=float(probs[0] * 0.5)))
+    assert set(tokens) == {0}
+    tokens, _ = draw(LOGITS, SamplingConfig(temperature=TEMPERATURE, top_k=4, top_p=float(p)))
+    assert set(tokens) == {0, 1, 2}
+
+
+def test_greedy_takes_argmax_with_temperature_one_logp():
+    logits = np.array([0.1, 3.0, -1.0, 2.9])
+    tokens, logps = draw(logits, SamplingConfig(greedy=True, temperature=0.5), n=4)
+    assert (tokens == 1).all()
+    np.testing.assert_allclose(logps, np.asarray(jax.nn.log_softmax(logits))[1], atol=1e-6)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="sampling.temperature"):
+        SamplingConfig(temperature=0.0)
+    with pytest.raises(ValueError, match="sampling.top_p"):
+        SamplingConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="sampling.decode_chunk"):
+        SamplingConfig(decode_chunk=0)
+
+
+def test_buckets():
+    assert [buckets.pow2_bucket(n, 16) for n in (0, 1, 16, 17, 200)] == [16, 16, 16, 32, 256]
+    assert buckets.batch_bucket(3, multiple=4) == 4 and buckets.batch_bucket(5, multiple=4) == 8
+    assert buckets.batch_bucket(3, multiple=6) == 6
+
+
+# One sampler (and so one set of compiled programs) shared by the tests that use this config.
+CONFIG = SamplingConfig(temperature=TEMPERATURE, decode_chunk=4, min_capacity_bucket=16, min_observation_bucket=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    return model, graphdef, params
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny):
+    return Sampler(tiny[1], CONFIG)
+
+
+def prompts_of(lengths, seed=0):
+    rs = np.random.RandomState(seed)
+    return [rs.randint(10, 250, size=n).tolist() for n in lengths]
+
+
+def converse(session, prompts, turns, budgets, keep_fn, obs_fn, finished=None):
+    """Drives a session; returns per sequence the full token list, a model-token mask and sampler log-probs."""
+    n = len(prompts)
+    seqs = [list(p) for p in prompts]
+    mask = [[0] * len(p) for p in prompts]
+    logps = [[0.0] * len(p) for p in prompts]
+    alive = [True] * n
+    sampled = []
+    for turn in range(turns):
+        out = session.decode_turn([b if a else 0 for b, a in zip(budgets(turn), alive)],
+                                  finished or (lambda toks: [False] * len(toks)))
+        sampled.append(out)
+        keep = [keep_fn(turn, i, o) if alive[i] else 0 for i, o in enumerate(out)]
+        obs = [obs_fn(turn, i) if alive[i] else None for i in range(n)]
+        for i in range(n):
+            if not alive[i]:
+                continue
+            k = keep[i]
+            seqs[i] += out[i].token_ids[:k]
+            mask[i] += [1] * k
+            logps[i] += out[i].logps[:k]
+            if obs[i] is None:
+                alive[i] = False
+            else:
+                seqs[i] += obs[i]
+                mask[i] += [0] * len(obs[i])
+                logps[i] += [0.0] * len(obs[i])
+        session.end_turn(keep, obs)
+    return seqs, mask, logps, sampled
+
+
+def full_forward_logps(model, seqs, temperature):
+    """log p(token t | tokens < t) from one full forward, log_softmax(logits / T), each sequence right-padded."""
+    length = buckets.pow2_bucket(max(map(len, seqs)), 64)
+    tokens = np.zeros((len(seqs), length), np.int32)
+    valid = np.zeros((len(seqs), length), np.int32)
+    for i, seq in enumerate(seqs):
+        tokens[i, :len(seq)], valid[i, :len(seq)] = seq, 1
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def logps(params, tokens, valid):
+        logits = nnx.merge(graphdef, params)(tokens, valid) / temperature
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=2)[..., 0]
+
+    out = np.asarray(logps(params, tokens, valid))
+    return [out[i, :len(seq) - 1] for i, seq in enumerate(seqs)]
+
+
+def check_logps(model, seqs, mask, logps, temperature=TEMPERATURE):
+    """Sampler log-probs equal a full forward's log_softmax(logits / T) over each final sequence."""
+    for ref, m, lp in zip(full_forward_logps(model, seqs, temperature), mask, logps):
+        is_model = np.asarray(m[1:], bool)
+        assert is_model.sum() > 0
+        np.testing.assert_allclose(np.asarray(lp[1:])[is_model], ref[is_model], atol=1e-4)
+
+
+def test_multi_turn_rollback_and_extend_match_full_forward(tiny, sampler):
+    """Turns are cut at arbitrary points (later tokens rolled back), observations appended with extend, the
+    cache grows past its first bucket, and finished rows leave the batch (compaction)."""
+    model, _, params = tiny
+    prompts = prompts_of([3, 7, 12, 5])
+    session = sampler.start(params, prompts, jax.random.key(1))
+    rs = np.random.RandomState(1)
+    obs_lens = {(t, i): 1 + rs.randint(6) for t in range(3) for i in range(4)}
+    capacities, rows = [], []
+
+    def obs_fn(turn, i):
+        if turn == 0 and i == 3 or turn == 1 and i == 2:
+            return None  # finished: leaves the batch
+        return rs.randint(10, 250, size=obs_lens[turn, i]).tolist()
+
+    def keep_fn(turn, i, out):
+        capacities.append(session.capacity)
+        rows.append(session.batch_rows)
+        return max(0, len(out.token_ids) - 1 - 3 * ((i + turn) % 3))  # roll back 1, 4 or 7 tokens
+
+    # Rows stop at 5+ tokens (checked between chunks of 4), so they overshoot to 8 and get rolled back.
+    seqs, mask, logps, sampled = converse(session, prompts, 3, lambda t: [9, 6, 11, 10], keep_fn, obs_fn,
+                                          finished=lambda toks: [len(t) >= 5 for t in toks])
+    assert [len(o.token_ids) for o in sampled[0]] == [8, 6, 8, 8]
+    assert max(capacities) > min(capacities) == 32  # grew past the first bucket
+    assert rows[0] == 4 and rows[-1] == 2  # compacted after two sequences finished
+    cache = session._state.cache  # no valid slot at or past a row's end: rolled-back tokens are gone
+    assert not any(np.asarray(cache.valid_bs)[b, e:].any() for b, e in enumerate(np.asarray(cache.end_b)))
+    check_logps(model, seqs, mask, logps)
+
+
+def test_stop_tokens_end_the_turn(tiny):
+    model, graphdef, params = tiny
+    stop_ids = tuple(range(0, 256, 5))
+    sampler = Sampler(graphdef, SamplingConfig(temperature=1.5, decode_chunk=8, stop_ids=stop_ids))
+    prompts = prompts_of([4, 9, 6])
+    session = sampler.start(params, prompts, jax.random.key(3))
+    seqs, mask, logps, sampled = converse(
+        session, prompts, 2, lambda t: [40, 40, 40],
+        lambda t, i, out: len(out.token_ids) - out.hit_stop,  # the stop token is not kept
+        lambda t, i: [11, 12, 13])
+    hits = 0
+    for turn in sampled:
+        for out in turn:
+            stops = [k for k, tok in enumerate(out.token_ids) if tok in stop_ids]
+            assert out.hit_stop == bool(stops)
+            if stops:
+                assert stops == [len(out.token_ids) - 1]
+                hits += 1
+            else:
+                assert len(out.token_ids) == 40
+    assert hits >= 3
+    check_logps(model, seqs, mask, logps, temperature=1.5)
+
+
+def test_rows_do_not_depend_on_batch_mates_and_seed_matters(tiny, sampler):
+    _, _, params = tiny
+    prompts = prompts_of([5, 11, 3])
+    turn = lambda ps, key: sampler.start(params, ps, key).decode_turn([12] * len(ps), lambda t: [False] * len(t))
+    three = turn(prompts, jax.random.key(7))
+    two = turn(prompts[:2], jax.random.key(7))  # a smaller batch bucket
+    assert [o.token_ids for o in two] == [o.token_ids for o in three[:2]]
+    np.testing.assert_allclose([o.logps for o in two], [o.logps for o in three[:2]], atol=1e-5)
+    other = turn(prompts, jax.random.key(8))
+    assert [o.token_ids for o in other] != [o.token_ids for o in three]
+
+
+def test_sharded_session_matches_unsharded(tiny, sampler):
+    model, graphdef, params = tiny
+    prompts = prompts_of([6, 2, 9, 4, 7])
+    obs = lambda t, i: [20 + i, 30 + t]
+    keep = lambda t, i, out: len(out.token_ids) - 2
+    ref = converse(sampler.start(params, prompts, jax.random.key(5)), prompts, 2,
+                   lambda t: [7] * 5, keep, obs)
+    mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded_params = jax.device_put(params, parallel.param_shardings(params, mesh))
+    session = Sampler(graphdef, CONFIG, mesh=mesh).start(sharded_params, prompts, jax.random.key(5))
+    got = converse(session, prompts, 2, lambda t: [7] * 5, keep, obs)
+    assert session.batch_rows == 8  # 5 rows bucketed to a multiple of data x fsdp = 4
+    assert got[0] == ref[0]
+    np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-4)
+    check_logps(model, *got[:3])
