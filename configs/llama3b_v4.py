@@ -1,0 +1,15 @@
+"""Llama-3.2-3B-Base with LLDS-MA (adaptive) on a TPU v4-16 slice. Llama's tokenizer has its own chat template."""
+import importlib.util
+import os
+
+_spec = importlib.util.spec_from_file_location("qwen3b_v4", os.path.join(os.path.dirname(__file__), "qwen3b_v4.py"))
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+
+
+def get_config():
+    c = _base.get_config()
+    c.run_dir = "gs://YOUR_BUCKET/runs/llama3b_base_llds_ma"
+    c.model.path = "gs://YOUR_BUCKET/models/Llama-3.2-3B"
+    c.objective.llds.answer_weighting = "adaptive"
+    return c

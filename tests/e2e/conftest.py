@@ -1,0 +1,94 @@
+"""Shared assets of the end-to-end tests: the tiny demo world, index and policy, and run-config files."""
+import os
+import textwrap
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from llds_jax import demo
+from llds_jax.data.qa import read_qa
+from llds_jax.data.synthetic import CITIES
+from llds_jax.model import ModelConfig, Transformer, hf_io
+from llds_jax.tokenizer import write_qwen25_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "tiny_test.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory):
+    """World files, BM25 index and a random 1-layer policy (demo.build_assets at the tiny config's sizes)."""
+    return demo.build_assets(str(tmp_path_factory.mktemp("assets")), num_people=20, seed=0, hidden_size=32,
+                             num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def answer_policy(tmp_path_factory, tiny_assets, qwen_tokenizer):
+    """(HF folder, city): a greedy policy that answers "<answer>{city}</answer>" right after any prompt, the city
+    being the most common answer of the tiny test set.
+
+    The block's output projections are zero, so the final hidden state is the normalized embedding of the
+    current token; the unembedding maps each token of the chain "\n<answer>city</answer>" to its successor with
+    logit 30 (the turn is cut after the first </answer>, so the chain may loop).
+    """
+    answers = [ex.golden_answers[0] for ex in read_qa(tiny_assets["test"]) if ex.golden_answers[0] in CITIES]
+    city = max(sorted(set(answers)), key=answers.count)
+    chain_ids = qwen_tokenizer.encode("\n<answer>" + city + "</answer>")
+    successor = {}
+    for token, following in zip(chain_ids, chain_ids[1:]):
+        successor.setdefault(token, following)
+    cfg = ModelConfig(vocab_size=demo.QWEN25_VOCAB_ROWS, hidden_size=64, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, tie_word_embeddings=False)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model.layers.o_proj.set_value(np.zeros_like(model.layers.o_proj.get_value()))
+    model.layers.down_proj.set_value(np.zeros_like(model.layers.down_proj.get_value()))
+    embed = np.asarray(model.embed.get_value())
+    normed = embed / np.sqrt(np.mean(embed ** 2, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    head = np.zeros((cfg.hidden_size, cfg.vocab_size), np.float32)
+    for token, following in successor.items():
+        head[:, following] += 30.0 * normed[token] / cfg.hidden_size
+    model.lm_head.set_value(head)
+    folder = str(tmp_path_factory.mktemp("answer_policy"))
+    hf_io.save_model(model, folder)
+    write_qwen25_tokenizer(folder, "base")
+    return folder, city
+
+
+def write_config(path, assets, model_path=None, **settings) -> str:
+    """A config file: the tiny test config pointed at prebuilt `assets`, plus `settings` ("a.b": value; a dict
+    value replaces a whole section)."""
+    lines = [f"c.{key} = ml_collections.ConfigDict({value!r})" if isinstance(value, dict) else f"c.{key} = {value!r}"
+             for key, value in settings.items()]
+    text = textwrap.dedent(f"""\
+        import importlib.util
+
+        import ml_collections
+        _spec = importlib.util.spec_from_file_location("tiny_test", {TINY!r})
+        _tiny = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(_tiny)
+
+
+        def get_config():
+            c = _tiny.get_config()
+            c.demo.enabled = False
+            c.model.path = {model_path or assets["model"]!r}
+            c.data.train_files = [{assets["train"]!r}]
+            c.data.eval_files = [{assets["test"]!r}]
+            c.retriever.index_dir = {assets["index"]!r}
+        """)
+    text += "".join(f"    {line}\n" for line in lines) + "    return c\n"
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def config_writer():
+    """`write_config` (see above) for the tests."""
+    return write_config
+
+
+@pytest.fixture(scope="session")
+def repo_root():
+    return ROOT

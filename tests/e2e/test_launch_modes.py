@@ -1,0 +1,122 @@
+"""--mode=eval (EM table equal to a recomputation from the transcripts), --mode=export, and one-line errors for
+bad data, a missing model folder and an unreachable retriever."""
+import json
+import os
+import re
+import socket
+import string
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from llds_jax.data.qa import read_qa
+
+
+@pytest.fixture
+def launch(repo_root):
+    """Runs `python -m llds_jax.launch --config=PATH ARGS...` on one CPU device: (exit code, stdout, stderr)."""
+    return lambda config_path, *args: run_launch(repo_root, config_path, *args)
+
+
+def run_launch(root, config_path, *args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "llds_jax.launch", f"--config={config_path}", *args], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def normalize(s):
+    """Search-R1's answer normalization, written out independently."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def printed_table(out):
+    rows = re.findall(r"^(\S+)\s+(\d\.\d{3})$", out, flags=re.M)
+    return {name: float(value) for name, value in rows}
+
+
+def test_eval_table_equals_recomputation_from_transcripts(tmp_path, tiny_assets, answer_policy, config_writer,
+                                                        launch):
+    policy, city = answer_policy
+    config = config_writer(tmp_path / "cfg.py", tiny_assets, model_path=policy, run_dir=str(tmp_path / "run"),
+                          **{"eval.max_examples": 0, "eval.batch_size": 8})
+    code, out, err = launch(config, "--mode=eval")
+    assert code == 0, err[-3000:]
+    table = printed_table(out)
+    (folder,) = [os.path.join(tmp_path, "run", "eval", d) for d in os.listdir(tmp_path / "run" / "eval")]
+    with open(os.path.join(folder, "transcripts.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    test_set = read_qa(tiny_assets["test"])
+    assert len(records) == len(test_set)
+    by_source = {}
+    for record in records:
+        model_text = "".join(turn["text"] for turn in record["turns"])
+        answers = re.findall(r"<answer>(.*?)</answer>", model_text, flags=re.S)
+        score = float(bool(answers) and normalize(answers[-1]) in {normalize(g) for g in record["golden_answers"]})
+        by_source.setdefault(record["data_source"], []).append(score)
+    expected = {source: round(sum(v) / len(v), 3) for source, v in by_source.items()}
+    expected["mean"] = round(sum(sum(v) / len(v) for v in by_source.values()) / len(by_source), 3)
+    assert table == pytest.approx(expected, abs=1e-3)
+    # The policy answers `city` to everything: EM is the share of questions whose answer is that city.
+    assert all(r["final_answer"] == city for r in records)
+    truth = {}
+    for ex in test_set:
+        truth.setdefault(ex.data_source, []).append(float(city in ex.golden_answers))
+    assert table["single_hop"] == pytest.approx(sum(truth["single_hop"]) / len(truth["single_hop"]), abs=1e-3)
+    assert 0 < table["single_hop"] < 1
+
+
+def test_export_reloads_in_transformers(tmp_path, tiny_assets, config_writer, launch):
+    config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=str(tmp_path / "run"))
+    code, out, err = launch(config, "--mode=export", f"--export_dir={tmp_path / 'hf'}")
+    assert code == 0, err[-3000:]
+    assert "exported step 0" in out
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    original = AutoModelForCausalLM.from_pretrained(tiny_assets["model"])
+    ids = torch.tensor([[9707, 11, 1879, 0]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, original(ids).logits)
+    assert os.path.exists(tmp_path / "hf" / "tokenizer_config.json")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_missing_data_column_is_one_line(tmp_path, tiny_assets, config_writer, launch):
+    table = pq.read_table(tiny_assets["train"]).drop(["question"])
+    bad = str(tmp_path / "bad.parquet")
+    pq.write_table(table, bad)
+    config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=str(tmp_path / "run"),
+                          **{"data.train_files": [bad]})
+    code, _, err = launch(config)
+    assert code == 2
+    assert f"{bad}: missing required column 'question'" in err and "Traceback" not in err
+
+
+def test_missing_model_folder_is_one_line(tmp_path, tiny_assets, config_writer, launch):
+    missing = str(tmp_path / "no_such_model")
+    config = config_writer(tmp_path / "cfg.py", tiny_assets, model_path=missing, run_dir=str(tmp_path / "run"))
+    code, _, err = launch(config)
+    assert code == 2
+    assert missing in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("llds_jax: error")]) == 1
+
+
+def test_unreachable_retriever_is_one_line(tmp_path, tiny_assets, config_writer, launch):
+    url = f"http://127.0.0.1:{_free_port()}/retrieve"
+    config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=str(tmp_path / "run"),
+                           retriever={"backend": "http", "url": url, "max_retries": 0, "timeout_s": 2.0})
+    code, _, err = launch(config)
+    assert code == 2
+    assert url in err and "Traceback" not in err

@@ -1,0 +1,83 @@
+"""Shipped configs pass the schema and validation; schema and combination errors name the key."""
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from llds_jax import config as config_lib
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8).
+TPU_DEVICES = {"qwen7b_v4": 16, "qwen7b_instruct_v4": 16, "grpo_baseline_v4": 16, "qwen3b_v4": 8,
+               "qwen3b_base_ma_v4": 8, "llama3b_v4": 8}
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_every_config_file_is_covered():
+    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))}
+    assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "tiny_test"}
+
+
+@pytest.mark.parametrize("name", sorted(TPU_DEVICES))
+def test_tpu_configs_validate_on_their_slice(name):
+    cfg = load(name)
+    config_lib.validate(cfg, TPU_DEVICES[name])
+    assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
+    assert config_lib.update_config(cfg).warmup_steps == 286  # 28.5% of 1005 rollout batches
+
+
+def test_paper_variants():
+    assert load("qwen7b_instruct_v4").objective.llds.lam == 0.3
+    assert load("qwen3b_base_ma_v4").objective.llds.answer_weighting == "adaptive"
+    assert not load("grpo_baseline_v4").objective.llds.enabled
+    base = load("base")
+    assert (base.objective.llds.lam, base.objective.llds.gate, base.objective.kl_estimator) == (0.2, "action",
+                                                                                                  "low_var_kl")
+
+
+@pytest.mark.parametrize("name", ["demo_cpu", "tiny_test"])
+def test_cpu_configs_follow_the_schema(name):
+    cfg = load(name)
+    config_lib.check_schema(cfg)
+    cfg.model.path = "/some/model"  # set by llds_jax.demo.prepare at run time
+    config_lib.validate(cfg, 1)
+
+
+def test_unknown_key_in_a_config_file_is_named():
+    cfg = load("base")
+    cfg.objective.llds.unlock()
+    cfg.objective.llds.lamda = 0.3
+    with pytest.raises(config_lib.ConfigError, match=r"unknown config key 'objective\.llds\.lamda'"):
+        config_lib.check_schema(cfg)
+
+
+def test_wrong_type_in_a_config_file_is_named():
+    cfg = load("base")
+    del cfg.optim["learning_rate"]
+    cfg.optim.learning_rate = "1e-6"
+    with pytest.raises(config_lib.ConfigError, match=r"config key 'optim\.learning_rate' must be float, got str"):
+        config_lib.check_schema(cfg)
+
+
+def test_impossible_batch_split_is_named():
+    cfg = load("qwen7b_v4")
+    cfg.optim.micro_batch_size = 8
+    with pytest.raises(config_lib.ConfigError, match=r"optim\.micro_batch_size \(8\) must be a multiple of the "
+                                                    r"mesh's batch axes data x fsdp = 16"):
+        config_lib.validate(cfg, 16)
+    cfg = load("qwen7b_v4")
+    cfg.data.prompts_per_step = 500
+    with pytest.raises(config_lib.ConfigError, match=r"optim\.mini_batch_size \(256\) must divide the rollout "
+                                                    r"batch data\.prompts_per_step x data\.samples_per_prompt = 2500"):
+        config_lib.validate(cfg, 16)
+    with pytest.raises(ValueError, match=r"16 devices cannot be split into data=1 x fsdp=-1 x tensor=3"):
+        cfg = load("qwen7b_v4")
+        cfg.mesh.tensor = 3
+        config_lib.validate(cfg, 16)
