@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import elasticsearch
 
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
-from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
+from llds_jax.search.types import BatchedRetriever, Document, RetrieverUnavailableError, SearchResult
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def is_permanent(error: BaseException) -> bool:
     return not isinstance(error, elasticsearch.TransportError) or isinstance(error, elasticsearch.SerializationError)
 
 
-class ElasticsearchRetriever(Retriever):
+class ElasticsearchRetriever(BatchedRetriever):
     """BM25 search of `index` on the cluster at `hosts` (see the module docstring)."""
 
     backend = "elasticsearch"
@@ -120,14 +120,6 @@ class ElasticsearchRetriever(Retriever):
         self._where = f"elasticsearch backend at {hosts_for_display(self.hosts)} (index {index!r})"
         self._client = make_client(self.hosts, timeout_s=None, verify_certs=verify_certs, ca_certs=ca_certs)
         self._slots = asyncio.Semaphore(policy.max_concurrency)
-
-    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
-        """Top-k documents per query; failures after retries become one error result per query."""
-        check_k(k)
-        queries = list(queries)
-        batches = [queries[i:i + self.batch_size] for i in range(0, len(queries), self.batch_size)]
-        answers = await asyncio.gather(*(self._search_batch(batch, k) for batch in batches))
-        return [result for batch in answers for result in batch]
 
     async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
         searches = []

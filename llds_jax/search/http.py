@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
 
 import aiohttp
 
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
-from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
+from llds_jax.search.types import BatchedRetriever, Document, RetrieverUnavailableError, SearchResult
 
 
 class HttpStatusError(Exception):
@@ -50,7 +49,7 @@ def parse_response(payload: object, num_queries: int) -> list[list[Document]]:
         raise ResponseShapeError(f"result item without document id/contents or score: {describe(e)}") from e
 
 
-class HttpRetriever(Retriever):
+class HttpRetriever(BatchedRetriever):
     """Searches through the Search-R1 retrieval server at `url` (the full endpoint, e.g. http://host:8000/retrieve)."""
 
     backend = "http"
@@ -76,14 +75,6 @@ class HttpRetriever(Retriever):
             if response.status != 200:
                 raise HttpStatusError(response.status, text)
         return parse_response(json.loads(text), len(queries))
-
-    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
-        """Top-k documents per query; failures after retries become one error result per query."""
-        check_k(k)
-        queries = list(queries)
-        batches = [queries[i:i + self.batch_size] for i in range(0, len(queries), self.batch_size)]
-        answers = await asyncio.gather(*(self._search_batch(batch, k) for batch in batches))
-        return [result for batch in answers for result in batch]
 
     async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
         async with self._slots:

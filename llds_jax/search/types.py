@@ -6,6 +6,7 @@ Documents are in Search-R1's wiki-18 shape: `contents` is the quoted title line,
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 
@@ -65,6 +66,25 @@ class Retriever(abc.ABC):
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
+
+
+class BatchedRetriever(Retriever):
+    """A network retriever: `search` splits the queries into requests of `batch_size` and sends them concurrently
+    (the subclass bounds how many are in flight)."""
+
+    batch_size: int
+
+    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
+        """Top-k documents per query; failures after retries become one error result per query."""
+        check_k(k)
+        queries = list(queries)
+        batches = [queries[i:i + self.batch_size] for i in range(0, len(queries), self.batch_size)]
+        answers = await asyncio.gather(*(self._search_batch(batch, k) for batch in batches))
+        return [result for batch in answers for result in batch]
+
+    @abc.abstractmethod
+    async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
+        """One request for `queries` (at most batch_size), with its retries."""
 
 
 def check_k(k: int) -> int:

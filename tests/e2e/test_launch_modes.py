@@ -8,7 +8,6 @@ import string
 import subprocess
 import sys
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch

@@ -96,12 +96,12 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("--config.optim.lamda=1", "unknown config key in config.optim.lamda"),
+    ("--config.optim.lamda=1", "llds_jax: error: unknown config key config.optim.lamda\n"),
     ("--config.optim.learning_rate=abc", "could not convert string to float: 'abc'"),
     ("--config.optim.mini_batch_size=3", "optim.mini_batch_size (3) must divide the rollout batch"),
 ])
 def test_bad_config_is_one_line(tmp_path, override, message):
     code, out, err = launch(str(tmp_path / "run"), override)
-    assert code != 0
+    assert code == 2
     assert message in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
