@@ -51,7 +51,7 @@ def _params_for_eval(trainer):
 
 def run(cfg, mode: str, export_dir: str = "") -> int:
     """Runs one mode; returns the process exit status."""
-    from llds_jax import demo, distributed
+    from llds_jax import distributed
 
     d = cfg.distributed
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
@@ -59,7 +59,7 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
     from llds_jax.model import hf_io
     from llds_jax.train.trainer import Trainer
 
-    demo.prepare(cfg)
+    _prepare_demo(cfg)
     if distributed.is_main_process():
         print(cfg, flush=True)
     trainer = Trainer(cfg, training=mode == "train")
@@ -88,6 +88,18 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
     return 0
 
 
+def _prepare_demo(cfg) -> None:
+    """`demo.prepare(cfg)`, building the assets on process 0 first: the others then reuse them from a shared run
+    folder (or build identical ones on their own disk) instead of writing the same files concurrently."""
+    from llds_jax import demo, distributed
+
+    if distributed.is_main_process():
+        demo.prepare(cfg)
+    distributed.barrier("demo_assets")
+    if not distributed.is_main_process():
+        demo.prepare(cfg)
+
+
 def _print_eval(trainer, params, step: int) -> None:
     from llds_jax.train import evaluation
 
@@ -114,13 +126,17 @@ def main(argv) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with a one-line error naming a config override key that does not exist."""
+    """absl flag parsing with one-line errors: an override key that does not exist, or a value of the wrong type."""
     try:
         return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"llds_jax: error: {e}", file=sys.stderr)
     except (AttributeError, KeyError) as e:
+        missing = str(e).strip("'\"")
         keys = [a.split("=", 1)[0][2:] for a in argv[1:] if a.startswith("--config.")]
-        print(f"llds_jax: error: unknown config key in {' '.join(keys)} ({e})", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        named = [k for k in keys if missing in k.split(".")] or keys
+        print(f"llds_jax: error: unknown config key {', '.join(named)}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

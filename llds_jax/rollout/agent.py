@@ -120,7 +120,7 @@ def search_error_observation(error: str) -> str:
 
 
 def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
-            config: AgentConfig, runner: Optional[asyncio.Runner] = None) -> Rollout:
+            config: AgentConfig, runner: Optional[asyncio.Runner] = None, first_sequence: int = 0) -> Rollout:
     """Runs the agent loop for `examples` (repeat an example for several samples; they share its uid).
 
     Args:
@@ -129,17 +129,20 @@ def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample]
       params: the policy parameters (`nnx.split(model)[1]`).
       tokenizer: a Hugging Face tokenizer (prompt, turn text, observations).
       retriever: an object with `async search(queries, k) -> list of results with .docs and .error`.
-      rng: a PRNG key.
+      rng: a PRNG key; example i samples with the global sequence id first_sequence + i (per session when
+        `config.max_batch_size` splits the examples, see `_session_stream`), see `sampler.Sampler.start`.
       runner: an `asyncio.Runner` to reuse one event loop across calls (async retriever clients bind to a
         loop); a fresh loop per call without one.
+      first_sequence: the global sequence id of examples[0], e.g. this host's first row of a global batch on
+        several hosts, so that the hosts together sample what one process would.
     Returns a Rollout with one trajectory per example, in order.
     """
-    coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config)
+    coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config, first_sequence)
     return runner.run(coro) if runner is not None else asyncio.run(coro)
 
 
 async def rollout_async(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
-                        config: AgentConfig) -> Rollout:
+                        config: AgentConfig, first_sequence: int = 0) -> Rollout:
     """`rollout` as a coroutine."""
     if not examples:
         raise ValueError("rollout: no examples")
@@ -147,10 +150,9 @@ async def rollout_async(sampler, params, tokenizer, retriever, examples: Sequenc
     trajectories: list[Trajectory] = []
     timing = {"decode_s": 0.0, "search_s": 0.0, "sampled_tokens": 0.0}
     start = time.perf_counter()
-    for index, first in enumerate(range(0, len(examples), size)):
-        batch_rng = rng if size >= len(examples) else jax.random.fold_in(rng, index)
+    for first in range(0, len(examples), size):
         loop = _BatchLoop(sampler, params, tokenizer, retriever, examples[first:first + size], config, timing)
-        trajectories += await loop.run(batch_rng)
+        trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))
     elapsed = time.perf_counter() - start
     metrics = rollout_metrics(trajectories)
     metrics.update(timing, rollout_s=elapsed,
@@ -171,6 +173,26 @@ class _Conversation:
         return len(self.prompt_ids) + self.response_len
 
 
+def _session_stream(rng: jax.Array, first_sequence: int, max_batch_size: int) -> tuple[jax.Array, int]:
+    """The (rng, first_sequence) of the session whose first example has global id `first_sequence`.
+
+    Without sessions (max_batch_size 0) that is (rng, first_sequence). With sessions of max_batch_size rows, global
+    session k = first_sequence // max_batch_size samples with fold_in(rng, k) from row first_sequence % max_batch_size
+    on, so hosts whose share of a global batch is a multiple of max_batch_size sample what one process would.
+    """
+    if not max_batch_size:
+        return rng, first_sequence
+    return jax.random.fold_in(rng, first_sequence // max_batch_size), first_sequence % max_batch_size
+
+
+def _start_session(sampler, params, prompts: list[list[int]], rng: jax.Array, first_sequence: int):
+    """`sampler.start(...)`; `first_sequence` is passed only when non-zero, so that samplers with the original
+    `start(params, prompts, rng)` (test doubles) keep working wherever no offset is needed."""
+    if first_sequence:
+        return sampler.start(params, prompts, rng, first_sequence=first_sequence)
+    return sampler.start(params, prompts, rng)
+
+
 class _BatchLoop:
     """The turn loop of one sampler session."""
 
@@ -181,8 +203,8 @@ class _BatchLoop:
         self.convs = [_Conversation(protocol.chat_prompt_ids(tokenizer, ex.question, config.max_prompt_tokens))
                       for ex in self.examples]
 
-    async def run(self, rng: jax.Array) -> list[Trajectory]:
-        session = self.sampler.start(self.params, [c.prompt_ids for c in self.convs], rng)
+    async def run(self, rng: jax.Array, first_sequence: int) -> list[Trajectory]:
+        session = _start_session(self.sampler, self.params, [c.prompt_ids for c in self.convs], rng, first_sequence)
         for turn_index in range(self.config.max_turns + 1):
             if all(c.end_reason is not None for c in self.convs):
                 break

@@ -302,23 +302,30 @@ class Sampler:
             return jnp.asarray(array)
         return jax.device_put(array, parallel.batch_sharding(self.mesh, array.ndim))
 
-    def start(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array) -> "Session":
+    def start(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
+              first_sequence: int = 0) -> "Session":
         """Opens a session over `prompts` (token ids each). The prompts are encoded at the first decode_turn.
 
-        rng: a PRNG key; sequence i samples from the stream fold_in(rng, i), so its tokens do not depend on
-        which other sequences share the batch or how the batch is split over devices.
+        rng: a PRNG key; sequence i samples from the stream fold_in(rng, first_sequence + i), so its tokens do not
+        depend on which other sequences share the batch or how the batch is split over devices or sessions.
+        first_sequence: the global index of the first prompt (e.g. this host's first row of a global batch, or
+          a session's first row of a larger rollout), so that a split batch samples what the whole one would.
         """
-        return Session(self, params, prompts, rng)
+        return Session(self, params, prompts, rng, first_sequence)
 
 
 class Session:
-    """One batch of conversations in the KV cache. Sequences are indexed 0..n-1 in `prompts` order."""
+    """One batch of conversations in the KV cache. Sequences are indexed 0..n-1 in `prompts` order; sequence i
+    samples with the global id first_sequence + i (see `Sampler.start`)."""
 
-    def __init__(self, sampler: Sampler, params, prompts: Sequence[Sequence[int]], rng: jax.Array):
+    def __init__(self, sampler: Sampler, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
+                 first_sequence: int = 0):
         if not prompts:
             raise ValueError("Session: no prompts")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("Session: every prompt needs at least one token")
+        if first_sequence < 0:
+            raise ValueError(f"Session: first_sequence must be >= 0, got {first_sequence}")
         if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)
         self._sampler = sampler
@@ -326,6 +333,7 @@ class Session:
         self._params = params
         self._prompts = [list(map(int, p)) for p in prompts]
         self._rng = rng
+        self._first_sequence = first_sequence
         self._state: Optional[DecodeState] = None
         n = len(prompts)
         self._alive = np.ones(n, bool)
@@ -445,7 +453,7 @@ class Session:
         for i, prompt in enumerate(self._prompts):
             tokens_bt[i, p - len(prompt):] = prompt
             valid_bt[i, p - len(prompt):] = True
-        seq_ids_b = np.arange(rows, dtype=np.uint32)
+        seq_ids_b = np.arange(self._first_sequence, self._first_sequence + rows, dtype=np.uint32)
         capacity = buckets.pow2_bucket(p + max_budget + 1, cfg.min_capacity_bucket)
         put = self._sampler.put
         self._state = self._sampler._prefill(self._params, put(tokens_bt), put(valid_bt), self._rng,

@@ -3,28 +3,37 @@
 One `Trainer` per process. Everything it needs comes from the run config (llds_jax.config); the resolved config is
 printed and saved as `<run_dir>/config.json`. A run folder is resumed automatically from its latest complete
 checkpoint; SIGTERM / SIGINT save a checkpoint and end the run with exit status 0.
+
+Several hosts (processes): the updates run on the GLOBAL mesh (every device of the job; params and optimizer state
+sharded over it). Rollouts are host-local: each host samples its own slice of the step's prompts (PromptIterator)
+on a mesh of its own devices, with a host-local copy of the current params (`rollout_params`), and calls its own
+retriever. Sequence ids are global (`agent.rollout(first_sequence=...)`), so the hosts together sample what one
+process would. The hosts' trajectories are then packed to one agreed length and gathered into the global
+training batch on every host (`global_batch`); `train_on_batch` places it on the global mesh. Rollout metrics
+are combined over the hosts (`combine_over_processes`). With one process all of this is a no-op: the rollout
+uses the training mesh and the very same param arrays, and nothing is gathered.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import ml_collections
 import numpy as np
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from llds_jax import config as config_lib
 from llds_jax import distributed, parallel
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
 from llds_jax.model import hf_io
-from llds_jax.rl.train_step import RLTrainStep, TrainState
+from llds_jax.rl.train_step import RLTrainStep, TrainState, learning_rate
 from llds_jax.rollout import agent
 from llds_jax.rollout.sampler import Sampler
 from llds_jax.rollout.trajectory import Trajectory, pack_trajectories
@@ -50,16 +59,57 @@ def read_examples(files: Sequence[str], what: str) -> list[QAExample]:
     return examples
 
 
+def padded_length(trajectories: Sequence[Trajectory], bucket: int) -> int:
+    """The longest trajectory of every host, rounded up to a multiple of `bucket` (a collective on several
+    hosts: every process calls it at the same point)."""
+    longest = max(len(t.tokens) for t in trajectories)
+    if jax.process_count() > 1:
+        longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+    return -(-longest // bucket) * bucket
+
+
 def training_batch(trajectories: Sequence[Trajectory], group_b: np.ndarray, pad_id: int,
-                   bucket: int) -> dict[str, np.ndarray]:
-    """The rollout batch dict of `RLTrainStep.train_on_batch`; lengths padded to a multiple of `bucket`."""
-    packed = pack_trajectories(trajectories, pad_id=pad_id, pad_to_multiple=bucket)
+                   length: int) -> dict[str, np.ndarray]:
+    """The rollout batch dict of `RLTrainStep.train_on_batch`; sequences right-padded to `length` tokens."""
+    packed = pack_trajectories(trajectories, pad_id=pad_id, length=length)
     return {
         "tokens_bt": packed.tokens_bt, "mask_bt": packed.attn_mask_bt, "loss_mask_bt": packed.loss_mask_bt,
         "action_ids_bt": packed.action_ids_bt, "answer_mask_bt": packed.answer_mask_bt,
         "sampler_logp_bt": packed.sampler_logp_bt, "rewards_b": packed.rewards_b, "uids_b": group_b,
         "search_count_b": np.asarray([t.num_valid_searches for t in trajectories], np.float32),
     }
+
+
+def global_batch(local_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every host's rows of a batch dict (equal shapes on every host), concatenated in process order, on every
+    host; the local batch itself with one process. A collective."""
+    if jax.process_count() == 1:
+        return local_batch
+    return {key: np.asarray(value) for key, value in
+            multihost_utils.process_allgather(local_batch, tiled=True).items()}
+
+
+HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s")  # rollout metrics that add up over hosts
+
+
+def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HOST_SUMMED_METRICS
+                           ) -> dict[str, float]:
+    """Rollout metrics of the whole job (the same keys on every host): the `summed` ones added up over the hosts,
+    the others averaged (with equal host batches a host's batch mean averages to the global batch mean; seconds
+    become the hosts' mean). A collective."""
+    if jax.process_count() == 1:
+        return metrics
+    keys = sorted(metrics)
+    values_pk = np.asarray(multihost_utils.process_allgather(np.asarray([metrics[k] for k in keys], np.float32)))
+    return {k: float(values_pk[:, i].sum() if k in summed else values_pk[:, i].mean()) for i, k in enumerate(keys)}
+
+
+def rollout_mesh(cfg: ml_collections.ConfigDict, train_mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The mesh rollouts run on: the training mesh with one process; else this host's own devices (rows over
+    fsdp, mesh.tensor kept), so that each host samples its prompts without waiting for the others."""
+    if jax.process_count() == 1:
+        return train_mesh
+    return parallel.make_mesh(1, -1, cfg.mesh.tensor, devices=jax.local_devices())
 
 
 class Trainer:
@@ -80,8 +130,10 @@ class Trainer:
         self.step_fn = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), self.mesh)
         graphdef, _ = nnx.split(model)
         stop_ids = agent.turn_stop_ids(self.tokenizer)
-        self.sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids), self.mesh)
-        self.eval_sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=True), self.mesh)
+        self.rollout_mesh = rollout_mesh(cfg, self.mesh)
+        self.sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids), self.rollout_mesh)
+        self.eval_sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=True),
+                                    self.rollout_mesh)
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
         self.runner = asyncio.Runner()
@@ -95,12 +147,22 @@ class Trainer:
         self.base_rng = jax.random.key(cfg.seed)
 
     # ----- pieces of a step ----------------------------------------------------------------------------------------
+    def rollout_params(self, params: nnx.State) -> nnx.State:
+        """`params` (on the training mesh) as the rollout mesh holds them: the same arrays with one process; else a
+        host-local copy (every host gathers the full params, then places them on its own devices). A collective."""
+        if jax.process_count() == 1:
+            return params
+        host_params = multihost_utils.process_allgather(params, tiled=True)
+        return jax.device_put(host_params, parallel.param_shardings(params, self.rollout_mesh))
+
     def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array) -> agent.Rollout:
-        """n samples of each prompt through the agent loop (the samples of prompt i form group i)."""
+        """n samples of each of this host's prompts through the agent loop (the samples of prompt i form group
+        i); sequence ids count from this host's first row of the global batch."""
         n = self.cfg.data.samples_per_prompt
         examples = [ex for ex in prompts for _ in range(n)]
-        return agent.rollout(self.sampler, params, self.tokenizer, self.retriever, examples, rng, self.agent_cfg,
-                             runner=self.runner)
+        return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, examples,
+                             rng, self.agent_cfg, runner=self.runner,
+                             first_sequence=jax.process_index() * len(examples))
 
     def train_step(self, state: TrainState, ref_params, step: int) -> tuple[TrainState, dict[str, float],
                                                                            list[Trajectory]]:
@@ -111,32 +173,35 @@ class Trainer:
         rollout = self.rollout(state.params, prompts, rng)
         rollout_s = time.perf_counter() - start
         n = self.cfg.data.samples_per_prompt
-        group_b = np.repeat(np.arange(len(prompts), dtype=np.int32), n)
-        batch = training_batch(rollout.trajectories, group_b, self.pad_id, self.cfg.train.sequence_bucket)
+        first_prompt = jax.process_index() * len(prompts)
+        group_b = np.repeat(np.arange(first_prompt, first_prompt + len(prompts), dtype=np.int32), n)
+        length = padded_length(rollout.trajectories, self.cfg.train.sequence_bucket)
+        batch = global_batch(training_batch(rollout.trajectories, group_b, self.pad_id, length))
+        job_rollout_metrics = combine_over_processes(rollout.metrics)
         lld_every = self.cfg.train.lld_every
         state, batch_metrics = self.step_fn.train_on_batch(state, ref_params, batch,
                                                            measure_lld=bool(lld_every) and step % lld_every == 0)
         step_s = time.perf_counter() - start
         tokens = float(batch["mask_bt"].sum())
-        metrics = {f"rollout/{k}": v for k, v in rollout.metrics.items()}
+        metrics = {f"rollout/{k}": v for k, v in job_rollout_metrics.items()}
         metrics.update(batch_metrics.scalars)
         metrics.update({
-            "reward/mean": rollout.metrics["reward"],
+            "reward/mean": job_rollout_metrics["reward"],
             "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/update_s": step_s - rollout_s,
             "perf/tokens_per_s": tokens / step_s, "perf/sequence_length": float(batch["tokens_bt"].shape[1]),
-            "optim/learning_rate": float(self.step_fn_learning_rate(step)),
+            "optim/learning_rate": float(learning_rate(step - 1, self.step_fn.update_cfg)),
         })
         return state, metrics, rollout.trajectories
 
-    def step_fn_learning_rate(self, step: int) -> float:
-        from llds_jax.rl.train_step import learning_rate
-        return float(learning_rate(step - 1, self.step_fn.update_cfg))
-
     def evaluate(self, params, examples: Sequence[QAExample], out_dir: Optional[epath.Path] = None,
                  prefix: str = "eval") -> dict[str, float]:
-        """Greedy rollouts with eval.max_turns; EM per data_source and their unweighted mean."""
+        """Greedy rollouts with eval.max_turns; EM per data_source and their unweighted mean.
+
+        On several hosts every host evaluates every example on its own devices (same results; only process 0
+        writes them)."""
         trajectories = []
         size = self.cfg.eval.batch_size
+        params = self.rollout_params(params)
         for first in range(0, len(examples), size):
             rollout = agent.rollout(self.eval_sampler, params, self.tokenizer, self.retriever,
                                     list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
