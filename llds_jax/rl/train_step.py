@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import time
 import warnings
 from typing import Any, NamedTuple
 
@@ -135,6 +136,7 @@ class BatchMetrics(NamedTuple):
 
     Attributes:
       scalars: name -> float: means over updates (plus `actor/grad_norm_max`), pre-update likelihood metrics,
+        seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`),
         post-update LLD metrics when measured.
       per_update: name -> [U] array, one value per optimizer update (mean over its micro-batches).
       delta_traj_b: [B] Delta_traj per trajectory when `measure_lld`, else None.
@@ -421,8 +423,11 @@ class RLTrainStep:
             raise ValueError("ref_params is required when objective.kl_coef > 0")
         prepared = self.prepare_batch(batch)
         arrays = prepared.arrays
+        start = time.perf_counter()
         old_logp = self.sequence_logp(state.params, prepared)
         ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
+        jax.block_until_ready((old_logp, ref_logp))  # once per batch: times the frozen log-probs apart
+        logp_s = time.perf_counter() - start
         flat = lambda x: x.reshape((-1,) + x.shape[3:])  # noqa: E731  [U, K, micro, ...] -> [B, ...]
         sampler = arrays.get("sampler_logp_bt")
         before = self._likelihood(flat(old_logp), flat(arrays["loss_mask_bt"]), flat(arrays["action_ids_bt"]),
@@ -447,5 +452,7 @@ class RLTrainStep:
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)
         scalars["actor/updates"] = float(prepared.num_updates)
+        scalars["perf/logp_s"] = logp_s
+        scalars["perf/update_s"] = time.perf_counter() - start - logp_s
         scalars.update({key: float(value) for key, value in {**before, **after}.items()})
         return state, BatchMetrics(scalars=scalars, per_update=stacked, delta_traj_b=delta_traj_b)

@@ -187,7 +187,7 @@ class Trainer:
         metrics.update(batch_metrics.scalars)
         metrics.update({
             "reward/mean": job_rollout_metrics["reward"],
-            "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/update_s": step_s - rollout_s,
+            "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/retrieval_s": job_rollout_metrics["search_s"],
             "perf/tokens_per_s": tokens / step_s, "perf/sequence_length": float(batch["tokens_bt"].shape[1]),
             "optim/learning_rate": float(learning_rate(step - 1, self.step_fn.update_cfg)),
         })
