@@ -48,14 +48,19 @@ def build_assets(out_dir: str, *, num_people: int, seed: int, hidden_size: int, 
     return paths
 
 
+def assets_for(cfg: ml_collections.ConfigDict, out_dir: str) -> dict[str, str]:
+    """`build_assets` at the sizes of `cfg.demo` and the run's seed."""
+    d = cfg.demo
+    return build_assets(out_dir, num_people=d.num_people, seed=cfg.seed, hidden_size=d.hidden_size,
+                        num_layers=d.num_layers, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads,
+                        intermediate_size=d.intermediate_size)
+
+
 def prepare(cfg: ml_collections.ConfigDict) -> None:
     """When `cfg.demo.enabled`: builds the assets (if missing) and points model/data/retriever at them."""
-    d = cfg.demo
-    if not d.enabled:
+    if not cfg.demo.enabled:
         return
-    paths = build_assets(os.path.join(cfg.run_dir, "assets"), num_people=d.num_people, seed=cfg.seed,
-                         hidden_size=d.hidden_size, num_layers=d.num_layers, num_heads=d.num_heads,
-                         num_kv_heads=d.num_kv_heads, intermediate_size=d.intermediate_size)
+    paths = assets_for(cfg, os.path.join(cfg.run_dir, "assets"))
     cfg.model.path = paths["model"]
     cfg.data.train_files = [paths["train"]]
     cfg.data.eval_files = [paths["test"]]

@@ -1,4 +1,5 @@
 """Shared assets of the end-to-end tests: the tiny demo world, index and policy, and run-config files."""
+import importlib.util
 import os
 import textwrap
 
@@ -16,11 +17,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
 
 
+def tiny_config():
+    """configs/tiny_test.py's config."""
+    spec = importlib.util.spec_from_file_location("tiny_test", TINY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
-    """World files, BM25 index and a random 1-layer policy (demo.build_assets at the tiny config's sizes)."""
-    return demo.build_assets(str(tmp_path_factory.mktemp("assets")), num_people=20, seed=0, hidden_size=32,
-                             num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    """World files, BM25 index and a random 1-layer policy at the tiny config's sizes, built once before any run
+    (so no two processes write them)."""
+    return demo.assets_for(tiny_config(), str(tmp_path_factory.mktemp("assets")))
 
 
 @pytest.fixture(scope="session")

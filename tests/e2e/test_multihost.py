@@ -4,7 +4,6 @@ collectives) train two steps of the tiny config and reach the parameters of one 
 Both runs use the same pre-built demo assets (written once here) and a global mesh fsdp=8; each host rolls out its
 own half of the prompts on its 4 devices, the updates run on all 8.
 """
-import importlib.util
 import json
 import os
 import socket
@@ -16,12 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llds_jax import demo
 from llds_jax.model import hf_io
 from llds_jax.train.checkpoint import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(ROOT, "configs", "tiny_test.py")
 TOLERANCE = 1e-5
 # 16 trajectories (4 prompts x 4 samples), 2 updates of 8 per step; micro 8 = the 8 devices of the fsdp axis.
 # adam_eps 1 makes each update ~ learning_rate x gradient: with the default eps 1e-8 Adam turns the float noise of
@@ -36,50 +33,10 @@ OVERRIDES = ("--config.mesh.fsdp=-1", "--config.data.prompts_per_step=4", "--con
 TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/rollout_s", "rollout/sampled_tokens_per_s",
                "time")
 
-CONFIG = """
-import importlib.util
-
-_spec = importlib.util.spec_from_file_location("tiny_test", {tiny!r})
-_tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_tiny)
-
-
-def get_config():
-    c = _tiny.get_config()
-    c.demo.enabled = False
-    c.model.path = {model!r}
-    c.data.train_files = [{train!r}]
-    c.data.eval_files = []
-    c.retriever.index_dir = {index!r}
-    return c
-"""
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def tiny_config():
-    """configs/tiny_test.py's config."""
-    spec = importlib.util.spec_from_file_location("tiny_test", TINY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-def write_config(tmp_path) -> tuple[str, str]:
-    """Builds the tiny config's demo assets once (before any run, so no two processes write them); returns (a
-    config file pointing the tiny config at them, the model folder)."""
-    cfg = tiny_config()
-    d = cfg.demo
-    paths = demo.build_assets(str(tmp_path / "assets"), num_people=d.num_people, seed=cfg.seed,
-                              hidden_size=d.hidden_size, num_layers=d.num_layers, num_heads=d.num_heads,
-                              num_kv_heads=d.num_kv_heads, intermediate_size=d.intermediate_size)
-    path = tmp_path / "multihost_config.py"
-    path.write_text(CONFIG.format(tiny=TINY, model=paths["model"], train=paths["train"], index=paths["index"]))
-    return str(path), paths["model"]
 
 
 def start(config: str, run_dir: str, devices: int, *extra: str) -> subprocess.Popen:
@@ -125,8 +82,9 @@ def comparable_metrics(run_dir: str) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_two_hosts_reach_the_parameters_of_one_process(tmp_path):
-    config, model_dir = write_config(tmp_path)
+def test_two_hosts_reach_the_parameters_of_one_process(tmp_path, tiny_assets, config_writer):
+    config = config_writer(tmp_path / "multihost_config.py", tiny_assets, **{"data.eval_files": []})
+    model_dir = tiny_assets["model"]
     single_dir, multi_dir = str(tmp_path / "single"), str(tmp_path / "multi")
     port = free_port()
     hosts = [start(config, multi_dir, 4, f"--config.distributed.coordinator_address=127.0.0.1:{port}",
