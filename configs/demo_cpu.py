@@ -1,7 +1,17 @@
-"""The main job on one CPU machine: a generated search world, its embedded BM25 index, a small Qwen2-architecture
-policy with the real Qwen2.5 tokenizer, GRPO + LLDS with the real multi-turn rollout loop.
+"""The main job on one CPU machine (no accelerator, no network): learn to search a generated world.
 
     python -m llds_jax.launch --config=configs/demo_cpu.py
+
+1. Assets (runs/demo_world, built once): a world of 400 fictional people and 100 companies written as wiki-18
+   passages, single- and two-hop questions (train/test split by person), the embedded BM25 index, a byte-level BPE
+   trained on the world (docs/demo.md says why not Qwen2.5's 152k vocabulary), a random 4-layer Qwen2-architecture
+   policy (1.3M parameters), and demonstrations of an imperfect demonstrator that searches on 40% of the questions
+   and guesses on the rest.
+2. Warm start (runs/demo_world/warm_start, cached): supervised steps on the demonstrations. The policy learns the
+   protocol and to copy from the documents, but searches only some of the time: its greedy test EM is low.
+3. GRPO + LLDS with the real rollout loop (searches hit the embedded index); the test set is evaluated before the
+   first step and after the last, and both are printed side by side. `python -m llds_jax.report runs/demo_cpu`
+   draws the plots.
 """
 from llds_jax.config import default_config
 
@@ -10,27 +20,53 @@ def get_config():
     c = default_config()
     c.run_dir = "runs/demo_cpu"
     c.demo.enabled = True
+    c.demo.assets_dir = "runs/demo_world"
+    c.demo.tokenizer = "world"
+    c.demo.vocab_size = 2048
+    c.demo.num_people = 400
+    c.demo.hidden_size = 128
+    c.demo.num_layers = 4
+    c.demo.num_heads = 4
+    c.demo.num_kv_heads = 2
+    c.demo.intermediate_size = 512
+    c.demo.search_fraction = 0.4
+
+    c.sft.enabled = True
+    c.sft.output_dir = "runs/demo_world/warm_start"
+    c.sft.steps = 150
+    c.sft.batch_size = 32
+    c.sft.learning_rate = 3e-3
+    c.sft.warmup_steps = 10
+    c.sft.sequence_bucket = 64
+    c.sft.log_every = 25
+
     c.model.dtype = "float32"
     c.model.remat = False
     c.mesh.fsdp = 1
-    c.data.prompts_per_step = 4
-    c.data.samples_per_prompt = 4
-    c.rollout.max_turns = 2
+    c.data.prompts_per_step = 8
+    c.data.samples_per_prompt = 8
+    c.rollout.max_turns = 2             # two searches (a two-hop question needs both), then the answer turn
     c.rollout.max_turn_tokens = 32
-    c.rollout.max_observation_tokens = 200
-    c.rollout.max_context_tokens = 1024
-    c.rollout.max_prompt_tokens = 512
+    c.rollout.max_observation_tokens = 128
+    c.rollout.max_prompt_tokens = 64
+    c.rollout.max_context_tokens = 512
+    c.rollout.retrieval_top_k = 2
     c.rollout.top_p = 1.0
-    c.optim.mini_batch_size = 8
-    c.optim.micro_batch_size = 8
-    c.optim.learning_rate = 1e-4
+    c.rollout.decode_chunk = 8
+    c.optim.mini_batch_size = 16        # 4 updates per rollout batch
+    c.optim.micro_batch_size = 16
+    c.optim.learning_rate = 2e-4
+    c.optim.warmup_ratio = 0.0
     c.optim.reference_dtype = "float32"
-    c.train.total_steps = 10
+    c.optim.logp_time_chunk = 128
+    c.train.total_steps = 30
     c.train.sequence_bucket = 64
     c.train.checkpoint_every = 10
     c.train.eval_every = 0
-    c.train.lld_every = 5
-    c.train.transcripts_every = 5
-    c.eval.max_examples = 32
-    c.eval.batch_size = 32
+    c.train.eval_at_start = True
+    c.train.lld_every = 1
+    c.train.transcripts_every = 10
+    c.eval.max_turns = 2
+    c.eval.max_examples = 0             # the whole test split
+    c.eval.batch_size = 256
     return c

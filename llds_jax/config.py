@@ -111,10 +111,30 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.num_transcripts = 2
     c.train.final_eval = True           # evaluate data.eval_files (eval.max_examples) when training ends
     c.train.sequence_bucket = 256       # training batches are padded to a multiple of this many tokens
+    c.train.eval_at_start = False       # evaluate the starting policy (eval.max_examples) before step 1
+
+    c.sft = ml_collections.ConfigDict()    # supervised warm start before RL (llds_jax.sft); cached by settings
+    c.sft.enabled = False
+    c.sft.data_files = []               # demonstration JSONL files (the demo fills in its own)
+    c.sft.output_dir = ""               # default <run_dir>/warm_start; becomes model.path for RL
+    c.sft.steps = 200
+    c.sft.batch_size = 32
+    c.sft.learning_rate = 1e-3
+    c.sft.warmup_steps = 10
+    c.sft.weight_decay = 0.0
+    c.sft.max_grad_norm = 1.0
+    c.sft.max_length = 1024             # longer demonstrations are skipped (counted)
+    c.sft.sequence_bucket = 64
+    c.sft.min_score = -1.0              # skip records scored below this; < 0: keep all
+    c.sft.log_every = 20
 
     c.demo = ml_collections.ConfigDict()   # self-contained assets (llds_jax.demo); off for real runs
     c.demo.enabled = False
+    c.demo.assets_dir = ""              # default <run_dir>/assets (runs may share one)
     c.demo.num_people = 200
+    c.demo.tokenizer = "qwen2.5"        # or "world": a BPE trained on the generated world (llds_jax.demo)
+    c.demo.vocab_size = 2048            # entries of the world tokenizer
+    c.demo.search_fraction = 0.3        # share of demonstrations that search (the rest guess)
     c.demo.hidden_size = 64
     c.demo.num_layers = 2
     c.demo.num_heads = 4

@@ -1,11 +1,19 @@
-"""Self-contained assets for a run on one machine: a generated search world, its embedded BM25 index, the offline
-Qwen2.5 tokenizer and a small random Qwen2-architecture policy saved as a Hugging Face folder.
+"""Self-contained assets for a run on one machine: a generated search world, its embedded BM25 index, a tokenizer,
+a small random Qwen2-architecture policy saved as a Hugging Face folder, and demonstrations for its warm start.
 
-`prepare(cfg)` builds what a config's `demo` section asks for under `<run_dir>/assets` (once; later runs reuse it)
-and points the config's model, data and retriever keys at it.
+The tokenizer is the offline Qwen2.5 one (`demo.tokenizer = "qwen2.5"`, 151,936 embedding rows as in the real
+checkpoints) or a byte-level BPE trained on the world (`"world"`, `demo.vocab_size` entries): with a 64-256 wide
+policy the output layer over Qwen2.5's vocabulary costs more than the rest of the model, which is what keeps a
+CPU demo slow; the world's vocabulary is closed, so a 2k BPE covers it with whole-word tokens.
+
+`prepare(cfg)` builds what a config's `demo` section asks for under `demo.assets_dir` (default
+`<run_dir>/assets`; rebuilt only when the settings change) and points the config's model, data, retriever and
+(with `sft.enabled` and no files of its own) sft.data_files keys at it.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import shutil
@@ -17,51 +25,92 @@ from index_builder.corpus import CorpusReader
 from index_builder.to_bm25 import build_bm25
 from llds_jax.data import synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
-from llds_jax.tokenizer import write_qwen25_tokenizer
+from llds_jax.search.factory import make_retriever
+from llds_jax.sft.demonstrations import write_demonstrations
+from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
 
 log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
+TOKENIZERS = ("qwen2.5", "world")
+_VOCAB_MULTIPLE = 128  # embedding rows of a trained tokenizer are padded to a multiple of this
+ASSETS_VERSION = 3     # part of the recorded spec: assets built by older code are rebuilt
 
 
-def build_assets(out_dir: str, *, num_people: int, seed: int, hidden_size: int, num_layers: int,
-                 num_heads: int, num_kv_heads: int, intermediate_size: int) -> dict[str, str]:
-    """Writes world files, index, tokenizer and a random model under `out_dir`; returns their paths."""
+def _search_fn(index_dir: str, k: int):
+    """A blocking `search(queries) -> documents per query` over the embedded index (for demonstrations)."""
+    def search(queries: list[str]) -> list[list]:
+        async def run():
+            async with make_retriever({"backend": "bm25", "index_dir": index_dir}) as retriever:
+                return await retriever.search(queries, k)
+        results = asyncio.run(run())
+        for query, result in zip(queries, results):
+            if result.error:
+                raise RuntimeError(f"demo index {index_dir}: search {query!r} failed: {result.error}")
+        return [result.docs for result in results]
+    return search
+
+
+def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
+    """Writes world files, index, tokenizer, a random model and demonstrations under `out_dir`; returns their paths.
+
+    `spec` holds num_people, seed, tokenizer, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+    intermediate_size, search_fraction, top_k (documents per search in the demonstrations) and version. An existing
+    folder built from the same spec is reused.
+    """
+    if spec["tokenizer"] not in TOKENIZERS:
+        raise ValueError(f"demo.tokenizer must be one of {TOKENIZERS}, got {spec['tokenizer']!r}")
     done = os.path.join(out_dir, "COMPLETE")
     paths = {"model": os.path.join(out_dir, "model"), "index": os.path.join(out_dir, "index"),
              "train": os.path.join(out_dir, "world", "train.parquet"),
-             "test": os.path.join(out_dir, "world", "test.parquet")}
+             "test": os.path.join(out_dir, "world", "test.parquet"),
+             "demonstrations": os.path.join(out_dir, "world", "demonstrations.jsonl")}
     if os.path.exists(done):
-        return paths
+        with open(done) as f:
+            if json.load(f) == spec:
+                return paths
     shutil.rmtree(out_dir, ignore_errors=True)
-    world = synthetic.make_world(num_people=num_people, seed=seed)
+    world = synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
     files = synthetic.write_world(world, os.path.join(out_dir, "world"))
     build_bm25(CorpusReader(files["corpus.jsonl"]), paths["index"])
-    cfg = ModelConfig(vocab_size=QWEN25_VOCAB_ROWS, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      head_dim=hidden_size // num_heads, rope_theta=1_000_000.0, qkv_bias=True,
+    records = synthetic.demonstrations(world, world.train, _search_fn(paths["index"], spec["top_k"]),
+                                       spec["search_fraction"], seed=spec["seed"])
+    write_demonstrations(paths["demonstrations"], records)
+    if spec["tokenizer"] == "world":
+        tok_dir = train_tokenizer(synthetic.tokenizer_texts(world, records), paths["model"],
+                                  vocab_size=spec["vocab_size"], phrases=synthetic.tokenizer_phrases(world))
+        vocab_rows = -(-len(load_tokenizer(tok_dir)) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+    else:
+        write_qwen25_tokenizer(paths["model"], "base")
+        vocab_rows = QWEN25_VOCAB_ROWS
+    h = spec["hidden_size"]
+    cfg = ModelConfig(vocab_size=vocab_rows, hidden_size=h, intermediate_size=spec["intermediate_size"],
+                      num_layers=spec["num_layers"], num_heads=spec["num_heads"], num_kv_heads=spec["num_kv_heads"],
+                      head_dim=h // spec["num_heads"], rope_theta=1_000_000.0, qkv_bias=True,
                       tie_word_embeddings=True)
-    hf_io.save_model(Transformer(cfg, rngs=nnx.Rngs(seed)), paths["model"])
-    write_qwen25_tokenizer(paths["model"], "base")
+    hf_io.save_model(Transformer(cfg, rngs=nnx.Rngs(spec["seed"])), paths["model"])
     with open(done, "w") as f:
-        f.write("ok\n")
+        json.dump(spec, f)
     log.info("demo assets written to %s", out_dir)
     return paths
 
 
 def assets_for(cfg: ml_collections.ConfigDict, out_dir: str) -> dict[str, str]:
-    """`build_assets` at the sizes of `cfg.demo` and the run's seed."""
+    """`build_assets` at the sizes of `cfg.demo`, the run's seed and its retrieval top-k."""
     d = cfg.demo
-    return build_assets(out_dir, num_people=d.num_people, seed=cfg.seed, hidden_size=d.hidden_size,
-                        num_layers=d.num_layers, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads,
-                        intermediate_size=d.intermediate_size)
+    spec = {key: d[key] for key in ("num_people", "tokenizer", "vocab_size", "hidden_size", "num_layers",
+                                    "num_heads", "num_kv_heads", "intermediate_size", "search_fraction")}
+    return build_assets(out_dir, {**spec, "seed": cfg.seed, "top_k": cfg.rollout.retrieval_top_k,
+                                  "version": ASSETS_VERSION})
 
 
 def prepare(cfg: ml_collections.ConfigDict) -> None:
-    """When `cfg.demo.enabled`: builds the assets (if missing) and points model/data/retriever at them."""
+    """When `cfg.demo.enabled`: builds the assets (if missing) and points model/data/retriever/sft at them."""
     if not cfg.demo.enabled:
         return
-    paths = assets_for(cfg, os.path.join(cfg.run_dir, "assets"))
+    paths = assets_for(cfg, cfg.demo.assets_dir or os.path.join(cfg.run_dir, "assets"))
     cfg.model.path = paths["model"]
     cfg.data.train_files = [paths["train"]]
     cfg.data.eval_files = [paths["test"]]
     cfg.retriever = ml_collections.ConfigDict({"backend": "bm25", "index_dir": paths["index"]})
+    if cfg.sft.enabled and not cfg.sft.data_files:
+        cfg.sft.data_files = [paths["demonstrations"]]

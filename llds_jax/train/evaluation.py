@@ -22,14 +22,27 @@ def em_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return table
 
 
-def format_table(table: Mapping[str, float], counts: Mapping[str, int] | None = None) -> str:
-    """The EM table as aligned text, one source per line, the mean last."""
-    width = max(len(k) for k in table)
-    lines = [f"{'data_source'.ljust(width)}  {'EM':>6}" + ("  n" if counts else "")]
-    for source, value in table.items():
+def format_columns(columns: Mapping[str, Mapping[str, float]], counts: Mapping[str, int] | None = None) -> str:
+    """EM tables side by side (one column per name, e.g. "start" and "step 40"), one source per line, the mean
+    last; `counts` adds the number of questions per source."""
+    sources = list(dict.fromkeys(source for table in columns.values() for source in table))
+    sources = [s for s in sources if s != MEAN_KEY] + [MEAN_KEY]
+    width = max(len("data_source"), *(len(s) for s in sources))
+    widths = [max(6, len(name)) for name in columns]
+    lines = ["  ".join(["data_source".ljust(width), *(n.rjust(w) for n, w in zip(columns, widths))])
+             + ("  n" if counts else "")]
+    for source in sources:
+        cells = [(f"{table[source]:.3f}" if source in table else "-").rjust(w)
+                 for table, w in zip(columns.values(), widths)]
         n = f"  {counts[source]}" if counts and source in counts else ""
-        lines.append(f"{source.ljust(width)}  {value:6.3f}{n}")
+        lines.append("  ".join([source.ljust(width), *cells]) + n)
     return "\n".join(lines)
+
+
+def read_results(out_dir: epath.Path) -> dict[str, Any] | None:
+    """The `results.json` that `write_results` wrote in `out_dir` ({"em": ..., "counts": ...}), or None."""
+    path = epath.Path(out_dir) / "results.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def transcript_record(t: Trajectory, tokenizer) -> dict[str, Any]:

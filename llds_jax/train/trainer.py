@@ -45,6 +45,7 @@ from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.preemption import PreemptionGuard
 
 log = logging.getLogger(__name__)
+START_EVAL = "start"  # eval/<this>/ holds the evaluation of the starting policy (train.eval_at_start)
 
 
 def read_examples(files: Sequence[str], what: str) -> list[QAExample]:
@@ -236,6 +237,9 @@ class Trainer:
                                                state.nonfinite_count.sharding))
             log.warning("resumed from step %d of %s", start, self.run_dir)
         writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=start + 1)
+        if start == 0 and cfg.train.eval_at_start and self.eval_examples:
+            examples = self.eval_examples[:cfg.eval.max_examples or None]
+            writer.write(0, self.evaluate(state.params, examples, self.run_dir / "eval" / START_EVAL))
         step = start
         try:
             with PreemptionGuard() as guard:

@@ -1,0 +1,271 @@
+"""The supervised warm-start stage: next-token loss on the demonstrations' model turns, then a Hugging Face folder.
+
+Config-driven (the run config's `sft` section) and cached: the output folder records a fingerprint of everything
+that determines it (the sft settings, the starting checkpoint, the tokenizer, the demonstration files' contents);
+a later run with the same fingerprint reuses the folder and goes straight to RL. Works for any checkpoint the
+trainer loads (a cold start for a real model is the same call with its own demonstrations).
+
+The loss is the mean negative log-likelihood over the model-turn tokens of a batch (observations and the prompt are
+context only), computed with the chunked log-probs of the RL objective. Batches are drawn from shuffled passes over
+the demonstrations, grouped by length and padded to a multiple of `sequence_bucket` tokens, so the step compiles
+once per bucket.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from etils import epath
+from flax import nnx
+
+from llds_jax import parallel
+from llds_jax.model import hf_io
+from llds_jax.rl.logprobs import model_token_logp
+from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
+from llds_jax.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+DONE_FILE = "warm_start.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Settings of the warm start (the `sft` config section).
+
+    Attributes:
+      data_files: demonstration JSONL files (llds_jax.sft.demonstrations).
+      output_dir: where the warm-started Hugging Face folder (weights + tokenizer) goes.
+      steps: optimizer steps.
+      batch_size: demonstrations per step.
+      learning_rate: AdamW peak learning rate (linear warmup, then cosine decay to a tenth).
+      warmup_steps: steps of the linear warmup.
+      weight_decay: AdamW weight decay.
+      max_grad_norm: global-norm gradient clipping.
+      max_length: demonstrations longer than this many tokens are skipped (and counted).
+      max_prompt_tokens: prompts keep their last this many tokens (as in the rollout).
+      sequence_bucket: batches are padded to a multiple of this many tokens.
+      min_score: skip records scored below this (None: keep all).
+      logp_time_chunk: time chunk of the log-probs.
+      log_every: steps between progress lines.
+      seed: data order.
+    """
+
+    data_files: tuple[str, ...]
+    output_dir: str
+    steps: int = 200
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_length: int = 1024
+    max_prompt_tokens: int = 2048
+    sequence_bucket: int = 64
+    min_score: Optional[float] = None
+    logp_time_chunk: int = 256
+    log_every: int = 20
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.data_files:
+            raise ValueError("sft.data_files lists no demonstration files")
+        if not self.output_dir:
+            raise ValueError("sft.output_dir must be set")
+        for name in ("steps", "batch_size", "max_length", "max_prompt_tokens", "sequence_bucket",
+                     "logp_time_chunk", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"sft.warmup_steps must be in [0, sft.steps], got {self.warmup_steps}")
+
+
+def schedule(cfg: SFTConfig) -> optax.Schedule:
+    """Linear warmup from 0 to the peak over `warmup_steps`, then cosine decay to a tenth of it at `steps`."""
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
+                                              max(cfg.steps, cfg.warmup_steps + 1), cfg.learning_rate / 10)
+
+
+def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on `schedule`."""
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                       optax.adamw(schedule(cfg), weight_decay=cfg.weight_decay))
+
+
+class Batches:
+    """Padded batches from shuffled passes over encoded demonstrations (deterministic from the seed).
+
+    Length-grouped: `group` batches' worth of demonstrations are drawn at a time, sorted by length and cut into
+    batches (served in random order), so a batch pads to its own longest row, not to the longest of the data.
+    """
+
+    def __init__(self, encoded: list[tuple[np.ndarray, np.ndarray]], batch_size: int, bucket: int, pad_id: int,
+                 seed: int, group: int = 8):
+        self.encoded, self.batch_size, self.bucket, self.pad_id, self.group = encoded, batch_size, bucket, pad_id, group
+        self.rng = np.random.default_rng(seed)
+        self.order: list[int] = []
+        self.ready: list[list[int]] = []
+
+    def _draw(self) -> int:
+        if not self.order:
+            self.order = list(self.rng.permutation(len(self.encoded)))
+        return self.order.pop()
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if not self.ready:
+            drawn = sorted((self._draw() for _ in range(self.batch_size * self.group)),
+                           key=lambda i: len(self.encoded[i][0]))
+            self.ready = [drawn[i:i + self.batch_size] for i in range(0, len(drawn), self.batch_size)]
+            self.ready = [self.ready[i] for i in self.rng.permutation(len(self.ready))]
+        rows = [self.encoded[i] for i in self.ready.pop()]
+        length = -(-max(len(tokens) for tokens, _ in rows) // self.bucket) * self.bucket
+        tokens_bt = np.full((len(rows), length), self.pad_id, np.int32)
+        mask_bt = np.zeros((len(rows), length), np.float32)
+        loss_mask_bt = np.zeros((len(rows), length), np.float32)
+        for i, (tokens, loss_mask) in enumerate(rows):
+            tokens_bt[i, :len(tokens)] = tokens
+            mask_bt[i, :len(tokens)] = 1.0
+            loss_mask_bt[i, :len(tokens)] = loss_mask
+        return {"tokens_bt": tokens_bt, "mask_bt": mask_bt, "loss_mask_bt": loss_mask_bt}
+
+
+def fingerprint(cfg: SFTConfig, model_path: str, tokenizer_path: str, model_overrides: dict) -> str:
+    """sha256 over the settings, the starting checkpoint's and tokenizer's paths and the data files' bytes."""
+    digest = hashlib.sha256()
+    settings = dataclasses.asdict(cfg)
+    settings.pop("log_every")
+    digest.update(json.dumps([settings, model_path, tokenizer_path, model_overrides], sort_keys=True).encode())
+    for path in cfg.data_files:
+        digest.update(epath.Path(path).read_bytes())
+    return digest.hexdigest()
+
+
+def train(model: nnx.Module, batches: Batches, cfg: SFTConfig, mesh: Optional[jax.sharding.Mesh] = None,
+          on_log=None) -> list[dict[str, float]]:
+    """Runs `cfg.steps` supervised steps on `model` (its parameters are replaced in place).
+
+    Returns the logged records ({"step", "loss", "tokens_per_s", "learning_rate"}, every `log_every` steps and
+    the last); `on_log(record)` is called with each.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer, lr = make_optimizer(cfg), schedule(cfg)
+    context = (lambda: jax.set_mesh(mesh)) if mesh is not None else contextlib.nullcontext
+
+    def loss_fn(params, batch):
+        logp_bt, _ = model_token_logp(nnx.merge(graphdef, params, rest), batch["tokens_bt"], batch["mask_bt"],
+                                      time_chunk=cfg.logp_time_chunk, mesh=mesh)
+        weight_bt = batch["loss_mask_bt"]
+        return -jnp.sum(logp_bt * weight_bt) / jnp.maximum(jnp.sum(weight_bt), 1.0)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    sharding = parallel.batch_sharding(mesh, 2) if mesh is not None else None
+    with context():
+        opt_state = jax.jit(optimizer.init)(params)
+        records, losses, tokens, start = [], [], 0.0, time.perf_counter()
+        for i in range(1, cfg.steps + 1):
+            batch = next(batches)
+            tokens += float(batch["mask_bt"].sum())
+            params, opt_state, loss = step(params, opt_state, jax.device_put(batch, sharding))
+            losses.append(loss)
+            if i % cfg.log_every == 0 or i == cfg.steps:
+                mean_loss = float(np.mean(jax.device_get(losses)))  # waits for the steps: times them
+                elapsed = time.perf_counter() - start
+                record = {"step": i, "loss": mean_loss, "tokens_per_s": tokens / elapsed,
+                          "learning_rate": float(lr(i))}
+                records.append(record)
+                if on_log is not None:
+                    on_log(record)
+                losses, tokens, start = [], 0.0, time.perf_counter()
+    nnx.update(model, params)
+    return records
+
+
+def sft_config(cfg: ml_collections.ConfigDict) -> SFTConfig:
+    """The typed view of a run config's `sft` section (output_dir defaults to <run_dir>/warm_start)."""
+    s = cfg.sft
+    return SFTConfig(
+        data_files=tuple(s.data_files), output_dir=s.output_dir or f"{cfg.run_dir}/warm_start", steps=s.steps,
+        batch_size=s.batch_size, learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
+        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, max_length=s.max_length,
+        max_prompt_tokens=cfg.rollout.max_prompt_tokens, sequence_bucket=s.sequence_bucket,
+        min_score=None if s.min_score < 0 else s.min_score, logp_time_chunk=cfg.optim.logp_time_chunk,
+        log_every=s.log_every, seed=cfg.seed)
+
+
+def encode_all(demos: list[Demonstration], tokenizer, cfg: SFTConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Encoded demonstrations; those over `max_length` tokens are skipped with a warning naming the count."""
+    encoded = [encode(demo, tokenizer, cfg.max_prompt_tokens) for demo in demos]
+    kept = [pair for pair in encoded if len(pair[0]) <= cfg.max_length]
+    if len(kept) < len(encoded):
+        log.warning("sft: skipped %d of %d demonstrations longer than sft.max_length=%d tokens",
+                    len(encoded) - len(kept), len(encoded), cfg.max_length)
+    if not kept:
+        raise ValueError(f"sft: every demonstration is longer than sft.max_length={cfg.max_length} tokens")
+    return kept
+
+
+def warm_start(cfg: ml_collections.ConfigDict) -> str:
+    """Runs the run config's warm start (or reuses its cached output); returns the output folder.
+
+    The folder holds the weights (safetensors), the tokenizer, `metrics.jsonl` (the logged records) and
+    `warm_start.json` (the fingerprint and a summary), written last: a folder without it is redone.
+    """
+    if jax.process_count() > 1:
+        raise ValueError("sft.enabled: the warm start runs in one process; run `--mode=sft` on one host, then "
+                         "start the job with model.path set to its output and sft.enabled=False")
+    s = sft_config(cfg)
+    m = cfg.model
+    tokenizer_path = m.tokenizer_path or m.path
+    overrides = {"dtype": m.dtype, "param_dtype": m.param_dtype, "scan_layers": m.scan_layers, "remat": m.remat}
+    key = fingerprint(s, m.path, tokenizer_path, overrides)
+    out = epath.Path(s.output_dir)
+    done = out / DONE_FILE
+    if done.exists() and json.loads(done.read_text()).get("fingerprint") == key:
+        print(f"warm start: reusing {out} (same settings, checkpoint and demonstrations)", flush=True)
+        return str(out)
+    tokenizer = load_tokenizer(tokenizer_path, fallback_chat_template=m.chat_template)
+    demos = read_demonstrations(s.data_files, s.min_score)
+    encoded = encode_all(demos, tokenizer, s)
+    mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    batch_shards = math.prod(mesh.shape[axis] for axis in parallel.BATCH)
+    if s.batch_size % batch_shards:
+        raise ValueError(f"sft.batch_size ({s.batch_size}) must be a multiple of the mesh's batch axes "
+                         f"data x fsdp = {batch_shards}")
+    model = hf_io.load_model(m.path, mesh=mesh, **overrides)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    print(f"warm start: {s.steps} steps of {s.batch_size} on {len(encoded)} demonstrations from "
+          f"{', '.join(s.data_files)}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with (out / "metrics.jsonl").open("w") as f:
+        def on_log(record):
+            f.write(json.dumps(record) + "\n")
+            print(f"warm start step {record['step']}/{s.steps}  loss {record['loss']:.4f}  "
+                  f"{record['tokens_per_s']:.0f} tokens/s", flush=True)
+
+        records = train(model, Batches(encoded, s.batch_size, s.sequence_bucket, pad_id, s.seed), s, mesh, on_log)
+    hf_io.save_model(model, str(out))
+    tokenizer.save_pretrained(str(out))
+    summary = {"fingerprint": key, "steps": s.steps, "demonstrations": len(encoded),
+               "final_loss": records[-1]["loss"], "seconds": time.perf_counter() - start, "source": m.path}
+    done.write_text(json.dumps(summary, indent=2))
+    print(f"warm start: done in {summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}; "
+          f"weights in {out}", flush=True)
+    return str(out)

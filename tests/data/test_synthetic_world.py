@@ -1,0 +1,93 @@
+"""The generated search world: every question answerable from the corpus by its hops, and the warm-start
+demonstrator's transcripts (searches, observations, guesses, scores)."""
+import pytest
+
+from llds_jax.data import synthetic
+from llds_jax.rollout import protocol
+from llds_jax.sft.demonstrations import parse_record
+
+
+@pytest.fixture(scope="module")
+def world():
+    return synthetic.make_world(num_people=40, seed=3)
+
+
+def by_title(world):
+    return {p["contents"].split("\n", 1)[0].strip('"'): p for p in world.passages}
+
+
+def test_world_is_deterministic_and_answers_are_in_the_last_hop_passage(world):
+    again = synthetic.make_world(num_people=40, seed=3)
+    assert again.train == world.train and again.test == world.test and again.passages == world.passages
+    assert synthetic.make_world(num_people=40, seed=4).train != world.train
+    titles = by_title(world)
+    for ex in world.train + world.test:
+        hops = world.hops[ex.question]
+        answer = ex.golden_answers[0]
+        assert answer in world.choices[ex.question]
+        assert answer in titles[hops[-1]]["contents"]
+        assert len(hops) == (2 if ex.data_source == "two_hop" else 1)
+        if len(hops) == 2:  # the company passage names the founder searched next
+            assert f"founded by {hops[1]}." in titles[hops[0]]["contents"]
+    assert {ex.data_source for ex in world.train} == {"single_hop", "two_hop"}
+
+
+def fake_search(world, calls):
+    titles = by_title(world)
+
+    def search(queries):
+        calls.append(list(queries))
+        return [[titles[q]] for q in queries]
+    return search
+
+
+def test_demonstrations_search_every_hop_when_told_to(world):
+    calls = []
+    records = synthetic.demonstrations(world, world.train, fake_search(world, calls), search_fraction=1.0)
+    assert len(records) == len(world.train)
+    assert len(calls) == 2  # one batched call per hop
+    titles = by_title(world)
+    for ex, record in zip(world.train, records):
+        parse_record("record", record)
+        hops = world.hops[ex.question]
+        assert record["score"] == 1.0 and record["question"] == ex.question
+        turns = record["turns"]
+        assert len(turns) == len(hops) + 1
+        for hop, turn in zip(hops, turns):
+            assert protocol.parse_action(turn["text"]) == protocol.Action("search", hop)
+            assert turn["observation"] == protocol.format_observation([titles[hop]])
+        assert protocol.parse_action(turns[-1]["text"]) == protocol.Action("answer", ex.golden_answers[0])
+        assert "observation" not in turns[-1]
+
+
+def test_demonstrations_guess_otherwise(world):
+    calls = []
+    records = synthetic.demonstrations(world, world.train, fake_search(world, calls), search_fraction=0.0, seed=1)
+    assert calls == [] or all(q == [] for q in calls)
+    for ex, record in zip(world.train, records):
+        (turn,) = record["turns"]
+        action = protocol.parse_action(turn["text"])
+        assert action.kind == "answer" and action.content in world.choices[ex.question]
+        assert record["score"] == float(action.content == ex.golden_answers[0])
+
+
+def test_demonstrations_mix_is_seeded(world):
+    search = fake_search(world, [])
+    first = synthetic.demonstrations(world, world.train, search, search_fraction=0.4, seed=7)
+    assert first == synthetic.demonstrations(world, world.train, search, search_fraction=0.4, seed=7)
+    searched = sum(len(r["turns"]) > 1 for r in first)
+    assert 0.25 * len(first) < searched < 0.55 * len(first)
+    with pytest.raises(ValueError, match="search_fraction"):
+        synthetic.demonstrations(world, world.train, search, search_fraction=1.5)
+
+
+def test_tokenizer_texts_cover_prompts_passages_and_demonstrations(world):
+    records = synthetic.demonstrations(world, world.train, fake_search(world, []), search_fraction=0.5)
+    texts = synthetic.tokenizer_texts(world, records)
+    assert records[0]["turns"][-1]["text"] in texts
+    assert world.test[0].question + "\n" in texts  # what follows the instruction phrase in a prompt
+    phrases = synthetic.tokenizer_phrases(world)
+    instruction = phrases[0]
+    assert world.people[0].name in phrases and next(iter(world.founders)) in phrases
+    assert protocol.make_prompt(world.test[0].question) == instruction + world.test[0].question + "\n"
+    assert protocol.format_observation([world.passages[0]]) in texts

@@ -1,0 +1,73 @@
+"""The demo's whole pipeline through `python -m llds_jax.launch` at tiny sizes: generated world with a trained
+tokenizer, demonstrations, cached warm start, evaluation before RL, GRPO + LLDS, the start-vs-final EM table, the
+report; and the GRPO vs LLDS comparison's commands."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llds_jax import demo_compare
+from llds_jax.tokenizer import chat_template, load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "tiny_test.py")
+
+
+def run(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, like a plain user run
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+def test_world_tokenizer_warm_start_rl_and_report(tmp_path):
+    run_dir, assets, warm = tmp_path / "run", tmp_path / "assets", tmp_path / "warm_start"
+    flags = [f"--config={TINY}", f"--config.run_dir={run_dir}", f"--config.demo.assets_dir={assets}",
+             "--config.demo.tokenizer=world", "--config.demo.vocab_size=512", "--config.sft.enabled=True",
+             f"--config.sft.output_dir={warm}", "--config.sft.steps=2", "--config.sft.batch_size=2",
+             "--config.sft.warmup_steps=1", "--config.sft.log_every=1", "--config.train.eval_at_start=True",
+             "--config.train.total_steps=1", "--config.train.eval_every=0"]
+    code, out, err = run("llds_jax.launch", *flags)
+    assert code == 0, err[-3000:]
+    assert "warm start step 2/2" in out and "warm start: done" in out
+    trained = load_tokenizer(str(assets / "model"), fallback_chat_template=None)
+    assert trained.chat_template == chat_template("base") and len(trained) <= 512
+    with open(warm / "warm_start.json") as f:
+        assert json.load(f)["demonstrations"] > 0
+    with open(run_dir / "config.json") as f:
+        assert json.load(f)["model"]["path"] == str(warm)  # RL starts from the warm start
+    with open(run_dir / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [0, 1] and "eval/em_mean" in records[0]
+    with open(run_dir / "eval" / "start" / "results.json") as f:
+        start = json.load(f)["em"]
+    header = next(line for line in out.splitlines() if line.startswith("data_source"))
+    assert header.split() == ["data_source", "start", "step", "1", "n"]
+    mean_row = next(line for line in out.splitlines() if line.startswith("mean "))
+    assert float(mean_row.split()[1]) == pytest.approx(start["mean"], abs=5e-4)
+
+    code, out, err = run("llds_jax.launch", *flags, "--mode=sft")  # cached: nothing trained again
+    assert code == 0, err[-3000:]
+    assert "reusing" in out and "warm start step" not in out
+
+    code, out, err = run("llds_jax.report", str(run_dir))
+    assert code == 0, err[-3000:]
+    with open(run_dir / "report" / "summary.md") as f:
+        summary = f.read()
+    assert "start" in summary
+
+
+def test_comparison_runs_grpo_then_llds_with_the_same_config_then_the_report(capsys):
+    assert demo_compare.main(["--config=configs/x.py", "--out=runs/cmp", "--dry-run", "--",
+                              "--config.train.total_steps=3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    grpo, llds, report = lines
+    assert "llds_jax.launch --config=configs/x.py --config.run_dir=runs/cmp/grpo" in grpo
+    assert grpo.endswith("--config.objective.llds.enabled=False --config.train.total_steps=3")
+    assert llds.endswith("--config.objective.llds.enabled=True --config.train.total_steps=3")
+    assert report.endswith("llds_jax.report runs/cmp/llds --compare runs/cmp/grpo --out runs/cmp/report")
