@@ -59,7 +59,7 @@ def get_config():
     c.optim.warmup_ratio = 0.0
     c.optim.reference_dtype = "float32"
     c.optim.logp_time_chunk = 128
-    c.train.total_steps = 30
+    c.train.total_steps = 20
     c.train.sequence_bucket = 64
     c.train.checkpoint_every = 10
     c.train.eval_every = 0

@@ -22,7 +22,7 @@ def load(name):
 
 def test_every_config_file_is_covered():
     names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))}
-    assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "tiny_test"}
+    assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "tiny_test"}
 
 
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
@@ -42,12 +42,22 @@ def test_paper_variants():
                                                                                                   "low_var_kl")
 
 
-@pytest.mark.parametrize("name", ["demo_cpu", "tiny_test"])
+@pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
     config_lib.check_schema(cfg)
     cfg.model.path = "/some/model"  # set by llds_jax.demo.prepare at run time
     config_lib.validate(cfg, 1)
+
+
+def test_demo_comparison_differs_from_the_demo_only_in_llds_and_stress():
+    demo, grpo = load("demo_cpu").to_dict(), load("demo_cpu_grpo").to_dict()
+    assert demo["objective"]["llds"]["enabled"] and not grpo["objective"]["llds"]["enabled"]
+    assert grpo["demo"] == demo["demo"] and grpo["sft"] == demo["sft"] and grpo["seed"] == demo["seed"]
+    changed = {(section, key) for section in demo if isinstance(demo[section], dict)
+               for key in demo[section] if demo[section][key] != grpo[section][key]}
+    assert changed == {("objective", "llds"), ("optim", "mini_batch_size"), ("optim", "micro_batch_size"),
+                       ("optim", "learning_rate")}
 
 
 def test_unknown_key_in_a_config_file_is_named():

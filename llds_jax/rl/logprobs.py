@@ -57,8 +57,8 @@ def _chunk_logp_entropy(h_bcd, w_dv, targets_bc, temperature, axis_name):
 def _time_chunked(hidden_btd, w_dv, targets_bt, temperature, time_chunk, axis_name):
     """Scan `_chunk_logp_entropy` over time chunks, rematerializing each chunk's logits in the backward pass."""
     batch, time, dim = hidden_btd.shape
-    chunk = min(time_chunk, time)
-    num_chunks = -(-time // chunk)
+    num_chunks = -(-time // min(time_chunk, time))
+    chunk = -(-time // num_chunks)  # equal chunks of at most time_chunk: under num_chunks padded steps in all
     pad = num_chunks * chunk - time
     hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
     targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))

@@ -8,10 +8,17 @@ the KV cache; then up to `max_turns` turns with search and one final turn in whi
   2. the turn is cut (protocol.cut_turn_tokens): the kept, trained tokens are the sampled ones up to the token that
      completes the cut. The stop token is never kept (Search-R1 drops the end-of-turn token too). Sampled tokens
      after the cut are rolled back out of the KV cache;
-  3. the action is parsed from the cut text: `answer` ends the sequence; `search` queries from all sequences of
-     the turn go to the retriever in ONE batched call; no valid action appends the invalid-action message;
+  3. the action is parsed from the cut text: `answer` ends the sequence; `search` queries go to the retriever in
+     batched calls; no valid action appends the invalid-action message;
   4. the observation is tokenized (add_special_tokens=False), cut to `max_observation_tokens` (counted per turn)
      and appended to the KV cache with model.extend; the conversation is never re-encoded.
+
+Retrieval overlaps decoding: the session runs on a worker thread and reports each sequence's turn as soon as it
+ends (`Session.decode_turn(..., on_finished)`, after every decode chunk); the sequences that ended in one chunk are
+cut, parsed and their searches sent as one batched call on the event loop while the other rows go on decoding. The
+searches still in flight when the last row ends, plus those of sequences the session did not report, are awaited
+before the observations are appended. Each query's result does not depend on the call it went in, so the
+trajectories are exactly those of one batched call per turn after decoding; only the wait shrinks.
 
 A failed search (an error result for that query, an exception or a timeout of the whole call) gives that
 sequence the observation `SEARCH_ERROR_OBSERVATION` (an information block holding one "Search failed: ..." line)
@@ -25,6 +32,7 @@ shortened to what fits.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -89,10 +97,22 @@ class AgentConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    """Finished trajectories (in input order) and batch metrics (means, shares, seconds and tokens/s)."""
+    """Finished trajectories (in input order) and batch metrics (means, shares, seconds and tokens/s).
+
+    Seconds: `rollout_s` (the whole rollout) = `prefill_s` (prompt prefill and observation extends on device)
+    + `decode_s` (decode chunks on device, and their dispatch) + `search_s` (waiting for search results after
+    decoding: retrieval on the critical path) + `host_s` (the rest: text checks between chunks, cutting and parsing
+    turns, tokenizing observations, building trajectories). `search_calls_s` sums the retriever calls' own
+    durations, most of them hidden behind decoding.
+    """
 
     trajectories: list[Trajectory]
     metrics: dict[str, float]
+
+    def __repr__(self) -> str:
+        # Short: asyncio.Runner.run formats the finished task, result included, when it restores the SIGINT
+        # handler; the full repr of thousands of trajectories' arrays took longer than the rollout's decoding.
+        return f"Rollout(<{len(self.trajectories)} trajectories>, metrics={self.metrics!r})"
 
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")  # Qwen2.5, Llama-3
@@ -125,7 +145,9 @@ def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample]
 
     Args:
       sampler: a `sampler.Sampler` (or any object with `start(params, prompts, rng) -> session`, see
-        `sampler.Session` for the session methods used).
+        `sampler.Session` for the session methods used: `decode_turn(budgets, turn_finished, on_finished)`, called
+        on a worker thread, and `end_turn`; a session may ignore `on_finished`, its searches then start after
+        decoding).
       params: the policy parameters (`nnx.split(model)[1]`).
       tokenizer: a Hugging Face tokenizer (prompt, turn text, observations).
       retriever: an object with `async search(queries, k) -> list of results with .docs and .error`.
@@ -148,14 +170,17 @@ async def rollout_async(sampler, params, tokenizer, retriever, examples: Sequenc
         raise ValueError("rollout: no examples")
     size = config.max_batch_size or len(examples)
     trajectories: list[Trajectory] = []
-    timing = {"decode_s": 0.0, "search_s": 0.0, "sampled_tokens": 0.0}
+    timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0}
     start = time.perf_counter()
-    for first in range(0, len(examples), size):
-        loop = _BatchLoop(sampler, params, tokenizer, retriever, examples[first:first + size], config, timing)
-        trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
+        for first in range(0, len(examples), size):
+            loop = _BatchLoop(sampler, params, tokenizer, retriever, examples[first:first + size], config, timing,
+                              decode_thread)
+            trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))
     elapsed = time.perf_counter() - start
     metrics = rollout_metrics(trajectories)
-    metrics.update(timing, rollout_s=elapsed,
+    host_s = elapsed - timing["prefill_s"] - timing["decode_s"] - timing["search_s"]
+    metrics.update(timing, rollout_s=elapsed, host_s=max(host_s, 0.0),
                    sampled_tokens_per_s=timing["sampled_tokens"] / max(timing["decode_s"], 1e-9))
     return Rollout(trajectories, metrics)
 
@@ -197,9 +222,10 @@ class _BatchLoop:
     """The turn loop of one sampler session."""
 
     def __init__(self, sampler, params, tokenizer, retriever, examples: Sequence[QAExample], config: AgentConfig,
-                 timing: dict[str, float]):
+                 timing: dict[str, float], decode_thread: concurrent.futures.Executor):
         self.sampler, self.params, self.tokenizer, self.retriever = sampler, params, tokenizer, retriever
         self.examples, self.config, self.timing = list(examples), config, timing
+        self.decode_thread = decode_thread
         self.convs = [_Conversation(protocol.chat_prompt_ids(tokenizer, ex.question, config.max_prompt_tokens))
                       for ex in self.examples]
 
@@ -209,6 +235,9 @@ class _BatchLoop:
             if all(c.end_reason is not None for c in self.convs):
                 break
             await self._turn(session, final=turn_index == self.config.max_turns)
+        session_timing = getattr(session, "timing", {})
+        for key in ("prefill_s", "decode_s"):
+            self.timing[key] += session_timing.get(key, 0.0)
         return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer)
                 for ex, c in zip(self.examples, self.convs)]
 
@@ -221,42 +250,79 @@ class _BatchLoop:
         texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
         return [protocol.turn_finished(text) for text in texts]
 
+    def _close_turn(self, i: int, sample, final: bool, turns: dict[int, Turn], keep: list[int],
+                    observations: list[Optional[str]]) -> bool:
+        """Cuts and parses sequence i's sampled turn; returns whether it searches. Runs on the decode thread for
+        sequences the session reports early (they are not touched elsewhere until decoding is over)."""
+        conv = self.convs[i]
+        body = sample.token_ids[:-1] if sample.hit_stop else sample.token_ids
+        cut = protocol.cut_turn_tokens(body, self.tokenizer)
+        keep[i] = cut.num_tokens
+        action = protocol.parse_action(cut.text)
+        turns[i] = Turn(token_ids=tuple(body[:keep[i]]), logps=tuple(sample.logps[:keep[i]]), text=cut.text,
+                        action=action, num_sampled=len(sample.token_ids), hit_stop=sample.hit_stop)
+        if action.kind == "answer":
+            conv.end_reason = END_ANSWER
+        elif final:
+            conv.end_reason = END_MAX_TURNS
+        elif action.kind == "search":
+            return True
+        else:
+            observations[i] = protocol.INVALID_ACTION_MESSAGE
+        return False
+
     async def _turn(self, session, final: bool) -> None:
         n = len(self.convs)
-        budgets = [self._budget(c) if c.end_reason is None else 0 for c in self.convs]
-        start = time.perf_counter()
-        samples = session.decode_turn(budgets, self._turn_finished)
-        self.timing["decode_s"] += time.perf_counter() - start
-        self.timing["sampled_tokens"] += sum(len(s.token_ids) for s in samples)
+        active = [c.end_reason is None for c in self.convs]
+        budgets = [self._budget(c) if active[i] else 0 for i, c in enumerate(self.convs)]
         keep = [0] * n
         observations: list[Optional[str]] = [None] * n
-        searching: list[int] = []
         turns: dict[int, Turn] = {}
+        in_flight: list[tuple[list[int], concurrent.futures.Future]] = []  # (sequences, their batched search)
+        loop = asyncio.get_running_loop()
+
+        def on_finished(seqs: list[int], samples: list) -> None:  # on the decode thread, between decode chunks
+            searching = [i for i, sample in zip(seqs, samples)
+                         if self._close_turn(i, sample, final, turns, keep, observations)]
+            if searching:
+                queries = [turns[i].action.content for i in searching]
+                in_flight.append((searching, asyncio.run_coroutine_threadsafe(self._search(queries), loop)))
+
+        start = time.perf_counter()
+        try:
+            samples = await loop.run_in_executor(self.decode_thread, session.decode_turn, budgets,
+                                                 self._turn_finished, on_finished)
+        except BaseException:
+            for _, future in in_flight:
+                future.cancel()
+            raise
+        if not hasattr(session, "timing"):  # a session without its own timing: count the whole call as decoding
+            self.timing["decode_s"] += time.perf_counter() - start
+        self.timing["sampled_tokens"] += sum(len(s.token_ids) for s in samples)
+        late: list[int] = []  # searching sequences the session did not report early
         for i, (conv, sample) in enumerate(zip(self.convs, samples)):
-            if conv.end_reason is not None:
+            if not active[i] or i in turns:
                 continue
             if budgets[i] == 0:
                 conv.end_reason = END_CONTEXT_FULL
-                continue
-            body = sample.token_ids[:-1] if sample.hit_stop else sample.token_ids
-            cut = protocol.cut_turn_tokens(body, self.tokenizer)
-            keep[i] = cut.num_tokens
-            action = protocol.parse_action(cut.text)
-            turns[i] = Turn(token_ids=tuple(body[:keep[i]]), logps=tuple(sample.logps[:keep[i]]), text=cut.text,
-                            action=action, num_sampled=len(sample.token_ids), hit_stop=sample.hit_stop)
-            if action.kind == "answer":
-                conv.end_reason = END_ANSWER
-            elif final:
-                conv.end_reason = END_MAX_TURNS
-            elif action.kind == "search":
-                searching.append(i)
-            else:
-                observations[i] = protocol.INVALID_ACTION_MESSAGE
-        errors = await self._search(searching, turns, observations)
+            elif self._close_turn(i, sample, final, turns, keep, observations):
+                late.append(i)
+        wait_start = time.perf_counter()
+        outcomes: dict[int, tuple[str, Optional[str]]] = {}
+        for seqs, future in in_flight:
+            outcomes.update(zip(seqs, await asyncio.wrap_future(future)))
+        if late:
+            outcomes.update(zip(late, await self._search([turns[i].action.content for i in late])))
+        self.timing["search_s"] += time.perf_counter() - wait_start
+        errors = {}
+        for i, (observation, error) in outcomes.items():
+            observations[i] = observation
+            if error is not None:
+                errors[i] = error
         obs_ids: list[Optional[list[int]]] = [None] * n
         truncations = 0
-        for i, turn in turns.items():
-            conv = self.convs[i]
+        for i in sorted(turns):
+            turn, conv = turns[i], self.convs[i]
             conv.response_len += len(turn.token_ids)
             if observations[i] is not None:
                 ids = self.tokenizer.encode(observations[i], add_special_tokens=False)
@@ -283,15 +349,8 @@ class _BatchLoop:
         return (conv.context_len + extra <= cfg.max_context_tokens
                 and conv.response_len + extra <= cfg.max_response_tokens)
 
-    async def _search(self, searching: list[int], turns: dict[int, Turn],
-                      observations: list[Optional[str]]) -> dict[int, str]:
-        """One batched retriever call for the searching sequences; fills their observations.
-
-        Returns the error message of each sequence whose search failed.
-        """
-        if not searching:
-            return {}
-        queries = [turns[i].action.content for i in searching]
+    async def _search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:
+        """One batched retriever call; (observation, error message or None) per query."""
         start = time.perf_counter()
         results: Sequence[Any]
         try:
@@ -304,12 +363,6 @@ class _BatchLoop:
             results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
         except Exception as e:  # a failing backend must not crash the rollout
             results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
-        self.timing["search_s"] += time.perf_counter() - start
-        errors = {}
-        for j, i in enumerate(searching):
-            if failures[j]:
-                errors[i] = str(failures[j])
-                observations[i] = search_error_observation(errors[i])
-            else:
-                observations[i] = protocol.format_observation(results[j].docs)
-        return errors
+        self.timing["search_calls_s"] += time.perf_counter() - start
+        return [(search_error_observation(str(failures[j])), str(failures[j])) if failures[j]
+                else (protocol.format_observation(results[j].docs), None) for j in range(len(queries))]

@@ -3,11 +3,13 @@
 A `Sampler` holds the jitted programs of one model architecture; `Sampler.start(params, prompts, rng)` opens a
 `Session`, one batch of conversations living in a KV cache on device. The multi-turn agent drives a session:
 
-  decode_turn(budgets, turn_finished)  samples each sequence's next turn. Decoding runs `decode_chunk` steps per
-                                       device call (a `lax.while_loop`, no host round trip per token); between
+  decode_turn(budgets, turn_finished,  samples each sequence's next turn. Decoding runs `decode_chunk` steps per
+              on_finished)             device call (a `lax.while_loop`, no host round trip per token); between
                                        calls the host asks `turn_finished` (e.g. "the decoded text holds
                                        </search>") and stops those rows. A row also stops on a stop token (EOS)
-                                       or when it has sampled its budget.
+                                       or when it has sampled its budget. `on_finished` hears of each row's
+                                       final turn as soon as it is known, while the others still decode (the
+                                       agent starts their searches there).
   end_turn(keep, observations)         keeps the first keep[i] sampled tokens of each row in the cache (later
                                        slots are marked invalid and rewritten: the roll back), then appends the
                                        observation tokens with `model.extend` (no re-encoding of the
@@ -22,6 +24,10 @@ cache capacity and observation length to powers of two. The cache grows to the n
 it, and when enough rows have finished the batch is compacted to a smaller bucket, so early turns and small
 remaining batches attend over fewer slots and rows. With a mesh, rows are split over (data, fsdp).
 
+`Session.timing` accumulates seconds: `prefill_s` (prompt prefill and observation extends, each waited for once
+per turn), `decode_s` (decode chunk calls and the wait for their tokens) and `host_s` (the host callbacks between
+chunks). No wait is added inside the decode loop: it fetches each chunk's tokens anyway.
+
 Dimension letters: B rows, T new tokens, C decode steps of one chunk, S cache slots, V vocabulary, D hidden.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -344,6 +351,7 @@ class Session:
         self._turn_start_pos = np.zeros(n, np.int64)
         self._slot_of = np.full(n, -1, np.int64)  # the batch row holding each sequence (-1: none)
         self._seq_of: np.ndarray = np.zeros(0, np.int64)  # the sequence in each batch row (-1: padding)
+        self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0}  # see the module docstring
 
     @property
     def num_sequences(self) -> int:
@@ -360,12 +368,17 @@ class Session:
         return 0 if self._state is None else self._state.cache.capacity
 
     def decode_turn(self, budgets: Sequence[int],
-                    turn_finished: Callable[[list[list[int]]], list[bool]]) -> list[SampledTurn]:
+                    turn_finished: Callable[[list[list[int]]], list[bool]],
+                    on_finished: Optional[Callable[[list[int], list[SampledTurn]], None]] = None
+                    ) -> list[SampledTurn]:
         """Samples one turn for every sequence with budget > 0 (at most budgets[i] tokens each).
 
         A row stops at a stop token, at its budget, or once `turn_finished` (called between decode chunks with
         the token lists of the rows still sampling) says its turn is over; tokens of the chunk in which that
         happens come back too (the caller cuts them). Finished sequences must get budget 0.
+        `on_finished(sequences, turns)`, when given, is called after each decode chunk in which some sequences'
+        turns ended, with those sequences (ascending) and their final SampledTurns, while the other rows go on
+        decoding; every sequence with budget > 0 is reported exactly once.
         Returns one SampledTurn per sequence (empty for budget 0).
         """
         budgets_n = np.asarray(budgets, np.int64)
@@ -382,7 +395,7 @@ class Session:
                 self._ensure_capacity(int(np.max(self._end + budgets_n + 1)))
             self._turn_start_end, self._turn_start_pos = self._end.copy(), self._pos.copy()
             if budgets_n.any():
-                self._run_turn(budgets_n, turn_finished, turns)
+                self._run_turn(budgets_n, turn_finished, on_finished, turns)
         return turns
 
     def end_turn(self, keep: Sequence[int], observations: Sequence[Optional[Sequence[int]]]) -> None:
@@ -429,8 +442,11 @@ class Session:
                     obs_bt[row, :obs_len[seq]] = observations[seq]
                     valid_bt[row, :obs_len[seq]] = True
             put = self._sampler.put
+            start = time.perf_counter()
             self._state = self._sampler._end_turn(self._params, self._state, put(end_b), put(pos_b), put(obs_bt),
                                                   put(valid_bt))
+            self._state.logits_bv.block_until_ready()  # once per turn: times the extend apart from decoding
+            self.timing["prefill_s"] += time.perf_counter() - start
         self._end += obs_len
         self._pos += obs_len
 
@@ -456,8 +472,11 @@ class Session:
         seq_ids_b = np.arange(self._first_sequence, self._first_sequence + rows, dtype=np.uint32)
         capacity = buckets.pow2_bucket(p + max_budget + 1, cfg.min_capacity_bucket)
         put = self._sampler.put
+        start = time.perf_counter()
         self._state = self._sampler._prefill(self._params, put(tokens_bt), put(valid_bt), self._rng,
                                              put(seq_ids_b), capacity=capacity)
+        self._state.logits_bv.block_until_ready()  # once per session: times the prefill apart from decoding
+        self.timing["prefill_s"] += time.perf_counter() - start
         self._seq_of = np.concatenate([np.arange(n), np.full(rows - n, -1)])
         self._slot_of = np.arange(n)
         self._end[:] = p
@@ -485,33 +504,49 @@ class Session:
         out[real] = per_sequence[self._seq_of[real]]
         return out
 
-    def _run_turn(self, budgets_n: np.ndarray, turn_finished, turns: list[SampledTurn]) -> None:
+    def _run_turn(self, budgets_n: np.ndarray, turn_finished, on_finished, turns: list[SampledTurn]) -> None:
         sampler, put = self._sampler, self._sampler.put
+        stop_set = set(self._cfg.stop_ids)
         remaining_b = self._row_array(budgets_n, np.int32)
         self._state = self._state.replace(remaining_b=put(remaining_b), done_b=put(remaining_b <= 0))
         rows = len(self._seq_of)
         running_b = remaining_b > 0  # host view: rows still sampling this turn
         stop_b = np.zeros(rows, bool)
         while running_b.any():
+            start = time.perf_counter()
             self._state, tokens_bc, logp_bc, emitted_bc = sampler._decode(self._params, self._state, put(stop_b))
             tokens_bc, logp_bc, emitted_bc, done_b = jax.device_get(
                 (tokens_bc, logp_bc, emitted_bc, self._state.done_b))
+            host_start = time.perf_counter()
+            self.timing["decode_s"] += host_start - start
             for row in np.flatnonzero(emitted_bc.any(axis=1)):
                 turn = turns[self._seq_of[row]]
                 emitted = emitted_bc[row]
                 turn.token_ids.extend(tokens_bc[row, emitted].tolist())
                 turn.logps.extend(logp_bc[row, emitted].tolist())
+            ended_b = running_b & done_b
             running_b &= ~done_b
             check = np.flatnonzero(running_b)
+            stop_b = np.zeros(rows, bool)
             if check.size:
                 finished = turn_finished([turns[self._seq_of[row]].token_ids for row in check])
-                stop_b = np.zeros(rows, bool)
                 stop_b[check[np.asarray(finished, bool)]] = True
                 running_b &= ~stop_b
-        stop_set = set(self._cfg.stop_ids)
+            ended = np.sort(self._seq_of[ended_b | stop_b])
+            for seq in ended:
+                turns[seq] = _with_hit_stop(turns[seq], stop_set)
+            if on_finished is not None and ended.size:
+                on_finished(ended.tolist(), [turns[seq] for seq in ended])
+            self.timing["host_s"] += time.perf_counter() - host_start
         for seq, turn in enumerate(turns):
             n_tok = len(turn.token_ids)
             self._end[seq] += n_tok
             self._pos[seq] += n_tok
-            if n_tok and turn.token_ids[-1] in stop_set:
-                turns[seq] = dataclasses.replace(turn, hit_stop=True)
+            turns[seq] = _with_hit_stop(turn, stop_set)
+
+
+def _with_hit_stop(turn: SampledTurn, stop_ids: set[int]) -> SampledTurn:
+    """The turn with `hit_stop` set when its last token is a stop id."""
+    if turn.token_ids and turn.token_ids[-1] in stop_ids and not turn.hit_stop:
+        return dataclasses.replace(turn, hit_stop=True)
+    return turn

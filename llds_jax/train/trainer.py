@@ -146,6 +146,7 @@ class Trainer:
                                        batch_size=cfg.data.prompts_per_step, seed=cfg.seed,
                                        process_index=jax.process_index(), process_count=jax.process_count())
         self.base_rng = jax.random.key(cfg.seed)
+        self._lengths: set[int] = set()  # training batch lengths used so far
 
     # ----- pieces of a step ----------------------------------------------------------------------------------------
     def rollout_params(self, params: nnx.State) -> nnx.State:
@@ -176,7 +177,11 @@ class Trainer:
         n = self.cfg.data.samples_per_prompt
         first_prompt = jax.process_index() * len(prompts)
         group_b = np.repeat(np.arange(first_prompt, first_prompt + len(prompts), dtype=np.int32), n)
-        length = padded_length(rollout.trajectories, self.cfg.train.sequence_bucket)
+        # The smallest training length already compiled that fits (new lengths compile the log-probs and updates
+        # again); the same on every host, as the padded length is agreed across hosts.
+        needed = padded_length(rollout.trajectories, self.cfg.train.sequence_bucket)
+        length = min((seen for seen in self._lengths if seen >= needed), default=needed)
+        self._lengths.add(length)
         batch = global_batch(training_batch(rollout.trajectories, group_b, self.pad_id, length))
         job_rollout_metrics = combine_over_processes(rollout.metrics)
         lld_every = self.cfg.train.lld_every

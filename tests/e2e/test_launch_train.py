@@ -13,7 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
 # Wall-clock measurements differ between runs; everything else must be bitwise equal after a resume.
-TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/rollout_s", "rollout/sampled_tokens_per_s",
+TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/search_calls_s", "rollout/prefill_s",
+               "rollout/host_s", "rollout/rollout_s", "rollout/sampled_tokens_per_s",
                "time")
 
 

@@ -19,11 +19,14 @@ class ScriptedSampler:
     scripts[i] lists the turns of sequence i (text or token ids). Like the real sampler, tokens come out in
     chunks of `chunk` and the loop's `turn_finished` is asked between chunks, so tokens after the cut point come
     back too; the session records every end_turn call so tests can check keeps and observations.
+    With `report_early`, the session reports finished turns through decode_turn's `on_finished` the way the real
+    session does: after each chunk, the sequences whose turn ended in it (else it never calls `on_finished`).
     """
 
     def __init__(self, tokenizer, scripts: Sequence[Sequence[ScriptTurn]], chunk: int = 4,
-                 stop_ids: Sequence[int] = ()):
+                 stop_ids: Sequence[int] = (), report_early: bool = False):
         self.tokenizer, self.scripts, self.chunk, self.stop_ids = tokenizer, scripts, chunk, tuple(stop_ids)
+        self.report_early = report_early
         self.sessions: list[ScriptedSession] = []
 
     def start(self, params, prompts, rng):
@@ -46,9 +49,9 @@ class ScriptedSession:
         turn = self.sampler.scripts[seq][self.turn_index]
         return list(turn) if isinstance(turn, list) else self.sampler.tokenizer.encode(turn, add_special_tokens=False)
 
-    def decode_turn(self, budgets, turn_finished):
+    def decode_turn(self, budgets, turn_finished, on_finished=None):
         self.decode_calls.append(list(budgets))
-        out = []
+        out, chunks = [], {}
         for seq, budget in enumerate(budgets):
             if budget == 0:
                 out.append(SampledTurn([], [], False))
@@ -64,6 +67,10 @@ class ScriptedSession:
             tokens = script[:n]
             logps = [-0.001 * (k + 1) - seq - 0.1 * self.turn_index for k in range(n)]
             out.append(SampledTurn(tokens, logps, bool(tokens) and tokens[-1] in self.sampler.stop_ids))
+            chunks.setdefault(-(-n // self.sampler.chunk), []).append(seq)
+        if self.sampler.report_early and on_finished is not None:
+            for _, seqs in sorted(chunks.items()):
+                on_finished(seqs, [out[seq] for seq in seqs])
         self.emitted = out
         return out
 

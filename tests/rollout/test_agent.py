@@ -230,6 +230,35 @@ def test_reward_scores_model_text_only(qwen_tokenizer, doubles):
     assert traj.answer_mask[obs_positions].sum() == 0
 
 
+def assert_same_trajectories(first, second):
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        for field in ("tokens", "loss_mask", "action_ids", "answer_mask", "sampler_logp"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+        assert a.turns == b.turns and (a.end_reason, a.reward) == (b.end_reason, b.reward)
+
+
+def test_searches_start_as_turns_end_and_give_the_same_trajectories(qwen_tokenizer, doubles):
+    tok = qwen_tokenizer
+    long_search = "<think>" + "a long thought that takes many chunks " * 3 + "</think>\n<search> late </search>"
+    scripts = [[long_search, ANSWER_TURN], [SEARCH_TURN.replace("capital of france", "early one"), ANSWER_TURN],
+               [SEARCH_TURN.replace("capital of france", "early two"), ANSWER_TURN], [ANSWER_TURN]]
+    corpus = {"late": PARIS_DOCS[:1], "early one": PARIS_DOCS[1:2], "early two": PARIS_DOCS[2:3]}
+    results = {}
+    for early in (False, True):
+        sampler = doubles.ScriptedSampler(tok, scripts, report_early=early)
+        retriever = doubles.FakeRetriever(corpus)
+        results[early] = run(tok, sampler, retriever, [example(i) for i in range(4)]), retriever.calls
+    (plain, plain_calls), (overlapped, overlapped_calls) = results[False], results[True]
+    assert plain_calls == [(["late", "early one", "early two"], 3)]  # one call after decoding
+    # The two short turns end in the same chunk: one batched call; the long one gets its own, later.
+    assert overlapped_calls == [(["early one", "early two"], 3), (["late"], 3)]
+    assert_same_trajectories(plain.trajectories, overlapped.trajectories)
+    assert [t.turns[0].observation for t in overlapped.trajectories[:3]] == [
+        protocol.format_observation([doubles.FakeDocument("0", c)]) for c in (PARIS_DOCS[0], PARIS_DOCS[1],
+                                                                              PARIS_DOCS[2])]
+
+
 def test_max_batch_size_splits_into_sessions_in_order(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
     sampler = doubles.ScriptedSampler(tok, [[ANSWER_TURN], [INVALID_TURN, ANSWER_TURN], [SEARCH_TURN, ANSWER_TURN]])
@@ -306,8 +335,9 @@ REAL_TEMPERATURE = 0.9
 REAL_CONFIG = dict(max_turns=2, max_turn_tokens=24, max_observation_tokens=40)
 
 
-def steered_params(model, layer_scale=0.1, logit=30.0):
-    """Params whose next-token logits follow STEERING (logit ~30 against ~0 for the rest of the vocabulary).
+def steered_params(model, layer_scale=0.1, logit=30.0, steering=None):
+    """Params whose next-token logits follow `steering` (default STEERING; logit ~30 against ~0 for the rest of
+    the vocabulary).
 
     The layers are scaled down, not removed: attention over the KV cache still moves every logit, so a wrong cache
     shows up in the log-prob check.
@@ -317,7 +347,7 @@ def steered_params(model, layer_scale=0.1, logit=30.0):
     cfg = model.cfg
     embed = np.asarray(steered.embed.get_value())
     w_dv = np.zeros((cfg.hidden_size, cfg.vocab_size), np.float32)
-    for current, successors in STEERING.items():
+    for current, successors in (steering or STEERING).items():
         h_d = embed[current] / np.sqrt(np.mean(embed[current] ** 2))  # the final RMSNorm of this embedding
         for successor in successors:
             w_dv[:, successor] += logit * h_d / cfg.hidden_size
@@ -422,3 +452,71 @@ def test_second_batch_with_same_buckets_compiles_nothing(qwen_tokenizer, real):
     assert compiles == []
     assert [t.tokens.tolist() for t in second.trajectories] != [t.tokens.tolist() for t in warm.trajectories]
     assert second.metrics["turns"] == REAL_CONFIG["max_turns"] + 1
+
+
+# Every turn searches, with turns of varying length: after ">" comes " paris" or " the" (repeated), so rows end
+# their turns in different decode chunks and search different queries ("paris", "the paris", "the the paris", ...).
+THE = 279  # " the"
+VARYING = {**STEERING, LT: [SEARCH], CLOSE: [SEARCH], GT: [PARIS, THE], THE: [PARIS, THE]}
+
+
+class RecordingRetriever:
+    """Echo documents per query after `delay_s`; records each call's queries and start time."""
+
+    def __init__(self, delay_s=0.0):
+        self.delay_s, self.calls = delay_s, []
+
+    async def search(self, queries, k):
+        import asyncio
+        import time
+        from types import SimpleNamespace as NS
+        self.calls.append((list(queries), time.perf_counter()))
+        await asyncio.sleep(self.delay_s)
+        return [NS(docs=[NS(contents=f'"{q}"\nabout {q} {j}') for j in range(k)], error=None) for q in queries]
+
+
+class DecodeClock:
+    """A sampler wrapper recording when each decode_turn runs; `early=False` hides the early reports (on_finished),
+    so that every search waits for the end of decoding: one batched call per turn."""
+
+    def __init__(self, sampler, early=True):
+        self.sampler, self.early, self.spans = sampler, early, []
+
+    def start(self, params, prompts, rng, **kwargs):
+        import time
+        from types import SimpleNamespace as NS
+        session = self.sampler.start(params, prompts, rng, **kwargs)
+
+        def decode_turn(budgets, turn_finished, on_finished=None):
+            start = time.perf_counter()
+            out = session.decode_turn(budgets, turn_finished, on_finished if self.early else None)
+            self.spans.append((start, time.perf_counter()))
+            return out
+        return NS(decode_turn=decode_turn, end_turn=session.end_turn, timing=session.timing)
+
+
+def test_real_model_searches_overlap_decoding_with_identical_trajectories(qwen_tokenizer):
+    model = Transformer(ModelConfig.tiny(vocab_size=151936), rngs=nnx.Rngs(0))
+    graphdef, _ = nnx.split(model)
+    params = steered_params(model, steering=VARYING)
+    sampler = Sampler(graphdef, SamplingConfig(temperature=REAL_TEMPERATURE, decode_chunk=2,
+                                               stop_ids=agent.turn_stop_ids(qwen_tokenizer)))
+    examples = [example(i, f"question number {i}", ("paris",)) for i in range(8)]
+    cfg = agent.AgentConfig(max_turns=2, max_turn_tokens=24, max_observation_tokens=100)
+    runs = {}
+    for early in (False, True):
+        clock, retriever = DecodeClock(sampler, early), RecordingRetriever(delay_s=0.05)
+        result = agent.rollout(clock, params, qwen_tokenizer, retriever, examples, jax.random.key(0), cfg)
+        runs[early] = result, retriever.calls, clock.spans
+    (plain, plain_calls, _), (overlapped, calls, spans) = runs[False], runs[True]
+    assert_same_trajectories(plain.trajectories, overlapped.trajectories)
+    queries = sorted(q for qs, _ in calls for q in qs)
+    assert queries == sorted(q for qs, _ in plain_calls for q in qs) and len(set(queries)) > 1
+    # Searches left in batches: fewer calls than queries, and more than the one call per turn without overlap.
+    assert len(plain_calls) < len(calls) < len(queries)
+    # Some calls started while the session was still decoding that turn.
+    assert any(start < at < end for _, at in calls for start, end in spans)
+    m = overlapped.metrics
+    assert m["search_calls_s"] > m["search_s"] and m["valid_searches"] > 0
+    parts = m["prefill_s"] + m["decode_s"] + m["search_s"] + m["host_s"]
+    assert parts == pytest.approx(m["rollout_s"], rel=1e-6)

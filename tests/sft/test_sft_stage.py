@@ -120,8 +120,11 @@ def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
     assert "reusing" in capsys.readouterr().out
     assert os.path.getmtime(os.path.join(out, "model.safetensors")) == weights
     changed = world_demo(tmp_path / "run")
-    changed.sft.steps = 4  # another setting: trained again
-    stage.warm_start(changed)
-    assert "reusing" not in capsys.readouterr().out
+    changed.sft.steps = 4  # another setting, another fingerprint: trained again
+    model = changed.model
+    overrides = {"dtype": model.dtype, "param_dtype": model.param_dtype, "scan_layers": model.scan_layers,
+                 "remat": model.remat}
     with open(os.path.join(out, stage.DONE_FILE)) as f:
-        assert json.load(f)["steps"] == 4
+        recorded = json.load(f)["fingerprint"]
+    assert stage.fingerprint(stage.sft_config(cfg), cfg.model.path, cfg.model.path, overrides) == recorded
+    assert stage.fingerprint(stage.sft_config(changed), cfg.model.path, cfg.model.path, overrides) != recorded
