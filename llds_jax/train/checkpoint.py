@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -96,7 +97,8 @@ class Checkpointer:
             raise ValueError(f"checkpoint.save_every must be positive, got {save_every}")
         if keep <= 0:
             raise ValueError(f"checkpoint.keep must be positive, got {keep}")
-        self.directory = epath.Path(directory)
+        # Orbax needs absolute paths (a relative one fails when an async save finalizes).
+        self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         self.save_every = save_every
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)

@@ -216,3 +216,18 @@ def test_targets_of_another_model_are_an_error_not_a_fallback(tmp_path, mesh):
         ckpt.restore_latest({"w": x, "b": x})
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]
     ckpt.close()
+
+
+def test_relative_folder_async_save_and_restore(tmp_path, make_train_state, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a run_dir such as "runs/demo_cpu" is relative to the working directory
+    params, opt_state = make_train_state(1)
+    expected = host_copy((params, opt_state))
+    ckpt = Checkpointer(os.path.join("runs", "ckpt"), save_every=1, keep=2, async_save=True)
+    ckpt.save(3, params, opt_state, META)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    assert os.listdir(tmp_path / "runs" / "ckpt") == ["3"]
+    fresh = Checkpointer(os.path.join("runs", "ckpt"), save_every=1, keep=2)
+    restored = fresh.restore_latest(*make_train_state(2))
+    assert_trees_equal((restored.params, restored.opt_state), expected)
+    fresh.close()
