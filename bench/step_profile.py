@@ -19,9 +19,10 @@ the steps after the first (compilation done):
 
 and tokens/s (real tokens of the training batch per second of step), the padding share of the training batch and
 the XLA compilations of each step (`jax.monitoring` backend-compile events, by function). A compilation after the
-first step is the first use of a new shape bucket (a longer training batch, fewer rows left after compaction,
-another observation or cache size); a program compiled again for an input signature it was already compiled for
-is a bug, counted apart (from the lowerings JAX logs) and expected to be 0.
+first step is the first use of a new shape bucket: a longer training batch than any before, or a sampler shape
+that no bucket of the earlier rollouts fits (from the second step on the sampler reuses its compiled buckets,
+`Sampler.freeze_shapes`); a program compiled again for an input signature it was already compiled for is a bug,
+counted apart (from the lowerings JAX logs) and expected to be 0.
 
     python bench/step_profile.py                                   # configs/demo_cpu.py, 3 steps
     python bench/step_profile.py --config configs/tiny_test.py --steps 2 --override rollout.max_turns=2

@@ -140,6 +140,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.demo.num_heads = 4
     c.demo.num_kv_heads = 2
     c.demo.intermediate_size = 128
+    c.demo.initializer_range = 0.1      # std of the random policy's initial weights (model.initializer_range)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.max_turns = 4

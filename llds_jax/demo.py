@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
 TOKENIZERS = ("qwen2.5", "world")
 _VOCAB_MULTIPLE = 128  # embedding rows of a trained tokenizer are padded to a multiple of this
-ASSETS_VERSION = 3     # part of the recorded spec: assets built by older code are rebuilt
+ASSETS_VERSION = 4     # part of the recorded spec: assets built by older code are rebuilt
 
 
 def _search_fn(index_dir: str, k: int):
@@ -54,8 +54,8 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     """Writes world files, index, tokenizer, a random model and demonstrations under `out_dir`; returns their paths.
 
     `spec` holds num_people, seed, tokenizer, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-    intermediate_size, search_fraction, top_k (documents per search in the demonstrations) and version. An existing
-    folder built from the same spec is reused.
+    intermediate_size, initializer_range, search_fraction, top_k (documents per search in the demonstrations) and
+    version. An existing folder built from the same spec is reused.
     """
     if spec["tokenizer"] not in TOKENIZERS:
         raise ValueError(f"demo.tokenizer must be one of {TOKENIZERS}, got {spec['tokenizer']!r}")
@@ -86,7 +86,7 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     cfg = ModelConfig(vocab_size=vocab_rows, hidden_size=h, intermediate_size=spec["intermediate_size"],
                       num_layers=spec["num_layers"], num_heads=spec["num_heads"], num_kv_heads=spec["num_kv_heads"],
                       head_dim=h // spec["num_heads"], rope_theta=1_000_000.0, qkv_bias=True,
-                      tie_word_embeddings=True)
+                      tie_word_embeddings=True, initializer_range=spec["initializer_range"])
     hf_io.save_model(Transformer(cfg, rngs=nnx.Rngs(spec["seed"])), paths["model"])
     with open(done, "w") as f:
         json.dump(spec, f)
@@ -98,7 +98,8 @@ def assets_for(cfg: ml_collections.ConfigDict, out_dir: str) -> dict[str, str]:
     """`build_assets` at the sizes of `cfg.demo`, the run's seed and its retrieval top-k."""
     d = cfg.demo
     spec = {key: d[key] for key in ("num_people", "tokenizer", "vocab_size", "hidden_size", "num_layers",
-                                    "num_heads", "num_kv_heads", "intermediate_size", "search_fraction")}
+                                    "num_heads", "num_kv_heads", "intermediate_size", "initializer_range",
+                                    "search_fraction")}
     return build_assets(out_dir, {**spec, "seed": cfg.seed, "top_k": cfg.rollout.retrieval_top_k,
                                   "version": ASSETS_VERSION})
 

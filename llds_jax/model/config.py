@@ -32,6 +32,9 @@ class ModelConfig:
         log-softmax and RoPE angles are always float32.
       scan_layers: run the layer stack with `lax.scan` (compile time independent of depth).
       remat: rematerialize each decoder block in the backward pass.
+      initializer_range: standard deviation of the normal initialization of a random model's matrices
+        (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
+        attention patterns quickly: the demo's 128-wide policy uses 0.1).
     """
 
     vocab_size: int
@@ -52,6 +55,7 @@ class ModelConfig:
     dtype: str = "float32"
     scan_layers: bool = True
     remat: bool = False
+    initializer_range: float = 0.02
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -172,6 +176,7 @@ def from_hf_config(config: str | os.PathLike | Mapping[str, Any], **overrides: A
         qkv_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
     )
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -191,7 +196,7 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings, "rope_theta": cfg.rope_theta,
         "rope_scaling": None if cfg.rope_scaling is None else rope, "rope_parameters": rope,
-        "torch_dtype": torch_dtype,
+        "initializer_range": cfg.initializer_range, "torch_dtype": torch_dtype,
     }
     if cfg.model_type == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)

@@ -45,12 +45,13 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, visible_b
     return out.reshape(b, t, n, h)
 
 
-def _init(rngs: nnx.Rngs, shape, dtype, kind: str) -> nnx.Param:
+def _init(rngs: nnx.Rngs, shape, dtype, kind: str, std: float = 0.02) -> nnx.Param:
+    """Ones, zeros, or ("normal") N(0, std^2) entries (std: the config's initializer_range)."""
     if kind == "ones":
         return nnx.Param(jnp.ones(shape, dtype))
     if kind == "zeros":
         return nnx.Param(jnp.zeros(shape, dtype))
-    return nnx.Param(0.02 * jax.random.normal(rngs.params(), shape, dtype))
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype))
 
 
 class DecoderLayers(nnx.Module):
@@ -61,18 +62,18 @@ class DecoderLayers(nnx.Module):
                             cfg.intermediate_size)
         pd = jnp.dtype(cfg.param_dtype)
         self.attn_norm = _init(rngs, (L, D), pd, "ones")
-        self.q_proj = _init(rngs, (L, D, N, H), pd, "normal")
-        self.k_proj = _init(rngs, (L, D, K, H), pd, "normal")
-        self.v_proj = _init(rngs, (L, D, K, H), pd, "normal")
+        self.q_proj = _init(rngs, (L, D, N, H), pd, "normal", cfg.initializer_range)
+        self.k_proj = _init(rngs, (L, D, K, H), pd, "normal", cfg.initializer_range)
+        self.v_proj = _init(rngs, (L, D, K, H), pd, "normal", cfg.initializer_range)
         if cfg.qkv_bias:
             self.q_bias = _init(rngs, (L, N, H), pd, "zeros")
             self.k_bias = _init(rngs, (L, K, H), pd, "zeros")
             self.v_bias = _init(rngs, (L, K, H), pd, "zeros")
-        self.o_proj = _init(rngs, (L, N, H, D), pd, "normal")
+        self.o_proj = _init(rngs, (L, N, H, D), pd, "normal", cfg.initializer_range)
         self.mlp_norm = _init(rngs, (L, D), pd, "ones")
-        self.gate_proj = _init(rngs, (L, D, F), pd, "normal")
-        self.up_proj = _init(rngs, (L, D, F), pd, "normal")
-        self.down_proj = _init(rngs, (L, F, D), pd, "normal")
+        self.gate_proj = _init(rngs, (L, D, F), pd, "normal", cfg.initializer_range)
+        self.up_proj = _init(rngs, (L, D, F), pd, "normal", cfg.initializer_range)
+        self.down_proj = _init(rngs, (L, F, D), pd, "normal", cfg.initializer_range)
 
     def arrays(self) -> dict[str, jax.Array]:
         """The stacked layer parameters as a dict of arrays (the scan operand)."""
@@ -113,11 +114,11 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)
-        self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), pd, "normal")
+        self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), pd, "normal", cfg.initializer_range)
         self.layers = DecoderLayers(cfg, rngs=rngs)
         self.final_norm = _init(rngs, (cfg.hidden_size,), pd, "ones")
         if not cfg.tie_word_embeddings:
-            self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), pd, "normal")
+            self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), pd, "normal", cfg.initializer_range)
 
     def unembedding(self) -> jax.Array:
         """The output projection [D, V] in the compute dtype (the embedding transposed when tied)."""

@@ -23,6 +23,10 @@ Shapes are bucketed (see `buckets`): rows to a power of two (a multiple of the m
 cache capacity and observation length to powers of two. The cache grows to the next bucket only when a turn needs
 it, and when enough rows have finished the batch is compacted to a smaller bucket, so early turns and small
 remaining batches attend over fewer slots and rows. With a mesh, rows are split over (data, fsdp).
+After `Sampler.freeze_shapes()` (the trainer calls it after its first step) a session takes the smallest bucket
+the sampler has already run that fits (more rows, cache slots or observation slots than needed; padding is
+masked, so the samples are the same) instead of compiling a program for a new smaller one: a run compiles its
+rollout programs in the first step, and later only for a shape that outgrows every bucket seen.
 
 `Session.timing` accumulates seconds: `prefill_s` (prompt prefill and observation extends, each waited for once
 per turn), `decode_s` (decode chunk calls and the wait for their tokens) and `host_s` (the host callbacks between
@@ -32,6 +36,7 @@ Dimension letters: B rows, T new tokens, C decode steps of one chunk, S cache sl
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -298,6 +303,23 @@ class Sampler:
         self._end_turn = jax.jit(functools.partial(_end_turn, graphdef), donate_argnums=1)
         self._grow = jax.jit(_grow, static_argnums=1)
         self._select = jax.jit(_select_rows)
+        self.frozen = False
+        # Buckets run so far, per program: prefill (rows, prompt slots, capacity), select (rows, capacity, new
+        # rows), grow (rows, capacity, new capacity), end_turn (rows, capacity, observation slots).
+        self._used: dict[str, set[tuple[int, int, int]]] = collections.defaultdict(set)
+
+    def freeze_shapes(self) -> None:
+        """From now on sessions reuse buckets already run where one fits rather than compile smaller ones."""
+        self.frozen = True
+
+    def _reuse(self, program: str, prefix: tuple[int, int], at_least: int, below: Optional[int] = None
+               ) -> Optional[int]:
+        """When frozen: the smallest last entry in [at_least, below) of the `program` buckets starting with
+        `prefix` run so far (None when not frozen or none fits)."""
+        if not self.frozen:
+            return None
+        return min((used[2] for used in self._used[program] if used[:2] == prefix and used[2] >= at_least
+                    and (below is None or used[2] < below)), default=None)
 
     def mesh_context(self):
         """`jax.set_mesh(mesh)`, or a null context without a mesh."""
@@ -425,11 +447,16 @@ class Session:
         obs_len = np.array([len(o) if o is not None else 0 for o in observations], np.int64)
         if not obs_len.any():
             return
-        t = buckets.pow2_bucket(int(obs_len.max()), self._cfg.min_observation_bucket)
         with self._sampler.mesh_context():
             self._start(0)
-            self._ensure_capacity(int(np.max(np.where(obs_len > 0, self._end + t, 0))))
-            rows = len(self._seq_of)
+            rows, used = len(self._seq_of), self._sampler._used["end_turn"]
+            slots = lambda t: int(np.max(np.where(obs_len > 0, self._end + t, 0)))  # cache slots with t
+            t = buckets.pow2_bucket(int(obs_len.max()), self._cfg.min_observation_bucket)
+            if self._sampler.frozen:  # the smallest observation bucket run at the capacity it leads to
+                t = min((u[2] for u in used if u[0] == rows and u[2] >= obs_len.max()
+                         and (rows, self._grown_capacity(slots(u[2])), u[2]) in used), default=t)
+            self._ensure_capacity(slots(t))
+            used.add((rows, self.capacity, t))
             obs_bt = np.zeros((rows, t), np.int32)
             valid_bt = np.zeros((rows, t), bool)
             end_b = np.zeros(rows, np.int32)
@@ -471,6 +498,8 @@ class Session:
             valid_bt[i, p - len(prompt):] = True
         seq_ids_b = np.arange(self._first_sequence, self._first_sequence + rows, dtype=np.uint32)
         capacity = buckets.pow2_bucket(p + max_budget + 1, cfg.min_capacity_bucket)
+        capacity = self._sampler._reuse("prefill", (rows, p), p + max_budget + 1) or capacity
+        self._sampler._used["prefill"].add((rows, p, capacity))
         put = self._sampler.put
         start = time.perf_counter()
         self._state = self._sampler._prefill(self._params, put(tokens_bt), put(valid_bt), self._rng,
@@ -487,16 +516,29 @@ class Session:
         rows = buckets.batch_bucket(len(live), self._sampler.batch_multiple, self._cfg.min_batch_bucket)
         if not self._cfg.compact or rows >= len(self._seq_of) or len(live) == 0:
             return
+        if self._sampler.frozen:
+            rows = self._sampler._reuse("select", (len(self._seq_of), self.capacity), rows, len(self._seq_of))
+            if rows is None:
+                return
+        self._sampler._used["select"].add((len(self._seq_of), self.capacity, rows))
         take = np.concatenate([self._slot_of[live], np.full(rows - len(live), self._slot_of[live[0]])])
         self._state = self._sampler._select(self._state, self._sampler.put(take.astype(np.int32)))
         self._seq_of = np.concatenate([live, np.full(rows - len(live), -1)])
         self._slot_of[:] = -1
         self._slot_of[live] = np.arange(len(live))
 
+    def _grown_capacity(self, needed: int) -> int:
+        """The cache capacity `_ensure_capacity(needed)` leads to."""
+        if needed <= self.capacity:
+            return self.capacity
+        return (self._sampler._reuse("grow", (len(self._seq_of), self.capacity), needed)
+                or buckets.pow2_bucket(needed, self._cfg.min_capacity_bucket))
+
     def _ensure_capacity(self, needed: int) -> None:
-        if needed > self._state.cache.capacity:
-            self._state = self._sampler._grow(self._state,
-                                              buckets.pow2_bucket(needed, self._cfg.min_capacity_bucket))
+        grown = self._grown_capacity(needed)
+        if grown > self.capacity:
+            self._sampler._used["grow"].add((len(self._seq_of), self.capacity, grown))
+            self._state = self._sampler._grow(self._state, grown)
 
     def _row_array(self, per_sequence: np.ndarray, dtype) -> np.ndarray:
         out = np.zeros(len(self._seq_of), dtype)

@@ -1,11 +1,14 @@
-"""Presets reproduce the published parameter counts (abstract shapes only: nothing is allocated)."""
+"""Presets reproduce the published parameter counts (abstract shapes only: nothing is allocated); the random
+initialization scale."""
 import math
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
-from llds_jax.model import Transformer, preset
+from llds_jax.model import ModelConfig, Transformer, from_hf_config, preset
+from llds_jax.model.config import to_hf_config
 
 PUBLISHED = {  # from the safetensors metadata of the Hugging Face checkpoints
     "qwen2.5-0.5b": 494_032_768,
@@ -29,3 +32,14 @@ def test_preset_parameter_count(name):
 def test_unknown_preset_lists_known():
     with pytest.raises(KeyError, match="qwen2.5-7b"):
         preset("qwen9")
+
+
+def test_initializer_range_sets_the_random_init_and_round_trips_the_hf_config():
+    cfg = ModelConfig.tiny(initializer_range=0.1)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    assert abs(float(np.std(np.asarray(model.embed.value))) - 0.1) < 0.005  # 8,192 draws
+    assert abs(float(np.std(np.asarray(model.layers.q_proj.value))) - 0.1) < 0.01
+    hf = to_hf_config(cfg)
+    assert hf["initializer_range"] == 0.1 and from_hf_config(hf).initializer_range == 0.1
+    del hf["initializer_range"]
+    assert from_hf_config(hf).initializer_range == 0.02  # Hugging Face's default

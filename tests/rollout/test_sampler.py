@@ -236,3 +236,38 @@ def test_sharded_session_matches_unsharded(tiny, sampler):
     assert got[0] == ref[0]
     np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-4)
     check_logps(model, *got[:3])
+
+
+def compiled(sampler):
+    """Programs compiled so far by each of the sampler's jitted functions."""
+    return {name: getattr(sampler, name)._cache_size() for name in ("_prefill", "_decode", "_end_turn", "_grow",
+                                                                    "_select")}
+
+
+def test_frozen_shapes_reuse_buckets_without_compiling_and_sample_the_same(tiny):
+    """After freeze_shapes, a conversation that would need smaller buckets (shorter observations, a compaction at
+    another capacity) runs in buckets already compiled, and samples exactly what a fresh sampler samples."""
+    model, graphdef, params = tiny
+    prompts = prompts_of([3, 7, 12, 5])
+    keep = lambda t, i, out: len(out.token_ids) - 1
+
+    def conversation(sampler, obs_len, leaves, seed):
+        obs = lambda t, i: None if (t, i) in leaves else list(range(20 + i, 20 + i + obs_len))
+        return converse(sampler.start(params, prompts, jax.random.key(seed)), prompts, 3,
+                        lambda t: [6, 6, 6, 6], keep, obs)
+
+    sampler = Sampler(graphdef, CONFIG)
+    conversation(sampler, obs_len=7, leaves={(0, 3), (1, 2)}, seed=0)  # observation bucket 8, compacts 4 -> 2
+    sampler.freeze_shapes()
+    before = compiled(sampler)
+    # Observations of 3 tokens (bucket 4), a compaction to 2 rows at the second turn (the first run compacted at
+    # the third) and to 1 row at the third would each compile new programs.
+    leaves = {(0, 3), (0, 2), (1, 1)}
+    got = conversation(sampler, obs_len=3, leaves=leaves, seed=1)
+    assert compiled(sampler) == before
+    fresh = Sampler(graphdef, CONFIG)
+    ref = conversation(fresh, obs_len=3, leaves=leaves, seed=1)
+    assert sum(compiled(fresh).values()) > 0
+    assert got[0] == ref[0]
+    np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-5)
+    check_logps(model, *got[:3])
