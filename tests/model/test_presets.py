@@ -37,8 +37,8 @@ def test_unknown_preset_lists_known():
 def test_initializer_range_sets_the_random_init_and_round_trips_the_hf_config():
     cfg = ModelConfig.tiny(initializer_range=0.1)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    assert abs(float(np.std(np.asarray(model.embed.value))) - 0.1) < 0.005  # 8,192 draws
-    assert abs(float(np.std(np.asarray(model.layers.q_proj.value))) - 0.1) < 0.01
+    assert abs(float(np.std(np.asarray(model.embed[...]))) - 0.1) < 0.005  # 8,192 draws
+    assert abs(float(np.std(np.asarray(model.layers.q_proj[...]))) - 0.1) < 0.01
     hf = to_hf_config(cfg)
     assert hf["initializer_range"] == 0.1 and from_hf_config(hf).initializer_range == 0.1
     del hf["initializer_range"]
