@@ -29,6 +29,7 @@ def get_config():
     c.demo.num_heads = 4
     c.demo.num_kv_heads = 2
     c.demo.intermediate_size = 512
+    c.demo.initializer_range = 0.1      # Qwen2.5's 0.02 leaves a 128-wide model's attention near uniform for long
     c.demo.search_fraction = 0.4
 
     c.sft.enabled = True

@@ -69,6 +69,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 0.95
     c.rollout.top_k = 0
     c.rollout.decode_chunk = 32
+    c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
 
     c.objective = ml_collections.ConfigDict()
     c.objective.clip_ratio = 0.2
@@ -140,7 +141,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.demo.num_heads = 4
     c.demo.num_kv_heads = 2
     c.demo.intermediate_size = 128
-    c.demo.initializer_range = 0.1      # std of the random policy's initial weights (model.initializer_range)
+    c.demo.initializer_range = 0.02     # std of the random policy's initial weights (model.initializer_range)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.max_turns = 4

@@ -23,10 +23,11 @@ Shapes are bucketed (see `buckets`): rows to a power of two (a multiple of the m
 cache capacity and observation length to powers of two. The cache grows to the next bucket only when a turn needs
 it, and when enough rows have finished the batch is compacted to a smaller bucket, so early turns and small
 remaining batches attend over fewer slots and rows. With a mesh, rows are split over (data, fsdp).
-After `Sampler.freeze_shapes()` (the trainer calls it after its first step) a session takes the smallest bucket
-the sampler has already run that fits (more rows, cache slots or observation slots than needed; padding is
-masked, so the samples are the same) instead of compiling a program for a new smaller one: a run compiles its
-rollout programs in the first step, and later only for a shape that outgrows every bucket seen.
+After `Sampler.freeze_shapes()` (the trainer calls it after its first step, `rollout.reuse_buckets`) a session
+takes the smallest bucket the sampler has already run that fits (more rows, cache slots or observation slots than
+needed) instead of compiling a program for a new smaller one: a run compiles its rollout programs in the first
+step, and later only for a shape that outgrows every bucket seen. Padding is masked, so the distributions are the
+same; the logits may differ at float rounding (other reduction sizes).
 
 `Session.timing` accumulates seconds: `prefill_s` (prompt prefill and observation extends, each waited for once
 per turn), `decode_s` (decode chunk calls and the wait for their tokens) and `host_s` (the host callbacks between

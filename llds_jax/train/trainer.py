@@ -173,7 +173,8 @@ class Trainer:
         prompts = next(self.data)
         rng = jax.random.fold_in(self.base_rng, step)
         rollout = self.rollout(state.params, prompts, rng)
-        self.sampler.freeze_shapes()  # later rollouts reuse this one's shape buckets (no new compilations)
+        if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
+            self.sampler.freeze_shapes()
         rollout_s = time.perf_counter() - start
         n = self.cfg.data.samples_per_prompt
         first_prompt = jax.process_index() * len(prompts)
@@ -214,7 +215,8 @@ class Trainer:
                                     list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
                                     runner=self.runner)
             trajectories += rollout.trajectories
-        self.eval_sampler.freeze_shapes()
+        if self.cfg.rollout.reuse_buckets:
+            self.eval_sampler.freeze_shapes()
         table = evaluation.em_table(trajectories)
         if out_dir is not None and self.is_main:
             evaluation.write_results(out_dir, trajectories, table, self.tokenizer)
