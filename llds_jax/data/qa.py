@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from llds_jax.data.jsonl import iter_jsonl
 from llds_jax.rollout.protocol import make_prompt
 
 REQUIRED_COLUMNS = ("question", "data_source")
@@ -66,19 +67,9 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            _check_columns(where, record.keys())
-            yield where, record
+    for where, record in iter_jsonl(path):
+        _check_columns(where, record.keys())
+        yield where, record
 
 
 def _check_columns(where: str, names: Iterable[str]) -> None:

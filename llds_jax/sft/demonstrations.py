@@ -25,6 +25,7 @@ from typing import Any, Optional
 import numpy as np
 from etils import epath
 
+from llds_jax.data.jsonl import iter_jsonl
 from llds_jax.rollout import protocol
 
 
@@ -77,14 +78,7 @@ def read_demonstrations(paths: Sequence[str], min_score: Optional[float] = None)
         path = epath.Path(path)
         if not path.exists():
             raise FileNotFoundError(f"demonstrations file not found: {path}")
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        for where, record in iter_jsonl(path):
             demo = parse_record(where, record)
             if min_score is None or (demo.score is not None and demo.score >= min_score):
                 demos.append(demo)
