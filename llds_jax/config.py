@@ -117,6 +117,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.sft = ml_collections.ConfigDict()    # supervised warm start before RL (llds_jax.sft); cached by settings
     c.sft.enabled = False
     c.sft.data_files = []               # demonstration JSONL files (the demo fills in its own)
+    c.sft.curriculum_files = []         # the first curriculum_steps draw from these (the demo: its searching ones)
+    c.sft.curriculum_steps = 0          # part of sft.steps; 0: no curriculum
     c.sft.output_dir = ""               # default <run_dir>/warm_start; becomes model.path for RL
     c.sft.steps = 200
     c.sft.batch_size = 32

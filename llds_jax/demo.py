@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
 TOKENIZERS = ("qwen2.5", "world")
 _VOCAB_MULTIPLE = 128  # embedding rows of a trained tokenizer are padded to a multiple of this
-ASSETS_VERSION = 4     # part of the recorded spec: assets built by older code are rebuilt
+ASSETS_VERSION = 6     # part of the recorded spec: assets built by older code are rebuilt
 
 
 def _search_fn(index_dir: str, k: int):
@@ -63,7 +63,8 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     paths = {"model": os.path.join(out_dir, "model"), "index": os.path.join(out_dir, "index"),
              "train": os.path.join(out_dir, "world", "train.parquet"),
              "test": os.path.join(out_dir, "world", "test.parquet"),
-             "demonstrations": os.path.join(out_dir, "world", "demonstrations.jsonl")}
+             "demonstrations": os.path.join(out_dir, "world", "demonstrations.jsonl"),
+             "search_demonstrations": os.path.join(out_dir, "world", "search_demonstrations.jsonl")}
     if os.path.exists(done):
         with open(done) as f:
             if json.load(f) == spec:
@@ -72,12 +73,14 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     world = synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
     files = synthetic.write_world(world, os.path.join(out_dir, "world"))
     build_bm25(CorpusReader(files["corpus.jsonl"]), paths["index"])
-    records = synthetic.demonstrations(world, world.train, _search_fn(paths["index"], spec["top_k"]),
-                                       spec["search_fraction"], seed=spec["seed"])
+    search = _search_fn(paths["index"], spec["top_k"])
+    records = synthetic.demonstrations(world, world.train, search, spec["search_fraction"], seed=spec["seed"])
     write_demonstrations(paths["demonstrations"], records)
+    write_demonstrations(paths["search_demonstrations"],
+                         synthetic.demonstrations(world, world.train, search, 1.0, seed=spec["seed"]))
     if spec["tokenizer"] == "world":
         tok_dir = train_tokenizer(synthetic.tokenizer_texts(world, records), paths["model"],
-                                  vocab_size=spec["vocab_size"], phrases=synthetic.tokenizer_phrases(world))
+                                  vocab_size=spec["vocab_size"], phrases=synthetic.tokenizer_phrases())
         vocab_rows = -(-len(load_tokenizer(tok_dir)) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
     else:
         write_qwen25_tokenizer(paths["model"], "base")
@@ -115,3 +118,5 @@ def prepare(cfg: ml_collections.ConfigDict) -> None:
     cfg.retriever = ml_collections.ConfigDict({"backend": "bm25", "index_dir": paths["index"]})
     if cfg.sft.enabled and not cfg.sft.data_files:
         cfg.sft.data_files = [paths["demonstrations"]]
+    if cfg.sft.enabled and cfg.sft.curriculum_steps and not cfg.sft.curriculum_files:
+        cfg.sft.curriculum_files = [paths["search_demonstrations"]]

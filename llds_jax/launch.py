@@ -115,14 +115,17 @@ def _print_eval(trainer, params, step: int) -> None:
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
     examples = trainer.eval_examples[:trainer.cfg.eval.max_examples or None]
-    table = trainer.evaluate(params, examples, out_dir, prefix="eval")
-    columns = {f"step {step}": {key[len("eval/em_"):]: value for key, value in table.items()}}
+    metrics = trainer.evaluate(params, examples, out_dir, prefix="eval")
     start = evaluation.read_results(trainer.run_dir / "eval" / START_EVAL)
-    if start is not None and step > 0:
-        columns = {"start": start["em"], **columns}
     print(f"evaluation ({len(examples)} questions, greedy, max_turns {trainer.cfg.eval.max_turns}); "
           f"transcripts in {out_dir}")
-    print(evaluation.format_columns(columns, start["counts"] if start else None))
+    for title, key in (("exact match", "em"), ("searches per question", "searches")):
+        columns = {f"step {step}": {name[len(f"eval/{key}_"):]: value for name, value in metrics.items()
+                                    if name.startswith(f"eval/{key}_")}}
+        if start is not None and key in start and step > 0:
+            columns = {"start": start[key], **columns}
+        print(title)
+        print(evaluation.format_columns(columns, start["counts"] if start else None))
 
 
 def main(argv) -> None:

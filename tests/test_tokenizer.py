@@ -46,6 +46,8 @@ def test_trained_tokenizer_round_trips_and_keeps_protocol_tags_whole(tmp_path):
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     for tag in PROTOCOL_TAGS:
         assert len(tok.encode(tag, add_special_tokens=False)) == 1, tag
+    for person in world.people:  # each part of a name is one whole-word token, shared with other names
+        assert tok.tokenize(" " + person.name) == ["Ġ" + part for part in person.name.split()], person.name
     turn = "<think> x </think>\n<search> a b </search>"
     assert tok.decode(tok.encode(turn), skip_special_tokens=True) == turn  # tags survive skip_special_tokens
     prompt = protocol.chat_prompt_ids(tok, world.train[0].question)

@@ -2,8 +2,9 @@
 answers are only in the corpus (deterministic from a seed; no downloads).
 
 Each person has a birthplace, an occupation and an employer (a fictional company). Passages follow wiki-18's shape
-(`"Title"\\nbody`): one per person, one per company. Questions are single-hop ("Where was X born?") and two-hop
-("Where was the founder of Y born?": the company passage names its founder, whose passage names the city).
+(`"Title"\\nbody`): one per person, one per company. Questions are single-hop ("Where was X born?", "What is the
+occupation of X?") and two-hop ("Where was the founder of Y born?", "What is the occupation of the founder of Y?":
+the company passage names its founder, whose passage has the answer).
 
 `demonstrations` writes protocol-format transcripts of an imperfect demonstrator for a supervised warm start: on a
 `search_fraction` of the questions it searches (once per hop, with the retriever's real results as observations)
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 CITIES = ("Veltra", "Moskar", "Dunhelm", "Ashbury", "Corvane", "Pelmora", "Tristane", "Halvik", "Orsino", "Quenby")
 OCCUPATIONS = ("painter", "chemist", "sailor", "architect", "violinist", "astronomer", "baker", "surgeon")
+COMPANY_SUFFIXES = ("Works", "Foods", "Mills", "Labs", "Bank", "Press", "Motors", "Steel", "Textiles", "Shipping")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +61,30 @@ def _name(rng: random.Random, used: set[str]) -> str:
             return word.capitalize()
 
 
+def _combined_names(rng: random.Random, used: set[str], count: int, heads: int, tails: Sequence[str]) -> list[str]:
+    """`count` distinct "Head Tail" names: `heads` generated words, each paired with words of `tails`."""
+    head_words = [_name(rng, used) for _ in range(heads)]
+    return [f"{head} {tail}" for head, tail in rng.sample([(h, t) for h in head_words for t in tails], count)]
+
+
 def make_world(num_people: int = 200, seed: int = 0, test_fraction: float = 0.2) -> World:
-    """A world of `num_people` people and num_people // 4 companies; questions split by person into train/test."""
+    """A world of `num_people` people and num_people // 4 companies; questions split by person into train/test.
+
+    Names are built from small pools of parts: a person is "First Last" with both words from about
+    sqrt(1.5 * num_people) generated words each, a company "Prefix Suffix" with a suffix from `COMPANY_SUFFIXES`.
+    Every part is shared by many names, so a test person's name is a new pair of words seen in training, and a
+    tokenizer trained on the world keeps each part as one whole-word token.
+    """
     rng = random.Random(seed)
     used: set[str] = set()
-    companies = [_name(rng, used) + " Works" for _ in range(max(1, num_people // 4))]
-    people = tuple(Person(name=f"{_name(rng, used)} {_name(rng, used)}", city=rng.choice(CITIES),
-                          occupation=rng.choice(OCCUPATIONS), company=rng.choice(companies))
-                   for _ in range(num_people))
+    num_companies = max(1, num_people // 4)
+    companies = _combined_names(rng, used, num_companies, -(-num_companies // len(COMPANY_SUFFIXES)) + 1,
+                                COMPANY_SUFFIXES)
+    pool = max(2, math.ceil(math.sqrt(1.5 * num_people)))
+    last_names = [_name(rng, used) for _ in range(pool)]
+    names = _combined_names(rng, used, num_people, pool, last_names)
+    people = tuple(Person(name=name, city=rng.choice(CITIES), occupation=rng.choice(OCCUPATIONS),
+                          company=rng.choice(companies)) for name in names)
     founders = {company: people[i % num_people].name for i, company in enumerate(companies)}
     passages = [{"contents": f'"{p.name}"\n{p.name} is a {p.occupation} born in {p.city}. '
                              f'{p.name} works for {p.company}.'} for p in people]
@@ -85,6 +104,8 @@ def make_world(num_people: int = 200, seed: int = 0, test_fraction: float = 0.2)
         if p.name in by_founder:
             company = by_founder[p.name]
             ask(i, f"Where was the founder of {company} born?", p.city, "two_hop", (company, p.name), CITIES)
+            ask(i, f"What is the occupation of the founder of {company}?", p.occupation, "two_hop",
+                (company, p.name), OCCUPATIONS)
     test_people = set(rng.sample(range(num_people), max(1, int(num_people * test_fraction))))
     split = {"train": [], "test": []}
     for person, question, answer, source in questions:
@@ -106,13 +127,14 @@ def tokenizer_texts(world: World, demonstrations: Sequence[dict] = ()) -> list[s
     return texts + ["system\nuser\nassistant\n"] * 8
 
 
-def tokenizer_phrases(world: World) -> list[str]:
+def tokenizer_phrases() -> list[str]:
     """Strings a world tokenizer keeps as single tokens: the constant protocol text (the instruction before every
-    question, the invalid-action message, the base chat template's system line) and every entity name (people and
-    companies), so that a name, like a city, is one token to read in a question or a document and to copy."""
+    question, the invalid-action message, the base chat template's system line). Names are not phrases: their
+    parts are frequent words, which the BPE learns as whole-word tokens (" Mopaka"), so a test person's name is
+    two tokens the policy has written in training; a name of its own token would be a row of the output layer
+    that training never raises, which the policy could not copy into a query."""
     instruction = protocol.SEARCH_R1_TEMPLATE.split("{question}")[0]
-    names = [p.name for p in world.people] + list(world.founders)
-    return [instruction, protocol.INVALID_ACTION_MESSAGE, "You are a helpful assistant.", *names]
+    return [instruction, protocol.INVALID_ACTION_MESSAGE, "You are a helpful assistant."]
 
 
 SEARCH_THOUGHT = "<think> I need to search for {query}. </think>\n<search> {query} </search>"

@@ -9,6 +9,10 @@ The loss is the mean negative log-likelihood over the model-turn tokens of a bat
 context only), computed with the chunked log-probs of the RL objective. Batches are drawn from shuffled passes over
 the demonstrations, grouped by length and padded to a multiple of `sequence_bucket` tokens, so the step compiles
 once per bucket.
+
+A curriculum is optional: the first `curriculum_steps` steps draw from `curriculum_files` instead (for instance only
+demonstrations that search, so the policy learns to copy names into queries and answers out of documents before it
+sees the ones that guess), the rest from `data_files`; one learning-rate schedule spans both.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Optional
 
 import jax
@@ -45,6 +50,8 @@ class SFTConfig:
 
     Attributes:
       data_files: demonstration JSONL files (llds_jax.sft.demonstrations).
+      curriculum_files: demonstration files of the first `curriculum_steps` steps (empty: no curriculum).
+      curriculum_steps: steps drawn from `curriculum_files` before `data_files` (part of `steps`).
       output_dir: where the warm-started Hugging Face folder (weights + tokenizer) goes.
       steps: optimizer steps.
       batch_size: demonstrations per step.
@@ -63,6 +70,8 @@ class SFTConfig:
 
     data_files: tuple[str, ...]
     output_dir: str
+    curriculum_files: tuple[str, ...] = ()
+    curriculum_steps: int = 0
     steps: int = 200
     batch_size: int = 32
     learning_rate: float = 1e-3
@@ -90,6 +99,10 @@ class SFTConfig:
             raise ValueError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"sft.warmup_steps must be in [0, sft.steps], got {self.warmup_steps}")
+        if not 0 <= self.curriculum_steps <= self.steps:
+            raise ValueError(f"sft.curriculum_steps must be in [0, sft.steps], got {self.curriculum_steps}")
+        if self.curriculum_steps and not self.curriculum_files:
+            raise ValueError(f"sft.curriculum_steps={self.curriculum_steps} but sft.curriculum_files is empty")
 
 
 def schedule(cfg: SFTConfig) -> optax.Schedule:
@@ -123,6 +136,9 @@ class Batches:
             self.order = list(self.rng.permutation(len(self.encoded)))
         return self.order.pop()
 
+    def __iter__(self) -> Batches:
+        return self
+
     def __next__(self) -> dict[str, np.ndarray]:
         if not self.ready:
             drawn = sorted((self._draw() for _ in range(self.batch_size * self.group)),
@@ -141,18 +157,25 @@ class Batches:
         return {"tokens_bt": tokens_bt, "mask_bt": mask_bt, "loss_mask_bt": loss_mask_bt}
 
 
+def curriculum(first: Optional[Batches], first_steps: int, rest: Batches) -> Iterator[dict[str, np.ndarray]]:
+    """`first_steps` batches of `first`, then the batches of `rest`."""
+    for _ in range(first_steps):
+        yield next(first)
+    yield from rest
+
+
 def fingerprint(cfg: SFTConfig, model_path: str, tokenizer_path: str, model_overrides: dict) -> str:
     """sha256 over the settings, the starting checkpoint's and tokenizer's paths and the data files' bytes."""
     digest = hashlib.sha256()
     settings = dataclasses.asdict(cfg)
     settings.pop("log_every")
     digest.update(json.dumps([settings, model_path, tokenizer_path, model_overrides], sort_keys=True).encode())
-    for path in cfg.data_files:
+    for path in cfg.data_files + (cfg.curriculum_files if cfg.curriculum_steps else ()):
         digest.update(epath.Path(path).read_bytes())
     return digest.hexdigest()
 
 
-def train(model: nnx.Module, batches: Batches, cfg: SFTConfig, mesh: Optional[jax.sharding.Mesh] = None,
+def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTConfig, mesh: Optional[jax.sharding.Mesh] = None,
           on_log=None) -> list[dict[str, float]]:
     """Runs `cfg.steps` supervised steps on `model` (its parameters are replaced in place).
 
@@ -201,7 +224,8 @@ def sft_config(cfg: ml_collections.ConfigDict) -> SFTConfig:
     """The typed view of a run config's `sft` section (output_dir defaults to <run_dir>/warm_start)."""
     s = cfg.sft
     return SFTConfig(
-        data_files=tuple(s.data_files), output_dir=s.output_dir or f"{cfg.run_dir}/warm_start", steps=s.steps,
+        data_files=tuple(s.data_files), output_dir=s.output_dir or f"{cfg.run_dir}/warm_start",
+        curriculum_files=tuple(s.curriculum_files), curriculum_steps=s.curriculum_steps, steps=s.steps,
         batch_size=s.batch_size, learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, max_length=s.max_length,
         max_prompt_tokens=cfg.rollout.max_prompt_tokens, sequence_bucket=s.sequence_bucket,
@@ -241,8 +265,9 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
         print(f"warm start: reusing {out} (same settings, checkpoint and demonstrations)", flush=True)
         return str(out)
     tokenizer = load_tokenizer(tokenizer_path, fallback_chat_template=m.chat_template)
-    demos = read_demonstrations(s.data_files, s.min_score)
-    encoded = encode_all(demos, tokenizer, s)
+    encoded = encode_all(read_demonstrations(s.data_files, s.min_score), tokenizer, s)
+    first = (encode_all(read_demonstrations(s.curriculum_files, s.min_score), tokenizer, s)
+             if s.curriculum_steps else [])
     mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     batch_shards = math.prod(mesh.shape[axis] for axis in parallel.BATCH)
     if s.batch_size % batch_shards:
@@ -250,8 +275,11 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
                          f"data x fsdp = {batch_shards}")
     model = hf_io.load_model(m.path, mesh=mesh, **overrides)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    print(f"warm start: {s.steps} steps of {s.batch_size} on {len(encoded)} demonstrations from "
-          f"{', '.join(s.data_files)}", flush=True)
+    if first:
+        print(f"warm start: {s.curriculum_steps} steps of {s.batch_size} on {len(first)} demonstrations from "
+              f"{', '.join(s.curriculum_files)}, then", flush=True)
+    print(f"warm start: {s.steps - s.curriculum_steps} steps of {s.batch_size} on {len(encoded)} demonstrations "
+          f"from {', '.join(s.data_files)}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with (out / "metrics.jsonl").open("w") as f:
@@ -260,10 +288,13 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
             print(f"warm start step {record['step']}/{s.steps}  loss {record['loss']:.4f}  "
                   f"{record['tokens_per_s']:.0f} tokens/s", flush=True)
 
-        records = train(model, Batches(encoded, s.batch_size, s.sequence_bucket, pad_id, s.seed), s, mesh, on_log)
+        batches = curriculum(Batches(first, s.batch_size, s.sequence_bucket, pad_id, s.seed) if first else None,
+                             s.curriculum_steps, Batches(encoded, s.batch_size, s.sequence_bucket, pad_id, s.seed))
+        records = train(model, batches, s, mesh, on_log)
     hf_io.save_model(model, str(out))
     tokenizer.save_pretrained(str(out))
     summary = {"fingerprint": key, "steps": s.steps, "demonstrations": len(encoded),
+               "curriculum_steps": s.curriculum_steps, "curriculum_demonstrations": len(first),
                "final_loss": records[-1]["loss"], "seconds": time.perf_counter() - start, "source": m.path}
     done.write_text(json.dumps(summary, indent=2))
     print(f"warm start: done in {summary['seconds']:.0f} s, final loss {summary['final_loss']:.4f}; "

@@ -1,9 +1,10 @@
-"""Evaluation: exact match per data_source, the unweighted mean over sources, transcripts and a printed table."""
+"""Evaluation: exact match and searches per question per data_source, the unweighted mean over sources,
+transcripts and printed tables."""
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from etils import epath
 
@@ -12,14 +13,24 @@ from llds_jax.rollout.trajectory import Trajectory
 MEAN_KEY = "mean"
 
 
-def em_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Mean EM per data_source (sorted by name) and their unweighted mean under "mean"."""
+def source_table(trajectories: Sequence[Trajectory], value: Callable[[Trajectory], float]) -> dict[str, float]:
+    """Mean of `value` per data_source (sorted by name) and the unweighted mean of those under "mean"."""
     by_source: dict[str, list[float]] = defaultdict(list)
     for t in trajectories:
-        by_source[t.example.data_source].append(t.reward)
+        by_source[t.example.data_source].append(value(t))
     table = {source: sum(v) / len(v) for source, v in sorted(by_source.items())}
     table[MEAN_KEY] = sum(table.values()) / len(table) if table else 0.0
     return table
+
+
+def em_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean EM per data_source and their unweighted mean under "mean"."""
+    return source_table(trajectories, lambda t: t.reward)
+
+
+def searches_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Valid searches per question, per data_source and their unweighted mean under "mean"."""
+    return source_table(trajectories, lambda t: float(t.num_valid_searches))
 
 
 def format_columns(columns: Mapping[str, Mapping[str, float]], counts: Mapping[str, int] | None = None) -> str:
@@ -40,7 +51,7 @@ def format_columns(columns: Mapping[str, Mapping[str, float]], counts: Mapping[s
 
 
 def read_results(out_dir: epath.Path) -> dict[str, Any] | None:
-    """The `results.json` that `write_results` wrote in `out_dir` ({"em": ..., "counts": ...}), or None."""
+    """The `results.json` that `write_results` wrote in `out_dir` ({"em", "searches", "counts"}), or None."""
     path = epath.Path(out_dir) / "results.json"
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -71,7 +82,8 @@ def transcript_text(t: Trajectory, tokenizer) -> str:
 
 def write_results(out_dir: epath.Path, trajectories: Sequence[Trajectory], table: Mapping[str, float],
                   tokenizer) -> None:
-    """Writes `transcripts.jsonl` (one record per question) and `results.json` (the EM table and counts)."""
+    """Writes `transcripts.jsonl` (one record per question) and `results.json` (the EM table `table`, searches
+    per question and question counts per data_source)."""
     out_dir = epath.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(transcript_record(t, tokenizer), ensure_ascii=False) for t in trajectories]
@@ -79,4 +91,5 @@ def write_results(out_dir: epath.Path, trajectories: Sequence[Trajectory], table
     counts: dict[str, int] = defaultdict(int)
     for t in trajectories:
         counts[t.example.data_source] += 1
-    (out_dir / "results.json").write_text(json.dumps({"em": dict(table), "counts": dict(counts)}, indent=2))
+    results = {"em": dict(table), "searches": searches_table(trajectories), "counts": dict(counts)}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))

@@ -203,7 +203,8 @@ class Trainer:
 
     def evaluate(self, params, examples: Sequence[QAExample], out_dir: Optional[epath.Path] = None,
                  prefix: str = "eval") -> dict[str, float]:
-        """Greedy rollouts with eval.max_turns; EM per data_source and their unweighted mean.
+        """Greedy rollouts with eval.max_turns; EM and searches per question per data_source, and their unweighted
+        means (`{prefix}/em_*`, `{prefix}/searches_*`).
 
         On several hosts every host evaluates every example on its own devices (same results; only process 0
         writes them)."""
@@ -220,7 +221,9 @@ class Trainer:
         table = evaluation.em_table(trajectories)
         if out_dir is not None and self.is_main:
             evaluation.write_results(out_dir, trajectories, table, self.tokenizer)
-        return {f"{prefix}/em_{source}": value for source, value in table.items()}
+        searches = evaluation.searches_table(trajectories)
+        return {**{f"{prefix}/em_{source}": value for source, value in table.items()},
+                **{f"{prefix}/searches_{source}": value for source, value in searches.items()}}
 
     # ----- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:

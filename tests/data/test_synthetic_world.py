@@ -86,8 +86,23 @@ def test_tokenizer_texts_cover_prompts_passages_and_demonstrations(world):
     texts = synthetic.tokenizer_texts(world, records)
     assert records[0]["turns"][-1]["text"] in texts
     assert world.test[0].question + "\n" in texts  # what follows the instruction phrase in a prompt
-    phrases = synthetic.tokenizer_phrases(world)
+    phrases = synthetic.tokenizer_phrases()
     instruction = phrases[0]
-    assert world.people[0].name in phrases and next(iter(world.founders)) in phrases
+    assert not any(p.name in phrases for p in world.people)  # names are frequent parts, not phrases
     assert protocol.make_prompt(world.test[0].question) == instruction + world.test[0].question + "\n"
     assert protocol.format_observation([world.passages[0]]) in texts
+
+
+def test_names_are_pairs_of_parts_that_the_training_split_uses():
+    world = synthetic.make_world(num_people=400, seed=0)
+    names = [p.name for p in world.people]
+    assert len(set(names)) == 400 and len(set(world.founders)) == 100
+    firsts, lasts = ({name.split()[i] for name in names} for i in (0, 1))
+    assert len(firsts) <= 25 and len(lasts) <= 25 and not firsts & lasts  # ceil(sqrt(1.5 * 400)) words each
+    assert {c.split()[1] for c in world.founders} <= set(synthetic.COMPANY_SUFFIXES)
+    train_parts = {part for ex in world.train for part in ex.question.split()}
+    test_names = {name for name in names if any(name in ex.question for ex in world.test)}
+    assert test_names and not any(name in ex.question for name in test_names for ex in world.train
+                                  if ex.data_source == "single_hop")
+    for name in test_names:  # a test person's name is new, its words are not
+        assert set(name.split()) <= train_parts, name

@@ -49,6 +49,11 @@ def test_world_tokenizer_warm_start_rl_and_report(tmp_path):
     assert header.split() == ["data_source", "start", "step", "1", "n"]
     mean_row = next(line for line in out.splitlines() if line.startswith("mean "))
     assert float(mean_row.split()[1]) == pytest.approx(start["mean"], abs=5e-4)
+    searches = out[out.index("searches per question"):].splitlines()  # the second table: searches per question
+    with open(run_dir / "eval" / "start" / "results.json") as f:
+        start_searches = json.load(f)["searches"]["mean"]
+    mean_row = next(line for line in searches if line.startswith("mean "))
+    assert float(mean_row.split()[1]) == pytest.approx(start_searches, abs=5e-4)
 
     code, out, err = run("llds_jax.launch", *flags, "--mode=sft")  # cached: nothing trained again
     assert code == 0, err[-3000:]

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from llds_jax import demo
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import protocol
 from llds_jax.sft import demonstrations as demos_lib
 from llds_jax.sft import stage
+from llds_jax.sft.demonstrations import read_demonstrations
 
 RECORD = {"question": "Where was Tova Ren born?",
           "turns": [{"text": "<think> search </think>\n<search> Tova Ren </search>",
@@ -78,6 +80,17 @@ def test_batches_group_by_length_pad_to_bucket_and_cycle_deterministically():
     assert sorted(seen) == [[2, 3], [5, 9], [17, 30]]
 
 
+def test_curriculum_serves_its_first_batches_then_the_rest():
+    first = [(np.full(n, 7, np.int32), np.ones(n, np.float32)) for n in (3, 4)]
+    rest = [(np.full(n, 9, np.int32), np.ones(n, np.float32)) for n in (5, 6)]
+    batches = stage.curriculum(stage.Batches(first, 1, 4, 0, seed=0), 3, stage.Batches(rest, 1, 4, 0, seed=0))
+    assert [int(next(batches)["tokens_bt"][0, 0]) for _ in range(6)] == [7, 7, 7, 9, 9, 9]
+    with pytest.raises(ValueError, match="curriculum_files is empty"):
+        stage.SFTConfig(data_files=("a",), output_dir="o", curriculum_steps=2)
+    with pytest.raises(ValueError, match=r"curriculum_steps must be in \[0, sft.steps\]"):
+        stage.SFTConfig(data_files=("a",), output_dir="o", curriculum_files=("b",), curriculum_steps=300)
+
+
 def test_train_minimizes_the_masked_nll_of_model_turns():
     cfg_m = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -128,3 +141,22 @@ def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
         recorded = json.load(f)["fingerprint"]
     assert stage.fingerprint(stage.sft_config(cfg), cfg.model.path, cfg.model.path, overrides) == recorded
     assert stage.fingerprint(stage.sft_config(changed), cfg.model.path, cfg.model.path, overrides) != recorded
+
+
+def test_warm_start_curriculum_reads_the_searching_demonstrations_first(world_demo, tmp_path, capsys):
+    cfg = world_demo(tmp_path / "run")
+    cfg.sft.curriculum_steps = 2
+    demo.prepare(cfg)  # the demo points the curriculum at its demonstrations that all search
+    (files,) = cfg.sft.curriculum_files
+    searching = read_demonstrations([files])
+    assert files.endswith("search_demonstrations.jsonl") and all(len(d.turns) > 1 for d in searching)
+    out = stage.warm_start(cfg)
+    printed = capsys.readouterr().out
+    assert f"2 steps of 8 on {len(searching)} demonstrations from {files}, then" in printed
+    assert "1 steps of 8 on" in printed
+    with open(os.path.join(out, stage.DONE_FILE)) as f:
+        summary = json.load(f)
+    assert summary["curriculum_steps"] == 2 and summary["curriculum_demonstrations"] == len(searching)
+    plain = world_demo(tmp_path / "plain")
+    assert stage.fingerprint(stage.sft_config(plain), plain.model.path, plain.model.path, {}) != \
+        stage.fingerprint(stage.sft_config(cfg), cfg.model.path, cfg.model.path, {})
