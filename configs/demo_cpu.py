@@ -5,7 +5,7 @@
 1. Assets (runs/demo_world, built once): a world of 400 fictional people and 100 companies written as wiki-18
    passages, single- and two-hop questions (train/test split by person), the embedded BM25 index, a byte-level BPE
    trained on the world (docs/demo.md says why not Qwen2.5's 152k vocabulary), a random 4-layer Qwen2-architecture
-   policy (about 0.9M parameters), and demonstrations: one set that always searches, and one of an imperfect
+   policy (1.08M parameters), and demonstrations: one set that always searches, and one of an imperfect
    demonstrator that searches on 30% of the questions and guesses on the rest.
 2. Warm start (runs/demo_world/warm_start, cached): 240 supervised steps on the searching demonstrations (the policy
    learns to copy the name into the query and the answer out of the document), then 80 on the mixed ones (it
@@ -23,7 +23,7 @@ def get_config():
     c.demo.enabled = True
     c.demo.assets_dir = "runs/demo_world"
     c.demo.tokenizer = "world"
-    c.demo.vocab_size = 1024             # the world's BPE runs out of merges below this (about 720 entries)
+    c.demo.vocab_size = 1024            # an upper bound: the world's BPE runs out of merges at 738 entries
     c.demo.num_people = 400
     c.demo.hidden_size = 128
     c.demo.num_layers = 4

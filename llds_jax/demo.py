@@ -4,11 +4,12 @@ a small random Qwen2-architecture policy saved as a Hugging Face folder, and dem
 The tokenizer is the offline Qwen2.5 one (`demo.tokenizer = "qwen2.5"`, 151,936 embedding rows as in the real
 checkpoints) or a byte-level BPE trained on the world (`"world"`, `demo.vocab_size` entries): with a 64-256 wide
 policy the output layer over Qwen2.5's vocabulary costs more than the rest of the model, which is what keeps a
-CPU demo slow; the world's vocabulary is closed, so a 2k BPE covers it with whole-word tokens.
+CPU demo slow; the world's vocabulary is closed, so a BPE of under 1k entries covers it with whole-word tokens.
 
 `prepare(cfg)` builds what a config's `demo` section asks for under `demo.assets_dir` (default
 `<run_dir>/assets`; rebuilt only when the settings change) and points the config's model, data, retriever and
-(with `sft.enabled` and no files of its own) sft.data_files keys at it.
+(with `sft.enabled` and no files of its own) sft.data_files keys at it; with `sft.curriculum_steps`, the
+curriculum draws from demonstrations that search on every question.
 """
 from __future__ import annotations
 

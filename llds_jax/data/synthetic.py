@@ -149,8 +149,8 @@ def demonstrations(world: World, examples: Sequence[QAExample],
     """Demonstrator transcripts for `examples` (records of `llds_jax.sft.demonstrations`' format).
 
     `search(queries)` returns the documents of each query (records or objects with "contents") as the rollout's
-    retriever would (same top-k); the observations are `protocol.format_observation` of them. Which questions are searched and the guesses are drawn
-    from `seed`. A record's "score" is the EM of its answer.
+    retriever would (same top-k); the observations are `protocol.format_observation` of them. Which questions are
+    searched and the guesses are drawn from `seed`. A record's "score" is the EM of its answer.
     """
     if not 0.0 <= search_fraction <= 1.0:
         raise ValueError(f"search_fraction must be in [0, 1], got {search_fraction}")

@@ -175,8 +175,8 @@ def fingerprint(cfg: SFTConfig, model_path: str, tokenizer_path: str, model_over
     return digest.hexdigest()
 
 
-def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTConfig, mesh: Optional[jax.sharding.Mesh] = None,
-          on_log=None) -> list[dict[str, float]]:
+def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTConfig,
+          mesh: Optional[jax.sharding.Mesh] = None, on_log=None) -> list[dict[str, float]]:
     """Runs `cfg.steps` supervised steps on `model` (its parameters are replaced in place).
 
     Returns the logged records ({"step", "loss", "tokens_per_s", "learning_rate"}, every `log_every` steps and
