@@ -7,7 +7,7 @@
    trained on the world (docs/demo.md says why not Qwen2.5's 152k vocabulary), a random 4-layer Qwen2-architecture
    policy (1.08M parameters), and demonstrations: one set that always searches, and one of an imperfect
    demonstrator that searches on 30% of the questions and guesses on the rest.
-2. Warm start (runs/demo_world/warm_start, cached): 240 supervised steps on the searching demonstrations (the policy
+2. Warm start (runs/demo_world/warm_start, cached): 320 supervised steps on the searching demonstrations (the policy
    learns to copy the name into the query and the answer out of the document), then 80 on the mixed ones (it
    learns to search only now and then). Greedy decoding takes the more likely branch, the guess: test EM is low.
 3. GRPO + LLDS with the real rollout loop (searches hit the embedded index); the test set is evaluated before the
@@ -35,8 +35,8 @@ def get_config():
 
     c.sft.enabled = True
     c.sft.output_dir = "runs/demo_world/warm_start"
-    c.sft.steps = 320
-    c.sft.curriculum_steps = 240        # first only demonstrations that search: copying names, reading answers
+    c.sft.steps = 400
+    c.sft.curriculum_steps = 320        # first only demonstrations that search: copying names, reading answers
     c.sft.batch_size = 32
     c.sft.learning_rate = 3e-3
     c.sft.warmup_steps = 10
