@@ -35,13 +35,16 @@ def tiny_assets(tmp_path_factory):
 @pytest.fixture(scope="session")
 def answer_policy(tmp_path_factory, tiny_assets, qwen_tokenizer):
     """(HF folder, city): a greedy policy that answers "<answer>{city}</answer>" right after any prompt, the city
-    being the most common answer of the tiny test set.
+    being the most common answer of the tiny test set among those whose answer fits in one turn
+    (rollout.max_turn_tokens).
 
     The block's output projections are zero, so the final hidden state is the normalized embedding of the
     current token; the unembedding maps each token of the chain "\n<answer>city</answer>" to its successor with
     logit 30 (the turn is cut after the first </answer>, so the chain may loop).
     """
-    answers = [ex.golden_answers[0] for ex in read_qa(tiny_assets["test"]) if ex.golden_answers[0] in CITIES]
+    max_turn_tokens = tiny_config().rollout.max_turn_tokens
+    fits = {c for c in CITIES if len(qwen_tokenizer.encode("<answer>" + c + "</answer>")) <= max_turn_tokens}
+    answers = [ex.golden_answers[0] for ex in read_qa(tiny_assets["test"]) if ex.golden_answers[0] in fits]
     city = max(sorted(set(answers)), key=answers.count)
     chain_ids = qwen_tokenizer.encode("\n<answer>" + city + "</answer>")
     successor = {}

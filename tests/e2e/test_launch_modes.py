@@ -37,8 +37,15 @@ def normalize(s):
     return " ".join(s.split())
 
 
-def printed_table(out):
-    rows = re.findall(r"^(\S+)\s+(\d\.\d{3})$", out, flags=re.M)
+def printed_table(out, title):
+    """The rows of the printed table under `title` ("exact match" or "searches per question")."""
+    text = out[out.index(title + "\n") + len(title) + 1:]
+    rows = []
+    for line in text.splitlines()[1:]:  # after the header
+        match = re.fullmatch(r"(\S+)\s+(\d+\.\d{3})(?:\s+\d+)?", line)
+        if not match:
+            break
+        rows.append(match.groups())
     return {name: float(value) for name, value in rows}
 
 
@@ -49,7 +56,8 @@ def test_eval_table_equals_recomputation_from_transcripts(tmp_path, tiny_assets,
                           **{"eval.max_examples": 0, "eval.batch_size": 8})
     code, out, err = launch(config, "--mode=eval")
     assert code == 0, err[-3000:]
-    table = printed_table(out)
+    table = printed_table(out, "exact match")
+    searches = printed_table(out, "searches per question")
     (folder,) = [os.path.join(tmp_path, "run", "eval", d) for d in os.listdir(tmp_path / "run" / "eval")]
     with open(os.path.join(folder, "transcripts.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -64,6 +72,13 @@ def test_eval_table_equals_recomputation_from_transcripts(tmp_path, tiny_assets,
     expected = {source: round(sum(v) / len(v), 3) for source, v in by_source.items()}
     expected["mean"] = round(sum(sum(v) / len(v) for v in by_source.values()) / len(by_source), 3)
     assert table == pytest.approx(expected, abs=1e-3)
+    searched = {}
+    for record in records:
+        searched.setdefault(record["data_source"], []).append(
+            sum(turn["action"] == "search" for turn in record["turns"]))
+    expected = {source: round(sum(v) / len(v), 3) for source, v in searched.items()}
+    expected["mean"] = round(sum(sum(v) / len(v) for v in searched.values()) / len(searched), 3)
+    assert searches == pytest.approx(expected, abs=1e-3)
     # The policy answers `city` to everything: EM is the share of questions whose answer is that city.
     assert all(r["final_answer"] == city for r in records)
     truth = {}
