@@ -11,6 +11,7 @@ the steps after the first (compilation done):
                           observations, building trajectories
   rollout/retrieval_wait  waiting for search results after decoding (retrieval on the critical path; searches
                           started while other rows still decode are hidden behind decoding)
+  rollout/compile_grid    after the first rollout: compiling the sampler's bucket grid ahead (`Sampler.compile_grid`)
   batch                   packing the trajectories, checking and placing the batch, fetching metrics
   logp                    old and reference log-probs (one forward each)
   updates                 the optimizer updates (and the post-update log-probs on LLD steps)
@@ -19,9 +20,9 @@ the steps after the first (compilation done):
 
 and tokens/s (real tokens of the training batch per second of step), the padding share of the training batch and
 the XLA compilations of each step (`jax.monitoring` backend-compile events, by function). A compilation after the
-first step is the first use of a new shape bucket: a longer training batch than any before, or a sampler shape
-that no bucket of the earlier rollouts fits (from the second step on the sampler reuses its compiled buckets,
-`Sampler.freeze_shapes`); a program compiled again for an input signature it was already compiled for is a bug,
+first step is the first use of a new shape bucket: a longer training batch than any before, or a conversation
+that outgrows every cache capacity of the first step (from the second step on the sampler reuses its compiled
+buckets, after compiling the grid of their combinations ahead: `Sampler.freeze_shapes`); a program compiled again for an input signature it was already compiled for is a bug,
 counted apart (from the lowerings JAX logs) and expected to be 0.
 
     python bench/step_profile.py                                   # configs/demo_cpu.py, 3 steps
@@ -49,8 +50,8 @@ from typing import Any, Optional, Sequence
 import jax
 import ml_collections
 
-PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "batch", "logp", "updates",
-          "checkpoint", "other")
+PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
+          "batch", "logp", "updates", "checkpoint", "other")
 COMPILE_EVENT = "backend_compile_duration"  # /jax/core/compile/backend_compile_duration
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo_cpu.py")
 
@@ -158,9 +159,11 @@ def step_phases(metrics: dict[str, float], checkpoint_s: float, wall_s: float) -
     phases = {
         "rollout/prefill": prefill, "rollout/decode": decode, "rollout/retrieval_wait": wait,
         "rollout/host": max(rollout_s - prefill - decode - wait, 0.0),
+        "rollout/compile_grid": metrics.get("perf/compile_grid_s", 0.0),
         "logp": metrics["perf/logp_s"], "updates": metrics["perf/update_s"], "checkpoint": checkpoint_s,
     }
-    phases["batch"] = max(metrics["perf/step_s"] - rollout_s - phases["logp"] - phases["updates"], 0.0)
+    phases["batch"] = max(metrics["perf/step_s"] - rollout_s - phases["rollout/compile_grid"] - phases["logp"]
+                          - phases["updates"], 0.0)
     phases["other"] = max(wall_s - sum(phases.values()), 0.0)
     return {name: phases[name] for name in PHASES}
 

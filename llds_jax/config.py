@@ -70,6 +70,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0
     c.rollout.decode_chunk = 32
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
+    c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
+    c.rollout.min_capacity_bucket = 128     # smallest KV-cache capacity (slots) of a sampler session
+    c.rollout.min_observation_bucket = 16   # smallest padded observation length of an extend
 
     c.objective = ml_collections.ConfigDict()
     c.objective.clip_ratio = 0.2
@@ -249,4 +252,6 @@ def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],
     """Training samples at the rollout temperature / top-p / top-k; evaluation is greedy."""
     r = cfg.rollout
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, greedy=evaluation,
-                          stop_ids=stop_ids, decode_chunk=r.decode_chunk)
+                          stop_ids=stop_ids, decode_chunk=r.decode_chunk,
+                          min_capacity_bucket=r.min_capacity_bucket,
+                          min_observation_bucket=r.min_observation_bucket)

@@ -1,9 +1,11 @@
 """Shared test setup: 8 fake CPU devices (set before JAX is imported) and shared fixtures."""
+import contextlib
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from llds_jax import tokenizer as tokenizer_lib  # noqa: E402
@@ -26,3 +28,22 @@ def qwen_instruct_tokenizer(tmp_path_factory):
     """The real Qwen2.5 instruct tokenizer (eos <|im_end|>, instruct chat template)."""
     path = tokenizer_lib.write_qwen25_tokenizer(str(tmp_path_factory.mktemp("qwen25_inst")), "instruct")
     return tokenizer_lib.load_tokenizer(path)
+
+
+@contextlib.contextmanager
+def _backend_compiles():
+    events = []
+    listener = lambda event, duration, **kw: (  # noqa: E731
+        events.append(duration) if event.endswith("backend_compile_duration") else None)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture
+def backend_compiles():
+    """`with backend_compiles() as events:` collects one entry per XLA compilation inside the block (by any
+    program, ahead-of-time or at a call)."""
+    return _backend_compiles

@@ -25,9 +25,11 @@ it, and when enough rows have finished the batch is compacted to a smaller bucke
 remaining batches attend over fewer slots and rows. With a mesh, rows are split over (data, fsdp).
 After `Sampler.freeze_shapes()` (the trainer calls it after its first step, `rollout.reuse_buckets`) a session
 takes the smallest bucket the sampler has already run that fits (more rows, cache slots or observation slots than
-needed) instead of compiling a program for a new smaller one: a run compiles its rollout programs in the first
-step, and later only for a shape that outgrows every bucket seen. Padding is masked, so the distributions are the
-same; the logits may differ at float rounding (other reduction sizes).
+needed) instead of compiling a program for a new smaller one, and the first call compiles ahead the grid of
+the buckets run so far (`Sampler.compile_grid`: every program at every combination of their row, capacity and
+observation buckets): a run compiles its rollout programs in the first step, and later only for a conversation
+that outgrows every capacity seen. Padding is masked, so the distributions are the same; the logits may differ at
+float rounding (other reduction sizes).
 
 `Session.timing` accumulates seconds: `prefill_s` (prompt prefill and observation extends, each waited for once
 per turn), `decode_s` (decode chunk calls and the wait for their tokens) and `host_s` (the host callbacks between
@@ -273,6 +275,27 @@ def _grow(state: DecodeState, capacity: int) -> DecodeState:
     return _constrain_state(state.replace(cache=cache))
 
 
+def _spec(array: jax.Array) -> jax.ShapeDtypeStruct:
+    """The abstract value a jitted call sees for `array` (its sharding only when committed to one)."""
+    return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding if array.committed else None)
+
+
+def _state_spec(template: DecodeState, rows: int, capacity: int) -> DecodeState:
+    """The abstract decode state of `rows` rows and `capacity` cache slots, laid out like `template`."""
+    def resize(leaf, shape):
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding)
+
+    cache = template.cache
+    kv = lambda leaf: resize(leaf, (leaf.shape[0], rows, capacity) + leaf.shape[3:])  # noqa: E731
+    by_row = lambda leaf: resize(leaf, (rows,) + leaf.shape[1:])  # noqa: E731
+    cache = KVCache(k_lbskh=kv(cache.k_lbskh), v_lbskh=kv(cache.v_lbskh),
+                    valid_bs=resize(cache.valid_bs, (rows, capacity)), end_b=by_row(cache.end_b),
+                    next_pos_b=by_row(cache.next_pos_b))
+    return DecodeState(cache=cache, logits_bv=by_row(template.logits_bv), key_b=by_row(template.key_b),
+                       count_b=by_row(template.count_b), remaining_b=by_row(template.remaining_b),
+                       done_b=by_row(template.done_b))
+
+
 def _select_rows(state: DecodeState, rows_b) -> DecodeState:
     """The state of rows `rows_b` (a smaller batch)."""
     take = lambda a, axis=0: jnp.take(a, rows_b, axis=axis)
@@ -306,12 +329,63 @@ class Sampler:
         self._select = jax.jit(_select_rows)
         self.frozen = False
         # Buckets run so far, per program: prefill (rows, prompt slots, capacity), select (rows, capacity, new
-        # rows), grow (rows, capacity, new capacity), end_turn (rows, capacity, observation slots).
+        # rows), grow (rows, capacity, new capacity), end_turn (rows, capacity, observation slots), decode (rows,
+        # capacity, 0).
         self._used: dict[str, set[tuple[int, int, int]]] = collections.defaultdict(set)
+        self._specs = None  # (params, a decode state) as ShapeDtypeStructs, from the first session
 
-    def freeze_shapes(self) -> None:
-        """From now on sessions reuse buckets already run where one fits rather than compile smaller ones."""
+    def freeze_shapes(self, grid: bool = True) -> int:
+        """From now on sessions reuse buckets already run where one fits rather than compile smaller ones.
+
+        With `grid`, the first call also compiles the bucket grid of what has run (`compile_grid`), so that later
+        sessions find a program for every combination of those buckets. Returns the programs compiled (0 after
+        the first call)."""
+        if self.frozen:
+            return 0
         self.frozen = True
+        return self.compile_grid() if grid else 0
+
+    def compile_grid(self) -> int:
+        """Compiles (ahead of time, without running them) the programs a session can need on the grid of the row
+        and capacity buckets run so far: decode and an extend of each observation bucket run so far at every (rows,
+        capacity), growth to each larger capacity and compaction to each smaller row bucket. A frozen session
+        then compiles only when a conversation outgrows every capacity run (or a batch every row bucket).
+        Returns the number of programs compiled."""
+        if self._specs is None:
+            return 0
+        params, template = self._specs
+        states = ({(r, c) for r, _, c in self._used["prefill"]} | {u[:2] for u in self._used["decode"]}
+                  | {u[:2] for u in self._used["end_turn"]} | {(r, c) for r, _, c in self._used["grow"]}
+                  | {(r, c) for _, c, r in self._used["select"]})
+        rows, capacities = sorted({r for r, _ in states}), sorted({c for _, c in states})
+        observations = sorted({t for _, _, t in self._used["end_turn"]})
+        host = lambda *shape, dtype=np.int32: self._host_spec(shape, dtype)  # noqa: E731
+        compiled = 0
+        with self.mesh_context():
+            for r in rows:
+                for c in capacities:
+                    state = _state_spec(template, r, c)
+                    programs = [("decode", 0, self._decode, (params, state, host(r, dtype=bool)))]
+                    programs += [("end_turn", t, self._end_turn, (params, state, host(r), host(r), host(r, t),
+                                                                  host(r, t, dtype=bool))) for t in observations]
+                    programs += [("grow", g, self._grow, (state, g)) for g in capacities if g > c]
+                    programs += [("select", k, self._select, (state, host(k))) for k in rows if k < r]
+                    for name, last, jitted, args in programs:
+                        if (r, c, last) not in self._used[name]:
+                            jitted.lower(*args).compile()
+                            self._used[name].add((r, c, last))
+                            compiled += 1
+        return compiled
+
+    def _host_spec(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """The abstract value of `put(np.zeros(shape, dtype))`."""
+        sharding = None if self.mesh is None else parallel.batch_sharding(self.mesh, len(shape))
+        return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+
+    def _remember_specs(self, params, state: DecodeState) -> None:
+        """Keeps the abstract values of the params and of a decode state (for `compile_grid`)."""
+        if self._specs is None:
+            self._specs = jax.tree.map(_spec, (params, state))
 
     def _reuse(self, program: str, prefix: tuple[int, int], at_least: int, below: Optional[int] = None
                ) -> Optional[int]:
@@ -490,7 +564,10 @@ class Session:
             return
         cfg, n = self._cfg, self.num_sequences
         rows = buckets.batch_bucket(n, self._sampler.batch_multiple, cfg.min_batch_bucket)
-        p = buckets.pow2_bucket(max(len(x) for x in self._prompts), cfg.min_prompt_bucket)
+        longest = max(len(x) for x in self._prompts)
+        p = buckets.pow2_bucket(longest, cfg.min_prompt_bucket)
+        if self._sampler.frozen:  # the smallest prompt bucket run with this many rows that fits
+            p = min((u[1] for u in self._sampler._used["prefill"] if u[0] == rows and u[1] >= longest), default=p)
         tokens_bt = np.zeros((rows, p), np.int32)
         valid_bt = np.zeros((rows, p), bool)
         valid_bt[n:, -1] = True  # padding rows hold one token so that attention never sees an empty row
@@ -553,6 +630,8 @@ class Session:
         remaining_b = self._row_array(budgets_n, np.int32)
         self._state = self._state.replace(remaining_b=put(remaining_b), done_b=put(remaining_b <= 0))
         rows = len(self._seq_of)
+        sampler._used["decode"].add((rows, self.capacity, 0))
+        sampler._remember_specs(self._params, self._state)
         running_b = remaining_b > 0  # host view: rows still sampling this turn
         stop_b = np.zeros(rows, bool)
         while running_b.any():

@@ -173,9 +173,12 @@ class Trainer:
         prompts = next(self.data)
         rng = jax.random.fold_in(self.base_rng, step)
         rollout = self.rollout(state.params, prompts, rng)
-        if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
-            self.sampler.freeze_shapes()
         rollout_s = time.perf_counter() - start
+        grid = {}
+        if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
+            grid_start = time.perf_counter()
+            if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):
+                grid = {"perf/compile_grid_s": time.perf_counter() - grid_start}
         n = self.cfg.data.samples_per_prompt
         first_prompt = jax.process_index() * len(prompts)
         group_b = np.repeat(np.arange(first_prompt, first_prompt + len(prompts), dtype=np.int32), n)
@@ -197,7 +200,7 @@ class Trainer:
             "reward/mean": job_rollout_metrics["reward"],
             "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/retrieval_s": job_rollout_metrics["search_s"],
             "perf/tokens_per_s": tokens / step_s, "perf/sequence_length": float(batch["tokens_bt"].shape[1]),
-            "optim/learning_rate": float(learning_rate(step - 1, self.step_fn.update_cfg)),
+            "optim/learning_rate": float(learning_rate(step - 1, self.step_fn.update_cfg)), **grid,
         })
         return state, metrics, rollout.trajectories
 
@@ -216,8 +219,8 @@ class Trainer:
                                     list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
                                     runner=self.runner)
             trajectories += rollout.trajectories
-        if self.cfg.rollout.reuse_buckets:
-            self.eval_sampler.freeze_shapes()
+        if self.cfg.rollout.reuse_buckets:  # evaluations are few: reuse their buckets, compile no grid ahead
+            self.eval_sampler.freeze_shapes(grid=False)
         table = evaluation.em_table(trajectories)
         if out_dir is not None and self.is_main:
             evaluation.write_results(out_dir, trajectories, table, self.tokenizer)

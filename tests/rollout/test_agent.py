@@ -435,20 +435,14 @@ def test_real_model_rollout_is_deterministic_per_seed(qwen_tokenizer, real, stee
     assert any(len(a.tokens) != len(c.tokens) or (a.tokens != c.tokens).any() for a, c in zip(first, other))
 
 
-def test_second_batch_with_same_buckets_compiles_nothing(qwen_tokenizer, real):
+def test_second_batch_with_same_buckets_compiles_nothing(qwen_tokenizer, real, backend_compiles):
     _, random_params, _, sampler = real  # the random model never closes a tag: every batch has the same shapes
     cfg = agent.AgentConfig(**REAL_CONFIG)
     batch = lambda offset: [example(i, f"which city is number {offset + i}", ("paris",)) for i in range(5)]
     warm = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(), batch(0), jax.random.key(3), cfg)
-    compiles = []
-    listener = lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") \
-        else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         second = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(), batch(100),
                                jax.random.key(4), cfg)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert [t.tokens.tolist() for t in second.trajectories] != [t.tokens.tolist() for t in warm.trajectories]
     assert second.metrics["turns"] == REAL_CONFIG["max_turns"] + 1

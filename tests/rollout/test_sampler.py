@@ -238,16 +238,15 @@ def test_sharded_session_matches_unsharded(tiny, sampler):
     check_logps(model, *got[:3])
 
 
-def compiled(sampler):
-    """Programs compiled so far by each of the sampler's jitted functions."""
-    return {name: getattr(sampler, name)._cache_size() for name in ("_prefill", "_decode", "_end_turn", "_grow",
-                                                                    "_select")}
-
-
-def test_frozen_shapes_reuse_buckets_without_compiling_and_sample_the_same(tiny):
-    """After freeze_shapes, a conversation that would need smaller buckets (shorter observations, a compaction at
-    another capacity) runs in buckets already compiled, and samples exactly what a fresh sampler samples."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "mesh"])
+def test_frozen_shapes_compile_the_bucket_grid_ahead_and_sample_the_same(tiny, backend_compiles, sharded):
+    """freeze_shapes compiles the grid of the buckets run so far; then a conversation that needs shapes no session
+    ran (shorter observations; a compaction to 2 rows at capacity 32, where the first only compacted at 64)
+    compiles nothing, and samples exactly what a fresh sampler samples."""
     model, graphdef, params = tiny
+    mesh = parallel.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4]) if sharded else None
+    if sharded:
+        params = jax.device_put(params, parallel.param_shardings(params, mesh))
     prompts = prompts_of([3, 7, 12, 5])
     keep = lambda t, i, out: len(out.token_ids) - 1
 
@@ -256,18 +255,27 @@ def test_frozen_shapes_reuse_buckets_without_compiling_and_sample_the_same(tiny)
         return converse(sampler.start(params, prompts, jax.random.key(seed)), prompts, 3,
                         lambda t: [6, 6, 6, 6], keep, obs)
 
-    sampler = Sampler(graphdef, CONFIG)
-    conversation(sampler, obs_len=7, leaves={(0, 3), (1, 2)}, seed=0)  # observation bucket 8, compacts 4 -> 2
-    sampler.freeze_shapes()
-    before = compiled(sampler)
-    # Observations of 3 tokens (bucket 4), a compaction to 2 rows at the second turn (the first run compacted at
-    # the third) and to 1 row at the third would each compile new programs.
+    sampler = Sampler(graphdef, CONFIG, mesh=mesh)
+    # Prompt bucket 16, capacity 32; the first extend fits (observation bucket 8), the second turn grows the cache
+    # to 64; 2 rows are left for the third turn: it compacts 4 -> 2 rows at capacity 64.
+    conversation(sampler, obs_len=7, leaves={(0, 3), (1, 2)}, seed=0)
+    # The grid of rows {4, 2} x capacities {32, 64}: missing were compaction 4 -> 2 at 32, and decode, the extend
+    # and growth to 64 of 2 rows at 32.
+    assert sampler.freeze_shapes() == 4
+    assert sampler.freeze_shapes() == 0
+    # Observations of 3 tokens and 2 rows left after the first turn: compaction to 2 rows at capacity 32.
     leaves = {(0, 3), (0, 2), (1, 1)}
-    got = conversation(sampler, obs_len=3, leaves=leaves, seed=1)
-    assert compiled(sampler) == before
-    fresh = Sampler(graphdef, CONFIG)
-    ref = conversation(fresh, obs_len=3, leaves=leaves, seed=1)
-    assert sum(compiled(fresh).values()) > 0
+    select, compactions = sampler._select, []  # (capacity, rows after) of each compaction
+    sampler._select = lambda state, rows_b: compactions.append((state.cache.capacity, len(rows_b))) or select(
+        state, rows_b)
+    with backend_compiles() as compiles:
+        got = conversation(sampler, obs_len=3, leaves=leaves, seed=1)
+    assert compiles == []
+    assert compactions == [(32, 2)]  # a program of the grid (without it the batch would stay at 4 rows)
+    fresh = Sampler(graphdef, CONFIG, mesh=mesh)
+    with backend_compiles() as compiles:
+        ref = conversation(fresh, obs_len=3, leaves=leaves, seed=1)
+    assert len(compiles) > 0
     assert got[0] == ref[0]
     np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-5)
     check_logps(model, *got[:3])
