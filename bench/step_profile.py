@@ -194,6 +194,9 @@ class SerialSearchSampler:
     def __init__(self, inner):
         self.inner = inner
 
+    def __getattr__(self, name):  # everything else (freeze_shapes, ...) is the inner sampler's
+        return getattr(self.inner, name)
+
     def start(self, params, prompts, rng, **kwargs):
         session = self.inner.start(params, prompts, rng, **kwargs)
         decode_turn = session.decode_turn

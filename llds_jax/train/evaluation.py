@@ -80,10 +80,10 @@ def transcript_text(t: Trajectory, tokenizer) -> str:
     return "\n".join(parts)
 
 
-def write_results(out_dir: epath.Path, trajectories: Sequence[Trajectory], table: Mapping[str, float],
-                  tokenizer) -> None:
-    """Writes `transcripts.jsonl` (one record per question) and `results.json` (the EM table `table`, searches
-    per question and question counts per data_source)."""
+def write_results(out_dir: epath.Path, trajectories: Sequence[Trajectory], em: Mapping[str, float],
+                  searches: Mapping[str, float], tokenizer) -> None:
+    """Writes `transcripts.jsonl` (one record per question) and `results.json` (the tables `em` and `searches`
+    of the trajectories, and question counts per data_source)."""
     out_dir = epath.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(transcript_record(t, tokenizer), ensure_ascii=False) for t in trajectories]
@@ -91,5 +91,5 @@ def write_results(out_dir: epath.Path, trajectories: Sequence[Trajectory], table
     counts: dict[str, int] = defaultdict(int)
     for t in trajectories:
         counts[t.example.data_source] += 1
-    results = {"em": dict(table), "searches": searches_table(trajectories), "counts": dict(counts)}
+    results = {"em": dict(em), "searches": dict(searches), "counts": dict(counts)}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))

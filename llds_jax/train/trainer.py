@@ -221,10 +221,9 @@ class Trainer:
             trajectories += rollout.trajectories
         if self.cfg.rollout.reuse_buckets:  # evaluations are few: reuse their buckets, compile no grid ahead
             self.eval_sampler.freeze_shapes(grid=False)
-        table = evaluation.em_table(trajectories)
+        table, searches = evaluation.em_table(trajectories), evaluation.searches_table(trajectories)
         if out_dir is not None and self.is_main:
-            evaluation.write_results(out_dir, trajectories, table, self.tokenizer)
-        searches = evaluation.searches_table(trajectories)
+            evaluation.write_results(out_dir, trajectories, table, searches, self.tokenizer)
         return {**{f"{prefix}/em_{source}": value for source, value in table.items()},
                 **{f"{prefix}/searches_{source}": value for source, value in searches.items()}}
 

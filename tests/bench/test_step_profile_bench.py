@@ -38,6 +38,31 @@ def test_overrides_take_the_type_of_the_key_and_name_unknown_keys():
         bench.apply_override(cfg, "train.lld_every=often")
 
 
+def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_otherwise():
+    bench = load_bench()
+    calls = []
+
+    class Session:
+        def decode_turn(self, budgets, turn_finished, on_finished=None):
+            calls.append(on_finished)
+
+    class Inner:
+        frozen = False
+
+        def start(self, params, prompts, rng):
+            return Session()
+
+        def freeze_shapes(self, grid=True):
+            self.frozen = grid
+            return 3
+
+    inner = Inner()
+    serial = bench.SerialSearchSampler(inner)
+    serial.start(None, [[1]], None).decode_turn([4], lambda toks: [False], on_finished=print)
+    assert calls == [None]
+    assert serial.freeze_shapes(grid=True) == 3 and inner.frozen is True
+
+
 def small_overrides():
     """Shrinks the tiny config further where its keys allow (the demo's small world tokenizer if it has one)."""
     from llds_jax.config import default_config

@@ -49,6 +49,15 @@ def printed_table(out, title):
     return {name: float(value) for name, value in rows}
 
 
+def means_by_source(records, value):
+    """{data_source: mean of value(record)} and their unweighted "mean", rounded as the printed table is."""
+    by_source = {}
+    for record in records:
+        by_source.setdefault(record["data_source"], []).append(value(record))
+    means = {source: sum(v) / len(v) for source, v in by_source.items()}
+    return {**{source: round(m, 3) for source, m in means.items()}, "mean": round(sum(means.values()) / len(means), 3)}
+
+
 def test_eval_table_equals_recomputation_from_transcripts(tmp_path, tiny_assets, answer_policy, config_writer,
                                                         launch):
     policy, city = answer_policy
@@ -63,22 +72,14 @@ def test_eval_table_equals_recomputation_from_transcripts(tmp_path, tiny_assets,
         records = [json.loads(line) for line in f]
     test_set = read_qa(tiny_assets["test"])
     assert len(records) == len(test_set)
-    by_source = {}
-    for record in records:
+    def em(record):
         model_text = "".join(turn["text"] for turn in record["turns"])
         answers = re.findall(r"<answer>(.*?)</answer>", model_text, flags=re.S)
-        score = float(bool(answers) and normalize(answers[-1]) in {normalize(g) for g in record["golden_answers"]})
-        by_source.setdefault(record["data_source"], []).append(score)
-    expected = {source: round(sum(v) / len(v), 3) for source, v in by_source.items()}
-    expected["mean"] = round(sum(sum(v) / len(v) for v in by_source.values()) / len(by_source), 3)
-    assert table == pytest.approx(expected, abs=1e-3)
-    searched = {}
-    for record in records:
-        searched.setdefault(record["data_source"], []).append(
-            sum(turn["action"] == "search" for turn in record["turns"]))
-    expected = {source: round(sum(v) / len(v), 3) for source, v in searched.items()}
-    expected["mean"] = round(sum(sum(v) / len(v) for v in searched.values()) / len(searched), 3)
-    assert searches == pytest.approx(expected, abs=1e-3)
+        return float(bool(answers) and normalize(answers[-1]) in {normalize(g) for g in record["golden_answers"]})
+
+    assert table == pytest.approx(means_by_source(records, em), abs=1e-3)
+    assert searches == pytest.approx(
+        means_by_source(records, lambda r: sum(turn["action"] == "search" for turn in r["turns"])), abs=1e-3)
     # The policy answers `city` to everything: EM is the share of questions whose answer is that city.
     assert all(r["final_answer"] == city for r in records)
     truth = {}

@@ -279,3 +279,26 @@ def test_frozen_shapes_compile_the_bucket_grid_ahead_and_sample_the_same(tiny, b
     assert got[0] == ref[0]
     np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-5)
     check_logps(model, *got[:3])
+
+
+def test_frozen_session_reuses_a_longer_prompt_bucket(tiny, backend_compiles):
+    """Shorter prompts than any before go into the prompt bucket already compiled (left padding is masked), and
+    sample exactly what a fresh sampler samples with their own smaller bucket."""
+    model, graphdef, params = tiny
+    obs = lambda t, i: [20 + i, 30 + t]
+    keep = lambda t, i, out: len(out.token_ids)
+
+    def conversation(sampler, prompts, seed):
+        return converse(sampler.start(params, prompts, jax.random.key(seed)), prompts, 2, lambda t: [5, 5], keep,
+                        obs)
+
+    sampler = Sampler(graphdef, CONFIG)
+    conversation(sampler, prompts_of([20, 3]), seed=0)  # prompt bucket 32
+    sampler.freeze_shapes(grid=False)
+    short = prompts_of([9, 4], seed=1)  # bucket 16 on its own
+    with backend_compiles() as compiles:
+        got = conversation(sampler, short, seed=1)
+    assert compiles == []
+    ref = conversation(Sampler(graphdef, CONFIG), short, seed=1)
+    assert got[0] == ref[0]
+    np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-5)
