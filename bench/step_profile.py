@@ -22,8 +22,9 @@ and tokens/s (real tokens of the training batch per second of step), the padding
 the XLA compilations of each step (`jax.monitoring` backend-compile events, by function). A compilation after the
 first step is the first use of a new shape bucket: a longer training batch than any before, or a conversation
 that outgrows every cache capacity of the first step (from the second step on the sampler reuses its compiled
-buckets, after compiling the grid of their combinations ahead: `Sampler.freeze_shapes`); a program compiled again for an input signature it was already compiled for is a bug,
-counted apart (from the lowerings JAX logs) and expected to be 0.
+buckets, after compiling the grid of their combinations ahead: `Sampler.freeze_shapes`); a program compiled again
+for an input signature it was already compiled for is a bug, counted apart (from the lowerings JAX logs) and
+expected to be 0.
 
     python bench/step_profile.py                                   # configs/demo_cpu.py, 3 steps
     python bench/step_profile.py --config configs/tiny_test.py --steps 2 --override rollout.max_turns=2

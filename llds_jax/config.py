@@ -71,8 +71,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.decode_chunk = 32
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
-    c.rollout.min_capacity_bucket = 128     # smallest KV-cache capacity (slots) of a sampler session
-    c.rollout.min_observation_bucket = 16   # smallest padded observation length of an extend
+    c.rollout.min_capacity_bucket = 128  # smallest KV-cache capacity (slots) of a sampler session
+    c.rollout.min_observation_bucket = 16  # smallest padded observation length of an extend
 
     c.objective = ml_collections.ConfigDict()
     c.objective.clip_ratio = 0.2

@@ -4,7 +4,8 @@
 - `<log_dir>/tensorboard/`: TensorBoard events (tensorboardX): every scalar, and text summaries (sampled
   transcripts, the config) shown as preformatted text;
 - `<log_dir>/metrics.jsonl`: one JSON object per `write`: `{"step": int, "time": unix seconds, name: value, ...}`;
-  non-finite values are written as null (JSON has no NaN);
+  non-finite values are written as null (JSON has no NaN) and left out of TensorBoard (a gap in the curve: e.g.
+  `lld/logp_mean_incorrect` of a step with no incorrect trajectory);
 - the console: `step 120/1005  reward 0.412  EM 0.398  LLD 3.1%  gnorm 0.82  tok/s 1.23k  ETA 3h12m` (fields
   missing from a step are left out; ETA from the mean wall time per step since the first write).
 
@@ -184,7 +185,8 @@ class MetricsWriter:
                 raise ValueError(f"metric name {name!r} is reserved (JSONL record keys {RESERVED_KEYS})")
             values[name] = _scalar(name, value)
         for name, value in values.items():
-            self._tb.add_scalar(name, value, step)
+            if math.isfinite(value):
+                self._tb.add_scalar(name, value, step)
         self._jsonl.append({"step": step, "time": time.time(),
                             **{k: (v if math.isfinite(v) else None) for k, v in values.items()}})
         now = self.clock()

@@ -56,6 +56,9 @@ def test_jsonl_round_trip(tmp_path):
     assert all(isinstance(r.pop("time"), float) for r in records)
     assert records == [{"step": 1, "reward/mean": 0.5, "actor/updates": 4.0, "lld/rate": None},
                        {"step": 2, "reward/mean": 0.75, "flag": 1.0}]
+    acc = events(tmp_path)
+    assert "lld/rate" not in acc.Tags()["scalars"]  # undefined values leave a gap in TensorBoard
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.5), (2, 0.75)]
 
 
 def test_resume_drops_records_after_the_checkpoint(tmp_path):
