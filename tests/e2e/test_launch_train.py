@@ -58,10 +58,14 @@ def test_train_writes_events_checkpoints_and_eval_table(tmp_path):
     tags = set(events.Tags()["scalars"])
     for tag in ("reward/mean", "actor/grad_norm", "actor/entropy", "lld/rate", "lld/logp_mean_correct",
                 "rollout/valid_searches", "perf/tokens_per_s", "eval/em_mean", "optim/learning_rate"):
-        assert tag in tags, tag
-    # TensorBoard holds exactly the values of the JSONL log.
-    for tag in ("actor/grad_norm", "reward/mean", "actor/entropy"):
-        assert [e.value for e in events.Scalars(tag)] == pytest.approx([r[tag] for r in records], rel=1e-6)
+        logged = [r[tag] for r in records if tag in r]
+        assert logged, tag
+        # TensorBoard holds exactly the defined values of the JSONL log (null: undefined, e.g. the LLD rate of a
+        # step without a correct trajectory).
+        defined = [v for v in logged if v is not None]
+        assert (tag in tags) == bool(defined), tag
+        if defined:
+            assert [e.value for e in events.Scalars(tag)] == pytest.approx(defined, rel=1e-6), tag
     assert events.Tags()["tensors"]  # transcript text summaries
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["data"]["samples_per_prompt"] == 2
