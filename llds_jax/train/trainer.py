@@ -69,6 +69,12 @@ def padded_length(trajectories: Sequence[Trajectory], bucket: int) -> int:
     return -(-longest // bucket) * bucket
 
 
+def training_length(needed: int, used: set[int]) -> int:
+    """The training batch length for `needed` tokens: the smallest length in `used` (compiled already) that fits,
+    else `needed` itself (a new length compiles the log-probs and the updates once more)."""
+    return min((length for length in used if length >= needed), default=needed)
+
+
 def training_batch(trajectories: Sequence[Trajectory], group_b: np.ndarray, pad_id: int,
                    length: int) -> dict[str, np.ndarray]:
     """The rollout batch dict of `RLTrainStep.train_on_batch`; sequences right-padded to `length` tokens."""
@@ -182,10 +188,8 @@ class Trainer:
         n = self.cfg.data.samples_per_prompt
         first_prompt = jax.process_index() * len(prompts)
         group_b = np.repeat(np.arange(first_prompt, first_prompt + len(prompts), dtype=np.int32), n)
-        # The smallest training length already compiled that fits (new lengths compile the log-probs and updates
-        # again); the same on every host, as the padded length is agreed across hosts.
-        needed = padded_length(rollout.trajectories, self.cfg.train.sequence_bucket)
-        length = min((seen for seen in self._lengths if seen >= needed), default=needed)
+        # The same on every host, as the padded length is agreed across hosts.
+        length = training_length(padded_length(rollout.trajectories, self.cfg.train.sequence_bucket), self._lengths)
         self._lengths.add(length)
         batch = global_batch(training_batch(rollout.trajectories, group_b, self.pad_id, length))
         job_rollout_metrics = combine_over_processes(rollout.metrics)
