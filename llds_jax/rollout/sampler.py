@@ -387,14 +387,15 @@ class Sampler:
         if self._specs is None:
             self._specs = jax.tree.map(_spec, (params, state))
 
-    def _reuse(self, program: str, prefix: tuple[int, int], at_least: int, below: Optional[int] = None
+    def _reuse(self, program: str, prefix: tuple[int, ...], at_least: int, below: Optional[int] = None
                ) -> Optional[int]:
-        """When frozen: the smallest last entry in [at_least, below) of the `program` buckets starting with
-        `prefix` run so far (None when not frozen or none fits)."""
+        """When frozen: the smallest entry after `prefix`, in [at_least, below), of the `program` buckets starting
+        with `prefix` run so far (None when not frozen or none fits)."""
         if not self.frozen:
             return None
-        return min((used[2] for used in self._used[program] if used[:2] == prefix and used[2] >= at_least
-                    and (below is None or used[2] < below)), default=None)
+        n = len(prefix)
+        return min((used[n] for used in self._used[program] if used[:n] == prefix and used[n] >= at_least
+                    and (below is None or used[n] < below)), default=None)
 
     def mesh_context(self):
         """`jax.set_mesh(mesh)`, or a null context without a mesh."""
@@ -565,9 +566,8 @@ class Session:
         cfg, n = self._cfg, self.num_sequences
         rows = buckets.batch_bucket(n, self._sampler.batch_multiple, cfg.min_batch_bucket)
         longest = max(len(x) for x in self._prompts)
-        p = buckets.pow2_bucket(longest, cfg.min_prompt_bucket)
-        if self._sampler.frozen:  # the smallest prompt bucket run with this many rows that fits
-            p = min((u[1] for u in self._sampler._used["prefill"] if u[0] == rows and u[1] >= longest), default=p)
+        p = (self._sampler._reuse("prefill", (rows,), longest)  # a longer prompt bucket already run, when frozen
+             or buckets.pow2_bucket(longest, cfg.min_prompt_bucket))
         tokens_bt = np.zeros((rows, p), np.int32)
         valid_bt = np.zeros((rows, p), bool)
         valid_bt[n:, -1] = True  # padding rows hold one token so that attention never sees an empty row

@@ -34,8 +34,8 @@ def searches_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def format_columns(columns: Mapping[str, Mapping[str, float]], counts: Mapping[str, int] | None = None) -> str:
-    """EM tables side by side (one column per name, e.g. "start" and "step 40"), one source per line, the mean
-    last; `counts` adds the number of questions per source."""
+    """Tables (EM or searches per question) side by side, one column per name (e.g. "start" and "step 40"), one
+    source per line, the mean last; `counts` adds the number of questions per source."""
     sources = list(dict.fromkeys(source for table in columns.values() for source in table))
     sources = [s for s in sources if s != MEAN_KEY] + [MEAN_KEY]
     width = max(len("data_source"), *(len(s) for s in sources))
