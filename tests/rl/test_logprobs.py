@@ -46,8 +46,10 @@ def reference(inputs):
 
 
 def assert_close(got, want):
+    # 2e-5: the gradient wrt w sums B x T = 148 float32 terms of order 1, in another order per layout (chunks,
+    # shards); one element of 1536 differed by 1.1e-5 from the full-logits reference on one CPU model.
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5)
 
 
 def test_chunked_equals_full_logits_with_gradients(inputs, reference):
