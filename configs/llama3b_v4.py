@@ -11,5 +11,7 @@ def get_config():
     c = _base.get_config()
     c.run_dir = "gs://YOUR_BUCKET/runs/llama3b_base_llds_ma"
     c.model.path = "gs://YOUR_BUCKET/models/Llama-3.2-3B"
+    c.model.preset = "llama-3.2-3b"
+    c.rollout.max_batch_size = 16       # 32 do not fit: 8 KV heads make its cache 4x Qwen2.5-3B's (docs/tpu.md)
     c.objective.llds.answer_weighting = "adaptive"
     return c

@@ -17,4 +17,7 @@ def get_config():
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen3b_instruct_llds"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-3B-Instruct"
     c.model.chat_template = "instruct"
+    c.model.preset = "qwen2.5-3b"
+    c.mesh.topology = "v4:2x2x2"
+    c.rollout.max_batch_size = 32       # 64 rows do not fit a host's 4 chips (docs/tpu.md)
     return c

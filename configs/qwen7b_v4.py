@@ -17,10 +17,12 @@ def get_config():
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_llds"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-7B"
     c.model.chat_template = "base"
+    c.model.preset = "qwen2.5-7b"
+    c.mesh.topology = "v4:2x2x4"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.data.train_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/train.parquet"]
     c.data.eval_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/test.parquet"]
     c.retriever = c.retriever.__class__({"backend": "elasticsearch", "hosts": "https://YOUR_ES_HOST:9200",
                                          "index": "wiki18"})
-    c.rollout.max_batch_size = 512
+    c.rollout.max_batch_size = 16       # sessions of 16 rows: 32 do not fit a host's 4 chips (docs/tpu.md)
     return c

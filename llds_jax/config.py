@@ -34,11 +34,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"     # master weights
     c.model.scan_layers = True
     c.model.remat = True
+    c.model.preset = ""                 # named architecture (llds_jax.model.PRESETS): --mode=compile needs no checkpoint
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1                    # -1: the rest of the devices
     c.mesh.tensor = 1
+    c.mesh.topology = ""                # TPU slice of the run (e.g. v4:2x2x4): what --mode=compile compiles for
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""   # multi-process without TPU auto-detection, e.g. "10.0.0.2:1234"
@@ -218,6 +220,16 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError("run_dir must be set")
     if not cfg.model.path:
         raise ConfigError("model.path must name a Hugging Face checkpoint folder")
+    if cfg.model.preset:
+        from llds_jax.model import PRESETS
+        if cfg.model.preset.lower() not in PRESETS:
+            raise ConfigError(f"model.preset {cfg.model.preset!r} is not one of {sorted(PRESETS)}")
+    if cfg.mesh.topology:
+        from llds_jax.compile_check import TopologyError, resolve_topology
+        try:
+            resolve_topology(cfg.mesh.topology)
+        except TopologyError as e:
+            raise ConfigError(f"mesh.topology: {e}") from None
     # The typed views validate their own fields (each error names its key).
     objective_config(cfg)
     update_config(cfg)

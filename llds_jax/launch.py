@@ -4,7 +4,9 @@
 
 Modes: `train` (default; resumes from the run folder's latest checkpoint), `eval` (greedy, eval.max_turns, over
 data.eval_files with the latest checkpoint or the initial weights: EM per data_source), `export` (the latest
-checkpoint's policy as a Hugging Face folder at --export_dir), `sft` (only the supervised warm start).
+checkpoint's policy as a Hugging Face folder at --export_dir), `sft` (only the supervised warm start), `compile`
+(every program of the run compiled for the TPU topology `--topology` or `mesh.topology` on this machine, with a
+table of memory per chip; exit status 1 when one does not fit: llds_jax.compile_check).
 
 With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused when cached) and continues from its
 output.
@@ -22,8 +24,10 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft"], "What to run.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft", "compile"], "What to run.")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", "", "Output folder of --mode=export (local or gs://).")
+_TOPOLOGY = flags.DEFINE_string("topology", "", "TPU topology of --mode=compile (default: the config's "
+                                "mesh.topology), e.g. v4:2x2x4 or v4-32.")
 
 EXIT_BAD_INPUT = 2
 
@@ -52,8 +56,14 @@ def _params_for_eval(trainer):
     return restored.params, restored.step
 
 
-def run(cfg, mode: str, export_dir: str = "") -> int:
+def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     """Runs one mode; returns the process exit status."""
+    if mode == "compile":
+        from llds_jax import compile_check
+
+        if not (topology or cfg.mesh.topology):
+            raise ValueError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
+        return compile_check.run(cfg, topology or cfg.mesh.topology)
     from llds_jax import distributed
 
     d = cfg.distributed
@@ -134,7 +144,7 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
     try:
-        sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value))
+        sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value))
     except _known_errors() as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"llds_jax: error: {message}", file=sys.stderr)

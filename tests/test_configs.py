@@ -5,12 +5,15 @@ import os
 
 import pytest
 
+from llds_jax import compile_check
 from llds_jax import config as config_lib
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8).
 TPU_DEVICES = {"qwen7b_v4": 16, "qwen7b_instruct_v4": 16, "grpo_baseline_v4": 16, "qwen3b_v4": 8,
                "qwen3b_base_ma_v4": 8, "llama3b_v4": 8}
+PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_baseline_v4": "qwen2.5-7b",
+           "qwen3b_v4": "qwen2.5-3b", "qwen3b_base_ma_v4": "qwen2.5-3b", "llama3b_v4": "llama-3.2-3b"}
 
 
 def load(name):
@@ -29,6 +32,8 @@ def test_every_config_file_is_covered():
 def test_tpu_configs_validate_on_their_slice(name):
     cfg = load(name)
     config_lib.validate(cfg, TPU_DEVICES[name])
+    assert compile_check.topology_chips(cfg.mesh.topology) == TPU_DEVICES[name]  # the slice --mode=compile checks
+    assert cfg.model.preset == PRESETS[name]
     assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
     assert config_lib.update_config(cfg).warmup_steps == 286  # 28.5% of 1005 rollout batches
 
@@ -58,6 +63,18 @@ def test_demo_comparison_differs_from_the_demo_only_in_llds_and_stress():
                for key in demo[section] if demo[section][key] != grpo[section][key]}
     assert changed == {("objective", "llds"), ("optim", "mini_batch_size"), ("optim", "micro_batch_size"),
                        ("optim", "learning_rate")}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("mesh.topology", "v4-33", r"mesh\.topology: unknown TPU topology 'v4-33'; valid: v4:2x2x1, "),
+    ("model.preset", "qwen9-7b", r"model\.preset 'qwen9-7b' is not one of \['llama-3\.2-3b', "),
+])
+def test_bad_topology_or_preset_is_named(key, value, message):
+    cfg = load("qwen7b_v4")
+    section, name = key.split(".")
+    cfg[section][name] = value
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(cfg, 16)
 
 
 def test_unknown_key_in_a_config_file_is_named():

@@ -122,6 +122,21 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return PRESETS[key].replace(**overrides)
 
 
+# Fields that make an architecture (the others are numerics and execution choices of a run).
+_RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "initializer_range")
+
+
+def check_preset(cfg: ModelConfig, name: str) -> None:
+    """Raises ValueError naming the fields in which a checkpoint's architecture `cfg` differs from preset `name`
+    (a run config's `model.preset`, which `--mode=compile` compiles instead of the checkpoint)."""
+    expected = preset(name)
+    diffs = [f"{field.name} {getattr(cfg, field.name)!r} (preset: {getattr(expected, field.name)!r})"
+             for field in dataclasses.fields(ModelConfig)
+             if field.name not in _RUN_FIELDS and getattr(cfg, field.name) != getattr(expected, field.name)]
+    if diffs:
+        raise ValueError(f"model.preset {name!r} does not match the checkpoint: " + ", ".join(diffs))
+
+
 def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, Optional[Llama3RopeScaling]]:
     """RoPE theta and scaling from either the transformers-5 `rope_parameters` or the older flat keys."""
     params = dict(hf.get("rope_parameters") or {})

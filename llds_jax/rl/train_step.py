@@ -100,6 +100,15 @@ class UpdateConfig:
             raise ValueError(f"optim.reference_dtype must be one of {REFERENCE_DTYPES}; got {self.reference_dtype!r}")
 
 
+# The arrays of a batch prepared by the trainer (`RLTrainStep.prepare_batch`), by name: their dtypes; `_bt` arrays
+# are per token, the others per trajectory.
+PREPARED_ARRAYS = {
+    "tokens_bt": np.int32, "mask_bt": np.float32, "loss_mask_bt": np.float32, "correct_b": np.bool_,
+    "advantages_b": np.float32, "action_ids_bt": np.int32, "answer_mask_bt": np.float32,
+    "sampler_logp_bt": np.float32,
+}
+
+
 class TrainState(NamedTuple):
     """What changes from step to step.
 
@@ -171,11 +180,16 @@ def _with_learning_rate(opt_state, lr):
     return opt_state._replace(hyperparams={**opt_state.hyperparams, "learning_rate": lr})
 
 
-def _fresh_copy(tree, dtype=None):
-    """New buffers holding `tree` (optionally cast), laid out like it: never aliases what the updates donate."""
+def _copier(tree, dtype=None):
+    """The jitted copy of `tree` (optionally cast) into new buffers laid out like it."""
     shardings = jax.tree.map(lambda x: x.sharding, tree)
     copy = lambda x: jnp.copy(x if dtype is None else x.astype(dtype))  # noqa: E731
-    return jax.jit(lambda t: jax.tree.map(copy, t), out_shardings=shardings)(tree)
+    return jax.jit(lambda t: jax.tree.map(copy, t), out_shardings=shardings)
+
+
+def _fresh_copy(tree, dtype=None):
+    """New buffers holding `tree` (optionally cast), laid out like it: never aliases what the updates donate."""
+    return _copier(tree, dtype)(tree)
 
 
 def _as_numpy(batch: dict[str, Any], key: str) -> np.ndarray:
@@ -214,7 +228,7 @@ class RLTrainStep:
         self.update_cfg = update
         self.mesh = mesh
         self.optimizer = make_optimizer(update)
-        self._logp = jax.jit(self._logp_impl)
+        self._logp = jax.jit(self._logp_impl, out_shardings=self._batch_sharding(4))
         self._likelihood = jax.jit(likelihood_metrics)
         self._lld = jax.jit(lld_metrics)
         self._update = None  # jitted on first use, with the state's shardings as output shardings
@@ -223,16 +237,30 @@ class RLTrainStep:
     def init_state(self, params: nnx.State | None = None) -> TrainState:
         """A fresh state: `params` (default: the model's) and a zero optimizer state laid out like them."""
         params = _fresh_copy(self._params if params is None else params)  # updates donate the state's buffers
+        init = self._init_optimizer(params)
+        with self._mesh_context():
+            opt_state = init(params)
+        replicated = self._replicated()
+        step, nonfinite_count = (jax.device_put(np.int32(0), replicated) for _ in range(2))  # distinct buffers
+        return TrainState(params=params, opt_state=opt_state, step=step, nonfinite_count=nonfinite_count)
+
+    def _init_optimizer(self, params: nnx.State):
+        """The jitted optimizer init, its state laid out like `params` (concrete or abstract, with shardings)."""
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
         abstract = jax.eval_shape(self.optimizer.init, params)
         replicated = self._replicated()
         opt_shardings = optax.tree_map_params(
             self.optimizer, lambda _, sharding: sharding, abstract, param_shardings,
             transform_non_params=lambda _: replicated)
-        with self._mesh_context():
-            opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
-        step, nonfinite_count = (jax.device_put(np.int32(0), replicated) for _ in range(2))  # distinct buffers
-        return TrainState(params=params, opt_state=opt_state, step=step, nonfinite_count=nonfinite_count)
+        return jax.jit(self.optimizer.init, out_shardings=opt_shardings)
+
+    def abstract_state(self) -> TrainState:
+        """`init_state()` as ShapeDtypeStructs with their shardings: nothing is allocated (the model may be abstract,
+        e.g. built with `nnx.eval_shape` and placed on a deviceless TPU topology's mesh)."""
+        params = self._params
+        opt_state = self._init_optimizer(params).eval_shape(params)
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated())
+        return TrainState(params=params, opt_state=opt_state, step=scalar, nonfinite_count=scalar)
 
     def reference_params(self, params: nnx.State) -> nnx.State:
         """A frozen copy of `params` for the KL reference, in `optim.reference_dtype`, laid out like `params`."""
@@ -316,9 +344,27 @@ class RLTrainStep:
         """[U, K, micro, ...] arrays split on the micro axis over the data axes; scalars replicated."""
         if self.mesh is None:
             return jnp.asarray(array)
+        return jax.device_put(array, self._batch_sharding(array.ndim))
+
+    def _batch_sharding(self, ndim: int) -> NamedSharding | None:
+        """The layout of a laid-out [U, K, micro, ...] array (the micro axis over the data axes); of a scalar
+        (ndim 0): replicated. None without a mesh."""
+        if self.mesh is None:
+            return None
         batch_axes = mesh_batch_axes(self.mesh) or None
-        spec = P(None, None, batch_axes) if array.ndim >= 3 else P()
-        return jax.device_put(array, NamedSharding(self.mesh, spec))
+        return NamedSharding(self.mesh, P(None, None, batch_axes) if ndim >= 3 else P())
+
+    def batch_spec(self, num: int, length: int) -> PreparedBatch:
+        """The abstract `prepare_batch` result of a rollout batch of `num` trajectories of `length` tokens (the
+        trainer's batch: every optional array present), for ahead-of-time compilation."""
+        cfg = self.update_cfg
+        layout = (num // cfg.mini_batch_size, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size)
+        arrays = {}
+        for key, dtype in PREPARED_ARRAYS.items():
+            shape = layout + ((length,) if key.endswith("_bt") else ())
+            arrays[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch_sharding(len(shape)))
+        beta = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._batch_sharding(0))
+        return PreparedBatch(arrays=arrays, answer_beta=beta, num_updates=layout[0])
 
     def _replicated(self):
         return None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -403,6 +449,37 @@ class RLTrainStep:
             shardings = jax.tree.map(lambda x: x.sharding, state)
             self._update = jax.jit(self._update_impl, donate_argnums=0, out_shardings=(shardings, self._replicated()))
         return self._update
+
+    # ----- ahead of time ------------------------------------------------------------------------------------------
+    def lower_programs(self, state: TrainState, ref_params: nnx.State | None, prepared: PreparedBatch,
+                       measure_lld: bool) -> list[tuple[str, jax.stages.Lowered]]:
+        """Every program `init_state`, `reference_params` and `train_on_batch` run, lowered (not compiled) at
+        abstract values (`abstract_state()`, `reference_params` of it as ShapeDtypeStructs, `batch_spec`), named
+        as `train_on_batch` uses them, in the order a run first runs them."""
+        arrays = prepared.arrays
+        flat = lambda x: jax.ShapeDtypeStruct((math.prod(x.shape[:3]),) + x.shape[3:], x.dtype)  # noqa: E731
+        logp = jax.ShapeDtypeStruct(arrays["tokens_bt"].shape, jnp.float32, sharding=self._batch_sharding(4))
+        index = jax.ShapeDtypeStruct((), jnp.int32)
+        init = self._init_optimizer(state.params)
+        with self._mesh_context():
+            programs = [("optimizer init", init.lower(state.params))]
+            if ref_params is not None:
+                dtype = jnp.dtype(self.update_cfg.reference_dtype)
+                programs += [("reference copy", _copier(state.params, dtype).lower(state.params)),
+                             ("logp (reference)", self._logp.lower(ref_params, arrays["tokens_bt"],
+                                                                   arrays["mask_bt"]))]
+            programs += [
+                ("logp (policy)", self._logp.lower(state.params, arrays["tokens_bt"], arrays["mask_bt"])),
+                ("likelihood metrics", self._likelihood.lower(
+                    flat(logp), flat(arrays["loss_mask_bt"]), flat(arrays["action_ids_bt"]),
+                    flat(arrays["correct_b"]), flat(arrays["sampler_logp_bt"]))),
+                (f"update ({prepared.num_updates} per step)", self._jitted_update(state).lower(
+                    state, arrays, prepared.answer_beta, logp, None if ref_params is None else logp, index)),
+            ]
+            if measure_lld:
+                programs.append(("lld metrics", self._lld.lower(flat(logp), flat(logp), flat(arrays["loss_mask_bt"]),
+                                                                flat(arrays["correct_b"]))))
+        return programs
 
     # ----- the step ------------------------------------------------------------------------------------------------
     def train_on_batch(

@@ -6,6 +6,11 @@ length) goes through one of these, so a run of any length compiles at most O(log
 from __future__ import annotations
 
 
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` >= n (n >= 0, multiple >= 1)."""
+    return -(-n // multiple) * multiple
+
+
 def pow2_bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
     if n < 0 or minimum < 1:
@@ -23,5 +28,4 @@ def batch_bucket(n: int, multiple: int = 1, minimum: int = 1) -> int:
     """
     if multiple < 1:
         raise ValueError(f"batch_bucket: multiple must be >= 1, got {multiple}")
-    size = pow2_bucket(n, minimum)
-    return -(-size // multiple) * multiple
+    return round_up(pow2_bucket(n, minimum), multiple)

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import KVCache, init_cache
@@ -177,22 +177,40 @@ def _logp_of(logp_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=1)[:, 0]
 
 
+_KV_SPEC = P(None, parallel.BATCH, None, "tensor", None)  # [L, B, S, K, H]: rows over the batch axes, heads over tensor
+
+
+def _rows_spec(ndim: int) -> P:
+    return P(parallel.BATCH, *([None] * (ndim - 1)))
+
+
+def _cache_specs(cache: KVCache) -> KVCache:
+    """The layout of each cache field: rows over the mesh's batch axes, key/value heads over `tensor`."""
+    return KVCache(k_lbskh=_KV_SPEC, v_lbskh=_KV_SPEC, valid_bs=_rows_spec(2), end_b=_rows_spec(1),
+                   next_pos_b=_rows_spec(1))
+
+
+def _state_specs(state: DecodeState) -> DecodeState:
+    """The layout of each decode-state field: every field split by rows (the cache as `_cache_specs`)."""
+    rows = lambda a: _rows_spec(a.ndim)  # noqa: E731
+    return DecodeState(cache=_cache_specs(state.cache), logits_bv=rows(state.logits_bv), key_b=rows(state.key_b),
+                       count_b=rows(state.count_b), remaining_b=rows(state.remaining_b), done_b=rows(state.done_b))
+
+
+def _constrain(tree, specs):
+    return jax.tree.map(lambda a, spec: parallel.constrain(a, *spec), tree, specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def _constrain_cache(cache: KVCache) -> KVCache:
-    """Rows over the mesh's batch axes, key/value heads over `tensor` (no-op without a mesh)."""
-    return cache.replace(
-        k_lbskh=parallel.constrain(cache.k_lbskh, None, parallel.BATCH, None, "tensor", None),
-        v_lbskh=parallel.constrain(cache.v_lbskh, None, parallel.BATCH, None, "tensor", None),
-        valid_bs=parallel.constrain(cache.valid_bs, parallel.BATCH, None),
-        end_b=parallel.constrain(cache.end_b, parallel.BATCH),
-        next_pos_b=parallel.constrain(cache.next_pos_b, parallel.BATCH))
+    """The cache laid out as `_cache_specs` says (no-op without a mesh)."""
+    return _constrain(cache, _cache_specs(cache))
 
 
 def _constrain_state(state: DecodeState) -> DecodeState:
     """Every field of a decode state split by rows, so that each program returns the layout it was compiled for
     and feeding one program's output to the next never recompiles (no-op without a mesh)."""
-    rows = lambda a: parallel.constrain(a, parallel.BATCH, *([None] * (a.ndim - 1)))
-    return DecodeState(cache=_constrain_cache(state.cache), logits_bv=rows(state.logits_bv), key_b=rows(state.key_b),
-                       count_b=rows(state.count_b), remaining_b=rows(state.remaining_b), done_b=rows(state.done_b))
+    return _constrain(state, _state_specs(state))
 
 
 def _last_logits(model, hidden_btd: jax.Array, valid_bt: jax.Array) -> jax.Array:
@@ -280,22 +298,6 @@ def _spec(array: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding if array.committed else None)
 
 
-def _state_spec(template: DecodeState, rows: int, capacity: int) -> DecodeState:
-    """The abstract decode state of `rows` rows and `capacity` cache slots, laid out like `template`."""
-    def resize(leaf, shape):
-        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding)
-
-    cache = template.cache
-    kv = lambda leaf: resize(leaf, (leaf.shape[0], rows, capacity) + leaf.shape[3:])  # noqa: E731
-    by_row = lambda leaf: resize(leaf, (rows,) + leaf.shape[1:])  # noqa: E731
-    cache = KVCache(k_lbskh=kv(cache.k_lbskh), v_lbskh=kv(cache.v_lbskh),
-                    valid_bs=resize(cache.valid_bs, (rows, capacity)), end_b=by_row(cache.end_b),
-                    next_pos_b=by_row(cache.next_pos_b))
-    return DecodeState(cache=cache, logits_bv=by_row(template.logits_bv), key_b=by_row(template.key_b),
-                       count_b=by_row(template.count_b), remaining_b=by_row(template.remaining_b),
-                       done_b=by_row(template.done_b))
-
-
 def _select_rows(state: DecodeState, rows_b) -> DecodeState:
     """The state of rows `rows_b` (a smaller batch)."""
     take = lambda a, axis=0: jnp.take(a, rows_b, axis=axis)
@@ -332,7 +334,7 @@ class Sampler:
         # rows), grow (rows, capacity, new capacity), end_turn (rows, capacity, observation slots), decode (rows,
         # capacity, 0).
         self._used: dict[str, set[tuple[int, int, int]]] = collections.defaultdict(set)
-        self._specs = None  # (params, a decode state) as ShapeDtypeStructs, from the first session
+        self._params_spec = None  # the params as ShapeDtypeStructs, from the first session
 
     def freeze_shapes(self, grid: bool = True) -> int:
         """From now on sessions reuse buckets already run where one fits rather than compile smaller ones.
@@ -351,9 +353,9 @@ class Sampler:
         capacity), growth to each larger capacity and compaction to each smaller row bucket. A frozen session
         then compiles only when a conversation outgrows every capacity run (or a batch every row bucket).
         Returns the number of programs compiled."""
-        if self._specs is None:
+        if self._params_spec is None:
             return 0
-        params, template = self._specs
+        params = self._params_spec
         states = ({(r, c) for r, _, c in self._used["prefill"]} | {u[:2] for u in self._used["decode"]}
                   | {u[:2] for u in self._used["end_turn"]} | {(r, c) for r, _, c in self._used["grow"]}
                   | {(r, c) for _, c, r in self._used["select"]})
@@ -364,7 +366,7 @@ class Sampler:
         with self.mesh_context():
             for r in rows:
                 for c in capacities:
-                    state = _state_spec(template, r, c)
+                    state = self._abstract_state(params, r, c)
                     programs = [("decode", 0, self._decode, (params, state, host(r, dtype=bool)))]
                     programs += [("end_turn", t, self._end_turn, (params, state, host(r), host(r), host(r, t),
                                                                   host(r, t, dtype=bool))) for t in observations]
@@ -377,15 +379,59 @@ class Sampler:
                             compiled += 1
         return compiled
 
+    def lower_programs(self, params, rows: int, prompt: int, prefill_capacity: int,
+                       capacity: int, observation: int) -> list[tuple[str, str, jax.stages.Lowered]]:
+        """The programs of a session lowered (not compiled) at one set of buckets, for ahead-of-time compilation
+        without devices: prefill of `prompt`-token prompts into a cache of `prefill_capacity` slots, then at
+        `capacity` slots: a decode chunk, the extend of an `observation`-slot observation, the growth from
+        capacity / 2 and the compaction to rows / 2 (when rows > 1). Returns (name, shapes, lowered) triples.
+
+        params: the parameters as the session gets them (arrays or ShapeDtypeStructs with shardings).
+        """
+        host = lambda *shape, dtype=np.int32: self._host_spec(shape, dtype)  # noqa: E731
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        with self.mesh_context():
+            state = self._abstract_state(params, rows, capacity)
+            programs = [
+                ("prefill", f"{rows} x {prompt} tokens, {prefill_capacity} slots", self._prefill.lower(
+                    params, host(rows, prompt), host(rows, prompt, dtype=bool), key,
+                    host(rows, dtype=np.uint32), capacity=prefill_capacity)),
+                ("decode chunk", f"{rows} rows x {self.config.decode_chunk} steps, {capacity} slots",
+                 self._decode.lower(params, state, host(rows, dtype=bool))),
+                ("extend", f"{rows} x {observation} tokens, {capacity} slots", self._end_turn.lower(
+                    params, state, host(rows), host(rows), host(rows, observation),
+                    host(rows, observation, dtype=bool))),
+                ("cache growth", f"{rows} rows, {capacity // 2} -> {capacity} slots",
+                 self._grow.lower(self._abstract_state(params, rows, capacity // 2), capacity)),
+            ]
+            if rows > 1:
+                smaller = buckets.batch_bucket(rows // 2, self.batch_multiple, self.config.min_batch_bucket)
+                if smaller < rows:
+                    programs.append(("compaction", f"{rows} -> {smaller} rows, {capacity} slots",
+                                     self._select.lower(state, host(smaller))))
+        return programs
+
+    def _abstract_state(self, params, rows: int, capacity: int) -> DecodeState:
+        """The decode state of `rows` rows and `capacity` slots as ShapeDtypeStructs, laid out as the programs
+        return it."""
+        host = lambda *shape, dtype=np.int32: self._host_spec(shape, dtype)  # noqa: E731
+        shapes = jax.eval_shape(functools.partial(self._prefill, capacity=capacity), params, host(rows, 1),
+                                host(rows, 1, dtype=bool), jax.eval_shape(lambda: jax.random.key(0)),
+                                host(rows, dtype=np.uint32))
+        if self.mesh is None:
+            return shapes
+        return jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+            self.mesh, spec)), shapes, _state_specs(shapes))
+
     def _host_spec(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         """The abstract value of `put(np.zeros(shape, dtype))`."""
         sharding = None if self.mesh is None else parallel.batch_sharding(self.mesh, len(shape))
         return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
 
-    def _remember_specs(self, params, state: DecodeState) -> None:
-        """Keeps the abstract values of the params and of a decode state (for `compile_grid`)."""
-        if self._specs is None:
-            self._specs = jax.tree.map(_spec, (params, state))
+    def _remember_params(self, params) -> None:
+        """Keeps the abstract values of the params (for `compile_grid`)."""
+        if self._params_spec is None:
+            self._params_spec = jax.tree.map(_spec, params)
 
     def _reuse(self, program: str, prefix: tuple[int, ...], at_least: int, below: Optional[int] = None
                ) -> Optional[int]:
@@ -631,7 +677,7 @@ class Session:
         self._state = self._state.replace(remaining_b=put(remaining_b), done_b=put(remaining_b <= 0))
         rows = len(self._seq_of)
         sampler._used["decode"].add((rows, self.capacity, 0))
-        sampler._remember_specs(self._params, self._state)
+        sampler._remember_params(self._params)
         running_b = remaining_b > 0  # host view: rows still sampling this turn
         stop_b = np.zeros(rows, bool)
         while running_b.any():

@@ -24,6 +24,7 @@ import numpy as np
 
 from llds_jax.data.qa import QAExample
 from llds_jax.data.rewards import em_reward, extract_final_answer
+from llds_jax.rollout import buckets
 from llds_jax.rollout.protocol import Action
 
 # The same pattern as data.rewards.extract_final_answer, whose last match is the final answer.
@@ -209,7 +210,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int = 0, lengt
         raise ValueError("pack_trajectories: no trajectories")
     longest = max(len(t.tokens) for t in trajectories)
     if length is None:
-        length = -(-longest // pad_to_multiple) * pad_to_multiple
+        length = buckets.round_up(longest, pad_to_multiple)
     elif longest > length:
         raise ValueError(f"pack_trajectories: a trajectory has {longest} tokens, more than length={length}")
     b = len(trajectories)

@@ -32,9 +32,9 @@ from llds_jax import config as config_lib
 from llds_jax import distributed, parallel
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
-from llds_jax.model import hf_io
+from llds_jax.model import check_preset, hf_io
 from llds_jax.rl.train_step import RLTrainStep, TrainState, learning_rate
-from llds_jax.rollout import agent
+from llds_jax.rollout import agent, buckets
 from llds_jax.rollout.sampler import Sampler
 from llds_jax.rollout.trajectory import Trajectory, pack_trajectories
 from llds_jax.search.factory import make_retriever
@@ -66,7 +66,7 @@ def padded_length(trajectories: Sequence[Trajectory], bucket: int) -> int:
     longest = max(len(t.tokens) for t in trajectories)
     if jax.process_count() > 1:
         longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
-    return -(-longest // bucket) * bucket
+    return buckets.round_up(longest, bucket)
 
 
 def training_length(needed: int, used: set[int]) -> int:
@@ -111,12 +111,14 @@ def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HO
     return {k: float(values_pk[:, i].sum() if k in summed else values_pk[:, i].mean()) for i, k in enumerate(keys)}
 
 
-def rollout_mesh(cfg: ml_collections.ConfigDict, train_mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-    """The mesh rollouts run on: the training mesh with one process; else this host's own devices (rows over
-    fsdp, mesh.tensor kept), so that each host samples its prompts without waiting for the others."""
-    if jax.process_count() == 1:
+def rollout_mesh(cfg: ml_collections.ConfigDict, train_mesh: jax.sharding.Mesh,
+                 local_devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """The mesh rollouts run on: the training mesh when it holds only this host's devices; else this host's own
+    `local_devices` (rows over fsdp, mesh.tensor kept), so that each host samples its prompts without waiting for
+    the others."""
+    if len(local_devices) == train_mesh.devices.size:
         return train_mesh
-    return parallel.make_mesh(1, -1, cfg.mesh.tensor, devices=jax.local_devices())
+    return parallel.make_mesh(1, -1, cfg.mesh.tensor, devices=local_devices)
 
 
 class Trainer:
@@ -134,10 +136,12 @@ class Trainer:
         m = cfg.model
         model = hf_io.load_model(m.path, mesh=self.mesh, dtype=m.dtype, param_dtype=m.param_dtype,
                                  scan_layers=m.scan_layers, remat=m.remat)
+        if m.preset:
+            check_preset(model.cfg, m.preset)
         self.step_fn = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), self.mesh)
         graphdef, _ = nnx.split(model)
         stop_ids = agent.turn_stop_ids(self.tokenizer)
-        self.rollout_mesh = rollout_mesh(cfg, self.mesh)
+        self.rollout_mesh = rollout_mesh(cfg, self.mesh, jax.local_devices())
         self.sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids), self.rollout_mesh)
         self.eval_sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=True),
                                     self.rollout_mesh)

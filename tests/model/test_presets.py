@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llds_jax.model import ModelConfig, Transformer, from_hf_config, preset
+from llds_jax.model import ModelConfig, Transformer, check_preset, from_hf_config, preset
 from llds_jax.model.config import to_hf_config
 
 PUBLISHED = {  # from the safetensors metadata of the Hugging Face checkpoints
@@ -43,3 +43,13 @@ def test_initializer_range_sets_the_random_init_and_round_trips_the_hf_config():
     assert hf["initializer_range"] == 0.1 and from_hf_config(hf).initializer_range == 0.1
     del hf["initializer_range"]
     assert from_hf_config(hf).initializer_range == 0.02  # Hugging Face's default
+
+
+def test_checkpoint_is_checked_against_its_preset():
+    """A run's model.preset (what --mode=compile compiled) must be the checkpoint's architecture; the run's
+    numerics (dtypes, scan, remat) may differ."""
+    check_preset(from_hf_config(to_hf_config(preset("qwen2.5-7b"))).replace(dtype="bfloat16", remat=True),
+                 "qwen2.5-7b")
+    with pytest.raises(ValueError, match=r"model\.preset 'qwen2\.5-7b' does not match the checkpoint: "
+                                         r"vocab_size 151936 \(preset: 152064\), hidden_size 2048 \(preset: 3584\)"):
+        check_preset(preset("qwen2.5-3b"), "qwen2.5-7b")

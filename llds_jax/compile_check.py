@@ -1,0 +1,422 @@
+"""`--mode=compile`: every program of a run compiled ahead of time for a TPU pod topology, on this (CPU) machine.
+
+    python -m llds_jax.launch --config=configs/qwen7b_v4.py --mode=compile [--topology=v4:2x2x4]
+
+XLA's TPU compiler (the `libtpu` wheel of `jax[tpu]`) compiles for a deviceless topology
+(`jax.experimental.topologies`) and reports each program's memory per chip, so a config is checked against its pod
+before the pod is rented, the way MaxText's train_compile does. No weights are read: the model is abstract
+(ShapeDtypeStructs carrying the run's real shardings); its architecture comes from `model.preset` or from
+`config.json` in `model.path`.
+
+The programs, at the config's largest shapes (the worst case a long run can reach):
+- rollout (each host's own chips with several hosts, as the trainer runs it): prefill of `rollout.max_batch_size`
+  rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
+  observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
+  (`rollout_shapes`); the same for evaluation (greedy, `eval.batch_size` rows);
+- training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
+  reference, the likelihood metrics, one optimizer update with all its micro-batches and the LLD metrics, at the
+  longest training batch (`rollout.max_context_tokens` rounded up to `train.sequence_bucket`).
+
+Memory per chip of a program = its arguments + outputs - aliased (donated) + temporaries + code, plus the arrays a
+run keeps alive meanwhile that are not its arguments ("resident": train state, reference parameters). A program
+over the chip's HBM (as XLA reports it usable: a little under the nominal size) is an error: the command prints
+the table and exits with status 1, naming the program and the GiB over.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from typing import Any, Callable, Optional, Sequence
+
+GIB = 1 << 30
+EXIT_DOES_NOT_FIT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One TPU generation as `get_topology_desc` takes it.
+
+    Attributes:
+      chip_config: its `chip_config_name` ("megacore": one device per chip of two TensorCores).
+      hbm_gib: nominal HBM per chip.
+      shapes: slice shapes ("2x2x4") of the generation's documented slices.
+      alias: prefix of its accelerator-type names ("v4-" in v4-32).
+      cores_per_chip: TensorCores an accelerator-type name counts per chip (v4-32 is 16 chips).
+    """
+
+    chip_config: str
+    hbm_gib: float
+    shapes: tuple[str, ...]
+    alias: str
+    cores_per_chip: int
+
+
+_CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16")
+_SQUARES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+GENERATIONS: dict[str, Generation] = {
+    "v4": Generation("megacore", 32, _CUBES, "v4-", 2),
+    "v5p": Generation("megacore", 95, _CUBES, "v5p-", 2),
+    "v5e": Generation("default", 16, _SQUARES, "v5litepod-", 1),
+    "v6e": Generation("default", 32, _SQUARES, "v6e-", 1),
+}
+
+
+class TopologyError(ValueError):
+    """An unknown topology name; the message lists the valid ones."""
+
+
+def _chips(shape: str) -> int:
+    return math.prod(int(n) for n in shape.split("x"))
+
+
+def valid_topologies() -> list[str]:
+    """Every topology name `resolve_topology` takes, as GENERATION:SHAPE."""
+    return [f"{gen}:{shape}" for gen, g in GENERATIONS.items() for shape in g.shapes]
+
+
+def resolve_topology(name: str) -> tuple[str, str]:
+    """(generation, slice shape) of a topology name: "v4:2x2x4" or its accelerator type "v4-32".
+
+    Raises TopologyError listing the valid names."""
+    name = name.strip()
+    for gen, g in GENERATIONS.items():
+        if name.startswith(f"{gen}:") and name[len(gen) + 1:] in g.shapes:
+            return gen, name[len(gen) + 1:]
+        if name.startswith(g.alias) and name[len(g.alias):].isdigit():
+            chips = int(name[len(g.alias):]) // g.cores_per_chip
+            shape = next((s for s in g.shapes if _chips(s) == chips), None)
+            if shape is not None and chips * g.cores_per_chip == int(name[len(g.alias):]):
+                return gen, shape
+    aliases = ", ".join(f"{g.alias}N" for g in GENERATIONS.values())
+    raise TopologyError(f"unknown TPU topology {name!r}; valid: {', '.join(valid_topologies())} (or the "
+                        f"accelerator types {aliases} of those slices)")
+
+
+def topology_chips(name: str) -> int:
+    """Chips (devices) of a topology name."""
+    return _chips(resolve_topology(name)[1])
+
+
+def topology_devices(name: str) -> tuple[list[Any], float]:
+    """The abstract devices (one per chip, hosts of 4 chips; a single host up to 8 chips) of a topology and the
+    nominal HBM per chip in bytes. Compiling for them needs `libtpu` (`pip install -e '.[tpu]'`)."""
+    gen, shape = resolve_topology(name)
+    g = GENERATIONS[gen]
+    dims = [int(n) for n in shape.split("x")] + [1] * (3 - len(shape.split("x")))
+    per_host = tuple(min(d, b) for d, b in zip(dims, (2, 4 if _chips(shape) <= 8 else 2, 1)))
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{g.alias}{_chips(shape) * g.cores_per_chip}")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # both only silence libtpu's start-up warnings
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: other libtpu processes may run
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(topology_name=f"{gen}:{shape}", platform="tpu",
+                                                chip_config_name=g.chip_config, chips_per_host_bounds=per_host,
+                                                num_slices=1)
+    except (RuntimeError, ValueError) as e:
+        if "libtpu" in str(e).lower() or "tpu" in str(e).lower() and "not found" in str(e).lower():
+            raise RuntimeError(f"--mode=compile needs XLA's TPU compiler: pip install -e '.[tpu]' ({e})") from e
+        raise
+    return list(topology.devices), g.hbm_gib * GIB
+
+
+def usable_hbm_bytes(device: Any) -> Optional[float]:
+    """The HBM per chip XLA lets a program use (what it names when a program does not fit), measured by compiling
+    a program that cannot fit; None when the compiler does not say."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    too_big = jax.ShapeDtypeStruct((1 << 38,), jnp.float32, sharding=SingleDeviceSharding(device))
+    try:
+        jax.jit(lambda x: x * 2).lower(too_big).compile()
+    except Exception as e:  # noqa: BLE001 - the message is what we read
+        return parse_available_hbm(str(e))
+    return None
+
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes_after(label: str, message: str) -> Optional[float]:
+    """Bytes of "<label> (30.75G)" in an XLA message (None when absent)."""
+    match = re.search(re.escape(label) + r" \(([\d.]+)([KMGT])\)", message)
+    return None if match is None else float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_available_hbm(message: str) -> Optional[float]:
+    """Bytes of "exceeds available HBM (30.75G)" in an XLA RESOURCE_EXHAUSTED message (None when absent)."""
+    return _bytes_after("available HBM", message)
+
+
+def parse_required_bytes(message: str) -> Optional[float]:
+    """Bytes of "required for HLO temporaries (155.96G)" in an XLA RESOURCE_EXHAUSTED message (None when
+    absent)."""
+    return _bytes_after("required for HLO temporaries", message)
+
+
+# ----- what runs -----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RolloutShapes:
+    """The largest buckets of one sampler: rows of a session, prompt slots, the cache capacity of the prefill
+    (room for a first turn) and the largest capacity a conversation can reach, observation slots of an extend."""
+
+    rows: int
+    prompt: int
+    prefill_capacity: int
+    capacity: int
+    observation: int
+
+
+def rollout_shapes(cfg, sequences: int, batch_multiple: int) -> RolloutShapes:
+    """The sampler's worst-case buckets for sessions over `sequences` sequences (split into sessions of
+    `rollout.max_batch_size`), as `llds_jax.rollout.sampler` rounds them.
+
+    Capacity bound: a row's slots hold its left-padded prompt bucket, at most `max_context_tokens` real tokens
+    after the prompt's own, the padding of one observation bucket and one slot per decode step past the end."""
+    from llds_jax.rollout import buckets
+
+    r = cfg.rollout
+    s = sampling_defaults(cfg)
+    rows = buckets.batch_bucket(min(sequences, r.max_batch_size or sequences), batch_multiple, s.min_batch_bucket)
+    prompt = buckets.pow2_bucket(r.max_prompt_tokens, s.min_prompt_bucket)
+    observation = buckets.pow2_bucket(r.max_observation_tokens, r.min_observation_bucket)
+    prefill_capacity = buckets.pow2_bucket(prompt + r.max_turn_tokens + 1, r.min_capacity_bucket)
+    capacity = buckets.pow2_bucket(prompt + r.max_context_tokens + observation, r.min_capacity_bucket)
+    return RolloutShapes(rows=rows, prompt=prompt, prefill_capacity=prefill_capacity, capacity=max(
+        capacity, prefill_capacity), observation=observation)
+
+
+def sampling_defaults(cfg):
+    """The run's SamplingConfig (stop ids do not change a program's shapes: two placeholder ids)."""
+    from llds_jax import config as config_lib
+
+    return config_lib.sampling_config(cfg, stop_ids=(0, 1))
+
+
+# Long-lived arrays of a run: the policy parameters, the optimizer state (with the step counters), the frozen
+# reference parameters. Their bytes per chip are read off the programs that make them (XLA's own layout, padding
+# included): "reference copy" reads the params and writes the reference, "optimizer init" writes the state.
+PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program to compile: its name, the shapes it runs at, how to lower it, and the long-lived arrays
+    (PARAMS, OPT_STATE, REFERENCE) that stay in HBM while it runs without being its arguments."""
+
+    name: str
+    shapes: str
+    lower: Callable[[], Any]
+    resident: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One compiled program's memory per chip (bytes; `total` without the resident arrays until
+    `with_resident`) and compile time; `error` when it did not compile."""
+
+    name: str
+    shapes: str
+    arguments: float = 0.0
+    outputs: float = 0.0
+    temporaries: float = 0.0
+    resident: float = 0.0
+    total: float = 0.0
+    compile_s: float = 0.0
+    error: str = ""
+
+    def with_resident(self, resident: float) -> "Row":
+        return dataclasses.replace(self, resident=resident, total=self.total + resident)
+
+
+def long_lived_bytes(rows: dict[str, Row]) -> dict[str, float]:
+    """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows` by name).
+    Without a reference (no KL term) the params are half the AdamW state (m and v are laid out like them)."""
+    opt_state = rows["optimizer init"].outputs
+    copy = rows.get("reference copy")
+    params = copy.arguments if copy is not None else opt_state / 2
+    return {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
+
+
+def compile_row(program: Program) -> Row:
+    """Compiles one program; its memory per chip from XLA's analysis (or the compiler's error)."""
+    start = time.perf_counter()
+    try:
+        compiled = program.lower().compile()
+    except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError / XlaRuntimeError; report any
+        message = " ".join(str(e).split())
+        return Row(program.name, program.shapes, compile_s=time.perf_counter() - start, error=message[:500])
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    own = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+           + m.generated_code_size_in_bytes)
+    return Row(program.name, program.shapes, arguments=float(m.argument_size_in_bytes),
+               outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
+               compile_s=seconds)
+
+
+def format_bytes(n: float) -> str:
+    """1.5 * 2**30 -> '1.50G', 3 * 2**20 -> '3.00M', 512 -> '0.50K' (binary units)."""
+    for unit in "TGM":
+        if n >= _UNITS[unit]:
+            return f"{n / _UNITS[unit]:.2f}{unit}"
+    return f"{n / _UNITS['K']:.2f}K"
+
+
+def format_table(rows: Sequence[Row], hbm_bytes: float) -> str:
+    """The per-program table: bytes per chip (binary units) and share of HBM; XLA's error for a program that
+    did not compile."""
+    width = max(len(r.name) for r in rows)
+    shapes = max(len(r.shapes) for r in rows)
+    header = (f"{'program':<{width}}  {'shapes':<{shapes}}  {'args':>7} {'temps':>7} {'resident':>8} {'total':>7} "
+              f"{'of HBM':>7} {'compile':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if r.error:
+            required = parse_required_bytes(r.error)
+            what = (f"temporaries alone {format_bytes(required)} (RESOURCE_EXHAUSTED)" if required is not None
+                    else f"does not compile: {r.error[:200]}")
+            lines.append(f"{r.name:<{width}}  {r.shapes:<{shapes}}  {what}")
+            continue
+        lines.append(f"{r.name:<{width}}  {r.shapes:<{shapes}}  {format_bytes(r.arguments):>7} "
+                     f"{format_bytes(r.temporaries):>7} {format_bytes(r.resident):>8} {format_bytes(r.total):>7} "
+                     f"{r.total / hbm_bytes:7.1%} {r.compile_s:7.1f}s")
+    return "\n".join(lines)
+
+
+def overflows(rows: Sequence[Row], hbm_bytes: float) -> list[str]:
+    """One line per program that does not fit: its name and the GiB over (XLA's error when it failed otherwise)."""
+    out = []
+    for r in rows:
+        required = parse_required_bytes(r.error) if r.error else None
+        if r.error and required is None:
+            out.append(f"{r.name} ({r.shapes}) does not compile: {r.error[:300]}")
+        elif required is not None:
+            available = parse_available_hbm(r.error) or hbm_bytes
+            out.append(f"{r.name} ({r.shapes}) does not fit: its temporaries alone need {required / GIB:.2f} GiB "
+                       f"per chip, {(required - available) / GIB:.2f} GiB over the {available / GIB:.2f} GiB of HBM")
+        elif r.total > hbm_bytes:
+            out.append(f"{r.name} ({r.shapes}) does not fit: it needs {r.total / GIB:.2f} GiB per chip with what "
+                       f"stays resident, {(r.total - hbm_bytes) / GIB:.2f} GiB over the {hbm_bytes / GIB:.2f} GiB "
+                       "of HBM")
+    return out
+
+
+def model_config(cfg):
+    """The run's architecture without its weights: `model.preset`, else `config.json` in `model.path`."""
+    import json
+
+    from etils import epath
+
+    from llds_jax.model import from_hf_config, preset
+
+    m = cfg.model
+    overrides = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+    if m.preset:
+        return preset(m.preset, **overrides)
+    path = epath.Path(m.path) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"model.path: {path} not found (set model.preset to compile without the checkpoint)")
+    return from_hf_config(json.loads(path.read_text()), **overrides)
+
+
+def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
+    """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered
+    lazily at the run's largest shapes with abstract arrays; in the order a run first runs them."""
+    import jax
+    from flax import nnx
+
+    from llds_jax import config as config_lib
+    from llds_jax import parallel
+    from llds_jax.model import Transformer
+    from llds_jax.rl.train_step import RLTrainStep
+    from llds_jax.rollout.buckets import round_up
+    from llds_jax.rollout.sampler import Sampler
+    from llds_jax.train.trainer import rollout_mesh
+
+    hosts = sorted({d.process_index for d in devices})
+    train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    local_mesh = rollout_mesh(cfg, train_mesh, [d for d in devices if d.process_index == hosts[0]])
+    model = nnx.eval_shape(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)))
+    abstract = nnx.state(model, nnx.Param)
+    nnx.update(model, _placed(abstract, parallel.param_shardings(abstract, train_mesh)))
+    step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), train_mesh)
+    state = step.abstract_state()
+    ref = None
+    if cfg.objective.kl_coef:
+        ref = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jax.numpy.dtype(cfg.optim.reference_dtype),
+                                                          sharding=a.sharding), state.params)
+    graphdef, _ = nnx.split(model)
+    several_hosts = local_mesh is not train_mesh
+    rollout_params = (_placed(state.params, parallel.param_shardings(state.params, local_mesh)) if several_hosts
+                      else state.params)
+    everything = (PARAMS, OPT_STATE, REFERENCE)
+    rollout = []
+    shapes_seen = set()
+    batch = config_lib.rollout_batch_size(cfg)
+    for label, evaluation, sequences in (("", False, batch // len(hosts)), ("eval ", True, cfg.eval.batch_size)):
+        sampler = Sampler(graphdef, config_lib.sampling_config(cfg, (0, 1), evaluation=evaluation), local_mesh)
+        s = rollout_shapes(cfg, sequences, sampler.batch_multiple)
+        lowered = sampler.lower_programs(rollout_params, s.rows, s.prompt, s.prefill_capacity, s.capacity,
+                                         s.observation)
+        for name, shapes, program in lowered:
+            if (name, shapes) in shapes_seen and name != "decode chunk":
+                continue  # the evaluation sampler runs the very same program
+            shapes_seen.add((name, shapes))
+            rollout.append(Program(f"{label}{name}", shapes + (" (host-local)" if several_hosts else ""),
+                                   lambda program=program: program,
+                                   everything if several_hosts else (OPT_STATE, REFERENCE)))
+    length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
+    resident = {"optimizer init": (), "reference copy": (OPT_STATE,), "logp (reference)": (PARAMS, OPT_STATE),
+                "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything, "lld metrics": everything}
+    training = [Program(name, f"{batch} x {length} tokens, micro-batch {cfg.optim.micro_batch_size}",
+                        lambda program=program: program, resident.get(name, (REFERENCE,)))
+                for name, program in step.lower_programs(state, ref, step.batch_spec(batch, length),
+                                                         measure_lld=bool(cfg.train.lld_every))]
+    setup = [p for p in training if p.name in ("optimizer init", "reference copy")]
+    return setup + rollout + training[len(setup):]
+
+
+def _placed(state, shardings):
+    """Abstract arrays of `state` laid out by `shardings` (a tree of the same structure)."""
+    import jax
+
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+
+def run(cfg, topology: str) -> int:
+    """Compiles every program of `cfg` for `topology` and prints the table; returns the exit status (0: every
+    program fits, `EXIT_DOES_NOT_FIT`: one does not)."""
+    import jax
+
+    from llds_jax import config as config_lib
+
+    jax.config.update("jax_platforms", "cpu")  # the host's own backend; TPU programs are compiled, never run
+    devices, nominal = topology_devices(topology)
+    config_lib.validate(cfg, len(devices))
+    hbm = usable_hbm_bytes(devices[0]) or nominal
+    hosts = len({d.process_index for d in devices})
+    print(f"compiling for {topology}: {len(devices)} chips, {hosts} host(s), {devices[0].device_kind}, "
+          f"{nominal / GIB:.0f} GiB HBM per chip ({hbm / GIB:.2f} GiB usable)", flush=True)
+    programs = build_programs(cfg, devices)
+    rows = []
+    for i, program in enumerate(programs):
+        print(f"[{i + 1}/{len(programs)}] {program.name}: {program.shapes}", flush=True)
+        rows.append(compile_row(program))
+    sizes = long_lived_bytes({row.name: row for row in rows})
+    rows = [row.with_resident(sum(sizes[name] for name in program.resident))
+            for row, program in zip(rows, programs)]
+    print(format_table(rows, hbm))
+    problems = overflows(rows, hbm)
+    for line in problems:
+        print(f"llds_jax: error: {line}")
+    if problems:
+        return EXIT_DOES_NOT_FIT
+    worst = max(rows, key=lambda r: r.total)
+    print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
+          f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom)")
+    return 0

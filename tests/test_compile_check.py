@@ -1,0 +1,150 @@
+"""--mode=compile: the run's programs compiled by XLA's TPU compiler (libtpu) for deviceless pod topologies.
+
+The flagship config itself (configs/qwen7b_v4.py) is compiled with only its sizes shrunk (a tiny architecture,
+small batches and lengths) for two TPU generations; a config whose programs cannot fit fails naming them.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llds_jax import compile_check
+from llds_jax.model import ModelConfig, to_hf_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1 << 30
+# configs/qwen7b_v4.py with its sizes shrunk: 8 prompts x 4 samples, sessions of 16 rows, 2 updates per step.
+SHRINK = {
+    "model.preset": "", "data.prompts_per_step": 8, "data.samples_per_prompt": 4, "optim.mini_batch_size": 16,
+    "optim.micro_batch_size": 8, "rollout.max_batch_size": 16, "rollout.max_prompt_tokens": 64,
+    "rollout.max_turn_tokens": 16, "rollout.max_observation_tokens": 32, "rollout.max_context_tokens": 256,
+    "rollout.max_response_tokens": 256, "train.sequence_bucket": 64, "eval.batch_size": 8,
+}
+PROGRAMS = ["prefill", "decode chunk", "extend", "cache growth", "compaction", "eval decode chunk",
+            "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",
+            "update (2 per step)", "lld metrics"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A checkpoint folder holding only config.json: compile mode reads the architecture, never the weights."""
+    path = tmp_path_factory.mktemp("tiny_arch")
+    cfg = ModelConfig.tiny(vocab_size=512, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    return str(path)
+
+
+def flagship(model_dir, **changes):
+    """configs/qwen7b_v4.py, shrunk by SHRINK and `changes` ({"section.key": value})."""
+    from ml_collections import config_flags  # noqa: F401 - the loader of the launch command
+
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("qwen7b_v4", os.path.join(ROOT, "configs", "qwen7b_v4.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    for key, value in {**SHRINK, "model.path": model_dir, **changes}.items():
+        section, name = key.rsplit(".", 1)
+        cfg[section][name] = value
+    return cfg
+
+
+def launch(model_dir, *args):
+    overrides = [f"--config.{k}={v}" for k, v in {**SHRINK, "model.path": model_dir}.items()]
+    return subprocess.run([sys.executable, "-m", "llds_jax.launch", "--config=configs/qwen7b_v4.py",
+                           "--mode=compile", *overrides, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("name, want", [("v4:2x2x4", ("v4", "2x2x4")), ("v4-32", ("v4", "2x2x4")),
+                                        ("v5p-8", ("v5p", "2x2x1")), ("v5litepod-16", ("v5e", "4x4")),
+                                        ("v6e:2x4", ("v6e", "2x4"))])
+def test_topology_names_and_accelerator_types(name, want):
+    assert compile_check.resolve_topology(name) == want
+
+
+@pytest.mark.parametrize("name", ["v4-33", "v4:3x3x3", "v7:2x2", ""])
+def test_unknown_topology_lists_the_valid_names(name):
+    with pytest.raises(compile_check.TopologyError) as e:
+        compile_check.resolve_topology(name)
+    assert f"unknown TPU topology {name!r}" in str(e.value)
+    assert "v4:2x2x4" in str(e.value) and "v5e:16x16" in str(e.value) and "v4-N" in str(e.value)
+
+
+def test_xla_resource_exhausted_message_is_read():
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(155.96G) exceeds available HBM (30.75G).")
+    assert compile_check.parse_required_bytes(message) == 155.96 * GIB
+    assert compile_check.parse_available_hbm(message) == 30.75 * GIB
+    assert compile_check.parse_available_hbm("INTERNAL: something else") is None
+
+
+def test_rollout_shapes_are_the_largest_buckets(tiny_model_dir):
+    """Worst case of a session: all its rows at the capacity bound, the prompt and observation buckets full."""
+    cfg = flagship(tiny_model_dir, **{"rollout.max_prompt_tokens": 100, "rollout.max_observation_tokens": 40})
+    shapes = compile_check.rollout_shapes(cfg, sequences=40, batch_multiple=4)
+    # rows: sessions of 16; prompt pow2(100) = 128; observation pow2(40) = 64; prefill: 128 + 16 + 1 -> 256
+    # (the smallest capacity bucket is 128); capacity: 128 + 256 + 64 = 448 -> 512.
+    assert shapes == compile_check.RolloutShapes(rows=16, prompt=128, prefill_capacity=256, capacity=512,
+                                                 observation=64)
+    assert compile_check.rollout_shapes(cfg, sequences=6, batch_multiple=4).rows == 8
+
+
+def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys):
+    """Two hosts of 4 chips (v4:2x2x2): rollouts on one host's chips, training on all 8. XLA's argument sizes
+    per chip equal the shards of the abstract arrays (what the resident column adds up)."""
+    cfg = flagship(tiny_model_dir)
+    devices, nominal = compile_check.topology_devices("v4:2x2x2")
+    assert (len(devices), nominal) == (8, 32 * GIB)
+    assert len({d.process_index for d in devices}) == 2
+    programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
+    assert list(programs) == PROGRAMS[6:8] + PROGRAMS[:5] + ["eval prefill", "eval decode chunk", "eval extend",
+                                                             "eval cache growth", "eval compaction"] + PROGRAMS[8:]
+    assert programs["decode chunk"].shapes == "16 rows x 32 steps, 512 slots (host-local)"
+    assert programs["decode chunk"].resident == ("params", "optimizer state", "reference")  # rollout's own copy
+    rows = {name: compile_check.compile_row(programs[name]) for name in ("optimizer init", "reference copy")}
+    init, copy = rows["optimizer init"], rows["reference copy"]
+    # The reference copy reads the float32 params and writes their bfloat16 copy (TPU layouts pad the tiny
+    # shapes, so bytes are XLA's, not shape arithmetic); the optimizer state is AdamW's m and v, laid out like
+    # the params, plus its scalars (count, learning rate).
+    assert copy.temporaries == 0 and copy.outputs < copy.arguments
+    assert 2 * copy.arguments <= init.outputs < 2 * copy.arguments + 64 * 1024
+    sizes = compile_check.long_lived_bytes(rows)
+    assert sizes == {"params": copy.arguments, "optimizer state": init.outputs, "reference": copy.outputs}
+    assert copy.with_resident(init.outputs).total == copy.total + init.outputs
+    assert compile_check.run(cfg, "v4:2x2x2") == 0
+    out = capsys.readouterr().out
+    assert "compiling for v4:2x2x2: 8 chips, 2 host(s), TPU v4" in out
+    for name in PROGRAMS:
+        assert f"\n{name} " in out
+    assert "every program fits" in out
+
+
+def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir):
+    result = launch(tiny_model_dir, "--topology=v5e:2x2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "compiling for v5e:2x2: 4 chips, 1 host(s), TPU v5 lite, 16 GiB HBM per chip" in result.stdout
+    for name in PROGRAMS:
+        assert f"\n{name} " in result.stdout
+    assert "(host-local)" not in result.stdout  # one host: rollouts on the training mesh
+
+
+def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir):
+    """Evaluation in one session of 16384 questions with a 4k-token context: the extend's attention scores over
+    the cache cannot fit a v5e chip's 16 GiB; training (32 trajectories) still fits."""
+    result = launch(tiny_model_dir, "--topology=v5e:2x2", "--config.eval.batch_size=16384",
+                    "--config.rollout.max_batch_size=16384", "--config.rollout.max_context_tokens=4096",
+                    "--config.rollout.max_response_tokens=4096")
+    assert result.returncode == compile_check.EXIT_DOES_NOT_FIT, result.stdout[-3000:] + result.stderr[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("llds_jax: error: ")]
+    assert any(line.startswith("llds_jax: error: eval extend (16384 x 32 tokens, 8192 slots) does not fit: ")
+               and "GiB over the 15.75 GiB of HBM" in line for line in errors), errors
+    assert all(line.startswith("llds_jax: error: eval ") for line in errors), errors
+
+
+def test_unknown_topology_is_one_line_and_exit_2(tiny_model_dir):
+    result = launch(tiny_model_dir, "--topology=v4-33")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("llds_jax: error: unknown TPU topology 'v4-33'")
