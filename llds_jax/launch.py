@@ -60,6 +60,7 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
                                  d.process_id if d.process_id >= 0 else None)
     from llds_jax.model import hf_io
+    from llds_jax.tokenizer import save_tokenizer
     from llds_jax.train.trainer import Trainer
 
     _prepare_demo(cfg)
@@ -85,12 +86,9 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
             if not export_dir:
                 raise ValueError("--mode=export needs --export_dir")
             params, step = _params_for_eval(trainer)
-            hf_io.save_model(trainer.step_fn.to_model(params), export_dir)
-            if "://" in export_dir:
-                logging.warning("tokenizer files are not written to %s: copy them from %s", export_dir,
-                                cfg.model.tokenizer_path or cfg.model.path)
-            else:
-                trainer.tokenizer.save_pretrained(export_dir)
+            hf_io.save_model(trainer.step_fn.to_model(params), export_dir,
+                             generation_config=hf_io.read_generation_config(cfg.model.path))
+            save_tokenizer(trainer.tokenizer, export_dir)
             print(f"exported step {step} to {export_dir}")
     finally:
         trainer.close()

@@ -1,5 +1,5 @@
 """Presets reproduce the published parameter counts (abstract shapes only: nothing is allocated); the random
-initialization scale."""
+initialization scale; special token ids in config.json."""
 import math
 
 import jax
@@ -43,3 +43,17 @@ def test_initializer_range_sets_the_random_init_and_round_trips_the_hf_config():
     assert hf["initializer_range"] == 0.1 and from_hf_config(hf).initializer_range == 0.1
     del hf["initializer_range"]
     assert from_hf_config(hf).initializer_range == 0.02  # Hugging Face's default
+
+
+def test_special_token_ids_round_trip_the_hf_config():
+    hf = to_hf_config(ModelConfig.tiny())
+    assert not {"bos_token_id", "eos_token_id", "pad_token_id"} & set(hf)  # none set: none written
+    hf.update(bos_token_id=None, eos_token_id=[151645, 151643], pad_token_id=151643)
+    cfg = from_hf_config(hf)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (None, (151645, 151643), 151643)
+    again = to_hf_config(cfg)
+    assert again["eos_token_id"] == [151645, 151643] and again["pad_token_id"] == 151643
+    assert "bos_token_id" not in again
+    with pytest.raises(ValueError, match=r"config dict: eos_token_id must be an integer or a list of them, "
+                                         r"got '<\|im_end\|>'"):
+        from_hf_config({**hf, "eos_token_id": "<|im_end|>"})
