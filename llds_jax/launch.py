@@ -9,8 +9,8 @@ checkpoint's policy as a Hugging Face folder at --export_dir), `sft` (only the s
 With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused when cached) and continues from its
 output.
 
-A bad config, a missing file or an unreachable retriever ends the command with one line naming the problem and
-exit status 2.
+Every path may be local or gs:// (docs/gcs.md). A bad config, a missing file or bucket, GCS out of reach (or without
+credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from llds_jax import gcs
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft"], "What to run.")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", "", "Output folder of --mode=export (local or gs://).")
@@ -30,10 +32,21 @@ EXIT_BAD_INPUT = 2
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from llds_jax.config import ConfigError
+    from llds_jax.gcs import GCSUnavailableError
     from llds_jax.search.types import RetrieverUnavailableError
     from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
     return (ConfigError, FileNotFoundError, KeyError, ValueError, RetrieverUnavailableError,
-            CheckpointMismatchError, CheckpointUnreadableError)
+            CheckpointMismatchError, CheckpointUnreadableError, GCSUnavailableError)
+
+
+def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:
+    """The run's gs:// paths by config key (or flag), e.g. {"run_dir": "gs://b/runs/x", "data.train_files[0]": ...}."""
+    named = {"run_dir": cfg.run_dir, "model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
+             "sft.output_dir": cfg.sft.output_dir, "demo.assets_dir": cfg.demo.assets_dir, "--export_dir": export_dir}
+    for section, key in (("data", "train_files"), ("data", "eval_files"), ("sft", "data_files"),
+                         ("sft", "curriculum_files")):
+        named.update({f"{section}.{key}[{i}]": path for i, path in enumerate(cfg[section][key])})
+    return {key: path for key, path in named.items() if gcs.is_gcs(path)}
 
 
 def _params_for_eval(trainer):
@@ -55,6 +68,8 @@ def _params_for_eval(trainer):
 def run(cfg, mode: str, export_dir: str = "") -> int:
     """Runs one mode; returns the process exit status."""
     from llds_jax import distributed
+
+    gcs.check_buckets(gcs_paths(cfg, export_dir))  # seconds, where the GCS clients would retry for minutes
 
     d = cfg.distributed
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
