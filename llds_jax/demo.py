@@ -7,9 +7,9 @@ policy the output layer over Qwen2.5's vocabulary costs more than the rest of th
 CPU demo slow; the world's vocabulary is closed, so a BPE of under 1k entries covers it with whole-word tokens.
 
 `prepare(cfg)` builds what a config's `demo` section asks for under `demo.assets_dir` (a local folder; default
-`<run_dir>/assets`, which a gs:// run_dir cannot give; rebuilt only when the settings change) and points the config's model, data, retriever and
-(with `sft.enabled` and no files of its own) sft.data_files keys at it; with `sft.curriculum_steps`, the
-curriculum draws from demonstrations that search on every question.
+`<run_dir>/assets`, which a gs:// run_dir cannot give; rebuilt only when the settings change) and points the
+config's model, data, retriever and (with `sft.enabled` and no files of its own) sft.data_files keys at it; with
+`sft.curriculum_steps`, the curriculum draws from demonstrations that search on every question.
 """
 from __future__ import annotations
 

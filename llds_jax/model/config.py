@@ -201,8 +201,8 @@ def _token_ids(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         elif isinstance(value, int) and not isinstance(value, bool):
             out[key] = value
         elif value is not None:
-            raise ValueError(f"{where}: {key} must be an integer{' or a list of them' * (key == 'eos_token_id')}, "
-                             f"got {value!r}")
+            expected = "an integer or a list of them" if key == "eos_token_id" else "an integer"
+            raise ValueError(f"{where}: {key} must be {expected}, got {value!r}")
     return out
 
 
