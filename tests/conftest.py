@@ -1,6 +1,6 @@
-"""Shared test setup: 8 fake CPU devices (set before JAX is imported), gs:// clients pointed at a GCS emulator (set
-before gcsfs, fsspec and google.auth are imported; the emulator itself starts when a test first needs it) and
-shared fixtures."""
+"""Shared test setup: 8 fake CPU devices (set before JAX is imported), GCS clients kept from credential searches
+(set before gcsfs, fsspec and google.auth are imported), a GCS emulator for the gs:// tests (started when a test first
+needs it) and shared fixtures."""
 import contextlib
 import importlib.util
 import os
@@ -10,16 +10,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _load_sibling(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gcs_emulator = _load_sibling("gcs_emulator")
-GCS_PORT = gcs_emulator.free_port()
-os.environ.update(gcs_emulator.environment(f"http://127.0.0.1:{GCS_PORT}"))
+_spec = importlib.util.spec_from_file_location("gcs_emulator", os.path.join(os.path.dirname(__file__),
+                                                                           "gcs_emulator.py"))
+gcs_emulator = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gcs_emulator)
+os.environ.update(gcs_emulator.client_settings())
 GCS_BUCKET = "llds-test"
 
 import jax  # noqa: E402
@@ -67,15 +62,23 @@ def backend_compiles():
 
 
 @pytest.fixture(scope="session")
-def gcs_bucket():
-    """"gs://llds-test": a bucket of the fake-gcs-server emulator (started for the session on the port that the
-    environment set above names; in-memory, gone when the session ends)."""
-    server = gcs_emulator.Emulator(GCS_PORT)
+def gcs_server():
+    """A fake-gcs-server emulator for the session (in-memory), with this process's GCS clients pointed at it."""
+    server = gcs_emulator.Emulator()
     server.start()
+    os.environ.update(gcs_emulator.endpoint_settings(server.url))
     try:
-        yield server.create_bucket(GCS_BUCKET)
+        yield server
     finally:
         server.stop()
+        for key in gcs_emulator.endpoint_settings(server.url):
+            os.environ.pop(key)
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(gcs_server):
+    """"gs://llds-test", a bucket of the emulator."""
+    return gcs_server.create_bucket(GCS_BUCKET)
 
 
 @pytest.fixture
@@ -85,10 +88,9 @@ def gcs_dir(gcs_bucket, request):
 
 
 @pytest.fixture(scope="session")
-def gcs_env(gcs_bucket):
-    """The environment settings that point a subprocess's GCS clients at the running emulator (a dict to add to
-    its env)."""
-    return gcs_emulator.environment(f"http://127.0.0.1:{GCS_PORT}")
+def gcs_env(gcs_server, gcs_bucket):
+    """The environment settings that point a subprocess's GCS clients at the emulator (a dict to add to its env)."""
+    return gcs_emulator.environment(gcs_server.url)
 
 
 @pytest.fixture(scope="session")

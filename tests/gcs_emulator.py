@@ -1,9 +1,10 @@
 """fake-gcs-server, a GCS JSON-API emulator, for the tests of gs:// paths.
 
-Every client a run uses reaches it: google-cloud-storage, gcsfs (etils.epath, orbax, pyarrow and tensorboardX go
-through these two) and tensorstore (safetensors reads, Orbax arrays). `environment(url)` points them at it; part of
-it is read when gcsfs, fsspec and google.auth are imported, so it must be in os.environ before those imports (and in
-the env of a subprocess).
+Every client a run uses reaches it: google-cloud-storage, gcsfs (etils.epath, orbax, pyarrow and TensorBoard go
+through it) and tensorstore (safetensors reads, Orbax arrays). `client_settings()` are read when gcsfs, fsspec and
+google.auth are imported, so they must be in os.environ before those imports; `endpoint_settings(url)` (the
+emulator's address) are read at each use, so they can follow once the emulator runs. A subprocess gets both
+(`environment(url)`).
 
 The server's output goes to a log file, never a pipe: an undrained pipe stalls the server after a few hundred
 requests.
@@ -35,12 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def environment(url: str) -> dict[str, str]:
-    """The settings that send every GCS client of a run to the emulator at `url` (http://127.0.0.1:PORT), with
-    no credential search and no metadata-server lookups."""
+def client_settings() -> dict[str, str]:
+    """The settings, read at import time, that keep the clients from credential searches, metadata-server lookups
+    and gRPC calls the emulator does not answer."""
     return {
-        "STORAGE_EMULATOR_HOST": url,  # google-cloud-storage, gcsfs
-        "TENSORSTORE_GCS_HTTP_URL": url,  # tensorstore ignores the other; without it, it tries real GCS and hangs
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # else gcsfs asks a gRPC service for the bucket type (60 s)
         "FSSPEC_GCS_TOKEN": "anon",  # gcsfs: anonymous requests
         "NO_GCE_CHECK": "true",  # google.auth: do not probe the metadata server
@@ -48,12 +47,25 @@ def environment(url: str) -> dict[str, str]:
     }
 
 
-class Emulator:
-    """One fake-gcs-server process: in-memory objects, plain http on 127.0.0.1:`port`."""
+def endpoint_settings(url: str) -> dict[str, str]:
+    """The settings that send the clients to the emulator at `url` (http://127.0.0.1:PORT)."""
+    return {
+        "STORAGE_EMULATOR_HOST": url,  # google-cloud-storage, gcsfs
+        "TENSORSTORE_GCS_HTTP_URL": url,  # tensorstore ignores the other; without it, it tries real GCS and hangs
+    }
 
-    def __init__(self, port: int):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+
+def environment(url: str) -> dict[str, str]:
+    """Everything a subprocess needs to use the emulator at `url` for every gs:// path."""
+    return {**client_settings(), **endpoint_settings(url)}
+
+
+class Emulator:
+    """One fake-gcs-server process: in-memory objects, plain http on 127.0.0.1:`port` (default: a free one)."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-server-", suffix=".log")
         self._process: subprocess.Popen | None = None
 
