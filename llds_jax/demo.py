@@ -6,10 +6,10 @@ checkpoints) or a byte-level BPE trained on the world (`"world"`, `demo.vocab_si
 policy the output layer over Qwen2.5's vocabulary costs more than the rest of the model, which is what keeps a
 CPU demo slow; the world's vocabulary is closed, so a BPE of under 1k entries covers it with whole-word tokens.
 
-`prepare(cfg)` builds what a config's `demo` section asks for under `demo.assets_dir` (default
-`<run_dir>/assets`; rebuilt only when the settings change) and points the config's model, data, retriever and
-(with `sft.enabled` and no files of its own) sft.data_files keys at it; with `sft.curriculum_steps`, the
-curriculum draws from demonstrations that search on every question.
+`prepare(cfg)` builds what a config's `demo` section asks for under `demo.assets_dir` (a local folder; default
+`<run_dir>/assets`, which a gs:// run_dir cannot give; rebuilt only when the settings change) and points the
+config's model, data, retriever and (with `sft.enabled` and no files of its own) sft.data_files keys at it; with
+`sft.curriculum_steps`, the curriculum draws from demonstrations that search on every question.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from flax import nnx
 
 from index_builder.corpus import CorpusReader
 from index_builder.to_bm25 import build_bm25
+from llds_jax import gcs
+from llds_jax.config import ConfigError
 from llds_jax.data import synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
 from llds_jax.search.factory import make_retriever
@@ -112,7 +114,11 @@ def prepare(cfg: ml_collections.ConfigDict) -> None:
     """When `cfg.demo.enabled`: builds the assets (if missing) and points model/data/retriever/sft at them."""
     if not cfg.demo.enabled:
         return
-    paths = assets_for(cfg, cfg.demo.assets_dir or os.path.join(cfg.run_dir, "assets"))
+    assets_dir = cfg.demo.assets_dir or os.path.join(cfg.run_dir, "assets")
+    if gcs.is_gcs(assets_dir):
+        raise ConfigError(f"demo.assets_dir must be a local folder (the embedded index is memory-mapped), got "
+                          f"{assets_dir!r}{' from run_dir' if not cfg.demo.assets_dir else ''}: set demo.assets_dir")
+    paths = assets_for(cfg, assets_dir)
     cfg.model.path = paths["model"]
     cfg.data.train_files = [paths["train"]]
     cfg.data.eval_files = [paths["test"]]

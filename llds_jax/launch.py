@@ -11,8 +11,8 @@ table of memory per chip; exit status 1 when one does not fit: llds_jax.compile_
 With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused when cached) and continues from its
 output.
 
-A bad config, a missing file or an unreachable retriever ends the command with one line naming the problem and
-exit status 2.
+Every path may be local or gs:// (docs/gcs.md). A bad config, a missing file or bucket, GCS out of reach (or without
+credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import sys
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
+
+from llds_jax import gcs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft", "compile"], "What to run.")
@@ -37,7 +39,17 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from llds_jax.search.types import RetrieverUnavailableError
     from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
     return (ConfigError, FileNotFoundError, KeyError, ValueError, RetrieverUnavailableError,
-            CheckpointMismatchError, CheckpointUnreadableError)
+            CheckpointMismatchError, CheckpointUnreadableError, gcs.GCSUnavailableError)
+
+
+def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:
+    """The run's gs:// paths by config key (or flag), e.g. {"run_dir": "gs://b/runs/x", "data.train_files[0]": ...}."""
+    named = {"run_dir": cfg.run_dir, "model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
+             "sft.output_dir": cfg.sft.output_dir, "demo.assets_dir": cfg.demo.assets_dir, "--export_dir": export_dir}
+    for section, key in (("data", "train_files"), ("data", "eval_files"), ("sft", "data_files"),
+                         ("sft", "curriculum_files")):
+        named.update({f"{section}.{key}[{i}]": path for i, path in enumerate(cfg[section][key])})
+    return {key: path for key, path in named.items() if gcs.is_gcs(path)}
 
 
 def _params_for_eval(trainer):
@@ -66,10 +78,13 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
         return compile_check.run(cfg, topology or cfg.mesh.topology)
     from llds_jax import distributed
 
+    gcs.check_buckets(gcs_paths(cfg, export_dir))  # seconds, where the GCS clients would retry for minutes
+
     d = cfg.distributed
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
                                  d.process_id if d.process_id >= 0 else None)
     from llds_jax.model import hf_io
+    from llds_jax.tokenizer import save_tokenizer
     from llds_jax.train.trainer import Trainer
 
     _prepare_demo(cfg)
@@ -95,12 +110,9 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
             if not export_dir:
                 raise ValueError("--mode=export needs --export_dir")
             params, step = _params_for_eval(trainer)
-            hf_io.save_model(trainer.step_fn.to_model(params), export_dir)
-            if "://" in export_dir:
-                logging.warning("tokenizer files are not written to %s: copy them from %s", export_dir,
-                                cfg.model.tokenizer_path or cfg.model.path)
-            else:
-                trainer.tokenizer.save_pretrained(export_dir)
+            hf_io.save_model(trainer.step_fn.to_model(params), export_dir,
+                             generation_config=hf_io.read_generation_config(cfg.model.path))
+            save_tokenizer(trainer.tokenizer, export_dir)
             print(f"exported step {step} to {export_dir}")
     finally:
         trainer.close()

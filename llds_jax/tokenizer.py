@@ -17,7 +17,10 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
+
+from llds_jax import gcs
 
 QWEN25_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -119,13 +122,52 @@ def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int = 2048, 
     return out_dir
 
 
+# Files of a checkpoint folder that a tokenizer may need (tokenizer.json, tokenizer_config.json, vocab.json,
+# merges.txt, special_tokens_map.json, added_tokens.json, chat_template.jinja/.json, config.json for the tokenizer
+# class, generation_config.json, sentencepiece/tiktoken models), by suffix: never weights or their index.
+TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+
+
+def tokenizer_files(folder: str) -> list[str]:
+    """The names of the files of `folder` (local or gs://) that a tokenizer may need (see TOKENIZER_SUFFIXES)."""
+    return [name for name in gcs.list_files(folder)
+            if name.endswith(TOKENIZER_SUFFIXES) and not name.endswith(".index.json")]
+
+
 def load_tokenizer(path: str, fallback_chat_template: str | None = "base"):
-    """Loads a Hugging Face tokenizer from a local folder; adds the shipped Qwen2.5 chat template if it has none."""
+    """Loads a Hugging Face tokenizer from a folder; adds the shipped Qwen2.5 chat template if it has none.
+
+    A gs:// folder's tokenizer files (`tokenizer_files`, ~11 MB for Qwen2.5) are downloaded at every call into a
+    temporary folder, loaded and deleted: no cache that could go stale when the bucket's files change.
+    """
+    if not gcs.is_gcs(path):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"tokenizer folder not found: {path}")
+        return _load_local(path, fallback_chat_template)
+    names = tokenizer_files(path)
+    if not names:
+        raise FileNotFoundError(f"tokenizer folder not found: {path} (no tokenizer files there)")
+    with tempfile.TemporaryDirectory(prefix="llds_tokenizer_") as local:
+        gcs.copy_files(path, local, names)
+        tok = _load_local(local, fallback_chat_template)
+    tok.name_or_path = path
+    return tok
+
+
+def _load_local(folder: str, fallback_chat_template: str | None):
     from transformers import AutoTokenizer  # deferred: heavy import
 
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"tokenizer folder not found: {path}")
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(folder)
     if not getattr(tok, "chat_template", None) and fallback_chat_template:
         tok.chat_template = chat_template(fallback_chat_template)
     return tok
+
+
+def save_tokenizer(tokenizer, path: str) -> None:
+    """`tokenizer.save_pretrained(path)` for a local folder or gs:// (written locally, then copied)."""
+    if not gcs.is_gcs(path):
+        tokenizer.save_pretrained(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="llds_tokenizer_") as local:
+        tokenizer.save_pretrained(local)
+        gcs.copy_files(local, path, sorted(os.listdir(local)))

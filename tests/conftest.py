@@ -1,9 +1,21 @@
-"""Shared test setup: 8 fake CPU devices (set before JAX is imported) and shared fixtures."""
+"""Shared test setup: 8 fake CPU devices (set before JAX is imported), GCS clients kept from credential searches
+(set before gcsfs, fsspec and google.auth are imported), a GCS emulator for the gs:// tests (started when a test first
+needs it) and shared fixtures."""
 import contextlib
+import importlib.util
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+_spec = importlib.util.spec_from_file_location("gcs_emulator", os.path.join(os.path.dirname(__file__),
+                                                                           "gcs_emulator.py"))
+gcs_emulator = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gcs_emulator)
+os.environ.update(gcs_emulator.client_settings())
+GCS_BUCKET = "llds-test"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -47,3 +59,49 @@ def backend_compiles():
     """`with backend_compiles() as events:` collects one entry per XLA compilation inside the block (by any
     program, ahead-of-time or at a call)."""
     return _backend_compiles
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A fake-gcs-server emulator for the session (in-memory), with this process's GCS clients pointed at it."""
+    server = gcs_emulator.Emulator()
+    server.start()
+    os.environ.update(gcs_emulator.endpoint_settings(server.url))
+    try:
+        yield server
+    finally:
+        server.stop()
+        for key in gcs_emulator.endpoint_settings(server.url):
+            os.environ.pop(key)
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(gcs_server):
+    """"gs://llds-test", a bucket of the emulator."""
+    return gcs_server.create_bucket(GCS_BUCKET)
+
+
+@pytest.fixture
+def gcs_dir(gcs_bucket, request):
+    """A gs:// folder of the emulator's bucket that no other test uses (named after the test)."""
+    return f"{gcs_bucket}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', request.node.name)}"
+
+
+@pytest.fixture(scope="session")
+def gcs_env(gcs_server, gcs_bucket):
+    """The environment settings that point a subprocess's GCS clients at the emulator (a dict to add to its env)."""
+    return gcs_emulator.environment(gcs_server.url)
+
+
+@pytest.fixture(scope="session")
+def unreachable_gcs_env():
+    """The same settings for an endpoint where nothing listens."""
+    return gcs_emulator.environment(f"http://127.0.0.1:{gcs_emulator.free_port()}")
+
+
+@pytest.fixture(scope="session")
+def gcs_fs(gcs_bucket):
+    """A gcsfs file system on the emulator, to put test inputs into the bucket and read outputs back."""
+    import gcsfs
+
+    return gcsfs.GCSFileSystem()

@@ -1,4 +1,6 @@
-"""The offline Qwen2.5 tokenizer and the shipped chat templates."""
+"""The offline Qwen2.5 tokenizer, the shipped chat templates, tokenizer folders on gs://."""
+import os
+
 import pytest
 
 from llds_jax import tokenizer as tokenizer_lib
@@ -54,3 +56,24 @@ def test_trained_tokenizer_round_trips_and_keeps_protocol_tags_whole(tmp_path):
     assert tok.decode(prompt).startswith("<|im_start|>system\n")  # the shipped Qwen2.5 chat template
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(texts, str(tmp_path / "c"), vocab_size=100)
+
+
+def test_gcs_folder_gives_the_local_tokenizer_and_saves_back(qwen_tokenizer_dir, qwen_tokenizer, gcs_dir, gcs_fs):
+    gcs_fs.put(qwen_tokenizer_dir, f"{gcs_dir}/model", recursive=True)
+    gcs_fs.pipe({f"{gcs_dir}/model/model.safetensors": b"weights", f"{gcs_dir}/model/metrics.jsonl": b"{}",
+                 f"{gcs_dir}/model/model.safetensors.index.json": b"{}"})
+    # Only the tokenizer's files are downloaded, never weights.
+    assert tokenizer_lib.tokenizer_files(f"{gcs_dir}/model") == sorted(os.listdir(qwen_tokenizer_dir))
+    text = "<|im_start|>user\nHello, world!<|im_end|><|endoftext|>"
+    tok = tokenizer_lib.load_tokenizer(f"{gcs_dir}/model")
+    assert tok.name_or_path == f"{gcs_dir}/model"
+    tokenizer_lib.save_tokenizer(tok, f"{gcs_dir}/saved")
+    for loaded in (tok, tokenizer_lib.load_tokenizer(f"{gcs_dir}/saved")):
+        assert loaded.encode(text) == qwen_tokenizer.encode(text)
+        assert loaded.chat_template == qwen_tokenizer.chat_template
+        assert (len(loaded), loaded.eos_token_id, loaded.pad_token_id) == (151665, 151643, 151643)
+
+
+def test_missing_gcs_tokenizer_folder_is_named(gcs_dir):
+    with pytest.raises(FileNotFoundError, match=f"tokenizer folder not found: {gcs_dir}/nothing"):
+        tokenizer_lib.load_tokenizer(f"{gcs_dir}/nothing")

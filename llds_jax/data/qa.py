@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from etils import epath
 
 from llds_jax.data.jsonl import iter_jsonl
 from llds_jax.rollout.protocol import make_prompt
@@ -49,7 +50,7 @@ class QAExample:
 
 
 def read_qa(path: str | os.PathLike) -> list[QAExample]:
-    """Reads a Search-R1 QA file; `.parquet` or `.jsonl` decides the format."""
+    """Reads a Search-R1 QA file (local or gs://); `.parquet` or `.jsonl` decides the format."""
     path = os.fspath(path)
     if path.endswith(".parquet"):
         return _examples(path, _parquet_rows(path))
@@ -59,10 +60,13 @@ def read_qa(path: str | os.PathLike) -> list[QAExample]:
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
-    names = pq.read_schema(path).names
-    columns = [name for name in ("id", *REQUIRED_COLUMNS, _ANSWERS, _ANSWERS_FALLBACK) if name in names]
-    _check_columns(path, names)
-    for row, record in enumerate(pq.read_table(path, columns=columns).to_pylist()):
+    with epath.Path(path).open("rb") as f:  # gcsfs for gs:// (pyarrow's own GCS client is not used)
+        parquet = pq.ParquetFile(f)
+        names = parquet.schema_arrow.names
+        _check_columns(path, names)
+        columns = [name for name in ("id", *REQUIRED_COLUMNS, _ANSWERS, _ANSWERS_FALLBACK) if name in names]
+        records = parquet.read(columns=columns).to_pylist()
+    for row, record in enumerate(records):
         yield f"{path}: row {row}", record
 
 

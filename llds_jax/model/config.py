@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -35,6 +35,8 @@ class ModelConfig:
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
         attention patterns quickly: the demo's 128-wide policy uses 0.1).
+      bos_token_id, eos_token_id, pad_token_id: the checkpoint's special token ids (eos may be several), carried
+        from its config.json into an export so that `generate()` stops where the source model stops; unused here.
     """
 
     vocab_size: int
@@ -56,6 +58,9 @@ class ModelConfig:
     scan_layers: bool = True
     remat: bool = False
     initializer_range: float = 0.02
+    bos_token_id: Optional[int] = None
+    eos_token_id: Union[int, tuple[int, ...], None] = None
+    pad_token_id: Optional[int] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -122,8 +127,9 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return PRESETS[key].replace(**overrides)
 
 
-# Fields that make an architecture (the others are numerics and execution choices of a run).
-_RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "initializer_range")
+# Fields that do not make an architecture: numerics and execution choices of a run, the tokenizer's special ids.
+_NOT_ARCHITECTURE = ("param_dtype", "dtype", "scan_layers", "remat", "initializer_range", "bos_token_id",
+                     "eos_token_id", "pad_token_id")
 
 
 def check_preset(cfg: ModelConfig, name: str) -> None:
@@ -132,7 +138,7 @@ def check_preset(cfg: ModelConfig, name: str) -> None:
     expected = preset(name)
     diffs = [f"{field.name} {getattr(cfg, field.name)!r} (preset: {getattr(expected, field.name)!r})"
              for field in dataclasses.fields(ModelConfig)
-             if field.name not in _RUN_FIELDS and getattr(cfg, field.name) != getattr(expected, field.name)]
+             if field.name not in _NOT_ARCHITECTURE and getattr(cfg, field.name) != getattr(expected, field.name)]
     if diffs:
         raise ValueError(f"model.preset {name!r} does not match the checkpoint: " + ", ".join(diffs))
 
@@ -192,9 +198,34 @@ def from_hf_config(config: str | os.PathLike | Mapping[str, Any], **overrides: A
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        **_token_ids(hf, where),
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _token_ids(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The special token ids of a config.json (an eos list becomes a tuple); absent or null ones are left out."""
+    out: dict[str, Any] = {}
+    for key in TOKEN_ID_KEYS:
+        value = hf.get(key)
+        if isinstance(value, list) and key == "eos_token_id" and all(isinstance(v, int) for v in value):
+            out[key] = tuple(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out[key] = value
+        elif value is not None:
+            expected = "an integer or a list of them" if key == "eos_token_id" else "an integer"
+            raise ValueError(f"{where}: {key} must be {expected}, got {value!r}")
+    return out
+
+
+def token_ids(cfg: ModelConfig) -> dict[str, Any]:
+    """The special token ids of `cfg` that are set, as config.json / generation_config.json hold them."""
+    ids = {key: getattr(cfg, key) for key in TOKEN_ID_KEYS if getattr(cfg, key) is not None}
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in ids.items()}
 
 
 def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -211,7 +242,7 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings, "rope_theta": cfg.rope_theta,
         "rope_scaling": None if cfg.rope_scaling is None else rope, "rope_parameters": rope,
-        "initializer_range": cfg.initializer_range, "torch_dtype": torch_dtype,
+        "initializer_range": cfg.initializer_range, "torch_dtype": torch_dtype, **token_ids(cfg),
     }
     if cfg.model_type == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)

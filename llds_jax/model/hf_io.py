@@ -3,7 +3,8 @@
 Import reads safetensors lazily through a tensorstore key-value store (local folders and `gs://` alike) and
 builds every parameter with `jax.make_array_from_callback`, so each device's shard is read straight from the
 files: the host never holds a full copy of the model, only the rows of one tensor a shard needs.
-Export writes config.json and (sharded) safetensors that `transformers` loads.
+Export writes config.json (with the source's special token ids), generation_config.json (the source's, else one
+built from those ids) and (sharded) safetensors that `transformers` loads.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 import json
 import os
 import struct
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +24,14 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors.numpy import save as safetensors_save
 
 from llds_jax import parallel
-from llds_jax.model.config import ModelConfig, from_hf_config, to_hf_config
+from llds_jax.model.config import ModelConfig, from_hf_config, to_hf_config, token_ids
 from llds_jax.model.transformer import Transformer
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def _kvstore_url(path: str) -> str:
@@ -37,6 +39,17 @@ def _kvstore_url(path: str) -> str:
     if "://" in path:
         return path.rstrip("/") + "/"
     return "file://" + os.path.abspath(path) + "/"
+
+
+def _read_optional(kv: ts.KvStore, key: str, byte_range: Optional[slice] = None) -> Optional[bytes]:
+    result = kv.read(key, byte_range=byte_range).result()
+    return None if result.state == "missing" else bytes(result.value)
+
+
+def read_generation_config(path: str) -> Optional[dict[str, Any]]:
+    """The generation_config.json of a checkpoint folder (local or gs://), or None when it has none."""
+    data = _read_optional(ts.KvStore.open(_kvstore_url(path)).result(), GENERATION_CONFIG_FILE)
+    return None if data is None else json.loads(data)
 
 
 class CheckpointFolder:
@@ -57,8 +70,7 @@ class CheckpointFolder:
             self._read_header(name)
 
     def _read_optional(self, key: str, byte_range: Optional[slice] = None) -> Optional[bytes]:
-        result = self._kv.read(key, byte_range=byte_range).result()
-        return None if result.state == "missing" else bytes(result.value)
+        return _read_optional(self._kv, key, byte_range)
 
     def read_bytes(self, key: str, byte_range: Optional[slice] = None) -> bytes:
         data = self._read_optional(key, byte_range)
@@ -256,11 +268,22 @@ def hf_state_dict(model: Transformer, dtype: str = "float32") -> Iterator[tuple[
             yield name, np.ascontiguousarray(to_hf(layer)).astype(np_dtype)
 
 
-def save_model(model: Transformer, path: str, dtype: str = "float32", max_shard_bytes: int = 2 << 30) -> None:
-    """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`) to a folder or gs://."""
+def save_model(model: Transformer, path: str, dtype: str = "float32", max_shard_bytes: int = 2 << 30,
+               generation_config: Optional[Mapping[str, Any]] = None) -> None:
+    """Writes config.json, generation_config.json and safetensors (sharded with an index above `max_shard_bytes`
+    bytes) to a folder or gs://.
+
+    generation_config.json is `generation_config` (pass the source checkpoint's, `read_generation_config`), else
+    one built from the model's special token ids, else (no ids either) not written.
+    """
     kv = ts.KvStore.open(_kvstore_url(path)).result()
     config = to_hf_config(model.cfg, torch_dtype=dtype)
     kv.write("config.json", json.dumps(config, indent=2).encode()).result()
+    ids = token_ids(model.cfg)
+    if generation_config is None and ids:
+        generation_config = {"_from_model_config": True, **ids}
+    if generation_config is not None:
+        kv.write(GENERATION_CONFIG_FILE, json.dumps(dict(generation_config), indent=2).encode()).result()
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in hf_state_dict(model, dtype):

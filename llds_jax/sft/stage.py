@@ -38,7 +38,7 @@ from llds_jax import parallel
 from llds_jax.model import hf_io
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.tokenizer import load_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
 DONE_FILE = "warm_start.json"
@@ -291,8 +291,8 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
         batches = curriculum(Batches(first, s.batch_size, s.sequence_bucket, pad_id, s.seed) if first else None,
                              s.curriculum_steps, Batches(encoded, s.batch_size, s.sequence_bucket, pad_id, s.seed))
         records = train(model, batches, s, mesh, on_log)
-    hf_io.save_model(model, str(out))
-    tokenizer.save_pretrained(str(out))
+    hf_io.save_model(model, str(out), generation_config=hf_io.read_generation_config(m.path))
+    save_tokenizer(tokenizer, str(out))
     summary = {"fingerprint": key, "steps": s.steps, "demonstrations": len(encoded),
                "curriculum_steps": s.curriculum_steps, "curriculum_demonstrations": len(first),
                "final_loss": records[-1]["loss"], "seconds": time.perf_counter() - start, "source": m.path}

@@ -9,8 +9,10 @@
 - the console: `step 120/1005  reward 0.412  EM 0.398  LLD 3.1%  gnorm 0.82  tok/s 1.23k  ETA 3h12m` (fields
   missing from a step are left out; ETA from the mean wall time per step since the first write).
 
-`log_dir` may be local or `gs://...` (TensorBoard on GCS needs `google-cloud-storage`, JSONL needs `gcsfs`). GCS
-cannot append, so the JSONL file is rewritten whole at each flush (every `flush_secs`, and on `close`). On resume,
+`log_dir` may be local or `gs://...` (through gcsfs). GCS cannot append, so the JSONL file is rewritten whole at each
+flush (every `flush_secs`, and on `close`); TensorBoard events are written to a local staging folder and its files
+copied up at each flush (tensorboardX's own GCS writer uploads the whole file several times per close and once more
+at interpreter exit, which hangs for minutes when GCS is unreachable by then). On resume,
 pass `start_step`: JSONL records and TensorBoard events at or after it (from the steps run after the last
 checkpoint) are dropped, so the logs match the resumed run.
 """
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -27,6 +31,8 @@ import jax
 import numpy as np
 from etils import epath
 from tensorboardX import SummaryWriter
+
+from llds_jax import gcs
 
 # (label, metric name, format) of the console line; format is "num", "pct" or "si".
 CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -170,8 +176,11 @@ class MetricsWriter:
             return
         root = epath.Path(log_dir)
         root.mkdir(parents=True, exist_ok=True)
+        self._tb_dir = root / "tensorboard"
+        self._staging = tempfile.TemporaryDirectory(prefix="llds_tensorboard_") if gcs.is_gcs(log_dir) else None
         # The suffix keeps a resumed writer from reusing the file name (unix seconds + host) of the last one.
-        self._tb = SummaryWriter(str(root / "tensorboard"), purge_step=start_step or None, flush_secs=flush_secs,
+        self._tb = SummaryWriter(self._staging.name if self._staging else str(self._tb_dir),
+                                 purge_step=start_step or None, flush_secs=flush_secs,
                                  filename_suffix=f".from-step-{start_step}")
         self._jsonl = _JsonlLog(root / "metrics.jsonl", start_step)
 
@@ -215,13 +224,21 @@ class MetricsWriter:
         if not self.active:
             return
         self._tb.flush()
+        self._upload_events()
         self._jsonl.flush()
         self._last_flush = self.clock()
+
+    def _upload_events(self) -> None:
+        """Copies the staged TensorBoard event files to the gs:// run folder (nothing for a local one)."""
+        if self._staging is not None:
+            gcs.copy_files(self._staging.name, self._tb_dir, os.listdir(self._staging.name))
 
     def close(self) -> None:
         """Flushes and closes the files."""
         if not self.active:
             return
+        self._tb.close()  # writes the events still queued
         self.flush()
-        self._tb.close()
+        if self._staging is not None:
+            self._staging.cleanup()
         self.active = False

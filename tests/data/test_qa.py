@@ -1,4 +1,4 @@
-"""Search-R1 QA files: writer/reader round trips and error messages."""
+"""Search-R1 QA files: writer/reader round trips (local and gs://) and error messages."""
 import json
 import re
 
@@ -8,6 +8,7 @@ import pytest
 
 from llds_jax.data import qa
 from llds_jax.rollout import protocol
+from llds_jax.train.trainer import read_examples
 
 EXAMPLES = [
     qa.QAExample("nq-0", "who wrote hamlet?", ("William Shakespeare", "Shakespeare"), "nq", "test_0"),
@@ -27,6 +28,22 @@ def test_round_trip(tmp_path, suffix, writer):
     expected[2] = qa.QAExample("nq-2", "capital of japan", ("Tokyo",), "nq", "test_1")
     assert qa.read_qa(path) == expected
     assert qa.read_qa(str(path)) == expected
+
+
+def test_gcs_files_read_like_local_ones(tmp_path, gcs_dir, gcs_fs):
+    for suffix, writer in ((".parquet", qa.write_qa_parquet), (".jsonl", qa.write_qa_jsonl)):
+        writer(tmp_path / f"test{suffix}", EXAMPLES)
+        gcs_fs.put(str(tmp_path / f"test{suffix}"), f"{gcs_dir}/test{suffix}")
+        assert qa.read_qa(f"{gcs_dir}/test{suffix}") == qa.read_qa(tmp_path / f"test{suffix}")
+    files = [f"{gcs_dir}/test.parquet", f"{gcs_dir}/test.jsonl"]
+    assert [ex.uid for ex in read_examples(files, "train_files")] == [
+        f"{i}:{ex.data_source}-{row}" for i in range(2) for row, ex in enumerate(EXAMPLES)]
+    with pytest.raises(FileNotFoundError, match=f"^data.eval_files: file not found: {gcs_dir}/missing.parquet$"):
+        read_examples([files[0], f"{gcs_dir}/missing.parquet"], "eval_files")
+    pq.write_table(pq.read_table(tmp_path / "test.parquet").drop(["question"]), tmp_path / "bad.parquet")
+    gcs_fs.put(str(tmp_path / "bad.parquet"), f"{gcs_dir}/bad.parquet")
+    with pytest.raises(ValueError, match=f"^{gcs_dir}/bad.parquet: missing required column 'question'$"):
+        qa.read_qa(f"{gcs_dir}/bad.parquet")
 
 
 def test_written_rows_follow_search_r1_schema(tmp_path):

@@ -1,6 +1,8 @@
 """Shared assets of the end-to-end tests: the tiny demo world, index and policy, and run-config files."""
 import importlib.util
 import os
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -104,3 +106,17 @@ def config_writer():
 @pytest.fixture(scope="session")
 def repo_root():
     return ROOT
+
+
+@pytest.fixture
+def launch(repo_root):
+    """`launch(config_path, *args, env=None)` runs `python -m llds_jax.launch --config=PATH ARGS...` on one CPU
+    device, with `env` added to this process's environment: (exit code, stdout, stderr)."""
+    def run(config_path, *args, env=None):
+        full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+        full_env.pop("XLA_FLAGS", None)
+        proc = subprocess.run([sys.executable, "-m", "llds_jax.launch", f"--config={config_path}", *args],
+                              cwd=repo_root, env=full_env, capture_output=True, text=True, timeout=600)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    return run

@@ -5,8 +5,6 @@ import os
 import re
 import socket
 import string
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,20 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llds_jax.data.qa import read_qa
-
-
-@pytest.fixture
-def launch(repo_root):
-    """Runs `python -m llds_jax.launch --config=PATH ARGS...` on one CPU device: (exit code, stdout, stderr)."""
-    return lambda config_path, *args: run_launch(repo_root, config_path, *args)
-
-
-def run_launch(root, config_path, *args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "llds_jax.launch", f"--config={config_path}", *args], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 def normalize(s):

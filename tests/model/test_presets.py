@@ -1,5 +1,5 @@
 """Presets reproduce the published parameter counts (abstract shapes only: nothing is allocated); the random
-initialization scale."""
+initialization scale; special token ids in config.json."""
 import math
 
 import jax
@@ -53,3 +53,17 @@ def test_checkpoint_is_checked_against_its_preset():
     with pytest.raises(ValueError, match=r"model\.preset 'qwen2\.5-7b' does not match the checkpoint: "
                                          r"vocab_size 151936 \(preset: 152064\), hidden_size 2048 \(preset: 3584\)"):
         check_preset(preset("qwen2.5-3b"), "qwen2.5-7b")
+
+
+def test_special_token_ids_round_trip_the_hf_config():
+    hf = to_hf_config(ModelConfig.tiny())
+    assert not {"bos_token_id", "eos_token_id", "pad_token_id"} & set(hf)  # none set: none written
+    hf.update(bos_token_id=None, eos_token_id=[151645, 151643], pad_token_id=151643)
+    cfg = from_hf_config(hf)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (None, (151645, 151643), 151643)
+    again = to_hf_config(cfg)
+    assert again["eos_token_id"] == [151645, 151643] and again["pad_token_id"] == 151643
+    assert "bos_token_id" not in again
+    with pytest.raises(ValueError, match=r"config dict: eos_token_id must be an integer or a list of them, "
+                                         r"got '<\|im_end\|>'"):
+        from_hf_config({**hf, "eos_token_id": "<|im_end|>"})

@@ -8,11 +8,12 @@ import pytest
 from flax import nnx
 
 from llds_jax import demo
-from llds_jax.model import ModelConfig, Transformer
+from llds_jax.model import ModelConfig, Transformer, hf_io
 from llds_jax.rollout import protocol
 from llds_jax.sft import demonstrations as demos_lib
 from llds_jax.sft import stage
 from llds_jax.sft.demonstrations import read_demonstrations
+from llds_jax.tokenizer import load_tokenizer
 
 RECORD = {"question": "Where was Tova Ren born?",
           "turns": [{"text": "<think> search </think>\n<search> Tova Ren </search>",
@@ -141,6 +142,35 @@ def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
         recorded = json.load(f)["fingerprint"]
     assert stage.fingerprint(stage.sft_config(cfg), cfg.model.path, cfg.model.path, overrides) == recorded
     assert stage.fingerprint(stage.sft_config(changed), cfg.model.path, cfg.model.path, overrides) != recorded
+
+
+def test_warm_start_from_and_to_gcs(world_demo, tmp_path, gcs_dir, gcs_fs, capsys):
+    cfg = world_demo(f"{gcs_dir}/run")  # assets (and their embedded index) stay local
+    gcs_fs.put(cfg.model.path, f"{gcs_dir}/model", recursive=True)
+    gcs_fs.put(cfg.sft.data_files[0], f"{gcs_dir}/demonstrations.jsonl")
+    local_model = cfg.model.path
+    cfg.model.path, cfg.sft.data_files = f"{gcs_dir}/model", [f"{gcs_dir}/demonstrations.jsonl"]
+    out = stage.warm_start(cfg)
+    assert out == f"{gcs_dir}/run/warm_start"
+    written = set(listed(gcs_fs, out))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "metrics.jsonl",
+            stage.DONE_FILE} <= written
+    records = [json.loads(line) for line in gcs_fs.cat(f"{out}/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert json.loads(gcs_fs.cat(f"{out}/{stage.DONE_FILE}"))["final_loss"] == records[-1]["loss"]
+    text = protocol.make_prompt("Where was Tova Ren born?")
+    assert load_tokenizer(out).encode(text) == load_tokenizer(local_model).encode(text)
+    trained, start = hf_io.load_model(out), hf_io.load_model(local_model)
+    assert trained.cfg == start.cfg
+    assert not np.array_equal(np.asarray(trained.embed[...]), np.asarray(start.embed[...]))
+    capsys.readouterr()
+    assert stage.warm_start(cfg) == out
+    assert "reusing" in capsys.readouterr().out
+
+
+def listed(gcs_fs, folder):
+    """Names of the objects directly in a gs:// folder."""
+    return [path.rsplit("/", 1)[1] for path in gcs_fs.ls(folder, refresh=True)]
 
 
 def test_warm_start_curriculum_reads_the_searching_demonstrations_first(world_demo, tmp_path, capsys):

