@@ -1,8 +1,8 @@
 """Qwen2.5-3B-Instruct, GRPO + LLDS (lambda 0.2, action gate) on a TPU v4-16 slice (8 chips, 2 hosts); data,
 retrieval and mesh as qwen7b_v4.py.
 
-Memory per chip with fsdp=8: (3.1B x 16 B for params, AdamW, gradients + 6 GB bf16 reference) / 8 = 7 GB;
-KV cache of a 512-sequence session: 512 x 4096 x 36 layers x 2 KV heads x 128 x 2 x 2 B = 77 GB / 8 = 9.7 GB.
+Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md): rollout sessions of 32 sequences on each
+host's 4 chips; the largest program is the observation extend, 20.05 GiB of 30.75 (35% headroom).
 """
 import importlib.util
 import os
