@@ -59,7 +59,6 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
     d = cfg.distributed
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
                                  d.process_id if d.process_id >= 0 else None)
-    from llds_jax.model import hf_io
     from llds_jax.train.trainer import Trainer
 
     _prepare_demo(cfg)
@@ -82,19 +81,30 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
             params, step = _params_for_eval(trainer)
             _print_eval(trainer, params, step)
         else:
-            if not export_dir:
-                raise ValueError("--mode=export needs --export_dir")
-            params, step = _params_for_eval(trainer)
-            hf_io.save_model(trainer.step_fn.to_model(params), export_dir)
-            if "://" in export_dir:
-                logging.warning("tokenizer files are not written to %s: copy them from %s", export_dir,
-                                cfg.model.tokenizer_path or cfg.model.path)
-            else:
-                trainer.tokenizer.save_pretrained(export_dir)
-            print(f"exported step {step} to {export_dir}")
+            _export(trainer, export_dir)
     finally:
         trainer.close()
     return 0
+
+
+def _export(trainer, export_dir: str) -> None:
+    """The latest checkpoint's policy (or the initial weights) as a Hugging Face folder; on several processes all
+    of them gather the parameters and process 0 writes."""
+    from llds_jax import distributed
+    from llds_jax.model import hf_io
+
+    if not export_dir:
+        raise ValueError("--mode=export needs --export_dir")
+    params, step = _params_for_eval(trainer)
+    hf_io.save_model(trainer.step_fn.to_model(params), export_dir)
+    if not distributed.is_main_process():
+        return
+    if "://" in export_dir:
+        logging.warning("tokenizer files are not written to %s: copy them from %s", export_dir,
+                        trainer.cfg.model.tokenizer_path or trainer.cfg.model.path)
+    else:
+        trainer.tokenizer.save_pretrained(export_dir)
+    print(f"exported step {step} to {export_dir}")
 
 
 def _prepare_demo(cfg) -> None:

@@ -9,6 +9,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from llds_jax import tokenizer as tokenizer_lib  # noqa: E402
+from tests.servers import NoidaServer, free_port  # noqa: E402
+
+ES_URL_ENV = "LLDS_ES_URL"
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +50,14 @@ def backend_compiles():
     """`with backend_compiles() as events:` collects one entry per XLA compilation inside the block (by any
     program, ahead-of-time or at a call)."""
     return _backend_compiles
+
+
+@pytest.fixture(scope="session")
+def es_url(tmp_path_factory):
+    """URL of the cluster at env LLDS_ES_URL, else of a noida-db server started for the session."""
+    if os.environ.get(ES_URL_ENV):
+        yield os.environ[ES_URL_ENV]
+        return
+    server = NoidaServer(str(tmp_path_factory.mktemp("noida")), free_port()).start()
+    yield server.url
+    server.stop()

@@ -3,7 +3,6 @@ bad data, a missing model folder and an unreachable retriever."""
 import json
 import os
 import re
-import socket
 import string
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llds_jax.data.qa import read_qa
+from tests.servers import free_port
 
 
 @pytest.fixture
@@ -102,12 +102,6 @@ def test_export_reloads_in_transformers(tmp_path, tiny_assets, config_writer, la
     assert os.path.exists(tmp_path / "hf" / "tokenizer_config.json")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_missing_data_column_is_one_line(tmp_path, tiny_assets, config_writer, launch):
     table = pq.read_table(tiny_assets["train"]).drop(["question"])
     bad = str(tmp_path / "bad.parquet")
@@ -129,7 +123,7 @@ def test_missing_model_folder_is_one_line(tmp_path, tiny_assets, config_writer, 
 
 
 def test_unreachable_retriever_is_one_line(tmp_path, tiny_assets, config_writer, launch):
-    url = f"http://127.0.0.1:{_free_port()}/retrieve"
+    url = f"http://127.0.0.1:{free_port()}/retrieve"
     config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=str(tmp_path / "run"),
                            retriever={"backend": "http", "url": url, "max_retries": 0, "timeout_s": 2.0})
     code, _, err = launch(config)
