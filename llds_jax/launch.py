@@ -74,7 +74,8 @@ def run(cfg, mode: str, export_dir: str = "") -> int:
     try:
         if mode == "train":
             step = trainer.run()
-            print(f"training stopped after step {step} of {cfg.train.total_steps}; run folder {cfg.run_dir}")
+            if distributed.is_main_process():
+                print(f"training stopped after step {step} of {cfg.train.total_steps}; run folder {cfg.run_dir}")
             if step == cfg.train.total_steps and cfg.train.final_eval and trainer.eval_examples:
                 _print_eval(trainer, trainer.final_params, step)
         elif mode == "eval":
@@ -120,12 +121,16 @@ def _prepare_demo(cfg) -> None:
 
 
 def _print_eval(trainer, params, step: int) -> None:
+    """Evaluates `params` (every process) and prints the tables (process 0)."""
+    from llds_jax import distributed
     from llds_jax.train import evaluation
     from llds_jax.train.trainer import START_EVAL
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
     examples = trainer.eval_examples[:trainer.cfg.eval.max_examples or None]
     metrics = trainer.evaluate(params, examples, out_dir, prefix="eval")
+    if not distributed.is_main_process():
+        return
     start = evaluation.read_results(trainer.run_dir / "eval" / START_EVAL)
     print(f"evaluation ({len(examples)} questions, greedy, max_turns {trainer.cfg.eval.max_turns}); "
           f"transcripts in {out_dir}")
@@ -143,6 +148,8 @@ def main(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+    # The Elasticsearch client warns of every failed request; the retriever reports failures (with retries) itself.
+    logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
     try:
         sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value))
     except _known_errors() as e:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 import pytest
 from etils import epath
@@ -33,9 +34,11 @@ class Launched:
             return f.read()
 
 
-def start(config: str, devices: int, log: str, *args: str) -> Launched:
-    """`python -m llds_jax.launch --config=CONFIG ARGS...` on `devices` fake CPU devices, output to the file `log`."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+def start(config: str, devices: int, log: str, *args: str, env: Mapping[str, str] | None = None) -> Launched:
+    """`python -m llds_jax.launch --config=CONFIG ARGS...` on `devices` fake CPU devices, output to the file `log`;
+    `env` adds environment variables."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           **(env or {})}
     cmd = [sys.executable, "-m", "llds_jax.launch", f"--config={config}", *args]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -48,10 +51,10 @@ def host_args(port: int, process_id: int, num_processes: int = 2) -> tuple[str, 
             f"--config.distributed.num_processes={num_processes}", f"--config.distributed.process_id={process_id}")
 
 
-def start_hosts(config: str, devices: int, log_prefix: str, port: int, *args: str,
-                num_processes: int = 2) -> list[Launched]:
+def start_hosts(config: str, devices: int, log_prefix: str, port: int, *args: str, num_processes: int = 2,
+                env: Mapping[str, str] | None = None) -> list[Launched]:
     """The `num_processes` processes of one job, `devices` each; process i writes `{log_prefix}{i}.log`."""
-    return [start(config, devices, f"{log_prefix}{pid}.log", *args, *host_args(port, pid, num_processes))
+    return [start(config, devices, f"{log_prefix}{pid}.log", *args, *host_args(port, pid, num_processes), env=env)
             for pid in range(num_processes)]
 
 

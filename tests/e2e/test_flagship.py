@@ -3,7 +3,7 @@ of a pod (jax.distributed over loopback, 2 fake CPU devices each; the config's m
 an Elasticsearch index (noida-db, or the cluster at env LLDS_ES_URL) built with `python -m index_builder`.
 
 Only what shrinks the run is overridden (SHRINK, plus the paths and the retriever's address): a tiny Qwen2 policy,
-4 prompts x 2 samples per step in sampler sessions of 2 sequences, 3 steps, short turns, LLD measured every step.
+4 prompts x 2 samples per step in sampler sessions of 2 sequences, 5 steps, short turns, LLD measured every step.
 Model, data, run folder and export folder live under one storage root (the `storage_root` fixture: a local folder
 now, a gs:// bucket later). Everything else is the config's: bfloat16 compute with remat and scanned layers, the
 elasticsearch retriever and its request policy, GRPO + LLDS, the checkpoint policy, the final evaluation.
@@ -13,10 +13,10 @@ answers or mixes the tags; so training and evaluation both query Elasticsearch.
 """
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np
@@ -38,7 +38,7 @@ from tests.servers import delete_es_index, free_port
 
 QWEN7B = f"{ROOT}/configs/qwen7b_v4.py"
 DEVICES = 2  # fake CPU devices per host
-TOTAL_STEPS = 3
+TOTAL_STEPS = 5
 PROMPTS_PER_STEP = 4
 EVAL_EXAMPLES = 4
 EVAL_MAX_TURNS = 4  # the config's eval.max_turns
@@ -163,9 +163,9 @@ def flagship_args(paths: dict[str, str], es_url: str, index: str) -> tuple[str, 
             f"--config.retriever.hosts={es_url}", f"--config.retriever.index={index}", *SHRINK)
 
 
-def launch_pod(args: tuple[str, ...], log_prefix: str) -> list[str]:
+def launch_pod(args: tuple[str, ...], log_prefix: str, env: dict[str, str]) -> list[str]:
     """Both hosts of one launch, run to the end; their outputs."""
-    return finish(start_hosts(QWEN7B, DEVICES, log_prefix, free_port(), *args), TIMEOUT_S)
+    return finish(start_hosts(QWEN7B, DEVICES, log_prefix, free_port(), *args, env=env), TIMEOUT_S)
 
 
 def steps_saved(run_dir: str) -> list[int]:
@@ -195,27 +195,29 @@ def test_flagship_config_on_two_hosts(tmp_path, storage_root, es_url, es_index, 
     paths = put_assets(storage_root, world[1], policy[0])
     args = flagship_args(paths, es_url, es_index)
     run_dir = paths["run"]
+    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache")}  # later launches reuse what earlier compiled
 
-    # SIGTERM to host 1 once host 0 printed step 1: both hosts stop after step 2 (the signal lands in step 2 or
-    # between steps, and the stop is agreed at the end of each step), save it and exit 0.
-    hosts = start_hosts(QWEN7B, DEVICES, str(tmp_path / "train"), free_port(), *args)
+    # SIGTERM to host 1 once host 0 printed step 1, so during step 2 or a later one (compiled, a step takes a
+    # second or two): both hosts agree on the stop at the end of that step, save it and exit 0.
+    hosts = start_hosts(QWEN7B, DEVICES, str(tmp_path / "train"), free_port(), *args, env=env)
     wait_for_text(hosts, f"step 1/{TOTAL_STEPS}", TIMEOUT_S)
     hosts[1].process.send_signal(signal.SIGTERM)
     outputs = finish(hosts, TIMEOUT_S)
     assert_clean(outputs)
-    assert f"training stopped after step 2 of {TOTAL_STEPS}" in outputs[0]
+    stopped = int(re.search(r"training stopped after step (\d+) of", outputs[0]).group(1))
+    assert 2 <= stopped < TOTAL_STEPS and "training stopped" not in outputs[1]
     assert "received SIGTERM" in outputs[1] and "received SIGTERM" not in outputs[0]
-    assert all("stop requested: saved step 2, exiting" in out for out in outputs)
-    assert steps_saved(run_dir) == [2]
+    assert all(f"stop requested: saved step {stopped}, exiting" in out for out in outputs)
+    assert steps_saved(run_dir) == [stopped]
 
-    # The same command resumes at step 3 and ends with the final evaluation.
-    outputs = launch_pod(args, str(tmp_path / "resume"))
+    # The same command resumes after that step and ends with the final evaluation.
+    outputs = launch_pod(args, str(tmp_path / "resume"), env)
     assert_clean(outputs)
-    assert all("resumed from step 2 of" in out for out in outputs)
-    assert f"training stopped after step 3 of {TOTAL_STEPS}" in outputs[0] and "exact match" in outputs[0]
-    assert steps_saved(run_dir) == [2, 3]
+    assert all(f"resumed from step {stopped} of" in out for out in outputs)
+    assert f"training stopped after step {TOTAL_STEPS} of {TOTAL_STEPS}" in outputs[0] and "exact match" in outputs[0]
+    assert steps_saved(run_dir) == [stopped, TOTAL_STEPS]
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
     assert all("lld/rate" in r for r in records)
     assert sum(r["rollout/valid_searches"] for r in records) > 0
     seed = json.loads((epath.Path(run_dir) / "config.json").read_text())["seed"]
@@ -227,8 +229,9 @@ def test_flagship_config_on_two_hosts(tmp_path, storage_root, es_url, es_index, 
 
     # --mode=eval on both hosts. Greedy, the policy searches `city` in every turn: EVAL_MAX_TURNS searches answered
     # by Elasticsearch, then the final turn's search, which is not run but counted (as Search-R1 counts).
-    outputs = launch_pod((*args, "--mode=eval"), str(tmp_path / "eval"))
+    outputs = launch_pod((*args, "--mode=eval"), str(tmp_path / "eval"), env)
     assert_clean(outputs)
+    assert "exact match" in outputs[0] and "exact match" not in outputs[1]  # the tables: process 0 only
     eval_dir = epath.Path(run_dir) / "eval" / f"final_step_{TOTAL_STEPS}"
     results = json.loads((eval_dir / "results.json").read_text())
     assert results["em"]["mean"] == 0.0 and results["searches"]["mean"] == EVAL_MAX_TURNS + 1
@@ -239,7 +242,7 @@ def test_flagship_config_on_two_hosts(tmp_path, storage_root, es_url, es_index, 
         assert turns == [("search", policy[1], observation)] * EVAL_MAX_TURNS + [("search", policy[1], None)]
 
     # --mode=export on both hosts; transformers reads the folder and computes the checkpoint's logits.
-    outputs = launch_pod((*args, "--mode=export", f"--export_dir={paths['export']}"), str(tmp_path / "export"))
+    outputs = launch_pod((*args, "--mode=export", f"--export_dir={paths['export']}"), str(tmp_path / "export"), env)
     assert_clean(outputs)
     assert f"exported step {TOTAL_STEPS} to {paths['export']}" in outputs[0]
     local_export = tmp_path / "export_copy"
