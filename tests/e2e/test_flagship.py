@@ -41,8 +41,6 @@ DEVICES = 2  # fake CPU devices per host
 TOTAL_STEPS = 5
 PROMPTS_PER_STEP = 4
 EVAL_EXAMPLES = 4
-EVAL_MAX_TURNS = 4  # the config's eval.max_turns
-TOP_K = 3  # the config's rollout.retrieval_top_k
 SHRINK = (
     f"--config.data.prompts_per_step={PROMPTS_PER_STEP}", "--config.data.samples_per_prompt=2",
     "--config.rollout.max_batch_size=2",  # each host's 4 sequences in 2 sessions (the config: 2560 in 5 sessions)
@@ -65,9 +63,9 @@ def searching_policy(tokenizer, city: str, hidden_size: int = 32) -> Transformer
 
     Each token of "<search>{city}</search>" and "<answer>{city}</answer>" has an embedding axis of its own and is
     followed by what follows it in those texts; every other token (the closing tags included) shares one axis and
-    is followed by the first token of either text. Where the texts part, the search text's token has SEARCH_PREFERENCE more logit. A turn is
-    thus a search for `city`, the answer `city`, or a mix of the two tags (an invalid action); greedy decoding
-    searches in every turn.
+    is followed by the first token of either text. Where the texts part, the search text's token has
+    SEARCH_PREFERENCE more logit. A turn is thus a search for `city`, the answer `city`, or a mix of the two tags
+    (an invalid action); greedy decoding searches in every turn.
     """
     other = -1  # stands for every token outside the texts
     successors: dict[int, dict[int, float]] = {}
@@ -125,8 +123,10 @@ def world(tmp_path_factory):
 def es_index(es_url, world):
     """An index of the world's corpus on `es_url`, built with the real command; deleted afterwards."""
     name = f"llds-flagship-{uuid.uuid4().hex[:8]}"
-    subprocess.run([sys.executable, "-m", "index_builder", world[1]["corpus.jsonl"], "--to", "elasticsearch",
-                    "--es-hosts", es_url, "--es-index", name, "--no-progress"], cwd=ROOT, check=True, timeout=120)
+    built = subprocess.run([sys.executable, "-m", "index_builder", world[1]["corpus.jsonl"], "--to", "elasticsearch",
+                            "--es-hosts", es_url, "--es-index", name, "--no-progress"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0 and "index now holds 50 documents" in built.stdout, built.stdout + built.stderr
     yield name
     delete_es_index(es_url, name)
 
@@ -169,14 +169,15 @@ def launch_pod(args: tuple[str, ...], log_prefix: str, env: dict[str, str]) -> l
 
 
 def steps_saved(run_dir: str) -> list[int]:
+    """The checkpoint steps in the run folder."""
     return sorted(int(p.name) for p in (epath.Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def search_observation(es_url: str, index: str, query: str) -> str:
-    """The observation the agent builds from Elasticsearch's top-k documents for `query`."""
+def search_observation(es_url: str, index: str, query: str, k: int) -> str:
+    """The observation the agent builds from Elasticsearch's top-`k` documents for `query`."""
     async def search():
         async with make_retriever({"backend": "elasticsearch", "hosts": es_url, "index": index}) as retriever:
-            return await retriever.search([query], TOP_K)
+            return await retriever.search([query], k)
 
     (result,) = asyncio.run(search())
     assert result.error is None
@@ -220,28 +221,30 @@ def test_flagship_config_on_two_hosts(tmp_path, storage_root, es_url, es_index, 
     assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
     assert all("lld/rate" in r for r in records)
     assert sum(r["rollout/valid_searches"] for r in records) > 0
-    seed = json.loads((epath.Path(run_dir) / "config.json").read_text())["seed"]
-    expected = PromptIterator(read_examples([paths["train"]], "train_files"), PROMPTS_PER_STEP, seed)
+    cfg = json.loads((epath.Path(run_dir) / "config.json").read_text())  # the config as the run resolved it
+    expected = PromptIterator(read_examples([paths["train"]], "train_files"), PROMPTS_PER_STEP, cfg["seed"])
     for _ in range(TOTAL_STEPS):
         next(expected)
     final, initial = latest_checkpoint(run_dir, paths["model"])
     assert final.step == TOTAL_STEPS and final.meta["data"] == expected.state()
 
-    # --mode=eval on both hosts. Greedy, the policy searches `city` in every turn: EVAL_MAX_TURNS searches answered
+    # --mode=eval on both hosts. Greedy, the policy searches `city` in every turn: eval.max_turns searches answered
     # by Elasticsearch, then the final turn's search, which is not run but counted (as Search-R1 counts).
     outputs = launch_pod((*args, "--mode=eval"), str(tmp_path / "eval"), env)
     assert_clean(outputs)
     assert "exact match" in outputs[0] and "exact match" not in outputs[1]  # the tables: process 0 only
     eval_dir = epath.Path(run_dir) / "eval" / f"final_step_{TOTAL_STEPS}"
     results = json.loads((eval_dir / "results.json").read_text())
-    assert results["em"]["mean"] == 0.0 and results["searches"]["mean"] == EVAL_MAX_TURNS + 1
+    max_turns = cfg["eval"]["max_turns"]
+    assert results["em"]["mean"] == 0.0 and results["searches"]["mean"] == max_turns + 1
     assert sum(results["counts"].values()) == EVAL_EXAMPLES
-    observation = search_observation(es_url, es_index, policy[1])
+    observation = search_observation(es_url, es_index, policy[1], cfg["rollout"]["retrieval_top_k"])
     for line in (eval_dir / "transcripts.jsonl").read_text().splitlines():
         turns = [(t["action"], t["content"], t["observation"]) for t in json.loads(line)["turns"]]
-        assert turns == [("search", policy[1], observation)] * EVAL_MAX_TURNS + [("search", policy[1], None)]
+        assert turns == [("search", policy[1], observation)] * max_turns + [("search", policy[1], None)]
 
-    # --mode=export on both hosts; transformers reads the folder and computes the checkpoint's logits.
+    # --mode=export on both hosts: the checkpoint's weights (trained: they moved) in a folder transformers reads and
+    # computes our model's logits with.
     outputs = launch_pod((*args, "--mode=export", f"--export_dir={paths['export']}"), str(tmp_path / "export"), env)
     assert_clean(outputs)
     assert f"exported step {TOTAL_STEPS} to {paths['export']}" in outputs[0]
@@ -254,5 +257,6 @@ def test_flagship_config_on_two_hosts(tmp_path, storage_root, es_url, es_index, 
     with torch.no_grad():
         theirs = exported(torch.tensor([tokens])).logits.numpy()
     np.testing.assert_allclose(theirs, np.asarray(ours(np.asarray([tokens]))), atol=1e-5)
-    assert not np.array_equal(np.asarray(final.params["lm_head"].get_value()),
-                              np.asarray(initial["lm_head"].get_value()))  # the export holds trained weights
+    trained = np.asarray(final.params["lm_head"].get_value())
+    assert not np.array_equal(trained, np.asarray(initial["lm_head"].get_value()))
+    np.testing.assert_array_equal(exported.lm_head.weight.detach().numpy().T, trained)
