@@ -28,11 +28,12 @@ from transformers import AutoModelForCausalLM
 
 from llds_jax.data import synthetic
 from llds_jax.data.iterator import PromptIterator
-from llds_jax.model import ModelConfig, Transformer, hf_io
+from llds_jax.model import Transformer, hf_io
 from llds_jax.rollout import protocol
 from llds_jax.search import make_retriever
 from llds_jax.tokenizer import load_tokenizer, train_tokenizer
 from llds_jax.train.trainer import read_examples
+from tests.e2e.policies import chain_policy
 from tests.e2e.runs import ROOT, finish, latest_checkpoint, read_metrics, start_hosts, wait_for_text
 from tests.servers import delete_es_index, free_port
 
@@ -52,46 +53,17 @@ SHRINK = (
     f"--config.train.total_steps={TOTAL_STEPS}", "--config.train.lld_every=1",
     f"--config.eval.max_examples={EVAL_EXAMPLES}",
 )
-SUCCESSOR_LOGIT = 30.0  # every other next token has logit 0
-SEARCH_PREFERENCE = 1.0  # extra logit of the search tag over the answer tag: greedy decoding always searches
+SEARCH_PREFERENCE = 1.0  # extra logit of a search tag over an answer tag: greedy decoding always searches
 TIMEOUT_S = 300  # per launch
 
 
-def searching_policy(tokenizer, city: str, hidden_size: int = 32) -> Transformer:
-    """A 1-layer Qwen2 policy over `tokenizer`'s vocabulary whose next token depends only on the current one:
-    attention and MLP outputs are zero, so the last hidden state is the normalized embedding of the current token.
-
-    Each token of "<search>{city}</search>" and "<answer>{city}</answer>" has an embedding axis of its own and is
-    followed by what follows it in those texts; every other token (the closing tags included) shares one axis and
-    is followed by the first token of either text. Where the texts part, the search text's token has
-    SEARCH_PREFERENCE more logit. A turn is thus a search for `city`, the answer `city`, or a mix of the two tags
-    (an invalid action); greedy decoding searches in every turn.
+def searching_policy(tokenizer, city: str) -> Transformer:
+    """A chain policy (tests/e2e/policies.py) over `tokenizer`'s vocabulary whose turns are a search for `city`, the
+    answer `city`, or a mix of the two tags (an invalid action): "<search>" or "<answer>", then `city`, then
+    "</search>" or "</answer>", the search tags SEARCH_PREFERENCE more likely. Greedy decoding searches in every turn.
     """
-    other = -1  # stands for every token outside the texts
-    successors: dict[int, dict[int, float]] = {}
-    for text, bonus in ((f"<search>{city}</search>", SEARCH_PREFERENCE), (f"<answer>{city}</answer>", 0.0)):
-        ids = [other, *tokenizer.encode(text, add_special_tokens=False)]
-        for token, following in zip(ids, ids[1:]):
-            successors.setdefault(token, {}).setdefault(following, SUCCESSOR_LOGIT + bonus)
-    axes = {token: axis for axis, token in enumerate(sorted(successors))}  # `other` (-1) gets axis 0
-    assert len(axes) <= hidden_size
-    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=64, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=hidden_size // 4, qkv_bias=True,
-                      tie_word_embeddings=False)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    model.layers.o_proj.set_value(np.zeros_like(model.layers.o_proj.get_value()))
-    model.layers.down_proj.set_value(np.zeros_like(model.layers.down_proj.get_value()))
-    embed = np.zeros((cfg.vocab_size, hidden_size), np.float32)
-    embed[:, 0] = 1.0
-    head = np.zeros((hidden_size, cfg.vocab_size), np.float32)
-    for token, axis in axes.items():
-        if token != other:
-            embed[token] = np.eye(hidden_size, dtype=np.float32)[axis]
-        for following, logit in successors[token].items():
-            head[axis, following] = logit
-    model.embed.set_value(embed)
-    model.lm_head.set_value(head / np.sqrt(hidden_size))  # the normalized one-hot embedding is sqrt(hidden) long
-    return model
+    texts = ((f"<search>{city}</search>", SEARCH_PREFERENCE), (f"<answer>{city}</answer>", 0.0))
+    return chain_policy(tokenizer, texts, vocab_size=len(tokenizer))
 
 
 def copy_tree(source, target) -> None:
