@@ -48,8 +48,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.distributed.process_id = -1
 
     c.data = ml_collections.ConfigDict()
-    c.data.train_files = ["data/nq_hotpotqa_train/train.parquet"]
-    c.data.eval_files = ["data/nq_hotpotqa_train/test.parquet"]
+    # File lists are tuples: the command line can override a tuple (`--config.data.train_files=PATH`, repeated for
+    # several files), never a list; a config file may still assign a list (it becomes a tuple).
+    c.data.train_files = ("data/nq_hotpotqa_train/train.parquet",)
+    c.data.eval_files = ("data/nq_hotpotqa_train/test.parquet",)
     c.data.prompts_per_step = 512       # P
     c.data.samples_per_prompt = 5       # n: GRPO group size
 
@@ -121,8 +123,8 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.sft = ml_collections.ConfigDict()    # supervised warm start before RL (llds_jax.sft); cached by settings
     c.sft.enabled = False
-    c.sft.data_files = []               # demonstration JSONL files (the demo fills in its own)
-    c.sft.curriculum_files = []         # the first curriculum_steps draw from these (the demo: its searching ones)
+    c.sft.data_files = ()               # demonstration JSONL files (the demo fills in its own)
+    c.sft.curriculum_files = ()         # the first curriculum_steps draw from these (the demo: its searching ones)
     c.sft.curriculum_steps = 0          # part of sft.steps; 0: no curriculum
     c.sft.output_dir = ""               # default <run_dir>/warm_start; becomes model.path for RL
     c.sft.steps = 200

@@ -83,8 +83,6 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     d = cfg.distributed
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
                                  d.process_id if d.process_id >= 0 else None)
-    from llds_jax.model import hf_io
-    from llds_jax.tokenizer import save_tokenizer
     from llds_jax.train.trainer import Trainer
 
     _prepare_demo(cfg)
@@ -100,23 +98,36 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     try:
         if mode == "train":
             step = trainer.run()
-            print(f"training stopped after step {step} of {cfg.train.total_steps}; run folder {cfg.run_dir}")
+            if distributed.is_main_process():
+                print(f"training stopped after step {step} of {cfg.train.total_steps}; run folder {cfg.run_dir}")
             if step == cfg.train.total_steps and cfg.train.final_eval and trainer.eval_examples:
                 _print_eval(trainer, trainer.final_params, step)
         elif mode == "eval":
             params, step = _params_for_eval(trainer)
             _print_eval(trainer, params, step)
         else:
-            if not export_dir:
-                raise ValueError("--mode=export needs --export_dir")
-            params, step = _params_for_eval(trainer)
-            hf_io.save_model(trainer.step_fn.to_model(params), export_dir,
-                             generation_config=hf_io.read_generation_config(cfg.model.path))
-            save_tokenizer(trainer.tokenizer, export_dir)
-            print(f"exported step {step} to {export_dir}")
+            _export(trainer, export_dir)
     finally:
         trainer.close()
     return 0
+
+
+def _export(trainer, export_dir: str) -> None:
+    """The latest checkpoint's policy (or the initial weights) as a Hugging Face folder; on several processes all
+    of them gather the parameters and process 0 writes."""
+    from llds_jax import distributed
+    from llds_jax.model import hf_io
+    from llds_jax.tokenizer import save_tokenizer
+
+    if not export_dir:
+        raise ValueError("--mode=export needs --export_dir")
+    params, step = _params_for_eval(trainer)
+    hf_io.save_model(trainer.step_fn.to_model(params), export_dir,
+                     generation_config=hf_io.read_generation_config(trainer.cfg.model.path))
+    if not distributed.is_main_process():
+        return
+    save_tokenizer(trainer.tokenizer, export_dir)
+    print(f"exported step {step} to {export_dir}")
 
 
 def _prepare_demo(cfg) -> None:
@@ -132,12 +143,16 @@ def _prepare_demo(cfg) -> None:
 
 
 def _print_eval(trainer, params, step: int) -> None:
+    """Evaluates `params` (every process) and prints the tables (process 0)."""
+    from llds_jax import distributed
     from llds_jax.train import evaluation
     from llds_jax.train.trainer import START_EVAL
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
     examples = trainer.eval_examples[:trainer.cfg.eval.max_examples or None]
     metrics = trainer.evaluate(params, examples, out_dir, prefix="eval")
+    if not distributed.is_main_process():
+        return
     start = evaluation.read_results(trainer.run_dir / "eval" / START_EVAL)
     print(f"evaluation ({len(examples)} questions, greedy, max_turns {trainer.cfg.eval.max_turns}); "
           f"transcripts in {out_dir}")
@@ -155,6 +170,8 @@ def main(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+    # The Elasticsearch client warns of every failed request; the retriever reports failures (with retries) itself.
+    logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
     try:
         sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value))
     except _known_errors() as e:

@@ -2,18 +2,14 @@
 (set before gcsfs, fsspec and google.auth are imported), a GCS emulator for the gs:// tests (started when a test first
 needs it) and shared fixtures."""
 import contextlib
-import importlib.util
 import os
 import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from tests import gcs_emulator  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("gcs_emulator", os.path.join(os.path.dirname(__file__),
-                                                                           "gcs_emulator.py"))
-gcs_emulator = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gcs_emulator)
 os.environ.update(gcs_emulator.client_settings())
 GCS_BUCKET = "llds-test"
 
@@ -21,6 +17,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from llds_jax import tokenizer as tokenizer_lib  # noqa: E402
+from tests.servers import NoidaServer, free_port  # noqa: E402
+
+ES_URL_ENV = "LLDS_ES_URL"
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +95,7 @@ def gcs_env(gcs_server, gcs_bucket):
 @pytest.fixture(scope="session")
 def unreachable_gcs_env():
     """The same settings for an endpoint where nothing listens."""
-    return gcs_emulator.environment(f"http://127.0.0.1:{gcs_emulator.free_port()}")
+    return gcs_emulator.environment(f"http://127.0.0.1:{free_port()}")
 
 
 @pytest.fixture(scope="session")
@@ -105,3 +104,14 @@ def gcs_fs(gcs_bucket):
     import gcsfs
 
     return gcsfs.GCSFileSystem()
+
+
+@pytest.fixture(scope="session")
+def es_url(tmp_path_factory):
+    """URL of the cluster at env LLDS_ES_URL, else of a noida-db server started for the session."""
+    if os.environ.get(ES_URL_ENV):
+        yield os.environ[ES_URL_ENV]
+        return
+    server = NoidaServer(str(tmp_path_factory.mktemp("noida")), free_port()).start()
+    yield server.url
+    server.stop()

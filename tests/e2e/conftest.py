@@ -5,15 +5,14 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
-from flax import nnx
 
 from llds_jax import demo
 from llds_jax.data.qa import read_qa
 from llds_jax.data.synthetic import CITIES
-from llds_jax.model import ModelConfig, Transformer, hf_io
+from llds_jax.model import hf_io
 from llds_jax.tokenizer import write_qwen25_tokenizer
+from tests.e2e.policies import chain_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
@@ -38,31 +37,14 @@ def tiny_assets(tmp_path_factory):
 def answer_policy(tmp_path_factory, tiny_assets, qwen_tokenizer):
     """(HF folder, city): a greedy policy that answers "<answer>{city}</answer>" right after any prompt, the city
     being the most common answer of the tiny test set among those whose answer fits in one turn
-    (rollout.max_turn_tokens).
-
-    The block's output projections are zero, so the final hidden state is the normalized embedding of the
-    current token; the unembedding maps each token of the chain "\n<answer>city</answer>" to its successor with
-    logit 30 (the turn is cut after the first </answer>, so the chain may loop).
-    """
+    (rollout.max_turn_tokens). A chain policy (tests/e2e/policies.py) of "\n<answer>{city}</answer>" (the turn is
+    cut after the first </answer>, so the chain may loop)."""
     max_turn_tokens = tiny_config().rollout.max_turn_tokens
     fits = {c for c in CITIES if len(qwen_tokenizer.encode("<answer>" + c + "</answer>")) <= max_turn_tokens}
     answers = [ex.golden_answers[0] for ex in read_qa(tiny_assets["test"]) if ex.golden_answers[0] in fits]
     city = max(sorted(set(answers)), key=answers.count)
-    chain_ids = qwen_tokenizer.encode("\n<answer>" + city + "</answer>")
-    successor = {}
-    for token, following in zip(chain_ids, chain_ids[1:]):
-        successor.setdefault(token, following)
-    cfg = ModelConfig(vocab_size=demo.QWEN25_VOCAB_ROWS, hidden_size=64, intermediate_size=64, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, tie_word_embeddings=False)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    model.layers.o_proj.set_value(np.zeros_like(model.layers.o_proj.get_value()))
-    model.layers.down_proj.set_value(np.zeros_like(model.layers.down_proj.get_value()))
-    embed = np.asarray(model.embed.get_value())
-    normed = embed / np.sqrt(np.mean(embed ** 2, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    head = np.zeros((cfg.hidden_size, cfg.vocab_size), np.float32)
-    for token, following in successor.items():
-        head[:, following] += 30.0 * normed[token] / cfg.hidden_size
-    model.lm_head.set_value(head)
+    model = chain_policy(qwen_tokenizer, [("\n<answer>" + city + "</answer>", 0.0)], demo.QWEN25_VOCAB_ROWS,
+                         hidden_size=64)
     folder = str(tmp_path_factory.mktemp("answer_policy"))
     hf_io.save_model(model, folder)
     write_qwen25_tokenizer(folder, "base")

@@ -3,7 +3,6 @@ bad data, a missing model folder and an unreachable retriever."""
 import json
 import os
 import re
-import socket
 import string
 
 import pyarrow.parquet as pq
@@ -12,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llds_jax.data.qa import read_qa
+from tests.servers import free_port
 
 
 def normalize(s):
@@ -86,12 +86,6 @@ def test_export_reloads_in_transformers(tmp_path, tiny_assets, config_writer, la
     assert os.path.exists(tmp_path / "hf" / "tokenizer_config.json")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_missing_data_column_is_one_line(tmp_path, tiny_assets, config_writer, launch):
     table = pq.read_table(tiny_assets["train"]).drop(["question"])
     bad = str(tmp_path / "bad.parquet")
@@ -112,10 +106,14 @@ def test_missing_model_folder_is_one_line(tmp_path, tiny_assets, config_writer, 
     assert len([line for line in err.splitlines() if line.startswith("llds_jax: error")]) == 1
 
 
-def test_unreachable_retriever_is_one_line(tmp_path, tiny_assets, config_writer, launch):
-    url = f"http://127.0.0.1:{_free_port()}/retrieve"
+@pytest.mark.parametrize("backend", ["http", "elasticsearch"])
+def test_unreachable_retriever_is_one_line(tmp_path, tiny_assets, config_writer, launch, backend):
+    """Nothing listens at the retriever's address: exit 2 and one line naming backend and address, nothing else."""
+    address = f"http://127.0.0.1:{free_port()}"
+    retriever = ({"backend": "http", "url": f"{address}/retrieve"} if backend == "http" else
+                 {"backend": "elasticsearch", "hosts": address, "index": "wiki18"})
     config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=str(tmp_path / "run"),
-                           retriever={"backend": "http", "url": url, "max_retries": 0, "timeout_s": 2.0})
+                           retriever={**retriever, "max_retries": 0, "timeout_s": 2.0})
     code, _, err = launch(config)
     assert code == 2
-    assert url in err and "Traceback" not in err
+    assert err.startswith(f"llds_jax: error: {backend} backend at {address}") and err.count("\n") == 1, err

@@ -1,90 +1,25 @@
-"""Fixtures of the retrieval tests: small generated corpora and indexes, an Elasticsearch-API server (noida-db, or
-the real cluster at env LLDS_ES_URL), our retrieval server as a subprocess, and a server that never answers."""
+"""Fixtures of the retrieval tests: small generated corpora and indexes (the Elasticsearch server `es_url` is in
+tests/conftest.py), noida-db servers of one test, our retrieval server as a subprocess, and a server that never
+answers."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
 
 import pytest
-from elasticsearch import Elasticsearch
 
 from index_builder.__main__ import main as index_builder_main
 from llds_jax.search.synthetic import SyntheticCorpus
+from tests.servers import NoidaServer, delete_es_index, free_port, http_ok, wait_until
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ES_URL_ENV = "LLDS_ES_URL"
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(ready, timeout_s: float, what: str) -> None:
-    """Polls `ready()` every 50 ms until it is true; fails the test naming `what` after `timeout_s` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not ready within {timeout_s} s")
-        time.sleep(0.05)
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return False
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-class NoidaServer:
-    """A noida-db Elasticsearch-API server in the foreground as a child process; `stop` and `start` keep its data."""
-
-    def __init__(self, data_dir: str, port: int):
-        self.data_dir, self.port = data_dir, port
-        self.url = f"http://127.0.0.1:{port}"
-        self._process: subprocess.Popen | None = None
-
-    def start(self) -> NoidaServer:
-        exe = shutil.which("noida-db")
-        if exe is None:
-            pytest.skip("noida-db is not installed (pip install noida-db)")
-        # Its own process group: `noida-db` is a launcher whose server child must stop with it.
-        self._process = subprocess.Popen(
-            [exe, "start", "--only", "elasticsearch", "--data-dir", self.data_dir,
-             "--elasticsearch-port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        wait_until(lambda: _http_ok(self.url), 15, f"noida-db on port {self.port}")
-        return self
-
-    def stop(self) -> None:
-        """Stops the launcher and its server (the whole process group started above)."""
-        if self._process is not None:
-            try:
-                os.killpg(self._process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            self._process.wait(10)
-            wait_until(lambda: not _port_open(self.port), 10, f"noida-db on port {self.port} to stop")
-        self._process = None
 
 
 @pytest.fixture
@@ -168,17 +103,6 @@ def bm25_index(small_corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def es_url(tmp_path_factory):
-    """URL of the cluster at env LLDS_ES_URL, else of a noida-db server started for the session."""
-    if os.environ.get(ES_URL_ENV):
-        yield os.environ[ES_URL_ENV]
-        return
-    server = NoidaServer(str(tmp_path_factory.mktemp("noida")), free_port()).start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def es_index(es_url, small_corpus):
     """Name of an index holding `small_corpus`, built with the index_builder CLI; deleted at the end."""
     name = f"llds-test-{uuid.uuid4().hex[:8]}"
@@ -197,15 +121,6 @@ def fresh_es_index(es_url):
     delete_es_index(es_url, name)
 
 
-def delete_es_index(url: str, name: str) -> None:
-    """Deletes index `name` (a real cluster keeps test indexes otherwise); ignores a missing one."""
-    client = Elasticsearch(url)
-    try:
-        client.options(ignore_status=404).indices.delete(index=name)
-    finally:
-        client.close()
-
-
 def start_search_server(port: int, *settings: str) -> subprocess.Popen:
     """`python -m llds_jax.search.server --set ...` on loopback `port`; waits until /health answers 200."""
     args = [sys.executable, "-m", "llds_jax.search.server", "--host", "127.0.0.1", "--port", str(port)]
@@ -216,7 +131,7 @@ def start_search_server(port: int, *settings: str) -> subprocess.Popen:
     def ready() -> bool:
         if process.poll() is not None:
             pytest.fail(f"search server exited with {process.returncode}: {process.stdout.read()}")
-        return _http_ok(f"http://127.0.0.1:{port}/health")
+        return http_ok(f"http://127.0.0.1:{port}/health")
 
     wait_until(ready, 60, "llds_jax.search.server")
     return process

@@ -1,7 +1,6 @@
 """distributed: environment detection, argument checks, and a real two-process run on loopback."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ import jax
 import pytest
 
 from llds_jax import distributed
+from tests.servers import free_port
 
 
 @pytest.mark.parametrize("env, tpu_vm_workers, reason", [
@@ -72,12 +72,6 @@ WORKER = textwrap.dedent("""
         "any_false": distributed.any_process(False), "any_one": distributed.any_process(pid == 0),
         "stop": stop, "local_flag": local_flag}), flush=True)
 """)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
