@@ -25,6 +25,7 @@ the table and exits with status 1, naming the program and the GiB over.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -66,6 +67,10 @@ GENERATIONS: dict[str, Generation] = {
 
 class TopologyError(ValueError):
     """An unknown topology name; the message lists the valid ones."""
+
+
+class CompilerUnavailableError(RuntimeError):
+    """XLA's TPU compiler (the libtpu wheel) is not installed."""
 
 
 def _chips(shape: str) -> int:
@@ -110,16 +115,14 @@ def topology_devices(name: str) -> tuple[list[Any], float]:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{g.alias}{_chips(shape) * g.cores_per_chip}")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # both only silence libtpu's start-up warnings
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: other libtpu processes may run
+    if importlib.util.find_spec("libtpu") is None:
+        raise CompilerUnavailableError("--mode=compile needs XLA's TPU compiler, the libtpu wheel: "
+                                       "pip install -e '.[tpu]'")
     from jax.experimental import topologies
 
-    try:
-        topology = topologies.get_topology_desc(topology_name=f"{gen}:{shape}", platform="tpu",
-                                                chip_config_name=g.chip_config, chips_per_host_bounds=per_host,
-                                                num_slices=1)
-    except (RuntimeError, ValueError) as e:
-        if "libtpu" in str(e).lower() or "tpu" in str(e).lower() and "not found" in str(e).lower():
-            raise RuntimeError(f"--mode=compile needs XLA's TPU compiler: pip install -e '.[tpu]' ({e})") from e
-        raise
+    topology = topologies.get_topology_desc(topology_name=f"{gen}:{shape}", platform="tpu",
+                                            chip_config_name=g.chip_config, chips_per_host_bounds=per_host,
+                                            num_slices=1)
     return list(topology.devices), g.hbm_gib * GIB
 
 
@@ -175,12 +178,13 @@ def rollout_shapes(cfg, sequences: int, batch_multiple: int) -> RolloutShapes:
     """The sampler's worst-case buckets for sessions over `sequences` sequences (split into sessions of
     `rollout.max_batch_size`), as `llds_jax.rollout.sampler` rounds them.
 
-    Capacity bound: a row's slots hold its left-padded prompt bucket, at most `max_context_tokens` real tokens
-    after the prompt's own, the padding of one observation bucket and one slot per decode step past the end."""
+    Capacity: an upper bound on the slots a row can use: its prompt bucket (left padding and prompt), at most
+    `max_context_tokens` tokens after it (the cap counts the prompt too), and one observation bucket for the
+    padding of an extend and the slot a finished row writes per decode step."""
     from llds_jax.rollout import buckets
 
     r = cfg.rollout
-    s = sampling_defaults(cfg)
+    s = sampling_config(cfg)
     rows = buckets.batch_bucket(min(sequences, r.max_batch_size or sequences), batch_multiple, s.min_batch_bucket)
     prompt = buckets.pow2_bucket(r.max_prompt_tokens, s.min_prompt_bucket)
     observation = buckets.pow2_bucket(r.max_observation_tokens, r.min_observation_bucket)
@@ -190,11 +194,11 @@ def rollout_shapes(cfg, sequences: int, batch_multiple: int) -> RolloutShapes:
         capacity, prefill_capacity), observation=observation)
 
 
-def sampling_defaults(cfg):
-    """The run's SamplingConfig (stop ids do not change a program's shapes: two placeholder ids)."""
+def sampling_config(cfg, evaluation: bool = False):
+    """The run's SamplingConfig with two placeholder stop ids (the tokenizer's do not change a program's shapes)."""
     from llds_jax import config as config_lib
 
-    return config_lib.sampling_config(cfg, stop_ids=(0, 1))
+    return config_lib.sampling_config(cfg, stop_ids=(0, 1), evaluation=evaluation)
 
 
 # Long-lived arrays of a run: the policy parameters, the optimizer state (with the step counters), the frozen
@@ -359,7 +363,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     shapes_seen = set()
     batch = config_lib.rollout_batch_size(cfg)
     for label, evaluation, sequences in (("", False, batch // len(hosts)), ("eval ", True, cfg.eval.batch_size)):
-        sampler = Sampler(graphdef, config_lib.sampling_config(cfg, (0, 1), evaluation=evaluation), local_mesh)
+        sampler = Sampler(graphdef, sampling_config(cfg, evaluation), local_mesh)
         s = rollout_shapes(cfg, sequences, sampler.batch_multiple)
         lowered = sampler.lower_programs(rollout_params, s.rows, s.prompt, s.prefill_capacity, s.capacity,
                                          s.observation)

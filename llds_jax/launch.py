@@ -35,11 +35,12 @@ EXIT_BAD_INPUT = 2
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
+    from llds_jax.compile_check import CompilerUnavailableError
     from llds_jax.config import ConfigError
     from llds_jax.search.types import RetrieverUnavailableError
     from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
     return (ConfigError, FileNotFoundError, KeyError, ValueError, RetrieverUnavailableError,
-            CheckpointMismatchError, CheckpointUnreadableError, gcs.GCSUnavailableError)
+            CheckpointMismatchError, CheckpointUnreadableError, gcs.GCSUnavailableError, CompilerUnavailableError)
 
 
 def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:

@@ -146,3 +146,11 @@ def test_unknown_topology_is_one_line_and_exit_2(tiny_model_dir):
     result = launch(tiny_model_dir, "--topology=v4-33")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("llds_jax: error: unknown TPU topology 'v4-33'")
+
+
+def test_missing_tpu_compiler_says_how_to_install_it(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu"
+                        else real_find_spec(name, *a))
+    with pytest.raises(compile_check.CompilerUnavailableError, match=r"the libtpu wheel: pip install -e '\.\[tpu\]'"):
+        compile_check.topology_devices("v4:2x2x1")

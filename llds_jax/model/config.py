@@ -140,7 +140,8 @@ def check_preset(cfg: ModelConfig, name: str) -> None:
              for field in dataclasses.fields(ModelConfig)
              if field.name not in _NOT_ARCHITECTURE and getattr(cfg, field.name) != getattr(expected, field.name)]
     if diffs:
-        raise ValueError(f"model.preset {name!r} does not match the checkpoint: " + ", ".join(diffs))
+        raise ValueError(f"model.preset {name!r} does not match the checkpoint: " + ", ".join(diffs)
+                         + " (set model.preset to the checkpoint's architecture, or to '' for none)")
 
 
 def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, Optional[Llama3RopeScaling]]:

@@ -82,10 +82,11 @@ _FORMATS: dict[str, Callable[[float], str]] = {"num": format_number, "pct": form
 
 def console_line(step: int, scalars: Mapping[str, float], fields: Sequence[tuple[str, str, str]] = CONSOLE_FIELDS,
                  total_steps: int | None = None, eta_seconds: float | None = None) -> str:
-    """`step 12/100  reward 0.412  LLD 3.1%  ETA 4m05s` from the fields present in `scalars`."""
+    """`step 12/100  reward 0.412  LLD 3.1%  ETA 4m05s` from the fields present in `scalars` (NaN, an undefined
+    value such as the LLD rate of a step without correct trajectories, is left out as TensorBoard leaves it out)."""
     parts = [f"step {step}" if total_steps is None else f"step {step}/{total_steps}"]
     for label, name, kind in fields:
-        if name in scalars:
+        if name in scalars and not math.isnan(scalars[name]):
             parts.append(f"{label} {_FORMATS[kind](scalars[name])}")
     if eta_seconds is not None:
         parts.append(f"ETA {format_duration(eta_seconds)}")

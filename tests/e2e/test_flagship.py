@@ -4,8 +4,8 @@ an Elasticsearch index (noida-db, or the cluster at env LLDS_ES_URL) built with 
 
 Only what shrinks the run is overridden (SHRINK, plus the paths and the retriever's address): a tiny Qwen2 policy,
 4 prompts x 2 samples per step in sampler sessions of 2 sequences, 5 steps, short turns, LLD measured every step.
-Model, data, run folder and export folder live under one storage root (the `storage_root` fixture: a local folder
-now, a gs:// bucket later). Everything else is the config's: bfloat16 compute with remat and scanned layers, the
+Model, data, run folder and export folder live on gs://, in a bucket of a GCS emulator (fake-gcs-server), as on a
+pod. Everything else is the config's: bfloat16 compute with remat and scanned layers, the
 elasticsearch retriever and its request policy, GRPO + LLDS, the checkpoint policy, the final evaluation.
 
 The policy (`searching_policy`) makes the run checkable: greedy decoding searches in every turn; sampling searches,
@@ -24,7 +24,7 @@ import pytest
 import torch
 from etils import epath
 from flax import nnx
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llds_jax.data import synthetic
 from llds_jax.data.iterator import PromptIterator
@@ -43,6 +43,7 @@ TOTAL_STEPS = 5
 PROMPTS_PER_STEP = 4
 EVAL_EXAMPLES = 4
 SHRINK = (
+    "--config.model.preset=",  # the tiny policy is not Qwen2.5-7B (a run checks the checkpoint against the preset)
     f"--config.data.prompts_per_step={PROMPTS_PER_STEP}", "--config.data.samples_per_prompt=2",
     "--config.rollout.max_batch_size=2",  # each host's 4 sequences in 2 sessions (the config: 2560 in 5 sessions)
     "--config.optim.mini_batch_size=4",  # 2 updates per step
@@ -79,9 +80,9 @@ def copy_tree(source, target) -> None:
 
 
 @pytest.fixture
-def storage_root(tmp_path) -> str:
-    """Where model, data, run folder and export live (a local folder; a gs:// bucket once tests have an emulator)."""
-    return str(tmp_path / "storage")
+def storage_root(gcs_dir) -> str:
+    """Where model, data, run folder and export live: a gs:// folder of the emulator's bucket."""
+    return gcs_dir
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,8 @@ def launch_pod(args: tuple[str, ...], log_prefix: str, env: dict[str, str]) -> l
 
 
 def steps_saved(run_dir: str) -> list[int]:
-    """The checkpoint steps in the run folder."""
+    """The checkpoint steps in the run folder, listed anew (gcsfs caches listings; other processes wrote it)."""
+    epath.backend.fsspec_backend.fs(run_dir).invalidate_cache()
     return sorted(int(p.name) for p in (epath.Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
@@ -164,11 +166,12 @@ def assert_clean(outputs: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_flagship_config_on_two_hosts(tmp_path, storage_root, es_url, es_index, world, policy):
+def test_flagship_config_on_two_hosts(tmp_path, storage_root, gcs_env, es_url, es_index, world, policy):
     paths = put_assets(storage_root, world[1], policy[0])
     args = flagship_args(paths, es_url, es_index)
     run_dir = paths["run"]
-    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache")}  # later launches reuse what earlier compiled
+    # Later launches reuse what earlier ones compiled; the hosts' GCS clients reach the emulator.
+    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), **gcs_env}
 
     # SIGTERM to host 1 once host 0 printed step 1, so during step 2 or a later one (compiled, a step takes a
     # second or two): both hosts agree on the stop at the end of that step, save it and exit 0.
@@ -223,6 +226,7 @@ def test_flagship_config_on_two_hosts(tmp_path, storage_root, es_url, es_index, 
     local_export = tmp_path / "export_copy"
     copy_tree(paths["export"], local_export)
     exported = AutoModelForCausalLM.from_pretrained(str(local_export))
+    assert AutoTokenizer.from_pretrained(str(local_export)).get_vocab() == policy[2].get_vocab()
     ours = hf_io.load_model(paths["model"], dtype="float32", param_dtype="float32")
     nnx.update(ours, final.params)
     tokens = policy[2].encode(f"<answer>{policy[1]}</answer> Where was Tuso born?", add_special_tokens=False)

@@ -104,7 +104,7 @@ def test_formatters():
     assert [format_si(x) for x in (12.0, 1234.5, 2.5e6, 3e9, float("inf"))] == ["12", "1.23k", "2.5M", "3G", "inf"]
     assert format_percent(0.031) == "3.1%"
     assert [format_duration(s) for s in (42, 245, 11520, 273600)] == ["42s", "4m05s", "3h12m", "3d04h"]
-    assert console_line(5, {"lld/rate": math.nan}) == "step 5  LLD nan%"
+    assert console_line(5, {"lld/rate": math.nan, "actor/grad_norm": math.inf}) == "step 5  gnorm inf"
     assert as_preformatted("a\nb") == "    a\n    b"
 
 
