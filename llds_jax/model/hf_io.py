@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors.numpy import save as safetensors_save
 
 from llds_jax import parallel
-from llds_jax.model.config import ModelConfig, from_hf_config, to_hf_config, token_ids
+from llds_jax.model.config import ModelConfig, check_preset, from_hf_config, to_hf_config, token_ids
 from llds_jax.model.transformer import Transformer
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -188,18 +188,22 @@ def _abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
-def load_model(path: str, mesh: Optional[Mesh] = None, **config_overrides: Any) -> Transformer:
+def load_model(path: str, mesh: Optional[Mesh] = None, preset: str = "", **config_overrides: Any) -> Transformer:
     """Loads an HF checkpoint folder into a Transformer whose parameters sit on their shards.
 
     Args:
       path: local folder or gs://bucket/path holding config.json and model.safetensors (or shards + index).
       mesh: place parameters by the partition rules of `llds_jax.parallel`; None: the default device.
+      preset: a named architecture (a run's `model.preset`) the checkpoint's config.json must match, checked
+        before any weight is read.
       config_overrides: ModelConfig fields to set (dtype, param_dtype, scan_layers, remat).
     Raises:
       ValueError naming missing, unexpected or mis-shaped tensors.
     """
     folder = CheckpointFolder(path)
     cfg = from_hf_config(folder.config(), **config_overrides)
+    if preset:
+        check_preset(cfg, preset)
     graphdef, abstract = _abstract_model(cfg)
     flat = {parallel.path_str(p): v.get_value() for p, v in nnx.to_flat_state(abstract)}
     _check_tensors(folder, flat, cfg)

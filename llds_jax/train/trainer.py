@@ -32,7 +32,7 @@ from llds_jax import config as config_lib
 from llds_jax import distributed, parallel
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
-from llds_jax.model import check_preset, hf_io
+from llds_jax.model import hf_io
 from llds_jax.rl.train_step import RLTrainStep, TrainState, learning_rate
 from llds_jax.rollout import agent, buckets
 from llds_jax.rollout.sampler import Sampler
@@ -147,10 +147,8 @@ class Trainer:
                                         fallback_chat_template=cfg.model.chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         m = cfg.model
-        model = hf_io.load_model(m.path, mesh=self.mesh, dtype=m.dtype, param_dtype=m.param_dtype,
+        model = hf_io.load_model(m.path, mesh=self.mesh, preset=m.preset, dtype=m.dtype, param_dtype=m.param_dtype,
                                  scan_layers=m.scan_layers, remat=m.remat)
-        if m.preset:
-            check_preset(model.cfg, m.preset)
         self.step_fn = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), self.mesh)
         graphdef, _ = nnx.split(model)
         stop_ids = agent.turn_stop_ids(self.tokenizer)

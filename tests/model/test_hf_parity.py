@@ -94,6 +94,18 @@ def test_missing_tensor_is_named(hf_checkpoint, tmp_path):
         hf_io.load_model(bad)
 
 
+def test_preset_mismatch_is_named_before_any_weight_is_read(hf_checkpoint, tmp_path):
+    """A run's model.preset is checked against config.json alone: a folder whose weights are gone still fails on
+    the architecture."""
+    folder, _ = hf_checkpoint("qwen2_untied")
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    shutil.copy(os.path.join(folder, "config.json"), bare / "config.json")
+    save_file({"unrelated": np.zeros(1, np.float32)}, str(bare / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.preset 'qwen2\.5-7b' does not match the checkpoint: vocab_size "):
+        hf_io.load_model(str(bare), preset="qwen2.5-7b")
+
+
 def test_unexpected_tensor_is_named(hf_checkpoint, tmp_path):
     folder, _ = hf_checkpoint("qwen2_untied")
     bad = _copy_with(folder, tmp_path, lambda t: t.update({"model.extra.weight": np.zeros(3, np.float32)}))
