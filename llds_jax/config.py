@@ -34,7 +34,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"     # master weights
     c.model.scan_layers = True
     c.model.remat = True
-    c.model.preset = ""                 # named architecture (llds_jax.model.PRESETS): --mode=compile needs no checkpoint
+    c.model.preset = ""                 # named architecture (model.PRESETS): --mode=compile reads no checkpoint
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1

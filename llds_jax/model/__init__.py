@@ -4,5 +4,5 @@ from llds_jax.model.config import (PRESETS, Llama3RopeScaling, ModelConfig, chec
 from llds_jax.model.kv_cache import KVCache, init_cache
 from llds_jax.model.transformer import Transformer
 
-__all__ = ["PRESETS", "Llama3RopeScaling", "ModelConfig", "check_preset", "from_hf_config", "preset", "to_hf_config", "KVCache",
-           "init_cache", "Transformer"]
+__all__ = ["PRESETS", "Llama3RopeScaling", "ModelConfig", "check_preset", "from_hf_config", "preset", "to_hf_config",
+           "KVCache", "init_cache", "Transformer"]

@@ -59,7 +59,8 @@ def test_encode_lays_out_prompt_turns_and_observations(qwen_tokenizer):
     tokens, mask = demos_lib.encode(demo, qwen_tokenizer, max_prompt_tokens=4096)
     enc = lambda text: qwen_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     prompt = protocol.chat_prompt_ids(qwen_tokenizer, RECORD["question"])
-    t0, o0, t1 = enc(RECORD["turns"][0]["text"]), enc(RECORD["turns"][0]["observation"]), enc(RECORD["turns"][1]["text"])
+    turns = RECORD["turns"]
+    t0, o0, t1 = enc(turns[0]["text"]), enc(turns[0]["observation"]), enc(turns[1]["text"])
     assert tokens.tolist() == prompt + t0 + o0 + t1
     assert mask.tolist() == [0.0] * len(prompt) + [1.0] * len(t0) + [0.0] * len(o0) + [1.0] * len(t1)
 
