@@ -30,7 +30,7 @@ import math
 import os
 import re
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 GIB = 1 << 30
 EXIT_DOES_NOT_FIT = 1
@@ -187,9 +187,9 @@ def rollout_shapes(cfg, sequences: int, batch_multiple: int) -> RolloutShapes:
     s = sampling_config(cfg)
     rows = buckets.batch_bucket(min(sequences, r.max_batch_size or sequences), batch_multiple, s.min_batch_bucket)
     prompt = buckets.pow2_bucket(r.max_prompt_tokens, s.min_prompt_bucket)
-    observation = buckets.pow2_bucket(r.max_observation_tokens, r.min_observation_bucket)
-    prefill_capacity = buckets.pow2_bucket(prompt + r.max_turn_tokens + 1, r.min_capacity_bucket)
-    capacity = buckets.pow2_bucket(prompt + r.max_context_tokens + observation, r.min_capacity_bucket)
+    observation = buckets.pow2_bucket(r.max_observation_tokens, s.min_observation_bucket)
+    prefill_capacity = buckets.pow2_bucket(prompt + r.max_turn_tokens + 1, s.min_capacity_bucket)
+    capacity = buckets.pow2_bucket(prompt + r.max_context_tokens + observation, s.min_capacity_bucket)
     return RolloutShapes(rows=rows, prompt=prompt, prefill_capacity=prefill_capacity, capacity=max(
         capacity, prefill_capacity), observation=observation)
 
@@ -209,12 +209,13 @@ PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One program to compile: its name, the shapes it runs at, how to lower it, and the long-lived arrays
-    (PARAMS, OPT_STATE, REFERENCE) that stay in HBM while it runs without being its arguments."""
+    """One program to compile: its name, the shapes it runs at, the program lowered (`jax.stages.Lowered`), and
+    the long-lived arrays (PARAMS, OPT_STATE, REFERENCE) that stay in HBM while it runs without being its
+    arguments."""
 
     name: str
     shapes: str
-    lower: Callable[[], Any]
+    lowered: Any
     resident: tuple[str, ...]
 
 
@@ -250,7 +251,7 @@ def compile_row(program: Program) -> Row:
     """Compiles one program; its memory per chip from XLA's analysis (or the compiler's error)."""
     start = time.perf_counter()
     try:
-        compiled = program.lower().compile()
+        compiled = program.lowered.compile()
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError / XlaRuntimeError; report any
         message = " ".join(str(e).split())
         return Row(program.name, program.shapes, compile_s=time.perf_counter() - start, error=message[:500])
@@ -312,26 +313,22 @@ def overflows(rows: Sequence[Row], hbm_bytes: float) -> list[str]:
 
 def model_config(cfg):
     """The run's architecture without its weights: `model.preset`, else `config.json` in `model.path`."""
-    import json
-
-    from etils import epath
-
-    from llds_jax.model import from_hf_config, preset
+    from llds_jax.model import from_hf_config, hf_io, preset
 
     m = cfg.model
     overrides = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
     if m.preset:
         return preset(m.preset, **overrides)
-    path = epath.Path(m.path) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"model.path: {path} not found (set model.preset to compile without the checkpoint)")
-    return from_hf_config(json.loads(path.read_text()), **overrides)
+    try:
+        return from_hf_config(hf_io.read_config(m.path), **overrides)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"model.path: {e} (set model.preset to compile without the checkpoint)") from None
 
 
 def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
-    """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered
-    lazily at the run's largest shapes with abstract arrays; in the order a run first runs them."""
-    import jax
+    """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered at
+    the run's largest shapes with abstract arrays (compiling is what takes time); in the order a run first runs
+    them."""
     from flax import nnx
 
     from llds_jax import config as config_lib
@@ -347,17 +344,13 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     local_mesh = rollout_mesh(cfg, train_mesh, [d for d in devices if d.process_index == hosts[0]])
     model = nnx.eval_shape(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)))
     abstract = nnx.state(model, nnx.Param)
-    nnx.update(model, _placed(abstract, parallel.param_shardings(abstract, train_mesh)))
+    nnx.update(model, parallel.abstract_params(abstract, train_mesh))
     step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), train_mesh)
     state = step.abstract_state()
-    ref = None
-    if cfg.objective.kl_coef:
-        ref = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jax.numpy.dtype(cfg.optim.reference_dtype),
-                                                          sharding=a.sharding), state.params)
+    ref = step.abstract_reference(state.params) if cfg.objective.kl_coef else None
     graphdef, _ = nnx.split(model)
     several_hosts = local_mesh is not train_mesh
-    rollout_params = (_placed(state.params, parallel.param_shardings(state.params, local_mesh)) if several_hosts
-                      else state.params)
+    rollout_params = parallel.abstract_params(state.params, local_mesh) if several_hosts else state.params
     everything = (PARAMS, OPT_STATE, REFERENCE)
     rollout = []
     shapes_seen = set()
@@ -371,25 +364,17 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
             if (name, shapes) in shapes_seen and name != "decode chunk":
                 continue  # the evaluation sampler runs the very same program
             shapes_seen.add((name, shapes))
-            rollout.append(Program(f"{label}{name}", shapes + (" (host-local)" if several_hosts else ""),
-                                   lambda program=program: program,
+            rollout.append(Program(f"{label}{name}", shapes + (" (host-local)" if several_hosts else ""), program,
                                    everything if several_hosts else (OPT_STATE, REFERENCE)))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     resident = {"optimizer init": (), "reference copy": (OPT_STATE,), "logp (reference)": (PARAMS, OPT_STATE),
                 "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything, "lld metrics": everything}
-    training = [Program(name, f"{batch} x {length} tokens, micro-batch {cfg.optim.micro_batch_size}",
-                        lambda program=program: program, resident.get(name, (REFERENCE,)))
+    training = [Program(name, f"{batch} x {length} tokens, micro-batch {cfg.optim.micro_batch_size}", program,
+                        resident.get(name, (REFERENCE,)))
                 for name, program in step.lower_programs(state, ref, step.batch_spec(batch, length),
                                                          measure_lld=bool(cfg.train.lld_every))]
     setup = [p for p in training if p.name in ("optimizer init", "reference copy")]
     return setup + rollout + training[len(setup):]
-
-
-def _placed(state, shardings):
-    """Abstract arrays of `state` laid out by `shardings` (a tree of the same structure)."""
-    import jax
-
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 
 
 def run(cfg, topology: str) -> int:

@@ -100,6 +100,13 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     return nnx.map_state(lambda path, var: var.replace(NamedSharding(mesh, spec_for(path_str(path)))), state)
 
 
+def abstract_params(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """ShapeDtypeStructs of a (possibly abstract) parameter state laid out on `mesh` by the partition rules: what
+    ahead-of-time compilation takes instead of arrays."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                        param_shardings(state, mesh))
+
+
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Places a model's parameters on their shards (in place) and returns it."""
     state = nnx.state(model, nnx.Param)

@@ -13,6 +13,7 @@ import pytest
 
 from llds_jax import compile_check
 from llds_jax.model import ModelConfig, to_hf_config
+from tests.configs import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
@@ -39,10 +40,7 @@ def tiny_model_dir(tmp_path_factory):
 
 def flagship(model_dir, **changes):
     """configs/qwen7b_v4.py, shrunk by SHRINK and `changes` ({"section.key": value})."""
-    spec = importlib.util.spec_from_file_location("qwen7b_v4", os.path.join(ROOT, "configs", "qwen7b_v4.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
+    cfg = load("qwen7b_v4")
     for key, value in {**SHRINK, "model.path": model_dir, **changes}.items():
         section, name = key.rsplit(".", 1)
         cfg[section][name] = value

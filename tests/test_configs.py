@@ -1,6 +1,5 @@
 """Shipped configs pass the schema and validation; schema and combination errors name the key."""
 import glob
-import importlib.util
 import os
 
 import pytest
@@ -9,20 +8,13 @@ from ml_collections import config_flags
 
 from llds_jax import compile_check
 from llds_jax import config as config_lib
+from tests.configs import CONFIGS, load
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8).
 TPU_DEVICES = {"qwen7b_v4": 16, "qwen7b_instruct_v4": 16, "grpo_baseline_v4": 16, "qwen3b_v4": 8,
                "qwen3b_base_ma_v4": 8, "llama3b_v4": 8}
 PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_baseline_v4": "qwen2.5-7b",
            "qwen3b_v4": "qwen2.5-3b", "qwen3b_base_ma_v4": "qwen2.5-3b", "llama3b_v4": "llama-3.2-3b"}
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def test_every_config_file_is_covered():

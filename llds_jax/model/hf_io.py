@@ -32,6 +32,7 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
@@ -47,10 +48,23 @@ def _read_optional(kv: ts.KvStore, key: str, byte_range: Optional[slice] = None)
     return None if result.state == "missing" else bytes(result.value)
 
 
+def _read_json(path: str, name: str) -> Optional[dict[str, Any]]:
+    """The JSON file `name` of a checkpoint folder (local or gs://), or None when it has none."""
+    data = _read_optional(ts.KvStore.open(_kvstore_url(path)).result(), name)
+    return None if data is None else json.loads(data)
+
+
 def read_generation_config(path: str) -> Optional[dict[str, Any]]:
     """The generation_config.json of a checkpoint folder (local or gs://), or None when it has none."""
-    data = _read_optional(ts.KvStore.open(_kvstore_url(path)).result(), GENERATION_CONFIG_FILE)
-    return None if data is None else json.loads(data)
+    return _read_json(path, GENERATION_CONFIG_FILE)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The config.json of a checkpoint folder (local or gs://), without reading its weights."""
+    config = _read_json(path, CONFIG_FILE)
+    if config is None:
+        raise FileNotFoundError(f"{path}/{CONFIG_FILE} not found")
+    return config
 
 
 class CheckpointFolder:
@@ -91,10 +105,7 @@ class CheckpointFolder:
             self._tensors[name] = (file, info["dtype"], tuple(info["shape"]), 8 + n + start, 8 + n + end)
 
     def config(self) -> dict[str, Any]:
-        data = self._read_optional("config.json")
-        if data is None:
-            raise FileNotFoundError(f"{self.path}/config.json not found")
-        return json.loads(data)
+        return read_config(self.path)
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -310,7 +321,7 @@ def save_model(model: Transformer, path: str, dtype: str = "float32", max_shard_
         return
     kv = ts.KvStore.open(_kvstore_url(path)).result()
     config = to_hf_config(model.cfg, torch_dtype=dtype)
-    kv.write("config.json", json.dumps(config, indent=2).encode()).result()
+    kv.write(CONFIG_FILE, json.dumps(config, indent=2).encode()).result()
     ids = token_ids(model.cfg)
     if generation_config is None and ids:
         generation_config = {"_from_model_config": True, **ids}

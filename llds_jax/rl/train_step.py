@@ -264,7 +264,14 @@ class RLTrainStep:
 
     def reference_params(self, params: nnx.State) -> nnx.State:
         """A frozen copy of `params` for the KL reference, in `optim.reference_dtype`, laid out like `params`."""
-        return _fresh_copy(params, jnp.dtype(self.update_cfg.reference_dtype))
+        return self._reference_copier(params)(params)
+
+    def abstract_reference(self, params: nnx.State) -> nnx.State:
+        """`reference_params(params)` as ShapeDtypeStructs with their shardings (`params` may be abstract)."""
+        return self._reference_copier(params).eval_shape(params)
+
+    def _reference_copier(self, params: nnx.State):
+        return _copier(params, jnp.dtype(self.update_cfg.reference_dtype))
 
     def to_model(self, params: nnx.State) -> nnx.Module:
         """The model with `params` (e.g. to hand new weights to the sampler)."""
@@ -454,8 +461,8 @@ class RLTrainStep:
     def lower_programs(self, state: TrainState, ref_params: nnx.State | None, prepared: PreparedBatch,
                        measure_lld: bool) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program `init_state`, `reference_params` and `train_on_batch` run, lowered (not compiled) at
-        abstract values (`abstract_state()`, `reference_params` of it as ShapeDtypeStructs, `batch_spec`), named
-        as `train_on_batch` uses them, in the order a run first runs them."""
+        abstract values (`abstract_state()`, `abstract_reference` of its params, `batch_spec`), named as
+        `train_on_batch` uses them, in the order a run first runs them."""
         arrays = prepared.arrays
         flat = lambda x: jax.ShapeDtypeStruct((math.prod(x.shape[:3]),) + x.shape[3:], x.dtype)  # noqa: E731
         logp = jax.ShapeDtypeStruct(arrays["tokens_bt"].shape, jnp.float32, sharding=self._batch_sharding(4))
@@ -464,8 +471,7 @@ class RLTrainStep:
         with self._mesh_context():
             programs = [("optimizer init", init.lower(state.params))]
             if ref_params is not None:
-                dtype = jnp.dtype(self.update_cfg.reference_dtype)
-                programs += [("reference copy", _copier(state.params, dtype).lower(state.params)),
+                programs += [("reference copy", self._reference_copier(state.params).lower(state.params)),
                              ("logp (reference)", self._logp.lower(ref_params, arrays["tokens_bt"],
                                                                    arrays["mask_bt"]))]
             programs += [

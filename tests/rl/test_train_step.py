@@ -194,3 +194,21 @@ def test_reference_params_are_a_frozen_bf16_copy(plain_step, step_batch, tiny_mo
     ref_logp, logp = step.sequence_logp(ref, prepared), step.sequence_logp(state.params, prepared)
     assert ref_logp.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(ref_logp), np.asarray(logp), atol=0.05)
+
+
+def test_abstract_values_are_those_of_the_real_step(sharded_step, step_batch, mesh8):
+    """What --mode=compile lowers the programs at (`abstract_state`, `abstract_reference`, `batch_spec`) has the
+    shapes, dtypes and shardings of what a run makes (`init_state`, `reference_params`, `prepare_batch` of the
+    trainer's batch, which carries every optional array)."""
+    layout = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)  # noqa: E731
+    state = sharded_step.init_state()
+    assert layout(sharded_step.abstract_state()) == layout(state)
+    assert layout(sharded_step.abstract_reference(sharded_step.abstract_state().params)) == layout(
+        sharded_step.reference_params(state.params))
+    batch = {**step_batch, "sampler_logp_bt": np.zeros(step_batch["tokens_bt"].shape, np.float32),
+             "action_ids_bt": np.asarray(action_ids_from_loss_mask(step_batch["loss_mask_bt"]))}
+    prepared = sharded_step.prepare_batch(batch)
+    spec = sharded_step.batch_spec(*batch["tokens_bt"].shape)
+    assert layout(spec.arrays) == layout(prepared.arrays)
+    assert layout(spec.answer_beta) == layout(prepared.answer_beta) and spec.num_updates == prepared.num_updates == 2
+    assert spec.arrays["tokens_bt"].sharding.spec == P(None, None, ("data", "fsdp"))

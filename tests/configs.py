@@ -1,0 +1,13 @@
+"""The run configs of configs/, loaded as the launch command loads them. Import as `from tests.configs import ...`."""
+import importlib.util
+import os
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def load(name: str):
+    """`get_config()` of configs/<name>.py."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
