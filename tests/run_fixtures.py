@@ -1,4 +1,5 @@
-"""Shared assets of the end-to-end tests: the tiny demo world, index and policy, and run-config files."""
+"""Fixtures of the tests that launch runs (tests/e2e, tests/reliability): the tiny demo world, index and policy,
+run-config files and the launch command. tests/conftest.py imports them."""
 import importlib.util
 import os
 import subprocess
@@ -14,7 +15,7 @@ from llds_jax.model import hf_io
 from llds_jax.tokenizer import write_qwen25_tokenizer
 from tests.e2e.policies import chain_policy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
 
 
