@@ -77,6 +77,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
     c.rollout.min_capacity_bucket = 128  # smallest KV-cache capacity (slots) of a sampler session
     c.rollout.min_observation_bucket = 16  # smallest padded observation length of an extend
+    c.rollout.search_failure_rate = 0.5  # a step whose searches failed more often than this is a failing step ...
+    c.rollout.max_failed_search_steps = 3  # ... and this many in a row end the run (saved; 0: never)
 
     c.objective = ml_collections.ConfigDict()
     c.objective.clip_ratio = 0.2
@@ -107,6 +109,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.01
     c.optim.logp_time_chunk = 256
     c.optim.reference_dtype = "bfloat16"
+    c.optim.max_skipped_updates = 20    # updates skipped in a row (non-finite loss/gradient) that end a run; 0: never
 
     c.train = ml_collections.ConfigDict()
     c.train.total_steps = 1005
@@ -120,6 +123,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.final_eval = True           # evaluate data.eval_files (eval.max_examples) when training ends
     c.train.sequence_bucket = 256       # training batches are padded to a multiple of this many tokens
     c.train.eval_at_start = False       # evaluate the starting policy (eval.max_examples) before step 1
+    c.train.stop_within_step = True     # a stop signal ends the step between sessions / updates and saves the state
+                                        # from before it (kept in host memory: params + optimizer state)
 
     c.sft = ml_collections.ConfigDict()    # supervised warm start before RL (llds_jax.sft); cached by settings
     c.sft.enabled = False
@@ -248,6 +253,7 @@ def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:
 
 def update_config(cfg: ml_collections.ConfigDict) -> UpdateConfig:
     u = dict(cfg.optim.to_dict())
+    u.pop("max_skipped_updates")  # the trainer's watchdog, not the update's
     warmup_steps = int(math.floor(u.pop("warmup_ratio") * cfg.train.total_steps))
     return UpdateConfig(warmup_steps=warmup_steps, **u)
 

@@ -21,6 +21,7 @@ import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+from absl.logging import converter as absl_converter
 from ml_collections import config_flags
 
 from llds_jax import gcs
@@ -169,8 +170,12 @@ def _print_eval(trainer, params, step: int) -> None:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+    # Warnings and errors only (orbax logs every save step at INFO), unless --verbosity asks for more (0: INFO,
+    # e.g. the trainer's progress within a step).
+    verbosity = flags.FLAGS["verbosity"]
+    level = absl_converter.absl_to_standard(verbosity.value) if verbosity.present else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    absl_logging.set_verbosity(absl_converter.standard_to_absl(level))
     # The Elasticsearch client warns of every failed request; the retriever reports failures (with retries) itself.
     logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
     try:

@@ -9,11 +9,12 @@ import textwrap
 import pytest
 
 from llds_jax import demo
+from llds_jax.data import synthetic
 from llds_jax.data.qa import read_qa
 from llds_jax.data.synthetic import CITIES
 from llds_jax.model import hf_io
-from llds_jax.tokenizer import write_qwen25_tokenizer
-from tests.e2e.policies import chain_policy
+from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
+from tests.e2e.policies import chain_policy, searching_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
@@ -103,3 +104,24 @@ def launch(repo_root):
         return proc.returncode, proc.stdout, proc.stderr
 
     return run
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """(world, files): the demo's generated world of 40 people (50 passages) as corpus.jsonl and QA parquet files."""
+    world = synthetic.make_world(num_people=40, seed=0)
+    return world, synthetic.write_world(world, str(tmp_path_factory.mktemp("world")))
+
+
+@pytest.fixture(scope="session")
+def policy(tmp_path_factory, world):
+    """(HF folder, city, tokenizer): `searching_policy` for the most common answer city of the training questions,
+    with a tokenizer trained on the world (the demo's "world" tokenizer: a few hundred entries, so that the output
+    layer does not dominate the run on CPU as Qwen2.5's 151,936 rows would)."""
+    answers = [ex.golden_answers[0] for ex in world[0].train if ex.golden_answers[0] in synthetic.CITIES]
+    city = max(sorted(set(answers)), key=answers.count)
+    folder = str(tmp_path_factory.mktemp("policy"))
+    tokenizer = load_tokenizer(train_tokenizer(synthetic.tokenizer_texts(world[0]), folder, vocab_size=512,
+                                               phrases=synthetic.tokenizer_phrases()))
+    hf_io.save_model(searching_policy(tokenizer, city), folder)
+    return folder, city, tokenizer

@@ -34,6 +34,7 @@ import functools
 import math
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -489,7 +490,8 @@ class RLTrainStep:
 
     # ----- the step ------------------------------------------------------------------------------------------------
     def train_on_batch(
-        self, state: TrainState, ref_params: nnx.State | None, batch: dict[str, Any], *, measure_lld: bool = False
+        self, state: TrainState, ref_params: nnx.State | None, batch: dict[str, Any], *, measure_lld: bool = False,
+        between_updates: Callable[[], None] | None = None,
     ) -> tuple[TrainState, BatchMetrics]:
         """All updates of one rollout batch (see the module docstring).
 
@@ -498,6 +500,8 @@ class RLTrainStep:
           ref_params: frozen reference parameters (`reference_params`); None only when objective.kl_coef == 0.
           batch: the rollout batch dict.
           measure_lld: recompute logp after the updates and report Delta_traj / LLD rate (one extra forward).
+          between_updates: called once each update but the last has run on the device (the loop then waits for
+          each update before starting the next); what it raises ends the batch, with `state` donated already.
 
         Returns:
           (new state, metrics fetched to the host).
@@ -519,6 +523,9 @@ class RLTrainStep:
         per_update = []
         with self._mesh_context():
             for index in range(prepared.num_updates):
+                if index and between_updates is not None:
+                    jax.block_until_ready(per_update[-1])
+                    between_updates()
                 state, metrics = update(state, arrays, prepared.answer_beta, old_logp, ref_logp, jnp.int32(index))
                 per_update.append(metrics)
         state = state._replace(step=state.step + 1)

@@ -36,7 +36,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import jax
@@ -140,7 +140,8 @@ def search_error_observation(error: str) -> str:
 
 
 def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
-            config: AgentConfig, runner: Optional[asyncio.Runner] = None, first_sequence: int = 0) -> Rollout:
+            config: AgentConfig, runner: Optional[asyncio.Runner] = None, first_sequence: int = 0,
+            between_sessions: Optional[Callable[[], None]] = None) -> Rollout:
     """Runs the agent loop for `examples` (repeat an example for several samples; they share its uid).
 
     Args:
@@ -157,14 +158,19 @@ def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample]
         loop); a fresh loop per call without one.
       first_sequence: the global sequence id of examples[0], e.g. this host's first row of a global batch on
         several hosts, so that the hosts together sample what one process would.
+      between_sessions: called before every sampler session but the first (`config.max_batch_size` splits the
+        examples into sessions); what it raises ends the rollout (the trainer's stop check: a preemption notice
+        then waits for one session, not the whole rollout).
     Returns a Rollout with one trajectory per example, in order.
     """
-    coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config, first_sequence)
+    coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config, first_sequence,
+                         between_sessions)
     return runner.run(coro) if runner is not None else asyncio.run(coro)
 
 
 async def rollout_async(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
-                        config: AgentConfig, first_sequence: int = 0) -> Rollout:
+                        config: AgentConfig, first_sequence: int = 0,
+                        between_sessions: Optional[Callable[[], None]] = None) -> Rollout:
     """`rollout` as a coroutine."""
     if not examples:
         raise ValueError("rollout: no examples")
@@ -174,6 +180,8 @@ async def rollout_async(sampler, params, tokenizer, retriever, examples: Sequenc
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
         for first in range(0, len(examples), size):
+            if first and between_sessions is not None:
+                between_sessions()
             loop = _BatchLoop(sampler, params, tokenizer, retriever, examples[first:first + size], config, timing,
                               decode_thread)
             trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))

@@ -9,9 +9,9 @@
 - the console: `step 120/1005  reward 0.412  EM 0.398  LLD 3.1%  gnorm 0.82  tok/s 1.23k  ETA 3h12m` (fields
   missing from a step are left out; ETA from the mean wall time per step since the first write).
 
-`log_dir` may be local or `gs://...` (through gcsfs). GCS cannot append, so the JSONL file is rewritten whole at each
-flush (every `flush_secs`, and on `close`); TensorBoard events are written to a local staging folder and its files
-copied up at each flush (tensorboardX's own GCS writer uploads the whole file several times per close and once more
+Both files are complete on disk after `flush` (every `flush_secs`, before the trainer saves a checkpoint, and on
+`close`). `log_dir` may be local or `gs://...` (through gcsfs). GCS cannot append, so the JSONL file is rewritten
+whole at each flush; TensorBoard events are written to a local staging folder and its files copied up at each flush (tensorboardX's own GCS writer uploads the whole file several times per close and once more
 at interpreter exit, which hangs for minutes when GCS is unreachable by then). On resume,
 pass `start_step`: JSONL records and TensorBoard events at or after it (from the steps run after the last
 checkpoint) are dropped, so the logs match the resumed run.
@@ -30,7 +30,9 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 from etils import epath
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.summary import scalar, text
 
 from llds_jax import gcs
 
@@ -140,6 +142,32 @@ class _JsonlLog:
         self.dirty = False
 
 
+class EventFile:
+    """One TensorBoard event file, written synchronously: `flush` returns once every event is in the file
+    (tensorboardX's SummaryWriter queues events for a thread and its flush leaves the queue as it is, so a kill right
+    after a flush lost them). The file is `<log_dir>/events.out.tfevents.<unix time>.<host><suffix>`; with
+    `purge_step`, TensorBoard drops the events of earlier files from that step on (a resumed run's)."""
+
+    def __init__(self, log_dir: str, purge_step: int | None, suffix: str):
+        os.makedirs(log_dir, exist_ok=True)
+        self._writer = EventsWriter(os.path.join(log_dir, "events"), suffix)
+        if purge_step is not None:
+            self._writer.write_event(Event(step=purge_step, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=scalar(name, value)))
+
+    def add_text(self, name: str, value: str, step: int) -> None:
+        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=text(name, value)))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsWriter:
     """Fans `write(step, scalars)` out to TensorBoard, JSONL and the console (see the module docstring).
 
@@ -180,9 +208,8 @@ class MetricsWriter:
         self._tb_dir = root / "tensorboard"
         self._staging = tempfile.TemporaryDirectory(prefix="llds_tensorboard_") if gcs.is_gcs(log_dir) else None
         # The suffix keeps a resumed writer from reusing the file name (unix seconds + host) of the last one.
-        self._tb = SummaryWriter(self._staging.name if self._staging else str(self._tb_dir),
-                                 purge_step=start_step or None, flush_secs=flush_secs,
-                                 filename_suffix=f".from-step-{start_step}")
+        self._tb = EventFile(self._staging.name if self._staging else str(self._tb_dir),
+                             purge_step=start_step or None, suffix=f".from-step-{start_step}")
         self._jsonl = _JsonlLog(root / "metrics.jsonl", start_step)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -238,8 +265,8 @@ class MetricsWriter:
         """Flushes and closes the files."""
         if not self.active:
             return
-        self._tb.close()  # writes the events still queued
         self.flush()
+        self._tb.close()
         if self._staging is not None:
             self._staging.cleanup()
         self.active = False

@@ -2,7 +2,15 @@
 
 One `Trainer` per process. Everything it needs comes from the run config (llds_jax.config); the resolved config is
 printed and saved as `<run_dir>/config.json`. A run folder is resumed automatically from its latest complete
-checkpoint; SIGTERM / SIGINT save a checkpoint and end the run with exit status 0.
+checkpoint; the metrics of every saved step are on disk before its checkpoint is (a resume drops those of later
+steps, so the log holds each step once).
+
+Stopping (SIGTERM / SIGINT, docs/reliability.md): the signal is read between the rollout's sampler sessions, between
+updates and at the end of each step (`train.stop_within_step`; else only at the end). At the end of a step that step
+is saved; in the middle of one, the state from before it (a copy in host memory taken as the step starts) is saved
+with the data position that replays the step, so the resumed run equals an uninterrupted one. Either way the run
+ends with exit status 0. The watchdog (llds_jax.train.watchdog) ends a run whose retriever keeps failing (saved the
+same way, exit status 2) or whose updates are all skipped.
 
 Several hosts (processes): the updates run on the GLOBAL mesh (every device of the job; params and optimizer state
 sharded over it). Rollouts are host-local: each host samples its own slice of the step's prompts (PromptIterator)
@@ -19,6 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Optional, Sequence
 
 import jax
@@ -38,15 +47,44 @@ from llds_jax.rollout import agent, buckets
 from llds_jax.rollout.sampler import Sampler
 from llds_jax.rollout.trajectory import Trajectory, pack_trajectories
 from llds_jax.search.factory import make_retriever
-from llds_jax.search.types import Retriever
+from llds_jax.search.types import Retriever, RetrieverUnavailableError
 from llds_jax.tokenizer import load_tokenizer
 from llds_jax.train import evaluation
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.preemption import PreemptionGuard
+from llds_jax.train.watchdog import Watchdog, search_counts
 
 log = logging.getLogger(__name__)
 START_EVAL = "start"  # eval/<this>/ holds the evaluation of the starting policy (train.eval_at_start)
+
+
+class StepInterrupted(Exception):
+    """A stop signal arrived in the middle of a step; `phase` is "rollout" or "updates"."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
+@dataclasses.dataclass
+class PreStep:
+    """What a step that ends early saves: the step before it (`step`) and the data position that replays it.
+
+    `unsaved`: that step is not in the checkpoint folder yet (step 0, the run's start, never needs saving: a rerun
+    reproduces it). `copy`: a host copy of its state (`host_copy`), taken when a stop between updates, after the
+    state was donated, may need it; else None."""
+
+    step: int
+    data: dict
+    unsaved: bool
+    copy: Optional[TrainState]
+
+
+def host_copy(tree):
+    """`tree`'s arrays copied to pinned host memory with the same shardings (each host holds its own shards). The
+    copy runs in the background; an update that donates the arrays waits for it."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
 
 
 def read_examples(files: Sequence[str], what: str) -> list[QAExample]:
@@ -167,6 +205,9 @@ class Trainer:
                                        process_index=jax.process_index(), process_count=jax.process_count())
         self.base_rng = jax.random.key(cfg.seed)
         self._lengths: set[int] = set()  # training batch lengths used so far
+        self.watchdog = Watchdog(search_failure_rate=cfg.rollout.search_failure_rate,
+                                 max_failed_search_steps=cfg.rollout.max_failed_search_steps,
+                                 max_skipped_updates=cfg.optim.max_skipped_updates)
 
     # ----- pieces of a step ----------------------------------------------------------------------------------------
     def rollout_params(self, params: nnx.State) -> nnx.State:
@@ -177,23 +218,51 @@ class Trainer:
         host_params = multihost_utils.process_allgather(params, tiled=True)
         return jax.device_put(host_params, parallel.param_shardings(params, self.rollout_mesh))
 
-    def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array) -> agent.Rollout:
+    def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array,
+                between_sessions: Optional[Callable[[], None]] = None) -> agent.Rollout:
         """n samples of each of this host's prompts through the agent loop (the samples of prompt i form group
         i); sequence ids count from this host's first row of the global batch."""
         n = self.cfg.data.samples_per_prompt
         examples = [ex for ex in prompts for _ in range(n)]
         return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, examples,
                              rng, self.agent_cfg, runner=self.runner,
-                             first_sequence=jax.process_index() * len(examples))
+                             first_sequence=jax.process_index() * len(examples), between_sessions=between_sessions)
 
-    def train_step(self, state: TrainState, ref_params, step: int) -> tuple[TrainState, dict[str, float],
-                                                                           list[Trajectory]]:
-        """One rollout batch and its updates. Returns the new state, the step's metrics and its trajectories."""
+    def stop_check(self, guard: Optional[PreemptionGuard], phase: str) -> Optional[Callable[[], None]]:
+        """A function that raises StepInterrupted(phase) when a stop was requested on any host (a collective), or
+        None when stops wait for the end of the step (no guard, or train.stop_within_step off)."""
+        if guard is None or not self.cfg.train.stop_within_step:
+            return None
+
+        def check() -> None:
+            if guard.should_stop():
+                raise StepInterrupted(phase)
+
+        return check
+
+    def check_searches(self, trajectories: Sequence[Trajectory]) -> None:
+        """The watchdog's count of the step's failed searches (over every host; a collective)."""
+        counts = combine_over_processes(search_counts(trajectories), summed=("searches", "search_failures"))
+        errors = [error for t in trajectories for error in t.retriever_errors]
+        self.watchdog.check_searches(counts, errors[-1] if errors else None)
+
+    def train_step(self, state: TrainState, ref_params, step: int, guard: Optional[PreemptionGuard] = None
+                   ) -> tuple[TrainState, dict[str, float], list[Trajectory]]:
+        """One rollout batch and its updates. Returns the new state, the step's metrics and its trajectories.
+
+        With a `guard`, raises StepInterrupted when a stop is requested between sessions or updates (see the
+        module docstring); RetrieverUnavailableError comes before the updates when the watchdog ends the run."""
         start = time.perf_counter()
         prompts = next(self.data)
         rng = jax.random.fold_in(self.base_rng, step)
-        rollout = self.rollout(state.params, prompts, rng)
+        in_rollout = self.stop_check(guard, "rollout")
+        rollout = self.rollout(state.params, prompts, rng, between_sessions=in_rollout)
         rollout_s = time.perf_counter() - start
+        self.check_searches(rollout.trajectories)
+        log.info("step %d: %d trajectories sampled in %.1f s; updates next", step, len(rollout.trajectories),
+                 rollout_s)
+        if in_rollout is not None:
+            in_rollout()
         grid = {}
         if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
             grid_start = time.perf_counter()
@@ -209,7 +278,9 @@ class Trainer:
         job_rollout_metrics = combine_over_processes(rollout.metrics)
         lld_every = self.cfg.train.lld_every
         state, batch_metrics = self.step_fn.train_on_batch(state, ref_params, batch,
-                                                           measure_lld=bool(lld_every) and step % lld_every == 0)
+                                                           measure_lld=bool(lld_every) and step % lld_every == 0,
+                                                           between_updates=self.stop_check(guard, "updates"))
+        self.watchdog.count_updates(batch_metrics.per_update["actor/nonfinite"])
         step_s = time.perf_counter() - start
         tokens = float(batch["mask_bt"].sum())
         metrics = {f"rollout/{k}": v for k, v in job_rollout_metrics.items()}
@@ -268,15 +339,32 @@ class Trainer:
                 nonfinite_count=jax.device_put(np.int32(restored.meta["nonfinite_count"]),
                                                state.nonfinite_count.sharding))
             log.warning("resumed from step %d of %s", start, self.run_dir)
-        writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=start + 1)
+        # A fresh run that evaluates its start rewrites step 0's record too (the first attempt may have written it).
+        first_record = start + 1 if start or not cfg.train.eval_at_start else 0
+        writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=first_record)
         if start == 0 and cfg.train.eval_at_start and self.eval_examples:
             examples = self.eval_examples[:cfg.eval.max_examples or None]
             writer.write(0, self.evaluate(state.params, examples, self.run_dir / "eval" / START_EVAL))
-        step = start
+        step = saved = start
         try:
             with PreemptionGuard() as guard:
                 for step in range(start + 1, cfg.train.total_steps + 1):
-                    state, metrics, trajectories = self.train_step(state, ref_params, step)
+                    unsaved = step - 1 > saved
+                    pre_step = PreStep(step - 1, self.data.state(), unsaved,
+                                       host_copy(state) if unsaved and cfg.train.stop_within_step else None)
+                    try:
+                        state, metrics, trajectories = self.train_step(state, ref_params, step, guard)
+                    except StepInterrupted as stop:  # between updates `state` is donated already: save the copy
+                        self._save_pre_step(ckpt, writer, pre_step, pre_step.copy if stop.phase == "updates" else state)
+                        log.warning("stop requested during the %s of step %d: saved the state before it, exiting",
+                                    stop.phase, step)
+                        step -= 1
+                        break
+                    except RetrieverUnavailableError as e:  # raised before the updates: `state` is the pre-step one
+                        self._save_pre_step(ckpt, writer, pre_step, state)
+                        raise RetrieverUnavailableError(f"{e}; the run is saved before step {step}: the same "
+                                                        f"command resumes there") from None
+                    del pre_step
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_examples:
                         subset = self.eval_examples[:cfg.train.eval_max_examples or None]
                         metrics.update(self.evaluate(state.params, subset,
@@ -286,11 +374,11 @@ class Trainer:
                         writer.write_texts(step, {
                             f"transcripts/{i}": evaluation.transcript_text(t, self.tokenizer)
                             for i, t in enumerate(trajectories[:cfg.train.num_transcripts])})
+                    self.watchdog.check_updates(state.params)
                     stop = guard.should_stop()
                     if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
-                        ckpt.save(step, state.params, state.opt_state, {
-                            "data": self.data.state(), "rng": rng_to_json(self.base_rng),
-                            "nonfinite_count": int(jax.device_get(state.nonfinite_count))})
+                        self._save(ckpt, writer, step, state, self.data.state())
+                        saved = step
                     if stop:
                         log.warning("stop requested: saved step %d, exiting", step)
                         break
@@ -299,6 +387,21 @@ class Trainer:
             writer.close()
         self.final_params = state.params
         return step
+
+    def _save(self, ckpt: Checkpointer, writer: MetricsWriter, step: int, state: TrainState,
+              data_state: dict) -> None:
+        """Saves `step` (`state`, the data position after it, the rng); the metrics written so far reach the disk
+        first, so that every saved step's metrics are in the log."""
+        writer.flush()
+        ckpt.save(step, state.params, state.opt_state, {
+            "data": data_state, "rng": rng_to_json(self.base_rng),
+            "nonfinite_count": int(jax.device_get(state.nonfinite_count))})
+
+    def _save_pre_step(self, ckpt: Checkpointer, writer: MetricsWriter, pre_step: PreStep,
+                       state: TrainState) -> None:
+        """Saves `state`, the state from before an unfinished step, unless that step is saved already."""
+        if pre_step.unsaved:
+            self._save(ckpt, writer, pre_step.step, state, pre_step.data)
 
     def close(self) -> None:
         self.runner.run(self.retriever.close())

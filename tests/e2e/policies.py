@@ -10,6 +10,7 @@ from flax import nnx
 from llds_jax.model import ModelConfig, Transformer
 
 SUCCESSOR_LOGIT = 30.0  # logit of a successor; every other next token has logit 0
+SEARCH_PREFERENCE = 1.0  # extra logit of a search tag over an answer tag: greedy decoding always searches
 
 
 def chain_policy(tokenizer, texts: Sequence[tuple[str, float]], vocab_size: int,
@@ -52,3 +53,12 @@ def chain_policy(tokenizer, texts: Sequence[tuple[str, float]], vocab_size: int,
     model.embed.set_value(embed)
     model.lm_head.set_value(head / np.sqrt(hidden_size))  # the normalized one-hot embedding is sqrt(hidden) long
     return model
+
+
+def searching_policy(tokenizer, city: str) -> Transformer:
+    """A chain policy (tests/e2e/policies.py) over `tokenizer`'s vocabulary whose turns are a search for `city`, the
+    answer `city`, or a mix of the two tags (an invalid action): "<search>" or "<answer>", then `city`, then
+    "</search>" or "</answer>", the search tags SEARCH_PREFERENCE more likely. Greedy decoding searches in every turn.
+    """
+    texts = ((f"<search>{city}</search>", SEARCH_PREFERENCE), (f"<answer>{city}</answer>", 0.0))
+    return chain_policy(tokenizer, texts, vocab_size=len(tokenizer))

@@ -19,6 +19,10 @@ from llds_jax.model import hf_io
 from llds_jax.train.checkpoint import Checkpointer, Restored
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Wall-clock measurements differ between runs; everything else must be bitwise equal after a resume.
+TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/search_calls_s", "rollout/prefill_s",
+               "rollout/host_s", "rollout/rollout_s", "rollout/sampled_tokens_per_s",
+               "time")
 
 
 @dataclasses.dataclass
@@ -102,3 +106,8 @@ def read_metrics(run_dir: str) -> list[dict]:
     """The records of the run's metrics.jsonl."""
     text = (epath.Path(run_dir) / "metrics.jsonl").read_text()
     return [json.loads(line) for line in text.splitlines()]
+
+
+def comparable(record: dict) -> dict:
+    """A metrics record without its wall-clock measurements (TIMING_KEYS)."""
+    return {k: v for k, v in record.items() if not k.startswith(TIMING_KEYS)}

@@ -26,14 +26,11 @@ from etils import epath
 from flax import nnx
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llds_jax.data import synthetic
 from llds_jax.data.iterator import PromptIterator
-from llds_jax.model import Transformer, hf_io
+from llds_jax.model import hf_io
 from llds_jax.rollout import protocol
 from llds_jax.search import make_retriever
-from llds_jax.tokenizer import load_tokenizer, train_tokenizer
 from llds_jax.train.trainer import read_examples
-from tests.e2e.policies import chain_policy
 from tests.e2e.runs import ROOT, finish, latest_checkpoint, read_metrics, start_hosts, wait_for_text
 from tests.servers import delete_es_index, free_port
 
@@ -54,17 +51,7 @@ SHRINK = (
     f"--config.train.total_steps={TOTAL_STEPS}", "--config.train.lld_every=1",
     f"--config.eval.max_examples={EVAL_EXAMPLES}",
 )
-SEARCH_PREFERENCE = 1.0  # extra logit of a search tag over an answer tag: greedy decoding always searches
 TIMEOUT_S = 300  # per launch
-
-
-def searching_policy(tokenizer, city: str) -> Transformer:
-    """A chain policy (tests/e2e/policies.py) over `tokenizer`'s vocabulary whose turns are a search for `city`, the
-    answer `city`, or a mix of the two tags (an invalid action): "<search>" or "<answer>", then `city`, then
-    "</search>" or "</answer>", the search tags SEARCH_PREFERENCE more likely. Greedy decoding searches in every turn.
-    """
-    texts = ((f"<search>{city}</search>", SEARCH_PREFERENCE), (f"<answer>{city}</answer>", 0.0))
-    return chain_policy(tokenizer, texts, vocab_size=len(tokenizer))
 
 
 def copy_tree(source, target) -> None:
@@ -86,13 +73,6 @@ def storage_root(gcs_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """(world, files): the demo's generated world of 40 people (50 passages) as corpus.jsonl and QA parquet files."""
-    world = synthetic.make_world(num_people=40, seed=0)
-    return world, synthetic.write_world(world, str(tmp_path_factory.mktemp("world")))
-
-
-@pytest.fixture(scope="module")
 def es_index(es_url, world):
     """An index of the world's corpus on `es_url`, built with the real command; deleted afterwards."""
     name = f"llds-flagship-{uuid.uuid4().hex[:8]}"
@@ -102,20 +82,6 @@ def es_index(es_url, world):
     assert built.returncode == 0 and "index now holds 50 documents" in built.stdout, built.stdout + built.stderr
     yield name
     delete_es_index(es_url, name)
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory, world):
-    """(HF folder, city, tokenizer): `searching_policy` for the most common answer city of the training questions,
-    with a tokenizer trained on the world (the demo's "world" tokenizer: a few hundred entries, so that the output
-    layer does not dominate the run on CPU as Qwen2.5's 151,936 rows would)."""
-    answers = [ex.golden_answers[0] for ex in world[0].train if ex.golden_answers[0] in synthetic.CITIES]
-    city = max(sorted(set(answers)), key=answers.count)
-    folder = str(tmp_path_factory.mktemp("policy"))
-    tokenizer = load_tokenizer(train_tokenizer(synthetic.tokenizer_texts(world[0]), folder, vocab_size=512,
-                                               phrases=synthetic.tokenizer_phrases()))
-    hf_io.save_model(searching_policy(tokenizer, city), folder)
-    return folder, city, tokenizer
 
 
 def put_assets(root: str, world_files: dict[str, str], policy_dir: str) -> dict[str, str]:

@@ -10,12 +10,10 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.e2e.runs import comparable
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
-# Wall-clock measurements differ between runs; everything else must be bitwise equal after a resume.
-TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/search_calls_s", "rollout/prefill_s",
-               "rollout/host_s", "rollout/rollout_s", "rollout/sampled_tokens_per_s",
-               "time")
 
 
 def _env():
@@ -37,10 +35,6 @@ def launch(run_dir, *overrides, wait=True):
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def comparable(record):
-    return {k: v for k, v in record.items() if not k.startswith(TIMING_KEYS)}
 
 
 @pytest.mark.slow

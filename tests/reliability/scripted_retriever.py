@@ -1,0 +1,66 @@
+"""A Search-R1 retrieval server on loopback whose behaviour a test scripts while a run uses it: it answers every
+query with one passage, or fails with HTTP 503 (`failing`), and calls `on_request` as each request arrives (before
+answering). Import as `from tests.reliability.scripted_retriever import ScriptedRetriever`."""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.servers import free_port
+
+PASSAGE = "Nobody\nNobody was born in a city that no question asks about."
+
+
+class ScriptedRetriever:
+    """`with ScriptedRetriever() as server:` serves `server.url` (the `/retrieve` endpoint) until the block ends.
+
+    Attributes a test may set at any time: `failing` (answer 503), `on_request` (called with the request's queries,
+    on the server's thread). `requests` counts the requests received."""
+
+    def __init__(self):
+        self.failing = False
+        self.on_request: Callable[[list[str]], None] | None = None
+        self.requests = 0
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/retrieve"
+        scripted = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the http.server interface
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                scripted.requests += 1
+                if scripted.on_request is not None:
+                    scripted.on_request(body["queries"])
+                if scripted.failing:
+                    self._send(503, {"error": "scripted outage"})
+                else:
+                    hits = [{"document": {"id": "0", "contents": PASSAGE}, "score": 1.0}] * body["topk"]
+                    self._send(200, {"result": [hits for _ in body["queries"]]})
+
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ScriptedRetriever:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def config(self) -> dict:
+        """The run config's `retriever` section for this server: one attempt of at most 5 s per request."""
+        return {"backend": "http", "url": self.url, "timeout_s": 5.0, "max_retries": 0}

@@ -1,0 +1,125 @@
+"""Stops as a TPU VM meets them, injected into real runs: SIGTERM in the middle of a step's rollout or updates
+(a preemption notice gives ~30 s, a 7B step takes minutes) and SIGKILL after a checkpoint. Nothing is lost: the
+resumed run equals an uninterrupted one bit for bit, and its metrics hold every step exactly once."""
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.e2e.runs import comparable, finish, latest_checkpoint, read_metrics, wait_for_text
+from tests.reliability.scripted_retriever import ScriptedRetriever
+
+TIMEOUT_S = 300
+STOP_WITHIN_S = 10  # from the signal to the exit: a session or an update, plus the save
+
+
+def checkpoints(run_dir) -> list[int]:
+    folder = os.path.join(run_dir, "checkpoints")
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit()) if os.path.isdir(folder) else []
+
+
+def final_params(run_dir, model_dir):
+    restored, _ = latest_checkpoint(run_dir, model_dir)
+    leaves = jax.tree_util.tree_flatten_with_path(restored.params)[0]
+    return restored.step, {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+@pytest.fixture(scope="module")
+def reference(searching_runs, policy):
+    """The uninterrupted run: (metrics records, final step, final params)."""
+    with ScriptedRetriever() as server:
+        finish([searching_runs.start(server.config(), "reference")], TIMEOUT_S)
+    run_dir = searching_runs.run_dir("reference")
+    return (read_metrics(run_dir), *final_params(run_dir, policy[0]))
+
+
+def assert_equal_to_reference(run_dir, reference, model_dir):
+    records, step, params = reference
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [comparable(r) for r in resumed] == [comparable(r) for r in records]
+    resumed_step, resumed_params = final_params(run_dir, model_dir)
+    assert resumed_step == step and resumed_params.keys() == params.keys()
+    for key in params:
+        np.testing.assert_array_equal(resumed_params[key], params[key], err_msg=str(key))
+
+
+def stopped_output(launched) -> str:
+    """Waits (STOP_WITHIN_S) for the process that was sent a stop signal; asserts exit status 0."""
+    start = time.monotonic()
+    launched.process.wait(STOP_WITHIN_S)
+    elapsed = time.monotonic() - start
+    output = launched.output()
+    assert launched.process.returncode == 0, output[-4000:]
+    assert elapsed < STOP_WITHIN_S
+    return output
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_rollout_saves_the_step_before_and_resumes_bitwise(searching_runs, reference,
+                                                                            policy):
+    run_dir = searching_runs.run_dir("rollout_stop")
+    with ScriptedRetriever() as server:
+        launched = None
+        sent = []
+
+        def sigterm_in_step_2(queries):  # the first search after step 1's console line: step 2's first session
+            if not sent and "step 1/3" in launched.output():
+                launched.process.send_signal(signal.SIGTERM)
+                sent.append(time.monotonic())
+                time.sleep(1.0)  # the session is still running when the signal arrives
+
+        server.on_request = sigterm_in_step_2
+        launched = searching_runs.start(server.config(), "rollout_stop")
+        launched.process.wait(TIMEOUT_S)
+        output = launched.output()
+        assert launched.process.returncode == 0 and sent, output[-4000:]
+        assert "stop requested during the rollout of step 2: saved the state before it, exiting" in output
+        assert "training stopped after step 1 of 3" in output
+        assert checkpoints(run_dir) == [1]
+        assert [r["step"] for r in read_metrics(run_dir)] == [1]
+        finish([searching_runs.start(server.config(), "rollout_stop")], TIMEOUT_S)
+    assert_equal_to_reference(run_dir, reference, policy[0])
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_updates_saves_the_step_before_and_resumes_bitwise(searching_runs, reference,
+                                                                             policy):
+    run_dir = searching_runs.run_dir("update_stop")
+    with ScriptedRetriever() as server:
+        # --verbosity=0 prints the trainer's progress: the line before step 2's updates. The process is frozen
+        # (SIGSTOP) as soon as it is read, so the SIGTERM lands among the 32 updates, whatever the machine's load.
+        launched = searching_runs.start(server.config(), "update_stop", "--verbosity=0")
+        wait_for_text([launched], "step 2: 32 trajectories sampled", TIMEOUT_S)
+        launched.process.send_signal(signal.SIGSTOP)
+        launched.process.send_signal(signal.SIGTERM)
+        launched.process.send_signal(signal.SIGCONT)
+        output = stopped_output(launched)
+        assert "stop requested during the updates of step 2: saved the state before it, exiting" in output
+        assert checkpoints(run_dir) == [1]
+        finish([searching_runs.start(server.config(), "update_stop")], TIMEOUT_S)
+    assert_equal_to_reference(run_dir, reference, policy[0])
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_checkpoint_loses_no_metrics(searching_runs, reference, policy):
+    run_dir = searching_runs.run_dir("killed")
+    with ScriptedRetriever() as server:
+        launched = searching_runs.start(server.config(), "killed", train__checkpoint_every=1)
+        deadline = time.monotonic() + TIMEOUT_S
+        while 2 not in checkpoints(run_dir):
+            assert launched.process.poll() is None and time.monotonic() < deadline, launched.output()[-4000:]
+            time.sleep(0.05)
+        launched.process.send_signal(signal.SIGKILL)
+        launched.process.wait(TIMEOUT_S)
+        # The metrics of every step whose checkpoint was committed reached the disk before it.
+        assert [r["step"] for r in read_metrics(run_dir)][:2] == [1, 2]
+        finish([searching_runs.start(server.config(), "killed", train__checkpoint_every=1)], TIMEOUT_S)
+    assert_equal_to_reference(run_dir, reference, policy[0])
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
