@@ -40,8 +40,10 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from llds_jax.config import ConfigError
     from llds_jax.search.types import RetrieverUnavailableError
     from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
+    from llds_jax.train.watchdog import NonFiniteError
     return (ConfigError, FileNotFoundError, KeyError, ValueError, RetrieverUnavailableError,
-            CheckpointMismatchError, CheckpointUnreadableError, gcs.GCSUnavailableError, CompilerUnavailableError)
+            CheckpointMismatchError, CheckpointUnreadableError, gcs.GCSUnavailableError, CompilerUnavailableError,
+            NonFiniteError)
 
 
 def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:

@@ -43,12 +43,19 @@ def search_counts(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return {"searches": float(executed), "search_failures": float(failed)}
 
 
+def param_name(path) -> str:
+    """A parameter's dotted name from its pytree path, e.g. "layers.down_proj" (the layers' stacked tensor)."""
+    parts = [str(k.key) if isinstance(k, jax.tree_util.DictKey) else str(k.idx) for k in path
+             if isinstance(k, (jax.tree_util.DictKey, jax.tree_util.SequenceKey))]
+    return ".".join(parts)
+
+
 def first_nonfinite(params) -> str | None:
-    """The path of the first parameter (in `jax.tree` order) holding a NaN or an infinity; None when all are
-    finite. One small reduction per parameter, fetched at once."""
+    """The name (`param_name`) of the first parameter, in `jax.tree` order, holding a NaN or an infinity; None
+    when all are finite. One small reduction per parameter, fetched at once."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])
     finite = jax.device_get([jnp.isfinite(leaf).all() for leaf in leaves])
-    bad = [jax.tree_util.keystr(path) for path, ok in zip(paths, finite) if not ok]
+    bad = [param_name(path) for path, ok in zip(paths, finite) if not ok]
     return bad[0] if bad else None
 
 

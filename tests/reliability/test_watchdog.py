@@ -1,0 +1,81 @@
+"""Runs that cannot make progress end with one clear line (exit status 2) instead of training on nothing: a
+retriever that keeps failing (the run is saved and resumes once it is back) and a model whose parameters are not
+finite (every update skipped)."""
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from llds_jax.model import hf_io
+from tests.e2e.runs import finish, read_metrics
+from tests.reliability.scripted_retriever import ScriptedRetriever
+
+TIMEOUT_S = 300
+
+
+def checkpoints(run_dir) -> list[int]:
+    return sorted(int(name) for name in os.listdir(os.path.join(run_dir, "checkpoints")) if name.isdigit())
+
+
+def error_line(launched) -> str:
+    """The process's last line, after asserting it ended with exit status 2 and without a traceback."""
+    launched.process.wait(TIMEOUT_S)
+    output = launched.output()
+    assert launched.process.returncode == 2, output[-4000:]
+    assert "Traceback" not in output
+    return output.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_retriever_failing_for_two_steps_ends_the_run_saved_and_it_resumes(searching_runs):
+    run_dir = searching_runs.run_dir("outage")
+    with ScriptedRetriever() as server:
+        launched = None
+
+        def outage_from_step_2(queries):  # every search after step 1's console line fails (HTTP 503)
+            if "step 1/3" in launched.output():
+                server.failing = True
+
+        server.on_request = outage_from_step_2
+        launched = searching_runs.start(server.config(), "outage", rollout__max_failed_search_steps=2)
+        line = error_line(launched)
+        assert re.fullmatch(
+            r"llds_jax: error: the retriever failed more than 50% of the searches in 2 steps in a row "
+            r"\(rollout.search_failure_rate, rollout.max_failed_search_steps\); last error: http backend at "
+            + re.escape(server.url) + r": gave up after 1 attempt, last error: HttpStatusError: HTTP 503: "
+            r'\{"error": "scripted outage"\}; the run is saved before step 3: the same command resumes there',
+            line), line
+        # Step 2 trained on failed searches (one failing step is tolerated); step 3's did not reach the updates.
+        assert checkpoints(run_dir) == [2]
+        assert [r["rollout/retriever_errors"] > 0 for r in read_metrics(run_dir)] == [False, True]
+
+        server.on_request, server.failing = None, False
+        outputs = finish([searching_runs.start(server.config(), "outage", rollout__max_failed_search_steps=2)],
+                         TIMEOUT_S)
+    assert "resumed from step 2" in outputs[0]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[2]["rollout/retriever_errors"] == 0
+
+
+@pytest.mark.slow
+def test_a_model_with_nan_weights_stops_after_the_skipped_updates_naming_the_parameter(searching_runs, policy,
+                                                                                      tmp_path):
+    broken = str(tmp_path / "nan_policy")
+    shutil.copytree(policy[0], broken)
+    model = hf_io.load_model(policy[0], dtype="float32", param_dtype="float32")
+    down_proj = np.asarray(model.layers.down_proj.get_value()).copy()
+    down_proj[0, 0, 0] = np.nan
+    model.layers.down_proj.set_value(down_proj)
+    hf_io.save_model(model, broken)
+    with ScriptedRetriever() as server:
+        launched = searching_runs.start(server.config(), "nan", "--config.model.path=" + broken,
+                                        optim__max_skipped_updates=40)
+        line = error_line(launched)
+    # 32 updates a step: the 40th skipped one in a row is in step 2.
+    assert line == ("llds_jax: error: 64 updates in a row were skipped for a non-finite loss or gradient "
+                    "(optim.max_skipped_updates=40); the parameter layers.down_proj holds non-finite values")
+    records = read_metrics(searching_runs.run_dir("nan"))
+    assert [(r["step"], r["actor/nonfinite"]) for r in records] == [(1, 32), (2, 32)]
+    assert checkpoints(searching_runs.run_dir("nan")) == []  # a state that is the problem is not saved
