@@ -6,6 +6,7 @@ which `llds_jax.search.factory` validates per backend) or change a value's type.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import ml_collections
@@ -188,6 +189,37 @@ def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDi
         if not ok or (isinstance(value, bool) != isinstance(expected, bool)):
             raise ConfigError(f"config key {name!r} must be {_type_name(expected)}, got {_type_name(value)} "
                               f"{value!r}")
+
+
+# Words of a key whose value is a secret ("es_password", "access_token", ...); "key" only after api/access/private.
+_SECRET_WORDS = frozenset({"password", "passwd", "secret", "token", "apikey", "credential", "credentials", "auth"})
+_KEY_QUALIFIERS = frozenset({"api", "access", "private"})
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+REDACTED = "***"
+
+
+def _is_secret_key(key: str) -> bool:
+    words = set(re.split(r"[^a-z0-9]+", key.lower()))
+    return bool(words & _SECRET_WORDS) or ("key" in words and bool(words & _KEY_QUALIFIERS))
+
+
+def _redact(key: str, value: Any) -> Any:
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+        return {k: _redact(k, v) for k, v in value.items()}
+    if _is_secret_key(key) and value not in (None, "", (), []):
+        return REDACTED
+    if isinstance(value, str):
+        return _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact(key, v) for v in value)
+    return value
+
+
+def redacted(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `cfg` safe to print or save: the user info of every URL in a string value (also inside lists, e.g.
+    `retriever.hosts = "https://elastic:PASSWORD@host:9200"`) becomes `***@`, and the value of every key named like
+    a secret (password, token, secret, api_key, credentials, auth, ...) becomes `***`."""
+    return ml_collections.ConfigDict(_redact("", cfg))
 
 
 def rollout_batch_size(cfg: ml_collections.ConfigDict) -> int:

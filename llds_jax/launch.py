@@ -71,6 +71,8 @@ def _params_for_eval(trainer):
 
 def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     """Runs one mode; returns the process exit status."""
+    from llds_jax import config as config_lib
+
     if mode == "compile":
         from llds_jax import compile_check
 
@@ -94,7 +96,7 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
         if mode == "sft":
             return 0
     if distributed.is_main_process():
-        print(cfg, flush=True)
+        print(config_lib.redacted(cfg), flush=True)
     trainer = Trainer(cfg, training=mode == "train")
     try:
         if mode == "train":
