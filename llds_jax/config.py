@@ -6,12 +6,15 @@ which `llds_jax.search.factory` validates per backend) or change a value's type.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import ml_collections
 
+from llds_jax.rl import config as rl_config
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
-from llds_jax.rl.train_step import UpdateConfig
+from llds_jax.rl.terms import registered_loss_terms
+from llds_jax.rl.train_step import REFERENCE_DTYPES, UpdateConfig
 from llds_jax.rollout.agent import AgentConfig
 from llds_jax.rollout.sampler import SamplingConfig
 
@@ -48,8 +51,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.distributed.process_id = -1
 
     c.data = ml_collections.ConfigDict()
-    # File lists are tuples: the command line can override a tuple (`--config.data.train_files=PATH`, repeated for
-    # several files), never a list; a config file may still assign a list (it becomes a tuple).
+    # File lists are tuples: on the command line comma-separated paths (`--config.data.train_files=a.parquet,b.parquet`),
+    # repeated flags or a tuple literal (llds_jax.launch); a config file may still assign a list.
     c.data.train_files = ("data/nq_hotpotqa_train/train.parquet",)
     c.data.eval_files = ("data/nq_hotpotqa_train/test.parquet",)
     c.data.prompts_per_step = 512       # P
@@ -195,6 +198,37 @@ def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDi
                               f"{value!r}")
 
 
+# Words of a key whose value is a secret ("es_password", "access_token", ...); "key" only after api/access/private.
+_SECRET_WORDS = frozenset({"password", "passwd", "secret", "token", "apikey", "credential", "credentials", "auth"})
+_KEY_QUALIFIERS = frozenset({"api", "access", "private"})
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+REDACTED = "***"
+
+
+def _is_secret_key(key: str) -> bool:
+    words = set(re.split(r"[^a-z0-9]+", key.lower()))
+    return bool(words & _SECRET_WORDS) or ("key" in words and bool(words & _KEY_QUALIFIERS))
+
+
+def _redact(key: str, value: Any) -> Any:
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+        return {k: _redact(k, v) for k, v in value.items()}
+    if _is_secret_key(key) and value not in (None, "", (), []):
+        return REDACTED
+    if isinstance(value, str):
+        return _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact(key, v) for v in value)
+    return value
+
+
+def redacted(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `cfg` safe to print or save: the user info of every URL in a string value (also inside lists, e.g.
+    `retriever.hosts = "https://elastic:PASSWORD@host:9200"`) becomes `***@`, and the value of every key named like
+    a secret (password, token, secret, api_key, credentials, auth, ...) becomes `***`."""
+    return ml_collections.ConfigDict(_redact("", cfg))
+
+
 def rollout_batch_size(cfg: ml_collections.ConfigDict) -> int:
     """Trajectories per training step: prompts_per_step x samples_per_prompt."""
     return cfg.data.prompts_per_step * cfg.data.samples_per_prompt
@@ -204,29 +238,78 @@ def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
     return rollout_batch_size(cfg) // cfg.optim.mini_batch_size
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Schema plus the combinations a run cannot start with; each error names the key."""
-    check_schema(cfg)
-    from llds_jax import parallel
-    data, fsdp, _ = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    for key in ("prompts_per_step", "samples_per_prompt"):
-        if cfg.data[key] < 1:
-            raise ConfigError(f"data.{key} must be >= 1, got {cfg.data[key]}")
-    batch = rollout_batch_size(cfg)
-    if batch % cfg.optim.mini_batch_size:
-        raise ConfigError(f"optim.mini_batch_size ({cfg.optim.mini_batch_size}) must divide the rollout batch "
-                          f"data.prompts_per_step x data.samples_per_prompt = {batch}")
-    if cfg.optim.micro_batch_size % (data * fsdp):
-        raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
-                          f"mesh's batch axes data x fsdp = {data * fsdp}")
-    if cfg.train.total_steps < 1:
-        raise ConfigError(f"train.total_steps must be >= 1, got {cfg.train.total_steps}")
-    if not 0 <= cfg.optim.warmup_ratio <= 1:
-        raise ConfigError(f"optim.warmup_ratio must be in [0, 1], got {cfg.optim.warmup_ratio}")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+CHAT_TEMPLATES = ("base", "instruct", "")  # "": no fallback (the tokenizer must bring its own template)
+
+# (keys, test, what the value must be): the bounds a run would otherwise crash on (or fail late) without naming the key.
+_BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
+    (("data.prompts_per_step", "data.samples_per_prompt", "rollout.max_turn_tokens", "rollout.max_observation_tokens",
+      "rollout.max_prompt_tokens", "rollout.max_context_tokens", "rollout.max_response_tokens",
+      "rollout.retrieval_top_k", "rollout.decode_chunk", "rollout.min_capacity_bucket",
+      "rollout.min_observation_bucket", "optim.mini_batch_size", "optim.micro_batch_size", "optim.logp_time_chunk",
+      "train.total_steps", "train.checkpoint_every", "train.keep_checkpoints", "train.sequence_bucket",
+      "eval.batch_size", "sft.steps", "sft.batch_size", "sft.max_length", "sft.sequence_bucket", "sft.log_every",
+      "demo.num_people", "demo.vocab_size", "demo.hidden_size", "demo.num_layers", "demo.num_heads",
+      "demo.num_kv_heads", "demo.intermediate_size"), lambda v: v >= 1, ">= 1"),
+    (("rollout.max_turns", "rollout.max_batch_size", "rollout.top_k", "objective.clip_ratio", "objective.entropy_coef",
+      "objective.kl_coef", "objective.llds.lam", "objective.llds.answer_beta", "objective.llds.adaptive_c",
+      "optim.learning_rate", "optim.weight_decay", "train.lld_every", "train.eval_every", "train.eval_max_examples",
+      "train.transcripts_every", "train.num_transcripts", "eval.max_turns", "eval.max_examples",
+      "sft.curriculum_steps", "sft.warmup_steps", "sft.weight_decay", "distributed.num_processes"),
+     lambda v: v >= 0, ">= 0"),
+    (("rollout.temperature", "rollout.search_timeout_s", "objective.kl_clamp", "optim.max_grad_norm", "optim.adam_eps",
+      "sft.learning_rate", "sft.max_grad_norm", "demo.initializer_range"), lambda v: v > 0, "> 0"),
+    (("objective.ratio_cap",), lambda v: v > 1, "> 1"),
+    (("rollout.top_p",), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("optim.warmup_ratio", "demo.search_fraction"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+    (("optim.adam_b1", "optim.adam_b2"), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("distributed.process_id",), lambda v: v >= -1, ">= 0 (or -1: detected)"),
+)
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The keys that name one of a fixed set of values, and those values."""
+    from llds_jax.demo import TOKENIZERS
+    return {"model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
+            "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
+            "objective.llds.variant": registered_loss_terms(), "objective.llds.gate": rl_config.GATES,
+            "objective.llds.answer_weighting": rl_config.ANSWER_WEIGHTINGS,
+            "optim.reference_dtype": REFERENCE_DTYPES, "demo.tokenizer": TOKENIZERS}
+
+
+def _value(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def _check_values(cfg: ml_collections.ConfigDict) -> None:
+    """Every value and combination that needs no device count; each error names the run-config key."""
+    for keys, test, what in _BOUNDS:
+        for key in keys:
+            if not test(_value(cfg, key)):
+                raise ConfigError(f"{key} must be {what}, got {_value(cfg, key)!r}")
+    for key, choices in _choices().items():
+        if _value(cfg, key) not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {_value(cfg, key)!r}")
     if not cfg.run_dir:
         raise ConfigError("run_dir must be set")
-    if not cfg.model.path:
+    if not cfg.model.path and not cfg.demo.enabled:  # the demo points model.path at its generated policy
         raise ConfigError("model.path must name a Hugging Face checkpoint folder")
+    r, o = cfg.rollout, cfg.optim
+    if r.max_prompt_tokens >= r.max_context_tokens:
+        raise ConfigError(f"rollout.max_prompt_tokens ({r.max_prompt_tokens}) must be below "
+                          f"rollout.max_context_tokens ({r.max_context_tokens})")
+    batch = rollout_batch_size(cfg)
+    if batch % o.mini_batch_size:
+        raise ConfigError(f"optim.mini_batch_size ({o.mini_batch_size}) must divide the rollout batch "
+                          f"data.prompts_per_step x data.samples_per_prompt = {batch}")
+    if o.mini_batch_size % o.micro_batch_size:
+        raise ConfigError(f"optim.micro_batch_size ({o.micro_batch_size}) must divide optim.mini_batch_size "
+                          f"({o.mini_batch_size})")
+    for key in ("warmup_steps", "curriculum_steps"):
+        if cfg.sft[key] > cfg.sft.steps:
+            raise ConfigError(f"sft.{key} ({cfg.sft[key]}) must be at most sft.steps ({cfg.sft.steps})")
     if cfg.model.preset:
         from llds_jax.model import PRESETS
         if cfg.model.preset.lower() not in PRESETS:
@@ -237,10 +320,28 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
             resolve_topology(cfg.mesh.topology)
         except TopologyError as e:
             raise ConfigError(f"mesh.topology: {e}") from None
-    # The typed views validate their own fields (each error names its key).
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Schema, values and the combinations a run cannot start with; each error names the run-config key.
+
+    Without `num_devices` (before the devices are known) the mesh is not checked; everything else is.
+    """
+    check_schema(cfg)
+    _check_values(cfg)
+    if num_devices is None:
+        return
+    from llds_jax import parallel
+    data, fsdp, _ = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if cfg.optim.micro_batch_size % (data * fsdp):
+        raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
+                          f"mesh's batch axes data x fsdp = {data * fsdp}")
+    # The typed views check their own fields again (their messages name their own fields, which _check_values
+    # has already covered under the run-config keys).
     objective_config(cfg)
     update_config(cfg)
     agent_config(cfg)
+    agent_config(cfg, evaluation=True)
 
 
 def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:

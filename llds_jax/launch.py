@@ -12,19 +12,39 @@ With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused w
 output.
 
 Every path may be local or gs:// (docs/gcs.md). A bad config, a missing file or bucket, GCS out of reach (or without
-credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2.
+credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2. The
+whole config is validated (llds_jax.config.validate) before anything heavy runs: demo assets, the warm start, model
+loading, rollouts.
+
+A file-list key (a tuple: `data.train_files`, `data.eval_files`, `sft.data_files`, `sft.curriculum_files`) takes
+comma-separated paths on the command line (`--config.data.train_files=a.parquet,gs://b/b.parquet`), repeated flags
+(their paths add up) or a Python tuple (`"('a.parquet', 'b.parquet')"`, the way to give a path holding a comma).
 """
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
 from absl.logging import converter as absl_converter
 from ml_collections import config_flags
+from ml_collections.config_flags import tuple_parser
 
 from llds_jax import gcs
+
+
+class _PathListParser(tuple_parser.TupleParser):
+    """Command-line value of a tuple (file-list) key: comma-separated paths, or a Python tuple/list literal."""
+
+    def parse(self, argument):
+        if isinstance(argument, str) and not argument.lstrip().startswith(("(", "[")):
+            return tuple(path.strip() for path in argument.split(",") if path.strip())
+        return super().parse(argument)
+
+
+config_flags.register_flag_parser_for_type(tuple, _PathListParser())
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft", "compile"], "What to run.")
@@ -74,6 +94,10 @@ def _params_for_eval(trainer):
 
 def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     """Runs one mode; returns the process exit status."""
+    from llds_jax import config as config_lib
+
+    if mode != "compile":  # compile_check validates against the topology's device count
+        config_lib.validate(cfg)
     if mode == "compile":
         from llds_jax import compile_check
 
@@ -97,7 +121,7 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
         if mode == "sft":
             return 0
     if distributed.is_main_process():
-        print(cfg, flush=True)
+        print(config_lib.redacted(cfg), flush=True)
     trainer = Trainer(cfg, training=mode == "train")
     try:
         if mode == "train":
@@ -188,17 +212,59 @@ def main(argv) -> None:
         sys.exit(EXIT_BAD_INPUT)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors: an override key that does not exist, or a value of the wrong type."""
+def _config_file(argv: list[str]) -> str | None:
+    """The file of `--config=PATH[:ARGS]` (or `--config PATH`) in argv, if given."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(("--config=", "-config=")):
+            return arg.split("=", 1)[1].split(":", 1)[0]
+        if arg in ("--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1].split(":", 1)[0]
+    return None
+
+
+def _config_file_problem(path: str) -> str | None:
+    """Why the config file cannot be loaded (missing, unreadable, a syntax error), checked without running it."""
     try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        print(f"llds_jax: error: {e}", file=sys.stderr)
-    except (AttributeError, KeyError) as e:
-        missing = str(e).strip("'\"")
-        keys = [a.split("=", 1)[0][2:] for a in argv[1:] if a.startswith("--config.")]
-        named = [k for k in keys if missing in k.split(".")] or keys
-        print(f"llds_jax: error: unknown config key {', '.join(named)}", file=sys.stderr)
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except OSError as e:
+        return f"config file {path}: {e.strerror}"
+    try:
+        compile(source, path, "exec")
+    except SyntaxError as e:
+        return f"config file {path}, line {e.lineno}: {e.msg}"
+    return None
+
+
+def _unknown_key(error: BaseException, argv: list[str], path: str | None) -> str:
+    """The message of an override that names no key (config_flags raises KeyError, or AttributeError around one)."""
+    cause = error.args[0] if error.args and isinstance(error.args[0], BaseException) else error
+    text = str(cause.args[0]) if cause.args else ""
+    missing = text.splitlines()[0].strip("'\"") if text else ""
+    keys = [a.split("=", 1)[0].split(".", 1)[1] for a in argv[1:] if re.match(r"--?(no)?config\.", a)]
+    named = [k for k in keys if missing in k.split(".")]
+    if not named:  # not an override's key: the config file itself failed (e.g. it has no get_config)
+        return f"config file {path}: {text.splitlines()[0] if text else type(cause).__name__}"
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    if not hint:
+        return f"unknown config key {named[0]}"
+    parent = named[0].rpartition(".")[0]
+    return f"unknown config key {named[0]} (did you mean {parent + '.' if parent else ''}{hint[1]}?)"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with one-line errors: a missing config file or one with a syntax error, an override key
+    that does not exist, or a value of the wrong type."""
+    path = _config_file(argv)
+    message = _config_file_problem(path) if path else None
+    if message is None:
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            message = str(e)
+        except (AttributeError, KeyError) as e:
+            message = _unknown_key(e, argv, path)
+    print(f"llds_jax: error: {message}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 
 

@@ -77,3 +77,8 @@ def get_loss_term(name: str) -> LossTerm:
     if name not in _LOSS_TERMS:
         raise KeyError(f"no loss term named {name!r}; registered: {sorted(_LOSS_TERMS)}")
     return _LOSS_TERMS[name]
+
+
+def registered_loss_terms() -> tuple[str, ...]:
+    """The names of every registered loss term, sorted."""
+    return tuple(sorted(_LOSS_TERMS))

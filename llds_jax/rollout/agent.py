@@ -127,7 +127,8 @@ def turn_stop_ids(tokenizer) -> tuple[int, ...]:
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             ids.add(token_id)
     if not ids:
-        raise ValueError("the tokenizer has no EOS token: set sampling.stop_ids explicitly")
+        raise ValueError("the tokenizer of model.tokenizer_path (default: model.path) has no EOS token: set "
+                         "eos_token in its tokenizer_config.json")
     return tuple(sorted(ids))
 
 

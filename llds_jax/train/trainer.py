@@ -322,7 +322,7 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+            (self.run_dir / "config.json").write_text(config_lib.redacted(cfg).to_json_best_effort(indent=2))
         state = self.step_fn.init_state()
         ref_params = self.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
         ckpt = Checkpointer(str(self.run_dir / "checkpoints"), save_every=cfg.train.checkpoint_every,

@@ -95,7 +95,7 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("--config.optim.lamda=1", "llds_jax: error: unknown config key config.optim.lamda\n"),
+    ("--config.optim.lamda=1", "llds_jax: error: unknown config key optim.lamda\n"),
     ("--config.optim.learning_rate=abc", "could not convert string to float: 'abc'"),
     ("--config.optim.mini_batch_size=3", "optim.mini_batch_size (3) must divide the rollout batch"),
 ])

@@ -1,0 +1,91 @@
+"""Bad run configs through the real command `python -m llds_jax.launch`: one stderr line naming the run-config key,
+exit status 2, before anything heavy runs. The config's model.path names a folder that does not exist, so a command
+that got as far as loading the model would end with another message ("tokenizer folder not found")."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.configs import CONFIGS
+
+ROOT = os.path.dirname(CONFIGS)
+MISSING_MODEL = "/nonexistent/llds-model"
+CONFIG_TEXT = f"""\
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("tiny_test", {os.path.join(CONFIGS, "tiny_test.py")!r})
+_tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tiny)
+
+
+def get_config():
+    c = _tiny.get_config()
+    c.demo.enabled = False
+    c.model.path = {MISSING_MODEL!r}
+    return c
+"""
+
+
+@pytest.fixture
+def config(tmp_path) -> str:
+    """configs/tiny_test.py without the demo, its model.path a folder that does not exist."""
+    path = tmp_path / "cfg.py"
+    path.write_text(CONFIG_TEXT)
+    return str(path)
+
+
+def launch(config: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "llds_jax.launch", f"--config={config}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, message: str) -> None:
+    assert (proc.returncode, proc.stderr) == (2, f"llds_jax: error: {message}\n")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.optim.mini_batch_size=0", "optim.mini_batch_size must be >= 1, got 0"),
+    ("--config.model.dtype=float8", "model.dtype must be one of 'float32', 'bfloat16', 'float16', got 'float8'"),
+    ("--config.objective.llds.variant=bogus",
+     "objective.llds.variant must be one of 'entropy', 'kl', 'llds', 'policy', got 'bogus'"),
+    ("--config.eval.batch_size=0", "eval.batch_size must be >= 1, got 0"),
+    ("--config.rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5"),
+    ("--config.rollout.top_k=-1", "rollout.top_k must be >= 0, got -1"),
+    ("--config.rollout.temperature=0", "rollout.temperature must be > 0, got 0.0"),
+    ("--config.rollout.retrieval_top_k=0", "rollout.retrieval_top_k must be >= 1, got 0"),
+    ("--config.rollout.max_prompt_tokens=512",
+     "rollout.max_prompt_tokens (512) must be below rollout.max_context_tokens (512)"),
+    ("--config.train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
+    ("--config.train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
+    ("--config.train.lld_every=-1", "train.lld_every must be >= 0, got -1"),
+    ("--config.objective.kl_estimator=k9",
+     "objective.kl_estimator must be one of 'k1', 'abs', 'mse', 'low_var_kl', got 'k9'"),
+    ("--config.sft.batch_size=0", "sft.batch_size must be >= 1, got 0"),
+    ("--config.retriever.indexdir=/x", "unknown config key retriever.indexdir (did you mean retriever.index_dir?)"),
+    ("--config.optim.lamda=1", "unknown config key optim.lamda"),
+])
+def test_bad_value_names_the_run_config_key(config, override, message):
+    assert_one_line(launch(config, override), message)
+
+
+def test_missing_config_file(tmp_path):
+    path = str(tmp_path / "no_such_config.py")
+    assert_one_line(launch(path), f"config file {path}: No such file or directory")
+
+
+def test_syntax_error_in_config_file(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("def get_config():\n    return dict(a=1,,)\n")
+    assert_one_line(launch(str(path)), f"config file {path}, line 2: invalid syntax")
+
+
+def test_file_lists_take_comma_separated_paths(config):
+    """The command gets as far as the model load (valid values fail only there) with the overridden lists, shown in
+    the config it prints before loading."""
+    proc = launch(config, "--config.data.train_files=/d/a.parquet,/d/b.parquet", "--config.data.eval_files=")
+    assert_one_line(proc, f"tokenizer folder not found: {MISSING_MODEL}")
+    assert "  eval_files: !!python/tuple []\n" in proc.stdout
+    assert "  train_files: !!python/tuple\n  - /d/a.parquet\n  - /d/b.parquet\n" in proc.stdout

@@ -1,0 +1,116 @@
+"""Secrets stay in the process: a password in the Elasticsearch host URL (docs/retrieval.md) appears in no output of
+a real one-step training run and in no file of its run folder; `config.redacted` is what the run prints and saves."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import ml_collections
+import pytest
+
+from llds_jax import config as config_lib
+from llds_jax import demo
+from tests.configs import CONFIGS, load
+from tests.servers import delete_es_index
+
+ROOT = os.path.dirname(CONFIGS)
+PASSWORD = "Pw-4f81c9e2-never-printed"
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The tiny config's world files, random 1-layer policy and tokenizer."""
+    return demo.assets_for(load("tiny_test"), str(tmp_path_factory.mktemp("secrets_assets")))
+
+
+@pytest.fixture(scope="module")
+def es_index(es_url, assets):
+    """The tiny world's corpus indexed on `es_url` with the real command; deleted afterwards."""
+    name = f"llds-secrets-{uuid.uuid4().hex[:8]}"
+    corpus = os.path.join(os.path.dirname(assets["train"]), "corpus.jsonl")
+    built = subprocess.run([sys.executable, "-m", "index_builder", corpus, "--to", "elasticsearch", "--es-hosts",
+                            es_url, "--es-index", name, "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert built.returncode == 0, built.stdout + built.stderr
+    yield name
+    delete_es_index(es_url, name)
+
+
+def with_password(url: str) -> str:
+    """`url` (http://host:port) with user info elastic:PASSWORD."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://elastic:{PASSWORD}@{rest}"
+
+
+def write_config(path, assets, run_dir: str, hosts: str, index: str) -> str:
+    """configs/tiny_test.py on prebuilt assets, retrieving from Elasticsearch at `hosts`, one step, no evaluation."""
+    path.write_text(textwrap.dedent(f"""\
+        import importlib.util
+
+        import ml_collections
+
+        _spec = importlib.util.spec_from_file_location("tiny_test", {os.path.join(CONFIGS, "tiny_test.py")!r})
+        _tiny = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(_tiny)
+
+
+        def get_config():
+            c = _tiny.get_config()
+            c.run_dir = {run_dir!r}
+            c.demo.enabled = False
+            c.model.path = {assets["model"]!r}
+            c.data.train_files = ({assets["train"]!r},)
+            c.data.eval_files = ()
+            c.retriever = ml_collections.ConfigDict({{"backend": "elasticsearch", "hosts": {hosts!r},
+                                                      "index": {index!r}}})
+            c.train.total_steps = 1
+            c.train.eval_every = 0
+            c.train.final_eval = False
+            return c
+        """))
+    return str(path)
+
+
+def files_holding(folder: str, secret: str) -> list[str]:
+    """Every file under `folder` whose bytes contain `secret`."""
+    found = []
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(parent, name), "rb") as f:
+                if secret.encode() in f.read():
+                    found.append(os.path.join(parent, name))
+    return found
+
+
+@pytest.mark.slow
+def test_password_in_es_host_url_is_in_no_output_or_file_of_a_run(tmp_path, assets, es_url, es_index):
+    run_dir = str(tmp_path / "run")
+    hosts = with_password(es_url)
+    config = write_config(tmp_path / "cfg.py", assets, run_dir, hosts, es_index)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "llds_jax.launch", f"--config={config}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training stopped after step 1 of 1" in proc.stdout
+    assert PASSWORD not in proc.stdout and PASSWORD not in proc.stderr
+    assert files_holding(run_dir, PASSWORD) == []
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["retriever"]["hosts"] == es_url.replace("://", "://***@")
+    assert "hosts: " + es_url.replace("://", "://***@") in proc.stdout  # the printed config
+
+
+def test_redacted_hides_url_user_info_and_secret_keys():
+    cfg = load("tiny_test")
+    cfg.retriever = ml_collections.ConfigDict({
+        "backend": "elasticsearch", "hosts": ("https://elastic:pw1@a:9200", "https://b:9200"), "index": "wiki18",
+        "api_key": "k3y", "es_password": "pw2"})
+    cfg.model.path = "gs://bucket/models/qwen"
+    shown = config_lib.redacted(cfg)
+    assert shown.retriever.to_dict() == {"backend": "elasticsearch", "hosts": ("https://***@a:9200", "https://b:9200"),
+                                         "index": "wiki18", "api_key": "***", "es_password": "***"}
+    assert shown.model.path == "gs://bucket/models/qwen" and shown.rollout.max_turn_tokens == 8
+    assert cfg.retriever.hosts[0] == "https://elastic:pw1@a:9200"  # the run itself keeps the secret
