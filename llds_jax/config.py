@@ -51,8 +51,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.distributed.process_id = -1
 
     c.data = ml_collections.ConfigDict()
-    # File lists are tuples: on the command line comma-separated paths (`--config.data.train_files=a.parquet,b.parquet`),
-    # repeated flags or a tuple literal (llds_jax.launch); a config file may still assign a list.
+    # File lists are tuples: on the command line comma-separated paths
+    # (`--config.data.train_files=a.parquet,b.parquet`), repeated flags or a tuple literal (llds_jax.launch); a config
+    # file may still assign a list.
     c.data.train_files = ("data/nq_hotpotqa_train/train.parquet",)
     c.data.eval_files = ("data/nq_hotpotqa_train/test.parquet",)
     c.data.prompts_per_step = 512       # P
@@ -255,13 +256,15 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "objective.kl_coef", "objective.llds.lam", "objective.llds.answer_beta", "objective.llds.adaptive_c",
       "optim.learning_rate", "optim.weight_decay", "train.lld_every", "train.eval_every", "train.eval_max_examples",
       "train.transcripts_every", "train.num_transcripts", "eval.max_turns", "eval.max_examples",
-      "sft.curriculum_steps", "sft.warmup_steps", "sft.weight_decay", "distributed.num_processes"),
+      "sft.curriculum_steps", "sft.warmup_steps", "sft.weight_decay", "distributed.num_processes",
+      "rollout.max_failed_search_steps", "optim.max_skipped_updates"),
      lambda v: v >= 0, ">= 0"),
     (("rollout.temperature", "rollout.search_timeout_s", "objective.kl_clamp", "optim.max_grad_norm", "optim.adam_eps",
       "sft.learning_rate", "sft.max_grad_norm", "demo.initializer_range"), lambda v: v > 0, "> 0"),
     (("objective.ratio_cap",), lambda v: v > 1, "> 1"),
     (("rollout.top_p",), lambda v: 0 < v <= 1, "in (0, 1]"),
-    (("optim.warmup_ratio", "demo.search_fraction"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+    (("optim.warmup_ratio", "demo.search_fraction", "rollout.search_failure_rate"), lambda v: 0 <= v <= 1,
+     "in [0, 1]"),
     (("optim.adam_b1", "optim.adam_b2"), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("distributed.process_id",), lambda v: v >= -1, ">= 0 (or -1: detected)"),
 )
