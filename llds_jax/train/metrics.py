@@ -13,8 +13,9 @@ Both files are complete on disk after `flush` (every `flush_secs`, before the tr
 `close`). `log_dir` may be local or `gs://...` (through gcsfs). GCS cannot append, so the JSONL file is rewritten
 whole at each flush; TensorBoard events are written to a local staging folder and its files copied up at each
 flush (tensorboardX's own GCS writer uploads the whole file several times per close and once more at interpreter
-exit, which hangs for minutes when GCS is unreachable by then). On resume, pass `start_step`: JSONL records and TensorBoard events at or after it (from the steps run after the last
-checkpoint) are dropped, so the logs match the resumed run.
+exit, which hangs for minutes when GCS is unreachable by then). On resume, pass `start_step`: JSONL records and
+TensorBoard events at or after it (from the steps run after the last checkpoint) are dropped, so the logs match the
+resumed run.
 """
 from __future__ import annotations
 
