@@ -10,8 +10,9 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
   leaves a step that looks complete.
 - The newest `keep` steps are kept, older ones deleted.
 - `restore_latest` tries the newest step first. A step whose files cannot be read (a file deleted, truncated or
-  corrupted after it was written) is reported with a warning naming the step and the error, and the previous step
-  is tried; once one restores, the unreadable newer steps are moved aside to `<step>.unreadable-<unix time>` (so
+  corrupted after it was written) is reported with a one-line warning naming the step and the error (`describe`),
+  and the previous step is tried (the reads orbax left in flight then fail against its closed event loop: those
+  reports are dropped, `drop_orphaned_read_errors`); once one restores, the unreadable newer steps are moved aside to `<step>.unreadable-<unix time>` (so
   the resumed run can save those step numbers again).
   Each attempt is agreed between hosts (`distributed.any_process`), so all hosts resume from the same step.
 - On several hosts every process calls `save`, `restore*` and `wait_until_finished` at the same point (each writes
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -37,6 +39,49 @@ from etils import epath
 from llds_jax import distributed
 
 log = logging.getLogger(__name__)
+
+
+MAX_REASON_CHARS = 300
+
+
+def describe(error: BaseException) -> str:
+    """`Type: message` of a failed read in one line of at most MAX_REASON_CHARS (orbax appends the whole TensorStore
+    spec, dozens of lines, to its message), with the first line of its cause."""
+    def line(e: BaseException) -> str:
+        text = str(e).split(" See full TensorStore details")[0].strip().splitlines()
+        return f"{type(e).__name__}: {text[0] if text else ''}"
+
+    text = line(error) + (f" (caused by {line(error.__cause__)})" if error.__cause__ is not None else "")
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 3] + "..."
+
+
+def _is_orphaned_read_error(error: BaseException | None, where: object = None) -> bool:
+    """A report of a read that orbax left running after a failed restore: its callback finding orbax's event loop
+    closed, or the read's coroutine failing after nobody awaits it any more."""
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    code = getattr(where, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def drop_orphaned_read_errors() -> None:
+    """Makes the process drop (`_is_orphaned_read_error`) the tracebacks that the reads left in flight by a failed
+    restore print later, from other threads or at garbage collection (hundreds of lines for a large model); every
+    other uncaught or unraisable exception is reported as before. Idempotent."""
+    if getattr(sys.excepthook, "drops_orphaned_reads", False):
+        return
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def on_exception(kind, error, traceback):
+        if not _is_orphaned_read_error(error):
+            excepthook(kind, error, traceback)
+
+    def on_unraisable(unraisable):
+        if not _is_orphaned_read_error(unraisable.exc_value, unraisable.object):
+            unraisablehook(unraisable)
+
+    on_exception.drops_orphaned_reads = True
+    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
 
 
 class Restored(NamedTuple):
@@ -191,13 +236,14 @@ class Checkpointer:
                 raise  # the caller's targets are wrong; older steps would not fit either
             except Exception as e:  # noqa: BLE001 - any other failure to read the step means it is unusable
                 error = e
+                drop_orphaned_read_errors()
             if not distributed.any_process(error is not None):
                 if failures:  # resuming from an older step: free the newer step numbers for the next saves
                     for unreadable in failures:
                         self._move_aside(unreadable)
                     self._manager.reload()
                 return restored
-            reason = f"{type(error).__name__}: {error}" if error is not None else "it failed on another host"
+            reason = describe(error) if error is not None else "it failed on another host"
             log.warning("checkpoint step %d in %s is unreadable (%s); falling back to the previous step",
                         step, self.directory, reason)
             failures[step] = reason
