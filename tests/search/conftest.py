@@ -121,9 +121,9 @@ def fresh_es_index(es_url):
     delete_es_index(es_url, name)
 
 
-def start_search_server(port: int, *settings: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`python -m llds_jax.search.server --set ... FLAGS` on loopback `port`; waits until /health answers 200."""
-    args = [sys.executable, "-m", "llds_jax.search.server", "--host", "127.0.0.1", "--port", str(port), *flags]
+def start_search_server(port: int, *settings: str) -> subprocess.Popen:
+    """`python -m llds_jax.search.server --set ...` on loopback `port`; waits until /health answers 200."""
+    args = [sys.executable, "-m", "llds_jax.search.server", "--host", "127.0.0.1", "--port", str(port)]
     for setting in settings:
         args += ["--set", setting]
     process = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
