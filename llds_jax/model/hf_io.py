@@ -32,6 +32,7 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's bound on its JSON header
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -115,6 +116,8 @@ class CheckpointFolder:
         such a file or is shorter than its header says."""
         try:
             (n,) = struct.unpack("<Q", self.read_bytes(file, slice(0, 8)))
+            if n > _MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {n} bytes, more than the format's {_MAX_HEADER_BYTES}")
             header = json.loads(self.read_bytes(file, slice(8, 8 + n)))
             tensors = {}
             for name, info in header.items():
@@ -124,7 +127,8 @@ class CheckpointFolder:
             data_end = 8 + n + max((end for *_, end in tensors.values()), default=0)
             self.read_bytes(file, slice(data_end - 1, data_end))  # the last data byte: the file is not cut short
         except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-            raise ValueError(f"{self.path}/{file}: not a valid safetensors file ({type(e).__name__}: {e})") from None
+            reason = f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line
+            raise ValueError(f"{self.path}/{file}: not a valid safetensors file ({reason})") from None
         for name, (dtype, shape, start, end) in tensors.items():
             if dtype not in _ST_DTYPES:
                 raise ValueError(f"{self.path}/{file}: tensor {name!r} has unsupported dtype {dtype}")
