@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("elastic_transport").setLevel(logging.WARNING)  # it logs every request at INFO
+    # It warns of every failed request; the one-line error below says what failed.
+    logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
     try:
         summary = build(args)
     except CorpusError as e:

@@ -1,8 +1,9 @@
 """Reads a wiki-18 style corpus: JSON lines `{"id": "0", "contents": "\\"Title\\"\\nbody"}`, plain or gzip.
 
 Every passage carries its line number; a malformed line raises `CorpusError` whose message starts with `file:line:`
-and says why, or, with `skip_bad`, is counted and logged instead. Blank lines are ignored. Ids may be JSON strings
-or integers (stored as strings); other fields on a line are ignored.
+and says why, or, with `skip_bad`, is counted and logged instead. Blank lines are ignored; a corpus without any
+passage raises `CorpusError` once read. Ids may be JSON strings or integers (stored as strings); other fields on a
+line are ignored.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ class CorpusReader:
 
     def __iter__(self) -> Iterator[Passage]:
         stream = gzip.GzipFile(fileobj=self._raw, mode="rb") if self._compressed else self._raw
-        number = 0
+        number = passages = 0
         try:
             for number, raw in enumerate(stream, start=1):
                 if not raw.strip():
@@ -88,11 +89,16 @@ class CorpusReader:
                     if self.skipped <= _LOGGED_SKIPS:
                         log.warning("skipped %s", where)
                     continue
+                passages += 1
                 yield Passage(doc_id, contents, number)
         except (OSError, EOFError) as e:  # a truncated or corrupt .gz
             raise CorpusError(f"{self.path}: cannot read past line {number}: {e}") from e
         finally:
             self.close()
+        if not passages:
+            why = (f"all {self.skipped} non-blank lines are malformed" if self.skipped else
+                   "the file is empty" if number == 0 else "it has only blank lines")
+            raise CorpusError(f"{self.path}: no passages to index ({why})")
 
     def close(self) -> None:
         self._raw.close()

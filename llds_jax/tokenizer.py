@@ -143,21 +143,26 @@ def load_tokenizer(path: str, fallback_chat_template: str | None = "base"):
     if not gcs.is_gcs(path):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer folder not found: {path}")
-        return _load_local(path, fallback_chat_template)
+        return _load_local(path, fallback_chat_template, path)
     names = tokenizer_files(path)
     if not names:
         raise FileNotFoundError(f"tokenizer folder not found: {path} (no tokenizer files there)")
     with tempfile.TemporaryDirectory(prefix="llds_tokenizer_") as local:
         gcs.copy_files(path, local, names)
-        tok = _load_local(local, fallback_chat_template)
+        tok = _load_local(local, fallback_chat_template, path)
     tok.name_or_path = path
     return tok
 
 
-def _load_local(folder: str, fallback_chat_template: str | None):
+def _load_local(folder: str, fallback_chat_template: str | None, source: str):
+    """The tokenizer of local `folder` (a copy of `source`); raises ValueError naming `source` when transformers
+    cannot load it (e.g. its config.json is not valid JSON)."""
     from transformers import AutoTokenizer  # deferred: heavy import
 
-    tok = AutoTokenizer.from_pretrained(folder)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except OSError as e:
+        raise ValueError(f"tokenizer folder {source}: {' '.join(str(e).split())}") from None  # one line
     if not getattr(tok, "chat_template", None) and fallback_chat_template:
         tok.chat_template = chat_template(fallback_chat_template)
     return tok

@@ -4,11 +4,16 @@ A Search-R1 row has `id, question, golden_answers, data_source, prompt, ability,
 extra_info`. We need `question`, `golden_answers` (falling back to `reward_model.ground_truth.target`)
 and `data_source`; `id` is kept when present. Search-R1's `extra_info.index` restarts for every
 source, so examples carry their own `uid`, unique within a file, as the GRPO group key.
+
+A row whose golden answers all normalize to nothing (blank, articles or punctuation only: `[""]`, `["The."]`)
+would let an empty answer match; such rows are skipped, with one warning per file that counts them and names the
+first ones. A file that is not parquet/JSONL, or has no usable row, raises ValueError naming it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -18,7 +23,11 @@ import pyarrow.parquet as pq
 from etils import epath
 
 from llds_jax.data.jsonl import iter_jsonl
+from llds_jax.data.rewards import normalize_answer
 from llds_jax.rollout.protocol import make_prompt
+
+log = logging.getLogger(__name__)
+_NAMED_SKIPS = 3  # skipped rows the warning names
 
 REQUIRED_COLUMNS = ("question", "data_source")
 _ANSWERS = "golden_answers"
@@ -61,11 +70,14 @@ def read_qa(path: str | os.PathLike) -> list[QAExample]:
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
     with epath.Path(path).open("rb") as f:  # gcsfs for gs:// (pyarrow's own GCS client is not used)
-        parquet = pq.ParquetFile(f)
-        names = parquet.schema_arrow.names
-        _check_columns(path, names)
-        columns = [name for name in ("id", *REQUIRED_COLUMNS, _ANSWERS, _ANSWERS_FALLBACK) if name in names]
-        records = parquet.read(columns=columns).to_pylist()
+        try:
+            parquet = pq.ParquetFile(f)
+            names = parquet.schema_arrow.names
+            _check_columns(path, names)
+            columns = [name for name in ("id", *REQUIRED_COLUMNS, _ANSWERS, _ANSWERS_FALLBACK) if name in names]
+            records = parquet.read(columns=columns).to_pylist()
+        except pa.ArrowException as e:  # an empty, truncated or non-parquet file
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
     for row, record in enumerate(records):
         yield f"{path}: row {row}", record
 
@@ -87,19 +99,31 @@ def _check_columns(where: str, names: Iterable[str]) -> None:
 
 
 def _examples(path: str, rows: Iterator[tuple[str, dict]]) -> list[QAExample]:
-    examples = []
+    examples, unanswerable = [], []
     for row, (where, record) in enumerate(rows):
         question = _string(where, "question", record["question"])
         data_source = _string(where, "data_source", record["data_source"])
+        golden_answers = _golden_answers(where, record)
+        if not any(normalize_answer(answer) for answer in golden_answers):
+            unanswerable.append(where)
+            continue
         examples.append(QAExample(
             uid=f"{data_source}-{row}",
             question=question,
-            golden_answers=_golden_answers(where, record),
+            golden_answers=golden_answers,
             data_source=data_source,
             id=None if record.get("id") is None else str(record["id"]),
         ))
+    skipped = ""
+    if unanswerable:
+        named = "; ".join(unanswerable[:_NAMED_SKIPS]) + ("; ..." if len(unanswerable) > _NAMED_SKIPS else "")
+        rows = f"{len(unanswerable)} row" + ("s" if len(unanswerable) > 1 else "")
+        skipped = (f"skipped {rows} whose golden answers are all empty once normalized"
+                   f" (blank, articles or punctuation only): {named}")
     if not examples:
-        raise ValueError(f"{path}: no examples")
+        raise ValueError(f"{path}: no examples" + (f"; {skipped}" if skipped else ""))
+    if skipped:
+        log.warning(skipped)
     return examples
 
 

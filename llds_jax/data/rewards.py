@@ -32,7 +32,22 @@ def extract_final_answer(model_text: str) -> str | None:
     return matches[-1].strip() if matches else None
 
 
+def final_answer_turn(turn_texts: Sequence[str]) -> int | None:
+    """Index of the last of the model's turns (texts in order) holding a complete `<answer>...</answer>`, or None.
+
+    The final answer is the last one inside that turn. Turns are never joined: an answer opened in one turn and
+    closed in a later one is no answer, as in Search-R1, where the observation between them breaks it.
+    """
+    for i in range(len(turn_texts) - 1, -1, -1):
+        if _ANSWER_RE.search(turn_texts[i]):
+            return i
+    return None
+
+
 def em_reward(model_text: str, golden_answers: str | Sequence[str]) -> float:
-    """Exact match of the model's final answer against the gold answers; 0.0 when it gave no answer."""
+    """Exact match of the model's final answer against the gold answers; 0.0 when it gave no answer, or one that
+    normalizes to nothing (e.g. "" or "The."), which would otherwise match a gold answer that does too."""
     answer = extract_final_answer(model_text)
-    return 0.0 if answer is None else exact_match(answer, golden_answers)
+    if answer is None or not normalize_answer(answer):
+        return 0.0
+    return exact_match(answer, golden_answers)

@@ -32,6 +32,7 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's bound on its JSON header
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -48,10 +49,23 @@ def _read_optional(kv: ts.KvStore, key: str, byte_range: Optional[slice] = None)
     return None if result.state == "missing" else bytes(result.value)
 
 
+def _parse_json(where: str, data: bytes) -> dict[str, Any]:
+    """The JSON object in `data` (the file `where`); raises ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(data)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        reason = f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
+        raise ValueError(f"{where}: invalid JSON ({reason})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _read_json(path: str, name: str) -> Optional[dict[str, Any]]:
-    """The JSON file `name` of a checkpoint folder (local or gs://), or None when it has none."""
+    """The JSON file `name` of a checkpoint folder (local or gs://), or None when it has none; raises ValueError
+    naming the file when it is not a JSON object."""
     data = _read_optional(ts.KvStore.open(_kvstore_url(path)).result(), name)
-    return None if data is None else json.loads(data)
+    return None if data is None else _parse_json(f"{path}/{name}", data)
 
 
 def read_generation_config(path: str) -> Optional[dict[str, Any]]:
@@ -76,8 +90,11 @@ class CheckpointFolder:
         self._tensors: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
         index = self._read_optional(INDEX_FILE)
         if index is not None:
-            files = sorted(set(json.loads(index)["weight_map"].values()))
-        elif self._read_optional(SINGLE_FILE, byte_range=slice(0, 8)) is not None:
+            weight_map = _parse_json(f"{self.path}/{INDEX_FILE}", index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{self.path}/{INDEX_FILE}: no \"weight_map\" object")
+            files = sorted(set(weight_map.values()))
+        elif self._read_optional(SINGLE_FILE, byte_range=slice(0, 0)) is not None:
             files = [SINGLE_FILE]
         else:
             raise FileNotFoundError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} found")
@@ -94,15 +111,28 @@ class CheckpointFolder:
         return data
 
     def _read_header(self, file: str) -> None:
-        (n,) = struct.unpack("<Q", self.read_bytes(file, slice(0, 8)))
-        header = json.loads(self.read_bytes(file, slice(8, 8 + n)))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in _ST_DTYPES:
-                raise ValueError(f"{self.path}/{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
-            start, end = info["data_offsets"]
-            self._tensors[name] = (file, info["dtype"], tuple(info["shape"]), 8 + n + start, 8 + n + end)
+        """Records the tensors of one safetensors file: an 8-byte little-endian header length n, n bytes of JSON
+        {name: {dtype, shape, data_offsets}}, then the data. Raises ValueError naming the file when it is not
+        such a file or is shorter than its header says."""
+        try:
+            (n,) = struct.unpack("<Q", self.read_bytes(file, slice(0, 8)))
+            if n > _MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {n} bytes, more than the format's {_MAX_HEADER_BYTES}")
+            header = json.loads(self.read_bytes(file, slice(8, 8 + n)))
+            tensors = {}
+            for name, info in header.items():
+                if name != "__metadata__":
+                    start, end = info["data_offsets"]
+                    tensors[name] = (info["dtype"], tuple(info["shape"]), int(start), int(end))
+            data_end = 8 + n + max((end for *_, end in tensors.values()), default=0)
+            self.read_bytes(file, slice(data_end - 1, data_end))  # the last data byte: the file is not cut short
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+            reason = f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line
+            raise ValueError(f"{self.path}/{file}: not a valid safetensors file ({reason})") from None
+        for name, (dtype, shape, start, end) in tensors.items():
+            if dtype not in _ST_DTYPES:
+                raise ValueError(f"{self.path}/{file}: tensor {name!r} has unsupported dtype {dtype}")
+            self._tensors[name] = (file, dtype, shape, 8 + n + start, 8 + n + end)
 
     def config(self) -> dict[str, Any]:
         return read_config(self.path)

@@ -7,11 +7,12 @@ the context (an information block, a search error block or the invalid-action me
 Per-token arrays of a trajectory of T tokens (prompt + response), aligned with `tokens`:
   loss_mask     1 on model tokens, 0 on prompt and observation tokens.
   action_ids    the turn (0, 1, ...) a model token belongs to, -1 elsewhere.
-  answer_mask   1 on the model tokens spanning the final `<answer>...</answer>` of the model text (tags included;
-                a token straddling a tag boundary counts), 0 elsewhere.
+  answer_mask   1 on the model tokens spanning the final answer, the last `<answer>...</answer>` complete inside
+                one model turn (tags included; a token straddling a tag boundary counts), 0 elsewhere.
   sampler_logp  log p(token t | tokens < t) under the sampling distribution for model tokens, 0 elsewhere.
-The reward is exact match of the final answer in the model's own text (observations excluded); it belongs on the
-last model token (the last 1 of loss_mask).
+The reward is exact match of that final answer (observations are never scored, and turns are never joined: an
+answer opened in one turn and closed in the next is no answer, as in Search-R1); it belongs on the last model token
+(the last 1 of loss_mask).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from llds_jax.data.qa import QAExample
-from llds_jax.data.rewards import em_reward, extract_final_answer
+from llds_jax.data.rewards import em_reward, extract_final_answer, final_answer_turn
 from llds_jax.rollout import buckets
 from llds_jax.rollout.protocol import Action
 
@@ -133,24 +134,28 @@ def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Seque
         loss_mask += [0] * len(turn.observation_ids)
         action_ids += [-1] * len(turn.observation_ids)
         logp += [0.0] * len(turn.observation_ids)
-    model_ids = [t for turn in turns for t in turn.token_ids]
-    model_text = tokenizer.decode(model_ids, skip_special_tokens=True)
+    model_text = tokenizer.decode([t for turn in turns for t in turn.token_ids], skip_special_tokens=True)
+    turn_texts = [tokenizer.decode(list(turn.token_ids), skip_special_tokens=True) for turn in turns]
+    answer_turn = final_answer_turn(turn_texts)
+    answer_text = "" if answer_turn is None else turn_texts[answer_turn]  # the text scored
     answer_mask = np.zeros(len(tokens), np.int32)
-    span = answer_token_span(model_ids, model_text, tokenizer)
-    if span is not None:
-        answer_mask[[model_positions[i] for i in range(*span)]] = 1
+    if answer_turn is not None:
+        first, last = answer_token_span(turns[answer_turn].token_ids, answer_text, tokenizer)
+        offset = sum(len(turn.token_ids) for turn in turns[:answer_turn])  # model tokens before the turn
+        answer_mask[[model_positions[offset + i] for i in range(first, last)]] = 1
     return Trajectory(
         example=example, prompt_ids=tuple(prompt_ids), turns=tuple(turns), end_reason=end_reason,
         tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(loss_mask, np.int32),
         action_ids=np.asarray(action_ids, np.int32), answer_mask=answer_mask,
         sampler_logp=np.asarray(logp, np.float32), model_text=model_text,
-        final_answer=extract_final_answer(model_text), reward=em_reward(model_text, example.golden_answers))
+        final_answer=extract_final_answer(answer_text), reward=em_reward(answer_text, example.golden_answers))
 
 
 def answer_token_span(model_ids: Sequence[int], model_text: str, tokenizer) -> Optional[tuple[int, int]]:
-    """[first, last + 1) indices into model_ids of the tokens covering the last `<answer>...</answer>`.
+    """[first, last + 1) indices into model_ids of the tokens covering the last `<answer>...</answer>` of model_text.
 
-    model_text must be `tokenizer.decode(model_ids, skip_special_tokens=True)`. None without an answer.
+    model_text must be `tokenizer.decode(model_ids, skip_special_tokens=True)` (build_trajectory passes one turn's
+    tokens and text). None without an answer.
     """
     matches = list(_ANSWER_SPAN_RE.finditer(model_text))
     if not matches:

@@ -68,9 +68,9 @@ class HttpRetriever(BatchedRetriever):
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
-    async def _post(self, queries: list[str], k: int) -> list[list[Document]]:
+    async def _post(self, session: aiohttp.ClientSession, queries: list[str], k: int) -> list[list[Document]]:
         body = {"queries": queries, "topk": k, "return_scores": True}
-        async with self._client().post(self.url, json=body) as response:
+        async with session.post(self.url, json=body) as response:
             text = await response.text()
             if response.status != 200:
                 raise HttpStatusError(response.status, text)
@@ -79,15 +79,19 @@ class HttpRetriever(BatchedRetriever):
     async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
         async with self._slots:
             try:
-                docs = await call_with_retries(lambda: self._post(queries, k), self.policy,
+                docs = await call_with_retries(lambda: self._post(self._client(), queries, k), self.policy,
                                                what=f"http backend at {self.url}", is_permanent=is_permanent)
             except GiveUpError as e:
                 return [SearchResult([], str(e)) for _ in queries]
         return [SearchResult(d) for d in docs]
 
     async def check(self) -> None:
+        """Raises RetrieverUnavailableError unless the server answers a one-query search. The check has its own
+        session, closed on every path: searches in flight keep theirs, and a caller that fails after the check and
+        before any search leaves no session open."""
         try:
-            await asyncio.wait_for(self._post(["retriever check"], 1), self.policy.timeout_s)
+            async with aiohttp.ClientSession() as session:
+                await asyncio.wait_for(self._post(session, ["retriever check"], 1), self.policy.timeout_s)
         except asyncio.TimeoutError as e:
             raise RetrieverUnavailableError(
                 f"http backend at {self.url}: no answer within {self.policy.timeout_s:g} s") from e

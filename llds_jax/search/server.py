@@ -1,7 +1,7 @@
 """A Search-R1 compatible retrieval server in front of any of our backends (aiohttp, requests served concurrently).
 
     python -m llds_jax.search.server --set backend=bm25 --set index_dir=/data/wiki18_bm25 --port 8000
-    python -m llds_jax.search.server --config retriever.json --host 0.0.0.0 --port 8000
+    python -m llds_jax.search.server --config retriever.json --host 0.0.0.0 --port 8000 --max-topk 50
 
 `--config` is a JSON object of make_retriever keys (factory.py); each `--set KEY=VALUE` overrides one key (VALUE is
 parsed as JSON when it is valid JSON, else taken as a string).
@@ -12,65 +12,129 @@ Endpoints:
   false (the default, as in Search-R1) the items are the bare documents. `topk` defaults to `--topk`.
   A malformed request gets 400 and a backend failure 503, each with `{"error": message}`.
 - `GET /health`: 200 `{"status": "ok", "backend": name}` when the backend can serve, else 503 `{"error": message}`.
+
+Limits (`Limits`, one flag each): `topk` above `--max-topk`, more queries than `--max-queries` or a response
+(JSON) above `--max-response-bytes` get 400, a body above `--max-request-bytes` 413; the `{"error": message}`
+names the flag, its value and what the request had.
+A start-up failure (bad config, missing index, unavailable backend, address in use) is one line on stderr,
+`python -m llds_jax.search.server: error: <reason>`, and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import socket
 import sys
+from collections.abc import Sequence
 
 from aiohttp import web
 
 from llds_jax.search.factory import make_retriever
-from llds_jax.search.types import Retriever, RetrieverUnavailableError
+from llds_jax.search.types import Retriever, RetrieverUnavailableError, SearchResult
 
 log = logging.getLogger(__name__)
+PROG = "python -m llds_jax.search.server"
+EXIT_START_FAILED = 2
 RETRIEVER_KEY = web.AppKey("retriever", Retriever)
 
 
-def _bad_request(message: str) -> web.Response:
-    return web.json_response({"error": message}, status=400)
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one /retrieve request may ask for; the defaults are the command's.
+
+    max_topk: documents per query. max_queries: queries per request. max_request_bytes: body bytes (after any
+    content decoding). max_response_bytes: bytes of the JSON answer.
+    """
+
+    max_topk: int = 100
+    max_queries: int = 4096
+    max_request_bytes: int = 4 << 20
+    max_response_bytes: int = 64 << 20
 
 
-def parse_request(body: object, default_topk: int) -> tuple[list[str], int, bool]:
-    """(queries, topk, return_scores) of a /retrieve body; raises ValueError naming the bad field."""
+class ResponseTooLargeError(ValueError):
+    """The answer to a request would pass Limits.max_response_bytes."""
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def parse_request(body: object, default_topk: int, limits: Limits = Limits()) -> tuple[list[str], int, bool]:
+    """(queries, topk, return_scores) of a /retrieve body; raises ValueError naming the bad field or the limit."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     queries = body.get("queries")
     if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
         raise ValueError('"queries" must be a list of strings')
+    if len(queries) > limits.max_queries:
+        raise ValueError(f'"queries" must hold at most {limits.max_queries} queries (--max-queries),'
+                         f" got {len(queries)}")
     topk = body.get("topk")
     topk = default_topk if topk is None else topk
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f'"topk" must be an integer >= 1, got {topk!r}')
+    if topk > limits.max_topk:
+        raise ValueError(f'"topk" must be at most {limits.max_topk} (--max-topk), got {topk}')
     return_scores = body.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise ValueError(f'"return_scores" must be true or false, got {return_scores!r}')
     return queries, topk, return_scores
 
 
-def build_app(retriever: Retriever, *, default_topk: int = 3) -> web.Application:
-    """The aiohttp application serving `retriever`; it closes the retriever on cleanup."""
+def encode_response(results: Sequence[SearchResult], return_scores: bool, max_bytes: int) -> bytes:
+    """The JSON body `{"result": [...]}` (json.dumps' ASCII form), one list per result; raises
+    ResponseTooLargeError as soon as it would pass `max_bytes`, before the rest is encoded."""
+    parts: list[str] = []
+    size = len('{"result": []}')
+    for done, r in enumerate(results):
+        if return_scores:
+            items = [{"document": {"id": d.id, "contents": d.contents}, "score": d.score} for d in r.docs]
+        else:
+            items = [{"id": d.id, "contents": d.contents} for d in r.docs]
+        parts.append(json.dumps(items))
+        size += len(parts[-1]) + (2 if done else 0)  # ", " between lists
+        if size > max_bytes:
+            raise ResponseTooLargeError(
+                f"the response would pass {max_bytes} bytes (--max-response-bytes): {size} bytes after"
+                f' {done + 1} of {len(results)} queries; ask for fewer queries or a smaller "topk"')
+    return ('{"result": [' + ", ".join(parts) + "]}").encode()
+
+
+async def _read_json(request: web.Request, max_bytes: int) -> object:
+    """The parsed body; raises web.HTTPRequestEntityTooLarge past `max_bytes` (the app's client_max_size) and
+    json.JSONDecodeError."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_bytes, request.content_length)
+    return await request.json()
+
+
+def build_app(retriever: Retriever, *, default_topk: int = 3, limits: Limits = Limits()) -> web.Application:
+    """The aiohttp application serving `retriever` under `limits`; it closes the retriever on cleanup."""
 
     async def retrieve(request: web.Request) -> web.Response:
         try:
-            queries, topk, return_scores = parse_request(await request.json(), default_topk)
+            queries, topk, return_scores = parse_request(await _read_json(request, limits.max_request_bytes),
+                                                         default_topk, limits)
+        except web.HTTPRequestEntityTooLarge:
+            got = "more" if request.content_length is None else request.content_length
+            return _error(f"the body must be at most {limits.max_request_bytes} bytes (--max-request-bytes),"
+                          f" got {got}", status=413)
         except json.JSONDecodeError:
-            return _bad_request("the body is not valid JSON")
+            return _error("the body is not valid JSON")
         except ValueError as e:
-            return _bad_request(str(e))
+            return _error(str(e))
         results = await retriever.search(queries, topk)
         failed = [r.error for r in results if r.error is not None]
         if failed:
-            return web.json_response({"error": f"{len(failed)} of {len(queries)} queries failed: {failed[0]}"},
-                                     status=503)
-        if return_scores:
-            payload = [[{"document": {"id": d.id, "contents": d.contents}, "score": d.score} for d in r.docs]
-                       for r in results]
-        else:
-            payload = [[{"id": d.id, "contents": d.contents} for d in r.docs] for r in results]
-        return web.json_response({"result": payload})
+            return _error(f"{len(failed)} of {len(queries)} queries failed: {failed[0]}", status=503)
+        try:
+            body = encode_response(results, return_scores, limits.max_response_bytes)
+        except ResponseTooLargeError as e:
+            return _error(str(e))
+        return web.Response(body=body, content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         try:
@@ -82,7 +146,7 @@ def build_app(retriever: Retriever, *, default_topk: int = 3) -> web.Application
     async def close_retriever(app: web.Application) -> None:
         await app[RETRIEVER_KEY].close()
 
-    app = web.Application()
+    app = web.Application(client_max_size=limits.max_request_bytes)
     app[RETRIEVER_KEY] = retriever
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
@@ -112,37 +176,72 @@ def config_from_args(args: argparse.Namespace) -> dict:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m llds_jax.search.server", description=__doc__.split("\n")[0])
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port; raises OSError naming the address (e.g. one in use)."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen()
+        return sock
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="JSON file with the retriever config (make_retriever keys)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     parser.add_argument("--topk", type=int, default=3, help="documents per query when a request has no topk")
+    limits = Limits()
+    parser.add_argument("--max-topk", type=int, default=limits.max_topk,
+                        help=f"most documents per query a request may ask for (default {limits.max_topk})")
+    parser.add_argument("--max-queries", type=int, default=limits.max_queries,
+                        help=f"most queries in one request (default {limits.max_queries})")
+    parser.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes,
+                        help=f"largest request body in bytes (default {limits.max_request_bytes})")
+    parser.add_argument("--max-response-bytes", type=int, default=limits.max_response_bytes,
+                        help=f"largest response body in bytes (default {limits.max_response_bytes})")
     args = parser.parse_args(argv)
-    if args.topk < 1:
-        parser.error(f"--topk must be >= 1, got {args.topk}")
+    for name in ("topk", *(f.name for f in dataclasses.fields(Limits))):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.topk > args.max_topk:
+        parser.error(f"--topk must be at most --max-topk ({args.max_topk}), got {args.topk}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("elastic_transport").setLevel(logging.WARNING)  # it logs every request at INFO
-    try:
-        cfg = config_from_args(args)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    # It warns of every failed request; the retriever reports failures (with retries) itself.
+    logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
+    limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
 
     async def app_factory() -> web.Application:
         retriever = make_retriever(cfg)
         try:
             await retriever.check()
-        except RetrieverUnavailableError:
+        except BaseException:
             await retriever.close()
             raise
         log.info("serving backend %s at http://%s:%d/retrieve", retriever.backend, args.host, args.port)
-        return build_app(retriever, default_topk=args.topk)
+        return build_app(retriever, default_topk=args.topk, limits=limits)
 
     try:
-        web.run_app(app_factory(), host=args.host, port=args.port, access_log=None, print=None)
+        cfg = config_from_args(args)
+        with listen(args.host, args.port) as sock:  # bound before the backend loads: a used address fails at once
+            web.run_app(app_factory(), sock=sock, access_log=None, print=None)
     except (RetrieverUnavailableError, ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_START_FAILED)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,8 @@ def test_fallback_to_reward_model_target(tmp_path):
                                                "nq", None)
     jsonl = tmp_path / "no_golden.jsonl"
     jsonl.write_text(json.dumps({"question": "q", "data_source": "popqa",
-                                 "reward_model": {"ground_truth": {"target": ["a"]}}}) + "\n")
-    assert qa.read_qa(jsonl) == [qa.QAExample("popqa-0", "q", ("a",), "popqa", None)]
+                                 "reward_model": {"ground_truth": {"target": ["x"]}}}) + "\n")
+    assert qa.read_qa(jsonl) == [qa.QAExample("popqa-0", "q", ("x",), "popqa", None)]
 
 
 @pytest.mark.parametrize("column", ["question", "data_source"])
@@ -127,8 +127,8 @@ def test_bad_values_name_file_and_line(tmp_path, record, message):
 
 def test_single_string_answer_and_unknown_format(tmp_path):
     path = tmp_path / "one.jsonl"
-    path.write_text(json.dumps({"id": 7, "question": "q", "golden_answers": "a", "data_source": "nq"}) + "\n")
-    assert qa.read_qa(path) == [qa.QAExample("nq-0", "q", ("a",), "nq", "7")]
+    path.write_text(json.dumps({"id": 7, "question": "q", "golden_answers": "x", "data_source": "nq"}) + "\n")
+    assert qa.read_qa(path) == [qa.QAExample("nq-0", "q", ("x",), "nq", "7")]
     with pytest.raises(ValueError, match="unknown QA file format"):
         qa.read_qa(tmp_path / "data.csv")
     (tmp_path / "empty.jsonl").write_text("\n")

@@ -163,8 +163,10 @@ def test_server_refuses_to_start_when_its_backend_is_unavailable(free_port):
     done = subprocess.run([sys.executable, "-m", "llds_jax.search.server", "--port", str(free_port()),
                            "--set", "backend=http", "--set", f"url={dead}"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert f"error: http backend at {dead} cannot serve searches: ClientConnectorError" in done.stderr
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"python -m llds_jax.search.server: error: http backend at {dead} cannot serve"
+                                  " searches: ClientConnectorError")
+    assert done.stderr.count("\n") == 1, done.stderr
 
 
 @pytest.mark.parametrize("payload, message", [

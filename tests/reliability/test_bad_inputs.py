@@ -1,0 +1,203 @@
+"""Bad data, models and indexes: one line naming the file (exit status 2 from the commands), or, for QA rows no
+answer can match, skipped and counted in one warning; an empty answer never earns reward; a run failing after its
+retriever opened leaves no unclosed client session behind."""
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from llds_jax import demo
+from llds_jax.data import qa
+from llds_jax.data.rewards import em_reward, exact_match
+from llds_jax.model import hf_io
+from llds_jax.search.synthetic import SyntheticCorpus
+from llds_jax.tokenizer import load_tokenizer
+from tests.servers import free_port, http_ok, wait_until
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(*args, timeout=120, **kwargs):
+    """(exit status, stdout, stderr) of `python -m ARGS` in the repository root."""
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("content, why", [(b"", "the file is empty"), (b"\n  \n\n", "it has only blank lines")])
+def test_index_builder_on_a_corpus_without_passages_is_one_line(tmp_path, content, why):
+    corpus, out = tmp_path / "corpus.jsonl", tmp_path / "index"
+    corpus.write_bytes(content)
+    code, stdout, stderr = run("index_builder", str(corpus), "--to", "bm25", "--out", str(out), "--no-progress")
+    assert (code, stdout, stderr) == (2, "", f"error: {corpus}: no passages to index ({why})\n")
+    assert not out.exists()
+
+
+def test_index_builder_to_unreachable_elasticsearch_is_one_line(tmp_path):
+    corpus = SyntheticCorpus(5, seed=1, n_planted=1, vocab_size=50).write(str(tmp_path / "corpus.jsonl"))
+    address = f"http://127.0.0.1:{free_port()}"
+    code, _, stderr = run("index_builder", corpus, "--to", "elasticsearch", "--es-hosts", address, "--es-index",
+                          "wiki18", "--no-progress")
+    assert (code, stderr) == (3, f"error: elasticsearch at {address} failed (ConnectionError: Connection error);"
+                                 " re-run the same command to resume\n")
+
+
+def test_an_answer_that_normalizes_to_nothing_earns_no_reward():
+    assert em_reward("<answer></answer>", [""]) == 0.0
+    assert em_reward("<answer> The. </answer>", ["the", "Paris"]) == 0.0
+    assert em_reward("<answer>a</answer>", ["A", "Tokyo"]) == 0.0
+    assert em_reward("<answer>The Paris.</answer>", ["paris"]) == 1.0
+    assert exact_match("", ["the"]) == 1.0  # Search-R1's exact match itself is unchanged
+
+
+def rows(*answer_lists):
+    return [{"question": f"q{i}", "golden_answers": answers, "data_source": "nq"}
+            for i, answers in enumerate(answer_lists)]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_rows_no_answer_can_match_are_skipped_and_counted_once(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "qa.jsonl", rows(["Paris"], [""], ["The", "."], ["a", "Tokyo"], ["  "], [" an! "]))
+    with caplog.at_level(logging.WARNING, logger="llds_jax.data.qa"):
+        examples = qa.read_qa(path)
+    assert [(ex.uid, ex.golden_answers) for ex in examples] == [("nq-0", ("Paris",)), ("nq-3", ("a", "Tokyo"))]
+    assert caplog.messages == [
+        f"skipped 4 rows whose golden answers are all empty once normalized (blank, articles or punctuation only):"
+        f" {path}:2; {path}:3; {path}:5; ..."]
+    parquet = str(tmp_path / "qa.parquet")
+    qa.write_qa_parquet(parquet, [qa.QAExample("nq-0", "q", ("The",), "nq")])
+    with pytest.raises(ValueError) as error:
+        qa.read_qa(parquet)
+    assert str(error.value) == (f"{parquet}: no examples; skipped 1 row whose golden answers are all empty once"
+                                f" normalized (blank, articles or punctuation only): {parquet}: row 0")
+
+
+@pytest.mark.parametrize("name, content, reason", [
+    ("empty.parquet", b"", "not a readable parquet file (Parquet file size is 0 bytes)"),
+    ("garbage.parquet", b"PAR1 this is not parquet at all",
+     "not a readable parquet file (Parquet magic bytes not found in footer. Either the file is corrupted or this is"
+     " not a parquet file.)"),
+    ("binary.jsonl", b"\xff\xfe{}\n", "1: not UTF-8 (invalid start byte at byte 0)"),
+])
+def test_unreadable_qa_files_name_the_file(tmp_path, name, content, reason):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as error:
+        qa.read_qa(path)
+    separator = ":" if name.endswith(".jsonl") else ": "
+    assert str(error.value) == f"{path}{separator}{reason}"
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A folder with a valid config.json and model.safetensors (one 4x4 float32 tensor: 64 data bytes)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    save_file({"w": np.zeros((4, 4), np.float32)}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("text, reason", [
+    ('{"model_type": "qwen2",}', "invalid JSON (Expecting property name enclosed in double quotes at line 1"
+                                 " column 24)"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ("\xff", "invalid JSON (Expecting value at line 1 column 1)"),
+])
+def test_bad_config_json_names_the_file(checkpoint, text, reason):
+    (checkpoint / "config.json").write_text(text)
+    with pytest.raises(ValueError) as error:
+        hf_io.read_config(str(checkpoint))
+    assert str(error.value) == f"{checkpoint}/config.json: {reason}"
+
+
+def test_corrupt_safetensors_names_the_file(checkpoint):
+    weights = checkpoint / "model.safetensors"
+    data = weights.read_bytes()
+    (header_bytes,) = struct.unpack("<Q", data[:8])
+    size = 8 + header_bytes + 64
+    assert len(data) == size
+    cases = [
+        (b"", "Requested byte range [0, 8) is not valid for value of size 0"),
+        (data[:-10], f"Requested byte range [{size - 1}, {size}) is not valid for value of size {size - 10}"),
+    ]
+    for content, reason in cases:
+        weights.write_bytes(content)
+        with pytest.raises(ValueError) as error:
+            hf_io.CheckpointFolder(str(checkpoint))
+        assert str(error.value) == f"{weights}: not a valid safetensors file (ValueError: OUT_OF_RANGE: {reason})"
+    weights.write_bytes(b"\xff" * 20)
+    with pytest.raises(ValueError) as error:
+        hf_io.CheckpointFolder(str(checkpoint))
+    assert str(error.value) == (f"{weights}: not a valid safetensors file (ValueError: a header of {2 ** 64 - 1}"
+                                " bytes, more than the format's 100000000)")
+    weights.write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(ValueError) as error:
+        hf_io.CheckpointFolder(str(checkpoint))
+    assert str(error.value) == (f"{weights}: not a valid safetensors file (AttributeError: 'list' object has no"
+                                " attribute 'items')")
+
+
+def test_tokenizer_folder_with_bad_config_json_is_one_line(tmp_path, qwen_tokenizer_dir):
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(qwen_tokenizer_dir, folder)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError) as error:
+        load_tokenizer(str(folder))
+    assert str(error.value) == (f"tokenizer folder {folder}: It looks like the config file at"
+                                f" '{folder}/config.json' is not a valid JSON file.")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(config text template, assets): configs/tiny_test.py's run over prebuilt demo assets."""
+    tiny = os.path.join(ROOT, "configs", "tiny_test.py")
+    spec = importlib.util.spec_from_file_location("tiny_test", tiny)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assets = demo.assets_for(module.get_config(), str(tmp_path_factory.mktemp("assets")))
+    template = (
+        "import importlib.util\nimport ml_collections\n"
+        f"_spec = importlib.util.spec_from_file_location('tiny_test', {tiny!r})\n"
+        "_tiny = importlib.util.module_from_spec(_spec)\n_spec.loader.exec_module(_tiny)\n\n"
+        "def get_config():\n    c = _tiny.get_config()\n    c.demo.enabled = False\n"
+        f"    c.model.path = {assets['model']!r}\n    c.data.train_files = [{assets['train']!r}]\n"
+        "    c.data.eval_files = [{eval_file!r}]\n    c.run_dir = {run_dir!r}\n"
+        "    c.retriever = ml_collections.ConfigDict({retriever!r})\n    return c\n")
+    return template, assets
+
+
+@pytest.mark.slow
+def test_run_failing_after_its_retriever_opened_is_one_line(tmp_path, tiny_run):
+    """A reachable http retriever passes its check, then the eval file is bad: one line, no unclosed session."""
+    template, assets = tiny_run
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "llds_jax.search.server", "--port", str(port), "--set",
+                               "backend=bm25", "--set", f"index_dir={assets['index']}"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60, "llds_jax.search.server")
+        bad = tmp_path / "eval.jsonl"
+        bad.write_text("not json\n")
+        config = tmp_path / "cfg.py"
+        config.write_text(template.format(eval_file=str(bad), run_dir=str(tmp_path / "run"), retriever={
+            "backend": "http", "url": f"http://127.0.0.1:{port}/retrieve", "max_retries": 0}))
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env.pop("XLA_FLAGS", None)
+        code, _, stderr = run("llds_jax.launch", f"--config={config}", "--mode=eval", env=env, timeout=600)
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert (code, stderr) == (2, f"llds_jax: error: {bad}:1: invalid JSON (Expecting value at column 1)\n")
