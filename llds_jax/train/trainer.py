@@ -196,13 +196,15 @@ class Trainer:
                                     self.rollout_mesh)
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
-        self.runner = asyncio.Runner()
-        self.retriever = open_retriever(cfg.retriever, self.runner)
         self.eval_examples = read_examples(cfg.data.eval_files, "eval_files") if cfg.data.eval_files else []
         if training:
             self.data = PromptIterator(read_examples(cfg.data.train_files, "train_files"),
                                        batch_size=cfg.data.prompts_per_step, seed=cfg.seed,
                                        process_index=jax.process_index(), process_count=jax.process_count())
+        # Last: nothing below raises, so an open retriever always reaches `close` (unclosed client sessions are
+        # reported at exit).
+        self.runner = asyncio.Runner()
+        self.retriever = open_retriever(cfg.retriever, self.runner)
         self.base_rng = jax.random.key(cfg.seed)
         self._lengths: set[int] = set()  # training batch lengths used so far
         self.watchdog = Watchdog(search_failure_rate=cfg.rollout.search_failure_rate,

@@ -1,6 +1,6 @@
 """Runs that cannot make progress end with one clear line (exit status 2) instead of training on nothing: a
 retriever that keeps failing (the run is saved and resumes once it is back) and a model whose parameters are not
-finite (every update skipped)."""
+finite (every update skipped). And the retry budget of one failing search batch is the one the docs state."""
 import os
 import re
 import shutil
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from llds_jax.model import hf_io
+from llds_jax.search.factory import resolve_config
+from llds_jax.search.retry import RequestPolicy
 from tests.e2e.runs import finish, read_metrics
 from tests.reliability.scripted_retriever import ScriptedRetriever
 
@@ -79,3 +81,13 @@ def test_a_model_with_nan_weights_stops_after_the_skipped_updates_naming_the_par
     records = read_metrics(searching_runs.run_dir("nan"))
     assert [(r["step"], r["actor/nonfinite"]) for r in records] == [(1, 32), (2, 32)]
     assert checkpoints(searching_runs.run_dir("nan")) == []  # a state that is the problem is not saved
+
+
+def test_docs_state_the_retry_budget_of_the_default_settings(repo_root):
+    """docs/retrieval.md's worst case of a failing batch is the one the code's defaults give (it once said 18.5 s
+    while the code took 43.5 s)."""
+    defaults = resolve_config({"backend": "http", "url": "http://127.0.0.1:1/retrieve"})
+    policy = RequestPolicy(**{key: defaults[key] for key in ("timeout_s", "max_retries", "backoff_s")})
+    with open(os.path.join(repo_root, "docs", "retrieval.md")) as f:
+        stated = re.search(r"seconds \(([\d.]+) s with the defaults\)", f.read())
+    assert stated is not None and float(stated.group(1)) == policy.worst_case_s == 43.5
