@@ -12,8 +12,8 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
 - `restore_latest` tries the newest step first. A step whose files cannot be read (a file deleted, truncated or
   corrupted after it was written) is reported with a one-line warning naming the step and the error (`describe`),
   and the previous step is tried (the reads orbax left in flight then fail against its closed event loop: those
-  reports are dropped, `drop_orphaned_read_errors`); once one restores, the unreadable newer steps are moved aside to `<step>.unreadable-<unix time>` (so
-  the resumed run can save those step numbers again).
+  reports are dropped, `drop_orphaned_read_errors`); once one restores, the unreadable newer steps are moved aside
+  to `<step>.unreadable-<unix time>` (so the resumed run can save those step numbers again).
   Each attempt is agreed between hosts (`distributed.any_process`), so all hosts resume from the same step.
 - On several hosts every process calls `save`, `restore*` and `wait_until_finished` at the same point (each writes
   and reads its own shards; orbax synchronizes them).

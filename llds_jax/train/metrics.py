@@ -33,7 +33,7 @@ import numpy as np
 from etils import epath
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.summary import scalar, text
+from tensorboardX import summary
 
 from llds_jax import gcs
 
@@ -157,10 +157,10 @@ class EventFile:
                                            session_log=SessionLog(status=SessionLog.START)))
 
     def add_scalar(self, name: str, value: float, step: int) -> None:
-        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=scalar(name, value)))
+        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=summary.scalar(name, value)))
 
     def add_text(self, name: str, value: str, step: int) -> None:
-        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=text(name, value)))
+        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=summary.text(name, value)))
 
     def flush(self) -> None:
         self._writer.flush()
