@@ -335,6 +335,7 @@ class Trainer:
             start = restored.step
             self.data.restore(restored.meta["data"])
             self.base_rng = rng_from_json(restored.meta["rng"])
+            self._lengths = set(restored.meta.get("lengths", ()))  # the resumed steps pad as the first attempt did
             state = state._replace(
                 params=restored.params, opt_state=restored.opt_state,
                 step=jax.device_put(np.int32(start), state.step.sharding),
@@ -396,7 +397,7 @@ class Trainer:
         first, so that every saved step's metrics are in the log."""
         writer.flush()
         ckpt.save(step, state.params, state.opt_state, {
-            "data": data_state, "rng": rng_to_json(self.base_rng),
+            "data": data_state, "rng": rng_to_json(self.base_rng), "lengths": sorted(self._lengths),
             "nonfinite_count": int(jax.device_get(state.nonfinite_count))})
 
     def _save_pre_step(self, ckpt: Checkpointer, writer: MetricsWriter, pre_step: PreStep,

@@ -6,14 +6,13 @@ import pytest
 
 from tests.e2e.runs import Launched, start
 
-# One run's sizes: 32 trajectories sampled in 2 sessions of 16, then 32 updates of one trajectory each, every batch
-# padded to 512 tokens (the context cap: every step has the same shapes, so a resumed run compiles what the first
-# attempt compiled and computes the same bits).
+# One run's sizes: 32 trajectories sampled in 2 sessions of 16, then 32 updates of one trajectory each, each batch
+# padded to a multiple of 64 tokens (steps differ in length: a resumed run must pad as the first attempt did).
 SETTINGS = {
     "data.prompts_per_step": 16, "data.samples_per_prompt": 2, "rollout.max_batch_size": 16,
     "rollout.max_turn_tokens": 10, "rollout.max_observation_tokens": 64, "rollout.max_prompt_tokens": 256,
     "rollout.max_context_tokens": 512, "optim.mini_batch_size": 1, "optim.micro_batch_size": 1,
-    "train.sequence_bucket": 512, "train.total_steps": 3, "train.lld_every": 0, "train.eval_every": 0,
+    "train.sequence_bucket": 64, "train.total_steps": 3, "train.lld_every": 0, "train.eval_every": 0,
     "train.final_eval": False, "train.transcripts_every": 0, "train.checkpoint_every": 100,
 }
 
