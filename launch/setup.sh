@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the project on every worker: `pip install -e '.[tpu]'` in REMOTE_DIR.
+# Installs the project on every worker: `pip install -e '.[tpu]' -c constraints.txt` in REMOTE_DIR.
 #
 # Usage: launch/setup.sh [--repo=URL [--ref=REF]] [shared flags, see launch/common.sh]
 #   (default)      copies the committed HEAD of this checkout (git archive) to every worker
@@ -22,7 +22,7 @@ for arg in "${ARGS[@]}"; do
 done
 
 dir=$(quote "$REMOTE_DIR")
-install="cd $dir && python3 -m pip install --upgrade pip && python3 -m pip install -e '.[tpu]'"
+install="cd $dir && python3 -m pip install --upgrade pip && python3 -m pip install -e '.[tpu]' -c constraints.txt"
 if [[ -n "$repo" ]]; then
   fetch="if [ -d $dir ]; then git -C $dir fetch --all --tags; else git clone $(quote "$repo") $dir; fi"
   tpu_ssh all "$fetch && git -C $dir checkout $(quote "$ref") && $install"

@@ -14,7 +14,7 @@ SCRIPTS = sorted(LAUNCH.glob("*.sh"))
 ENV = {"PROJECT": "proj", "ZONE": "europe-west4-a", "TPU_NAME": "llds-test", "ACCELERATOR": "v4-32",
        "RUNTIME_VERSION": "tpu-ubuntu2204-base", "RUN_DIR": "gs://bkt/runs/exp1"}
 SSH = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "llds-test", "--zone=europe-west4-a", "--project=proj"]
-INSTALL = "cd llds_jax && python3 -m pip install --upgrade pip && python3 -m pip install -e '.[tpu]'"
+INSTALL = "cd llds_jax && python3 -m pip install --upgrade pip && python3 -m pip install -e '.[tpu]' -c constraints.txt"
 
 CASES = {
     "create": (["--spot"], [
