@@ -1,7 +1,6 @@
 """Bad data, models and indexes: one line naming the file (exit status 2 from the commands), or, for QA rows no
 answer can match, skipped and counted in one warning; an empty answer never earns reward; a run failing after its
 retriever opened leaves no unclosed client session behind."""
-import importlib.util
 import json
 import logging
 import os
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from llds_jax import demo
 from llds_jax.data import qa
 from llds_jax.data.rewards import em_reward, exact_match
 from llds_jax.model import hf_io
@@ -160,43 +158,21 @@ def test_tokenizer_folder_with_bad_config_json_is_one_line(tmp_path, qwen_tokeni
                                 f" '{folder}/config.json' is not a valid JSON file.")
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """(config text template, assets): configs/tiny_test.py's run over prebuilt demo assets."""
-    tiny = os.path.join(ROOT, "configs", "tiny_test.py")
-    spec = importlib.util.spec_from_file_location("tiny_test", tiny)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assets = demo.assets_for(module.get_config(), str(tmp_path_factory.mktemp("assets")))
-    template = (
-        "import importlib.util\nimport ml_collections\n"
-        f"_spec = importlib.util.spec_from_file_location('tiny_test', {tiny!r})\n"
-        "_tiny = importlib.util.module_from_spec(_spec)\n_spec.loader.exec_module(_tiny)\n\n"
-        "def get_config():\n    c = _tiny.get_config()\n    c.demo.enabled = False\n"
-        f"    c.model.path = {assets['model']!r}\n    c.data.train_files = [{assets['train']!r}]\n"
-        "    c.data.eval_files = [{eval_file!r}]\n    c.run_dir = {run_dir!r}\n"
-        "    c.retriever = ml_collections.ConfigDict({retriever!r})\n    return c\n")
-    return template, assets
-
-
 @pytest.mark.slow
-def test_run_failing_after_its_retriever_opened_is_one_line(tmp_path, tiny_run):
-    """A reachable http retriever passes its check, then the eval file is bad: one line, no unclosed session."""
-    template, assets = tiny_run
+def test_run_with_a_bad_eval_file_and_a_live_retriever_is_one_line(tmp_path, tiny_assets, config_writer, launch):
+    """A reachable http retriever (it would pass its check) and a bad eval file: one line, no unclosed session."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "llds_jax.search.server", "--port", str(port), "--set",
-                               "backend=bm25", "--set", f"index_dir={assets['index']}"], cwd=ROOT,
+                               "backend=bm25", "--set", f"index_dir={tiny_assets['index']}"], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60, "llds_jax.search.server")
         bad = tmp_path / "eval.jsonl"
         bad.write_text("not json\n")
-        config = tmp_path / "cfg.py"
-        config.write_text(template.format(eval_file=str(bad), run_dir=str(tmp_path / "run"), retriever={
-            "backend": "http", "url": f"http://127.0.0.1:{port}/retrieve", "max_retries": 0}))
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        env.pop("XLA_FLAGS", None)
-        code, _, stderr = run("llds_jax.launch", f"--config={config}", "--mode=eval", env=env, timeout=600)
+        config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=str(tmp_path / "run"), retriever={
+            "backend": "http", "url": f"http://127.0.0.1:{port}/retrieve", "max_retries": 0},
+            **{"data.eval_files": (str(bad),)})
+        code, _, stderr = launch(config, "--mode=eval")
     finally:
         server.terminate()
         server.wait(10)

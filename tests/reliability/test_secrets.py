@@ -4,33 +4,24 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import uuid
 
 import ml_collections
 import pytest
 
 from llds_jax import config as config_lib
-from llds_jax import demo
 from tests.configs import CONFIGS, load
 from tests.servers import delete_es_index
 
 ROOT = os.path.dirname(CONFIGS)
 PASSWORD = "Pw-4f81c9e2-never-printed"
-TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """The tiny config's world files, random 1-layer policy and tokenizer."""
-    return demo.assets_for(load("tiny_test"), str(tmp_path_factory.mktemp("secrets_assets")))
-
-
-@pytest.fixture(scope="module")
-def es_index(es_url, assets):
+def es_index(es_url, tiny_assets):
     """The tiny world's corpus indexed on `es_url` with the real command; deleted afterwards."""
     name = f"llds-secrets-{uuid.uuid4().hex[:8]}"
-    corpus = os.path.join(os.path.dirname(assets["train"]), "corpus.jsonl")
+    corpus = os.path.join(os.path.dirname(tiny_assets["train"]), "corpus.jsonl")
     built = subprocess.run([sys.executable, "-m", "index_builder", corpus, "--to", "elasticsearch", "--es-hosts",
                             es_url, "--es-index", name, "--no-progress"], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
@@ -45,35 +36,6 @@ def with_password(url: str) -> str:
     return f"{scheme}://elastic:{PASSWORD}@{rest}"
 
 
-def write_config(path, assets, run_dir: str, hosts: str, index: str) -> str:
-    """configs/tiny_test.py on prebuilt assets, retrieving from Elasticsearch at `hosts`, one step, no evaluation."""
-    path.write_text(textwrap.dedent(f"""\
-        import importlib.util
-
-        import ml_collections
-
-        _spec = importlib.util.spec_from_file_location("tiny_test", {os.path.join(CONFIGS, "tiny_test.py")!r})
-        _tiny = importlib.util.module_from_spec(_spec)
-        _spec.loader.exec_module(_tiny)
-
-
-        def get_config():
-            c = _tiny.get_config()
-            c.run_dir = {run_dir!r}
-            c.demo.enabled = False
-            c.model.path = {assets["model"]!r}
-            c.data.train_files = ({assets["train"]!r},)
-            c.data.eval_files = ()
-            c.retriever = ml_collections.ConfigDict({{"backend": "elasticsearch", "hosts": {hosts!r},
-                                                      "index": {index!r}}})
-            c.train.total_steps = 1
-            c.train.eval_every = 0
-            c.train.final_eval = False
-            return c
-        """))
-    return str(path)
-
-
 def files_holding(folder: str, secret: str) -> list[str]:
     """Every file under `folder` whose bytes contain `secret`."""
     found = []
@@ -86,21 +48,21 @@ def files_holding(folder: str, secret: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_password_in_es_host_url_is_in_no_output_or_file_of_a_run(tmp_path, assets, es_url, es_index):
+def test_password_in_es_host_url_is_in_no_output_or_file_of_a_run(tmp_path, tiny_assets, config_writer, launch,
+                                                                   es_url, es_index):
     run_dir = str(tmp_path / "run")
-    hosts = with_password(es_url)
-    config = write_config(tmp_path / "cfg.py", assets, run_dir, hosts, es_index)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "llds_jax.launch", f"--config={config}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "training stopped after step 1 of 1" in proc.stdout
-    assert PASSWORD not in proc.stdout and PASSWORD not in proc.stderr
+    # configs/tiny_test.py on prebuilt assets, retrieving from Elasticsearch with the password in the host URL.
+    config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=run_dir, retriever={
+        "backend": "elasticsearch", "hosts": with_password(es_url), "index": es_index},
+        **{"data.eval_files": (), "train.total_steps": 1, "train.eval_every": 0, "train.final_eval": False})
+    code, out, err = launch(config)
+    assert code == 0, err[-3000:]
+    assert "training stopped after step 1 of 1" in out
+    assert PASSWORD not in out and PASSWORD not in err
     assert files_holding(run_dir, PASSWORD) == []
     with open(os.path.join(run_dir, "config.json")) as f:
         assert json.load(f)["retriever"]["hosts"] == es_url.replace("://", "://***@")
-    assert "hosts: " + es_url.replace("://", "://***@") in proc.stdout  # the printed config
+    assert "hosts: " + es_url.replace("://", "://***@") in out  # the printed config
 
 
 def test_redacted_hides_url_user_info_and_secret_keys():
