@@ -111,3 +111,12 @@ def read_metrics(run_dir: str) -> list[dict]:
 def comparable(record: dict) -> dict:
     """A metrics record without its wall-clock measurements (TIMING_KEYS)."""
     return {k: v for k, v in record.items() if not k.startswith(TIMING_KEYS)}
+
+
+def steps_saved(run_dir: str) -> list[int]:
+    """The checkpoint steps in a run folder (local or gs://), listed anew (gcsfs caches listings; other processes
+    wrote it); [] before the first save."""
+    if run_dir.startswith("gs://"):
+        epath.backend.fsspec_backend.fs(run_dir).invalidate_cache()
+    folder = epath.Path(run_dir) / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []

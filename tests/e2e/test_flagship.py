@@ -31,7 +31,8 @@ from llds_jax.model import hf_io
 from llds_jax.rollout import protocol
 from llds_jax.search import make_retriever
 from llds_jax.train.trainer import read_examples
-from tests.e2e.runs import ROOT, finish, latest_checkpoint, read_metrics, start_hosts, wait_for_text
+from tests.e2e.runs import (ROOT, finish, latest_checkpoint, read_metrics, start_hosts, steps_saved,
+                           wait_for_text)
 from tests.servers import delete_es_index, free_port
 
 QWEN7B = f"{ROOT}/configs/qwen7b_v4.py"
@@ -105,12 +106,6 @@ def flagship_args(paths: dict[str, str], es_url: str, index: str) -> tuple[str, 
 def launch_pod(args: tuple[str, ...], log_prefix: str, env: dict[str, str]) -> list[str]:
     """Both hosts of one launch, run to the end; their outputs."""
     return finish(start_hosts(QWEN7B, DEVICES, log_prefix, free_port(), *args, env=env), TIMEOUT_S)
-
-
-def steps_saved(run_dir: str) -> list[int]:
-    """The checkpoint steps in the run folder, listed anew (gcsfs caches listings; other processes wrote it)."""
-    epath.backend.fsspec_backend.fs(run_dir).invalidate_cache()
-    return sorted(int(p.name) for p in (epath.Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
 def search_observation(es_url: str, index: str, query: str, k: int) -> str:

@@ -10,16 +10,11 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.e2e.runs import comparable, finish, latest_checkpoint, read_metrics, wait_for_text
+from tests.e2e.runs import comparable, finish, latest_checkpoint, read_metrics, steps_saved, wait_for_text
 from tests.reliability.scripted_retriever import ScriptedRetriever
 
 TIMEOUT_S = 300
 STOP_WITHIN_S = 10  # from the signal to the exit: a session or an update, plus the save
-
-
-def checkpoints(run_dir) -> list[int]:
-    folder = os.path.join(run_dir, "checkpoints")
-    return sorted(int(name) for name in os.listdir(folder) if name.isdigit()) if os.path.isdir(folder) else []
 
 
 def final_params(run_dir, model_dir):
@@ -49,13 +44,11 @@ def assert_equal_to_reference(run_dir, reference, model_dir):
 
 
 def stopped_output(launched) -> str:
-    """Waits (STOP_WITHIN_S) for the process that was sent a stop signal; asserts exit status 0."""
-    start = time.monotonic()
+    """The output of the process that was sent a stop signal, once it exited with status 0 within STOP_WITHIN_S
+    (subprocess.TimeoutExpired fails the test when it takes longer)."""
     launched.process.wait(STOP_WITHIN_S)
-    elapsed = time.monotonic() - start
     output = launched.output()
     assert launched.process.returncode == 0, output[-4000:]
-    assert elapsed < STOP_WITHIN_S
     return output
 
 
@@ -80,7 +73,7 @@ def test_sigterm_during_a_rollout_saves_the_step_before_and_resumes_bitwise(sear
         assert launched.process.returncode == 0 and sent, output[-4000:]
         assert "stop requested during the rollout of step 2: saved the state before it, exiting" in output
         assert "training stopped after step 1 of 3" in output
-        assert checkpoints(run_dir) == [1]
+        assert steps_saved(run_dir) == [1]
         assert [r["step"] for r in read_metrics(run_dir)] == [1]
         finish([searching_runs.start(server.config(), "rollout_stop")], TIMEOUT_S)
     assert_equal_to_reference(run_dir, reference, policy[0])
@@ -100,7 +93,7 @@ def test_sigterm_during_the_updates_saves_the_step_before_and_resumes_bitwise(se
         launched.process.send_signal(signal.SIGCONT)
         output = stopped_output(launched)
         assert "stop requested during the updates of step 2: saved the state before it, exiting" in output
-        assert checkpoints(run_dir) == [1]
+        assert steps_saved(run_dir) == [1]
         finish([searching_runs.start(server.config(), "update_stop")], TIMEOUT_S)
     assert_equal_to_reference(run_dir, reference, policy[0])
 
@@ -111,7 +104,7 @@ def test_sigkill_after_a_checkpoint_loses_no_metrics(searching_runs, reference, 
     with ScriptedRetriever() as server:
         launched = searching_runs.start(server.config(), "killed", train__checkpoint_every=1)
         deadline = time.monotonic() + TIMEOUT_S
-        while 2 not in checkpoints(run_dir):
+        while 2 not in steps_saved(run_dir):
             assert launched.process.poll() is None and time.monotonic() < deadline, launched.output()[-4000:]
             time.sleep(0.05)
         launched.process.send_signal(signal.SIGKILL)

@@ -11,14 +11,10 @@ import pytest
 from llds_jax.model import hf_io
 from llds_jax.search.factory import resolve_config
 from llds_jax.search.retry import RequestPolicy
-from tests.e2e.runs import finish, read_metrics
+from tests.e2e.runs import finish, read_metrics, steps_saved
 from tests.reliability.scripted_retriever import ScriptedRetriever
 
 TIMEOUT_S = 300
-
-
-def checkpoints(run_dir) -> list[int]:
-    return sorted(int(name) for name in os.listdir(os.path.join(run_dir, "checkpoints")) if name.isdigit())
 
 
 def error_line(launched) -> str:
@@ -50,7 +46,7 @@ def test_a_retriever_failing_for_two_steps_ends_the_run_saved_and_it_resumes(sea
             r'\{"error": "scripted outage"\}; the run is saved before step 3: the same command resumes there',
             line), line
         # Step 2 trained on failed searches (one failing step is tolerated); step 3's did not reach the updates.
-        assert checkpoints(run_dir) == [2]
+        assert steps_saved(run_dir) == [2]
         assert [r["rollout/retriever_errors"] > 0 for r in read_metrics(run_dir)] == [False, True]
 
         server.on_request, server.failing = None, False
@@ -80,7 +76,7 @@ def test_a_model_with_nan_weights_stops_after_the_skipped_updates_naming_the_par
                     "(optim.max_skipped_updates=40); the parameter layers.down_proj holds non-finite values")
     records = read_metrics(searching_runs.run_dir("nan"))
     assert [(r["step"], r["actor/nonfinite"]) for r in records] == [(1, 32), (2, 32)]
-    assert checkpoints(searching_runs.run_dir("nan")) == []  # a state that is the problem is not saved
+    assert steps_saved(searching_runs.run_dir("nan")) == []  # a state that is the problem is not saved
 
 
 def test_docs_state_the_retry_budget_of_the_default_settings(repo_root):
