@@ -26,8 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
+import traceback
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -61,20 +63,44 @@ def _is_orphaned_read_error(error: BaseException | None, where: object = None) -
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
         return True
     code = getattr(where, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+    return code is not None and _in_orbax(code.co_filename)
+
+
+def _in_orbax(filename: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in filename
+
+
+# How TensorStore words a failed read: an absl status code, then what it was doing.
+_TENSORSTORE_READ_ERROR = re.compile(r"^[A-Z_]+: Error (reading|opening) ")
+
+
+def _keeps_asyncio_record(record: logging.LogRecord) -> bool:
+    """False for asyncio's "... exception was never retrieved" report of such an orphaned read: a task running orbax's
+    code, or a TensorStore read future (its error has no Python frames); True for every other record."""
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None:
+        return True
+    if _is_orphaned_read_error(error):
+        return False
+    if "exception was never retrieved" not in record.getMessage().split("\n", 1)[0]:
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        return not any(_in_orbax(frame.filename) for frame in frames)
+    return not _TENSORSTORE_READ_ERROR.match(str(error))
 
 
 def drop_orphaned_read_errors() -> None:
-    """Makes the process drop (`_is_orphaned_read_error`) the tracebacks that the reads left in flight by a failed
-    restore print later, from other threads or at garbage collection (hundreds of lines for a large model); every
-    other uncaught or unraisable exception is reported as before. Idempotent."""
+    """Makes the process drop the reports that the reads left in flight by a failed restore print later, from other
+    threads, through asyncio's logger or at garbage collection (hundreds of lines for a large model); every other
+    uncaught or unraisable exception and asyncio record is reported as before. Idempotent."""
     if getattr(sys.excepthook, "drops_orphaned_reads", False):
         return
     excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
 
-    def on_exception(kind, error, traceback):
+    def on_exception(kind, error, error_traceback):
         if not _is_orphaned_read_error(error):
-            excepthook(kind, error, traceback)
+            excepthook(kind, error, error_traceback)
 
     def on_unraisable(unraisable):
         if not _is_orphaned_read_error(unraisable.exc_value, unraisable.object):
@@ -82,6 +108,7 @@ def drop_orphaned_read_errors() -> None:
 
     on_exception.drops_orphaned_reads = True
     sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
+    logging.getLogger("asyncio").addFilter(_keeps_asyncio_record)
 
 
 class Restored(NamedTuple):
@@ -227,6 +254,7 @@ class Checkpointer:
         CheckpointUnreadableError when steps exist but none can be read (starting over would silently discard the
         run; nothing is moved), and CheckpointMismatchError at once when the targets do not fit the newest step.
         """
+        drop_orphaned_read_errors()  # before any read: a failed read's orphans may report before it raises
         failures = {}
         for step in reversed(self.all_steps()):
             error = None
@@ -236,7 +264,6 @@ class Checkpointer:
                 raise  # the caller's targets are wrong; older steps would not fit either
             except Exception as e:  # noqa: BLE001 - any other failure to read the step means it is unusable
                 error = e
-                drop_orphaned_read_errors()
             if not distributed.any_process(error is not None):
                 if failures:  # resuming from an older step: free the newer step numbers for the next saves
                     for unreadable in failures:

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pytest
 from etils import epath
@@ -38,12 +38,13 @@ class Launched:
             return f.read()
 
 
-def start(config: str, devices: int, log: str, *args: str, env: Mapping[str, str] | None = None) -> Launched:
+def start(config: str, devices: int, log: str, *args: str, env: Mapping[str, str] | None = None,
+          launcher: Sequence[str] = ("-m", "llds_jax.launch")) -> Launched:
     """`python -m llds_jax.launch --config=CONFIG ARGS...` on `devices` fake CPU devices, output to the file `log`;
-    `env` adds environment variables."""
+    `env` adds environment variables, `launcher` replaces `-m llds_jax.launch`."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
            **(env or {})}
-    cmd = [sys.executable, "-m", "llds_jax.launch", f"--config={config}", *args]
+    cmd = [sys.executable, *launcher, f"--config={config}", *args]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     return Launched(process, log)

@@ -1,6 +1,7 @@
 """Runs of the reliability tests: a policy that searches, the generated world's questions and a scripted
 retrieval server (tests/reliability/scripted_retriever.py), launched as real processes."""
 import os
+from collections.abc import Sequence
 
 import pytest
 
@@ -28,15 +29,16 @@ class SearchingRuns:
     def run_dir(self, name: str) -> str:
         return os.path.join(self.root, "runs", name)
 
-    def start(self, retriever: dict, name: str, *args: str, **settings) -> Launched:
+    def start(self, retriever: dict, name: str, *args: str, launcher: Sequence[str] = ("-m", "llds_jax.launch"),
+              **settings) -> Launched:
         """Starts a run in run_dir(name) with the `retriever` section and SETTINGS updated by `settings` (keys with
-        "__" for "."); its output goes to a new log file."""
+        "__" for "."); its output goes to a new log file. `launcher`: as for tests.e2e.runs.start."""
         self.launches += 1
         stem = os.path.join(self.root, f"{name}_{self.launches}")
         settings = {**SETTINGS, **{key.replace("__", "."): value for key, value in settings.items()}}
         config = self.config_writer(f"{stem}.py", self.assets, retriever=retriever, **settings)
         return start(config, 1, f"{stem}.log", f"--config.run_dir={self.run_dir(name)}", *args,
-                     env={"JAX_COMPILATION_CACHE_DIR": os.path.join(self.root, "jax_cache")})
+                     env={"JAX_COMPILATION_CACHE_DIR": os.path.join(self.root, "jax_cache")}, launcher=launcher)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 (a preemption notice gives ~30 s, a 7B step takes minutes) and SIGKILL after a checkpoint. Nothing is lost: the
 resumed run equals an uninterrupted one bit for bit, and its metrics hold every step exactly once."""
 import os
+import re
 import signal
 import time
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.e2e.runs import comparable, finish, latest_checkpoint, read_metrics, steps_saved, wait_for_text
+from tests.e2e.runs import comparable, finish, latest_checkpoint, read_metrics, steps_saved
 from tests.reliability.scripted_retriever import ScriptedRetriever
 
 TIMEOUT_S = 300
@@ -43,12 +44,14 @@ def assert_equal_to_reference(run_dir, reference, model_dir):
         np.testing.assert_array_equal(resumed_params[key], params[key], err_msg=str(key))
 
 
-def stopped_output(launched) -> str:
-    """The output of the process that was sent a stop signal, once it exited with status 0 within STOP_WITHIN_S
-    (subprocess.TimeoutExpired fails the test when it takes longer)."""
-    launched.process.wait(STOP_WITHIN_S)
+def assert_stopped_in_time(launched, signalled_at: float) -> str:
+    """Waits for the process that was sent a stop signal at `signalled_at` (time.monotonic(), one clock for every
+    process of the machine); asserts that it exited with status 0 within STOP_WITHIN_S. Returns its output."""
+    launched.process.wait(TIMEOUT_S)
+    stopped_s = time.monotonic() - signalled_at
     output = launched.output()
     assert launched.process.returncode == 0, output[-4000:]
+    assert stopped_s <= STOP_WITHIN_S, output[-4000:]
     return output
 
 
@@ -69,8 +72,8 @@ def test_sigterm_during_a_rollout_saves_the_step_before_and_resumes_bitwise(sear
         server.on_request = sigterm_in_step_2
         launched = searching_runs.start(server.config(), "rollout_stop")
         launched.process.wait(TIMEOUT_S)
-        output = launched.output()
-        assert launched.process.returncode == 0 and sent, output[-4000:]
+        assert sent, launched.output()[-4000:]
+        output = assert_stopped_in_time(launched, sent[0])
         assert "stop requested during the rollout of step 2: saved the state before it, exiting" in output
         assert "training stopped after step 1 of 3" in output
         assert steps_saved(run_dir) == [1]
@@ -84,15 +87,15 @@ def test_sigterm_during_the_updates_saves_the_step_before_and_resumes_bitwise(se
                                                                              policy):
     run_dir = searching_runs.run_dir("update_stop")
     with ScriptedRetriever() as server:
-        # --verbosity=0 prints the trainer's progress: the line before step 2's updates. The process is frozen
-        # (SIGSTOP) as soon as it is read, so the SIGTERM lands among the 32 updates, whatever the machine's load.
-        launched = searching_runs.start(server.config(), "update_stop", "--verbosity=0")
-        wait_for_text([launched], "step 2: 32 trajectories sampled", TIMEOUT_S)
-        launched.process.send_signal(signal.SIGSTOP)
-        launched.process.send_signal(signal.SIGTERM)
-        launched.process.send_signal(signal.SIGCONT)
-        output = stopped_output(launched)
+        # SIGTERM once 5 of step 2's 32 updates are done (tests/reliability/sigterm_at_update.py).
+        launched = searching_runs.start(server.config(), "update_stop",
+                                        launcher=("-m", "tests.reliability.sigterm_at_update", "2", "5"))
+        launched.process.wait(TIMEOUT_S)
+        signalled = re.search(r"SIGTERM sent at monotonic (\S+)", launched.output())
+        assert signalled, launched.output()[-4000:]
+        output = assert_stopped_in_time(launched, float(signalled.group(1)))
         assert "stop requested during the updates of step 2: saved the state before it, exiting" in output
+        assert "training stopped after step 1 of 3" in output
         assert steps_saved(run_dir) == [1]
         finish([searching_runs.start(server.config(), "update_stop")], TIMEOUT_S)
     assert_equal_to_reference(run_dir, reference, policy[0])

@@ -1,4 +1,6 @@
 """Checkpointer on 8 fake CPU devices: sharded round trips, keep-N, async saves, unreadable-step fallback."""
+import asyncio
+import gc
 import logging
 import os
 
@@ -7,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.path import async_path
 
 from llds_jax import parallel
 from llds_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointUnreadableError, abstract_like,
-                                       rng_from_json, rng_to_json)
+                                       drop_orphaned_read_errors, rng_from_json, rng_to_json)
 
 
 def assert_trees_equal(actual, expected):
@@ -174,6 +178,35 @@ def test_every_step_unreadable_is_an_error(tmp_path, mesh):
     with pytest.raises(CheckpointUnreadableError, match=f"no readable checkpoint in {tmp_path}: step 1: ValueError"):
         Checkpointer(str(tmp_path), save_every=1, keep=2).restore_latest({"x": x})
     assert os.listdir(tmp_path) == ["1"]  # nothing moved: the caller decides
+
+
+def _never_retrieved(loop, *failures):
+    """Lets each failure (an exception for a future, a coroutine for a task) fail with nobody awaiting it, then drops
+    it: asyncio logs "... exception was never retrieved" at garbage collection, as for orbax's orphaned reads."""
+    for failure in failures:
+        if isinstance(failure, BaseException):
+            loop.create_future().set_exception(failure)
+        else:
+            loop.create_task(failure)
+            loop.run_until_complete(asyncio.sleep(0.1))
+        gc.collect()
+
+
+def test_orphaned_reads_of_a_failed_restore_are_not_reported(tmp_path, caplog):
+    async def test_code_fails():
+        raise ValueError("a failure of our own")
+
+    drop_orphaned_read_errors()
+    loop = asyncio.new_event_loop()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        _never_retrieved(loop,
+                         ValueError('OUT_OF_RANGE: Error reading "layers.w/0.0" in OCDBT database at local file "x"'),
+                         async_path.read_text(epath.Path(tmp_path / "missing")),  # fails in orbax's code
+                         ValueError("DATA_LOSS: a failure of our own"), test_code_fails())
+    loop.close()
+    reported = [(r.getMessage().split("\n")[0], str(r.exc_info[1])) for r in caplog.records if r.name == "asyncio"]
+    assert reported == [("Future exception was never retrieved", "DATA_LOSS: a failure of our own"),
+                        ("Task exception was never retrieved", "a failure of our own")]
 
 
 def test_empty_folder_restores_nothing(tmp_path, mesh):
