@@ -46,6 +46,7 @@ from flax import nnx
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.model.transformer import attention
 from llds_jax.rl.advantages import grpo_advantages
+from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.config import ObjectiveConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.logprobs import token_logp_entropy
@@ -118,12 +119,13 @@ def train_flops(cfg: ModelConfig, rows: int, seq: int) -> float:
     return 3 * forward_flops(cfg, rows, seq)
 
 
-def synthetic_batch(rows: int, seq: int, vocab: int, seed: int = 0, group: int = 4) -> dict[str, np.ndarray]:
-    """A multi-turn rollout batch in the train-step format with no padding (every row holds `seq` real tokens).
+def synthetic_batch(rows: int, seq: int, vocab: int, seed: int = 0, group: int = 4) -> RolloutBatch:
+    """A multi-turn rollout batch with no padding (every row holds `seq` real tokens), its rewards and GRPO
+    advantages set.
 
     Each row: a prompt of seq/4 tokens, then model turns (loss mask 1, ~seq/8 tokens each) separated by
     observations (~seq/8 tokens, loss mask 0) up to the end; the last 4 tokens of the last turn are the answer span.
-    Groups of `group` rows share a uid and have mixed rewards.
+    Groups of `group` rows share a uid and have mixed rewards; the action ids are the maximal runs of the loss mask.
     """
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, (rows, seq)).astype(np.int32)
@@ -144,8 +146,12 @@ def synthetic_batch(rows: int, seq: int, vocab: int, seed: int = 0, group: int =
     rewards = rng.integers(0, 2, rows).astype(np.float32)
     rewards[::group] = 1.0
     rewards[1::group] = 0.0
-    return dict(tokens_bt=tokens, mask_bt=np.ones((rows, seq), np.float32), loss_mask_bt=loss_mask,
-                answer_mask_bt=answer, rewards_b=rewards, uids_b=np.arange(rows) // group, search_count_b=searches)
+    group_b = (np.arange(rows) // group).astype(np.int32)
+    return RolloutBatch(tokens_bt=tokens, mask_bt=np.ones((rows, seq), np.float32), loss_mask_bt=loss_mask,
+                        action_ids_bt=np.asarray(jax.jit(action_ids_from_loss_mask)(loss_mask)),
+                        answer_mask_bt=answer, sampler_logp_bt=np.zeros((rows, seq), np.float32), group_b=group_b,
+                        search_count_b=searches, rewards_b=rewards,
+                        advantages_b=np.asarray(jax.jit(grpo_advantages)(rewards, group_b)))
 
 
 def model_config(args: argparse.Namespace, **overrides: Any) -> ModelConfig:
@@ -165,7 +171,7 @@ class UpdateRunner:
     losses (of the first two calls).
     """
 
-    def __init__(self, cfg: ModelConfig, update: UpdateConfig, batch: dict[str, np.ndarray],
+    def __init__(self, cfg: ModelConfig, update: UpdateConfig, batch: RolloutBatch,
                  objective: ObjectiveConfig | None = None, donate: bool = True, seed: int = 0,
                  frozen_logp: bool = True):
         """donate: the step's own jit (state donated) or the same function without donation. frozen_logp: compute
@@ -173,20 +179,20 @@ class UpdateRunner:
         self.step = RLTrainStep(Transformer(cfg, rngs=nnx.Rngs(seed)), objective or ObjectiveConfig(), update)
         self.state = self.step.init_state()
         prepared = self.step.prepare_batch(batch)
-        self.arrays, self.beta, self.num_updates = prepared.arrays, prepared.answer_beta, prepared.num_updates
+        self.batch, self.stats, self.num_updates = prepared.batch, prepared.batch_stats, prepared.num_updates
         if frozen_logp:
             ref = self.step.reference_params(self.state.params)
             self.old_logp = self.step.sequence_logp(self.state.params, prepared)
             self.ref_logp = self.step.sequence_logp(ref, prepared)
         else:
-            self.old_logp = self.ref_logp = jnp.zeros(prepared.arrays["tokens_bt"].shape, jnp.float32)
+            self.old_logp = self.ref_logp = jnp.zeros(prepared.batch.tokens_bt.shape, jnp.float32)
         if donate:
             jitted = self.step._jitted_update(self.state)
         else:
             shardings = jax.tree.map(lambda x: x.sharding, self.state)
             jitted = jax.jit(self.step._update_impl, out_shardings=(shardings, None))
         wall, cpu = time.perf_counter(), time.process_time()
-        self.lowered = jitted.lower(self.state, self.arrays, self.beta, self.old_logp, self.ref_logp, jnp.int32(0))
+        self.lowered = jitted.lower(self.state, self.batch, self.stats, self.old_logp, self.ref_logp, jnp.int32(0))
         self.lower_s, self.lower_cpu = time.perf_counter() - wall, time.process_time() - cpu  # trace + lower
         wall, cpu = time.perf_counter(), time.process_time()
         self.compiled = self.lowered.compile()
@@ -197,7 +203,7 @@ class UpdateRunner:
 
     def __call__(self):
         index = self.index % self.num_updates
-        self.state, metrics = self.compiled(self.state, self.arrays, self.beta, self.old_logp, self.ref_logp,
+        self.state, metrics = self.compiled(self.state, self.batch, self.stats, self.old_logp, self.ref_logp,
                                             jnp.int32(index))
         self.index += 1
         if len(self.losses) < 2:
@@ -221,7 +227,7 @@ class TorchStep:
     """
 
     def __init__(self, cfg: ModelConfig, params: nnx.State, objective: ObjectiveConfig, update: UpdateConfig,
-                 batch: dict[str, np.ndarray]):
+                 batch: RolloutBatch):
         import torch
 
         llds = objective.llds
@@ -233,16 +239,13 @@ class TorchStep:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=update.learning_rate,
                                      betas=(update.adam_b1, update.adam_b2), eps=update.adam_eps,
                                      weight_decay=update.weight_decay)
-        rows, seq = batch["tokens_bt"].shape
+        rows, seq = batch.tokens_bt.shape
         micro, per_update = update.micro_batch_size, update.mini_batch_size // update.micro_batch_size
         layout = (rows // update.mini_batch_size, per_update, micro)
         t = lambda x, dtype: torch.from_numpy(np.asarray(x).astype(dtype).reshape(layout + x.shape[1:]))  # noqa
-        # Inputs of the loss, as the train step derives them from the batch (the same functions).
-        advantages = np.asarray(jax.jit(grpo_advantages)(batch["rewards_b"], batch["uids_b"]))
-        action_ids = np.asarray(jax.jit(action_ids_from_loss_mask)(batch["loss_mask_bt"]))
-        self.tokens, self.mask = t(batch["tokens_bt"], np.int64), t(batch["mask_bt"], np.int64)
-        self.loss_mask, self.advantages = t(batch["loss_mask_bt"], np.float32), t(advantages, np.float32)
-        self.action_ids = t(action_ids, np.int64)
+        self.tokens, self.mask = t(batch.tokens_bt, np.int64), t(batch.mask_bt, np.int64)
+        self.loss_mask, self.advantages = t(batch.loss_mask_bt, np.float32), t(batch.advantages_b, np.float32)
+        self.action_ids = t(batch.action_ids_bt, np.int64)
         with torch.no_grad():  # old_logp and ref_logp: the reference starts as a copy of the policy
             self.old_logp = torch.stack([torch.stack([self.token_logp(self.tokens[u, k], self.mask[u, k])[0]
                                                       for k in range(per_update)]) for u in range(layout[0])])

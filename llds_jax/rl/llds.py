@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
 from llds_jax.rl.terms import LossInputs, aggregate, register_loss_term
@@ -115,10 +116,19 @@ def llds_weight(cfg: LLDSConfig, answer_mask_bt: jax.Array, beta: jax.Array | fl
     return jnp.where(answer_mask_bt > 0, jnp.minimum(jnp.asarray(beta, jnp.float32), lam), lam)
 
 
-@register_loss_term("llds")
+ADAPTIVE = ("adaptive", "adaptive_paper")  # the answer weightings whose beta follows the batch's searches
+
+
+def llds_batch_statistics(batch, cfg: ObjectiveConfig) -> dict[str, float]:
+    """`answer_beta`: beta of LLDS-MA (`answer_beta`) from the mean of the rollout batch's `search_count_b`."""
+    mean_searches = float(np.mean(batch.search_count_b)) if cfg.llds.answer_weighting in ADAPTIVE else 0.0
+    return {"answer_beta": float(answer_beta(cfg.llds, mean_searches))}
+
+
+@register_loss_term("llds", batch_statistics=llds_batch_statistics)
 def llds_loss(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
     """`aggregate(g * w * max(0, old_logp - logp))`; with token-mean the denominator is sum(m) (all loss tokens)."""
     delta_bt = inputs.old_logp_bt - inputs.logp_bt
     gate_bt = llds_gate(cfg.llds.gate, delta_bt, inputs.loss_mask_bt, inputs.advantages_b, inputs.action_ids_bt)
-    weight_bt = llds_weight(cfg.llds, inputs.answer_mask_bt, inputs.answer_beta)
+    weight_bt = llds_weight(cfg.llds, inputs.answer_mask_bt, inputs.batch_stats["answer_beta"])
     return aggregate(gate_bt * weight_bt * jnp.maximum(delta_bt, 0.0), inputs.loss_mask_bt, cfg.aggregation)

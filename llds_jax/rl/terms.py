@@ -3,9 +3,15 @@
 A loss term is `fn(inputs: LossInputs, cfg: ObjectiveConfig) -> scalar`; `ObjectiveConfig.weighted_terms()` says which
 names are summed with which coefficients. A new term (e.g. an LLDS variant) is a new function decorated with
 `@register_loss_term("name")`, selected from the config, with no change to the loss or train step.
+
+A term that needs statistics of the whole rollout batch (LLDS-MA's beta comes from the mean search count) registers
+a hook, `register_loss_term("name", batch_statistics=hook)` with `hook(batch: RolloutBatch, cfg) -> {name: scalar}`:
+the train step calls the hooks of the configured terms once per rollout batch (`batch_statistics`) and every
+micro-batch's `LossInputs.batch_stats` holds the results. An LLDS variant that reuses the "llds" term registers its
+hook too (`llds.llds_batch_statistics`).
 """
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +31,7 @@ class LossInputs(NamedTuple):
       loss_mask_bt: [B, T] 1 on model-generated tokens, 0 on prompt, observations and padding.
       action_ids_bt: [B, T] int, 0-based index of the model turn (action) a loss token belongs to; -1 elsewhere.
       answer_mask_bt: [B, T] 1 on the final <answer>...</answer> span (tags included), else 0.
-      answer_beta: scalar beta of LLDS-MA for this rollout batch (unused unless answer weighting is on).
+      batch_stats: name -> scalar statistics of the whole rollout batch from the terms' hooks (`batch_statistics`).
     """
 
     logp_bt: jax.Array
@@ -36,7 +42,7 @@ class LossInputs(NamedTuple):
     loss_mask_bt: jax.Array
     action_ids_bt: jax.Array
     answer_mask_bt: jax.Array
-    answer_beta: jax.Array | float = 0.0
+    batch_stats: Mapping[str, jax.Array] = {}
 
 
 def aggregate(x_bt: jax.Array, mask_bt: jax.Array, mode: str) -> jax.Array:
@@ -57,19 +63,34 @@ def aggregate(x_bt: jax.Array, mask_bt: jax.Array, mode: str) -> jax.Array:
 
 
 LossTerm = Callable[[LossInputs, ObjectiveConfig], jax.Array]
+BatchStatistics = Callable[[Any, ObjectiveConfig], dict[str, float]]  # (RolloutBatch, cfg) -> name -> scalar
 _LOSS_TERMS: dict[str, LossTerm] = {}
+_BATCH_STATISTICS: dict[str, BatchStatistics] = {}
 
 
-def register_loss_term(name: str) -> Callable[[LossTerm], LossTerm]:
-    """Decorator registering `fn(inputs, cfg) -> scalar` under `name`."""
+def register_loss_term(name: str, batch_statistics: BatchStatistics | None = None
+                       ) -> Callable[[LossTerm], LossTerm]:
+    """Decorator registering `fn(inputs, cfg) -> scalar` under `name`, with the hook computing the whole-batch
+    statistics it reads from `inputs.batch_stats` (see the module docstring)."""
 
     def register(fn: LossTerm) -> LossTerm:
         if name in _LOSS_TERMS:
             raise ValueError(f"loss term {name!r} is already registered")
         _LOSS_TERMS[name] = fn
+        if batch_statistics is not None:
+            _BATCH_STATISTICS[name] = batch_statistics
         return fn
 
     return register
+
+
+def batch_statistics(batch: Any, cfg: ObjectiveConfig) -> dict[str, float]:
+    """What the hooks of the terms in `cfg.weighted_terms()` compute from `batch` (a host RolloutBatch)."""
+    stats: dict[str, float] = {}
+    for name, _ in cfg.weighted_terms():
+        if name in _BATCH_STATISTICS:
+            stats.update(_BATCH_STATISTICS[name](batch, cfg))
+    return stats
 
 
 def get_loss_term(name: str) -> LossTerm:

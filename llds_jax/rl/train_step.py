@@ -1,9 +1,10 @@
 """One GRPO + LLDS training step on a rollout batch: frozen log-probs, then mini-batch updates with accumulation.
 
-Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`:
-1. check the batch on the host; advantages from rewards + uids when not given; LLDS-MA beta from the batch's mean
-   search count; lay the batch out as [updates U, micro-batches K, micro-batch size, ...] (sharded on the micro-batch
-   axis over the mesh's data axes, so every micro-batch spans all devices);
+Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`, `batch` a `RolloutBatch` (llds_jax/rl/batch.py) with
+its rewards and advantages set:
+1. check the batch on the host; the whole-batch statistics of the configured loss terms (`terms.batch_statistics`,
+   e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches K, micro-batch size, ...] (sharded on the
+   micro-batch axis over the mesh's data axes, so every micro-batch spans all devices);
 2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only;
 3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
    loss of each of the K micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
@@ -13,20 +14,6 @@ Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`:
 
 The learning rate follows the reference code: linear warmup from 0 counted in rollout batches
 (`lr = base * step / warmup_steps`, the first batch at lr 0), then constant; it is fixed within a batch.
-
-Batch format (host or device arrays; B trajectories, T tokens, left or right padding):
-  tokens_bt       int [B, T]    prompt + model turns + observations + padding
-  mask_bt         [B, T]        attention mask, 1 on real tokens
-  loss_mask_bt    [B, T]        1 on model-generated tokens (the tokens whose log-prob is trained); loss_mask_bt[:, 0]
-                                must be 0: logp of token t comes from the hidden state at t - 1 (shifted inside)
-  rewards_b       [B]           outcome reward; a trajectory is "correct" when its reward is > 0
-  advantages_b    [B]           optional; else computed from rewards_b and uids_b (GRPO)
-  uids_b          int [B]       prompt id of each trajectory (its group); needed without advantages_b
-  action_ids_bt   int [B, T]    optional; 0-based model-turn index of each loss token, -1 elsewhere (default: the
-                                maximal runs of loss_mask_bt)
-  answer_mask_bt  [B, T]        optional; 1 on the final <answer>...</answer> span (needed for LLDS-MA)
-  search_count_b  [B]           optional; <search> actions per trajectory (needed for adaptive LLDS-MA)
-  sampler_logp_bt [B, T]        optional; the sampler's log-probs, for the sampler/trainer gap metric
 """
 import contextlib
 import dataclasses
@@ -35,7 +22,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,17 +31,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from llds_jax.rl.advantages import grpo_advantages
+from llds_jax.rl.batch import RolloutBatch, batch_dtype
 from llds_jax.rl.config import ObjectiveConfig
 from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
-from llds_jax.rl.llds import action_ids_from_loss_mask, answer_beta
 from llds_jax.rl.logprobs import DEFAULT_TIME_CHUNK, mesh_batch_axes, model_token_logp
 from llds_jax.rl.losses import objective_loss
-from llds_jax.rl.terms import LossInputs
+from llds_jax.rl.terms import LossInputs, batch_statistics
 
 REFERENCE_DTYPES = ("float32", "bfloat16")
-_grpo_advantages = jax.jit(grpo_advantages)
-_action_ids_from_loss_mask = jax.jit(action_ids_from_loss_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +85,6 @@ class UpdateConfig:
             raise ValueError(f"optim.reference_dtype must be one of {REFERENCE_DTYPES}; got {self.reference_dtype!r}")
 
 
-# The arrays of a batch prepared by the trainer (`RLTrainStep.prepare_batch`), by name: their dtypes; `_bt` arrays
-# are per token, the others per trajectory.
-PREPARED_ARRAYS = {
-    "tokens_bt": np.int32, "mask_bt": np.float32, "loss_mask_bt": np.float32, "correct_b": np.bool_,
-    "advantages_b": np.float32, "action_ids_bt": np.int32, "answer_mask_bt": np.float32,
-    "sampler_logp_bt": np.float32,
-}
-
-
 class TrainState(NamedTuple):
     """What changes from step to step.
 
@@ -130,14 +105,13 @@ class PreparedBatch(NamedTuple):
     """A checked rollout batch on the device(s), laid out for the updates.
 
     Attributes:
-      arrays: every per-trajectory array as [U, K, micro, ...] (sharded on the micro axis over the data axes):
-        the batch's fields plus the filled-in `advantages_b`, `action_ids_bt`, `answer_mask_bt` and `correct_b`.
-      answer_beta: scalar beta of LLDS-MA for this rollout batch.
+      batch: the RolloutBatch with every array as [U, K, micro, ...] (sharded on the micro axis over the data axes).
+      batch_stats: the loss terms' whole-batch statistics (`terms.batch_statistics`), replicated scalars.
       num_updates: U, the optimizer updates of this batch.
     """
 
-    arrays: dict[str, jax.Array]
-    answer_beta: jax.Array
+    batch: RolloutBatch
+    batch_stats: dict[str, jax.Array]
     num_updates: int
 
 
@@ -193,15 +167,23 @@ def _fresh_copy(tree, dtype=None):
     return _copier(tree, dtype)(tree)
 
 
-def _as_numpy(batch: dict[str, Any], key: str) -> np.ndarray:
-    if key not in batch:
-        raise KeyError(f"batch is missing {key!r}")
-    return np.asarray(batch[key])
+def _flat(x: jax.Array) -> jax.Array:
+    """[U, K, micro, ...] -> [B, ...]."""
+    return x.reshape((-1,) + x.shape[3:])
 
 
-def _check_shape(key: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
-    if array.shape != shape:
-        raise ValueError(f"batch[{key!r}] must have shape {shape}; got {array.shape}")
+def _likelihood_metrics(old_logp_ukmt: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]:
+    """`likelihood_metrics` of a prepared batch (a trajectory is correct when its reward is > 0)."""
+    flat = jax.tree.map(_flat, batch)
+    return likelihood_metrics(_flat(old_logp_ukmt), flat.loss_mask_bt, flat.action_ids_bt, flat.rewards_b > 0,
+                              flat.sampler_logp_bt)
+
+
+def _lld_metrics(new_logp_ukmt: jax.Array, old_logp_ukmt: jax.Array, batch: RolloutBatch
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`lld_metrics` of a prepared batch: ([B] Delta_traj, metrics)."""
+    flat = jax.tree.map(_flat, batch)
+    return lld_metrics(_flat(new_logp_ukmt), _flat(old_logp_ukmt), flat.loss_mask_bt, flat.rewards_b > 0)
 
 
 class RLTrainStep:
@@ -230,8 +212,8 @@ class RLTrainStep:
         self.mesh = mesh
         self.optimizer = make_optimizer(update)
         self._logp = jax.jit(self._logp_impl, out_shardings=self._batch_sharding(4))
-        self._likelihood = jax.jit(likelihood_metrics)
-        self._lld = jax.jit(lld_metrics)
+        self._likelihood = jax.jit(_likelihood_metrics)
+        self._lld = jax.jit(_lld_metrics)
         self._update = None  # jitted on first use, with the state's shardings as output shardings
 
     # ----- state ---------------------------------------------------------------------------------------------------
@@ -279,59 +261,15 @@ class RLTrainStep:
         return nnx.merge(self.graphdef, params, self._rest)
 
     # ----- batch ---------------------------------------------------------------------------------------------------
-    def prepare_batch(self, batch: dict[str, Any]) -> PreparedBatch:
-        """Checks a rollout batch (see the module docstring) and lays it out on the device(s).
+    def prepare_batch(self, batch: RolloutBatch) -> PreparedBatch:
+        """Checks a rollout batch (`RolloutBatch.checked`), computes the loss terms' batch statistics and lays it out
+        on the device(s).
 
         Warns when LLDS is on and the batch makes a single optimizer update (LLDS would be exactly zero).
         """
         cfg = self.update_cfg
-        tokens_bt = _as_numpy(batch, "tokens_bt")
-        if tokens_bt.ndim != 2:
-            raise ValueError(f"batch['tokens_bt'] must be [B, T]; got shape {tokens_bt.shape}")
-        num, time = tokens_bt.shape
-        arrays = {"tokens_bt": tokens_bt.astype(np.int32)}
-        for key in ("mask_bt", "loss_mask_bt"):
-            arrays[key] = _as_numpy(batch, key).astype(np.float32)
-            _check_shape(key, arrays[key], (num, time))
-        if np.any(arrays["loss_mask_bt"][:, 0]):
-            raise ValueError("batch['loss_mask_bt'][:, 0] must be 0: the first token has no prediction")
-        if np.any((arrays["loss_mask_bt"] > 0) & (arrays["mask_bt"] == 0)):
-            raise ValueError("batch['loss_mask_bt'] is 1 where batch['mask_bt'] is 0 (a loss token on padding)")
-        rewards_b = _as_numpy(batch, "rewards_b").astype(np.float32)
-        _check_shape("rewards_b", rewards_b, (num,))
-        arrays["correct_b"] = rewards_b > 0
-        if "advantages_b" in batch:
-            arrays["advantages_b"] = np.asarray(batch["advantages_b"], np.float32)
-        elif "uids_b" in batch:
-            uids_b = np.asarray(batch["uids_b"])
-            _check_shape("uids_b", uids_b, (num,))
-            arrays["advantages_b"] = np.asarray(_grpo_advantages(rewards_b, uids_b))
-        else:
-            raise KeyError("batch needs 'advantages_b', or 'uids_b' (with 'rewards_b') to compute them")
-        _check_shape("advantages_b", arrays["advantages_b"], (num,))
-        if "action_ids_bt" in batch:
-            arrays["action_ids_bt"] = np.asarray(batch["action_ids_bt"], np.int32)
-        else:
-            arrays["action_ids_bt"] = np.asarray(_action_ids_from_loss_mask(arrays["loss_mask_bt"]))
-        _check_shape("action_ids_bt", arrays["action_ids_bt"], (num, time))
-        llds_cfg = self.objective.llds
-        if "answer_mask_bt" in batch:
-            arrays["answer_mask_bt"] = np.asarray(batch["answer_mask_bt"], np.float32)
-        elif llds_cfg.enabled and llds_cfg.answer_weighting != "none":
-            raise KeyError("batch is missing 'answer_mask_bt' (llds.answer_weighting is on)")
-        else:
-            arrays["answer_mask_bt"] = np.zeros((num, time), np.float32)
-        _check_shape("answer_mask_bt", arrays["answer_mask_bt"], (num, time))
-        if llds_cfg.answer_weighting in ("adaptive", "adaptive_paper"):
-            search_count_b = _as_numpy(batch, "search_count_b").astype(np.float32)
-            _check_shape("search_count_b", search_count_b, (num,))
-            beta = answer_beta(llds_cfg, float(search_count_b.mean()))
-        else:
-            beta = answer_beta(llds_cfg, 0.0)
-        if "sampler_logp_bt" in batch:
-            arrays["sampler_logp_bt"] = np.asarray(batch["sampler_logp_bt"], np.float32)
-            _check_shape("sampler_logp_bt", arrays["sampler_logp_bt"], (num, time))
-
+        batch = batch.checked()
+        num = batch.num_trajectories
         if num % cfg.mini_batch_size:
             raise ValueError(f"batch size {num} is not a multiple of optim.mini_batch_size ({cfg.mini_batch_size})")
         num_updates = num // cfg.mini_batch_size
@@ -339,14 +277,21 @@ class RLTrainStep:
             warnings.warn("LLDS is on but there is one optimizer update per rollout batch: logp == old_logp on the "
                           "first update, so LLDS is exactly zero; use optim.mini_batch_size < the batch size",
                           stacklevel=2)
-        layout = (num_updates, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size)
         if self.mesh is not None:
             shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh))
             if cfg.micro_batch_size % shards:
                 raise ValueError(f"optim.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
                                  f"data axes size ({shards})")
-        device_arrays = {key: self._put(value.reshape(layout + value.shape[1:])) for key, value in arrays.items()}
-        return PreparedBatch(arrays=device_arrays, answer_beta=self._put(np.float32(beta)), num_updates=num_updates)
+        layout = self._layout(num)
+        stats = batch_statistics(batch, self.objective)
+        return PreparedBatch(batch=jax.tree.map(lambda x: self._put(x.reshape(layout + x.shape[1:])), batch),
+                             batch_stats={name: self._put(np.float32(value)) for name, value in stats.items()},
+                             num_updates=num_updates)
+
+    def _layout(self, num: int) -> tuple[int, int, int]:
+        """(U, K, micro) of a batch of `num` trajectories."""
+        cfg = self.update_cfg
+        return num // cfg.mini_batch_size, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size
 
     def _put(self, array: np.ndarray) -> jax.Array:
         """[U, K, micro, ...] arrays split on the micro axis over the data axes; scalars replicated."""
@@ -363,16 +308,18 @@ class RLTrainStep:
         return NamedSharding(self.mesh, P(None, None, batch_axes) if ndim >= 3 else P())
 
     def batch_spec(self, num: int, length: int) -> PreparedBatch:
-        """The abstract `prepare_batch` result of a rollout batch of `num` trajectories of `length` tokens (the
-        trainer's batch: every optional array present), for ahead-of-time compilation."""
-        cfg = self.update_cfg
-        layout = (num // cfg.mini_batch_size, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size)
-        arrays = {}
-        for key, dtype in PREPARED_ARRAYS.items():
-            shape = layout + ((length,) if key.endswith("_bt") else ())
-            arrays[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch_sharding(len(shape)))
-        beta = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._batch_sharding(0))
-        return PreparedBatch(arrays=arrays, answer_beta=beta, num_updates=layout[0])
+        """The abstract `prepare_batch` result of a rollout batch of `num` trajectories of `length` tokens, for
+        ahead-of-time compilation."""
+        layout = self._layout(num)
+
+        def spec(name: str) -> jax.ShapeDtypeStruct:
+            shape = layout + ((length,) if name.endswith("_bt") else ())
+            return jax.ShapeDtypeStruct(shape, batch_dtype(name), sharding=self._batch_sharding(len(shape)))
+
+        batch = RolloutBatch(**{field.name: spec(field.name) for field in dataclasses.fields(RolloutBatch)})
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._batch_sharding(0))
+        stats = {name: scalar for name in batch_statistics(RolloutBatch.zeros(1, 1), self.objective)}
+        return PreparedBatch(batch=batch, batch_stats=stats, num_updates=layout[0])
 
     def _replicated(self):
         return None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -396,36 +343,36 @@ class RLTrainStep:
     def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
         """logp of every token of a prepared batch under `params` (jitted, no gradient). [U, K, micro, T]."""
         with self._mesh_context():
-            return self._logp(params, prepared.arrays["tokens_bt"], prepared.arrays["mask_bt"])
+            return self._logp(params, prepared.batch.tokens_bt, prepared.batch.mask_bt)
 
-    def _micro_loss(self, params, micro, old_logp_bt, ref_logp_bt, beta, first_update):
-        logp_bt, entropy_bt = self._token_logp(params, micro["tokens_bt"], micro["mask_bt"])
+    def _micro_loss(self, params, micro: RolloutBatch, old_logp_bt, ref_logp_bt, batch_stats, first_update):
+        logp_bt, entropy_bt = self._token_logp(params, micro.tokens_bt, micro.mask_bt)
         # The first update runs on the very parameters old_logp came from, so logp == old_logp exactly; take old_logp's
         # value (gradient unchanged) so that recomputation noise cannot open LLDS gates or move the ratio off 1.
         logp_bt = jnp.where(first_update, old_logp_bt + (logp_bt - jax.lax.stop_gradient(logp_bt)), logp_bt)
         inputs = LossInputs(
             logp_bt=logp_bt, entropy_bt=entropy_bt, old_logp_bt=old_logp_bt, ref_logp_bt=ref_logp_bt,
-            advantages_b=micro["advantages_b"], loss_mask_bt=micro["loss_mask_bt"],
-            action_ids_bt=micro["action_ids_bt"], answer_mask_bt=micro["answer_mask_bt"], answer_beta=beta)
+            advantages_b=micro.advantages_b, loss_mask_bt=micro.loss_mask_bt, action_ids_bt=micro.action_ids_bt,
+            answer_mask_bt=micro.answer_mask_bt, batch_stats=batch_stats)
         loss, terms = objective_loss(inputs, self.objective)
         metrics = {f"loss/{name}": value for name, value in terms.items()}
         metrics.update(update_metrics(inputs, self.objective))
         return loss, metrics
 
-    def _update_impl(self, state: TrainState, arrays, answer_beta, old_logp, ref_logp, index):
-        """One optimizer update on mini-batch `index` (of the [U, K, micro, ...] arrays of a prepared batch).
+    def _update_impl(self, state: TrainState, batch: RolloutBatch, batch_stats, old_logp, ref_logp, index):
+        """One optimizer update on mini-batch `index` of a prepared batch ([U, K, micro, ...] arrays).
 
         Update 0 must run on the parameters old_logp was computed with (train_on_batch guarantees it).
         """
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        micro_k = {key: take(value) for key, value in arrays.items()}
+        micro_k = jax.tree.map(take, batch)
         old_k = take(old_logp)
         ref_k = None if ref_logp is None else take(ref_logp)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def accumulate(grad_sum, xs):
             micro, old_bt, ref_bt = xs
-            (loss, metrics), grads = grad_fn(state.params, micro, old_bt, ref_bt, answer_beta, index == 0)
+            (loss, metrics), grads = grad_fn(state.params, micro, old_bt, ref_bt, batch_stats, index == 0)
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -464,33 +411,28 @@ class RLTrainStep:
         """Every program `init_state`, `reference_params` and `train_on_batch` run, lowered (not compiled) at
         abstract values (`abstract_state()`, `abstract_reference` of its params, `batch_spec`), named as
         `train_on_batch` uses them, in the order a run first runs them."""
-        arrays = prepared.arrays
-        flat = lambda x: jax.ShapeDtypeStruct((math.prod(x.shape[:3]),) + x.shape[3:], x.dtype)  # noqa: E731
-        logp = jax.ShapeDtypeStruct(arrays["tokens_bt"].shape, jnp.float32, sharding=self._batch_sharding(4))
+        batch = prepared.batch
+        logp = jax.ShapeDtypeStruct(batch.tokens_bt.shape, jnp.float32, sharding=self._batch_sharding(4))
         index = jax.ShapeDtypeStruct((), jnp.int32)
         init = self._init_optimizer(state.params)
         with self._mesh_context():
             programs = [("optimizer init", init.lower(state.params))]
             if ref_params is not None:
                 programs += [("reference copy", self._reference_copier(state.params).lower(state.params)),
-                             ("logp (reference)", self._logp.lower(ref_params, arrays["tokens_bt"],
-                                                                   arrays["mask_bt"]))]
+                             ("logp (reference)", self._logp.lower(ref_params, batch.tokens_bt, batch.mask_bt))]
             programs += [
-                ("logp (policy)", self._logp.lower(state.params, arrays["tokens_bt"], arrays["mask_bt"])),
-                ("likelihood metrics", self._likelihood.lower(
-                    flat(logp), flat(arrays["loss_mask_bt"]), flat(arrays["action_ids_bt"]),
-                    flat(arrays["correct_b"]), flat(arrays["sampler_logp_bt"]))),
+                ("logp (policy)", self._logp.lower(state.params, batch.tokens_bt, batch.mask_bt)),
+                ("likelihood metrics", self._likelihood.lower(logp, batch)),
                 (f"update ({prepared.num_updates} per step)", self._jitted_update(state).lower(
-                    state, arrays, prepared.answer_beta, logp, None if ref_params is None else logp, index)),
+                    state, batch, prepared.batch_stats, logp, None if ref_params is None else logp, index)),
             ]
             if measure_lld:
-                programs.append(("lld metrics", self._lld.lower(flat(logp), flat(logp), flat(arrays["loss_mask_bt"]),
-                                                                flat(arrays["correct_b"]))))
+                programs.append(("lld metrics", self._lld.lower(logp, logp, batch)))
         return programs
 
     # ----- the step ------------------------------------------------------------------------------------------------
     def train_on_batch(
-        self, state: TrainState, ref_params: nnx.State | None, batch: dict[str, Any], *, measure_lld: bool = False,
+        self, state: TrainState, ref_params: nnx.State | None, batch: RolloutBatch, *, measure_lld: bool = False,
         between_updates: Callable[[], None] | None = None,
     ) -> tuple[TrainState, BatchMetrics]:
         """All updates of one rollout batch (see the module docstring).
@@ -498,7 +440,7 @@ class RLTrainStep:
         Args:
           state: the train state (donated: use the returned one).
           ref_params: frozen reference parameters (`reference_params`); None only when objective.kl_coef == 0.
-          batch: the rollout batch dict.
+          batch: the rollout batch, its rewards and advantages set.
           measure_lld: recompute logp after the updates and report Delta_traj / LLD rate (one extra forward).
           between_updates: called once each update but the last has run on the device (the loop then waits for
           each update before starting the next); what it raises ends the batch, with `state` donated already.
@@ -509,16 +451,12 @@ class RLTrainStep:
         if ref_params is None and self.objective.kl_coef:
             raise ValueError("ref_params is required when objective.kl_coef > 0")
         prepared = self.prepare_batch(batch)
-        arrays = prepared.arrays
         start = time.perf_counter()
         old_logp = self.sequence_logp(state.params, prepared)
         ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
         jax.block_until_ready((old_logp, ref_logp))  # once per batch: times the frozen log-probs apart
         logp_s = time.perf_counter() - start
-        flat = lambda x: x.reshape((-1,) + x.shape[3:])  # noqa: E731  [U, K, micro, ...] -> [B, ...]
-        sampler = arrays.get("sampler_logp_bt")
-        before = self._likelihood(flat(old_logp), flat(arrays["loss_mask_bt"]), flat(arrays["action_ids_bt"]),
-                                  flat(arrays["correct_b"]), None if sampler is None else flat(sampler))
+        before = self._likelihood(old_logp, prepared.batch)
         update = self._jitted_update(state)
         per_update = []
         with self._mesh_context():
@@ -526,14 +464,14 @@ class RLTrainStep:
                 if index and between_updates is not None:
                     jax.block_until_ready(per_update[-1])
                     between_updates()
-                state, metrics = update(state, arrays, prepared.answer_beta, old_logp, ref_logp, jnp.int32(index))
+                state, metrics = update(state, prepared.batch, prepared.batch_stats, old_logp, ref_logp,
+                                        jnp.int32(index))
                 per_update.append(metrics)
         state = state._replace(step=state.step + 1)
         after, delta_traj_b = {}, None
         if measure_lld:
             new_logp = self.sequence_logp(state.params, prepared)
-            delta_traj_b, after = self._lld(flat(new_logp), flat(old_logp), flat(arrays["loss_mask_bt"]),
-                                            flat(arrays["correct_b"]))
+            delta_traj_b, after = self._lld(new_logp, old_logp, prepared.batch)
         before, per_update, after, delta_traj_b, total_skips = jax.device_get(
             (before, per_update, after, delta_traj_b, state.nonfinite_count))
         stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}

@@ -1,4 +1,4 @@
-"""Trajectories of the multi-turn rollout: per-token arrays for training, rewards, and padded batches.
+"""Trajectories of the multi-turn rollout: per-token arrays for training, exact-match rewards, batch statistics.
 
 One trajectory is the prompt followed by its turns; each turn is the model tokens kept for training (sampled
 tokens up to the one completing the turn's cut, never the stop token) and, after it, the observation appended to
@@ -10,9 +10,9 @@ Per-token arrays of a trajectory of T tokens (prompt + response), aligned with `
   answer_mask   1 on the model tokens spanning the final answer, the last `<answer>...</answer>` complete inside
                 one model turn (tags included; a token straddling a tag boundary counts), 0 elsewhere.
   sampler_logp  log p(token t | tokens < t) under the sampling distribution for model tokens, 0 elsewhere.
-The reward is exact match of that final answer (observations are never scored, and turns are never joined: an
-answer opened in one turn and closed in the next is no answer, as in Search-R1); it belongs on the last model token
-(the last 1 of loss_mask).
+The reward (`em_rewards`, a stage of its own after the rollout) is exact match of that final answer (observations are
+never scored, and turns are never joined: an answer opened in one turn and closed in the next is no answer, as in
+Search-R1); it belongs on the last model token (the last 1 of loss_mask).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import numpy as np
 
 from llds_jax.data.qa import QAExample
 from llds_jax.data.rewards import em_reward, extract_final_answer, final_answer_turn
-from llds_jax.rollout import buckets
 from llds_jax.rollout.protocol import Action
 
 # The same pattern as data.rewards.extract_final_answer, whose last match is the final answer.
@@ -80,8 +79,8 @@ class Trajectory:
     answer_mask: np.ndarray   # int32 [T]
     sampler_logp: np.ndarray  # float32 [T]
     model_text: str
+    answer_text: str          # the text scored: the model turn holding the final answer ("" without one)
     final_answer: Optional[str]
-    reward: float
 
     @property
     def uid(self) -> str:
@@ -116,7 +115,7 @@ class Trajectory:
 
 def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Sequence[Turn], end_reason: str,
                      tokenizer) -> Trajectory:
-    """Assembles the token arrays, the model text, the final answer and the exact-match reward."""
+    """Assembles the token arrays, the model text and the final answer."""
     if end_reason not in END_REASONS:
         raise ValueError(f"end_reason must be one of {END_REASONS}, got {end_reason!r}")
     tokens, loss_mask, action_ids, logp = list(prompt_ids), [0] * len(prompt_ids), [-1] * len(prompt_ids), \
@@ -147,8 +146,8 @@ def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Seque
         example=example, prompt_ids=tuple(prompt_ids), turns=tuple(turns), end_reason=end_reason,
         tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(loss_mask, np.int32),
         action_ids=np.asarray(action_ids, np.int32), answer_mask=answer_mask,
-        sampler_logp=np.asarray(logp, np.float32), model_text=model_text,
-        final_answer=extract_final_answer(answer_text), reward=em_reward(answer_text, example.golden_answers))
+        sampler_logp=np.asarray(logp, np.float32), model_text=model_text, answer_text=answer_text,
+        final_answer=extract_final_answer(answer_text))
 
 
 def answer_token_span(model_ids: Sequence[int], model_text: str, tokenizer) -> Optional[tuple[int, int]]:
@@ -182,66 +181,20 @@ def _tokens_reaching(ids: Sequence[int], prefix: str, tokenizer) -> int:
     return hi
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedBatch:
-    """Trajectories right-padded to a common length L (numpy).
-
-    Attributes:
-      tokens_bt: int32 [B, L] token ids (pad_id after the end).
-      attn_mask_bt: int32 [B, L] 1 on real tokens.
-      loss_mask_bt: int32 [B, L] 1 on model tokens.
-      action_ids_bt: int32 [B, L] turn of each model token, -1 elsewhere.
-      answer_mask_bt: int32 [B, L] 1 on the final answer span's model tokens.
-      sampler_logp_bt: float32 [B, L] sampler log-probs of model tokens, 0 elsewhere.
-      rewards_b: float32 [B] exact-match reward (belongs on each row's last model token).
-      uids: the GRPO group key of each row.
-    """
-
-    tokens_bt: np.ndarray
-    attn_mask_bt: np.ndarray
-    loss_mask_bt: np.ndarray
-    action_ids_bt: np.ndarray
-    answer_mask_bt: np.ndarray
-    sampler_logp_bt: np.ndarray
-    rewards_b: np.ndarray
-    uids: list[str]
+def em_score(trajectory: Trajectory) -> float:
+    """Exact match (0.0 or 1.0) of the trajectory's final answer (`answer_text`) against its example's gold answers
+    (data.rewards.em_reward)."""
+    return em_reward(trajectory.answer_text, trajectory.example.golden_answers)
 
 
-def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int = 0, length: Optional[int] = None,
-                      pad_to_multiple: int = 1) -> PackedBatch:
-    """Right-pads trajectories into arrays of length `length` (default: the longest, rounded up to a multiple
-    of `pad_to_multiple`). A trajectory longer than `length` is an error."""
-    if not trajectories:
-        raise ValueError("pack_trajectories: no trajectories")
-    longest = max(len(t.tokens) for t in trajectories)
-    if length is None:
-        length = buckets.round_up(longest, pad_to_multiple)
-    elif longest > length:
-        raise ValueError(f"pack_trajectories: a trajectory has {longest} tokens, more than length={length}")
-    b = len(trajectories)
-    arrays = {
-        "tokens_bt": np.full((b, length), pad_id, np.int32),
-        "attn_mask_bt": np.zeros((b, length), np.int32),
-        "loss_mask_bt": np.zeros((b, length), np.int32),
-        "action_ids_bt": np.full((b, length), -1, np.int32),
-        "answer_mask_bt": np.zeros((b, length), np.int32),
-        "sampler_logp_bt": np.zeros((b, length), np.float32),
-    }
-    for row, t in enumerate(trajectories):
-        n = len(t.tokens)
-        arrays["tokens_bt"][row, :n] = t.tokens
-        arrays["attn_mask_bt"][row, :n] = 1
-        arrays["loss_mask_bt"][row, :n] = t.loss_mask
-        arrays["action_ids_bt"][row, :n] = t.action_ids
-        arrays["answer_mask_bt"][row, :n] = t.answer_mask
-        arrays["sampler_logp_bt"][row, :n] = t.sampler_logp
-    return PackedBatch(**arrays, rewards_b=np.asarray([t.reward for t in trajectories], np.float32),
-                       uids=[t.uid for t in trajectories])
+def em_rewards(trajectories: Sequence[Trajectory]) -> np.ndarray:
+    """[B] float32 exact-match rewards (`em_score`) of a batch's trajectories."""
+    return np.asarray([em_score(t) for t in trajectories], np.float32)
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Batch means of the per-trajectory statistics (turns, valid actions, valid searches, truncated
-    observations, retriever errors, response length, reward) and the share of each end reason."""
+    observations, retriever errors, response length) and the share of each end reason."""
     if not trajectories:
         return {}
     mean = lambda values: float(np.mean(list(values)))
@@ -252,7 +205,6 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "truncated_observations": mean(t.num_truncated_observations for t in trajectories),
         "retriever_errors": mean(len(t.retriever_errors) for t in trajectories),
         "response_length": mean(t.response_length for t in trajectories),
-        "reward": mean(t.reward for t in trajectories),
     }
     for reason in END_REASONS:
         metrics[f"end/{reason}"] = mean(t.end_reason == reason for t in trajectories)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from etils import epath
 
-from llds_jax.rollout.trajectory import Trajectory
+from llds_jax.rollout.trajectory import Trajectory, em_score
 
 MEAN_KEY = "mean"
 
@@ -25,7 +25,7 @@ def source_table(trajectories: Sequence[Trajectory], value: Callable[[Trajectory
 
 def em_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Mean EM per data_source and their unweighted mean under "mean"."""
-    return source_table(trajectories, lambda t: t.reward)
+    return source_table(trajectories, em_score)
 
 
 def searches_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -65,7 +65,7 @@ def transcript_record(t: Trajectory, tokenizer) -> dict[str, Any]:
         "turns": [{"text": turn.text, "action": turn.action.kind, "content": turn.action.content,
                    "observation": turn.observation, "observation_truncated": turn.observation_truncated,
                    "search_error": turn.search_error} for turn in t.turns],
-        "final_answer": t.final_answer, "score": t.reward, "end_reason": t.end_reason,
+        "final_answer": t.final_answer, "score": em_score(t), "end_reason": t.end_reason,
     }
 
 
@@ -76,7 +76,7 @@ def transcript_text(t: Trajectory, tokenizer) -> str:
         parts.append(turn.text)
         if turn.observation:
             parts.append(turn.observation)
-    parts.append(f"\nanswer: {t.final_answer!r}  score: {t.reward}  end: {t.end_reason}")
+    parts.append(f"\nanswer: {t.final_answer!r}  score: {em_score(t)}  end: {t.end_reason}")
     return "\n".join(parts)
 
 

@@ -42,20 +42,24 @@ from llds_jax import distributed, parallel
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
 from llds_jax.model import hf_io
-from llds_jax.rl.train_step import RLTrainStep, TrainState, learning_rate
-from llds_jax.rollout import agent, buckets
+from llds_jax.rl.advantages import grpo_advantages
+from llds_jax.rl.batch import RolloutBatch
+from llds_jax.rl.train_step import BatchMetrics, RLTrainStep, TrainState, learning_rate
+from llds_jax.rollout import agent
 from llds_jax.rollout.sampler import Sampler
-from llds_jax.rollout.trajectory import Trajectory, pack_trajectories
+from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
 from llds_jax.tokenizer import load_tokenizer
 from llds_jax.train import evaluation
+from llds_jax.train.batching import global_batch, padded_length, rollout_batch, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.preemption import PreemptionGuard
 from llds_jax.train.watchdog import Watchdog, search_counts
 
 log = logging.getLogger(__name__)
+_grpo_advantages = jax.jit(grpo_advantages)
 START_EVAL = "start"  # eval/<this>/ holds the evaluation of the starting policy (train.eval_at_start)
 
 
@@ -97,42 +101,6 @@ def read_examples(files: Sequence[str], what: str) -> list[QAExample]:
             raise FileNotFoundError(f"data.{what}: file not found: {path}")
         examples += [dataclasses.replace(ex, uid=f"{index}:{ex.uid}") for ex in read_qa(path)]
     return examples
-
-
-def padded_length(trajectories: Sequence[Trajectory], bucket: int) -> int:
-    """The longest trajectory of every host, rounded up to a multiple of `bucket` (a collective on several
-    hosts: every process calls it at the same point)."""
-    longest = max(len(t.tokens) for t in trajectories)
-    if jax.process_count() > 1:
-        longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
-    return buckets.round_up(longest, bucket)
-
-
-def training_length(needed: int, used: set[int]) -> int:
-    """The training batch length for `needed` tokens: the smallest length in `used` (compiled already) that fits,
-    else `needed` itself (a new length compiles the log-probs and the updates once more)."""
-    return min((length for length in used if length >= needed), default=needed)
-
-
-def training_batch(trajectories: Sequence[Trajectory], group_b: np.ndarray, pad_id: int,
-                   length: int) -> dict[str, np.ndarray]:
-    """The rollout batch dict of `RLTrainStep.train_on_batch`; sequences right-padded to `length` tokens."""
-    packed = pack_trajectories(trajectories, pad_id=pad_id, length=length)
-    return {
-        "tokens_bt": packed.tokens_bt, "mask_bt": packed.attn_mask_bt, "loss_mask_bt": packed.loss_mask_bt,
-        "action_ids_bt": packed.action_ids_bt, "answer_mask_bt": packed.answer_mask_bt,
-        "sampler_logp_bt": packed.sampler_logp_bt, "rewards_b": packed.rewards_b, "uids_b": group_b,
-        "search_count_b": np.asarray([t.num_valid_searches for t in trajectories], np.float32),
-    }
-
-
-def global_batch(local_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every host's rows of a batch dict (equal shapes on every host), concatenated in process order, on every
-    host; the local batch itself with one process. A collective."""
-    if jax.process_count() == 1:
-        return local_batch
-    return {key: np.asarray(value) for key, value in
-            multihost_utils.process_allgather(local_batch, tiled=True).items()}
 
 
 HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s")  # rollout metrics that add up over hosts
@@ -250,50 +218,69 @@ class Trainer:
 
     def train_step(self, state: TrainState, ref_params, step: int, guard: Optional[PreemptionGuard] = None
                    ) -> tuple[TrainState, dict[str, float], list[Trajectory]]:
-        """One rollout batch and its updates. Returns the new state, the step's metrics and its trajectories.
+        """One rollout batch and its updates: rollout -> rewards -> advantages -> update -> metrics. Returns the new
+        state, the step's metrics and this host's trajectories.
 
         With a `guard`, raises StepInterrupted when a stop is requested between sessions or updates (see the
         module docstring); RetrieverUnavailableError comes before the updates when the watchdog ends the run."""
         start = time.perf_counter()
-        prompts = next(self.data)
-        rng = jax.random.fold_in(self.base_rng, step)
         in_rollout = self.stop_check(guard, "rollout")
-        rollout = self.rollout(state.params, prompts, rng, between_sessions=in_rollout)
+        rollout = self.rollout(state.params, next(self.data), jax.random.fold_in(self.base_rng, step),
+                               between_sessions=in_rollout)
         rollout_s = time.perf_counter() - start
-        self.check_searches(rollout.trajectories)
-        log.info("step %d: %d trajectories sampled in %.1f s; updates next", step, len(rollout.trajectories),
-                 rollout_s)
-        if in_rollout is not None:
-            in_rollout()
-        grid = {}
-        if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
-            grid_start = time.perf_counter()
-            if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):
-                grid = {"perf/compile_grid_s": time.perf_counter() - grid_start}
-        n = self.cfg.data.samples_per_prompt
-        first_prompt = jax.process_index() * len(prompts)
-        group_b = np.repeat(np.arange(first_prompt, first_prompt + len(prompts), dtype=np.int32), n)
-        # The same on every host, as the padded length is agreed across hosts.
-        length = training_length(padded_length(rollout.trajectories, self.cfg.train.sequence_bucket), self._lengths)
-        self._lengths.add(length)
-        batch = global_batch(training_batch(rollout.trajectories, group_b, self.pad_id, length))
-        job_rollout_metrics = combine_over_processes(rollout.metrics)
+        shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
+        batch = self.rollout_batch(rollout.trajectories).with_rewards(em_rewards(rollout.trajectories))
+        batch = global_batch(batch)  # every host's rows, on every host
+        batch = batch.with_advantages(np.asarray(_grpo_advantages(batch.rewards_b, batch.group_b)))
         lld_every = self.cfg.train.lld_every
         state, batch_metrics = self.step_fn.train_on_batch(state, ref_params, batch,
                                                            measure_lld=bool(lld_every) and step % lld_every == 0,
                                                            between_updates=self.stop_check(guard, "updates"))
         self.watchdog.count_updates(batch_metrics.per_update["actor/nonfinite"])
-        step_s = time.perf_counter() - start
-        tokens = float(batch["mask_bt"].sum())
+        metrics = self.step_metrics(step, rollout, batch, batch_metrics, time.perf_counter() - start, rollout_s)
+        return state, {**metrics, **shape_metrics}, rollout.trajectories
+
+    def after_rollout(self, trajectories: Sequence[Trajectory], step: int, rollout_s: float,
+                      in_rollout: Optional[Callable[[], None]]) -> dict[str, float]:
+        """Between the rollout and the updates: the watchdog's count of failed searches, a stop check, and the
+        sampler's shape buckets frozen after the first rollout (`perf/compile_grid_s` when that compiled)."""
+        self.check_searches(trajectories)
+        log.info("step %d: %d trajectories sampled in %.1f s; updates next", step, len(trajectories), rollout_s)
+        if in_rollout is not None:
+            in_rollout()
+        if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
+            grid_start = time.perf_counter()
+            if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):
+                return {"perf/compile_grid_s": time.perf_counter() - grid_start}
+        return {}
+
+    def rollout_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
+        """This host's trajectories packed to the step's length (the same on every host: a collective; remembered
+        for the resume). The samples of the step's prompt i (numbered over every host, each holding as many) form
+        GRPO group i."""
+        length = training_length(padded_length(trajectories, self.cfg.train.sequence_bucket), self._lengths)
+        self._lengths.add(length)
+        n = self.cfg.data.samples_per_prompt
+        prompts = len(trajectories) // n
+        first_prompt = jax.process_index() * prompts
+        group_b = np.repeat(np.arange(first_prompt, first_prompt + prompts, dtype=np.int32), n)
+        return rollout_batch(trajectories, group_b, self.pad_id, length)
+
+    def step_metrics(self, step: int, rollout: agent.Rollout, batch: RolloutBatch, batch_metrics: BatchMetrics,
+                     step_s: float, rollout_s: float) -> dict[str, float]:
+        """The step's metrics: the rollout's (over every host), the reward, the updates', seconds and tokens/s."""
+        job_rollout_metrics = combine_over_processes(rollout.metrics)
+        job_rollout_metrics["reward"] = float(np.mean(batch.rewards_b, dtype=np.float64))
+        tokens = float(batch.mask_bt.sum())
         metrics = {f"rollout/{k}": v for k, v in job_rollout_metrics.items()}
         metrics.update(batch_metrics.scalars)
         metrics.update({
             "reward/mean": job_rollout_metrics["reward"],
             "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/retrieval_s": job_rollout_metrics["search_s"],
-            "perf/tokens_per_s": tokens / step_s, "perf/sequence_length": float(batch["tokens_bt"].shape[1]),
-            "optim/learning_rate": float(learning_rate(step - 1, self.step_fn.update_cfg)), **grid,
+            "perf/tokens_per_s": tokens / step_s, "perf/sequence_length": float(batch.tokens_bt.shape[1]),
+            "optim/learning_rate": float(learning_rate(step - 1, self.step_fn.update_cfg)),
         })
-        return state, metrics, rollout.trajectories
+        return metrics
 
     def evaluate(self, params, examples: Sequence[QAExample], out_dir: Optional[epath.Path] = None,
                  prefix: str = "eval") -> dict[str, float]:

@@ -6,7 +6,7 @@ import numpy as np
 from llds_jax.data.qa import QAExample
 from llds_jax.data.rewards import em_reward
 from llds_jax.rollout import protocol
-from llds_jax.rollout.trajectory import Turn, build_trajectory
+from llds_jax.rollout.trajectory import Turn, build_trajectory, em_score
 
 HAMLET = QAExample(uid="nq-0", question="who wrote hamlet", golden_answers=("William Shakespeare",), data_source="nq")
 
@@ -32,12 +32,12 @@ def test_answer_split_across_turns_scores_zero_and_masks_nothing_a_later_one_cou
     # Joined without the observation the model text holds a right answer; it is not scored.
     assert "<answer>William Shakespeare</answer>" in split.model_text
     assert em_reward(split.model_text, HAMLET.golden_answers) == 1.0
-    assert (split.final_answer, split.reward, int(split.answer_mask.sum())) == (None, 0.0, 0)
+    assert (split.final_answer, em_score(split), int(split.answer_mask.sum())) == (None, 0.0, 0)
     # A complete answer in a later turn is the final answer; the mask covers its tokens, in its turn.
     turns = [cut_by_token_limit, turn(tok, "iam Shakespeare</answer>", protocol.INVALID_ACTION_MESSAGE),
              turn(tok, "<answer> William Shakespeare </answer>")]
     traj = trajectory(tok, turns, "answer")
-    assert (traj.final_answer, traj.reward) == ("William Shakespeare", 1.0)
+    assert (traj.final_answer, em_score(traj)) == ("William Shakespeare", 1.0)
     masked = np.flatnonzero(traj.answer_mask)
     assert set(traj.action_ids[masked].tolist()) == {2}  # the last turn's tokens only
     assert tok.decode(traj.tokens[masked].tolist()) == "<answer> William Shakespeare </answer>"

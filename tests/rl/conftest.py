@@ -6,7 +6,10 @@ from flax import nnx
 
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
+from llds_jax.rl.advantages import grpo_advantages
+from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.train_step import RLTrainStep, UpdateConfig
 
 TINY_MODEL = dict(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
@@ -16,12 +19,13 @@ STEP_BATCH, STEP_TIME = 32, 24
 STEP_UPDATE = UpdateConfig(mini_batch_size=16, micro_batch_size=4, learning_rate=1e-3, logp_time_chunk=32)
 
 
-def random_rollout(seed: int, batch: int, time: int, vocab: int, group: int = 4) -> dict[str, np.ndarray]:
-    """A random rollout batch in the train-step format, built like real trajectories.
+def random_rollout(seed: int, batch: int, time: int, vocab: int, group: int = 4) -> RolloutBatch:
+    """A random rollout batch, built like real trajectories, its rewards and GRPO advantages set.
 
     Each row: left padding (0-3), a 3-token prompt, then 1-3 model turns (2-4 tokens, loss mask 1) separated by
     observations (2-3 tokens, loss mask 0), the last 2 tokens of the last turn the answer span, then right padding.
-    Groups of `group` rows share a uid; rewards are mixed, and group 1 has all-equal rewards (advantages 0).
+    Groups of `group` rows share a uid; rewards are mixed, and group 1 has all-equal rewards (advantages 0). The
+    action ids are the maximal runs of the loss mask; the sampler's log-probs are 0.
     """
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, (batch, time)).astype(np.int32)
@@ -49,8 +53,12 @@ def random_rollout(seed: int, batch: int, time: int, vocab: int, group: int = 4)
         answer[row, max(last_turn[1] - 2, last_turn[0]):last_turn[1]] = 1
     rewards = rng.integers(0, 2, batch).astype(np.float32)
     rewards[group:2 * group] = 1.0
-    return dict(tokens_bt=tokens, mask_bt=mask, loss_mask_bt=loss_mask, answer_mask_bt=answer,
-                rewards_b=rewards, uids_b=np.arange(batch) // group, search_count_b=searches)
+    group_b = (np.arange(batch) // group).astype(np.int32)
+    return RolloutBatch(tokens_bt=tokens, mask_bt=mask, loss_mask_bt=loss_mask,
+                        action_ids_bt=np.asarray(action_ids_from_loss_mask(loss_mask)), answer_mask_bt=answer,
+                        sampler_logp_bt=np.zeros((batch, time), np.float32), group_b=group_b,
+                        search_count_b=searches, rewards_b=rewards,
+                        advantages_b=np.asarray(grpo_advantages(rewards, group_b)))
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +69,7 @@ def host_copy():
 
 @pytest.fixture(scope="session")
 def make_rollout():
-    """`random_rollout` (seed, batch, time, vocab) -> batch dict."""
+    """`random_rollout` (seed, batch, time, vocab) -> RolloutBatch."""
     return random_rollout
 
 

@@ -12,10 +12,10 @@ from llds_jax.rl.terms import LossInputs
 def test_likelihood_metrics(make_rollout):
     roll = make_rollout(5, 12, 24, 50)
     rng = np.random.default_rng(0)
-    m = roll["loss_mask_bt"]
+    m = roll.loss_mask_bt
     old = -rng.uniform(0.1, 3.0, m.shape)
     sampler = old + rng.normal(0, 0.1, m.shape)
-    correct = roll["rewards_b"] > 0
+    correct = roll.rewards_b > 0
     ids = np.asarray(action_ids_from_loss_mask(jnp.asarray(m)))
     got = jax.jit(likelihood_metrics)(old, m, ids, correct, sampler)
 

@@ -105,7 +105,7 @@ def test_model_logp_is_aligned_to_tokens(tiny_model_cfg, make_rollout):
     """logp_bt[:, t] = log softmax(logits at t - 1)[token t]; column 0 is 0; padding does not matter."""
     roll = make_rollout(1, 4, 20, tiny_model_cfg.vocab_size)
     model = Transformer(tiny_model_cfg, rngs=nnx.Rngs(2))
-    tokens, mask = roll["tokens_bt"], roll["mask_bt"]
+    tokens, mask = roll.tokens_bt, roll.mask_bt
     logp_bt, entropy_bt = jax.jit(lambda t, m: model_token_logp(model, t, m, temperature=TEMPERATURE,
                                                                 time_chunk=8))(tokens, mask)
     logp_btv = np.asarray(jax.jit(lambda t, m: jax.nn.log_softmax(model(t, m) / TEMPERATURE, axis=-1))(tokens, mask))

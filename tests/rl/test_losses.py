@@ -12,10 +12,10 @@ from flax import nnx
 
 from llds_jax.model import Transformer
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
-from llds_jax.rl.llds import action_ids_from_loss_mask, answer_beta, llds_loss
+from llds_jax.rl.llds import action_ids_from_loss_mask, answer_beta, llds_batch_statistics, llds_loss
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.losses import objective_loss
-from llds_jax.rl.terms import LossInputs, get_loss_term, register_loss_term
+from llds_jax.rl.terms import LossInputs, batch_statistics, get_loss_term, register_loss_term
 
 # ----------------------------------------------------------------------------------------------------------------------
 # NumPy oracle, from the spec.
@@ -111,7 +111,7 @@ def random_inputs(make_rollout, seed=0, batch=6, time=20):
     one ratio above the cap and one k3 value above the clamp."""
     roll = make_rollout(seed, batch, time, 50)
     rng = np.random.default_rng(seed + 1)
-    m = roll["loss_mask_bt"].astype(np.float64)
+    m = roll.loss_mask_bt.astype(np.float64)
     old = -rng.uniform(0.05, 3.0, (batch, time))
     logp = old + rng.normal(0.0, 0.3, (batch, time))
     ref = logp + rng.normal(0.0, 0.3, (batch, time))
@@ -122,8 +122,8 @@ def random_inputs(make_rollout, seed=0, batch=6, time=20):
     ref[-1, t1] = logp[-1, t1] + 15.0     # k3 = e^15 - 16 > 10: clamped
     ent = rng.uniform(0.0, 4.0, (batch, time))
     assert len({len(a) for a in np_actions(m)} - {0}) > 1  # rows with different numbers of actions
-    return dict(logp=logp, ent=ent, old=old, ref=ref, adv=adv, m=m, answer=roll["answer_mask_bt"].astype(np.float64),
-                mean_searches=float(roll["search_count_b"].mean()))
+    return dict(logp=logp, ent=ent, old=old, ref=ref, adv=adv, m=m, answer=roll.answer_mask_bt.astype(np.float64),
+                mean_searches=float(roll.search_count_b.mean()))
 
 
 def to_loss_inputs(x, cfg, logp=None, mean_searches=None):
@@ -133,7 +133,7 @@ def to_loss_inputs(x, cfg, logp=None, mean_searches=None):
         logp_bt=f32(x["logp"]) if logp is None else logp, entropy_bt=f32(x["ent"]), old_logp_bt=f32(x["old"]),
         ref_logp_bt=f32(x["ref"]), advantages_b=f32(x["adv"]), loss_mask_bt=f32(x["m"]),
         action_ids_bt=action_ids_from_loss_mask(jnp.asarray(x["m"])), answer_mask_bt=f32(x["answer"]),
-        answer_beta=answer_beta(cfg.llds, mean_searches))
+        batch_stats={"answer_beta": answer_beta(cfg.llds, mean_searches)})
 
 
 CASES = {
@@ -188,11 +188,11 @@ def test_llds_gradient_is_minus_w_over_sum_m_grad_logp_on_gated_tokens(tiny_mode
     and d llds / d logp is exactly that coefficient on those tokens and 0 elsewhere."""
     cfg = ObjectiveConfig(llds=LLDSConfig(answer_weighting="fixed", answer_beta=0.05))
     roll = make_rollout(3, 6, 20, tiny_model_cfg.vocab_size)
-    m = roll["loss_mask_bt"].astype(np.float64)
+    m = roll.loss_mask_bt.astype(np.float64)
     rng = np.random.default_rng(0)
     delta = rng.normal(0, 0.05, m.shape)  # old_logp = logp + delta
     x = dict(ent=np.zeros_like(m), ref=np.zeros_like(m), adv=np.array([1.0, 0.0, -1.0, 0.3, 0.0, -0.2]), m=m,
-             answer=roll["answer_mask_bt"], mean_searches=0.0)
+             answer=roll.answer_mask_bt, mean_searches=0.0)
     gate = np_gate("action", delta, m, x["adv"])
     coef_bt = -(np_weight(cfg.llds, x["answer"], 0.0) / m.sum()) * gate * (delta > 0)
     assert (coef_bt != 0).sum() >= 5 and ((gate > 0) & (delta < 0)).any()  # gated tokens of both signs present
@@ -209,7 +209,7 @@ def test_llds_gradient_is_minus_w_over_sum_m_grad_logp_on_gated_tokens(tiny_mode
     graphdef, params = nnx.split(Transformer(tiny_model_cfg, rngs=nnx.Rngs(1)))
 
     def logp_fn(p):
-        return model_token_logp(nnx.merge(graphdef, p), roll["tokens_bt"], roll["mask_bt"], time_chunk=8)[0]
+        return model_token_logp(nnx.merge(graphdef, p), roll.tokens_bt, roll.mask_bt, time_chunk=8)[0]
 
     @jax.jit
     def grads(p):
@@ -291,7 +291,7 @@ def test_response_gate_follows_the_trajectory_sum():
 
 
 def test_a_registered_variant_plugs_in_by_name(make_rollout):
-    @register_loss_term("llds_times_three_test")
+    @register_loss_term("llds_times_three_test", batch_statistics=llds_batch_statistics)
     def tripled(inputs, cfg):
         return 3.0 * get_loss_term("llds")(inputs, cfg)
 
@@ -304,6 +304,21 @@ def test_a_registered_variant_plugs_in_by_name(make_rollout):
     assert set(terms) == {"policy", "entropy", "kl", "llds_times_three_test"}
     with pytest.raises(KeyError, match="no_such_term"):
         get_loss_term("no_such_term")
+    assert batch_statistics(make_rollout(0, 4, 8, 50), variant) == batch_statistics(make_rollout(0, 4, 8, 50), base)
+
+
+@pytest.mark.parametrize("llds_cfg, beta", [
+    (LLDSConfig(answer_weighting="adaptive_paper", lam=0.2), 0.75 * 0.2),   # min(V / 2, 1) * lambda, V = 1.5
+    (LLDSConfig(answer_weighting="adaptive", adaptive_c=0.1), 0.1 * 0.5),   # c * max(V - 1, 0)
+    (LLDSConfig(answer_weighting="fixed", answer_beta=0.05), 0.05),
+    (LLDSConfig(answer_weighting="none", lam=0.2), 0.2),
+])
+def test_llds_beta_comes_from_the_whole_batch_through_the_terms_hook(make_rollout, llds_cfg, beta):
+    batch = dataclasses.replace(make_rollout(0, 4, 8, 50), search_count_b=np.array([0, 1, 2, 3], np.float32))
+    stats = batch_statistics(batch, ObjectiveConfig(llds=llds_cfg))
+    assert list(stats) == ["answer_beta"]
+    np.testing.assert_allclose(stats["answer_beta"], beta, rtol=1e-6)
+    assert batch_statistics(batch, ObjectiveConfig(llds=dataclasses.replace(llds_cfg, enabled=False))) == {}
 
 
 @pytest.mark.parametrize("make, key", [

@@ -38,7 +38,7 @@ def test_llds_is_exactly_zero_on_the_first_update_and_acts_on_the_second(plain_s
 
 
 def test_warns_when_llds_is_on_with_one_update_per_batch(plain_step, step_batch, tiny_model_cfg):
-    one_update = {key: value[:16] for key, value in step_batch.items()}
+    one_update = jax.tree.map(lambda x: x[:16], step_batch)
     with pytest.warns(UserWarning, match="LLDS is on but there is one optimizer update"):
         plain_step.prepare_batch(one_update)
     with warnings.catch_warnings():
@@ -64,8 +64,8 @@ def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, 
     initial, state, metrics = plain_step_result
     objective, cfg = plain_step.objective, plain_step.update_cfg
     graphdef = plain_step.graphdef
-    batch = {key: jnp.asarray(value) for key, value in step_batch.items()}
-    advantages_b = jax.jit(grpo_advantages)(batch["rewards_b"], batch["uids_b"])
+    batch = {field.name: jnp.asarray(getattr(step_batch, field.name)) for field in dataclasses.fields(step_batch)}
+    advantages_b = jax.jit(grpo_advantages)(batch["rewards_b"], batch["group_b"])
     action_ids_bt = jax.jit(action_ids_from_loss_mask)(batch["loss_mask_bt"])
     params0 = jax.tree.map(jnp.asarray, initial)
     old_logp_bt = jax.jit(lambda p: naive_logp_entropy(nnx.merge(graphdef, p), batch["tokens_bt"], batch["mask_bt"],
@@ -86,7 +86,7 @@ def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, 
             # On the first update the parameters are those of old_logp: logp == old_logp by definition.
             old_logp_bt = jnp.where(first, jax.lax.stop_gradient(logp_bt), old_bt)
             inputs = LossInputs(logp_bt, entropy_bt, old_logp_bt, old_bt, advantages_b, loss_mask_bt,
-                                action_ids_bt, answer_bt, 0.2)
+                                action_ids_bt, answer_bt, {"answer_beta": 0.2})
             return objective_loss(inputs, objective)[0]
 
         per_micro = [logp_bt.reshape(4, 4, -1), entropy_bt.reshape(4, 4, -1)] + [
@@ -130,8 +130,9 @@ def test_nonfinite_gradient_skips_the_update_and_is_counted(plain_step, step_bat
     state = plain_step.init_state()
     ref = plain_step.reference_params(state.params)
     before = host_copy((state.params, state.opt_state))
-    poisoned = dict(step_batch, advantages_b=np.ones(32, np.float32))
-    poisoned["advantages_b"][[3, 20]] = np.nan  # one trajectory in each mini-batch: both gradients become NaN
+    advantages_b = np.ones(32, np.float32)
+    advantages_b[[3, 20]] = np.nan  # one trajectory in each mini-batch: both gradients become NaN
+    poisoned = step_batch.with_advantages(advantages_b)
     state, metrics = plain_step.train_on_batch(state, ref, poisoned)
     assert metrics.scalars["actor/nonfinite"] == 2 and int(state.nonfinite_count) == 2
     assert np.all(np.isnan(metrics.per_update["actor/grad_norm"]))
@@ -161,23 +162,28 @@ def test_metrics_are_reported(plain_step_result, step_batch):
                 "lld/delta_traj_correct", "lld/rate", "actor/nonfinite"):
         assert np.isfinite(s[key]), key
     assert s["actor/grad_norm_max"] == max(metrics.per_update["actor/grad_norm"])
-    correct = step_batch["rewards_b"] > 0
+    correct = step_batch.rewards_b > 0
     np.testing.assert_allclose(s["lld/rate"], np.mean(metrics.delta_traj_b[correct] <= 0), rtol=1e-6)
     np.testing.assert_allclose(s["lld/delta_traj_correct"], np.mean(metrics.delta_traj_b[correct]), rtol=1e-5)
     assert int(state.step) == 1
 
 
-@pytest.mark.parametrize("change, key", [
-    (lambda b: b.pop("rewards_b"), "rewards_b"),
-    (lambda b: b.pop("uids_b"), "uids_b"),
-    (lambda b: b["loss_mask_bt"].__setitem__((0, 0), 1.0), "loss_mask_bt"),
-    (lambda b: b.__setitem__("mask_bt", b["mask_bt"][:, 1:]), "mask_bt"),
+def _first_loss_token(batch):
+    loss_mask_bt = np.array(batch.loss_mask_bt)
+    loss_mask_bt[0, 0] = 1.0
+    return dataclasses.replace(batch, loss_mask_bt=loss_mask_bt)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: dataclasses.replace(b, rewards_b=None), "batch.rewards_b is not set"),
+    (lambda b: dataclasses.replace(b, advantages_b=None), "batch.advantages_b is not set"),
+    (_first_loss_token, "batch.loss_mask_bt\\[:, 0\\] must be 0"),
+    (lambda b: dataclasses.replace(b, mask_bt=b.mask_bt[:, 1:]), "batch.mask_bt must have shape \\(32, 24\\)"),
+    (lambda b: dataclasses.replace(b, group_b=b.group_b[:8]), "batch.group_b must have shape \\(32,\\)"),
 ])
-def test_batch_errors_name_the_key(plain_step, step_batch, change, key):
-    batch = {k: np.array(v) for k, v in step_batch.items()}
-    change(batch)
-    with pytest.raises((KeyError, ValueError), match=key):
-        plain_step.prepare_batch(batch)
+def test_batch_errors_name_the_field(plain_step, step_batch, change, message):
+    with pytest.raises(ValueError, match=message):
+        plain_step.prepare_batch(change(step_batch))
 
 
 def test_reference_params_are_a_frozen_bf16_copy(plain_step, step_batch, tiny_model_cfg):
@@ -199,16 +205,15 @@ def test_reference_params_are_a_frozen_bf16_copy(plain_step, step_batch, tiny_mo
 def test_abstract_values_are_those_of_the_real_step(sharded_step, step_batch, mesh8):
     """What --mode=compile lowers the programs at (`abstract_state`, `abstract_reference`, `batch_spec`) has the
     shapes, dtypes and shardings of what a run makes (`init_state`, `reference_params`, `prepare_batch` of the
-    trainer's batch, which carries every optional array)."""
+    trainer's batch)."""
     layout = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)  # noqa: E731
     state = sharded_step.init_state()
     assert layout(sharded_step.abstract_state()) == layout(state)
     assert layout(sharded_step.abstract_reference(sharded_step.abstract_state().params)) == layout(
         sharded_step.reference_params(state.params))
-    batch = {**step_batch, "sampler_logp_bt": np.zeros(step_batch["tokens_bt"].shape, np.float32),
-             "action_ids_bt": np.asarray(action_ids_from_loss_mask(step_batch["loss_mask_bt"]))}
-    prepared = sharded_step.prepare_batch(batch)
-    spec = sharded_step.batch_spec(*batch["tokens_bt"].shape)
-    assert layout(spec.arrays) == layout(prepared.arrays)
-    assert layout(spec.answer_beta) == layout(prepared.answer_beta) and spec.num_updates == prepared.num_updates == 2
-    assert spec.arrays["tokens_bt"].sharding.spec == P(None, None, ("data", "fsdp"))
+    prepared = sharded_step.prepare_batch(step_batch)
+    spec = sharded_step.batch_spec(*step_batch.tokens_bt.shape)
+    assert layout(spec.batch) == layout(prepared.batch)
+    assert layout(spec.batch_stats) == layout(prepared.batch_stats) and spec.num_updates == prepared.num_updates == 2
+    assert list(spec.batch_stats) == ["answer_beta"]
+    assert spec.batch.tokens_bt.sharding.spec == P(None, None, ("data", "fsdp"))

@@ -11,7 +11,9 @@ from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import agent, generate, protocol
 from llds_jax.rollout.sampler import Sampler, SamplingConfig
-from llds_jax.rollout.trajectory import pack_trajectories
+from llds_jax.rollout.buckets import round_up
+from llds_jax.rollout.trajectory import em_rewards, em_score
+from llds_jax.train.batching import rollout_batch
 
 PARIS_DOCS = ['"Paris"\nParis is the capital of France.', '"France"\nFrance is a country.\nIt is in Europe.',
               '"Lyon"\nLyon is a city.', '"Extra"\nNot returned with k = 3.']
@@ -95,10 +97,10 @@ def test_search_then_answer(qwen_tokenizer, doubles):
     expected_logp[p + len(kept0) + len(obs):] = [-0.001 * (k + 1) - 0.1 for k in range(len(kept1))]
     np.testing.assert_allclose(traj.sampler_logp, expected_logp, rtol=1e-6)
     check_answer_span(tok, traj, "<answer> Paris </answer>")
-    assert (traj.final_answer, traj.reward, traj.end_reason) == ("Paris", 1.0, "answer")
+    assert (traj.final_answer, em_score(traj), traj.end_reason) == ("Paris", 1.0, "answer")
     assert (traj.num_turns, traj.num_valid_actions, traj.num_valid_searches, traj.num_truncated_observations) == \
         (2, 2, 1, 0)
-    assert result.metrics["reward"] == 1.0 and result.metrics["valid_searches"] == 1.0
+    assert result.metrics["valid_searches"] == 1.0
 
 
 def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
@@ -117,7 +119,7 @@ def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
     check_segments(b, [("model", kept_tokens(tok, SEARCH_TURN)), ("obs", obs),
                        ("model", kept_tokens(tok, ANSWER_TURN, "</answer>"))])
     assert (a.num_turns, a.num_valid_actions, a.num_valid_searches) == (3, 2, 1)
-    assert a.reward == b.reward == 1.0
+    assert em_score(a) == em_score(b) == 1.0
     # Turn 1: only b searches; turn 2: only a. One call per turn.
     assert retriever.calls == [(["capital of france"], 3), (["capital of france"], 3)]
     assert sampler.sessions[0].decode_calls[2][1] == 0  # b answered in turn 2 and no longer decodes
@@ -133,7 +135,7 @@ def test_running_out_of_turns(qwen_tokenizer, doubles):
     check_segments(traj, [("model", kept), ("obs", obs), ("model", kept), ("obs", obs), ("model", kept)])
     assert len(retriever.calls) == 2
     assert traj.turns[-1].observation is None
-    assert (traj.end_reason, traj.reward, traj.final_answer) == ("max_turns", 0.0, None)
+    assert (traj.end_reason, em_score(traj), traj.final_answer) == ("max_turns", 0.0, None)
     assert traj.num_valid_searches == 3 and traj.answer_mask.sum() == 0
     assert sampler.sessions[0].end_calls[-1] == ([len(kept)], [None])
 
@@ -169,8 +171,8 @@ def test_retriever_errors_only_affect_their_sequences(qwen_tokenizer, doubles):
     for traj in (good, bad, slow):
         obs_ids = list(traj.turns[0].observation_ids)
         assert tok.decode(obs_ids) == traj.turns[0].observation
-        assert traj.end_reason == "answer" and traj.reward == 1.0
-    assert answered.num_turns == 1 and answered.reward == 1.0
+        assert traj.end_reason == "answer" and em_score(traj) == 1.0
+    assert answered.num_turns == 1 and em_score(answered) == 1.0
 
 
 @pytest.mark.parametrize("failure", ["timeout", "exception"])
@@ -185,8 +187,8 @@ def test_whole_search_call_failure_gives_error_observations(qwen_tokenizer, doub
         expected = "ConnectionError: connection refused"
     searched, answered = run(tok, sampler, retriever, [example(0), example(1)], search_timeout_s=0.05).trajectories
     assert searched.turns[0].observation == f"\n\n<information>Search failed: {expected}</information>\n\n"
-    assert searched.retriever_errors == [expected] and searched.reward == 1.0
-    assert answered.retriever_errors == [] and answered.reward == 1.0 and answered.num_turns == 1
+    assert searched.retriever_errors == [expected] and em_score(searched) == 1.0
+    assert answered.retriever_errors == [] and em_score(answered) == 1.0 and answered.num_turns == 1
 
 
 def test_end_of_turn_token_is_not_trained(qwen_tokenizer, doubles):
@@ -224,7 +226,7 @@ def test_reward_scores_model_text_only(qwen_tokenizer, doubles):
     spoof = ['"Paris"\n<answer> Paris </answer>'] * 3
     sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, "<answer> London </answer>"]])
     (traj,) = run(tok, sampler, doubles.FakeRetriever({"capital of france": spoof}), [example()]).trajectories
-    assert traj.final_answer == "London" and traj.reward == 0.0
+    assert traj.final_answer == "London" and em_score(traj) == 0.0
     check_answer_span(tok, traj, "<answer> London </answer>")
     obs_positions = np.flatnonzero((traj.loss_mask == 0) & (np.arange(len(traj.tokens)) >= len(traj.prompt_ids)))
     assert traj.answer_mask[obs_positions].sum() == 0
@@ -235,7 +237,7 @@ def assert_same_trajectories(first, second):
     for a, b in zip(first, second):
         for field in ("tokens", "loss_mask", "action_ids", "answer_mask", "sampler_logp"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
-        assert a.turns == b.turns and (a.end_reason, a.reward) == (b.end_reason, b.reward)
+        assert a.turns == b.turns and (a.end_reason, em_score(a)) == (b.end_reason, em_score(b))
 
 
 def test_searches_start_as_turns_end_and_give_the_same_trajectories(qwen_tokenizer, doubles):
@@ -280,26 +282,28 @@ def test_turn_stop_ids(qwen_tokenizer, qwen_instruct_tokenizer):
     assert agent.turn_stop_ids(qwen_tokenizer) == agent.turn_stop_ids(qwen_instruct_tokenizer) == (151643, 151645)
 
 
-def test_pack_trajectories(qwen_tokenizer, doubles):
+def test_rollout_batch_and_rewards_of_trajectories(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
     sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
     trajs = run(tok, sampler, doubles.FakeRetriever({"capital of france": PARIS_DOCS}),
                 [example(0), example(1, answers=("Lyon",))]).trajectories
-    packed = pack_trajectories(trajs, pad_id=tok.pad_token_id, pad_to_multiple=64)
     longest = max(len(t.tokens) for t in trajs)
-    assert packed.tokens_bt.shape == (2, -(-longest // 64) * 64)
+    packed = rollout_batch(trajs, np.array([7, 7]), tok.pad_token_id, round_up(longest, 64))
+    assert packed.tokens_bt.shape == (2, 256) and 192 < longest < 256
     for row, t in enumerate(trajs):
         n = len(t.tokens)
         np.testing.assert_array_equal(packed.tokens_bt[row, :n], t.tokens)
         assert (packed.tokens_bt[row, n:] == tok.pad_token_id).all()
-        np.testing.assert_array_equal(packed.attn_mask_bt[row], np.arange(packed.tokens_bt.shape[1]) < n)
+        np.testing.assert_array_equal(packed.mask_bt[row], np.arange(packed.tokens_bt.shape[1]) < n)
         for name in ("loss_mask", "action_ids", "answer_mask", "sampler_logp"):
             np.testing.assert_array_equal(getattr(packed, f"{name}_bt")[row, :n], getattr(t, name))
         assert (packed.action_ids_bt[row, n:] == -1).all() and (packed.loss_mask_bt[row, n:] == 0).all()
-    np.testing.assert_array_equal(packed.rewards_b, [1.0, 0.0])
-    assert packed.uids == ["nq-0", "nq-1"]
+    np.testing.assert_array_equal(packed.group_b, [7, 7])
+    np.testing.assert_array_equal(packed.search_count_b, [1.0, 0.0])
+    assert packed.rewards_b is None and packed.advantages_b is None
+    np.testing.assert_array_equal(em_rewards(trajs), [1.0, 0.0])
     with pytest.raises(ValueError, match="more than length"):
-        pack_trajectories(trajs, length=longest - 1)
+        rollout_batch(trajs, np.array([7, 7]), tok.pad_token_id, longest - 1)
 
 
 def test_generate_writes_transcripts(qwen_tokenizer, doubles, tmp_path):
@@ -376,7 +380,8 @@ class EchoRetriever:
 def full_forward_logps(graphdef, params, trajectories, temperatures):
     """For each temperature T, log_softmax(logits / T) at each token from a full forward of each packed row
     (rows one at a time, so only one row's [L, V] logits exist at once)."""
-    packed = pack_trajectories(trajectories, pad_to_multiple=128)
+    packed = rollout_batch(trajectories, np.zeros(len(trajectories), np.int32), 0,
+                           round_up(max(len(t.tokens) for t in trajectories), 128))
 
     @jax.jit
     def logps(params, tokens_bt, mask_bt):
@@ -389,7 +394,7 @@ def full_forward_logps(graphdef, params, trajectories, temperatures):
                                                   axis=1)[:, 0] for t in temperatures])
         return jax.lax.map(row, (tokens_bt, mask_bt))
 
-    out = np.asarray(logps(params, packed.tokens_bt, packed.attn_mask_bt))
+    out = np.asarray(logps(params, packed.tokens_bt, packed.mask_bt.astype(np.int32)))
     return packed, [out[:, k] for k in range(len(temperatures))]
 
 
@@ -413,7 +418,7 @@ def test_real_model_rollout_logps_match_full_forward(qwen_tokenizer, real, steer
     turns = [t for traj in trajs for t in traj.turns]
     # The rollout exercised every path: executed searches, answers, invalid turns, and cuts with roll back.
     assert any(t.action.kind == "search" and t.observation is not None for t in turns)
-    assert any(traj.end_reason == "answer" and traj.reward == 1.0 for traj in trajs)
+    assert any(traj.end_reason == "answer" and em_score(traj) == 1.0 for traj in trajs)
     assert any(t.action.kind is None and t.observation == INVALID for t in turns)
     assert any(t.num_sampled > len(t.token_ids) + t.hit_stop for t in turns)
     assert sum(len(traj.turns) for traj in trajs) > len(trajs)

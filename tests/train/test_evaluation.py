@@ -8,7 +8,10 @@ from llds_jax.train import evaluation
 
 
 def trajectory(source, reward, searches):
-    return SimpleNamespace(example=SimpleNamespace(data_source=source), reward=reward, num_valid_searches=searches)
+    """A trajectory whose final answer scores `reward` (1.0: "Paris" is right, 0.0: "Lyon" is wrong)."""
+    answer = "Paris" if reward else "Lyon"
+    return SimpleNamespace(example=SimpleNamespace(data_source=source, golden_answers=("paris",)),
+                           answer_text=f"<answer>{answer}</answer>", num_valid_searches=searches)
 
 
 TRAJECTORIES = [trajectory("nq", 1.0, 1), trajectory("nq", 0.0, 0), trajectory("nq", 1.0, 2),

@@ -3,7 +3,7 @@ import types
 
 import numpy as np
 
-from llds_jax.train.trainer import padded_length, training_length
+from llds_jax.train.batching import padded_length, training_length
 
 
 def test_padded_length_rounds_the_longest_trajectory_up_to_the_bucket():

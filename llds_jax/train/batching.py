@@ -1,0 +1,66 @@
+"""A step's trajectories as the training batch: its length, the packed `RolloutBatch` and the global batch of
+several hosts.
+
+Lengths: every trajectory is right-padded to the longest one of the step (over every host), rounded up to
+`train.sequence_bucket` (`padded_length`), or to a longer length already compiled (`training_length`), so the
+log-probs and updates compile once per length.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from llds_jax.rl.batch import RolloutBatch
+from llds_jax.rollout import buckets
+from llds_jax.rollout.trajectory import Trajectory
+
+
+def padded_length(trajectories: Sequence[Trajectory], bucket: int) -> int:
+    """The longest trajectory of every host, rounded up to a multiple of `bucket` (a collective on several
+    hosts: every process calls it at the same point)."""
+    longest = max(len(t.tokens) for t in trajectories)
+    if jax.process_count() > 1:
+        longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+    return buckets.round_up(longest, bucket)
+
+
+def training_length(needed: int, used: set[int]) -> int:
+    """The training batch length for `needed` tokens: the smallest length in `used` (compiled already) that fits,
+    else `needed` itself (a new length compiles the log-probs and the updates once more)."""
+    return min((length for length in used if length >= needed), default=needed)
+
+
+def rollout_batch(trajectories: Sequence[Trajectory], group_b: np.ndarray, pad_id: int, length: int
+                  ) -> RolloutBatch:
+    """The trajectories right-padded to `length` tokens (pad_id after the end), without rewards or advantages;
+    `group_b`: [B] the GRPO group of each. A trajectory longer than `length` is an error."""
+    longest = max(len(t.tokens) for t in trajectories)
+    if longest > length:
+        raise ValueError(f"rollout_batch: a trajectory has {longest} tokens, more than length={length}")
+    num = len(trajectories)
+    tokens_bt = np.full((num, length), pad_id, np.int32)
+    action_ids_bt = np.full((num, length), -1, np.int32)
+    mask_bt, loss_mask_bt, answer_mask_bt, sampler_logp_bt = (np.zeros((num, length), np.float32) for _ in range(4))
+    for row, t in enumerate(trajectories):
+        n = len(t.tokens)
+        tokens_bt[row, :n] = t.tokens
+        mask_bt[row, :n] = 1
+        loss_mask_bt[row, :n] = t.loss_mask
+        action_ids_bt[row, :n] = t.action_ids
+        answer_mask_bt[row, :n] = t.answer_mask
+        sampler_logp_bt[row, :n] = t.sampler_logp
+    return RolloutBatch(tokens_bt=tokens_bt, mask_bt=mask_bt, loss_mask_bt=loss_mask_bt, action_ids_bt=action_ids_bt,
+                        answer_mask_bt=answer_mask_bt, sampler_logp_bt=sampler_logp_bt,
+                        group_b=np.asarray(group_b, np.int32),
+                        search_count_b=np.asarray([t.num_valid_searches for t in trajectories], np.float32))
+
+
+def global_batch(local: RolloutBatch) -> RolloutBatch:
+    """Every host's rows of a batch (equal shapes on every host), concatenated in process order, on every host;
+    the local batch itself with one process. A collective."""
+    if jax.process_count() == 1:
+        return local
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(local, tiled=True))
