@@ -40,8 +40,9 @@ ASSETS_VERSION = 6     # part of the recorded spec: assets built by older code a
 
 
 def _search_fn(index_dir: str, k: int):
-    """A blocking `search(queries) -> documents per query` over the embedded index (for demonstrations)."""
-    def search(queries: list[str]) -> list[list]:
+    """A blocking `search(queries) -> documents' contents per query` over the embedded index (for
+    demonstrations)."""
+    def search(queries: list[str]) -> list[list[str]]:
         async def run():
             async with make_retriever({"backend": "bm25", "index_dir": index_dir}) as retriever:
                 return await retriever.search(queries, k)
@@ -49,7 +50,7 @@ def _search_fn(index_dir: str, k: int):
         for query, result in zip(queries, results):
             if result.error:
                 raise RuntimeError(f"demo index {index_dir}: search {query!r} failed: {result.error}")
-        return [result.docs for result in results]
+        return [[doc.contents for doc in result.docs] for result in results]
     return search
 
 

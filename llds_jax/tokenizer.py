@@ -163,7 +163,7 @@ def _load_local(folder: str, fallback_chat_template: str | None, source: str):
         tok = AutoTokenizer.from_pretrained(folder)
     except OSError as e:
         raise ValueError(f"tokenizer folder {source}: {' '.join(str(e).split())}") from None  # one line
-    if not getattr(tok, "chat_template", None) and fallback_chat_template:
+    if not tok.chat_template and fallback_chat_template:
         tok.chat_template = chat_template(fallback_chat_template)
     return tok
 

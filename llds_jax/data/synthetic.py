@@ -121,7 +121,7 @@ def tokenizer_texts(world: World, demonstrations: Sequence[dict] = ()) -> list[s
     follow the instruction in a prompt (test questions included: only their wording, never their answers), the
     chat roles, and the model turns of `demonstrations` (so the protocol's words are whole tokens). The constant
     protocol text is `tokenizer_phrases`, whole tokens of their own."""
-    texts = [protocol.format_observation([p]) for p in world.passages]
+    texts = [protocol.format_observation([p["contents"]]) for p in world.passages]
     texts += [ex.question + "\n" for ex in world.train + world.test]
     texts += [turn["text"] for record in demonstrations for turn in record["turns"]]
     return texts + ["system\nuser\nassistant\n"] * 8
@@ -144,12 +144,12 @@ GUESS_THOUGHT = "<think> I can answer from memory. </think>\n<answer> {answer} <
 
 
 def demonstrations(world: World, examples: Sequence[QAExample],
-                   search: Callable[[list[str]], list[list]], search_fraction: float,
+                   search: Callable[[list[str]], list[list[str]]], search_fraction: float,
                    seed: int = 0) -> list[dict]:
     """Demonstrator transcripts for `examples` (records of `llds_jax.sft.demonstrations`' format).
 
-    `search(queries)` returns the documents of each query (records or objects with "contents") as the rollout's
-    retriever would (same top-k); the observations are `protocol.format_observation` of them. Which questions are
+    `search(queries)` returns the documents of each query (their `contents`) as the rollout's retriever would
+    (same top-k); the observations are `protocol.format_observation` of them. Which questions are
     searched and the guesses are drawn from `seed`. A record's "score" is the EM of its answer.
     """
     if not 0.0 <= search_fraction <= 1.0:
@@ -157,7 +157,7 @@ def demonstrations(world: World, examples: Sequence[QAExample],
     rng = random.Random(seed)
     plans = [(ex, rng.random() < search_fraction, rng.choice(world.choices[ex.question])) for ex in examples]
     searched = [ex for ex, searches, _ in plans if searches]
-    hop_docs: dict[str, list] = {}
+    hop_docs: dict[str, list[str]] = {}
     for hop in range(max((len(world.hops[ex.question]) for ex in searched), default=0)):
         queries = sorted({world.hops[ex.question][hop] for ex in searched if hop < len(world.hops[ex.question])})
         hop_docs.update(zip(queries, search(queries)))

@@ -37,14 +37,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout import protocol
+from llds_jax.rollout.interfaces import SampledTurn, SamplerSession, TurnSampler
 from llds_jax.rollout.trajectory import (END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Trajectory, Turn,
                                          build_trajectory, rollout_metrics)
+from llds_jax.search.types import Retriever, SearchResult
 
 log = logging.getLogger(__name__)
 
@@ -140,19 +142,17 @@ def search_error_observation(error: str) -> str:
     return SEARCH_ERROR_OBSERVATION.format(error=line)
 
 
-def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
-            config: AgentConfig, runner: Optional[asyncio.Runner] = None, first_sequence: int = 0,
+def rollout(sampler: TurnSampler, params, tokenizer, retriever: Retriever, examples: Sequence[QAExample],
+            rng: jax.Array, config: AgentConfig, runner: Optional[asyncio.Runner] = None, first_sequence: int = 0,
             between_sessions: Optional[Callable[[], None]] = None) -> Rollout:
     """Runs the agent loop for `examples` (repeat an example for several samples; they share its uid).
 
     Args:
-      sampler: a `sampler.Sampler` (or any object with `start(params, prompts, rng) -> session`, see
-        `sampler.Session` for the session methods used: `decode_turn(budgets, turn_finished, on_finished)`, called
-        on a worker thread, and `end_turn`; a session may ignore `on_finished`, its searches then start after
-        decoding).
+      sampler: opens the sessions (`interfaces.TurnSampler`, e.g. `sampler.Sampler`); a session's `decode_turn`
+        runs on a worker thread; a session that never calls `on_finished` makes the searches start after decoding.
       params: the policy parameters (`nnx.split(model)[1]`).
       tokenizer: a Hugging Face tokenizer (prompt, turn text, observations).
-      retriever: an object with `async search(queries, k) -> list of results with .docs and .error`.
+      retriever: the async retriever (`search.types.Retriever`).
       rng: a PRNG key; example i samples with the global sequence id first_sequence + i (per session when
         `config.max_batch_size` splits the examples, see `_session_stream`), see `sampler.Sampler.start`.
       runner: an `asyncio.Runner` to reuse one event loop across calls (async retriever clients bind to a
@@ -169,8 +169,8 @@ def rollout(sampler, params, tokenizer, retriever, examples: Sequence[QAExample]
     return runner.run(coro) if runner is not None else asyncio.run(coro)
 
 
-async def rollout_async(sampler, params, tokenizer, retriever, examples: Sequence[QAExample], rng: jax.Array,
-                        config: AgentConfig, first_sequence: int = 0,
+async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retriever,
+                        examples: Sequence[QAExample], rng: jax.Array, config: AgentConfig, first_sequence: int = 0,
                         between_sessions: Optional[Callable[[], None]] = None) -> Rollout:
     """`rollout` as a coroutine."""
     if not examples:
@@ -219,19 +219,11 @@ def _session_stream(rng: jax.Array, first_sequence: int, max_batch_size: int) ->
     return jax.random.fold_in(rng, first_sequence // max_batch_size), first_sequence % max_batch_size
 
 
-def _start_session(sampler, params, prompts: list[list[int]], rng: jax.Array, first_sequence: int):
-    """`sampler.start(...)`; `first_sequence` is passed only when non-zero, so that samplers with the original
-    `start(params, prompts, rng)` (test doubles) keep working wherever no offset is needed."""
-    if first_sequence:
-        return sampler.start(params, prompts, rng, first_sequence=first_sequence)
-    return sampler.start(params, prompts, rng)
-
-
 class _BatchLoop:
     """The turn loop of one sampler session."""
 
-    def __init__(self, sampler, params, tokenizer, retriever, examples: Sequence[QAExample], config: AgentConfig,
-                 timing: dict[str, float], decode_thread: concurrent.futures.Executor):
+    def __init__(self, sampler: TurnSampler, params, tokenizer, retriever: Retriever, examples: Sequence[QAExample],
+                 config: AgentConfig, timing: dict[str, float], decode_thread: concurrent.futures.Executor):
         self.sampler, self.params, self.tokenizer, self.retriever = sampler, params, tokenizer, retriever
         self.examples, self.config, self.timing = list(examples), config, timing
         self.decode_thread = decode_thread
@@ -239,14 +231,14 @@ class _BatchLoop:
                       for ex in self.examples]
 
     async def run(self, rng: jax.Array, first_sequence: int) -> list[Trajectory]:
-        session = _start_session(self.sampler, self.params, [c.prompt_ids for c in self.convs], rng, first_sequence)
+        session = self.sampler.start(self.params, [c.prompt_ids for c in self.convs], rng,
+                                     first_sequence=first_sequence)
         for turn_index in range(self.config.max_turns + 1):
             if all(c.end_reason is not None for c in self.convs):
                 break
             await self._turn(session, final=turn_index == self.config.max_turns)
-        session_timing = getattr(session, "timing", {})
         for key in ("prefill_s", "decode_s"):
-            self.timing[key] += session_timing.get(key, 0.0)
+            self.timing[key] += session.timing[key]
         return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer)
                 for ex, c in zip(self.examples, self.convs)]
 
@@ -259,7 +251,7 @@ class _BatchLoop:
         texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
         return [protocol.turn_finished(text) for text in texts]
 
-    def _close_turn(self, i: int, sample, final: bool, turns: dict[int, Turn], keep: list[int],
+    def _close_turn(self, i: int, sample: SampledTurn, final: bool, turns: dict[int, Turn], keep: list[int],
                     observations: list[Optional[str]]) -> bool:
         """Cuts and parses sequence i's sampled turn; returns whether it searches. Runs on the decode thread for
         sequences the session reports early (they are not touched elsewhere until decoding is over)."""
@@ -280,7 +272,7 @@ class _BatchLoop:
             observations[i] = protocol.INVALID_ACTION_MESSAGE
         return False
 
-    async def _turn(self, session, final: bool) -> None:
+    async def _turn(self, session: SamplerSession, final: bool) -> None:
         n = len(self.convs)
         active = [c.end_reason is None for c in self.convs]
         budgets = [self._budget(c) if active[i] else 0 for i, c in enumerate(self.convs)]
@@ -290,14 +282,13 @@ class _BatchLoop:
         in_flight: list[tuple[list[int], concurrent.futures.Future]] = []  # (sequences, their batched search)
         loop = asyncio.get_running_loop()
 
-        def on_finished(seqs: list[int], samples: list) -> None:  # on the decode thread, between decode chunks
+        def on_finished(seqs: list[int], samples: list[SampledTurn]) -> None:  # on the decode thread, between chunks
             searching = [i for i, sample in zip(seqs, samples)
                          if self._close_turn(i, sample, final, turns, keep, observations)]
             if searching:
                 queries = [turns[i].action.content for i in searching]
                 in_flight.append((searching, asyncio.run_coroutine_threadsafe(self._search(queries), loop)))
 
-        start = time.perf_counter()
         try:
             samples = await loop.run_in_executor(self.decode_thread, session.decode_turn, budgets,
                                                  self._turn_finished, on_finished)
@@ -305,8 +296,6 @@ class _BatchLoop:
             for _, future in in_flight:
                 future.cancel()
             raise
-        if not hasattr(session, "timing"):  # a session without its own timing: count the whole call as decoding
-            self.timing["decode_s"] += time.perf_counter() - start
         self.timing["sampled_tokens"] += sum(len(s.token_ids) for s in samples)
         late: list[int] = []  # searching sequences the session did not report early
         for i, (conv, sample) in enumerate(zip(self.convs, samples)):
@@ -361,17 +350,18 @@ class _BatchLoop:
     async def _search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:
         """One batched retriever call; (observation, error message or None) per query."""
         start = time.perf_counter()
-        results: Sequence[Any]
+        results: Sequence[SearchResult]
         try:
             results = await asyncio.wait_for(self.retriever.search(queries, self.config.retrieval_top_k),
                                              timeout=self.config.search_timeout_s)
             if len(results) != len(queries):
                 raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
-            failures = [getattr(r, "error", None) for r in results]
+            failures = [r.error for r in results]
         except asyncio.TimeoutError:
             results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
         except Exception as e:  # a failing backend must not crash the rollout
             results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
         self.timing["search_calls_s"] += time.perf_counter() - start
         return [(search_error_observation(str(failures[j])), str(failures[j])) if failures[j]
-                else (protocol.format_observation(results[j].docs), None) for j in range(len(queries))]
+                else (protocol.format_observation([d.contents for d in results[j].docs]), None)
+                for j in range(len(queries))]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Literal
 
 SEARCH_R1_TEMPLATE = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
@@ -55,7 +55,7 @@ def chat_prompt_ids(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_M
     if max_prompt_tokens <= 0:
         raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
     text = make_prompt(question)
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
@@ -97,31 +97,22 @@ def parse_action(text: str) -> Action:
     return Action(match.group(1), match.group(2).strip())
 
 
-def _contents(doc: Any) -> str:
-    if isinstance(doc, Mapping):
-        if "contents" not in doc:
-            raise KeyError(f"document dict has no 'contents' key (keys: {sorted(doc)})")
-        return doc["contents"]
-    if hasattr(doc, "contents"):
-        return doc.contents
-    raise TypeError(f"document must have a 'contents' attribute or key, got {type(doc).__name__}")
-
-
-def format_docs(docs: Sequence[Any]) -> str:
+def format_docs(contents: Sequence[str]) -> str:
     """Search-R1's passage string: `Doc {i}(Title: {title}) {text}\\n` per document, i from 1.
 
-    The title is the first line of `contents` (quotes kept), the text the remaining lines.
+    `contents`: each document's wiki-18 `contents`, whose first line is the title (quotes kept) and the remaining
+    lines the text.
     """
     parts = []
-    for i, doc in enumerate(docs, start=1):
-        title, _, text = _contents(doc).partition("\n")
+    for i, text in enumerate(contents, start=1):
+        title, _, text = text.partition("\n")
         parts.append(f"Doc {i}(Title: {title}) {text}\n")
     return "".join(parts)
 
 
-def format_observation(docs: Sequence[Any]) -> str:
-    """The observation appended after a search turn: the documents inside an <information> block."""
-    return "\n\n<information>" + format_docs(docs).strip() + "</information>\n\n"
+def format_observation(contents: Sequence[str]) -> str:
+    """The observation appended after a search turn: the documents (their `contents`) in an <information> block."""
+    return "\n\n<information>" + format_docs(contents).strip() + "</information>\n\n"
 
 
 @dataclasses.dataclass(frozen=True)

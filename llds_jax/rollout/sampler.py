@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from llds_jax import parallel
 from llds_jax.model import KVCache, init_cache
 from llds_jax.rollout import buckets
+from llds_jax.rollout.interfaces import SampledTurn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,18 +102,6 @@ class SamplingConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"sampling.{name} must be >= 1, got {getattr(self, name)}")
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
-
-
-@dataclasses.dataclass(frozen=True)
-class SampledTurn:
-    """The tokens one row sampled in a turn, in order, with their log-probs (float32 values).
-
-    `hit_stop` is True when the last token is one of the stop ids (it is included in token_ids).
-    """
-
-    token_ids: list[int]
-    logps: list[float]
-    hit_stop: bool
 
 
 @flax.struct.dataclass

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import ml_collections
+
 from llds_jax.search.retry import RequestPolicy
 from llds_jax.search.types import Retriever
 
@@ -41,10 +43,10 @@ BACKENDS = tuple(_SPECS)
 
 
 def _as_dict(cfg: Any) -> dict:
-    if hasattr(cfg, "to_dict"):
-        return dict(cfg.to_dict())
-    if isinstance(cfg, Mapping) or hasattr(cfg, "items"):
-        return dict(cfg.items())
+    if isinstance(cfg, ml_collections.ConfigDict):
+        return cfg.to_dict()
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
     raise TypeError(f"retriever config must be a mapping, got {type(cfg).__name__}")
 
 

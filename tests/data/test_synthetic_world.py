@@ -37,7 +37,7 @@ def fake_search(world, calls):
 
     def search(queries):
         calls.append(list(queries))
-        return [[titles[q]] for q in queries]
+        return [[titles[q]["contents"]] for q in queries]
     return search
 
 
@@ -55,7 +55,7 @@ def test_demonstrations_search_every_hop_when_told_to(world):
         assert len(turns) == len(hops) + 1
         for hop, turn in zip(hops, turns):
             assert protocol.parse_action(turn["text"]) == protocol.Action("search", hop)
-            assert turn["observation"] == protocol.format_observation([titles[hop]])
+            assert turn["observation"] == protocol.format_observation([titles[hop]["contents"]])
         assert protocol.parse_action(turns[-1]["text"]) == protocol.Action("answer", ex.golden_answers[0])
         assert "observation" not in turns[-1]
 
@@ -90,7 +90,7 @@ def test_tokenizer_texts_cover_prompts_passages_and_demonstrations(world):
     instruction = phrases[0]
     assert not any(p.name in phrases for p in world.people)  # names are frequent parts, not phrases
     assert protocol.make_prompt(world.test[0].question) == instruction + world.test[0].question + "\n"
-    assert protocol.format_observation([world.passages[0]]) in texts
+    assert protocol.format_observation([world.passages[0]["contents"]]) in texts
 
 
 def test_names_are_pairs_of_parts_that_the_training_split_uses():

@@ -116,7 +116,7 @@ def search_observation(es_url: str, index: str, query: str, k: int) -> str:
 
     (result,) = asyncio.run(search())
     assert result.error is None
-    return protocol.format_observation(result.docs)
+    return protocol.format_observation([doc.contents for doc in result.docs])
 
 
 def assert_clean(outputs: list[str]) -> None:

@@ -8,7 +8,8 @@ from typing import Optional, Sequence, Union
 
 import pytest
 
-from llds_jax.rollout.sampler import SampledTurn
+from llds_jax.rollout.interfaces import SampledTurn
+from llds_jax.search.types import Document, Retriever, SearchResult
 
 ScriptTurn = Union[str, list]  # turn text, or token ids (e.g. to end with an EOS id)
 
@@ -29,8 +30,8 @@ class ScriptedSampler:
         self.report_early = report_early
         self.sessions: list[ScriptedSession] = []
 
-    def start(self, params, prompts, rng):
-        del params, rng
+    def start(self, params, prompts, rng, first_sequence=0):
+        del params, rng, first_sequence
         session = ScriptedSession(self, [list(p) for p in prompts])
         self.sessions.append(session)
         return session
@@ -44,6 +45,7 @@ class ScriptedSession:
     decode_calls: list = dataclasses.field(default_factory=list)   # budgets of each decode_turn
     end_calls: list = dataclasses.field(default_factory=list)      # (keep, observations) of each end_turn
     emitted: list = dataclasses.field(default_factory=list)        # SampledTurns of the last decode_turn
+    timing: dict = dataclasses.field(default_factory=lambda: {"prefill_s": 0.0, "decode_s": 0.0})  # no device
 
     def _tokens(self, seq: int) -> list[int]:
         turn = self.sampler.scripts[seq][self.turn_index]
@@ -81,21 +83,10 @@ class ScriptedSession:
         self.turn_index += 1
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeDocument:
-    id: str
-    contents: str
-    score: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeResult:
-    docs: list
-    error: Optional[str] = None
-
-
-class FakeRetriever:
+class FakeRetriever(Retriever):
     """Async retriever over a dict query -> list of contents; queries in `errors` fail with that message."""
+
+    backend = "fake"
 
     def __init__(self, corpus: dict, errors: Optional[dict] = None, delay_s: float = 0.0,
                  raises: Optional[Exception] = None):
@@ -111,15 +102,20 @@ class FakeRetriever:
         results = []
         for q in queries:
             if q in self.errors:
-                results.append(FakeResult([], self.errors[q]))
+                results.append(SearchResult([], self.errors[q]))
             else:
-                docs = [FakeDocument(str(j), c) for j, c in enumerate(self.corpus.get(q, [])[:k])]
-                results.append(FakeResult(docs))
+                contents = self.corpus.get(q, [])[:k]
+                results.append(SearchResult([Document(str(j), c, 0.0) for j, c in enumerate(contents)]))
         return results
+
+    async def check(self):
+        pass
+
+    async def close(self):
+        pass
 
 
 @pytest.fixture
 def doubles():
     """The test doubles of this file (conftest modules are not importable by name)."""
-    return types.SimpleNamespace(ScriptedSampler=ScriptedSampler, FakeRetriever=FakeRetriever,
-                                 FakeDocument=FakeDocument, FakeResult=FakeResult)
+    return types.SimpleNamespace(ScriptedSampler=ScriptedSampler, FakeRetriever=FakeRetriever)

@@ -1,5 +1,7 @@
 """The multi-turn agent loop: scripted policies through the real loop, then a tiny random model end to end."""
+import asyncio
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +12,10 @@ from flax import nnx
 from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import agent, generate, protocol
-from llds_jax.rollout.sampler import Sampler, SamplingConfig
 from llds_jax.rollout.buckets import round_up
+from llds_jax.rollout.sampler import Sampler, SamplingConfig
 from llds_jax.rollout.trajectory import em_rewards, em_score
+from llds_jax.search.types import Document, Retriever, SearchResult
 from llds_jax.train.batching import rollout_batch
 
 PARIS_DOCS = ['"Paris"\nParis is the capital of France.', '"France"\nFrance is a country.\nIt is in Europe.',
@@ -257,8 +260,7 @@ def test_searches_start_as_turns_end_and_give_the_same_trajectories(qwen_tokeniz
     assert overlapped_calls == [(["early one", "early two"], 3), (["late"], 3)]
     assert_same_trajectories(plain.trajectories, overlapped.trajectories)
     assert [t.turns[0].observation for t in overlapped.trajectories[:3]] == [
-        protocol.format_observation([doubles.FakeDocument("0", c)]) for c in (PARIS_DOCS[0], PARIS_DOCS[1],
-                                                                              PARIS_DOCS[2])]
+        protocol.format_observation([c]) for c in (PARIS_DOCS[0], PARIS_DOCS[1], PARIS_DOCS[2])]
 
 
 def test_max_batch_size_splits_into_sessions_in_order(qwen_tokenizer, doubles):
@@ -371,10 +373,23 @@ def real(qwen_tokenizer):
     return graphdef, params, steered_params(model), sampler
 
 
-class EchoRetriever:
+class EchoRetriever(Retriever):
+    """Answers every query with k copies of a passage about the query; `suffix(j)` tells copy j apart."""
+
+    backend = "echo"
+
+    def __init__(self, suffix=lambda j: ""):
+        self.suffix = suffix
+
     async def search(self, queries, k):
-        from types import SimpleNamespace as NS
-        return [NS(docs=[NS(contents=f'"{q}"\nabout {q}') for _ in range(k)], error=None) for q in queries]
+        return [SearchResult([Document(str(j), f'"{q}"\nabout {q}{self.suffix(j)}', 0.0) for j in range(k)])
+                for q in queries]
+
+    async def check(self):
+        pass
+
+    async def close(self):
+        pass
 
 
 def full_forward_logps(graphdef, params, trajectories, temperatures):
@@ -459,19 +474,17 @@ THE = 279  # " the"
 VARYING = {**STEERING, LT: [SEARCH], CLOSE: [SEARCH], GT: [PARIS, THE], THE: [PARIS, THE]}
 
 
-class RecordingRetriever:
+class RecordingRetriever(EchoRetriever):
     """Echo documents per query after `delay_s`; records each call's queries and start time."""
 
     def __init__(self, delay_s=0.0):
+        super().__init__(suffix=lambda j: f" {j}")
         self.delay_s, self.calls = delay_s, []
 
     async def search(self, queries, k):
-        import asyncio
-        import time
-        from types import SimpleNamespace as NS
         self.calls.append((list(queries), time.perf_counter()))
         await asyncio.sleep(self.delay_s)
-        return [NS(docs=[NS(contents=f'"{q}"\nabout {q} {j}') for j in range(k)], error=None) for q in queries]
+        return await super().search(queries, k)
 
 
 class DecodeClock:
@@ -481,17 +494,28 @@ class DecodeClock:
     def __init__(self, sampler, early=True):
         self.sampler, self.early, self.spans = sampler, early, []
 
-    def start(self, params, prompts, rng, **kwargs):
-        import time
-        from types import SimpleNamespace as NS
-        session = self.sampler.start(params, prompts, rng, **kwargs)
+    def start(self, params, prompts, rng, first_sequence=0):
+        return ClockedSession(self, self.sampler.start(params, prompts, rng, first_sequence=first_sequence))
 
-        def decode_turn(budgets, turn_finished, on_finished=None):
-            start = time.perf_counter()
-            out = session.decode_turn(budgets, turn_finished, on_finished if self.early else None)
-            self.spans.append((start, time.perf_counter()))
-            return out
-        return NS(decode_turn=decode_turn, end_turn=session.end_turn, timing=session.timing)
+
+class ClockedSession:
+    """A session of DecodeClock: the inner session, its decode_turn timed."""
+
+    def __init__(self, clock, inner):
+        self.clock, self.inner = clock, inner
+
+    @property
+    def timing(self):
+        return self.inner.timing
+
+    def decode_turn(self, budgets, turn_finished, on_finished=None):
+        start = time.perf_counter()
+        out = self.inner.decode_turn(budgets, turn_finished, on_finished if self.clock.early else None)
+        self.clock.spans.append((start, time.perf_counter()))
+        return out
+
+    def end_turn(self, keep, observations):
+        self.inner.end_turn(keep, observations)
 
 
 def test_real_model_searches_overlap_decoding_with_identical_trajectories(qwen_tokenizer):

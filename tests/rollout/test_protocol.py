@@ -87,22 +87,17 @@ def test_format_observation_byte_identical():
         Document("2", '"Fast & Furious"\nFirst line of body.\nSecond line of body.', 0.8),
         Document("3", "No Body Title", 0.7),
     ]
-    assert protocol.format_observation(docs) == (
+    assert protocol.format_observation([d.contents for d in docs]) == (
         '\n\n<information>Doc 1(Title: "Paul Walker") Paul William Walker IV was an American actor.\n'
         'Doc 2(Title: "Fast & Furious") First line of body.\nSecond line of body.\n'
         "Doc 3(Title: No Body Title)</information>\n\n")
 
 
-def test_format_observation_dicts_and_edge_cases():
-    assert protocol.format_observation([{"id": "0", "contents": '"T"\n  body  \n'}]) == (
-        '\n\n<information>Doc 1(Title: "T")   body</information>\n\n')
-    assert protocol.format_observation([{"contents": '\n"T"\nbody'}, {"contents": ""}]) == (
+def test_format_observation_edge_cases():
+    assert protocol.format_observation(['"T"\n  body  \n']) == '\n\n<information>Doc 1(Title: "T")   body</information>\n\n'
+    assert protocol.format_observation(['\n"T"\nbody', ""]) == (
         '\n\n<information>Doc 1(Title: ) "T"\nbody\nDoc 2(Title: )</information>\n\n')
     assert protocol.format_observation([]) == "\n\n<information></information>\n\n"
-    with pytest.raises(KeyError, match="contents"):
-        protocol.format_observation([{"text": "x"}])
-    with pytest.raises(TypeError, match="contents"):
-        protocol.format_observation(["plain string"])
 
 
 # (turn text, cut text, action kind, action content)
