@@ -19,17 +19,17 @@ Log-probs are those of the sampling distribution over the full vocabulary: log_s
 float32, what the learner recomputes. Top-k / top-p only restrict which tokens can be drawn; the log-probs are not
 renormalized over the kept set. Greedy decoding reports temperature-1 log-probs.
 
-Shapes are bucketed (see `buckets`): rows to a power of two (a multiple of the mesh's batch shards), prompt length,
-cache capacity and observation length to powers of two. The cache grows to the next bucket only when a turn needs
-it, and when enough rows have finished the batch is compacted to a smaller bucket, so early turns and small
-remaining batches attend over fewer slots and rows. With a mesh, rows are split over (data, fsdp).
-After `Sampler.freeze_shapes()` (the trainer calls it after its first step, `rollout.reuse_buckets`) a session
-takes the smallest bucket the sampler has already run that fits (more rows, cache slots or observation slots than
-needed) instead of compiling a program for a new smaller one, and the first call compiles ahead the grid of
-the buckets run so far (`Sampler.compile_grid`: every program at every combination of their row, capacity and
-observation buckets): a run compiles its rollout programs in the first step, and later only for a conversation
-that outgrows every capacity seen. Padding is masked, so the distributions are the same; the logits may differ at
-float rounding (other reduction sizes).
+Shapes are bucketed (see `buckets`, and `shape_plan` for which bucket each call takes): rows to a power of two
+(a multiple of the mesh's batch shards), prompt length, cache capacity and observation length to powers of two. The
+cache grows to the next bucket only when a turn needs it, and when enough rows have finished the batch is compacted
+to a smaller bucket, so early turns and small remaining batches attend over fewer slots and rows. With a mesh, rows
+are split over (data, fsdp). After `Sampler.freeze_shapes()` (the trainer calls it after its first step,
+`rollout.reuse_buckets`) a session takes the smallest bucket the sampler has already run that fits (more rows,
+cache slots or observation slots than needed) instead of compiling a program for a new smaller one, and the first
+call compiles ahead the grid of the buckets run so far (`Sampler.compile_grid`: every program at every combination
+of their row, capacity and observation buckets): a run compiles its rollout programs in the first step, and later
+only for a conversation that outgrows every capacity seen. Padding is masked, so the distributions are the same;
+the logits may differ at float rounding (other reduction sizes).
 
 `Session.timing` accumulates seconds: `prefill_s` (prompt prefill and observation extends, each waited for once
 per turn), `decode_s` (decode chunk calls and the wait for their tokens) and `host_s` (the host callbacks between
@@ -39,7 +39,6 @@ Dimension letters: B rows, T new tokens, C decode steps of one chunk, S cache sl
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -56,8 +55,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import KVCache, init_cache
-from llds_jax.rollout import buckets
 from llds_jax.rollout.interfaces import SampledTurn
+from llds_jax.rollout.shape_plan import (DecodeShape, EndTurnShape, GrowShape, PrefillShape, SelectShape, Shape,
+                                          ShapePlan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +299,8 @@ def _select_rows(state: DecodeState, rows_b) -> DecodeState:
 
 
 class Sampler:
-    """The jitted prefill / decode / extend programs of one model architecture and sampling config.
+    """The jitted prefill / decode / extend programs of one model architecture and sampling config, and the plan of
+    their shapes (`plan`, a `ShapePlan`).
 
     Args:
       graphdef: from `graphdef, params = nnx.split(model)`; parameters are passed to `start` so that one sampler
@@ -313,17 +314,13 @@ class Sampler:
         self.config = config
         self.mesh = mesh
         self.batch_multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in parallel.BATCH]))
+        self.plan = ShapePlan(config, self.batch_multiple)
         self._prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames="capacity")
         self._decode = jax.jit(functools.partial(_decode_chunk, graphdef, config), donate_argnums=1)
         self._end_turn = jax.jit(functools.partial(_end_turn, graphdef), donate_argnums=1)
         self._grow = jax.jit(_grow, static_argnums=1)
         self._select = jax.jit(_select_rows)
-        self.frozen = False
-        # Buckets run so far, per program: prefill (rows, prompt slots, capacity), select (rows, capacity, new
-        # rows), grow (rows, capacity, new capacity), end_turn (rows, capacity, observation slots), decode (rows,
-        # capacity, 0).
-        self._used: dict[str, set[tuple[int, int, int]]] = collections.defaultdict(set)
-        self._params_spec = None  # the params as ShapeDtypeStructs, from the first session
+        self._params_spec = None  # the params as ShapeDtypeStructs, from the first decode chunk
 
     def freeze_shapes(self, grid: bool = True) -> int:
         """From now on sessions reuse buckets already run where one fits rather than compile smaller ones.
@@ -331,42 +328,21 @@ class Sampler:
         With `grid`, the first call also compiles the bucket grid of what has run (`compile_grid`), so that later
         sessions find a program for every combination of those buckets. Returns the programs compiled (0 after
         the first call)."""
-        if self.frozen:
+        if self.plan.frozen:
             return 0
-        self.frozen = True
+        self.plan.freeze()
         return self.compile_grid() if grid else 0
 
     def compile_grid(self) -> int:
         """Compiles (ahead of time, without running them) the programs a session can need on the grid of the row
-        and capacity buckets run so far: decode and an extend of each observation bucket run so far at every (rows,
-        capacity), growth to each larger capacity and compaction to each smaller row bucket. A frozen session
-        then compiles only when a conversation outgrows every capacity run (or a batch every row bucket).
-        Returns the number of programs compiled."""
+        and capacity buckets run so far (`ShapePlan.grid`): decode and an extend of each observation bucket run so
+        far at every (rows, capacity), growth to each larger capacity and compaction to each smaller row bucket. A
+        frozen session then compiles only when a conversation outgrows every capacity run (or a batch every row
+        bucket). Returns the number of programs compiled (0 before any decode chunk ran)."""
         if self._params_spec is None:
             return 0
-        params = self._params_spec
-        states = ({(r, c) for r, _, c in self._used["prefill"]} | {u[:2] for u in self._used["decode"]}
-                  | {u[:2] for u in self._used["end_turn"]} | {(r, c) for r, _, c in self._used["grow"]}
-                  | {(r, c) for _, c, r in self._used["select"]})
-        rows, capacities = sorted({r for r, _ in states}), sorted({c for _, c in states})
-        observations = sorted({t for _, _, t in self._used["end_turn"]})
-        host = lambda *shape, dtype=np.int32: self._host_spec(shape, dtype)  # noqa: E731
-        compiled = 0
         with self.mesh_context():
-            for r in rows:
-                for c in capacities:
-                    state = self._abstract_state(params, r, c)
-                    programs = [("decode", 0, self._decode, (params, state, host(r, dtype=bool)))]
-                    programs += [("end_turn", t, self._end_turn, (params, state, host(r), host(r), host(r, t),
-                                                                  host(r, t, dtype=bool))) for t in observations]
-                    programs += [("grow", g, self._grow, (state, g)) for g in capacities if g > c]
-                    programs += [("select", k, self._select, (state, host(k))) for k in rows if k < r]
-                    for name, last, jitted, args in programs:
-                        if (r, c, last) not in self._used[name]:
-                            jitted.lower(*args).compile()
-                            self._used[name].add((r, c, last))
-                            compiled += 1
-        return compiled
+            return self.plan.compile_grid(functools.partial(self._lower, self._params_spec))
 
     def lower_programs(self, params, rows: int, prompt: int, prefill_capacity: int,
                        capacity: int, observation: int) -> list[tuple[str, str, jax.stages.Lowered]]:
@@ -377,33 +353,83 @@ class Sampler:
 
         params: the parameters as the session gets them (arrays or ShapeDtypeStructs with shardings).
         """
-        host = lambda *shape, dtype=np.int32: self._host_spec(shape, dtype)  # noqa: E731
-        key = jax.eval_shape(lambda: jax.random.key(0))
+        programs = [
+            ("prefill", f"{rows} x {prompt} tokens, {prefill_capacity} slots",
+             PrefillShape(rows, prompt, prefill_capacity)),
+            ("decode chunk", f"{rows} rows x {self.config.decode_chunk} steps, {capacity} slots",
+             DecodeShape(rows, capacity)),
+            ("extend", f"{rows} x {observation} tokens, {capacity} slots", EndTurnShape(rows, capacity, observation)),
+            ("cache growth", f"{rows} rows, {capacity // 2} -> {capacity} slots",
+             GrowShape(rows, capacity // 2, capacity)),
+        ]
+        if rows > 1:
+            smaller = self.plan.batch_rows(rows // 2)
+            if smaller < rows:
+                programs.append(("compaction", f"{rows} -> {smaller} rows, {capacity} slots",
+                                 SelectShape(rows, capacity, smaller)))
         with self.mesh_context():
-            state = self._abstract_state(params, rows, capacity)
-            programs = [
-                ("prefill", f"{rows} x {prompt} tokens, {prefill_capacity} slots", self._prefill.lower(
-                    params, host(rows, prompt), host(rows, prompt, dtype=bool), key,
-                    host(rows, dtype=np.uint32), capacity=prefill_capacity)),
-                ("decode chunk", f"{rows} rows x {self.config.decode_chunk} steps, {capacity} slots",
-                 self._decode.lower(params, state, host(rows, dtype=bool))),
-                ("extend", f"{rows} x {observation} tokens, {capacity} slots", self._end_turn.lower(
-                    params, state, host(rows), host(rows), host(rows, observation),
-                    host(rows, observation, dtype=bool))),
-                ("cache growth", f"{rows} rows, {capacity // 2} -> {capacity} slots",
-                 self._grow.lower(self._abstract_state(params, rows, capacity // 2), capacity)),
-            ]
-            if rows > 1:
-                smaller = buckets.batch_bucket(rows // 2, self.batch_multiple, self.config.min_batch_bucket)
-                if smaller < rows:
-                    programs.append(("compaction", f"{rows} -> {smaller} rows, {capacity} slots",
-                                     self._select.lower(state, host(smaller))))
-        return programs
+            return [(name, shapes, self._lower(params, shape)) for name, shapes, shape in programs]
+
+    # -- the programs, each run at the shape of its arguments (recorded in `plan`) -----------------------------------
+
+    def prefill(self, params, tokens_bt: np.ndarray, valid_bt: np.ndarray, rng: jax.Array, seq_ids_b: np.ndarray,
+                capacity: int) -> DecodeState:
+        """Encodes left-padded prompts (int32 tokens and bool valid [B, T], uint32 sequence ids [B] whose PRNG
+        streams are fold_in(rng, id)) into an empty cache of `capacity` slots."""
+        self.plan.record(PrefillShape(*tokens_bt.shape, capacity))
+        return self._prefill(params, self.put(tokens_bt), self.put(valid_bt), rng, self.put(seq_ids_b),
+                             capacity=capacity)
+
+    def decode_chunk(self, params, state: DecodeState, stop_b: np.ndarray
+                     ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
+        """Up to `config.decode_chunk` decode steps from `state` (donated); stop_b: bool [B], the rows the host has
+        finished. Returns (state, tokens [B, C], log-probs [B, C], emitted [B, C]), see `_decode_chunk`."""
+        self.plan.record(DecodeShape(*state.cache.valid_bs.shape))
+        if self._params_spec is None:  # for `compile_grid`
+            self._params_spec = jax.tree.map(_spec, params)
+        return self._decode(params, state, self.put(stop_b))
+
+    def end_turn(self, params, state: DecodeState, end_b: np.ndarray, next_pos_b: np.ndarray, obs_bt: np.ndarray,
+                 obs_valid_bt: np.ndarray) -> DecodeState:
+        """Rolls each row of `state` (donated) back to its kept tokens (int32 cache end and next position [B]),
+        then appends right-padded observations (int32 tokens and bool valid [B, T])."""
+        self.plan.record(EndTurnShape(*state.cache.valid_bs.shape, obs_bt.shape[1]))
+        put = self.put
+        return self._end_turn(params, state, put(end_b), put(next_pos_b), put(obs_bt), put(obs_valid_bt))
+
+    def grow(self, state: DecodeState, capacity: int) -> DecodeState:
+        """The same state with `capacity` cache slots (new slots empty)."""
+        self.plan.record(GrowShape(*state.cache.valid_bs.shape, capacity))
+        return self._grow(state, capacity)
+
+    def select_rows(self, state: DecodeState, rows_b: np.ndarray) -> DecodeState:
+        """The state of rows `rows_b` (int32 [B'], a smaller batch)."""
+        self.plan.record(SelectShape(*state.cache.valid_bs.shape, len(rows_b)))
+        return self._select(state, self.put(rows_b))
+
+    # -- ahead-of-time lowering ------------------------------------------------------------------------------------
+
+    def _lower(self, params, shape: Shape) -> jax.stages.Lowered:
+        """The program of `shape` lowered at abstract arguments of that shape, laid out as a session passes them."""
+        host, r = self._host_spec, shape.rows
+        if isinstance(shape, PrefillShape):
+            t, key = shape.prompt, jax.eval_shape(lambda: jax.random.key(0))
+            return self._prefill.lower(params, host(r, t), host(r, t, dtype=bool), key, host(r, dtype=np.uint32),
+                                       capacity=shape.capacity)
+        state = self._abstract_state(params, r, shape.capacity)
+        if isinstance(shape, DecodeShape):
+            return self._decode.lower(params, state, host(r, dtype=bool))
+        if isinstance(shape, EndTurnShape):
+            t = shape.observation
+            return self._end_turn.lower(params, state, host(r), host(r), host(r, t), host(r, t, dtype=bool))
+        if isinstance(shape, GrowShape):
+            return self._grow.lower(state, shape.capacity_out)
+        return self._select.lower(state, host(shape.rows_out))
 
     def _abstract_state(self, params, rows: int, capacity: int) -> DecodeState:
         """The decode state of `rows` rows and `capacity` slots as ShapeDtypeStructs, laid out as the programs
         return it."""
-        host = lambda *shape, dtype=np.int32: self._host_spec(shape, dtype)  # noqa: E731
+        host = self._host_spec
         shapes = jax.eval_shape(functools.partial(self._prefill, capacity=capacity), params, host(rows, 1),
                                 host(rows, 1, dtype=bool), jax.eval_shape(lambda: jax.random.key(0)),
                                 host(rows, dtype=np.uint32))
@@ -412,25 +438,12 @@ class Sampler:
         return jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
             self.mesh, spec)), shapes, _state_specs(shapes))
 
-    def _host_spec(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    def _host_spec(self, *shape: int, dtype=np.int32) -> jax.ShapeDtypeStruct:
         """The abstract value of `put(np.zeros(shape, dtype))`."""
         sharding = None if self.mesh is None else parallel.batch_sharding(self.mesh, len(shape))
         return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
 
-    def _remember_params(self, params) -> None:
-        """Keeps the abstract values of the params (for `compile_grid`)."""
-        if self._params_spec is None:
-            self._params_spec = jax.tree.map(_spec, params)
-
-    def _reuse(self, program: str, prefix: tuple[int, ...], at_least: int, below: Optional[int] = None
-               ) -> Optional[int]:
-        """When frozen: the smallest entry after `prefix`, in [at_least, below), of the `program` buckets starting
-        with `prefix` run so far (None when not frozen or none fits)."""
-        if not self.frozen:
-            return None
-        n = len(prefix)
-        return min((used[n] for used in self._used[program] if used[:n] == prefix and used[n] >= at_least
-                    and (below is None or used[n] < below)), default=None)
+    # -- for sessions ----------------------------------------------------------------------------------------------
 
     def mesh_context(self):
         """`jax.set_mesh(mesh)`, or a null context without a mesh."""
@@ -560,14 +573,9 @@ class Session:
             return
         with self._sampler.mesh_context():
             self._start(0)
-            rows, used = len(self._seq_of), self._sampler._used["end_turn"]
-            slots = lambda t: int(np.max(np.where(obs_len > 0, self._end + t, 0)))  # cache slots with t
-            t = buckets.pow2_bucket(int(obs_len.max()), self._cfg.min_observation_bucket)
-            if self._sampler.frozen:  # the smallest observation bucket run at the capacity it leads to
-                t = min((u[2] for u in used if u[0] == rows and u[2] >= obs_len.max()
-                         and (rows, self._grown_capacity(slots(u[2])), u[2]) in used), default=t)
-            self._ensure_capacity(slots(t))
-            used.add((rows, self.capacity, t))
+            rows, end = self.batch_rows, int(self._end[obs_len > 0].max())
+            t = self._sampler.plan.end_turn(rows, self.capacity, int(obs_len.max()), end).observation
+            self._ensure_capacity(end + t)
             obs_bt = np.zeros((rows, t), np.int32)
             valid_bt = np.zeros((rows, t), bool)
             end_b = np.zeros(rows, np.int32)
@@ -579,18 +587,12 @@ class Session:
                 if obs_len[seq]:
                     obs_bt[row, :obs_len[seq]] = observations[seq]
                     valid_bt[row, :obs_len[seq]] = True
-            put = self._sampler.put
             start = time.perf_counter()
-            self._state = self._sampler._end_turn(self._params, self._state, put(end_b), put(pos_b), put(obs_bt),
-                                                  put(valid_bt))
+            self._state = self._sampler.end_turn(self._params, self._state, end_b, pos_b, obs_bt, valid_bt)
             self._state.logits_bv.block_until_ready()  # once per turn: times the extend apart from decoding
             self.timing["prefill_s"] += time.perf_counter() - start
         self._end += obs_len
         self._pos += obs_len
-
-    def context_lengths(self) -> list[int]:
-        """Real tokens (prompt + kept turns + observations) of each sequence so far."""
-        return self._pos.tolist()
 
     # -- internals -------------------------------------------------------------------------------------------
 
@@ -598,11 +600,9 @@ class Session:
         """Encodes the prompts (once), into a cache with room for a first turn of `max_budget` tokens."""
         if self._state is not None:
             return
-        cfg, n = self._cfg, self.num_sequences
-        rows = buckets.batch_bucket(n, self._sampler.batch_multiple, cfg.min_batch_bucket)
-        longest = max(len(x) for x in self._prompts)
-        p = (self._sampler._reuse("prefill", (rows,), longest)  # a longer prompt bucket already run, when frozen
-             or buckets.pow2_bucket(longest, cfg.min_prompt_bucket))
+        n = self.num_sequences
+        shape = self._sampler.plan.prefill(n, max(len(x) for x in self._prompts), max_budget)
+        rows, p = shape.rows, shape.prompt
         tokens_bt = np.zeros((rows, p), np.int32)
         valid_bt = np.zeros((rows, p), bool)
         valid_bt[n:, -1] = True  # padding rows hold one token so that attention never sees an empty row
@@ -610,13 +610,8 @@ class Session:
             tokens_bt[i, p - len(prompt):] = prompt
             valid_bt[i, p - len(prompt):] = True
         seq_ids_b = np.arange(self._first_sequence, self._first_sequence + rows, dtype=np.uint32)
-        capacity = buckets.pow2_bucket(p + max_budget + 1, cfg.min_capacity_bucket)
-        capacity = self._sampler._reuse("prefill", (rows, p), p + max_budget + 1) or capacity
-        self._sampler._used["prefill"].add((rows, p, capacity))
-        put = self._sampler.put
         start = time.perf_counter()
-        self._state = self._sampler._prefill(self._params, put(tokens_bt), put(valid_bt), self._rng,
-                                             put(seq_ids_b), capacity=capacity)
+        self._state = self._sampler.prefill(self._params, tokens_bt, valid_bt, self._rng, seq_ids_b, shape.capacity)
         self._state.logits_bv.block_until_ready()  # once per session: times the prefill apart from decoding
         self.timing["prefill_s"] += time.perf_counter() - start
         self._seq_of = np.concatenate([np.arange(n), np.full(rows - n, -1)])
@@ -624,34 +619,23 @@ class Session:
         self._end[:] = p
 
     def _compact(self) -> None:
-        """Moves the unfinished sequences into a smaller batch bucket when they fit one."""
+        """Moves the unfinished sequences into a smaller batch bucket when the plan has one for them."""
         live = np.flatnonzero(self._alive)
-        rows = buckets.batch_bucket(len(live), self._sampler.batch_multiple, self._cfg.min_batch_bucket)
-        if not self._cfg.compact or rows >= len(self._seq_of) or len(live) == 0:
+        compaction = self._sampler.plan.compaction(self.batch_rows, self.capacity, len(live))
+        if compaction is None:
             return
-        if self._sampler.frozen:
-            rows = self._sampler._reuse("select", (len(self._seq_of), self.capacity), rows, len(self._seq_of))
-            if rows is None:
-                return
-        self._sampler._used["select"].add((len(self._seq_of), self.capacity, rows))
+        rows = compaction.rows_out
         take = np.concatenate([self._slot_of[live], np.full(rows - len(live), self._slot_of[live[0]])])
-        self._state = self._sampler._select(self._state, self._sampler.put(take.astype(np.int32)))
+        self._state = self._sampler.select_rows(self._state, take.astype(np.int32))
         self._seq_of = np.concatenate([live, np.full(rows - len(live), -1)])
         self._slot_of[:] = -1
         self._slot_of[live] = np.arange(len(live))
 
-    def _grown_capacity(self, needed: int) -> int:
-        """The cache capacity `_ensure_capacity(needed)` leads to."""
-        if needed <= self.capacity:
-            return self.capacity
-        return (self._sampler._reuse("grow", (len(self._seq_of), self.capacity), needed)
-                or buckets.pow2_bucket(needed, self._cfg.min_capacity_bucket))
-
     def _ensure_capacity(self, needed: int) -> None:
-        grown = self._grown_capacity(needed)
+        """Grows the cache, to the capacity the plan gives, when a row needs more than its `capacity` slots."""
+        grown = self._sampler.plan.grown_capacity(self.batch_rows, self.capacity, needed)
         if grown > self.capacity:
-            self._sampler._used["grow"].add((len(self._seq_of), self.capacity, grown))
-            self._state = self._sampler._grow(self._state, grown)
+            self._state = self._sampler.grow(self._state, grown)
 
     def _row_array(self, per_sequence: np.ndarray, dtype) -> np.ndarray:
         out = np.zeros(len(self._seq_of), dtype)
@@ -665,13 +649,11 @@ class Session:
         remaining_b = self._row_array(budgets_n, np.int32)
         self._state = self._state.replace(remaining_b=put(remaining_b), done_b=put(remaining_b <= 0))
         rows = len(self._seq_of)
-        sampler._used["decode"].add((rows, self.capacity, 0))
-        sampler._remember_params(self._params)
         running_b = remaining_b > 0  # host view: rows still sampling this turn
         stop_b = np.zeros(rows, bool)
         while running_b.any():
             start = time.perf_counter()
-            self._state, tokens_bc, logp_bc, emitted_bc = sampler._decode(self._params, self._state, put(stop_b))
+            self._state, tokens_bc, logp_bc, emitted_bc = sampler.decode_chunk(self._params, self._state, stop_b)
             tokens_bc, logp_bc, emitted_bc, done_b = jax.device_get(
                 (tokens_bc, logp_bc, emitted_bc, self._state.done_b))
             host_start = time.perf_counter()

@@ -265,8 +265,8 @@ def test_frozen_shapes_compile_the_bucket_grid_ahead_and_sample_the_same(tiny, b
     assert sampler.freeze_shapes() == 0
     # Observations of 3 tokens and 2 rows left after the first turn: compaction to 2 rows at capacity 32.
     leaves = {(0, 3), (0, 2), (1, 1)}
-    select, compactions = sampler._select, []  # (capacity, rows after) of each compaction
-    sampler._select = lambda state, rows_b: compactions.append((state.cache.capacity, len(rows_b))) or select(
+    select, compactions = sampler.select_rows, []  # (capacity, rows after) of each compaction
+    sampler.select_rows = lambda state, rows_b: compactions.append((state.cache.capacity, len(rows_b))) or select(
         state, rows_b)
     with backend_compiles() as compiles:
         got = conversation(sampler, obs_len=3, leaves=leaves, seed=1)

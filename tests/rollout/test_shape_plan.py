@@ -1,0 +1,66 @@
+"""The shape plan: which bucket each sampler call takes before and after freezing, and the grid compiled ahead."""
+from llds_jax.rollout.sampler import SamplingConfig
+from llds_jax.rollout.shape_plan import DecodeShape, EndTurnShape, GrowShape, PrefillShape, SelectShape, ShapePlan
+
+CONFIG = SamplingConfig(min_prompt_bucket=16, min_capacity_bucket=16, min_observation_bucket=4)
+
+
+def test_buckets_before_freezing_are_those_of_what_is_needed():
+    plan = ShapePlan(CONFIG, batch_multiple=1)
+    assert plan.prefill(3, longest_prompt=20, first_turn=10) == PrefillShape(4, 32, 64)  # 32 + 10 + 1 slots
+    assert plan.compaction(4, 64, live=1) == SelectShape(4, 64, 1)
+    assert plan.compaction(4, 64, live=3) is None  # 3 sequences need the 4 rows
+    assert plan.compaction(4, 64, live=0) is None
+    assert plan.grown_capacity(4, 64, needed=64) == 64
+    assert plan.grown_capacity(4, 64, needed=65) == 128
+    assert plan.end_turn(4, 64, longest_observation=5, end=60) == EndTurnShape(4, 128, 8)  # 60 + 8 slots
+    assert ShapePlan(CONFIG, batch_multiple=4).prefill(5, 3, 1) == PrefillShape(8, 16, 32)
+    assert ShapePlan(SamplingConfig(compact=False), batch_multiple=1).compaction(4, 64, live=1) is None
+
+
+def test_frozen_plan_takes_the_smallest_bucket_run_that_fits():
+    plan = ShapePlan(CONFIG, batch_multiple=1)
+    for shape in (PrefillShape(4, 32, 64), PrefillShape(4, 32, 128), GrowShape(4, 64, 256), SelectShape(4, 64, 2),
+                  EndTurnShape(4, 64, 16), EndTurnShape(4, 256, 8)):
+        plan.record(shape)
+    assert plan.prefill(3, longest_prompt=5, first_turn=10) == PrefillShape(4, 16, 32)  # not frozen yet
+    assert plan.end_turn(4, 64, longest_observation=3, end=40) == EndTurnShape(4, 64, 4)
+    plan.freeze()
+    # Prompt bucket 32 (run), then the smallest capacity run with it that holds 32 + 10 + 1 (or 32 + 40 + 1) slots.
+    assert plan.prefill(3, longest_prompt=5, first_turn=10) == PrefillShape(4, 32, 64)
+    assert plan.prefill(3, longest_prompt=5, first_turn=40) == PrefillShape(4, 32, 128)
+    assert plan.prefill(3, longest_prompt=5, first_turn=200) == PrefillShape(4, 32, 256)  # none run holds 233
+    assert plan.prefill(3, longest_prompt=40, first_turn=10) == PrefillShape(4, 64, 128)  # no prompt bucket >= 40
+    assert plan.prefill(2, longest_prompt=5, first_turn=10) == PrefillShape(2, 16, 32)  # nothing run at 2 rows
+    assert plan.compaction(4, 64, live=1) == SelectShape(4, 64, 2)
+    assert plan.compaction(4, 128, live=1) is None  # no compaction run from 128 slots
+    assert plan.grown_capacity(4, 64, needed=65) == 256
+    assert plan.grown_capacity(4, 64, needed=300) == 512
+    assert plan.grown_capacity(4, 32, needed=65) == 128
+    # At slot 40, observation bucket 8 would run at 64 slots (not run), 16 does; at slot 60, 8 grows the cache to
+    # 256 slots (run) and 16 would too (not run at 256).
+    assert plan.end_turn(4, 64, longest_observation=3, end=40) == EndTurnShape(4, 64, 16)
+    assert plan.end_turn(4, 64, longest_observation=3, end=60) == EndTurnShape(4, 256, 8)
+    # No observation bucket run holds 20 tokens: bucket 32, and the cache grows to the 256 slots run.
+    assert plan.end_turn(4, 64, longest_observation=20, end=40) == EndTurnShape(4, 256, 32)
+
+
+def test_grid_lists_the_programs_not_run_on_the_buckets_run_and_compile_grid_records_them():
+    """The shapes of the conversation of test_sampler's grid test: 4 rows at capacities 32 and 64, 2 at 64."""
+    plan = ShapePlan(CONFIG, batch_multiple=1)
+    for shape in (PrefillShape(4, 16, 32), DecodeShape(4, 32), EndTurnShape(4, 32, 8), GrowShape(4, 32, 64),
+                  DecodeShape(4, 64), EndTurnShape(4, 64, 8), SelectShape(4, 64, 2), DecodeShape(2, 64),
+                  EndTurnShape(2, 64, 8)):
+        plan.record(shape)
+    expected = [DecodeShape(2, 32), EndTurnShape(2, 32, 8), GrowShape(2, 32, 64), SelectShape(4, 32, 2)]
+    assert plan.grid() == expected
+    assert not plan.has_run(SelectShape(4, 32, 64))  # equal fields, another program than GrowShape(4, 32, 64)
+    lowered = []
+
+    class Lowered:
+        def compile(self):
+            return None
+
+    assert plan.compile_grid(lambda shape: lowered.append(shape) or Lowered()) == 4
+    assert lowered == expected
+    assert all(plan.has_run(shape) for shape in expected) and plan.grid() == []
