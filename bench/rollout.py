@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.model import ModelConfig, Transformer, to_hf_config
-from llds_jax.rollout.sampler import Sampler, SamplingConfig
+from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.sampler import Sampler
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,6 +1,9 @@
 """Shipped configs pass the schema and validation; schema and combination errors name the key."""
 import glob
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from absl import flags
@@ -9,6 +12,8 @@ from ml_collections import config_flags
 from llds_jax import compile_check
 from llds_jax import config as config_lib
 from tests.configs import CONFIGS, load
+
+ROOT = os.path.dirname(CONFIGS)
 
 # Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8).
 TPU_DEVICES = {"qwen7b_v4": 16, "qwen7b_instruct_v4": 16, "grpo_baseline_v4": 16, "qwen3b_v4": 8,
@@ -116,3 +121,26 @@ def test_file_lists_are_overridden_on_the_command_line():
     assert cfg.data.train_files == ("/d/a.parquet", "gs://b/b.parquet")
     assert (cfg.data.eval_files, cfg.sft.data_files, cfg.sft.curriculum_files) == (("/d/test.parquet",),
                                                                                     ("/d/demos.jsonl",), ())
+
+
+def test_config_module_loads_without_jax_and_still_validates_the_llds_variant():
+    """`import llds_jax.config` loads no JAX (a fresh process); `validate` then imports the registered loss terms."""
+    script = textwrap.dedent("""\
+        import sys
+        import llds_jax.config as config_lib
+        assert "jax" not in sys.modules, sorted(m for m in sys.modules if m.startswith("llds_jax"))
+        cfg = config_lib.default_config()
+        cfg.model.path = "/some/model"
+        config_lib.validate(cfg)
+        cfg.objective.llds.variant = "lldz"
+        try:
+            config_lib.validate(cfg)
+        except config_lib.ConfigError as e:
+            print(e)
+        """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ("objective.llds.variant must be one of 'entropy', 'kl', 'llds', 'policy', "
+                                   "got 'lldz'")
