@@ -22,7 +22,9 @@ comma-separated paths on the command line (`--config.data.train_files=a.parquet,
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import re
 import sys
 
@@ -252,12 +254,30 @@ def _unknown_key(error: BaseException, argv: list[str], path: str | None) -> str
     return f"unknown config key {named[0]} (did you mean {parent + '.' if parent else ''}{hint[1]}?)"
 
 
+def import_config_package(path: str) -> None:
+    """Makes the package a config file lives in importable (configs/ has an __init__.py), so that a config builds on
+    another by importing it (`from configs import qwen7b_v4 as base`) from any working directory. The package is
+    taken from the config file's own folder; one already imported (e.g. `configs` from the repo root, on sys.path
+    when run there) is left as it is."""
+    folder = os.path.dirname(os.path.abspath(path))
+    name = os.path.basename(folder)
+    init = os.path.join(folder, "__init__.py")
+    if not name.isidentifier() or name in sys.modules or not os.path.isfile(init):
+        return
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[folder])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors: a missing config file or one with a syntax error, an override key
     that does not exist, or a value of the wrong type."""
     path = _config_file(argv)
     message = _config_file_problem(path) if path else None
     if message is None:
+        if path:
+            import_config_package(path)
         try:
             return flags.FLAGS(argv)
         except flags.Error as e:
