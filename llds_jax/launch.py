@@ -115,7 +115,10 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
                                  d.process_id if d.process_id >= 0 else None)
     from llds_jax.train.trainer import Trainer
 
-    _prepare_demo(cfg)
+    if cfg.demo.enabled:
+        from llds_jax import demo
+
+        demo.prepare_run(cfg)
     if cfg.sft.enabled or mode == "sft":
         from llds_jax import sft
 
@@ -158,18 +161,6 @@ def _export(trainer, export_dir: str) -> None:
         return
     save_tokenizer(trainer.tokenizer, export_dir)
     print(f"exported step {step} to {export_dir}")
-
-
-def _prepare_demo(cfg) -> None:
-    """`demo.prepare(cfg)`, building the assets on process 0 first: the others then reuse them from a shared run
-    folder (or build identical ones on their own disk) instead of writing the same files concurrently."""
-    from llds_jax import demo, distributed
-
-    if distributed.is_main_process():
-        demo.prepare(cfg)
-    distributed.barrier("demo_assets")
-    if not distributed.is_main_process():
-        demo.prepare(cfg)
 
 
 def _print_eval(trainer, params, step: int) -> None:
