@@ -27,7 +27,9 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Sequence
 
+import ml_collections
 from absl import app, flags
 from absl import logging as absl_logging
 from absl.logging import converter as absl_converter
@@ -259,6 +261,24 @@ def import_config_package(path: str) -> None:
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """The run config of a config file with `KEY=VALUE` overrides, read as `--config=PATH --config.KEY=VALUE ...`
+    is read on this command's line (the same parsers: a value takes the type of its key, a file list takes
+    comma-separated paths), for tools that load a run config without running it (bench/step_profile.py). An unknown
+    key raises KeyError, a value of the wrong type ValueError, each with parse_flags' one-line message."""
+    import_config_package(path)
+    argv = ["load_config", f"--config={path}", *(f"--config.{override}" for override in overrides)]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
+    try:
+        flag_values(argv)
+    except flags.Error as e:
+        raise ValueError(str(e)) from None
+    except (AttributeError, KeyError) as e:
+        raise KeyError(_unknown_key(e, argv, path)) from None
+    return flag_values.config
 
 
 def parse_flags(argv: list[str]) -> list[str]:
