@@ -29,6 +29,7 @@ from llds_jax import distributed, gcs
 from llds_jax.config import ConfigError
 from llds_jax.data import synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
+from llds_jax.rollout.buckets import round_up
 from llds_jax.search.factory import make_retriever
 from llds_jax.sft.demonstrations import write_demonstrations
 from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
@@ -85,7 +86,7 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     if spec["tokenizer"] == "world":
         tok_dir = train_tokenizer(synthetic.tokenizer_texts(world, records), paths["model"],
                                   vocab_size=spec["vocab_size"], phrases=synthetic.tokenizer_phrases())
-        vocab_rows = -(-len(load_tokenizer(tok_dir)) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+        vocab_rows = round_up(len(load_tokenizer(tok_dir)), _VOCAB_MULTIPLE)
     else:
         write_qwen25_tokenizer(paths["model"], "base")
         vocab_rows = QWEN25_VOCAB_ROWS
