@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step as bench_train  # noqa: E402  (bench/train_step.py)
 
 from llds_jax.model import ModelConfig, Transformer, preset  # noqa: E402
-from llds_jax.rl.config import ObjectiveConfig  # noqa: E402
-from llds_jax.rl.train_step import UpdateConfig  # noqa: E402
+from llds_jax.rl.config import ObjectiveConfig, UpdateConfig  # noqa: E402
 from llds_jax.rollout import buckets  # noqa: E402
-from llds_jax.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
+from llds_jax.rollout.config import SamplingConfig  # noqa: E402
+from llds_jax.rollout.sampler import Sampler  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, qkv_bias=True, tie_word_embeddings=True)

@@ -18,8 +18,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from llds_jax.model import ModelConfig, Transformer, to_hf_config
-from llds_jax.rollout.sampler import Sampler, SamplingConfig
+from llds_jax.model import ModelConfig, Transformer, hf_io, to_hf_config
+from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.sampler import Sampler
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,33 +72,16 @@ def decode_ours(sampler, params, prompts, new_tokens) -> list[list[int]]:
 
 
 def hf_model(cfg: ModelConfig, params, device: str):
-    """A transformers Qwen2ForCausalLM holding our weights (parameter names and layouts mapped)."""
+    """A transformers Qwen2ForCausalLM holding our weights (names and layouts of the library's export,
+    `hf_io.hf_state_dict`)."""
     import torch
     import transformers
 
-    hf_cfg = to_hf_config(cfg)
-    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf_cfg)).eval()
-    p = nnx.to_pure_dict(params)
-    a = lambda x: torch.from_numpy(np.array(x, np.float32))  # a writable copy
-    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    sd = {"model.embed_tokens.weight": a(p["embed"]), "model.norm.weight": a(p["final_norm"])}
-    lp = p["layers"]
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        sd[pre + "input_layernorm.weight"] = a(lp["attn_norm"][i])
-        sd[pre + "post_attention_layernorm.weight"] = a(lp["mlp_norm"][i])
-        sd[pre + "self_attn.q_proj.weight"] = a(lp["q_proj"][i].reshape(d, n * h).T)
-        sd[pre + "self_attn.k_proj.weight"] = a(lp["k_proj"][i].reshape(d, k * h).T)
-        sd[pre + "self_attn.v_proj.weight"] = a(lp["v_proj"][i].reshape(d, k * h).T)
-        sd[pre + "self_attn.q_proj.bias"] = a(lp["q_bias"][i].reshape(n * h))
-        sd[pre + "self_attn.k_proj.bias"] = a(lp["k_bias"][i].reshape(k * h))
-        sd[pre + "self_attn.v_proj.bias"] = a(lp["v_bias"][i].reshape(k * h))
-        sd[pre + "self_attn.o_proj.weight"] = a(lp["o_proj"][i].reshape(n * h, d).T)
-        sd[pre + "mlp.gate_proj.weight"] = a(lp["gate_proj"][i].T)
-        sd[pre + "mlp.up_proj.weight"] = a(lp["up_proj"][i].T)
-        sd[pre + "mlp.down_proj.weight"] = a(lp["down_proj"][i].T)
-    sd["lm_head.weight"] = sd["model.embed_tokens.weight"] if cfg.tie_word_embeddings else a(p["lm_head"].T)
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**to_hf_config(cfg))).eval()
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    nnx.update(model, params)
+    missing, unexpected = hf.load_state_dict({name: torch.from_numpy(array)
+                                              for name, array in hf_io.hf_state_dict(model)}, strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"weight mapping: missing {missing}, unexpected {unexpected}")

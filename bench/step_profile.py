@@ -34,11 +34,9 @@ expected to be 0.
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import collections
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -51,56 +49,12 @@ from typing import Any, Optional, Sequence
 import jax
 import ml_collections
 
+from llds_jax.launch import load_config  # the run config as the launch command reads it
+
 PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
           "batch", "logp", "updates", "checkpoint", "other")
 COMPILE_EVENT = "backend_compile_duration"  # /jax/core/compile/backend_compile_duration
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo_cpu.py")
-
-
-# ----- config --------------------------------------------------------------------------------------------------------
-def load_config(path: str) -> ml_collections.ConfigDict:
-    """`get_config()` of a config file."""
-    spec = importlib.util.spec_from_file_location("step_profile_config", path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"config file not found: {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-def parse_value(text: str, current: Any) -> Any:
-    """`text` as the type of the key's current value (bool, int, float, str, list/tuple)."""
-    if isinstance(current, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"expected true or false, got {text!r}")
-        return text.lower() in ("true", "1")
-    if isinstance(current, int):
-        return int(text)
-    if isinstance(current, float):
-        return float(text)
-    if isinstance(current, (list, tuple)):
-        value = ast.literal_eval(text) if text.strip().startswith(("[", "(")) else [v for v in text.split(",") if v]
-        return type(current)(value)
-    return text
-
-
-def apply_override(cfg: ml_collections.ConfigDict, assignment: str) -> None:
-    """Sets `a.b.c=value` in cfg (the key must exist; the value takes its type)."""
-    key, sep, text = assignment.partition("=")
-    if not sep:
-        raise ValueError(f"override {assignment!r}: expected key=value")
-    *parents, leaf = key.strip().split(".")
-    node = cfg
-    for part in parents:
-        if part not in node:
-            raise KeyError(f"override {assignment!r}: unknown config key {key!r}")
-        node = node[part]
-    if leaf not in node:
-        raise KeyError(f"override {assignment!r}: unknown config key {key!r}")
-    try:
-        node[leaf] = parse_value(text, node[leaf])
-    except ValueError as e:
-        raise ValueError(f"override {assignment!r}: {e}") from None
 
 
 # ----- measurement ---------------------------------------------------------------------------------------------------
@@ -380,9 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    cfg = load_config(args.config)
-    for assignment in args.override:
-        apply_override(cfg, assignment)
+    cfg = load_config(args.config, args.override)
     with _run_folder(args.run_dir) as run_dir:
         cfg.run_dir = run_dir
         print(f"step_profile: {os.path.relpath(args.config)}"

@@ -3,16 +3,11 @@
 
     python -m llds_jax.demo_compare          # this config with LLDS off, then on; then the comparison report
 """
-import importlib.util
-import os
-
-_spec = importlib.util.spec_from_file_location("demo_cpu", os.path.join(os.path.dirname(__file__), "demo_cpu.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
+from configs import demo_cpu as base
 
 
 def get_config():
-    c = _base.get_config()
+    c = base.get_config()
     c.run_dir = "runs/demo_cpu_grpo"
     c.objective.llds.enabled = False
     c.optim.mini_batch_size = 8         # 8 updates per rollout batch of 64

@@ -3,16 +3,11 @@
 Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md): the largest program is the rollout's
 compaction, 24.63 GiB of 30.75 (20% headroom), with sessions of 16 sequences.
 """
-import importlib.util
-import os
-
-_spec = importlib.util.spec_from_file_location("qwen3b_v4", os.path.join(os.path.dirname(__file__), "qwen3b_v4.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
+from configs import qwen3b_v4 as base
 
 
 def get_config():
-    c = _base.get_config()
+    c = base.get_config()
     c.run_dir = "gs://YOUR_BUCKET/runs/llama3b_base_llds_ma"
     c.model.path = "gs://YOUR_BUCKET/models/Llama-3.2-3B"
     c.model.preset = "llama-3.2-3b"

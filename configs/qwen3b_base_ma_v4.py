@@ -1,15 +1,10 @@
 """Qwen2.5-3B-Base with LLDS-MA (adaptive answer masking, the code's beta = 0.2 * max(V - 1, 0)): the model that
 collapses to one search per question in the paper."""
-import importlib.util
-import os
-
-_spec = importlib.util.spec_from_file_location("qwen3b_v4", os.path.join(os.path.dirname(__file__), "qwen3b_v4.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
+from configs import qwen3b_v4 as base
 
 
 def get_config():
-    c = _base.get_config()
+    c = base.get_config()
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen3b_base_llds_ma"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-3B"
     c.model.chat_template = "base"

@@ -4,16 +4,11 @@ retrieval and mesh as qwen7b_v4.py.
 Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md): rollout sessions of 32 sequences on each
 host's 4 chips; the largest program is the observation extend, 20.05 GiB of 30.75 (35% headroom).
 """
-import importlib.util
-import os
-
-_spec = importlib.util.spec_from_file_location("qwen7b_v4", os.path.join(os.path.dirname(__file__), "qwen7b_v4.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
+from configs import qwen7b_v4 as base
 
 
 def get_config():
-    c = _base.get_config()
+    c = base.get_config()
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen3b_instruct_llds"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-3B-Instruct"
     c.model.chat_template = "instruct"

@@ -2,6 +2,9 @@
 
 `default_config()` is the schema: a run config may change values, never add keys (except retriever options,
 which `llds_jax.search.factory` validates per backend) or change a value's type.
+
+Importing this module loads no JAX (the typed views are plain dataclasses: llds_jax.rl.config, llds_jax.rollout.config);
+`validate` imports what it checks against (the registered loss terms, the demo's tokenizers, ...) when it runs.
 """
 from __future__ import annotations
 
@@ -12,11 +15,8 @@ from typing import Any
 import ml_collections
 
 from llds_jax.rl import config as rl_config
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
-from llds_jax.rl.terms import registered_loss_terms
-from llds_jax.rl.train_step import REFERENCE_DTYPES, UpdateConfig
-from llds_jax.rollout.agent import AgentConfig
-from llds_jax.rollout.sampler import SamplingConfig
+from llds_jax.rl.config import REFERENCE_DTYPES, LLDSConfig, ObjectiveConfig, UpdateConfig
+from llds_jax.rollout.config import AgentConfig, SamplingConfig
 
 
 class ConfigError(ValueError):
@@ -273,6 +273,8 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
 def _choices() -> dict[str, tuple[str, ...]]:
     """The keys that name one of a fixed set of values, and those values."""
     from llds_jax.demo import TOKENIZERS
+    from llds_jax.rl import losses  # noqa: F401  (registers the built-in loss terms, "llds" among them)
+    from llds_jax.rl.terms import registered_loss_terms
     return {"model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
             "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
             "objective.llds.variant": registered_loss_terms(), "objective.llds.gate": rl_config.GATES,

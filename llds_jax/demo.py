@@ -9,7 +9,8 @@ CPU demo slow; the world's vocabulary is closed, so a BPE of under 1k entries co
 `prepare(cfg)` builds what a config's `demo` section asks for under `demo.assets_dir` (a local folder; default
 `<run_dir>/assets`, which a gs:// run_dir cannot give; rebuilt only when the settings change) and points the
 config's model, data, retriever and (with `sft.enabled` and no files of its own) sft.data_files keys at it; with
-`sft.curriculum_steps`, the curriculum draws from demonstrations that search on every question.
+`sft.curriculum_steps`, the curriculum draws from demonstrations that search on every question. The launch command
+calls `prepare_run(cfg)` when `demo.enabled`: `prepare` on every process of the run, process 0 first.
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from flax import nnx
 
 from index_builder.corpus import CorpusReader
 from index_builder.to_bm25 import build_bm25
-from llds_jax import gcs
+from llds_jax import distributed, gcs
 from llds_jax.config import ConfigError
 from llds_jax.data import synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
+from llds_jax.rollout.buckets import round_up
 from llds_jax.search.factory import make_retriever
 from llds_jax.sft.demonstrations import write_demonstrations
 from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
@@ -85,7 +87,7 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     if spec["tokenizer"] == "world":
         tok_dir = train_tokenizer(synthetic.tokenizer_texts(world, records), paths["model"],
                                   vocab_size=spec["vocab_size"], phrases=synthetic.tokenizer_phrases())
-        vocab_rows = -(-len(load_tokenizer(tok_dir)) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+        vocab_rows = round_up(len(load_tokenizer(tok_dir)), _VOCAB_MULTIPLE)
     else:
         write_qwen25_tokenizer(paths["model"], "base")
         vocab_rows = QWEN25_VOCAB_ROWS
@@ -128,3 +130,13 @@ def prepare(cfg: ml_collections.ConfigDict) -> None:
         cfg.sft.data_files = [paths["demonstrations"]]
     if cfg.sft.enabled and cfg.sft.curriculum_steps and not cfg.sft.curriculum_files:
         cfg.sft.curriculum_files = [paths["search_demonstrations"]]
+
+
+def prepare_run(cfg: ml_collections.ConfigDict) -> None:
+    """`prepare(cfg)` on every process of a run, process 0 first: the others then reuse its assets from a shared
+    folder (or build identical ones on their own disk) instead of writing the same files concurrently."""
+    if distributed.is_main_process():
+        prepare(cfg)
+    distributed.barrier("demo_assets")
+    if not distributed.is_main_process():
+        prepare(cfg)

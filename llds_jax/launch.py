@@ -22,10 +22,14 @@ comma-separated paths on the command line (`--config.data.train_files=a.parquet,
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import re
 import sys
+from collections.abc import Sequence
 
+import ml_collections
 from absl import app, flags
 from absl import logging as absl_logging
 from absl.logging import converter as absl_converter
@@ -113,7 +117,10 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
                                  d.process_id if d.process_id >= 0 else None)
     from llds_jax.train.trainer import Trainer
 
-    _prepare_demo(cfg)
+    if cfg.demo.enabled:
+        from llds_jax import demo
+
+        demo.prepare_run(cfg)
     if cfg.sft.enabled or mode == "sft":
         from llds_jax import sft
 
@@ -156,18 +163,6 @@ def _export(trainer, export_dir: str) -> None:
         return
     save_tokenizer(trainer.tokenizer, export_dir)
     print(f"exported step {step} to {export_dir}")
-
-
-def _prepare_demo(cfg) -> None:
-    """`demo.prepare(cfg)`, building the assets on process 0 first: the others then reuse them from a shared run
-    folder (or build identical ones on their own disk) instead of writing the same files concurrently."""
-    from llds_jax import demo, distributed
-
-    if distributed.is_main_process():
-        demo.prepare(cfg)
-    distributed.barrier("demo_assets")
-    if not distributed.is_main_process():
-        demo.prepare(cfg)
 
 
 def _print_eval(trainer, params, step: int) -> None:
@@ -252,12 +247,48 @@ def _unknown_key(error: BaseException, argv: list[str], path: str | None) -> str
     return f"unknown config key {named[0]} (did you mean {parent + '.' if parent else ''}{hint[1]}?)"
 
 
+def import_config_package(path: str) -> None:
+    """Makes the package a config file lives in importable (configs/ has an __init__.py), so that a config builds on
+    another by importing it (`from configs import qwen7b_v4 as base`) from any working directory. The package is
+    taken from the config file's own folder; one already imported (e.g. `configs` from the repo root, on sys.path
+    when run there) is left as it is."""
+    folder = os.path.dirname(os.path.abspath(path))
+    name = os.path.basename(folder)
+    init = os.path.join(folder, "__init__.py")
+    if not name.isidentifier() or name in sys.modules or not os.path.isfile(init):
+        return
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[folder])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """The run config of a config file with `KEY=VALUE` overrides, read as `--config=PATH --config.KEY=VALUE ...`
+    is read on this command's line (the same parsers: a value takes the type of its key, a file list takes
+    comma-separated paths), for tools that load a run config without running it (bench/step_profile.py). An unknown
+    key raises KeyError, a value of the wrong type ValueError, each with parse_flags' one-line message."""
+    import_config_package(path)
+    argv = ["load_config", f"--config={path}", *(f"--config.{override}" for override in overrides)]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
+    try:
+        flag_values(argv)
+    except flags.Error as e:
+        raise ValueError(str(e)) from None
+    except (AttributeError, KeyError) as e:
+        raise KeyError(_unknown_key(e, argv, path)) from None
+    return flag_values.config
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors: a missing config file or one with a syntax error, an override key
     that does not exist, or a value of the wrong type."""
     path = _config_file(argv)
     message = _config_file_problem(path) if path else None
     if message is None:
+        if path:
+            import_config_package(path)
         try:
             return flags.FLAGS(argv)
         except flags.Error as e:

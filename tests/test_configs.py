@@ -1,6 +1,9 @@
 """Shipped configs pass the schema and validation; schema and combination errors name the key."""
 import glob
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from absl import flags
@@ -10,6 +13,8 @@ from llds_jax import compile_check
 from llds_jax import config as config_lib
 from tests.configs import CONFIGS, load
 
+ROOT = os.path.dirname(CONFIGS)
+
 # Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8).
 TPU_DEVICES = {"qwen7b_v4": 16, "qwen7b_instruct_v4": 16, "grpo_baseline_v4": 16, "qwen3b_v4": 8,
                "qwen3b_base_ma_v4": 8, "llama3b_v4": 8}
@@ -18,7 +23,7 @@ PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_
 
 
 def test_every_config_file_is_covered():
-    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))}
+    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))} - {"__init__"}
     assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "tiny_test"}
 
 
@@ -116,3 +121,46 @@ def test_file_lists_are_overridden_on_the_command_line():
     assert cfg.data.train_files == ("/d/a.parquet", "gs://b/b.parquet")
     assert (cfg.data.eval_files, cfg.sft.data_files, cfg.sft.curriculum_files) == (("/d/test.parquet",),
                                                                                     ("/d/demos.jsonl",), ())
+
+
+def test_config_module_loads_without_jax_and_still_validates_the_llds_variant():
+    """`import llds_jax.config` loads no JAX (a fresh process); `validate` then imports the registered loss terms."""
+    script = textwrap.dedent("""\
+        import sys
+        import llds_jax.config as config_lib
+        assert "jax" not in sys.modules, sorted(m for m in sys.modules if m.startswith("llds_jax"))
+        cfg = config_lib.default_config()
+        cfg.model.path = "/some/model"
+        config_lib.validate(cfg)
+        cfg.objective.llds.variant = "lldz"
+        try:
+            config_lib.validate(cfg)
+        except config_lib.ConfigError as e:
+            print(e)
+        """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ("objective.llds.variant must be one of 'entropy', 'kl', 'llds', 'policy', "
+                                   "got 'lldz'")
+
+
+def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
+    """`from configs import qwen7b_v4 as base` finds the sibling of the config file the launch command was given,
+    whatever the working directory: here a copy of configs/ whose qwen7b_v4.py differs, loaded from elsewhere."""
+    copy = tmp_path / "checkout" / "configs"
+    copy.mkdir(parents=True)
+    for name in ("__init__", "qwen7b_v4", "qwen3b_v4", "llama3b_v4"):
+        text = open(os.path.join(CONFIGS, name + ".py"), encoding="utf-8").read()
+        if name == "qwen7b_v4":
+            text = text.replace("c.rollout.max_batch_size = 16", "c.rollout.max_batch_size = 16\n    c.seed = 7")
+        (copy / (name + ".py")).write_text(text, encoding="utf-8")
+    script = ("import sys; from absl import flags; from llds_jax import launch; "
+              "launch.parse_flags(['launch', '--config=' + sys.argv[1]]); c = flags.FLAGS.config; "
+              "print(c.seed, c.model.preset, c.objective.llds.answer_weighting, sys.modules['configs'].__file__)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, "-c", script, str(copy / "llama3b_v4.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["7", "llama-3.2-3b", "adaptive", str(copy / "__init__.py")]

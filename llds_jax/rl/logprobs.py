@@ -20,8 +20,8 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
+from llds_jax.rl.config import DEFAULT_TIME_CHUNK
 
-DEFAULT_TIME_CHUNK = 256
 VOCAB_AXIS = "tensor"
 
 

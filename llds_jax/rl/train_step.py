@@ -32,57 +32,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax.rl.batch import RolloutBatch, batch_dtype
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
-from llds_jax.rl.logprobs import DEFAULT_TIME_CHUNK, mesh_batch_axes, model_token_logp
+from llds_jax.rl.logprobs import mesh_batch_axes, model_token_logp
 from llds_jax.rl.losses import objective_loss
 from llds_jax.rl.terms import LossInputs, batch_statistics
-
-REFERENCE_DTYPES = ("float32", "bfloat16")
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateConfig:
-    """How a rollout batch becomes optimizer updates (defaults: the paper's code).
-
-    Attributes:
-      mini_batch_size: trajectories per optimizer update (the batch size must be a multiple).
-      micro_batch_size: trajectories per gradient-accumulation micro-batch (divides mini_batch_size; on a mesh, a
-        multiple of the data-axes size).
-      learning_rate: base learning rate, reached after warmup.
-      warmup_steps: rollout batches of linear warmup from 0 (0: constant learning rate).
-      max_grad_norm: global gradient norm clip.
-      adam_b1, adam_b2, adam_eps, weight_decay: AdamW.
-      logp_time_chunk: time steps per log-prob chunk (peak logits memory: micro_batch * chunk * V float32).
-      reference_dtype: storage dtype of the frozen reference parameters, "float32" or "bfloat16".
-    """
-
-    mini_batch_size: int = 256
-    micro_batch_size: int = 16
-    learning_rate: float = 1e-6
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.01
-    logp_time_chunk: int = DEFAULT_TIME_CHUNK
-    reference_dtype: str = "float32"
-
-    def __post_init__(self):
-        for key in ("mini_batch_size", "micro_batch_size", "logp_time_chunk"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"optim.{key} must be >= 1; got {getattr(self, key)!r}")
-        if self.mini_batch_size % self.micro_batch_size:
-            raise ValueError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
-                             f"optim.micro_batch_size ({self.micro_batch_size})")
-        for key in ("learning_rate", "warmup_steps", "weight_decay"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"optim.{key} must be >= 0; got {getattr(self, key)!r}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"optim.max_grad_norm must be > 0; got {self.max_grad_norm!r}")
-        if self.reference_dtype not in REFERENCE_DTYPES:
-            raise ValueError(f"optim.reference_dtype must be one of {REFERENCE_DTYPES}; got {self.reference_dtype!r}")
 
 
 class TrainState(NamedTuple):

@@ -43,6 +43,7 @@ import jax
 
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout import protocol
+from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.interfaces import SampledTurn, SamplerSession, TurnSampler
 from llds_jax.rollout.trajectory import (END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Trajectory, Turn,
                                          build_trajectory, rollout_metrics)
@@ -52,49 +53,6 @@ log = logging.getLogger(__name__)
 
 SEARCH_ERROR_OBSERVATION = "\n\n<information>Search failed: {error}</information>\n\n"
 MAX_ERROR_CHARS = 200
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentConfig:
-    """The multi-turn protocol's limits (Search-R1 defaults).
-
-    Attributes:
-      max_turns: turns whose search is executed; one final turn (search not executed) follows.
-      max_turn_tokens: new tokens per turn.
-      max_observation_tokens: observation tokens kept (the first ones).
-      max_prompt_tokens: the prompt keeps its last this many tokens.
-      max_context_tokens: cap on prompt + response tokens of a sequence.
-      max_response_tokens: cap on response tokens (model and observation) of a sequence.
-      retrieval_top_k: documents per search.
-      search_timeout_s: timeout of one batched retriever call.
-      max_batch_size: sequences per sampler session (0: all at once); larger inputs run in several sessions.
-    """
-
-    max_turns: int = 4
-    max_turn_tokens: int = 500
-    max_observation_tokens: int = 500
-    max_prompt_tokens: int = 2048
-    max_context_tokens: int = 4096
-    max_response_tokens: int = 4096
-    retrieval_top_k: int = 3
-    search_timeout_s: float = 60.0
-    max_batch_size: int = 0
-
-    def __post_init__(self):
-        positive = ("max_turn_tokens", "max_observation_tokens", "max_prompt_tokens", "max_context_tokens",
-                    "max_response_tokens", "retrieval_top_k")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_turns < 0:
-            raise ValueError(f"agent.max_turns must be >= 0, got {self.max_turns}")
-        if self.max_batch_size < 0:
-            raise ValueError(f"agent.max_batch_size must be >= 0 (0: all), got {self.max_batch_size}")
-        if not self.search_timeout_s > 0:
-            raise ValueError(f"agent.search_timeout_s must be > 0, got {self.search_timeout_s}")
-        if self.max_prompt_tokens >= self.max_context_tokens:
-            raise ValueError(f"agent.max_prompt_tokens ({self.max_prompt_tokens}) must be below "
-                             f"agent.max_context_tokens ({self.max_context_tokens})")
 
 
 @dataclasses.dataclass(frozen=True)

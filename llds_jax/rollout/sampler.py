@@ -55,53 +55,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import KVCache, init_cache
+from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.interfaces import SampledTurn
 from llds_jax.rollout.shape_plan import (DecodeShape, EndTurnShape, GrowShape, PrefillShape, SelectShape, Shape,
                                           ShapePlan)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """How tokens are drawn and how the decode loop is shaped.
-
-    Attributes:
-      temperature: logits are divided by it before sampling (and for the reported log-probs); > 0.
-      top_p: nucleus sampling mass in (0, 1]; 1 disables it. Without top_k it sorts the whole vocabulary every
-        step; with top_k only the k candidates are sorted.
-      top_k: sample among the k most likely tokens; 0 disables it.
-      greedy: take the argmax (temperature, top_p, top_k ignored; log-probs at temperature 1).
-      stop_ids: token ids that end a row's turn (EOS); the stop token itself is returned with the turn.
-      decode_chunk: decode steps per device call between host checks of the turn text.
-      min_prompt_bucket, min_capacity_bucket, min_observation_bucket, min_batch_bucket: smallest buckets.
-      compact: move the unfinished rows into a smaller batch bucket when enough rows have finished.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
-    stop_ids: tuple[int, ...] = ()
-    decode_chunk: int = 32
-    min_prompt_bucket: int = 16
-    min_capacity_bucket: int = 128
-    min_observation_bucket: int = 16
-    min_batch_bucket: int = 1
-    compact: bool = True
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature must be > 0 (use sampling.greedy for argmax), got "
-                             f"{self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.decode_chunk < 1:
-            raise ValueError(f"sampling.decode_chunk must be >= 1, got {self.decode_chunk}")
-        for name in ("min_prompt_bucket", "min_capacity_bucket", "min_observation_bucket", "min_batch_bucket"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sampling.{name} must be >= 1, got {getattr(self, name)}")
-        object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
 
 
 @flax.struct.dataclass

@@ -12,14 +12,12 @@ every combination of the row, capacity and observation buckets run so far.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 
 from llds_jax.rollout import buckets
-
-if TYPE_CHECKING:
-    from llds_jax.rollout.sampler import SamplingConfig
+from llds_jax.rollout.config import SamplingConfig
 
 
 class PrefillShape(NamedTuple):

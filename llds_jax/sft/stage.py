@@ -37,6 +37,7 @@ from flax import nnx
 from llds_jax import parallel
 from llds_jax.model import hf_io
 from llds_jax.rl.logprobs import model_token_logp
+from llds_jax.rollout.buckets import round_up
 from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
 from llds_jax.tokenizer import load_tokenizer, save_tokenizer
 
@@ -146,7 +147,7 @@ class Batches:
             self.ready = [drawn[i:i + self.batch_size] for i in range(0, len(drawn), self.batch_size)]
             self.ready = [self.ready[i] for i in self.rng.permutation(len(self.ready))]
         rows = [self.encoded[i] for i in self.ready.pop()]
-        length = -(-max(len(tokens) for tokens, _ in rows) // self.bucket) * self.bucket
+        length = round_up(max(len(tokens) for tokens, _ in rows), self.bucket)
         tokens_bt = np.full((len(rows), length), self.pad_id, np.int32)
         mask_bt = np.zeros((len(rows), length), np.float32)
         loss_mask_bt = np.zeros((len(rows), length), np.float32)

@@ -26,16 +26,14 @@ def test_overrides_take_the_type_of_the_key_and_name_unknown_keys():
     bench = load_bench()
     args = bench.parse_args(["--config", str(TINY), "--override", "rollout.top_p=1", "--config.train.lld_every=0",
                              "--override", "data.train_files=a.parquet,b.parquet", "--config.model.remat=true"])
-    cfg = bench.load_config(args.config)
-    for assignment in args.override:
-        bench.apply_override(cfg, assignment)
+    cfg = bench.load_config(args.config, args.override)  # llds_jax.launch.load_config: as the launch command reads
     assert cfg.rollout.top_p == 1.0 and isinstance(cfg.rollout.top_p, float)
     assert cfg.train.lld_every == 0 and cfg.model.remat is True
     assert list(cfg.data.train_files) == ["a.parquet", "b.parquet"]
     with pytest.raises(KeyError, match="rollout.no_such_key"):
-        bench.apply_override(cfg, "rollout.no_such_key=1")
+        bench.load_config(args.config, ["rollout.no_such_key=1"])
     with pytest.raises(ValueError, match="train.lld_every"):
-        bench.apply_override(cfg, "train.lld_every=often")
+        bench.load_config(args.config, ["train.lld_every=often"])
 
 
 def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_otherwise():

@@ -1,6 +1,5 @@
 """The multi-turn agent loop: scripted policies through the real loop, then a tiny random model end to end."""
 import asyncio
-import json
 import time
 
 import jax
@@ -11,7 +10,7 @@ from flax import nnx
 
 from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer
-from llds_jax.rollout import agent, generate, protocol
+from llds_jax.rollout import agent, protocol
 from llds_jax.rollout.buckets import round_up
 from llds_jax.rollout.sampler import Sampler, SamplingConfig
 from llds_jax.rollout.trajectory import em_rewards, em_score
@@ -306,25 +305,6 @@ def test_rollout_batch_and_rewards_of_trajectories(qwen_tokenizer, doubles):
     np.testing.assert_array_equal(em_rewards(trajs), [1.0, 0.0])
     with pytest.raises(ValueError, match="more than length"):
         rollout_batch(trajs, np.array([7, 7]), tok.pad_token_id, longest - 1)
-
-
-def test_generate_writes_transcripts(qwen_tokenizer, doubles, tmp_path):
-    tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[INVALID_TURN, SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
-    examples = [example(0), QAExample(uid="popqa-0", question="where is lyon", golden_answers=("France",),
-                                      data_source="popqa", id="p17")]
-    out = tmp_path / "gen" / "transcripts.jsonl"
-    result = generate.generate(sampler, None, tok, doubles.FakeRetriever({"capital of france": PARIS_DOCS}),
-                               examples, jax.random.key(0), agent.AgentConfig(max_turns=3), out)
-    first, second = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert first["prompt"] == tok.decode(protocol.chat_prompt_ids(tok, "what is the capital of france"))
-    assert [t["action"] for t in first["turns"]] == [None, "search", "answer"]
-    assert [t["observation"] for t in first["turns"]] == [INVALID, PARIS_OBSERVATION, None]
-    assert first["turns"][1]["model"] == "<think>I need to search.</think>\n<search> capital of france </search>\n\n"
-    assert first["turns"][1]["content"] == "capital of france"
-    assert (first["answer"], first["score"], first["end_reason"]) == ("Paris", 1.0, "answer")
-    assert (second["id"], second["data_source"], second["score"]) == ("p17", "popqa", 0.0)
-    assert result.metrics["em/nq"] == 1.0 and result.metrics["em/popqa"] == 0.0
 
 
 # -- a tiny random model through the real sampler ----------------------------------------------------------------
