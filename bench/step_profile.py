@@ -50,6 +50,8 @@ import jax
 import ml_collections
 
 from llds_jax.launch import load_config  # the run config as the launch command reads it
+from llds_jax.rollout.interfaces import SamplerSession
+from llds_jax.search.types import Retriever
 
 PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
           "batch", "logp", "updates", "checkpoint", "other")
@@ -123,13 +125,14 @@ def step_phases(metrics: dict[str, float], checkpoint_s: float, wall_s: float) -
     return {name: phases[name] for name in PHASES}
 
 
-class DelayedRetriever:
+class DelayedRetriever(Retriever):
     """A slower `inner` retriever, like a network backend: every call first waits `latency_s` (the round trip;
     calls overlap), then `seconds_per_query` per query with one batch served at a time (the backend's throughput),
     then asks `inner`."""
 
-    def __init__(self, inner, latency_s: float = 0.0, seconds_per_query: float = 0.0):
+    def __init__(self, inner: Retriever, latency_s: float = 0.0, seconds_per_query: float = 0.0):
         self.inner, self.latency_s, self.seconds_per_query = inner, latency_s, seconds_per_query
+        self.backend = inner.backend
         self._busy = asyncio.Lock()
 
     async def search(self, queries, k):
@@ -137,6 +140,9 @@ class DelayedRetriever:
         async with self._busy:
             await asyncio.sleep(self.seconds_per_query * len(queries))
         return await self.inner.search(queries, k)
+
+    async def check(self) -> None:
+        await self.inner.check()
 
     async def close(self) -> None:
         await self.inner.close()
@@ -152,11 +158,25 @@ class SerialSearchSampler:
     def __getattr__(self, name):  # everything else (freeze_shapes, ...) is the inner sampler's
         return getattr(self.inner, name)
 
-    def start(self, params, prompts, rng, **kwargs):
-        session = self.inner.start(params, prompts, rng, **kwargs)
-        decode_turn = session.decode_turn
-        session.decode_turn = lambda budgets, turn_finished, on_finished=None: decode_turn(budgets, turn_finished)
-        return session
+    def start(self, params, prompts, rng, first_sequence=0) -> SerialSession:
+        return SerialSession(self.inner.start(params, prompts, rng, first_sequence=first_sequence))
+
+
+class SerialSession:
+    """The inner session, its early reports dropped."""
+
+    def __init__(self, inner: SamplerSession):
+        self.inner = inner
+
+    @property
+    def timing(self) -> dict[str, float]:
+        return self.inner.timing
+
+    def decode_turn(self, budgets, turn_finished, on_finished=None):
+        return self.inner.decode_turn(budgets, turn_finished)
+
+    def end_turn(self, keep, observations) -> None:
+        self.inner.end_turn(keep, observations)
 
 
 @contextlib.contextmanager

@@ -41,13 +41,19 @@ def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_othe
     calls = []
 
     class Session:
+        timing = {"prefill_s": 1.0, "decode_s": 2.0}
+
         def decode_turn(self, budgets, turn_finished, on_finished=None):
             calls.append(on_finished)
+
+        def end_turn(self, keep, observations):
+            calls.append((keep, observations))
 
     class Inner:
         frozen = False
 
-        def start(self, params, prompts, rng):
+        def start(self, params, prompts, rng, first_sequence=0):
+            calls.append(first_sequence)
             return Session()
 
         def freeze_shapes(self, grid=True):
@@ -56,8 +62,10 @@ def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_othe
 
     inner = Inner()
     serial = bench.SerialSearchSampler(inner)
-    serial.start(None, [[1]], None).decode_turn([4], lambda toks: [False], on_finished=print)
-    assert calls == [None]
+    session = serial.start(None, [[1]], None, first_sequence=3)
+    session.decode_turn([4], lambda toks: [False], on_finished=print)
+    session.end_turn([2], [None])
+    assert calls == [3, None, ([2], [None])] and session.timing == {"prefill_s": 1.0, "decode_s": 2.0}
     assert serial.freeze_shapes(grid=True) == 3 and inner.frozen is True
 
 

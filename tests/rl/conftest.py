@@ -8,9 +8,9 @@ from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.batch import RolloutBatch
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
-from llds_jax.rl.train_step import RLTrainStep, UpdateConfig
+from llds_jax.rl.train_step import RLTrainStep
 
 TINY_MODEL = dict(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
                   head_dim=8)

@@ -15,11 +15,11 @@ from jax.sharding import PartitionSpec as P
 
 from llds_jax.model import Transformer
 from llds_jax.rl.advantages import grpo_advantages
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
+from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.losses import objective_loss
 from llds_jax.rl.terms import LossInputs
-from llds_jax.rl.train_step import RLTrainStep, UpdateConfig, learning_rate
+from llds_jax.rl.train_step import RLTrainStep, learning_rate
 
 
 def assert_trees_close(got, want, atol=1e-5):

@@ -12,7 +12,8 @@ from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import agent, protocol
 from llds_jax.rollout.buckets import round_up
-from llds_jax.rollout.sampler import Sampler, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, SamplingConfig
+from llds_jax.rollout.sampler import Sampler
 from llds_jax.rollout.trajectory import em_rewards, em_score
 from llds_jax.search.types import Document, Retriever, SearchResult
 from llds_jax.train.batching import rollout_batch
@@ -37,7 +38,7 @@ def example(i=0, question="what is the capital of france", answers=("Paris",)):
 
 
 def run(tokenizer, sampler, retriever, examples, **config):
-    cfg = agent.AgentConfig(**{"max_turns": 3, **config})
+    cfg = AgentConfig(**{"max_turns": 3, **config})
     return agent.rollout(sampler, None, tokenizer, retriever, examples, jax.random.key(0), cfg)
 
 
@@ -274,9 +275,9 @@ def test_max_batch_size_splits_into_sessions_in_order(qwen_tokenizer, doubles):
 
 def test_agent_config_errors_name_the_key():
     with pytest.raises(ValueError, match="agent.max_turn_tokens"):
-        agent.AgentConfig(max_turn_tokens=0)
+        AgentConfig(max_turn_tokens=0)
     with pytest.raises(ValueError, match="agent.max_prompt_tokens"):
-        agent.AgentConfig(max_prompt_tokens=4096, max_context_tokens=4096)
+        AgentConfig(max_prompt_tokens=4096, max_context_tokens=4096)
 
 
 def test_turn_stop_ids(qwen_tokenizer, qwen_instruct_tokenizer):
@@ -399,7 +400,7 @@ REAL_EXAMPLES = [example(i, f"question number {i}", ("paris",)) for i in range(6
 def steered_rollout(tokenizer, real, seed):
     _, _, params, sampler = real
     return agent.rollout(sampler, params, tokenizer, EchoRetriever(), REAL_EXAMPLES, jax.random.key(seed),
-                         agent.AgentConfig(**REAL_CONFIG)).trajectories
+                         AgentConfig(**REAL_CONFIG)).trajectories
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +438,7 @@ def test_real_model_rollout_is_deterministic_per_seed(qwen_tokenizer, real, stee
 
 def test_second_batch_with_same_buckets_compiles_nothing(qwen_tokenizer, real, backend_compiles):
     _, random_params, _, sampler = real  # the random model never closes a tag: every batch has the same shapes
-    cfg = agent.AgentConfig(**REAL_CONFIG)
+    cfg = AgentConfig(**REAL_CONFIG)
     batch = lambda offset: [example(i, f"which city is number {offset + i}", ("paris",)) for i in range(5)]
     warm = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(), batch(0), jax.random.key(3), cfg)
     with backend_compiles() as compiles:
@@ -505,7 +506,7 @@ def test_real_model_searches_overlap_decoding_with_identical_trajectories(qwen_t
     sampler = Sampler(graphdef, SamplingConfig(temperature=REAL_TEMPERATURE, decode_chunk=2,
                                                stop_ids=agent.turn_stop_ids(qwen_tokenizer)))
     examples = [example(i, f"question number {i}", ("paris",)) for i in range(8)]
-    cfg = agent.AgentConfig(max_turns=2, max_turn_tokens=24, max_observation_tokens=100)
+    cfg = AgentConfig(max_turns=2, max_turn_tokens=24, max_observation_tokens=100)
     runs = {}
     for early in (False, True):
         clock, retriever = DecodeClock(sampler, early), RecordingRetriever(delay_s=0.05)

@@ -8,7 +8,8 @@ from flax import nnx
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import buckets
-from llds_jax.rollout.sampler import Sampler, SamplingConfig, sample_tokens
+from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.sampler import Sampler, sample_tokens
 
 TEMPERATURE = 0.7
 

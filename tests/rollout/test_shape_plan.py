@@ -1,5 +1,5 @@
 """The shape plan: which bucket each sampler call takes before and after freezing, and the grid compiled ahead."""
-from llds_jax.rollout.sampler import SamplingConfig
+from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.shape_plan import DecodeShape, EndTurnShape, GrowShape, PrefillShape, SelectShape, ShapePlan
 
 CONFIG = SamplingConfig(min_prompt_bucket=16, min_capacity_bucket=16, min_observation_bucket=4)
