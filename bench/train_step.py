@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from llds_jax.model import ModelConfig, Transformer
-from llds_jax.model.transformer import attention
+from llds_jax.model.attention import attention
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
@@ -158,7 +158,7 @@ def model_config(args: argparse.Namespace, **overrides: Any) -> ModelConfig:
     fields = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                   rope_theta=1_000_000.0, qkv_bias=True, tie_word_embeddings=False, dtype=args.dtype,
-                  param_dtype="float32", scan_layers=True, remat=args.remat)
+                  param_dtype="float32", scan_layers=True, remat=args.remat, attention=args.attention)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -353,9 +353,15 @@ def breakdown_parts(cfg: ModelConfig, step: RLTrainStep, params, micro: int, seq
     q = jax.random.normal(keys[3], (micro, seq, n, h)).astype(dt)
     kk = jax.random.normal(keys[4], (micro, seq, k, h)).astype(dt)
     v = jax.random.normal(keys[5], (micro, seq, k, h)).astype(dt)
-    visible = jnp.broadcast_to(jnp.tril(jnp.ones((seq, seq), bool)), (micro, seq, seq))
-    attn = jax.jit(jax.grad(lambda q, kk, v: jnp.sum(attention(q, kk, v, visible).astype(jnp.float32)),
-                            argnums=(0, 1, 2)))
+    query_slot = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (micro, seq))
+    key_valid = jnp.ones((micro, seq), bool)
+
+    def attn_loss(q, kk, v):
+        out = attention(q, kk, v, query_slot, key_valid, implementation=cfg.attention,
+                        query_block=cfg.attention_query_block, key_block=cfg.attention_key_block)
+        return jnp.sum(out.astype(jnp.float32))
+
+    attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
     return [
         Part("forward only (log-probs)", forward_flops(cfg, micro, seq), lambda: forward(params)),
         Part("decoder stack fwd+bwd", 6.0 * layer_p * micro * seq + 3 * attn_fwd, lambda: stack(params)),
@@ -404,6 +410,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=256, help="optim.logp_time_chunk")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     p.add_argument("--remat", action="store_true", help="model.remat (rematerialize decoder blocks)")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "blockwise"), help="model.attention")
     p.add_argument("--repeats", type=int, default=2, help="interleaved timing rounds (best reported)")
     p.add_argument("--peak-n", type=int, default=2048, help="size of the square matmul of the peak")
     p.add_argument("--skip-torch", action="store_true", help="no PyTorch comparison")

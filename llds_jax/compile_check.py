@@ -313,10 +313,11 @@ def overflows(rows: Sequence[Row], hbm_bytes: float) -> list[str]:
 
 def model_config(cfg):
     """The run's architecture without its weights: `model.preset`, else `config.json` in `model.path`."""
+    from llds_jax import config as config_lib
     from llds_jax.model import from_hf_config, hf_io, preset
 
     m = cfg.model
-    overrides = dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+    overrides = config_lib.model_overrides(cfg)
     if m.preset:
         return preset(m.preset, **overrides)
     try:

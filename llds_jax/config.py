@@ -37,6 +37,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"     # master weights
     c.model.scan_layers = True
     c.model.remat = True
+    c.model.attention = "auto"          # auto / xla (dense scores) / blockwise (online softmax, no [T, S] scores)
+    c.model.attention_query_block = 512  # largest blockwise tile: queries ...
+    c.model.attention_key_block = 512   # ... x keys
     c.model.preset = ""                 # named architecture (model.PRESETS): --mode=compile reads no checkpoint
 
     c.mesh = ml_collections.ConfigDict()
@@ -248,7 +251,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "rollout.max_prompt_tokens", "rollout.max_context_tokens", "rollout.max_response_tokens",
       "rollout.retrieval_top_k", "rollout.decode_chunk", "rollout.min_capacity_bucket",
       "rollout.min_observation_bucket", "optim.mini_batch_size", "optim.micro_batch_size", "optim.logp_time_chunk",
-      "train.total_steps", "train.checkpoint_every", "train.keep_checkpoints", "train.sequence_bucket",
+      "model.attention_query_block", "model.attention_key_block", "train.total_steps", "train.checkpoint_every", "train.keep_checkpoints", "train.sequence_bucket",
       "eval.batch_size", "sft.steps", "sft.batch_size", "sft.max_length", "sft.sequence_bucket", "sft.log_every",
       "demo.num_people", "demo.vocab_size", "demo.hidden_size", "demo.num_layers", "demo.num_heads",
       "demo.num_kv_heads", "demo.intermediate_size"), lambda v: v >= 1, ">= 1"),
@@ -273,9 +276,11 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
 def _choices() -> dict[str, tuple[str, ...]]:
     """The keys that name one of a fixed set of values, and those values."""
     from llds_jax.demo import TOKENIZERS
+    from llds_jax.model.config import ATTENTION_CHOICES
     from llds_jax.rl import losses  # noqa: F401  (registers the built-in loss terms, "llds" among them)
     from llds_jax.rl.terms import registered_loss_terms
     return {"model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
+            "model.attention": ATTENTION_CHOICES,
             "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
             "objective.llds.variant": registered_loss_terms(), "objective.llds.gate": rl_config.GATES,
             "objective.llds.answer_weighting": rl_config.ANSWER_WEIGHTINGS,
@@ -347,6 +352,14 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     update_config(cfg)
     agent_config(cfg)
     agent_config(cfg, evaluation=True)
+
+
+def model_overrides(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The ModelConfig fields a run sets on top of the checkpoint's architecture (numerics and execution)."""
+    m = cfg.model
+    return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat,
+                attention=m.attention, attention_query_block=m.attention_query_block,
+                attention_key_block=m.attention_key_block)
 
 
 def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:

@@ -7,6 +7,7 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+ATTENTION_CHOICES = ("auto", "xla", "blockwise")  # ModelConfig.attention: see llds_jax.model.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class ModelConfig:
         log-softmax and RoPE angles are always float32.
       scan_layers: run the layer stack with `lax.scan` (compile time independent of depth).
       remat: rematerialize each decoder block in the backward pass.
+      attention: "auto", "xla" (dense float32 scores, the reference) or "blockwise" (online softmax over tiles of
+        at most attention_query_block x attention_key_block scores); "auto" runs blockwise when the queries
+        span more than one query block. Decode (one query) is always dense. See llds_jax.model.attention.
+      attention_query_block, attention_key_block: the largest tile of the blockwise path.
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
         attention patterns quickly: the demo's 128-wide policy uses 0.1).
@@ -57,6 +62,9 @@ class ModelConfig:
     dtype: str = "float32"
     scan_layers: bool = True
     remat: bool = False
+    attention: str = "auto"
+    attention_query_block: int = 512
+    attention_key_block: int = 512
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, tuple[int, ...], None] = None
@@ -72,6 +80,12 @@ class ModelConfig:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"model.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
+        for name in ("attention_query_block", "attention_key_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
 
@@ -128,8 +142,8 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
 
 
 # Fields that do not make an architecture: numerics and execution choices of a run, the tokenizer's special ids.
-_NOT_ARCHITECTURE = ("param_dtype", "dtype", "scan_layers", "remat", "initializer_range", "bos_token_id",
-                     "eos_token_id", "pad_token_id")
+_NOT_ARCHITECTURE = ("param_dtype", "dtype", "scan_layers", "remat", "attention", "attention_query_block",
+                     "attention_key_block", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def check_preset(cfg: ModelConfig, name: str) -> None:
@@ -163,7 +177,7 @@ def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, Optional[Lla
 def from_hf_config(config: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face `config.json` (path, folder or dict).
 
-    `overrides` set our own fields (dtype, param_dtype, scan_layers, remat).
+    `overrides` set our own fields (dtype, param_dtype, scan_layers, remat, attention and its block sizes).
     """
     where = "config dict"
     if not isinstance(config, Mapping):

@@ -16,33 +16,15 @@ from flax import nnx
 
 from llds_jax import parallel
 from llds_jax.model import kv_cache as kv_lib
+from llds_jax.model.attention import attention
 from llds_jax.model import rope as rope_lib
 from llds_jax.model.config import ModelConfig
-
-_MASKED = float(jnp.finfo(jnp.float32).min)
-
 
 def rms_norm(x_btd: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, returned in x's dtype (scaled by weight)."""
     x = x_btd.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     return (weight_d.astype(jnp.float32) * x).astype(x_btd.dtype)
-
-
-def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, visible_bts: jax.Array) -> jax.Array:
-    """Grouped-query attention; scores and softmax in float32. Returns [B, T, N, H] in q's dtype.
-
-    A query that sees no key (a padding row) gets a uniform average instead of NaN.
-    """
-    b, t, n, h = q_btnh.shape
-    k = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
-    scores = scores * (h ** -0.5)
-    scores = jnp.where(visible_bts[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh)
-    return out.reshape(b, t, n, h)
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, kind: str, std: float = 0.02) -> nnx.Param:
@@ -80,8 +62,9 @@ class DecoderLayers(nnx.Module):
         return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
-def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, visible_bts, kv):
-    """One decoder block. `kv` is None (keys = this chunk) or (k_bskh, v_bskh, slot_start_b) to write into."""
+def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, kv):
+    """One decoder block. `kv` is None (keys = this chunk) or (k_bskh, v_bskh, slot_start_b) to write into; key
+    slot s is visible to query t iff key_valid_bs[b, s] and s <= query_slot_bt[b, t]."""
     dt = jnp.dtype(cfg.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
     h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
@@ -98,7 +81,8 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, visible_bts, kv):
         k = kv_lib.write_slots(k_cache, k, start_b)
         v = kv_lib.write_slots(v_cache, v, start_b)
         new_kv = (k, v)
-    out = attention(q, k, v, visible_bts)
+    out = attention(q, k, v, query_slot_bt, key_valid_bs, implementation=cfg.attention,
+                    query_block=cfg.attention_query_block, key_block=cfg.attention_key_block)
     x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out, w["o_proj"])
     x_btd = parallel.constrain(x_btd, parallel.BATCH, None, None)
     h = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
@@ -125,7 +109,8 @@ class Transformer(nnx.Module):
         w = self.embed.get_value().T if self.cfg.tie_word_embeddings else self.lm_head.get_value()
         return w.astype(jnp.dtype(self.cfg.dtype))
 
-    def _run_layers(self, x_btd, positions_bt, visible_bts, cache: Optional[kv_lib.KVCache], slot_start_b):
+    def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bs, cache: Optional[kv_lib.KVCache],
+                    slot_start_b):
         cfg = self.cfg
         cos, sin = rope_lib.rope_angles(positions_bt, rope_lib.inverse_frequencies(cfg))
         params = self.layers.arrays()
@@ -133,7 +118,7 @@ class Transformer(nnx.Module):
         def body(x, xs):
             p, kv = xs
             kv_in = None if kv is None else (kv[0], kv[1], slot_start_b)
-            x, kv_out = _block(cfg, x, p, cos, sin, visible_bts, kv_in)
+            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, kv_in)
             return x, kv_out
 
         if cfg.remat:
@@ -162,10 +147,8 @@ class Transformer(nnx.Module):
         """
         mask = mask_bt.astype(bool)
         positions_bt = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
-        t = tokens_bt.shape[1]
-        causal_tt = jnp.tril(jnp.ones((t, t), bool))
-        visible_bts = causal_tt[None] & mask[:, None, :]
-        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, visible_bts, None, None)
+        query_slot_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, query_slot_bt, mask, None, None)
         return h
 
     def __call__(self, tokens_bt: jax.Array, mask_bt: Optional[jax.Array] = None) -> jax.Array:
@@ -192,8 +175,6 @@ class Transformer(nnx.Module):
         valid_bs, slot_bt, end_b, next_pos_b = kv_lib.advance(cache, valid)
         positions_bt = cache.next_pos_b[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
         positions_bt = jnp.maximum(positions_bt, 0)
-        slots_s = jnp.arange(cache.capacity, dtype=jnp.int32)
-        visible_bts = valid_bs[:, None, :] & (slots_s[None, None, :] <= slot_bt[:, :, None])
-        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, visible_bts, cache, cache.end_b)
+        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, valid_bs, cache, cache.end_b)
         new_cache = kv_lib.KVCache(k_lbskh=k, v_lbskh=v, valid_bs=valid_bs, end_b=end_b, next_pos_b=next_pos_b)
         return h, new_cache

@@ -34,6 +34,7 @@ import optax
 from etils import epath
 from flax import nnx
 
+from llds_jax import config as config_lib
 from llds_jax import parallel
 from llds_jax.model import hf_io
 from llds_jax.rl.logprobs import model_token_logp
@@ -274,7 +275,8 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     if s.batch_size % batch_shards:
         raise ValueError(f"sft.batch_size ({s.batch_size}) must be a multiple of the mesh's batch axes "
                          f"data x fsdp = {batch_shards}")
-    model = hf_io.load_model(m.path, mesh=mesh, **overrides)
+    # The attention implementation is left out of the fingerprint: it computes the same function.
+    model = hf_io.load_model(m.path, mesh=mesh, **config_lib.model_overrides(cfg))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if first:
         print(f"warm start: {s.curriculum_steps} steps of {s.batch_size} on {len(first)} demonstrations from "

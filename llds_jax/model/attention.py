@@ -1,0 +1,259 @@
+"""Grouped-query attention: the dense reference and a blockwise (online-softmax) path that never holds [T, S] scores.
+
+Which keys a query sees is given by two vectors, never by a [B, T, S] mask: key slot s is visible to query t of row
+b iff `key_valid_bs[b, s]` and `s <= query_slot_bt[b, t]`. A full forward passes query_slot = t and key_valid = the
+padding mask (causal over real tokens); an extend over the KV cache passes each new token's cache slot and the
+cache's valid slots.
+
+Dimension letters: B batch, T queries, S keys (cache slots), N query heads, K key/value heads, G = N / K query heads
+per key/value head, H head size.
+
+Implementations (`ModelConfig.attention`):
+  "xla": dense float32 scores [B, K, G, T, S] and a softmax over them (the reference).
+  "blockwise": flash-style in plain XLA: a scan over query blocks and, inside, over key blocks with a float32
+    running max / sum / accumulator; its own backward (recomputing each tile from q, k, v and the row's
+    log-sum-exp) so neither pass holds more than one [B, K, G, Tq_block, S_block] tile of scores. Tiles that no
+    query of the batch can see (above the causal diagonal, all padding) are skipped.
+  "auto": blockwise when the queries span more than one query block, else xla.
+Decode (T = 1) always runs dense: its scores are one row per query.
+
+A query that sees no key (a padding row) gets the dense path's answer in both: the uniform average of the values
+of all S slots (float32 softmax over S equal masked scores), with that average's gradient flowing to v only.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from llds_jax.model.config import ATTENTION_CHOICES as CHOICES  # "auto" and IMPLEMENTATIONS
+
+IMPLEMENTATIONS = ("xla", "blockwise")
+
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def resolve(choice: str, num_queries: int, query_block: int) -> str:
+    """The implementation a call with `num_queries` queries runs under the configured `choice`."""
+    if choice not in CHOICES:
+        raise ValueError(f"attention implementation must be one of {CHOICES}, got {choice!r}")
+    if num_queries == 1:
+        return "xla"
+    if choice == "auto":
+        return "blockwise" if num_queries > query_block else "xla"
+    return choice
+
+
+def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slot_bt: jax.Array,
+              key_valid_bs: jax.Array, *, implementation: str = "xla", query_block: int = 512,
+              key_block: int = 512) -> jax.Array:
+    """Grouped-query attention with float32 scores and softmax. Returns [B, T, N, H] in q's dtype.
+
+    Args:
+      q_btnh: queries [B, T, N, H] (RoPE applied); k_bskh, v_bskh: keys and values [B, S, K, H], N a multiple of K.
+      query_slot_bt: int32 [B, T], the key slot of each query: it sees the valid slots up to and including this one
+        (-1: sees nothing).
+      key_valid_bs: bool [B, S], the slot holds a real key.
+      implementation: "xla" (dense reference), "blockwise", or "auto" (see `resolve`).
+      query_block, key_block: the largest tile (blockwise): T and S are cut into ceil(T / query_block) and
+        ceil(S / key_block) equal blocks (padded by less than one row per block).
+    """
+    impl = resolve(implementation, q_btnh.shape[1], query_block)
+    if impl == "xla":
+        return dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs)
+    return blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_block=query_block,
+                               key_block=key_block)
+
+
+def dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs) -> jax.Array:
+    """The reference: full float32 scores [B, K, G, T, S], masked to float32's lowest value, softmax over S."""
+    b, t, n, h = q_btnh.shape
+    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    visible_bts = key_valid_bs[:, None, :] & (jnp.arange(s, dtype=jnp.int32)[None, None, :]
+                                              <= query_slot_bt[:, :, None])
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    scores = scores * (h ** -0.5)
+    scores = jnp.where(visible_bts[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh)
+    return out.reshape(b, t, n, h)
+
+
+def blocks(length: int, block: int) -> tuple[int, int]:
+    """(number of blocks, block size): `length` cut into ceil(length / block) equal blocks of at most `block`."""
+    if block < 1:
+        raise ValueError(f"attention block size must be >= 1, got {block}")
+    count = -(-length // block)
+    return count, -(-length // count)
+
+
+def blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, *, query_block: int = 512,
+                        key_block: int = 512) -> jax.Array:
+    """Online-softmax attention over [query block, key block] tiles; same arguments and result as `attention`."""
+    b, t, n, h = q_btnh.shape
+    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    if v_bskh.shape != k_bskh.shape or n % k or query_slot_bt.shape != (b, t) or key_valid_bs.shape != (b, s):
+        raise ValueError(f"attention shapes: q {q_btnh.shape}, k {k_bskh.shape}, v {v_bskh.shape}, "
+                         f"query_slot {query_slot_bt.shape}, key_valid {key_valid_bs.shape}")
+    return _blockwise(q_btnh, k_bskh, v_bskh, query_slot_bt.astype(jnp.int32), key_valid_bs.astype(bool),
+                      blocks(t, query_block), blocks(s, key_block))
+
+
+# Internal layout: queries [nq, B, Tq, K, G, H], keys / values [nk, B, Sk, K, H], per-row statistics [nq, B, K, G, Tq].
+
+def _query_blocks(q_btnh, dout_btnh, query_slot_bt, k: int, qb: tuple[int, int]):
+    nq, tq = qb
+    b, t, n, h = q_btnh.shape
+    pad = nq * tq - t
+
+    def split(x):  # [B, T, N, H] -> [nq, B, Tq, K, G, H]
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        return x.reshape(b, nq, tq, k, n // k, h).swapaxes(0, 1)
+
+    slot = jnp.pad(query_slot_bt, ((0, 0), (0, pad)), constant_values=-1).reshape(b, nq, tq).swapaxes(0, 1)
+    return split(q_btnh), None if dout_btnh is None else split(dout_btnh), slot
+
+
+def _key_blocks(k_bskh, v_bskh, key_valid_bs, kb: tuple[int, int]):
+    nk, sk = kb
+    b, s, k, h = k_bskh.shape
+    pad = nk * sk - s
+
+    def split(x):  # [B, S, K, H] -> [nk, B, Sk, K, H]
+        return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nk, sk, k, h).swapaxes(0, 1)
+
+    valid = jnp.pad(key_valid_bs, ((0, 0), (0, pad))).reshape(b, nk, sk).swapaxes(0, 1)
+    return split(k_bskh), split(v_bskh), valid
+
+
+def _active_tiles(slot_qbt, valid_kbs) -> jax.Array:
+    """bool [nq, nk]: some query of query block i sees some key of key block j (in any row of the batch)."""
+    nk, _, sk = valid_kbs.shape
+    index_ks = jnp.arange(nk * sk, dtype=jnp.int32).reshape(nk, 1, sk)
+    first_valid_kb = jnp.min(jnp.where(valid_kbs, index_ks, jnp.iinfo(jnp.int32).max), axis=-1)
+    last_slot_qb = jnp.max(slot_qbt, axis=-1)
+    return jnp.any(first_valid_kb[None, :, :] <= last_slot_qb[:, None, :], axis=-1)
+
+
+def _tile_scores(q_btkgh, k_bskh, slot_bt, valid_bs, key_start, scale):
+    """Scaled float32 scores [B, K, G, Tq, Sk] of one tile, -inf where not visible."""
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
+    index_s = key_start + jnp.arange(k_bskh.shape[1], dtype=jnp.int32)
+    visible = valid_bs[:, None, :] & (index_s[None, None, :] <= slot_bt[:, :, None])
+    return jnp.where(visible[:, None, None], scores, -jnp.inf)
+
+
+def _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
+    """Returns (out [B, T, N, H] in q's dtype, log-sum-exp [nq, B, K, G, Tq] float32: +inf on rows with no key)."""
+    b, t, n, h = q_btnh.shape
+    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    scale = h ** -0.5
+    q_blocks, _, slot_blocks = _query_blocks(q_btnh, None, query_slot_bt, k, qb)
+    k_blocks, v_blocks, valid_blocks = _key_blocks(k_bskh, v_bskh, key_valid_bs, kb)
+    active = _active_tiles(slot_blocks, valid_blocks)
+    sk = kb[1]
+    # A query that sees no key: the dense path's uniform softmax over all S slots.
+    uniform_bkh = jnp.mean(v_bskh.astype(jnp.float32), axis=1)
+
+    def query_block(_, xs):
+        q_i, slot_i, active_i = xs
+        stats = jnp.full((b, k, n // k, q_i.shape[1]), -jnp.inf, jnp.float32)
+        init = (stats, jnp.zeros_like(stats), jnp.zeros(stats.shape + (h,), jnp.float32))
+
+        def key_block(carry, ys):
+            k_j, v_j, valid_j, j, active_ij = ys
+
+            def update(carry):
+                m, l, acc = carry
+                scores = _tile_scores(q_i, k_j, slot_i, valid_j, j * sk, scale)
+                m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # -inf: nothing seen yet
+                p = jnp.exp(scores - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                l = alpha * l + jnp.sum(p, axis=-1)
+                pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32)
+                return m_new, l, alpha[..., None] * acc + pv
+
+            return jax.lax.cond(active_ij, update, lambda c: c, carry), None
+
+        (m, l, acc), _ = jax.lax.scan(key_block, init, (k_blocks, v_blocks, valid_blocks, jnp.arange(kb[0]),
+                                                         active_i))
+        seen = l > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], uniform_bkh[:, :, None, None, :])
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        return None, (out.astype(q_btnh.dtype).transpose(0, 3, 1, 2, 4), lse)  # out [B, Tq, K, G, H]
+
+    _, (out, lse) = jax.lax.scan(query_block, None, (q_blocks, slot_blocks, active))
+    out = out.swapaxes(0, 1).reshape(b, qb[0] * qb[1], n, h)[:, :t]
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
+    return _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb)[0]
+
+
+def _blockwise_fwd(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
+    out, lse = _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb)
+    return out, (q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, out, lse)
+
+
+def _blockwise_bwd(qb, kb, residuals, dout_btnh):
+    """Flash-attention backward: per tile p = exp(scores - lse), dv += p^T dO, ds = p (dO v^T - rowsum(dO O)),
+    dq += ds k, dk += ds^T q; an outer scan over key blocks (dk, dv of the block accumulate inside), an inner one
+    over query blocks (dq, float32, carried whole)."""
+    q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, out_btnh, lse = residuals
+    b, t, n, h = q_btnh.shape
+    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    scale = h ** -0.5
+    q_blocks, dout_blocks, slot_blocks = _query_blocks(q_btnh, dout_btnh, query_slot_bt, k, qb)
+    _, o_blocks, _ = _query_blocks(q_btnh, out_btnh, query_slot_bt, k, qb)
+    k_blocks, v_blocks, valid_blocks = _key_blocks(k_bskh, v_bskh, key_valid_bs, kb)
+    active = _active_tiles(slot_blocks, valid_blocks)
+    sk = kb[1]
+    # rowsum(dO * O) per query row [nq, B, K, G, Tq].
+    delta = jnp.einsum("qbtkgh,qbtkgh->qbkgt", dout_blocks.astype(jnp.float32), o_blocks.astype(jnp.float32))
+
+    def key_block(dq, xs):
+        k_j, v_j, valid_j, j, active_j = xs
+        zeros = jnp.zeros(k_j.shape, jnp.float32)
+
+        def query_block(carry, ys):
+            q_i, do_i, slot_i, lse_i, delta_i, dq_i, active_ij = ys
+
+            def update(args):
+                (dk_j, dv_j), dq_i = args
+                scores = _tile_scores(q_i, k_j, slot_i, valid_j, j * sk, scale)
+                p = jnp.exp(scores - lse_i[..., None])
+                dv_j = dv_j + jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
+                                         preferred_element_type=jnp.float32)
+                dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=jnp.float32)
+                ds = p * (dp - delta_i[..., None]) * scale
+                dq_i = dq_i + jnp.einsum("bkgts,bskh->btkgh", ds.astype(k_j.dtype), k_j,
+                                         preferred_element_type=jnp.float32)
+                dk_j = dk_j + jnp.einsum("bkgts,btkgh->bskh", ds.astype(q_i.dtype), q_i,
+                                         preferred_element_type=jnp.float32)
+                return (dk_j, dv_j), dq_i
+
+            carry, dq_i = jax.lax.cond(active_ij, update, lambda a: a, (carry, dq_i))
+            return carry, dq_i
+
+        (dk_j, dv_j), dq = jax.lax.scan(query_block, (zeros, zeros), (
+            q_blocks, dout_blocks, slot_blocks, lse, delta, dq, active_j))
+        return dq, (dk_j, dv_j)
+
+    dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
+    dq, (dk, dv) = jax.lax.scan(key_block, dq0, (k_blocks, v_blocks, valid_blocks, jnp.arange(kb[0]), active.T))
+    dq = dq.swapaxes(0, 1).reshape(b, qb[0] * qb[1], n, h)[:, :t]
+    dk = dk.swapaxes(0, 1).reshape(b, kb[0] * kb[1], k, h)[:, :s]
+    dv = dv.swapaxes(0, 1).reshape(b, kb[0] * kb[1], k, h)[:, :s]
+    # Rows with no key took the uniform average of all S values: their cotangent reaches every v by 1 / S.
+    no_key = jnp.isinf(lse)
+    d_uniform_bkh = jnp.einsum("qbkgt,qbtkgh->bkh", no_key.astype(jnp.float32), dout_blocks.astype(jnp.float32)) / s
+    dv = dv + d_uniform_bkh[:, None]
+    return (dq.astype(q_btnh.dtype), dk.astype(k_bskh.dtype), dv.astype(v_bskh.dtype), None, None)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
