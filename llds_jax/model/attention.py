@@ -150,6 +150,11 @@ def _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
     b, t, n, h = q_btnh.shape
     s, k = k_bskh.shape[1], k_bskh.shape[2]
     scale = h ** -0.5
+    # Inside a scan (the layer stack) whose gradient is taken, JAX hoists what depends only on the scan's
+    # invariants (here the mask vectors) out of the loop and stacks it over every tile: [nq, nk, B, K, G, Tq, Sk]
+    # masks and -inf fills, the very [T, S] buffers this path avoids. Tying the vectors to q keeps them in the loop.
+    q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs = jax.lax.optimization_barrier(
+        (q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs))
     q_blocks, _, slot_blocks = _query_blocks(q_btnh, None, query_slot_bt, k, qb)
     k_blocks, v_blocks, valid_blocks = _key_blocks(k_bskh, v_bskh, key_valid_bs, kb)
     active = _active_tiles(slot_blocks, valid_blocks)

@@ -267,6 +267,15 @@ def test_kv_cache_conversation_agrees():
 
 # --- memory ----------------------------------------------------------------------------------------------------
 
+_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "pred": 1}
+
+
+def _largest_array_bytes(hlo: str) -> int:
+    """Bytes of the largest array any instruction of a compiled program's HLO names."""
+    sizes = [int(np.prod([int(d) for d in dims.split(",")])) * _BYTES[dt]
+             for dt, dims in re.findall(r"\b(f32|bf16|s32|pred)\[([0-9,]+)\]", hlo)]
+    return max(sizes)
+
 def _compiled(implementation, t, grad):
     """One row, 2 query heads sharing 1 key/value head, head size 16, causal over T = S = t; jitted and compiled."""
     q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
@@ -297,3 +306,25 @@ def test_blockwise_holds_no_score_matrix(grad):
     blockwise_temp = blockwise.memory_analysis().temp_size_in_bytes
     assert dense_temp >= 2 * 4 * t * t  # at least one float32 [2, T, S] buffer
     assert blockwise_temp * 6 <= dense_temp, (blockwise_temp, dense_temp)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_model_gradient_under_the_layer_scan_holds_no_score_matrix(remat):
+    """The gradient of a loss through the scanned layer stack (the update's shape of computation) at T = 2048: no
+    array of the blockwise program is larger than one float32 score tile [B, K, G, 512, 512] (JAX would otherwise
+    hoist the loop-invariant masks out of the layer scan and stack them over every tile pair); the dense one holds
+    [B, K, G, T, T] float32 scores."""
+    t = 2048
+    tokens = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    largest = {}
+    for implementation in ("xla", "blockwise"):
+        cfg = ModelConfig.tiny(num_layers=2, remat=remat, attention=implementation)
+        graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+
+        def loss(state, tokens):
+            return jnp.sum(nnx.merge(graphdef, state).hidden(tokens, jnp.ones_like(tokens)))
+
+        largest[implementation] = _largest_array_bytes(jax.jit(jax.grad(loss)).lower(state, tokens).compile().as_text())
+    tile = 4 * 1 * 2 * 2 * 512 * 512  # float32 [B=1, K=2, G=2, 512, 512]
+    assert largest["blockwise"] == tile
+    assert largest["xla"] >= 4 * 1 * 2 * 2 * t * t  # (without remat, stacked over the 2 layers)
