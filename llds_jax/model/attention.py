@@ -14,7 +14,8 @@ Implementations (`ModelConfig.attention`):
     running max / sum / accumulator; its own backward (recomputing each tile from q, k, v and the row's
     log-sum-exp) so neither pass holds more than one [B, K, G, Tq_block, S_block] tile of scores. Tiles that no
     query of the batch can see (above the causal diagonal, all padding) are skipped.
-  "auto": blockwise when the queries span more than one query block, else xla.
+  "auto": blockwise when the dense scores [T, S] would be larger than one tile (T * S > query_block * key_block:
+    full forwards and prefill longer than a block, extends over a long cache), else xla.
 Decode (T = 1) always runs dense: its scores are one row per query.
 
 A query that sees no key (a padding row) gets the dense path's answer in both: the uniform average of the values
@@ -34,14 +35,14 @@ IMPLEMENTATIONS = ("xla", "blockwise")
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
-def resolve(choice: str, num_queries: int, query_block: int) -> str:
-    """The implementation a call with `num_queries` queries runs under the configured `choice`."""
+def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_block: int) -> str:
+    """The implementation a call with `num_queries` queries over `num_keys` keys runs under the configured `choice`."""
     if choice not in CHOICES:
         raise ValueError(f"attention implementation must be one of {CHOICES}, got {choice!r}")
     if num_queries == 1:
         return "xla"
     if choice == "auto":
-        return "blockwise" if num_queries > query_block else "xla"
+        return "blockwise" if num_queries * num_keys > query_block * key_block else "xla"
     return choice
 
 
@@ -59,7 +60,7 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slo
       query_block, key_block: the largest tile (blockwise): T and S are cut into ceil(T / query_block) and
         ceil(S / key_block) equal blocks (padded by less than one row per block).
     """
-    impl = resolve(implementation, q_btnh.shape[1], query_block)
+    impl = resolve(implementation, q_btnh.shape[1], k_bskh.shape[1], query_block, key_block)
     if impl == "xla":
         return dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs)
     return blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_block=query_block,

@@ -34,8 +34,9 @@ class ModelConfig:
       scan_layers: run the layer stack with `lax.scan` (compile time independent of depth).
       remat: rematerialize each decoder block in the backward pass.
       attention: "auto", "xla" (dense float32 scores, the reference) or "blockwise" (online softmax over tiles of
-        at most attention_query_block x attention_key_block scores); "auto" runs blockwise when the queries
-        span more than one query block. Decode (one query) is always dense. See llds_jax.model.attention.
+        at most attention_query_block x attention_key_block scores); "auto" runs blockwise when the dense
+        scores [T, S] would be larger than one tile. Decode (one query) is always dense. See
+        llds_jax.model.attention.
       attention_query_block, attention_key_block: the largest tile of the blockwise path.
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn

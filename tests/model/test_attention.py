@@ -122,14 +122,17 @@ def test_block_size_is_an_upper_bound_and_must_be_positive():
         attention_lib.blocks(10, 0)
 
 
-def test_auto_is_blockwise_beyond_one_query_block_and_decode_is_dense():
-    assert attention_lib.resolve("auto", 513, 512) == "blockwise"
-    assert attention_lib.resolve("auto", 512, 512) == "xla"
-    assert attention_lib.resolve("blockwise", 2, 512) == "blockwise"
-    assert attention_lib.resolve("blockwise", 1, 512) == "xla"
-    assert attention_lib.resolve("xla", 4096, 512) == "xla"
+def test_auto_is_blockwise_beyond_one_tile_and_decode_is_dense():
+    assert attention_lib.resolve("auto", 513, 513, 512, 512) == "blockwise"   # a long forward
+    assert attention_lib.resolve("auto", 512, 512, 512, 512) == "xla"         # one tile
+    assert attention_lib.resolve("auto", 512, 8192, 512, 512) == "blockwise"  # an extend over a long cache
+    assert attention_lib.resolve("auto", 32, 8192, 512, 512) == "xla"         # a short extend: 1 tile's worth
+    assert attention_lib.resolve("auto", 1, 32768, 512, 512) == "xla"         # decode
+    assert attention_lib.resolve("blockwise", 2, 2, 512, 512) == "blockwise"
+    assert attention_lib.resolve("blockwise", 1, 4096, 512, 512) == "xla"
+    assert attention_lib.resolve("xla", 4096, 4096, 512, 512) == "xla"
     with pytest.raises(ValueError, match="attention implementation must be one of"):
-        attention_lib.resolve("splash", 8, 512)
+        attention_lib.resolve("splash", 8, 8, 512, 512)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -217,11 +220,13 @@ def test_auto_runs_blockwise_in_a_long_forward_and_dense_in_decode(monkeypatch):
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(attention_lib, "blockwise_attention", recording)
-    model = Transformer(ModelConfig.tiny(attention="auto", attention_query_block=8), rngs=nnx.Rngs(0))
+    model = Transformer(ModelConfig.tiny(attention="auto", attention_query_block=8, attention_key_block=8),
+                        rngs=nnx.Rngs(0))
     model.hidden(jnp.ones((1, 9), jnp.int32), jnp.ones((1, 9), jnp.int32))
     assert calls == [9]  # the layer scan traces its body once
-    model.hidden(jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))
+    model.hidden(jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))  # one tile: dense
     _, cache = model.extend(jnp.ones((1, 12), jnp.int32), jnp.ones((1, 12), bool), init_cache(model.cfg, 1, 16))
+    model.extend(jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), bool), cache)  # 4 x 16 slots = one tile: dense
     assert calls == [9, 12]
     model.extend(jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), bool), cache)
     forced = Transformer(ModelConfig.tiny(attention="blockwise"), rngs=nnx.Rngs(0))
