@@ -2,8 +2,9 @@
 32 GiB HBM each, 4 hosts), retrieval through Elasticsearch over wiki-18 (docs/retrieval.md).
 
 Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md): the largest program is the rollout's
-observation extend, 25.17 GiB of 30.75 (18% headroom); the update 23.88 GiB. Each host samples on its own 4 chips,
-so sessions hold 16 sequences (32 do not fit).
+observation extend, 20.76 GiB of 30.75 (32% headroom; 25.17 GiB with model.attention=xla); the update 18.79 GiB
+(23.88). Each host samples on its own 4 chips, so sessions hold 16 sequences (32 did not fit with the dense
+attention; not measured again with the blockwise one).
 """
 from llds_jax.config import default_config
 
