@@ -149,7 +149,7 @@ def _tile_scores(q_btkgh, k_bskh, slot_bt, valid_bs, key_start, scale):
 def _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
     """Returns (out [B, T, N, H] in q's dtype, log-sum-exp [nq, B, K, G, Tq] float32: +inf on rows with no key)."""
     b, t, n, h = q_btnh.shape
-    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    k = k_bskh.shape[2]
     scale = h ** -0.5
     # Inside a scan (the layer stack) whose gradient is taken, JAX hoists what depends only on the scan's
     # invariants (here the mask vectors) out of the loop and stacks it over every tile: [nq, nk, B, K, G, Tq, Sk]

@@ -287,12 +287,10 @@ def _compiled(implementation, t, grad):
     kv = jax.ShapeDtypeStruct((1, t, 1, 16), jnp.float32)
     slot, valid = _full_forward_vectors(np.ones((1, t), bool))
 
-    def fn(q, kk, v):
+    def forward(q, kk, v):
         return attention_lib.attention(q, kk, v, slot, valid, implementation=implementation)
 
-    if grad:
-        fn = jax.grad(lambda q, kk, v: jnp.sum(attention_lib.attention(
-            q, kk, v, slot, valid, implementation=implementation)), argnums=(0, 1, 2))
+    fn = jax.grad(lambda *args: jnp.sum(forward(*args)), argnums=(0, 1, 2)) if grad else forward
     return jax.jit(fn).lower(q, kv, kv).compile()
 
 
