@@ -116,13 +116,9 @@ def llds_weight(cfg: LLDSConfig, answer_mask_bt: jax.Array, beta: jax.Array | fl
     return jnp.where(answer_mask_bt > 0, jnp.minimum(jnp.asarray(beta, jnp.float32), lam), lam)
 
 
-ADAPTIVE = ("adaptive", "adaptive_paper")  # the answer weightings whose beta follows the batch's searches
-
-
 def llds_batch_statistics(batch, cfg: ObjectiveConfig) -> dict[str, float]:
     """`answer_beta`: beta of LLDS-MA (`answer_beta`) from the mean of the rollout batch's `search_count_b`."""
-    mean_searches = float(np.mean(batch.search_count_b)) if cfg.llds.answer_weighting in ADAPTIVE else 0.0
-    return {"answer_beta": float(answer_beta(cfg.llds, mean_searches))}
+    return {"answer_beta": float(answer_beta(cfg.llds, float(np.mean(batch.search_count_b))))}
 
 
 @register_loss_term("llds", batch_statistics=llds_batch_statistics)
