@@ -311,13 +311,14 @@ def overflows(rows: Sequence[Row], hbm_bytes: float) -> list[str]:
     return out
 
 
-def model_config(cfg):
-    """The run's architecture without its weights: `model.preset`, else `config.json` in `model.path`."""
+def model_config(cfg, platform: str = "tpu"):
+    """The run's architecture without its weights: `model.preset`, else `config.json` in `model.path`; attention
+    decided for `platform` (the compiled-for devices', not JAX's CPU backend)."""
     from llds_jax import config as config_lib
     from llds_jax.model import from_hf_config, hf_io, preset
 
     m = cfg.model
-    overrides = config_lib.model_overrides(cfg)
+    overrides = dict(config_lib.model_overrides(cfg), attention_platform=platform)
     if m.preset:
         return preset(m.preset, **overrides)
     try:
@@ -343,7 +344,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     hosts = sorted({d.process_index for d in devices})
     train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     local_mesh = rollout_mesh(cfg, train_mesh, [d for d in devices if d.process_index == hosts[0]])
-    model = nnx.eval_shape(lambda: Transformer(model_config(cfg), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(model_config(cfg, devices[0].platform), rngs=nnx.Rngs(0)))
     abstract = nnx.state(model, nnx.Param)
     nnx.update(model, parallel.abstract_params(abstract, train_mesh))
     step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), train_mesh)

@@ -37,8 +37,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"     # master weights
     c.model.scan_layers = True
     c.model.remat = True
-    c.model.attention = "auto"          # auto / xla (dense scores) / blockwise (online softmax, no [T, S] scores)
-    c.model.attention_query_block = 512  # largest blockwise tile: queries ...
+    c.model.attention = "auto"          # auto / xla (dense) / blockwise (online softmax) / splash (TPU) / cudnn (GPU)
+    c.model.attention_query_block = 512  # largest blockwise tile (splash: its block, x 128): queries ...
     c.model.attention_key_block = 512   # ... x keys
     c.model.preset = ""                 # named architecture (model.PRESETS): --mode=compile reads no checkpoint
 

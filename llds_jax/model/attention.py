@@ -1,4 +1,5 @@
-"""Grouped-query attention: the dense reference and a blockwise (online-softmax) path that never holds [T, S] scores.
+"""Grouped-query attention: the dense reference, a blockwise (online-softmax) path that never holds [T, S] scores,
+and the fused kernels of TPU (Pallas splash attention) and GPU (cuDNN flash attention) for full forwards.
 
 Which keys a query sees is given by two vectors, never by a [B, T, S] mask: key slot s is visible to query t of row
 b iff `key_valid_bs[b, s]` and `s <= query_slot_bt[b, t]`. A full forward passes query_slot = t and key_valid = the
@@ -14,41 +15,81 @@ Implementations (`ModelConfig.attention`):
     running max / sum / accumulator; its own backward (recomputing each tile from q, k, v and the row's
     log-sum-exp) so neither pass holds more than one [B, K, G, Tq_block, S_block] tile of scores. Tiles that no
     query of the batch can see (above the causal diagonal, all padding) are skipped.
-  "auto": blockwise when the dense scores [T, S] would be larger than one tile (T * S > query_block * key_block:
-    full forwards and prefill longer than a block, extends over a long cache), else xla.
-Decode (T = 1) always runs dense: its scores are one row per query.
+  "splash": JAX's Pallas splash attention kernel (TPU; float32 softmax statistics, its own backward kernels):
+    causal mask, padding as segment ids (1 real, 0 padding), GQA by the kernel's grouped form, one kernel call per
+    row of each shard (`shard_map` over the batch axes and, when they divide the key/value heads, the tensor
+    axis). Off TPU it runs in Pallas interpret mode (tests only: slow).
+  "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bfloat16 or float16): each row's real
+    tokens are gathered to the front in order (any padding pattern), then causal attention with
+    `query_seq_lengths` / `key_value_seq_lengths` = the row's real tokens, scattered back; no mask or bias array.
+  "auto": on TPU splash, on GPU with a bfloat16 / float16 model cudnn, for full forwards; everything else (and
+    any other platform) blockwise when the dense scores [T, S] would be larger than one tile
+    (T * S > query_block * key_block: full forwards and prefill longer than a block, extends over a long cache),
+    else xla.
+Routing (`resolve`): splash and cudnn serve full forwards only (`full_forward`: query t at key slot t of the same
+chunk: `Transformer.hidden`, so the update and the log-probs, and `Transformer.extend(prefill=True)`, prefill into
+an empty cache); under splash, cudnn and auto an extend over a cache with per-row offsets takes blockwise or xla by
+the tile rule above. Decode (T = 1) always runs dense: its scores are one row per query.
 
-A query that sees no key (a padding row) gets the dense path's answer in both: the uniform average of the values
-of all S slots (float32 softmax over S equal masked scores), with that average's gradient flowing to v only.
+A query that sees no key (a padding row) gets, from xla and blockwise, the dense path's answer: the uniform average
+of the values of all S slots (float32 softmax over S equal masked scores), with that average's gradient flowing to
+v only. Splash and cudnn give every padding query row (key_valid false at its own slot) zeros, with no gradient;
+their outputs at real query rows match the dense path's.
 """
 from __future__ import annotations
 
 import functools
+import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import PartitionSpec as P
 
+from llds_jax import parallel
 from llds_jax.model.config import ATTENTION_CHOICES as CHOICES  # "auto" and IMPLEMENTATIONS
 
-IMPLEMENTATIONS = ("xla", "blockwise")
+IMPLEMENTATIONS = ("xla", "blockwise", "splash", "cudnn")
+FULL_FORWARD_ONLY = ("splash", "cudnn")  # fused kernels of causal self-attention over one chunk
+HALF_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
+_LANES = 128  # splash's block sizes are multiples of the TPU lane width
 
 
-def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_block: int) -> str:
-    """The implementation a call with `num_queries` queries over `num_keys` keys runs under the configured `choice`."""
+def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_block: int, *,
+            full_forward: bool = False, platform: str = "cpu", dtype: str = "float32") -> str:
+    """The implementation a call with `num_queries` queries over `num_keys` keys runs under the configured `choice`.
+
+    `full_forward`: query t sits at key slot t of the same chunk (splash and cudnn serve only those); `platform`:
+    the backend the program is compiled for ("cpu", "gpu", "tpu"); `dtype`: the compute dtype of q, k, v.
+    Raises ValueError naming model.attention for cudnn off GPU or in another dtype than bfloat16 / float16.
+    """
     if choice not in CHOICES:
         raise ValueError(f"attention implementation must be one of {CHOICES}, got {choice!r}")
+    if choice == "cudnn" and platform != "gpu":
+        raise ValueError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); this program is for "
+                         f"platform {platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
+    if choice == "cudnn" and dtype not in HALF_DTYPES:
+        raise ValueError(f"model.attention='cudnn' needs model.dtype in {HALF_DTYPES}, got {dtype!r}")
     if num_queries == 1:
         return "xla"
-    if choice == "auto":
-        return "blockwise" if num_queries * num_keys > query_block * key_block else "xla"
-    return choice
+    if full_forward:
+        if choice in FULL_FORWARD_ONLY:
+            return choice
+        if choice == "auto" and platform == "tpu":
+            return "splash"
+        if choice == "auto" and platform == "gpu" and dtype in HALF_DTYPES:
+            return "cudnn"
+    if choice in ("xla", "blockwise"):
+        return choice
+    return "blockwise" if num_queries * num_keys > query_block * key_block else "xla"
 
 
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slot_bt: jax.Array,
               key_valid_bs: jax.Array, *, implementation: str = "xla", query_block: int = 512,
-              key_block: int = 512) -> jax.Array:
+              key_block: int = 512, full_forward: bool = False, platform: Optional[str] = None) -> jax.Array:
     """Grouped-query attention with float32 scores and softmax. Returns [B, T, N, H] in q's dtype.
 
     Args:
@@ -56,13 +97,24 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slo
       query_slot_bt: int32 [B, T], the key slot of each query: it sees the valid slots up to and including this one
         (-1: sees nothing).
       key_valid_bs: bool [B, S], the slot holds a real key.
-      implementation: "xla" (dense reference), "blockwise", or "auto" (see `resolve`).
+      implementation: "xla" (dense reference), "blockwise", "splash", "cudnn" or "auto" (see `resolve`).
       query_block, key_block: the largest tile (blockwise): T and S are cut into ceil(T / query_block) and
-        ceil(S / key_block) equal blocks (padded by less than one row per block).
+        ceil(S / key_block) equal blocks (padded by less than one row per block); splash's blocks (see
+        `splash_attention`).
+      full_forward: the caller promises S == T and query_slot_bt[b, t] == t (keys are this chunk's tokens):
+        splash and cudnn may run.
+      platform: "cpu" / "gpu" / "tpu", the backend the program is compiled for; None: jax.default_backend().
     """
-    impl = resolve(implementation, q_btnh.shape[1], k_bskh.shape[1], query_block, key_block)
+    platform = platform or jax.default_backend()
+    impl = resolve(implementation, q_btnh.shape[1], k_bskh.shape[1], query_block, key_block,
+                   full_forward=full_forward, platform=platform, dtype=jnp.dtype(q_btnh.dtype).name)
     if impl == "xla":
         return dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs)
+    if impl == "splash":
+        return splash_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, query_block=query_block,
+                                key_block=key_block, interpret=platform != "tpu")
+    if impl == "cudnn":
+        return fused_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, implementation="cudnn")
     return blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_block=query_block,
                                key_block=key_block)
 
@@ -80,6 +132,100 @@ def dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs) -> jax.
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh)
     return out.reshape(b, t, n, h)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def splash_block(block: int, length: int) -> int:
+    """Splash's block along a sequence of `length` tokens: `block` (attention_query_block / attention_key_block)
+    rounded up to a multiple of 128 (the TPU lane width, which the kernel requires), at most `length` rounded up
+    to 128."""
+    if block < 1:
+        raise ValueError(f"attention block size must be >= 1, got {block}")
+    return min(_round_up(block, _LANES), _round_up(length, _LANES))
+
+
+def splash_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, *, query_block: int = 512, key_block: int = 512,
+                     interpret: bool = False) -> jax.Array:
+    """Causal self-attention over one chunk (query t at key slot t, sees the real keys s <= t) through the Pallas
+    splash kernel. Returns [B, T, N, H] in q's dtype; a padding query row (key_valid_bt false) is zeros.
+
+    Args:
+      q_btnh: [B, T, N, H]; k_btkh, v_btkh: [B, T, K, H]; key_valid_bt: bool [B, T], the token is real.
+      query_block, key_block: see `splash_block` (the forward, dq and dkv kernels all use these); T is padded
+        inside, as padding, to a multiple of both.
+      interpret: run the kernel in Pallas interpret mode (any backend; for tests).
+    """
+    b, t, n, h = q_btnh.shape
+    if k_btkh.shape[:2] != (b, t) or v_btkh.shape != k_btkh.shape or key_valid_bt.shape != (b, t):
+        raise ValueError(f"splash attention is self-attention over one chunk: q {q_btnh.shape}, k {k_btkh.shape}, "
+                         f"v {v_btkh.shape}, key_valid {key_valid_bt.shape}")
+    bq, bk = splash_block(query_block, t), splash_block(key_block, t)
+    length = _round_up(t, math.lcm(bq, bk))
+    pad_btnh = ((0, 0), (0, length - t), (0, 0), (0, 0))
+    segment_bt = jnp.pad(key_valid_bt.astype(jnp.int32), ((0, 0), (0, length - t)))  # 1 real, 0 padding
+    scaled_q_btnh = (q_btnh.astype(jnp.float32) * h ** -0.5).astype(q_btnh.dtype)  # the kernel does not scale
+    q_bnth, k_bkth, v_bkth = (jnp.pad(x, pad_btnh).transpose(0, 2, 1, 3) for x in (scaled_q_btnh, k_btkh, v_btkh))
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                              block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+    out_bnth = _per_shard(functools.partial(_splash_rows, block_sizes=sizes, interpret=interpret),
+                          q_bnth, k_bkth, v_bkth, segment_bt)
+    out_btnh = out_bnth.transpose(0, 2, 1, 3)[:, :t]
+    return jnp.where(key_valid_bt[:, :, None, None], out_btnh, 0).astype(q_btnh.dtype)
+
+
+def _splash_rows(q_bnth, k_bkth, v_bkth, segment_bt, *, block_sizes, interpret):
+    """The splash kernel (causal, GQA) on each row of (one shard's) [B, N | K, T, H] arrays."""
+    n, length = q_bnth.shape[1], q_bnth.shape[2]
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * n)
+    kernel = splash.make_splash_mha_single_device(mask, block_sizes=block_sizes, interpret=interpret)
+
+    def row(q_nth, k_kth, v_kth, segment_t):
+        return kernel(q_nth, k_kth, v_kth, segment_ids=splash.SegmentIds(q=segment_t, kv=segment_t))
+
+    return jax.vmap(row)(q_bnth, k_bkth, v_bkth, segment_bt)
+
+
+def _per_shard(fn, q_bnth, k_bkth, v_bkth, segment_bt):
+    """fn on each shard under the current mesh (jax.set_mesh): rows split over the batch axes (data, fsdp) and
+    heads over tensor, each where it divides (else whole); fn alone without a mesh. A Pallas kernel is opaque to
+    XLA's partitioner, which would otherwise gather every operand onto each chip."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(parallel.AXES) <= set(mesh.axis_names):
+        return fn(q_bnth, k_bkth, v_bkth, segment_bt)
+    rows = parallel.BATCH if q_bnth.shape[0] % math.prod(mesh.shape[a] for a in parallel.BATCH) == 0 else None
+    heads = "tensor" if k_bkth.shape[1] % mesh.shape["tensor"] == 0 else None
+    return jax.shard_map(fn, in_specs=(P(rows, heads), P(rows, heads), P(rows, heads), P(rows)),
+                         out_specs=P(rows, heads), check_vma=False)(q_bnth, k_bkth, v_bkth, segment_bt)
+
+
+def fused_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, *, implementation: str = "cudnn") -> jax.Array:
+    """Causal self-attention over one chunk (query t at key slot t, sees the real keys s <= t) through
+    `jax.nn.dot_product_attention`. Returns [B, T, N, H] in q's dtype; a padding query row is zeros.
+
+    Each row's real tokens are gathered to its front in order (any padding pattern: left, right, inside), so that
+    causal attention limited by `query_seq_lengths` = `key_value_seq_lengths` = the row's real tokens is exactly
+    "real keys s <= t"; no [T, S] mask or bias is built. The outputs are scattered back to their slots.
+
+    Args:
+      q_btnh: [B, T, N, H]; k_btkh, v_btkh: [B, T, K, H]; key_valid_bt: bool [B, T], the token is real.
+      implementation: "cudnn" (GPU, bfloat16 / float16); "xla" runs the same arguments through JAX's reference
+        (tests of the plumbing on CPU).
+    """
+    h = q_btnh.shape[-1]
+    order_bt = jnp.argsort(~key_valid_bt, axis=1, stable=True)  # real tokens first, in their order
+    real_b = jnp.sum(key_valid_bt, axis=1, dtype=jnp.int32)
+
+    def gather(x_bt__, index_bt):
+        return jnp.take_along_axis(x_bt__, index_bt[:, :, None, None], axis=1)
+
+    out_btnh = jax.nn.dot_product_attention(
+        gather(q_btnh, order_bt), gather(k_btkh, order_bt), gather(v_btkh, order_bt), scale=h ** -0.5,
+        is_causal=True, query_seq_lengths=real_b, key_value_seq_lengths=real_b, implementation=implementation)
+    out_btnh = gather(out_btnh, jnp.argsort(order_bt, axis=1))
+    return jnp.where(key_valid_bt[:, :, None, None], out_btnh, 0).astype(q_btnh.dtype)
 
 
 def blocks(length: int, block: int) -> tuple[int, int]:

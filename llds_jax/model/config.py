@@ -7,7 +7,8 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-ATTENTION_CHOICES = ("auto", "xla", "blockwise")  # ModelConfig.attention: see llds_jax.model.attention
+ATTENTION_CHOICES = ("auto", "xla", "blockwise", "splash", "cudnn")  # ModelConfig.attention: llds_jax.model.attention
+PLATFORMS = ("cpu", "gpu", "tpu")  # ModelConfig.attention_platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +34,17 @@ class ModelConfig:
         log-softmax and RoPE angles are always float32.
       scan_layers: run the layer stack with `lax.scan` (compile time independent of depth).
       remat: rematerialize each decoder block in the backward pass.
-      attention: "auto", "xla" (dense float32 scores, the reference) or "blockwise" (online softmax over tiles of
-        at most attention_query_block x attention_key_block scores); "auto" runs blockwise when the dense
-        scores [T, S] would be larger than one tile. Decode (one query) is always dense. See
-        llds_jax.model.attention.
-      attention_query_block, attention_key_block: the largest tile of the blockwise path.
+      attention: "auto", "xla" (dense float32 scores, the reference), "blockwise" (online softmax over tiles of
+        at most attention_query_block x attention_key_block scores), "splash" (TPU: the Pallas splash kernel) or
+        "cudnn" (GPU, bfloat16 / float16: cuDNN flash attention). Splash and cudnn serve full forwards and prefill
+        (keys = the new tokens alone); extends over a cache take blockwise or xla. "auto": splash on TPU, cudnn on
+        GPU (half-precision dtype) for full forwards and prefill; otherwise blockwise when the dense scores
+        [T, S] would be larger than one tile. Decode (one query) is always dense. See llds_jax.model.attention.
+      attention_query_block, attention_key_block: the largest tile of the blockwise path; splash's blocks, rounded
+        up to a multiple of 128.
+      attention_platform: the platform the programs are compiled for ("cpu", "gpu", "tpu"), which `auto` and
+        `cudnn` decide from; None: jax.default_backend() when traced. A run sets it from its mesh's devices (the
+        compile check's are abstract TPU chips while JAX's own backend is the CPU).
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
         attention patterns quickly: the demo's 128-wide policy uses 0.1).
@@ -66,6 +73,7 @@ class ModelConfig:
     attention: str = "auto"
     attention_query_block: int = 512
     attention_key_block: int = 512
+    attention_platform: Optional[str] = None
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, tuple[int, ...], None] = None
@@ -83,6 +91,12 @@ class ModelConfig:
             raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"model.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
+        if self.attention_platform is not None and self.attention_platform not in PLATFORMS:
+            raise ValueError(f"model.attention_platform must be None or one of {PLATFORMS}, "
+                             f"got {self.attention_platform!r}")
+        if self.attention == "cudnn" and self.attention_platform not in (None, "gpu"):
+            raise ValueError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); the run's devices are "
+                             f"{self.attention_platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
         for name in ("attention_query_block", "attention_key_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -144,7 +158,8 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
 
 # Fields that do not make an architecture: numerics and execution choices of a run, the tokenizer's special ids.
 _NOT_ARCHITECTURE = ("param_dtype", "dtype", "scan_layers", "remat", "attention", "attention_query_block",
-                     "attention_key_block", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")
+                     "attention_key_block", "attention_platform", "initializer_range", "bos_token_id", "eos_token_id",
+                     "pad_token_id")
 
 
 def check_preset(cfg: ModelConfig, name: str) -> None:

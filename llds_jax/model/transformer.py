@@ -62,9 +62,11 @@ class DecoderLayers(nnx.Module):
         return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
-def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, kv):
+def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, kv, prefill=False):
     """One decoder block. `kv` is None (keys = this chunk) or (k_bskh, v_bskh, slot_start_b) to write into; key
-    slot s is visible to query t iff key_valid_bs[b, s] and s <= query_slot_bt[b, t]."""
+    slot s is visible to query t iff key_valid_bs[b, s] and s <= query_slot_bt[b, t]. `prefill`: the cache is
+    empty, so the keys are this chunk's alone (query_slot_bt = t, key_valid_bs [B, T]), as in a full forward,
+    and are still written into the cache."""
     dt = jnp.dtype(cfg.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
     h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
@@ -78,11 +80,13 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
     new_kv = None
     if kv is not None:
         k_cache, v_cache, start_b = kv
-        k = kv_lib.write_slots(k_cache, k, start_b)
-        v = kv_lib.write_slots(v_cache, v, start_b)
-        new_kv = (k, v)
+        new_kv = (kv_lib.write_slots(k_cache, k, start_b), kv_lib.write_slots(v_cache, v, start_b))
+        if not prefill:
+            k, v = new_kv
+    # A full forward (or prefill): query t sits at key slot t of this chunk, which the fused kernels serve.
     out = attention(q, k, v, query_slot_bt, key_valid_bs, implementation=cfg.attention,
-                    query_block=cfg.attention_query_block, key_block=cfg.attention_key_block)
+                    query_block=cfg.attention_query_block, key_block=cfg.attention_key_block,
+                    full_forward=kv is None or prefill, platform=cfg.attention_platform)
     x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out, w["o_proj"])
     x_btd = parallel.constrain(x_btd, parallel.BATCH, None, None)
     h = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
@@ -110,7 +114,7 @@ class Transformer(nnx.Module):
         return w.astype(jnp.dtype(self.cfg.dtype))
 
     def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bs, cache: Optional[kv_lib.KVCache],
-                    slot_start_b):
+                    slot_start_b, prefill=False):
         cfg = self.cfg
         cos, sin = rope_lib.rope_angles(positions_bt, rope_lib.inverse_frequencies(cfg))
         params = self.layers.arrays()
@@ -118,7 +122,7 @@ class Transformer(nnx.Module):
         def body(x, xs):
             p, kv = xs
             kv_in = None if kv is None else (kv[0], kv[1], slot_start_b)
-            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, kv_in)
+            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, kv_in, prefill)
             return x, kv_out
 
         if cfg.remat:
@@ -161,13 +165,17 @@ class Transformer(nnx.Module):
         """Float32 logits [B, T, V] from hidden states."""
         return jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
 
-    def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array,
-               cache: kv_lib.KVCache) -> tuple[jax.Array, kv_lib.KVCache]:
+    def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array, cache: kv_lib.KVCache,
+               prefill: bool = False) -> tuple[jax.Array, kv_lib.KVCache]:
         """Appends T tokens per sequence to the cache at each row's own offset and runs them through the model.
 
         Serves prefill (left-padded prompts into an empty cache), decode (T = 1) and multi-turn extend
         (observation tokens, right-padded to a common T). valid_bt marks real tokens. Each new token attends to
         the real tokens in its row's slots up to its own. The caller keeps end_b + T <= capacity.
+
+        prefill (static): the caller promises an empty cache (end_b = 0, no valid slot); attention then runs over
+        the T new tokens alone, a full forward (the fused kernels of model.attention splash / cudnn / auto may
+        serve it), instead of over every slot. Real tokens get the same result either way.
 
         Returns (final-normed hidden states [B, T, D], updated cache).
         """
@@ -175,6 +183,8 @@ class Transformer(nnx.Module):
         valid_bs, slot_bt, end_b, next_pos_b = kv_lib.advance(cache, valid)
         positions_bt = cache.next_pos_b[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
         positions_bt = jnp.maximum(positions_bt, 0)
-        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, valid_bs, cache, cache.end_b)
+        keys_valid = valid if prefill else valid_bs
+        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, keys_valid, cache, cache.end_b,
+                                     prefill)
         new_cache = kv_lib.KVCache(k_lbskh=k, v_lbskh=v, valid_bs=valid_bs, end_b=end_b, next_pos_b=next_pos_b)
         return h, new_cache

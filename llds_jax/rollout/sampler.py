@@ -171,7 +171,7 @@ def _prefill(graphdef, params, tokens_bt, valid_bt, rng, seq_ids_b, capacity: in
     """Encodes left-padded prompts into an empty cache of `capacity` slots."""
     model = nnx.merge(graphdef, params)
     cache = _constrain_cache(init_cache(model.cfg, tokens_bt.shape[0], capacity))
-    hidden_btd, cache = model.extend(tokens_bt, valid_bt, cache)
+    hidden_btd, cache = model.extend(tokens_bt, valid_bt, cache, prefill=True)
     batch = tokens_bt.shape[0]
     zeros_b = jnp.zeros((batch,), jnp.int32)
     return _constrain_state(DecodeState(

@@ -153,7 +153,8 @@ class Trainer:
                                         fallback_chat_template=cfg.model.chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         m = cfg.model
-        model = hf_io.load_model(m.path, mesh=self.mesh, preset=m.preset, **config_lib.model_overrides(cfg))
+        model = hf_io.load_model(m.path, mesh=self.mesh, preset=m.preset, **config_lib.model_overrides(cfg),
+                                 attention_platform=self.mesh.devices.flat[0].platform)
         self.step_fn = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), self.mesh)
         graphdef, _ = nnx.split(model)
         stop_ids = agent.turn_stop_ids(self.tokenizer)

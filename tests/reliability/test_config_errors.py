@@ -50,7 +50,7 @@ def assert_one_line(proc: subprocess.CompletedProcess, message: str) -> None:
     ("--config.optim.mini_batch_size=0", "optim.mini_batch_size must be >= 1, got 0"),
     ("--config.model.dtype=float8", "model.dtype must be one of 'float32', 'bfloat16', 'float16', got 'float8'"),
     ("--config.model.attention=flash",
-     "model.attention must be one of 'auto', 'xla', 'blockwise', got 'flash'"),
+     "model.attention must be one of 'auto', 'xla', 'blockwise', 'splash', 'cudnn', got 'flash'"),
     ("--config.model.attention_key_block=0", "model.attention_key_block must be >= 1, got 0"),
     ("--config.objective.llds.variant=bogus",
      "objective.llds.variant must be one of 'entropy', 'kl', 'llds', 'policy', got 'bogus'"),
