@@ -132,11 +132,13 @@ def test_auto_is_blockwise_beyond_one_tile_and_decode_is_dense():
     assert attention_lib.resolve("blockwise", 1, 4096, 512, 512) == "xla"
     assert attention_lib.resolve("xla", 4096, 4096, 512, 512) == "xla"
     with pytest.raises(ValueError, match="attention implementation must be one of"):
-        attention_lib.resolve("splash", 8, 8, 512, 512)
+        attention_lib.resolve("flash", 8, 8, 512, 512)
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("attention", "flash", r"model\.attention must be one of \('auto', 'xla', 'blockwise'\), got 'flash'"),
+    ("attention", "flash",
+     r"model\.attention must be one of \('auto', 'xla', 'blockwise', 'splash', 'cudnn'\), got 'flash'"),
+    ("attention_platform", "metal", r"model\.attention_platform must be None or one of \('cpu', 'gpu', 'tpu'\)"),
     ("attention_query_block", 0, r"model\.attention_query_block must be an integer >= 1, got 0"),
     ("attention_key_block", 1.5, r"model\.attention_key_block must be an integer >= 1, got 1\.5"),
 ])
@@ -331,3 +333,213 @@ def test_model_gradient_under_the_layer_scan_holds_no_score_matrix(remat):
     tile = 4 * 1 * 2 * 2 * 512 * 512  # float32 [B=1, K=2, G=2, 512, 512]
     assert largest["blockwise"] == tile
     assert largest["xla"] >= 4 * 1 * 2 * 2 * t * t  # (without remat, stacked over the 2 layers)
+
+
+# --- splash (Pallas, interpret mode on CPU) and cudnn (its argument plumbing through JAX's xla implementation) ---
+
+def _real_rows_value_and_grads(fn, q, kk, v, w, valid):
+    """fn's output and the gradients of sum(w * out) over the real query rows only (padding rows differ by
+    design: zeros from splash / cudnn, the uniform average from the dense path)."""
+    return _value_and_grads(fn, q, kk, v, w * jnp.asarray(valid, w.dtype)[:, :, None, None])
+
+
+def _assert_real_rows_close(got, want, valid, dtype, what):
+    real = np.asarray(valid)[:, :, None, None]
+    _assert_close(np.where(real, np.asarray(got, np.float32), 0), np.where(real, np.asarray(want, np.float32), 0),
+                  dtype, what)
+
+
+def _fused_parity(fused, dtype, padding, heads, b, t):
+    n, k = heads
+    q, kk, v, w = _inputs(1, b, t, t, n, k, 8, jnp.dtype(dtype))
+    mask = _padding(b, t, padding)
+    slot, valid = _full_forward_vectors(mask)
+    ref, ref_grads = _real_rows_value_and_grads(lambda q, kk, v: dense_attention(q, kk, v, slot, valid),
+                                                q, kk, v, w, mask)
+    got, got_grads = _real_rows_value_and_grads(lambda q, kk, v: fused(q, kk, v, valid), q, kk, v, w, mask)
+    assert got.dtype == ref.dtype == jnp.dtype(dtype) and got.shape == ref.shape
+    _assert_real_rows_close(got, ref, mask, dtype, "out")
+    assert not np.asarray(got)[~mask].any()  # padding query rows: zeros
+    for name, g, r in zip(("dq", "dk", "dv"), got_grads, ref_grads):
+        assert g.dtype == r.dtype
+        _assert_close(g, r, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("padding", ["left", "right", "fully_padded_row"])
+def test_splash_parity_values_and_gradients(dtype, padding):
+    """GQA (4 query heads over 2), T = 37 padded inside the wrapper to one 128 block."""
+    _fused_parity(lambda q, kk, v, valid: attention_lib.splash_attention(q, kk, v, valid, interpret=True),
+                  dtype, padding, (4, 2), 3, 37)
+
+
+@pytest.mark.parametrize("blocks", [(128, 128), (128, 256), (200, 100)], ids=["128x128", "128x256", "256x128"])
+def test_splash_parity_over_several_blocks(blocks):
+    """T = 300 (not a multiple of any block): 3 x 3, 2 x 4 (padded to 512) and 2 x 3 (200 -> 256, 100 -> 128:
+    padded to 512) query x key blocks; MQA, left padding."""
+    query_block, key_block = blocks
+    _fused_parity(lambda q, kk, v, valid: attention_lib.splash_attention(
+        q, kk, v, valid, query_block=query_block, key_block=key_block, interpret=True), "float32", "left", (2, 1), 2,
+        300)
+
+
+def test_splash_block_is_the_config_block_in_lanes_and_at_most_the_sequence():
+    assert attention_lib.splash_block(512, 4096) == 512
+    assert attention_lib.splash_block(200, 4096) == 256
+    assert attention_lib.splash_block(512, 37) == 128
+    with pytest.raises(ValueError, match="attention block size must be >= 1, got 0"):
+        attention_lib.splash_block(0, 128)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("padding", ["left", "right", "fully_padded_row"])
+def test_cudnn_arguments_match_the_dense_path_through_jax_xla_implementation(dtype, padding):
+    """The cudnn path's gather of real tokens to the front, causal attention limited by the sequence lengths and
+    scatter back, run by jax.nn.dot_product_attention's xla implementation (cuDNN needs a GPU)."""
+    _fused_parity(lambda q, kk, v, valid: attention_lib.fused_attention(q, kk, v, valid, implementation="xla"),
+                  dtype, padding, (4, 2), 3, 37)
+
+
+def test_cudnn_arguments_with_padding_inside_a_row():
+    mask = np.ones((2, 11), bool)
+    mask[0, [2, 3, 7]] = False
+    mask[1, :4] = False
+    q, kk, v, w = _inputs(2, 2, 11, 11, 2, 1, 8, jnp.float32)
+    slot, valid = _full_forward_vectors(mask)
+    want = dense_attention(q, kk, v, slot, valid)
+    got = attention_lib.fused_attention(q, kk, v, valid, implementation="xla")
+    _assert_real_rows_close(got, want, mask, "float32", "out")
+
+
+def test_auto_picks_the_platform_kernel_for_full_forwards_only():
+    resolve = attention_lib.resolve
+    assert resolve("auto", 4096, 4096, 512, 512, full_forward=True, platform="tpu") == "splash"
+    assert resolve("auto", 64, 64, 512, 512, full_forward=True, platform="tpu") == "splash"
+    assert resolve("auto", 4096, 4096, 512, 512, full_forward=True, platform="gpu", dtype="bfloat16") == "cudnn"
+    assert resolve("auto", 4096, 4096, 512, 512, full_forward=True, platform="gpu") == "blockwise"  # float32
+    assert resolve("auto", 4096, 4096, 512, 512, full_forward=True, platform="cpu") == "blockwise"
+    assert resolve("auto", 512, 8192, 512, 512, platform="tpu") == "blockwise"  # an extend over a long cache
+    assert resolve("auto", 1, 8192, 512, 512, platform="tpu") == "xla"          # decode
+    assert resolve("splash", 4096, 4096, 512, 512, full_forward=True) == "splash"
+    assert resolve("splash", 512, 8192, 512, 512, platform="tpu") == "blockwise"
+    assert resolve("splash", 32, 8192, 512, 512, platform="tpu") == "xla"
+    assert resolve("cudnn", 4096, 4096, 512, 512, full_forward=True, platform="gpu", dtype="float16") == "cudnn"
+    assert resolve("cudnn", 1, 4096, 512, 512, platform="gpu", dtype="bfloat16") == "xla"
+    assert resolve("xla", 4096, 4096, 512, 512, full_forward=True, platform="tpu") == "xla"
+    assert resolve("blockwise", 4096, 4096, 512, 512, full_forward=True, platform="gpu") == "blockwise"
+
+
+def test_cudnn_off_gpu_or_in_float32_is_an_error_naming_the_key():
+    with pytest.raises(ValueError, match=r"model\.attention='cudnn' needs a GPU .* platform 'cpu'"):
+        attention_lib.resolve("cudnn", 64, 64, 512, 512, full_forward=True, platform="cpu")
+    with pytest.raises(ValueError, match=r"model\.attention='cudnn' needs model\.dtype in \('bfloat16', 'float16'\)"):
+        attention_lib.resolve("cudnn", 64, 64, 512, 512, full_forward=True, platform="gpu", dtype="float32")
+    with pytest.raises(ValueError, match=r"model\.attention='cudnn' needs a GPU .* devices are 'tpu'"):
+        ModelConfig.tiny(attention="cudnn", attention_platform="tpu")
+    model = Transformer(ModelConfig.tiny(attention="cudnn"), rngs=nnx.Rngs(0))  # platform: JAX's backend, CPU
+    with pytest.raises(ValueError, match=r"model\.attention='cudnn' needs a GPU .* platform 'cpu'"):
+        nnx.eval_shape(lambda m: m.hidden(jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)), model)
+
+
+def test_auto_routes_by_the_configured_platform_not_the_backend(monkeypatch):
+    """ModelConfig.attention_platform = "tpu" (what the compile check sets from its abstract TPU chips while JAX's
+    backend is the CPU): full forwards and prefill go to splash, extends over the cache and decode do not."""
+    calls = []
+    monkeypatch.setattr(attention_lib, "splash_attention",
+                        lambda q, kk, v, valid, **kwargs: calls.append(q.shape[1]) or jnp.zeros_like(q))
+    def hidden(model, t):
+        nnx.eval_shape(lambda m: m.hidden(jnp.ones((1, t), jnp.int32), jnp.ones((1, t), jnp.int32)), model)
+
+    def extend(model, t, cache, prefill=False):
+        return nnx.eval_shape(lambda m, c: m.extend(jnp.ones((1, t), jnp.int32), jnp.ones((1, t), bool), c,
+                                                    prefill)[1], model, cache)
+
+    model = Transformer(ModelConfig.tiny(attention="auto", attention_platform="tpu"), rngs=nnx.Rngs(0))
+    hidden(model, 9)
+    assert calls == [9]
+    cache = extend(model, 6, init_cache(model.cfg, 1, 16), prefill=True)
+    assert calls == [9, 6]
+    extend(model, 1, extend(model, 5, cache))
+    assert calls == [9, 6]
+    hidden(Transformer(ModelConfig.tiny(attention="auto", attention_platform="cpu"), rngs=nnx.Rngs(0)), 9)
+    assert calls == [9, 6]
+
+
+def test_compile_check_model_config_carries_the_devices_platform():
+    from llds_jax import compile_check
+    from llds_jax.config import default_config
+
+    cfg = default_config()
+    cfg.model.preset = "qwen2.5-0.5b"
+    assert compile_check.model_config(cfg, "tpu").attention_platform == "tpu"
+
+
+def test_model_logp_and_parameter_gradients_agree_under_splash():
+    """The tiny model's model_token_logp (hidden -> log-probs) and its parameter gradient: splash (interpret mode)
+    equals the dense reference on the real tokens (the batch of `_batch`: left, right and whole-row padding)."""
+    from llds_jax.rl.logprobs import model_token_logp
+
+    dense = Transformer(ModelConfig.tiny(attention="xla"), rngs=nnx.Rngs(0))
+    splash = Transformer(ModelConfig.tiny(attention="splash"), rngs=nnx.Rngs(0))
+    tokens, mask = _batch()
+
+    def loss(model):
+        logp, _ = model_token_logp(model, tokens, mask)
+        return -jnp.sum(logp * mask) / jnp.sum(mask), logp
+
+    grad = nnx.jit(nnx.grad(loss, has_aux=True))
+    (want, want_logp), (got, got_logp) = grad(dense), grad(splash)
+    real = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(got_logp)[real], np.asarray(want_logp)[real], atol=1e-5, rtol=0)
+    for (path, g), (_, r) in zip(nnx.to_flat_state(nnx.state(got)), nnx.to_flat_state(nnx.state(want))):
+        g, r = np.asarray(g.get_value()), np.asarray(r.get_value())
+        assert np.abs(g - r).max() <= 1e-5 * max(np.abs(r).max(), 1e-6), path
+
+
+def test_splash_prefill_then_decode_agrees_with_the_dense_cache():
+    """Prefill of left-padded prompts through splash (keys = the prompt alone), then a decode step: the hidden
+    states of real tokens and the cache equal the dense path's over every slot."""
+    dense = Transformer(ModelConfig.tiny(attention="xla"), rngs=nnx.Rngs(0))
+    splash = Transformer(ModelConfig.tiny(attention="splash"), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(6).integers(1, 256, size=(2, 7)))
+    valid = np.ones((2, 7), bool)
+    valid[1, :3] = False
+    prefill = nnx.jit(lambda model, cache, prefill: model.extend(tokens, jnp.asarray(valid), cache, prefill),
+                      static_argnums=2)
+    want_h, want_cache = prefill(dense, init_cache(dense.cfg, 2, 12), False)
+    got_h, got_cache = prefill(splash, init_cache(splash.cfg, 2, 12), True)
+    np.testing.assert_allclose(np.asarray(got_h)[valid], np.asarray(want_h)[valid], atol=1e-5, rtol=0)
+    for name in ("k_lbskh", "v_lbskh"):
+        np.testing.assert_allclose(np.asarray(getattr(got_cache, name))[:, valid],
+                                   np.asarray(getattr(want_cache, name))[:, valid], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got_cache.valid_bs), np.asarray(want_cache.valid_bs))
+    step = nnx.jit(lambda model, cache: model.extend(jnp.ones((2, 1), jnp.int32), jnp.ones((2, 1), bool), cache))
+    np.testing.assert_allclose(np.asarray(step(splash, got_cache)[0]), np.asarray(step(dense, want_cache)[0]),
+                               atol=1e-5, rtol=0)
+
+
+def test_sharded_splash_update_equals_unsharded_dense():
+    """On a (data 2, fsdp 2, tensor 2) mesh of fake CPU devices the splash kernel runs per shard (rows over
+    data x fsdp, the 2 key/value heads over tensor): the loss gradient equals the unsharded dense one."""
+    dense = Transformer(ModelConfig.tiny(attention="xla"), rngs=nnx.Rngs(0))
+    splash = Transformer(ModelConfig.tiny(attention="splash"), rngs=nnx.Rngs(0))
+    tokens, mask = _batch()
+    tokens, mask = jnp.concatenate([tokens, tokens[:1]]), jnp.concatenate([mask, mask[1:2]])  # 4 rows
+    mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    splash = parallel.shard_model(splash, mesh)
+
+    def loss(model, tokens, mask):
+        logp = jax.nn.log_softmax(model(tokens, mask)[:, :-1], axis=-1)
+        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        return -jnp.sum(picked * mask[:, 1:]) / jnp.sum(mask[:, 1:])
+
+    grad = nnx.jit(nnx.value_and_grad(loss))
+    want_loss, want = grad(dense, tokens, mask)
+    with jax.set_mesh(mesh):
+        batch = jax.device_put((tokens, mask), parallel.batch_sharding(mesh, 2))
+        got_loss, got = grad(splash, *batch)
+        assert "shard_map" in str(jax.make_jaxpr(lambda t, m: nnx.merge(*nnx.split(splash))(t, m))(*batch))
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    for (path, g), (_, r) in zip(nnx.to_flat_state(nnx.state(got)), nnx.to_flat_state(nnx.state(want))):
+        g, r = np.asarray(g.get_value()), np.asarray(r.get_value())
+        assert np.abs(g - r).max() <= 1e-5 * max(np.abs(r).max(), 1e-6), path
