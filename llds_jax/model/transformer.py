@@ -18,6 +18,7 @@ from llds_jax import parallel
 from llds_jax.model import kv_cache as kv_lib
 from llds_jax.model.attention import attention
 from llds_jax.model import rope as rope_lib
+from llds_jax.model.vocab import embed_lookup
 from llds_jax.model.config import ModelConfig
 
 def rms_norm(x_btd: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
@@ -136,8 +137,7 @@ class Transformer(nnx.Module):
         return rms_norm(x_btd, self.final_norm.get_value(), cfg.rms_norm_eps), kv_out
 
     def _embed(self, tokens_bt: jax.Array) -> jax.Array:
-        x = jnp.take(self.embed.get_value(), tokens_bt, axis=0).astype(jnp.dtype(self.cfg.dtype))
-        return parallel.constrain(x, parallel.BATCH, None, None)
+        return embed_lookup(self.embed.get_value(), tokens_bt, jnp.dtype(self.cfg.dtype))
 
     def hidden(self, tokens_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
         """Final-normed hidden states [B, T, D] of a full forward.
