@@ -63,9 +63,10 @@ class DecoderLayers(nnx.Module):
         return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
-def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, kv):
+def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, query_first_bt, kv):
     """One decoder block. `kv` is None (keys = this chunk) or (k_bskh, v_bskh, slot_start_b) to write into; key
-    slot s is visible to query t iff key_valid_bs[b, s] and s <= query_slot_bt[b, t]."""
+    slot s is visible to query t iff key_valid_bs[b, s] and query_first_bt[b, t] <= s <= query_slot_bt[b, t]
+    (query_first_bt None: 0)."""
     dt = jnp.dtype(cfg.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
     h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
@@ -82,7 +83,7 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
         k = kv_lib.write_slots(k_cache, k, start_b)
         v = kv_lib.write_slots(v_cache, v, start_b)
         new_kv = (k, v)
-    out = attention(q, k, v, query_slot_bt, key_valid_bs, implementation=cfg.attention,
+    out = attention(q, k, v, query_slot_bt, key_valid_bs, query_first_bt, implementation=cfg.attention,
                     query_block=cfg.attention_query_block, key_block=cfg.attention_key_block)
     x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out, w["o_proj"])
     x_btd = parallel.constrain(x_btd, parallel.BATCH, None, None)
@@ -110,8 +111,8 @@ class Transformer(nnx.Module):
         w = self.embed.get_value().T if self.cfg.tie_word_embeddings else self.lm_head.get_value()
         return w.astype(jnp.dtype(self.cfg.dtype))
 
-    def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bs, cache: Optional[kv_lib.KVCache],
-                    slot_start_b):
+    def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bs, query_first_bt,
+                    cache: Optional[kv_lib.KVCache], slot_start_b):
         cfg = self.cfg
         cos, sin = rope_lib.rope_angles(positions_bt, rope_lib.inverse_frequencies(cfg))
         params = self.layers.arrays()
@@ -119,7 +120,7 @@ class Transformer(nnx.Module):
         def body(x, xs):
             p, kv = xs
             kv_in = None if kv is None else (kv[0], kv[1], slot_start_b)
-            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, kv_in)
+            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, query_first_bt, kv_in)
             return x, kv_out
 
         if cfg.remat:
@@ -139,16 +140,25 @@ class Transformer(nnx.Module):
     def _embed(self, tokens_bt: jax.Array) -> jax.Array:
         return embed_lookup(self.embed.get_value(), tokens_bt, jnp.dtype(self.cfg.dtype))
 
-    def hidden(self, tokens_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    def hidden(self, tokens_bt: jax.Array, mask_bt: jax.Array, segment_first_bt: Optional[jax.Array] = None
+               ) -> jax.Array:
         """Final-normed hidden states [B, T, D] of a full forward.
 
         mask_bt is 1 on real tokens and 0 on padding (left or right); RoPE positions count real tokens only,
-        attention is causal over real tokens.
+        attention is causal over real tokens. A row packed with several sequences passes `segment_first_bt`
+        (int32 [B, T], the index of the first token of each token's sequence): positions restart at each sequence
+        and no token sees another sequence's.
         """
         mask = mask_bt.astype(bool)
-        positions_bt = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        count_bt = jnp.cumsum(mask, axis=1, dtype=jnp.int32)
+        if segment_first_bt is None:
+            positions_bt = jnp.maximum(count_bt - 1, 0)
+        else:  # real tokens before t, less those before its sequence's first token
+            before_bt = count_bt - mask
+            positions_bt = before_bt - jnp.take_along_axis(before_bt, segment_first_bt.astype(jnp.int32), axis=1)
         query_slot_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, query_slot_bt, mask, None, None)
+        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, query_slot_bt, mask, segment_first_bt, None,
+                                None)
         return h
 
     def __call__(self, tokens_bt: jax.Array, mask_bt: Optional[jax.Array] = None) -> jax.Array:
@@ -158,8 +168,10 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden(tokens_bt, mask_bt))
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
-        """Float32 logits [B, T, V] from hidden states."""
-        return jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
+        """Float32 logits [B, T, V] from hidden states, V split as the output projection is (under a mesh): each
+        device multiplies every row by its own vocabulary shard, so the [D, V] projection is never gathered."""
+        logits_btv = jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
+        return parallel.constrain(logits_btv, None, None, parallel.VOCAB)
 
     def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array,
                cache: kv_lib.KVCache) -> tuple[jax.Array, kv_lib.KVCache]:
@@ -175,6 +187,7 @@ class Transformer(nnx.Module):
         valid_bs, slot_bt, end_b, next_pos_b = kv_lib.advance(cache, valid)
         positions_bt = cache.next_pos_b[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
         positions_bt = jnp.maximum(positions_bt, 0)
-        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, valid_bs, cache, cache.end_b)
+        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, valid_bs, None, cache,
+                                     cache.end_b)
         new_cache = kv_lib.KVCache(k_lbskh=k, v_lbskh=v, valid_bs=valid_bs, end_b=end_b, next_pos_b=next_pos_b)
         return h, new_cache

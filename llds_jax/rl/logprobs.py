@@ -160,19 +160,24 @@ def model_token_logp(
     temperature: float = 1.0,
     time_chunk: int = DEFAULT_TIME_CHUNK,
     mesh: Mesh | None = None,
+    segment_first_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob and next-token entropy of every token of a sequence under a model, aligned to the tokens.
 
     Args:
-      model: has `hidden(tokens_bt, mask_bt) -> [B,T,D]` and `unembedding() -> [D,V]` (llds_jax.model.Transformer).
+      model: has `hidden(tokens_bt, mask_bt, segment_first_bt) -> [B,T,D]` and `unembedding() -> [D,V]`
+        (llds_jax.model.Transformer).
       tokens_bt: [B, T] int token ids.
       mask_bt: [B, T] attention mask, 1 on real tokens, 0 on padding.
+      segment_first_bt: for rows packed with several sequences, int32 [B, T] the first token of each token's
+        sequence (`Transformer.hidden`); the column of a sequence's first token then holds a prediction from the
+        previous sequence, which the caller drops.
 
     Returns:
       (logp_bt, entropy_bt): [B, T] float32. Column t is for predicting token t from tokens < t (hidden at t - 1):
       `logp_bt[:, t] = log p(tokens_bt[:, t])`, `entropy_bt[:, t]` the entropy of that distribution; column 0 is 0.
     """
-    hidden_btd = model.hidden(tokens_bt, mask_bt)
+    hidden_btd = model.hidden(tokens_bt, mask_bt, segment_first_bt)
     logp_bt, entropy_bt = token_logp_entropy(
         hidden_btd[:, :-1], model.unembedding(), tokens_bt[:, 1:],
         temperature=temperature, time_chunk=time_chunk, mesh=mesh)
