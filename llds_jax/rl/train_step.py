@@ -80,8 +80,8 @@ class BatchMetrics(NamedTuple):
 
     Attributes:
       scalars: name -> float: means over updates (plus `actor/grad_norm_max`), pre-update likelihood metrics,
-        seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`),
-        post-update LLD metrics when measured.
+        seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`), the padding share of
+        the rows the forwards run on (`perf/padding`), post-update LLD metrics when measured.
       per_update: name -> [U] array, one value per optimizer update (mean over its micro-batches).
       delta_traj_b: [B] Delta_traj per trajectory when `measure_lld`, else None.
     """
@@ -443,6 +443,7 @@ class RLTrainStep:
         if ref_params is None and self.objective.kl_coef:
             raise ValueError("ref_params is required when objective.kl_coef > 0")
         prepared = self.prepare_batch(batch)
+        real_tokens = float(np.sum(np.asarray(batch.mask_bt) > 0))
         start = time.perf_counter()
         old_logp = self.sequence_logp(state.params, prepared)
         ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
@@ -472,6 +473,8 @@ class RLTrainStep:
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)
         scalars["actor/updates"] = float(prepared.num_updates)
+        forward_bt = prepared.rows.tokens_rl if prepared.rows is not None else prepared.batch.tokens_bt
+        scalars["perf/padding"] = 1.0 - real_tokens / math.prod(forward_bt.shape)
         scalars["perf/logp_s"] = logp_s
         scalars["perf/update_s"] = time.perf_counter() - start - logp_s
         scalars.update({key: float(value) for key, value in {**before, **after}.items()})
