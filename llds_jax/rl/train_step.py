@@ -254,7 +254,7 @@ class RLTrainStep:
     def _packed_rows(self, laid_out: RolloutBatch) -> PackedRows:
         """Each micro-batch of a laid-out host batch packed into R rows, placed on the device(s). R: the most rows a
         micro-batch needs, rounded up to the data-axes size, or a larger R compiled already (bounded compiles)."""
-        layout, length = laid_out.tokens_bt.shape[:2], laid_out.tokens_bt.shape[-1]
+        layout = laid_out.tokens_bt.shape[:2]
         tokens_nml, mask_nml = (x.reshape((-1,) + x.shape[2:]) for x in (laid_out.tokens_bt, laid_out.mask_bt))
         shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh)) if self.mesh is not None else 1
         needed = -(-rows_needed(mask_nml) // shards) * shards
