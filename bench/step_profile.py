@@ -30,6 +30,12 @@ expected to be 0.
     python bench/step_profile.py --config configs/tiny_test.py --steps 2 --override rollout.max_turns=2
     python bench/step_profile.py --config.rollout.decode_chunk=8   # ml_collections-style overrides work too
     python bench/step_profile.py --search-seconds-per-query 0.05 [--no-overlap]   # a loaded search backend
+    python bench/step_profile.py --steps 20 --compare-packing      # unpacked, then packed: the tokens/s ratio
+
+The padding share is that of the rows the log-probs and updates run on (`perf/padding`): with
+`optim.pack_trajectories` the packed rows, else one row per trajectory. `--compare-packing` profiles the config twice
+in this process, with `optim.pack_trajectories=False` and then `True` (each from a fresh trainer, the same seed), and
+prints both reports and the ratio of their tokens/s.
 """
 from __future__ import annotations
 
@@ -243,14 +249,13 @@ def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 
                 wall_s = time.perf_counter() - start
                 compiled, lowered = compiles.since(mark)
                 lengths = [len(t.tokens) for t in trajectories]
-                padded = metrics["perf/sequence_length"] * len(trajectories)
                 record = {
                     "step": step, "wall_s": wall_s, "phases": step_phases(metrics, checkpoint_s, wall_s),
                     "compiles": len(compiled), "compile_s": sum(d for _, d in compiled),
                     "compiled": sorted(collections.Counter(name for name, _ in compiled).items()),
                     "repeated_signatures": sorted(collections.Counter(n for n, seen in lowered if seen).items()),
                     "tokens": float(sum(lengths)), "tokens_per_s": sum(lengths) / wall_s,
-                    "padding": 1.0 - sum(lengths) / padded, "sequence_length": metrics["perf/sequence_length"],
+                    "padding": metrics["perf/padding"], "sequence_length": metrics["perf/sequence_length"],
                     "sampled_tokens_per_s": metrics.get("rollout/sampled_tokens_per_s", 0.0),
                     "searches": metrics.get("rollout/valid_searches", 0.0),
                     "search_calls_s": metrics.get("rollout/search_calls_s", 0.0),
@@ -337,6 +342,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="add this much backend time per query, one batch served at a time (a loaded backend)")
     p.add_argument("--no-overlap", action="store_true", help="let searches wait for the end of each turn's "
                    "decoding (one call per turn), to measure what overlapping them with decoding saves")
+    p.add_argument("--compare-packing", action="store_true", help="profile without and then with "
+                   "optim.pack_trajectories, and print the ratio of tokens/s")
     args, rest = p.parse_known_args(argv)
     for arg in rest:
         if not arg.startswith("--config.") or "=" not in arg:
@@ -354,6 +361,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
+    if args.compare_packing:
+        return compare_packing(args)
     cfg = load_config(args.config, args.override)
     with _run_folder(args.run_dir) as run_dir:
         cfg.run_dir = run_dir
@@ -372,6 +381,31 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def compare_packing(args: argparse.Namespace) -> dict[str, Any]:
+    """`profile` of the config without, then with, packed trajectories; returns {"unpacked": result, "packed":
+    result, "tokens_per_s_ratio": packed / unpacked}."""
+    results = {}
+    for name, packed in (("unpacked", False), ("packed", True)):
+        cfg = load_config(args.config, [*args.override, f"optim.pack_trajectories={packed}"])
+        with _run_folder(args.run_dir and os.path.join(args.run_dir, name)) as run_dir:
+            cfg.run_dir = run_dir
+            print(f"step_profile: {os.path.relpath(args.config)}, optim.pack_trajectories={packed}; {args.steps} "
+                  f"step(s)", flush=True)
+            results[name] = profile(cfg, args.steps, args.checkpoint_every, log=lambda line: print(line, flush=True))
+        print(format_report(results[name]), flush=True)
+    ratio = results["packed"]["tokens_per_s"] / results["unpacked"]["tokens_per_s"]
+    steady = results["packed"]["steady_steps"]
+    padding = {name: sum(r["padding"] for r in result["steps"][1:] or result["steps"]) / len(steady)
+               for name, result in results.items()}
+    print(f"packed / unpacked tokens/s (steps {steady[0]}-{steady[-1]}): {ratio:.2f}x; padding of the trained rows "
+          f"{padding['unpacked']:.1%} -> {padding['packed']:.1%}", flush=True)
+    results["tokens_per_s_ratio"] = ratio
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

@@ -179,7 +179,8 @@ class UpdateRunner:
         self.step = RLTrainStep(Transformer(cfg, rngs=nnx.Rngs(seed)), objective or ObjectiveConfig(), update)
         self.state = self.step.init_state()
         prepared = self.step.prepare_batch(batch)
-        self.batch, self.stats, self.num_updates = prepared.batch, prepared.batch_stats, prepared.num_updates
+        self.batch, self.rows, self.stats = prepared.batch, prepared.rows, prepared.batch_stats
+        self.num_updates = prepared.num_updates
         if frozen_logp:
             ref = self.step.reference_params(self.state.params)
             self.old_logp = self.step.sequence_logp(self.state.params, prepared)
@@ -192,7 +193,8 @@ class UpdateRunner:
             shardings = jax.tree.map(lambda x: x.sharding, self.state)
             jitted = jax.jit(self.step._update_impl, out_shardings=(shardings, None))
         wall, cpu = time.perf_counter(), time.process_time()
-        self.lowered = jitted.lower(self.state, self.batch, self.stats, self.old_logp, self.ref_logp, jnp.int32(0))
+        self.lowered = jitted.lower(self.state, self.batch, self.rows, self.stats, self.old_logp, self.ref_logp,
+                                    jnp.int32(0))
         self.lower_s, self.lower_cpu = time.perf_counter() - wall, time.process_time() - cpu  # trace + lower
         wall, cpu = time.perf_counter(), time.process_time()
         self.compiled = self.lowered.compile()
@@ -203,7 +205,7 @@ class UpdateRunner:
 
     def __call__(self):
         index = self.index % self.num_updates
-        self.state, metrics = self.compiled(self.state, self.batch, self.stats, self.old_logp, self.ref_logp,
+        self.state, metrics = self.compiled(self.state, self.batch, self.rows, self.stats, self.old_logp, self.ref_logp,
                                             jnp.int32(index))
         self.index += 1
         if len(self.losses) < 2:
@@ -335,7 +337,7 @@ def breakdown_parts(cfg: ModelConfig, step: RLTrainStep, params, micro: int, seq
     layer_p = matmul_params(cfg) - cfg.hidden_size * cfg.vocab_size
     attn_fwd = 4.0 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim * micro * seq
 
-    forward = jax.jit(lambda p: step._token_logp(p, tokens, mask)[0])
+    forward = jax.jit(lambda p: step._token_logp(p, tokens, mask, None)[0])
 
     def stack_loss(p):
         return jnp.mean(nnx.merge(graphdef, p, rest).hidden(tokens, mask).astype(jnp.float32) ** 2)

@@ -116,6 +116,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.01
     c.optim.logp_time_chunk = 256
     c.optim.reference_dtype = "bfloat16"
+    c.optim.pack_trajectories = True    # forwards on each micro-batch's trajectories packed into fewer rows
     c.optim.max_skipped_updates = 20    # updates skipped in a row (non-finite loss/gradient) that end a run; 0: never
 
     c.train = ml_collections.ConfigDict()

@@ -1,10 +1,11 @@
 """Grouped-query attention: the dense reference, a blockwise (online-softmax) path that never holds [T, S] scores,
 and the fused kernels of TPU (Pallas splash attention) and GPU (cuDNN flash attention) for full forwards.
 
-Which keys a query sees is given by two vectors, never by a [B, T, S] mask: key slot s is visible to query t of row
-b iff `key_valid_bs[b, s]` and `s <= query_slot_bt[b, t]`. A full forward passes query_slot = t and key_valid = the
-padding mask (causal over real tokens); an extend over the KV cache passes each new token's cache slot and the
-cache's valid slots.
+Which keys a query sees is given by vectors, never by a [B, T, S] mask: key slot s is visible to query t of row b
+iff `key_valid_bs[b, s]` and `query_first_bt[b, t] <= s <= query_slot_bt[b, t]`. A full forward passes query_slot = t
+and key_valid = the padding mask (causal over real tokens); an extend over the KV cache passes each new token's cache
+slot and the cache's valid slots; a row packed with several trajectories passes query_first = the first slot of the
+query's trajectory (its segment), so that no token sees another trajectory's (query_first defaults to 0).
 
 Dimension letters: B batch, T queries, S keys (cache slots), N query heads, K key/value heads, G = N / K query heads
 per key/value head, H head size.
@@ -14,14 +15,17 @@ Implementations (`ModelConfig.attention`):
   "blockwise": flash-style in plain XLA: a scan over query blocks and, inside, over key blocks with a float32
     running max / sum / accumulator; its own backward (recomputing each tile from q, k, v and the row's
     log-sum-exp) so neither pass holds more than one [B, K, G, Tq_block, S_block] tile of scores. Tiles that no
-    query of the batch can see (above the causal diagonal, all padding) are skipped.
+    query of the batch can see (above the causal diagonal, before the segments of a packed row, all padding) are
+    skipped.
   "splash": JAX's Pallas splash attention kernel (TPU; float32 softmax statistics, its own backward kernels):
-    causal mask, padding as segment ids (1 real, 0 padding), GQA by the kernel's grouped form, one kernel call per
-    row of each shard (`shard_map` over the batch axes and, when they divide the key/value heads, the tensor
-    axis). Off TPU it runs in Pallas interpret mode (tests only: slow).
+    causal mask, padding and the trajectories of a packed row as segment ids (0 padding; a real token's segment:
+    its query_first + 1), GQA by the kernel's grouped form, one kernel call per row of each shard (`shard_map` over
+    the batch axes and, when they divide the key/value heads, the tensor axis). Off TPU it runs in Pallas
+    interpret mode (tests only: slow).
   "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (GPU, bfloat16 or float16): each row's real
     tokens are gathered to the front in order (any padding pattern), then causal attention with
     `query_seq_lengths` / `key_value_seq_lengths` = the row's real tokens, scattered back; no mask or bias array.
+    It has no segments: a packed row (query_first given) runs blockwise instead.
   "auto": on TPU splash, on GPU with a bfloat16 / float16 model cudnn, for full forwards; everything else (and
     any other platform) blockwise when the dense scores [T, S] would be larger than one tile
     (T * S > query_block * key_block: full forwards and prefill longer than a block, extends over a long cache),
@@ -88,8 +92,9 @@ def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_
 
 
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slot_bt: jax.Array,
-              key_valid_bs: jax.Array, *, implementation: str = "xla", query_block: int = 512,
-              key_block: int = 512, full_forward: bool = False, platform: Optional[str] = None) -> jax.Array:
+              key_valid_bs: jax.Array, query_first_bt: jax.Array | None = None, *, implementation: str = "xla",
+              query_block: int = 512, key_block: int = 512, full_forward: bool = False,
+              platform: Optional[str] = None) -> jax.Array:
     """Grouped-query attention with float32 scores and softmax. Returns [B, T, N, H] in q's dtype.
 
     Args:
@@ -97,6 +102,8 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slo
       query_slot_bt: int32 [B, T], the key slot of each query: it sees the valid slots up to and including this one
         (-1: sees nothing).
       key_valid_bs: bool [B, S], the slot holds a real key.
+      query_first_bt: int32 [B, T], the first key slot each query may see (its segment's start in a packed row);
+        None: 0.
       implementation: "xla" (dense reference), "blockwise", "splash", "cudnn" or "auto" (see `resolve`).
       query_block, key_block: the largest tile (blockwise): T and S are cut into ceil(T / query_block) and
         ceil(S / key_block) equal blocks (padded by less than one row per block); splash's blocks (see
@@ -109,22 +116,28 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slo
     impl = resolve(implementation, q_btnh.shape[1], k_bskh.shape[1], query_block, key_block,
                    full_forward=full_forward, platform=platform, dtype=jnp.dtype(q_btnh.dtype).name)
     if impl == "xla":
-        return dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs)
+        return dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt)
     if impl == "splash":
-        return splash_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, query_block=query_block,
+        return splash_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, query_first_bt, query_block=query_block,
                                 key_block=key_block, interpret=platform != "tpu")
-    if impl == "cudnn":
+    if impl == "cudnn" and query_first_bt is None:
         return fused_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, implementation="cudnn")
-    return blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_block=query_block,
-                               key_block=key_block)
+    return blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt,
+                               query_block=query_block, key_block=key_block)
 
 
-def dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs) -> jax.Array:
+def _first_or_zero(query_first_bt, query_slot_bt):
+    return jnp.zeros_like(query_slot_bt) if query_first_bt is None else query_first_bt.astype(jnp.int32)
+
+
+def dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt=None) -> jax.Array:
     """The reference: full float32 scores [B, K, G, T, S], masked to float32's lowest value, softmax over S."""
     b, t, n, h = q_btnh.shape
     s, k = k_bskh.shape[1], k_bskh.shape[2]
-    visible_bts = key_valid_bs[:, None, :] & (jnp.arange(s, dtype=jnp.int32)[None, None, :]
-                                              <= query_slot_bt[:, :, None])
+    index_s = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    first_bt = _first_or_zero(query_first_bt, query_slot_bt)
+    visible_bts = (key_valid_bs[:, None, :] & (index_s <= query_slot_bt[:, :, None])
+                   & (index_s >= first_bt[:, :, None]))
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     scores = scores * (h ** -0.5)
@@ -147,13 +160,15 @@ def splash_block(block: int, length: int) -> int:
     return min(_round_up(block, _LANES), _round_up(length, _LANES))
 
 
-def splash_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, *, query_block: int = 512, key_block: int = 512,
-                     interpret: bool = False) -> jax.Array:
-    """Causal self-attention over one chunk (query t at key slot t, sees the real keys s <= t) through the Pallas
-    splash kernel. Returns [B, T, N, H] in q's dtype; a padding query row (key_valid_bt false) is zeros.
+def splash_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, query_first_bt=None, *, query_block: int = 512,
+                     key_block: int = 512, interpret: bool = False) -> jax.Array:
+    """Causal self-attention over one chunk (query t at key slot t, sees the real keys query_first <= s <= t)
+    through the Pallas splash kernel. Returns [B, T, N, H] in q's dtype; a padding query row (key_valid_bt false)
+    is zeros.
 
     Args:
       q_btnh: [B, T, N, H]; k_btkh, v_btkh: [B, T, K, H]; key_valid_bt: bool [B, T], the token is real.
+      query_first_bt: int32 [B, T] the first token of each token's segment in a packed row (None: one segment).
       query_block, key_block: see `splash_block` (the forward, dq and dkv kernels all use these); T is padded
         inside, as padding, to a multiple of both.
       interpret: run the kernel in Pallas interpret mode (any backend; for tests).
@@ -165,7 +180,9 @@ def splash_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, *, query_block: int =
     bq, bk = splash_block(query_block, t), splash_block(key_block, t)
     length = _round_up(t, math.lcm(bq, bk))
     pad_btnh = ((0, 0), (0, length - t), (0, 0), (0, 0))
-    segment_bt = jnp.pad(key_valid_bt.astype(jnp.int32), ((0, 0), (0, length - t)))  # 1 real, 0 padding
+    # 0 padding; a real token: its segment's first index + 1 (one segment, 1, without query_first_bt).
+    segment_bt = jnp.where(key_valid_bt, 1 + _first_or_zero(query_first_bt, jnp.zeros((b, t), jnp.int32)), 0)
+    segment_bt = jnp.pad(segment_bt, ((0, 0), (0, length - t)))
     scaled_q_btnh = (q_btnh.astype(jnp.float32) * h ** -0.5).astype(q_btnh.dtype)  # the kernel does not scale
     q_bnth, k_bkth, v_bkth = (jnp.pad(x, pad_btnh).transpose(0, 2, 1, 3) for x in (scaled_q_btnh, k_btkh, v_btkh))
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
@@ -236,21 +253,27 @@ def blocks(length: int, block: int) -> tuple[int, int]:
     return count, -(-length // count)
 
 
-def blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, *, query_block: int = 512,
-                        key_block: int = 512) -> jax.Array:
+def blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt=None, *,
+                        query_block: int = 512, key_block: int = 512) -> jax.Array:
     """Online-softmax attention over [query block, key block] tiles; same arguments and result as `attention`."""
     b, t, n, h = q_btnh.shape
     s, k = k_bskh.shape[1], k_bskh.shape[2]
     if v_bskh.shape != k_bskh.shape or n % k or query_slot_bt.shape != (b, t) or key_valid_bs.shape != (b, s):
         raise ValueError(f"attention shapes: q {q_btnh.shape}, k {k_bskh.shape}, v {v_bskh.shape}, "
                          f"query_slot {query_slot_bt.shape}, key_valid {key_valid_bs.shape}")
-    return _blockwise(q_btnh, k_bskh, v_bskh, query_slot_bt.astype(jnp.int32), key_valid_bs.astype(bool),
-                      blocks(t, query_block), blocks(s, key_block))
+    query_first_bt = _first_or_zero(query_first_bt, query_slot_bt)
+    if query_first_bt.shape != (b, t):
+        raise ValueError(f"attention shapes: query_first {query_first_bt.shape}, expected {(b, t)}")
+    # The window [first, slot] of each query as one int32 array [2, B, T].
+    window_wbt = jnp.stack([query_first_bt, query_slot_bt.astype(jnp.int32)])
+    return _blockwise(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs.astype(bool), blocks(t, query_block),
+                      blocks(s, key_block))
 
 
-# Internal layout: queries [nq, B, Tq, K, G, H], keys / values [nk, B, Sk, K, H], per-row statistics [nq, B, K, G, Tq].
+# Internal layout: queries [nq, B, Tq, K, G, H], their windows [nq, 2, B, Tq] (first, slot), keys / values
+# [nk, B, Sk, K, H], per-row statistics [nq, B, K, G, Tq].
 
-def _query_blocks(q_btnh, dout_btnh, query_slot_bt, k: int, qb: tuple[int, int]):
+def _query_blocks(q_btnh, dout_btnh, window_wbt, k: int, qb: tuple[int, int]):
     nq, tq = qb
     b, t, n, h = q_btnh.shape
     pad = nq * tq - t
@@ -259,8 +282,9 @@ def _query_blocks(q_btnh, dout_btnh, query_slot_bt, k: int, qb: tuple[int, int])
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
         return x.reshape(b, nq, tq, k, n // k, h).swapaxes(0, 1)
 
-    slot = jnp.pad(query_slot_bt, ((0, 0), (0, pad)), constant_values=-1).reshape(b, nq, tq).swapaxes(0, 1)
-    return split(q_btnh), None if dout_btnh is None else split(dout_btnh), slot
+    window = jnp.pad(window_wbt, ((0, 0), (0, 0), (0, pad)), constant_values=-1)  # padding queries see nothing
+    return split(q_btnh), None if dout_btnh is None else split(dout_btnh), window.reshape(2, b, nq, tq).transpose(
+        2, 0, 1, 3)
 
 
 def _key_blocks(k_bskh, v_bskh, key_valid_bs, kb: tuple[int, int]):
@@ -275,24 +299,30 @@ def _key_blocks(k_bskh, v_bskh, key_valid_bs, kb: tuple[int, int]):
     return split(k_bskh), split(v_bskh), valid
 
 
-def _active_tiles(slot_qbt, valid_kbs) -> jax.Array:
-    """bool [nq, nk]: some query of query block i sees some key of key block j (in any row of the batch)."""
+def _active_tiles(window_qwbt, valid_kbs) -> jax.Array:
+    """bool [nq, nk]: in some row of the batch, key block j holds a valid key inside the span of query block i's
+    windows (a superset of the tiles where some query sees some key)."""
     nk, _, sk = valid_kbs.shape
     index_ks = jnp.arange(nk * sk, dtype=jnp.int32).reshape(nk, 1, sk)
     first_valid_kb = jnp.min(jnp.where(valid_kbs, index_ks, jnp.iinfo(jnp.int32).max), axis=-1)
-    last_slot_qb = jnp.max(slot_qbt, axis=-1)
-    return jnp.any(first_valid_kb[None, :, :] <= last_slot_qb[:, None, :], axis=-1)
+    last_valid_kb = jnp.max(jnp.where(valid_kbs, index_ks, -1), axis=-1)
+    seeing_qwbt = window_qwbt[:, 1:] >= window_qwbt[:, :1]  # queries with a non-empty window
+    first_qb = jnp.min(jnp.where(seeing_qwbt[:, 0], window_qwbt[:, 0], jnp.iinfo(jnp.int32).max), axis=-1)
+    last_slot_qb = jnp.max(jnp.where(seeing_qwbt[:, 0], window_qwbt[:, 1], -1), axis=-1)
+    return jnp.any((first_valid_kb[None, :, :] <= last_slot_qb[:, None, :])
+                   & (last_valid_kb[None, :, :] >= first_qb[:, None, :]), axis=-1)
 
 
-def _tile_scores(q_btkgh, k_bskh, slot_bt, valid_bs, key_start, scale):
+def _tile_scores(q_btkgh, k_bskh, window_wbt, valid_bs, key_start, scale):
     """Scaled float32 scores [B, K, G, Tq, Sk] of one tile, -inf where not visible."""
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
-    index_s = key_start + jnp.arange(k_bskh.shape[1], dtype=jnp.int32)
-    visible = valid_bs[:, None, :] & (index_s[None, None, :] <= slot_bt[:, :, None])
+    index_s = key_start + jnp.arange(k_bskh.shape[1], dtype=jnp.int32)[None, None, :]
+    visible = (valid_bs[:, None, :] & (index_s >= window_wbt[0][:, :, None])
+               & (index_s <= window_wbt[1][:, :, None]))
     return jnp.where(visible[:, None, None], scores, -jnp.inf)
 
 
-def _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
+def _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):
     """Returns (out [B, T, N, H] in q's dtype, log-sum-exp [nq, B, K, G, Tq] float32: +inf on rows with no key)."""
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
@@ -300,17 +330,17 @@ def _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
     # Inside a scan (the layer stack) whose gradient is taken, JAX hoists what depends only on the scan's
     # invariants (here the mask vectors) out of the loop and stacks it over every tile: [nq, nk, B, K, G, Tq, Sk]
     # masks and -inf fills, the very [T, S] buffers this path avoids. Tying the vectors to q keeps them in the loop.
-    q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs = jax.lax.optimization_barrier(
-        (q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs))
-    q_blocks, _, slot_blocks = _query_blocks(q_btnh, None, query_slot_bt, k, qb)
+    q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs = jax.lax.optimization_barrier(
+        (q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs))
+    q_blocks, _, window_blocks = _query_blocks(q_btnh, None, window_wbt, k, qb)
     k_blocks, v_blocks, valid_blocks = _key_blocks(k_bskh, v_bskh, key_valid_bs, kb)
-    active = _active_tiles(slot_blocks, valid_blocks)
+    active = _active_tiles(window_blocks, valid_blocks)
     sk = kb[1]
     # A query that sees no key: the dense path's uniform softmax over all S slots.
     uniform_bkh = jnp.mean(v_bskh.astype(jnp.float32), axis=1)
 
     def query_block(_, xs):
-        q_i, slot_i, active_i = xs
+        q_i, window_i, active_i = xs
         stats = jnp.full((b, k, n // k, q_i.shape[1]), -jnp.inf, jnp.float32)
         init = (stats, jnp.zeros_like(stats), jnp.zeros(stats.shape + (h,), jnp.float32))
 
@@ -319,7 +349,7 @@ def _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
 
             def update(carry):
                 m, l, acc = carry
-                scores = _tile_scores(q_i, k_j, slot_i, valid_j, j * sk, scale)
+                scores = _tile_scores(q_i, k_j, window_i, valid_j, j * sk, scale)
                 m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # -inf: nothing seen yet
                 p = jnp.exp(scores - m_safe[..., None])
@@ -337,33 +367,33 @@ def _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
         return None, (out.astype(q_btnh.dtype).transpose(0, 3, 1, 2, 4), lse)  # out [B, Tq, K, G, H]
 
-    _, (out, lse) = jax.lax.scan(query_block, None, (q_blocks, slot_blocks, active))
+    _, (out, lse) = jax.lax.scan(query_block, None, (q_blocks, window_blocks, active))
     out = out.swapaxes(0, 1).reshape(b, qb[0] * qb[1], n, h)[:, :t]
     return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blockwise(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
-    return _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb)[0]
+def _blockwise(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):
+    return _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb)[0]
 
 
-def _blockwise_fwd(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb):
-    out, lse = _forward(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, qb, kb)
-    return out, (q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, out, lse)
+def _blockwise_fwd(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):
+    out, lse = _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb)
+    return out, (q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, out, lse)
 
 
 def _blockwise_bwd(qb, kb, residuals, dout_btnh):
     """Flash-attention backward: per tile p = exp(scores - lse), dv += p^T dO, ds = p (dO v^T - rowsum(dO O)),
     dq += ds k, dk += ds^T q; an outer scan over key blocks (dk, dv of the block accumulate inside), an inner one
     over query blocks (dq, float32, carried whole)."""
-    q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, out_btnh, lse = residuals
+    q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, out_btnh, lse = residuals
     b, t, n, h = q_btnh.shape
     s, k = k_bskh.shape[1], k_bskh.shape[2]
     scale = h ** -0.5
-    q_blocks, dout_blocks, slot_blocks = _query_blocks(q_btnh, dout_btnh, query_slot_bt, k, qb)
-    _, o_blocks, _ = _query_blocks(q_btnh, out_btnh, query_slot_bt, k, qb)
+    q_blocks, dout_blocks, window_blocks = _query_blocks(q_btnh, dout_btnh, window_wbt, k, qb)
+    _, o_blocks, _ = _query_blocks(q_btnh, out_btnh, window_wbt, k, qb)
     k_blocks, v_blocks, valid_blocks = _key_blocks(k_bskh, v_bskh, key_valid_bs, kb)
-    active = _active_tiles(slot_blocks, valid_blocks)
+    active = _active_tiles(window_blocks, valid_blocks)
     sk = kb[1]
     # rowsum(dO * O) per query row [nq, B, K, G, Tq].
     delta = jnp.einsum("qbtkgh,qbtkgh->qbkgt", dout_blocks.astype(jnp.float32), o_blocks.astype(jnp.float32))
@@ -373,11 +403,11 @@ def _blockwise_bwd(qb, kb, residuals, dout_btnh):
         zeros = jnp.zeros(k_j.shape, jnp.float32)
 
         def query_block(carry, ys):
-            q_i, do_i, slot_i, lse_i, delta_i, dq_i, active_ij = ys
+            q_i, do_i, window_i, lse_i, delta_i, dq_i, active_ij = ys
 
             def update(args):
                 (dk_j, dv_j), dq_i = args
-                scores = _tile_scores(q_i, k_j, slot_i, valid_j, j * sk, scale)
+                scores = _tile_scores(q_i, k_j, window_i, valid_j, j * sk, scale)
                 p = jnp.exp(scores - lse_i[..., None])
                 dv_j = dv_j + jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
                                          preferred_element_type=jnp.float32)
@@ -393,7 +423,7 @@ def _blockwise_bwd(qb, kb, residuals, dout_btnh):
             return carry, dq_i
 
         (dk_j, dv_j), dq = jax.lax.scan(query_block, (zeros, zeros), (
-            q_blocks, dout_blocks, slot_blocks, lse, delta, dq, active_j))
+            q_blocks, dout_blocks, window_blocks, lse, delta, dq, active_j))
         return dq, (dk_j, dv_j)
 
     dq0 = jnp.zeros(q_blocks.shape, jnp.float32)

@@ -18,6 +18,7 @@ from llds_jax import parallel
 from llds_jax.model import kv_cache as kv_lib
 from llds_jax.model.attention import attention
 from llds_jax.model import rope as rope_lib
+from llds_jax.model.vocab import embed_lookup
 from llds_jax.model.config import ModelConfig
 
 def rms_norm(x_btd: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
@@ -62,11 +63,12 @@ class DecoderLayers(nnx.Module):
         return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
-def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, kv, prefill=False):
+def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, query_first_bt, kv,
+           prefill=False):
     """One decoder block. `kv` is None (keys = this chunk) or (k_bskh, v_bskh, slot_start_b) to write into; key
-    slot s is visible to query t iff key_valid_bs[b, s] and s <= query_slot_bt[b, t]. `prefill`: the cache is
-    empty, so the keys are this chunk's alone (query_slot_bt = t, key_valid_bs [B, T]), as in a full forward,
-    and are still written into the cache."""
+    slot s is visible to query t iff key_valid_bs[b, s] and query_first_bt[b, t] <= s <= query_slot_bt[b, t]
+    (query_first_bt None: 0). `prefill`: the cache is empty, so the keys are this chunk's alone (query_slot_bt = t,
+    key_valid_bs [B, T]), as in a full forward, and are still written into the cache."""
     dt = jnp.dtype(cfg.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
     h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
@@ -84,7 +86,7 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
         if not prefill:
             k, v = new_kv
     # A full forward (or prefill): query t sits at key slot t of this chunk, which the fused kernels serve.
-    out = attention(q, k, v, query_slot_bt, key_valid_bs, implementation=cfg.attention,
+    out = attention(q, k, v, query_slot_bt, key_valid_bs, query_first_bt, implementation=cfg.attention,
                     query_block=cfg.attention_query_block, key_block=cfg.attention_key_block,
                     full_forward=kv is None or prefill, platform=cfg.attention_platform)
     x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out, w["o_proj"])
@@ -113,8 +115,8 @@ class Transformer(nnx.Module):
         w = self.embed.get_value().T if self.cfg.tie_word_embeddings else self.lm_head.get_value()
         return w.astype(jnp.dtype(self.cfg.dtype))
 
-    def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bs, cache: Optional[kv_lib.KVCache],
-                    slot_start_b, prefill=False):
+    def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bs, query_first_bt,
+                    cache: Optional[kv_lib.KVCache], slot_start_b, prefill=False):
         cfg = self.cfg
         cos, sin = rope_lib.rope_angles(positions_bt, rope_lib.inverse_frequencies(cfg))
         params = self.layers.arrays()
@@ -122,7 +124,7 @@ class Transformer(nnx.Module):
         def body(x, xs):
             p, kv = xs
             kv_in = None if kv is None else (kv[0], kv[1], slot_start_b)
-            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, kv_in, prefill)
+            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, query_first_bt, kv_in, prefill)
             return x, kv_out
 
         if cfg.remat:
@@ -140,19 +142,27 @@ class Transformer(nnx.Module):
         return rms_norm(x_btd, self.final_norm.get_value(), cfg.rms_norm_eps), kv_out
 
     def _embed(self, tokens_bt: jax.Array) -> jax.Array:
-        x = jnp.take(self.embed.get_value(), tokens_bt, axis=0).astype(jnp.dtype(self.cfg.dtype))
-        return parallel.constrain(x, parallel.BATCH, None, None)
+        return embed_lookup(self.embed.get_value(), tokens_bt, jnp.dtype(self.cfg.dtype))
 
-    def hidden(self, tokens_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    def hidden(self, tokens_bt: jax.Array, mask_bt: jax.Array, segment_first_bt: Optional[jax.Array] = None
+               ) -> jax.Array:
         """Final-normed hidden states [B, T, D] of a full forward.
 
         mask_bt is 1 on real tokens and 0 on padding (left or right); RoPE positions count real tokens only,
-        attention is causal over real tokens.
+        attention is causal over real tokens. A row packed with several sequences passes `segment_first_bt`
+        (int32 [B, T], the index of the first token of each token's sequence): positions restart at each sequence
+        and no token sees another sequence's.
         """
         mask = mask_bt.astype(bool)
-        positions_bt = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        count_bt = jnp.cumsum(mask, axis=1, dtype=jnp.int32)
+        if segment_first_bt is None:
+            positions_bt = jnp.maximum(count_bt - 1, 0)
+        else:  # real tokens before t, less those before its sequence's first token
+            before_bt = count_bt - mask
+            positions_bt = before_bt - jnp.take_along_axis(before_bt, segment_first_bt.astype(jnp.int32), axis=1)
         query_slot_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, query_slot_bt, mask, None, None)
+        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, query_slot_bt, mask, segment_first_bt, None,
+                                None)
         return h
 
     def __call__(self, tokens_bt: jax.Array, mask_bt: Optional[jax.Array] = None) -> jax.Array:
@@ -162,8 +172,10 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden(tokens_bt, mask_bt))
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
-        """Float32 logits [B, T, V] from hidden states."""
-        return jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
+        """Float32 logits [B, T, V] from hidden states, V split as the output projection is (under a mesh): each
+        device multiplies every row by its own vocabulary shard, so the [D, V] projection is never gathered."""
+        logits_btv = jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
+        return parallel.constrain(logits_btv, None, None, parallel.VOCAB)
 
     def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array, cache: kv_lib.KVCache,
                prefill: bool = False) -> tuple[jax.Array, kv_lib.KVCache]:
@@ -184,7 +196,7 @@ class Transformer(nnx.Module):
         positions_bt = cache.next_pos_b[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
         positions_bt = jnp.maximum(positions_bt, 0)
         keys_valid = valid if prefill else valid_bs
-        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, keys_valid, cache, cache.end_b,
-                                     prefill)
+        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, keys_valid, None, cache,
+                                     cache.end_b, prefill)
         new_cache = kv_lib.KVCache(k_lbskh=k, v_lbskh=v, valid_bs=valid_bs, end_b=end_b, next_pos_b=next_pos_b)
         return h, new_cache

@@ -124,6 +124,8 @@ class UpdateConfig:
       adam_b1, adam_b2, adam_eps, weight_decay: AdamW.
       logp_time_chunk: time steps per log-prob chunk (peak logits memory: micro_batch * chunk * V float32).
       reference_dtype: storage dtype of the frozen reference parameters, "float32" or "bfloat16".
+      pack_trajectories: run the forwards (log-probs, updates) on each micro-batch's trajectories packed into fewer
+        rows (llds_jax/rl/packing.py); same micro-batches and per-token results, less padding. False: one row each.
     """
 
     mini_batch_size: int = 256
@@ -137,6 +139,7 @@ class UpdateConfig:
     weight_decay: float = 0.01
     logp_time_chunk: int = DEFAULT_TIME_CHUNK
     reference_dtype: str = "float32"
+    pack_trajectories: bool = False
 
     def __post_init__(self):
         for key in ("mini_batch_size", "micro_batch_size", "logp_time_chunk"):

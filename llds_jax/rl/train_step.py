@@ -4,7 +4,9 @@ Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`, `batch` a `Rollo
 its rewards and advantages set:
 1. check the batch on the host; the whole-batch statistics of the configured loss terms (`terms.batch_statistics`,
    e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches K, micro-batch size, ...] (sharded on the
-   micro-batch axis over the mesh's data axes, so every micro-batch spans all devices);
+   micro-batch axis over the mesh's data axes, so every micro-batch spans all devices); with
+   `optim.pack_trajectories`, each micro-batch's trajectories are also packed into fewer rows for the forward
+   (llds_jax/rl/packing.py: same micro-batches, same per-token results, less padding);
 2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only;
 3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
    loss of each of the K micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
@@ -36,6 +38,7 @@ from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
 from llds_jax.rl.logprobs import mesh_batch_axes, model_token_logp
 from llds_jax.rl.losses import objective_loss
+from llds_jax.rl.packing import PackedRows, pack, rows_needed, unpack
 from llds_jax.rl.terms import LossInputs, batch_statistics
 
 
@@ -62,11 +65,14 @@ class PreparedBatch(NamedTuple):
       batch: the RolloutBatch with every array as [U, K, micro, ...] (sharded on the micro axis over the data axes).
       batch_stats: the loss terms' whole-batch statistics (`terms.batch_statistics`), replicated scalars.
       num_updates: U, the optimizer updates of this batch.
+      rows: with `optim.pack_trajectories`, each micro-batch's trajectories packed into R rows ([U, K, R, L] and
+        [U, K, micro, L] arrays, sharded like `batch`), which the forwards run on; None: the forwards run on `batch`.
     """
 
     batch: RolloutBatch
     batch_stats: dict[str, jax.Array]
     num_updates: int
+    rows: PackedRows | None = None
 
 
 class BatchMetrics(NamedTuple):
@@ -74,8 +80,8 @@ class BatchMetrics(NamedTuple):
 
     Attributes:
       scalars: name -> float: means over updates (plus `actor/grad_norm_max`), pre-update likelihood metrics,
-        seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`),
-        post-update LLD metrics when measured.
+        seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`), the padding share of
+        the rows the forwards run on (`perf/padding`), post-update LLD metrics when measured.
       per_update: name -> [U] array, one value per optimizer update (mean over its micro-batches).
       delta_traj_b: [B] Delta_traj per trajectory when `measure_lld`, else None.
     """
@@ -169,6 +175,7 @@ class RLTrainStep:
         self._likelihood = jax.jit(_likelihood_metrics)
         self._lld = jax.jit(_lld_metrics)
         self._update = None  # jitted on first use, with the state's shardings as output shardings
+        self._row_counts: set[int] = set()  # packed-row counts compiled so far (a smaller one reuses a larger)
 
     # ----- state ---------------------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State | None = None) -> TrainState:
@@ -238,9 +245,23 @@ class RLTrainStep:
                                  f"data axes size ({shards})")
         layout = self._layout(num)
         stats = batch_statistics(batch, self.objective)
-        return PreparedBatch(batch=jax.tree.map(lambda x: self._put(x.reshape(layout + x.shape[1:])), batch),
+        laid_out = jax.tree.map(lambda x: x.reshape(layout + x.shape[1:]), batch)
+        return PreparedBatch(batch=jax.tree.map(self._put, laid_out),
                              batch_stats={name: self._put(np.float32(value)) for name, value in stats.items()},
-                             num_updates=num_updates)
+                             num_updates=num_updates,
+                             rows=self._packed_rows(laid_out) if cfg.pack_trajectories else None)
+
+    def _packed_rows(self, laid_out: RolloutBatch) -> PackedRows:
+        """Each micro-batch of a laid-out host batch packed into R rows, placed on the device(s). R: the most rows a
+        micro-batch needs, rounded up to the data-axes size, or a larger R compiled already (bounded compiles)."""
+        layout = laid_out.tokens_bt.shape[:2]
+        tokens_nml, mask_nml = (x.reshape((-1,) + x.shape[2:]) for x in (laid_out.tokens_bt, laid_out.mask_bt))
+        shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh)) if self.mesh is not None else 1
+        needed = -(-rows_needed(mask_nml) // shards) * shards
+        num_rows = min((r for r in self._row_counts if r >= needed), default=needed)
+        self._row_counts.add(num_rows)
+        rows = pack(tokens_nml, mask_nml, num_rows)
+        return jax.tree.map(lambda x: self._put(x.reshape(layout + x.shape[1:])), rows)
 
     def _layout(self, num: int) -> tuple[int, int, int]:
         """(U, K, micro) of a batch of `num` trajectories."""
@@ -263,17 +284,23 @@ class RLTrainStep:
 
     def batch_spec(self, num: int, length: int) -> PreparedBatch:
         """The abstract `prepare_batch` result of a rollout batch of `num` trajectories of `length` tokens, for
-        ahead-of-time compilation."""
+        ahead-of-time compilation (packed: the worst case, one row per trajectory)."""
         layout = self._layout(num)
 
-        def spec(name: str) -> jax.ShapeDtypeStruct:
-            shape = layout + ((length,) if name.endswith("_bt") else ())
-            return jax.ShapeDtypeStruct(shape, batch_dtype(name), sharding=self._batch_sharding(len(shape)))
+        def spec(shape, dtype) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch_sharding(len(shape)))
 
-        batch = RolloutBatch(**{field.name: spec(field.name) for field in dataclasses.fields(RolloutBatch)})
-        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._batch_sharding(0))
-        stats = {name: scalar for name in batch_statistics(RolloutBatch.zeros(1, 1), self.objective)}
-        return PreparedBatch(batch=batch, batch_stats=stats, num_updates=layout[0])
+        batch = RolloutBatch(**{field.name: spec(layout + ((length,) if field.name.endswith("_bt") else ()),
+                                                 batch_dtype(field.name))
+                                for field in dataclasses.fields(RolloutBatch)})
+        rows = None
+        if self.update_cfg.pack_trajectories:
+            rows = PackedRows(tokens_rl=spec(layout + (length,), jnp.int32),
+                              mask_rl=spec(layout + (length,), jnp.float32),
+                              segment_first_rl=spec(layout + (length,), jnp.int32),
+                              source_ml=spec(layout + (length,), jnp.int32))
+        stats = {name: spec((), jnp.float32) for name in batch_statistics(RolloutBatch.zeros(1, 1), self.objective)}
+        return PreparedBatch(batch=batch, batch_stats=stats, num_updates=layout[0], rows=rows)
 
     def _replicated(self):
         return None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -282,25 +309,32 @@ class RLTrainStep:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     # ----- jitted pieces -------------------------------------------------------------------------------------------
-    def _token_logp(self, params, tokens_bt, mask_bt):
+    def _token_logp(self, params, tokens_mt, mask_mt, rows: PackedRows | None):
+        """(logp, entropy) [micro, T] of one micro-batch's trajectories: a forward over the trajectories, or over
+        their packed rows (`rows`, one micro-batch's) brought back to the trajectories' layout."""
         model = nnx.merge(self.graphdef, params, self._rest)
-        return model_token_logp(model, tokens_bt, mask_bt, temperature=self.objective.temperature,
-                                time_chunk=self.update_cfg.logp_time_chunk, mesh=self.mesh)
+        logp = functools.partial(model_token_logp, model, temperature=self.objective.temperature,
+                                 time_chunk=self.update_cfg.logp_time_chunk, mesh=self.mesh)
+        if rows is None:
+            return logp(tokens_mt, mask_mt)
+        logp_rl, entropy_rl = logp(rows.tokens_rl, rows.mask_rl, segment_first_bt=rows.segment_first_rl)
+        return unpack(logp_rl, rows.source_ml), unpack(entropy_rl, rows.source_ml)
 
-    def _logp_impl(self, params, tokens_ukmt, mask_ukmt):
+    def _logp_impl(self, params, tokens_ukmt, mask_ukmt, rows: PackedRows | None):
         """Forward-only logp of a laid-out batch, one micro-batch at a time. [U, K, micro, T]."""
         layout = tokens_ukmt.shape
-        flat = (tokens_ukmt.reshape((-1,) + layout[2:]), mask_ukmt.reshape((-1,) + layout[2:]))
+        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_ukmt, mask_ukmt, rows))
         logp_nmt = jax.lax.map(lambda xs: self._token_logp(params, *xs)[0], flat)
         return logp_nmt.reshape(layout)
 
     def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
         """logp of every token of a prepared batch under `params` (jitted, no gradient). [U, K, micro, T]."""
         with self._mesh_context():
-            return self._logp(params, prepared.batch.tokens_bt, prepared.batch.mask_bt)
+            return self._logp(params, prepared.batch.tokens_bt, prepared.batch.mask_bt, prepared.rows)
 
-    def _micro_loss(self, params, micro: RolloutBatch, old_logp_bt, ref_logp_bt, batch_stats, first_update):
-        logp_bt, entropy_bt = self._token_logp(params, micro.tokens_bt, micro.mask_bt)
+    def _micro_loss(self, params, micro: RolloutBatch, rows: PackedRows | None, old_logp_bt, ref_logp_bt,
+                    batch_stats, first_update):
+        logp_bt, entropy_bt = self._token_logp(params, micro.tokens_bt, micro.mask_bt, rows)
         # The first update runs on the very parameters old_logp came from, so logp == old_logp exactly; take old_logp's
         # value (gradient unchanged) so that recomputation noise cannot open LLDS gates or move the ratio off 1.
         logp_bt = jnp.where(first_update, old_logp_bt + (logp_bt - jax.lax.stop_gradient(logp_bt)), logp_bt)
@@ -313,24 +347,26 @@ class RLTrainStep:
         metrics.update(update_metrics(inputs, self.objective))
         return loss, metrics
 
-    def _update_impl(self, state: TrainState, batch: RolloutBatch, batch_stats, old_logp, ref_logp, index):
+    def _update_impl(self, state: TrainState, batch: RolloutBatch, rows: PackedRows | None, batch_stats, old_logp,
+                     ref_logp, index):
         """One optimizer update on mini-batch `index` of a prepared batch ([U, K, micro, ...] arrays).
 
         Update 0 must run on the parameters old_logp was computed with (train_on_batch guarantees it).
         """
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        micro_k = jax.tree.map(take, batch)
+        micro_k, rows_k = jax.tree.map(take, (batch, rows))
         old_k = take(old_logp)
         ref_k = None if ref_logp is None else take(ref_logp)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def accumulate(grad_sum, xs):
-            micro, old_bt, ref_bt = xs
-            (loss, metrics), grads = grad_fn(state.params, micro, old_bt, ref_bt, batch_stats, index == 0)
+            micro, micro_rows, old_bt, ref_bt = xs
+            (loss, metrics), grads = grad_fn(state.params, micro, micro_rows, old_bt, ref_bt, batch_stats,
+                                             index == 0)
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grad_sum, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (micro_k, old_k, ref_k))
+        grad_sum, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (micro_k, rows_k, old_k, ref_k))
         num_micro = loss_k.shape[0]
         grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
         loss = jnp.mean(loss_k)
@@ -373,12 +409,14 @@ class RLTrainStep:
             programs = [("optimizer init", init.lower(state.params))]
             if ref_params is not None:
                 programs += [("reference copy", self._reference_copier(state.params).lower(state.params)),
-                             ("logp (reference)", self._logp.lower(ref_params, batch.tokens_bt, batch.mask_bt))]
+                             ("logp (reference)", self._logp.lower(ref_params, batch.tokens_bt, batch.mask_bt,
+                                                                   prepared.rows))]
             programs += [
-                ("logp (policy)", self._logp.lower(state.params, batch.tokens_bt, batch.mask_bt)),
+                ("logp (policy)", self._logp.lower(state.params, batch.tokens_bt, batch.mask_bt, prepared.rows)),
                 ("likelihood metrics", self._likelihood.lower(logp, batch)),
                 (f"update ({prepared.num_updates} per step)", self._jitted_update(state).lower(
-                    state, batch, prepared.batch_stats, logp, None if ref_params is None else logp, index)),
+                    state, batch, prepared.rows, prepared.batch_stats, logp, None if ref_params is None else logp,
+                    index)),
             ]
             if measure_lld:
                 programs.append(("lld metrics", self._lld.lower(logp, logp, batch)))
@@ -405,6 +443,7 @@ class RLTrainStep:
         if ref_params is None and self.objective.kl_coef:
             raise ValueError("ref_params is required when objective.kl_coef > 0")
         prepared = self.prepare_batch(batch)
+        real_tokens = float(np.sum(np.asarray(batch.mask_bt) > 0))
         start = time.perf_counter()
         old_logp = self.sequence_logp(state.params, prepared)
         ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
@@ -418,8 +457,8 @@ class RLTrainStep:
                 if index and between_updates is not None:
                     jax.block_until_ready(per_update[-1])
                     between_updates()
-                state, metrics = update(state, prepared.batch, prepared.batch_stats, old_logp, ref_logp,
-                                        jnp.int32(index))
+                state, metrics = update(state, prepared.batch, prepared.rows, prepared.batch_stats, old_logp,
+                                        ref_logp, jnp.int32(index))
                 per_update.append(metrics)
         state = state._replace(step=state.step + 1)
         after, delta_traj_b = {}, None
@@ -434,6 +473,8 @@ class RLTrainStep:
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)
         scalars["actor/updates"] = float(prepared.num_updates)
+        forward_bt = prepared.rows.tokens_rl if prepared.rows is not None else prepared.batch.tokens_bt
+        scalars["perf/padding"] = 1.0 - real_tokens / math.prod(forward_bt.shape)
         scalars["perf/logp_s"] = logp_s
         scalars["perf/update_s"] = time.perf_counter() - start - logp_s
         scalars.update({key: float(value) for key, value in {**before, **after}.items()})

@@ -1,0 +1,130 @@
+"""Packed trajectories: the packing itself, the packed forward against the unpacked one, and a whole train step."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.rl.conftest import STEP_UPDATE, TINY_MODEL
+from llds_jax import parallel
+from llds_jax.model import ModelConfig, Transformer
+from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.rl.logprobs import model_token_logp
+from llds_jax.rl.packing import first_fit_rows, pack, rows_needed, unpack
+from llds_jax.rl.train_step import RLTrainStep
+
+
+def test_first_fit_by_decreasing_length():
+    assert first_fit_rows(np.array([5, 3, 4, 2]), 8) == [[0, 1], [2, 3]]
+    assert first_fit_rows(np.array([8, 8, 1]), 8) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="a trajectory has 9 tokens, more than the row length 8"):
+        first_fit_rows(np.array([9]), 8)
+
+
+def test_pack_places_every_real_token_once_and_unpack_brings_it_back(make_rollout):
+    batch = make_rollout(3, 16, 24, 96)  # left and right padding
+    tokens_nml, mask_nml = batch.tokens_bt.reshape(4, 4, 24), batch.mask_bt.reshape(4, 4, 24)
+    num_rows = rows_needed(mask_nml)
+    assert num_rows < 4
+    rows = pack(tokens_nml, mask_nml, num_rows)
+    assert rows.tokens_rl.shape == (4, num_rows, 24) and rows.source_ml.shape == (4, 4, 24)
+    np.testing.assert_array_equal(rows.mask_rl.sum(axis=(1, 2)), mask_nml.sum(axis=(1, 2)))
+    for n in range(4):
+        real_ml = mask_nml[n] > 0
+        first_real_ml = real_ml & (np.cumsum(real_ml, axis=1) == 1)
+        # Every real token but each trajectory's first has a place; the places are distinct and hold the token.
+        np.testing.assert_array_equal(rows.source_ml[n] >= 0, real_ml & ~first_real_ml)
+        places = rows.source_ml[n][rows.source_ml[n] >= 0]
+        assert len(set(places.tolist())) == len(places)
+        back_ml = unpack(jnp.asarray(rows.tokens_rl[n], jnp.float32), jnp.asarray(rows.source_ml[n]))
+        np.testing.assert_array_equal(np.asarray(back_ml), np.where(rows.source_ml[n] >= 0, tokens_nml[n], 0))
+        # segment_first: each packed token's trajectory starts there (a real token whose predecessor is another
+        # trajectory's or none); padding points at itself.
+        first_rl, index_l = rows.segment_first_rl[n], np.arange(24)
+        assert np.all(first_rl <= index_l) and np.all(rows.mask_rl[n][first_rl == index_l[None]] >= 0)
+        np.testing.assert_array_equal(first_rl[rows.mask_rl[n] == 0], np.broadcast_to(index_l, first_rl.shape)[
+            rows.mask_rl[n] == 0])
+        starts = np.sum(first_rl == index_l[None], where=rows.mask_rl[n] > 0)
+        assert starts == 4  # one start per trajectory
+    with pytest.raises(ValueError, match=rf"micro-batch 0 needs {rows_needed(mask_nml[:1])} rows, more than 1"):
+        pack(tokens_nml[:1], mask_nml[:1], 1)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "blockwise", "splash"])
+def test_packed_forward_equals_unpacked_values_and_gradients(make_rollout, implementation):
+    """Log-probs and entropies of packed rows, unpacked, equal the one-row-per-trajectory forward wherever a token
+    has a prediction; so do the parameter gradients of a loss on the loss tokens (RoPE restarts, no attention
+    across trajectories: a leak or a shifted position changes the values)."""
+    cfg = ModelConfig.tiny(**TINY_MODEL, attention=implementation, attention_query_block=8, attention_key_block=8)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    batch = make_rollout(5, 8, 24, cfg.vocab_size)
+    rows = jax.tree.map(lambda x: jnp.asarray(x[0]), pack(batch.tokens_bt[None], batch.mask_bt[None],
+                                                          rows_needed(batch.mask_bt[None])))
+    assert rows.num_rows < 8
+    weights_bt = jnp.asarray(batch.loss_mask_bt) * jnp.cos(jnp.arange(24.0))
+
+    def unpacked(params):
+        return model_token_logp(nnx.merge(graphdef, params), batch.tokens_bt, batch.mask_bt, time_chunk=8)
+
+    def packed(params):
+        logp_rl, entropy_rl = model_token_logp(nnx.merge(graphdef, params), rows.tokens_rl, rows.mask_rl,
+                                               time_chunk=8, segment_first_bt=rows.segment_first_rl)
+        return unpack(logp_rl, rows.source_ml), unpack(entropy_rl, rows.source_ml)
+
+    def loss(forward, params):
+        logp_bt, entropy_bt = forward(params)
+        return jnp.sum(weights_bt * (logp_bt + 0.5 * entropy_bt))
+
+    has_prediction = np.asarray(rows.source_ml) >= 0
+    for want, got in zip(jax.jit(unpacked)(params), jax.jit(packed)(params)):
+        np.testing.assert_allclose(np.asarray(got)[has_prediction], np.asarray(want)[has_prediction], atol=2e-5)
+    want_grads = jax.jit(jax.grad(lambda p: loss(unpacked, p)))(params)
+    got_grads = jax.jit(jax.grad(lambda p: loss(packed, p)))(params)
+    for want, got in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4)
+
+
+def _packed_step(cfg, mesh=None):
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if mesh is not None:
+        parallel.shard_model(model, mesh)
+    return RLTrainStep(model, ObjectiveConfig(), dataclasses.replace(STEP_UPDATE, pack_trajectories=True),
+                       mesh=mesh)
+
+
+def _assert_same_step(state, metrics, plain_state, plain_metrics):
+    for want, got in zip(jax.tree.leaves(plain_state.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-4)
+    for key, want in plain_metrics.per_update.items():
+        if not key.startswith("perf/"):
+            np.testing.assert_allclose(metrics.per_update[key], want, atol=1e-6, rtol=1e-4, err_msg=key)
+    for key, want in plain_metrics.scalars.items():
+        if not key.startswith("perf/"):
+            np.testing.assert_allclose(metrics.scalars[key], want, atol=1e-6, rtol=1e-4, err_msg=key)
+    np.testing.assert_allclose(metrics.delta_traj_b, plain_metrics.delta_traj_b, atol=1e-5)
+
+
+def test_packed_train_step_equals_unpacked(tiny_model_cfg, step_batch, plain_step_result):
+    """Same micro-batches (counted in trajectories), same objective: every loss term, LLDS gate and LLD metric of
+    every update, and the parameters after the step, as without packing."""
+    _, plain_state, plain_metrics = plain_step_result
+    step = _packed_step(tiny_model_cfg)
+    prepared = step.prepare_batch(step_batch)
+    assert prepared.rows.num_rows < STEP_UPDATE.micro_batch_size  # the forwards run on fewer rows
+    state = step.init_state()
+    state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
+    assert metrics.scalars["loss/llds"] > 0  # the second update's LLDS term is live, and equal
+    _assert_same_step(state, metrics, plain_state, plain_metrics)
+
+
+def test_packed_train_step_on_a_mesh_equals_unpacked(tiny_model_cfg, step_batch, plain_step_result, mesh8):
+    """On data 2 x fsdp 2 x tensor 2: packed rows are a multiple of the 4 data shards; a trajectory's tokens may sit
+    on another device's row, and come back to its own."""
+    _, plain_state, plain_metrics = plain_step_result
+    step = _packed_step(tiny_model_cfg, mesh8)
+    assert step.prepare_batch(step_batch).rows.num_rows % 4 == 0
+    state = step.init_state()
+    state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
+    _assert_same_step(state, metrics, plain_state, plain_metrics)
