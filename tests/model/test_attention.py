@@ -446,7 +446,8 @@ def test_auto_routes_by_the_configured_platform_not_the_backend(monkeypatch):
     backend is the CPU): full forwards and prefill go to splash, extends over the cache and decode do not."""
     calls = []
     monkeypatch.setattr(attention_lib, "splash_attention",
-                        lambda q, kk, v, valid, **kwargs: calls.append(q.shape[1]) or jnp.zeros_like(q))
+                        lambda q, kk, v, valid, first, **kw: calls.append(q.shape[1]) or jnp.zeros_like(q))
+
     def hidden(model, t):
         nnx.eval_shape(lambda m: m.hidden(jnp.ones((1, t), jnp.int32), jnp.ones((1, t), jnp.int32)), model)
 
