@@ -22,4 +22,5 @@ def get_config():
     c.retriever = c.retriever.__class__({"backend": "elasticsearch", "hosts": "https://YOUR_ES_HOST:9200",
                                          "index": "wiki18"})
     c.rollout.max_batch_size = 16       # sessions of 16 rows: 32 do not fit a host's 4 chips (docs/tpu.md)
+    c.rollout.params_dtype = "bfloat16"  # each host's rollout copy of the params: half of the float32 one
     return c
