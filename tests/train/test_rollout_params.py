@@ -1,5 +1,5 @@
-"""rollout.params_dtype: the rollout samples on a copy of the params cast once per rollout; the training params, the
-optimizer state and the trainer's log-probs stay in the params' own dtype."""
+"""rollout.params_dtype: the rollout samples on a copy of the params cast once per rollout; the training params (what
+the optimizer and the trainer's log-probs use) stay the same float32 arrays."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +39,7 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     cfg.run_dir = str(tmp_path / "run")
     cfg.mesh.fsdp = -1
     cfg.data.samples_per_prompt = 4
-    cfg.optim.mini_batch_size = cfg.optim.micro_batch_size = 8
+    cfg.optim.mini_batch_size = cfg.optim.micro_batch_size = 8  # a multiple of the 8 batch shards (validation)
     cfg.rollout.params_dtype = "bfloat16"
     cfg.rollout.max_batch_size = 4
     cfg.rollout.decode_chunk = 2  # 8-token turns: up to 4 chunks a turn
