@@ -4,8 +4,9 @@
 Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md): the largest program is the rollout's
 observation extend, 20.76 GiB of 30.75 (32% headroom; 25.17 GiB with model.attention=xla); the update 18.79 GiB
 (23.88). Each host samples on its own 4 chips, so sessions hold 16 sequences (32 did not fit with the dense
-attention; not measured again with the blockwise one). Those figures predate `rollout.params_dtype = "bfloat16"`
-(below): they hold the float32 host-local copy of the params, which bfloat16 halves (docs/tpu.md).
+attention; not measured again with the blockwise one). Those figures hold a float32 host-local copy of the
+params; with `rollout.params_dtype = "bfloat16"` (below) the extend takes 15.29 GiB and the largest program is the
+update, 18.79 GiB (38.9% headroom; docs/tpu.md, "Rollout weights in bfloat16").
 """
 from llds_jax.config import default_config
 
