@@ -4,7 +4,9 @@
 Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md): the largest program is the rollout's
 observation extend, 20.76 GiB of 30.75 (32% headroom; 25.17 GiB with model.attention=xla); the update 18.79 GiB
 (23.88). Each host samples on its own 4 chips, so sessions hold 16 sequences (32 did not fit with the dense
-attention; not measured again with the blockwise one).
+attention; not measured again with the blockwise one). Those figures hold a float32 host-local copy of the
+params; with `rollout.params_dtype = "bfloat16"` (below) the extend takes 15.29 GiB and the largest program is the
+update, 18.79 GiB (38.9% headroom; docs/tpu.md, "Rollout weights in bfloat16").
 """
 from llds_jax.config import default_config
 
@@ -22,4 +24,5 @@ def get_config():
     c.retriever = c.retriever.__class__({"backend": "elasticsearch", "hosts": "https://YOUR_ES_HOST:9200",
                                          "index": "wiki18"})
     c.rollout.max_batch_size = 16       # sessions of 16 rows: 32 do not fit a host's 4 chips (docs/tpu.md)
+    c.rollout.params_dtype = "bfloat16"  # each host's rollout copy of the params: half of the float32 one
     return c

@@ -12,7 +12,8 @@ The programs, at the config's largest shapes (the worst case a long run can reac
 - rollout (each host's own chips with several hosts, as the trainer runs it): prefill of `rollout.max_batch_size`
   rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
   observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
-  (`rollout_shapes`); the same for evaluation (greedy, `eval.batch_size` rows);
+  (`rollout_shapes`); the same for evaluation (greedy, `eval.batch_size` rows); their params in
+  `rollout.params_dtype`, as the trainer casts them (with bfloat16 on float32 master weights, half the bytes);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
   reference, the likelihood metrics, one optimizer update with all its micro-batches and the LLD metrics, at the
   longest training batch (`rollout.max_context_tokens` rounded up to `train.sequence_bucket`).
@@ -339,7 +340,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     from llds_jax.rl.train_step import RLTrainStep
     from llds_jax.rollout.buckets import round_up
     from llds_jax.rollout.sampler import Sampler
-    from llds_jax.train.trainer import rollout_mesh
+    from llds_jax.train.trainer import abstract_rollout_params, rollout_mesh
 
     hosts = sorted({d.process_index for d in devices})
     train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
@@ -352,7 +353,12 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     ref = step.abstract_reference(state.params) if cfg.objective.kl_coef else None
     graphdef, _ = nnx.split(model)
     several_hosts = local_mesh is not train_mesh
-    rollout_params = parallel.abstract_params(state.params, local_mesh) if several_hosts else state.params
+    rollout_params = abstract_rollout_params(
+        parallel.abstract_params(state.params, local_mesh) if several_hosts else state.params,
+        cfg.rollout.params_dtype)
+    # The rollout's params are a copy of their own (the training params stay resident) on several hosts or in
+    # another dtype; else they are the training params themselves.
+    own_copy = several_hosts or cfg.rollout.params_dtype != cfg.model.param_dtype
     everything = (PARAMS, OPT_STATE, REFERENCE)
     rollout = []
     shapes_seen = set()
@@ -367,7 +373,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                 continue  # the evaluation sampler runs the very same program
             shapes_seen.add((name, shapes))
             rollout.append(Program(f"{label}{name}", shapes + (" (host-local)" if several_hosts else ""), program,
-                                   everything if several_hosts else (OPT_STATE, REFERENCE)))
+                                   everything if own_copy else (OPT_STATE, REFERENCE)))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     resident = {"optimizer init": (), "reference copy": (OPT_STATE,), "logp (reference)": (PARAMS, OPT_STATE),
                 "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything, "lld metrics": everything}

@@ -80,6 +80,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 0.95
     c.rollout.top_k = 0
     c.rollout.decode_chunk = 32
+    c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
     c.rollout.min_capacity_bucket = 128  # smallest KV-cache capacity (slots) of a sampler session
@@ -244,6 +245,8 @@ def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
 
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+ROLLOUT_PARAMS_DTYPES = ("float32", "bfloat16")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CHAT_TEMPLATES = ("base", "instruct", "")  # "": no fallback (the tokenizer must bring its own template)
 
 # (keys, test, what the value must be): the bounds a run would otherwise crash on (or fail late) without naming the key.
@@ -286,7 +289,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
             "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
             "objective.llds.variant": registered_loss_terms(), "objective.llds.gate": rl_config.GATES,
             "objective.llds.answer_weighting": rl_config.ANSWER_WEIGHTINGS,
-            "optim.reference_dtype": REFERENCE_DTYPES, "demo.tokenizer": TOKENIZERS}
+            "optim.reference_dtype": REFERENCE_DTYPES, "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES,
+            "demo.tokenizer": TOKENIZERS}
 
 
 def _value(cfg: ml_collections.ConfigDict, key: str) -> Any:
@@ -309,6 +313,9 @@ def _check_values(cfg: ml_collections.ConfigDict) -> None:
     if not cfg.model.path and not cfg.demo.enabled:  # the demo points model.path at its generated policy
         raise ConfigError("model.path must name a Hugging Face checkpoint folder")
     r, o = cfg.rollout, cfg.optim
+    if _DTYPE_BYTES[r.params_dtype] > _DTYPE_BYTES[cfg.model.param_dtype]:
+        raise ConfigError(f"rollout.params_dtype ({r.params_dtype!r}) must not be wider than model.param_dtype "
+                          f"({cfg.model.param_dtype!r}): the rollout's copy would take more memory than the params")
     if r.max_prompt_tokens >= r.max_context_tokens:
         raise ConfigError(f"rollout.max_prompt_tokens ({r.max_prompt_tokens}) must be below "
                           f"rollout.max_context_tokens ({r.max_context_tokens})")

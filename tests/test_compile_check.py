@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from llds_jax import compile_check
@@ -116,6 +117,31 @@ def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys)
     for name in PROGRAMS:
         assert f"\n{name} " in out
     assert "every program fits" in out
+
+
+def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
+    """rollout.params_dtype: the rollout programs are lowered with params in that dtype (smaller arguments per chip
+    with bfloat16), the training programs with the float32 params; on one host a bfloat16 copy is a copy of its own,
+    so the float32 params stay resident beside it."""
+    def decode_and_update(topology, dtype):
+        devices, _ = compile_check.topology_devices(topology)
+        programs = {p.name: p for p in compile_check.build_programs(flagship(tiny_model_dir, **{
+            "rollout.params_dtype": dtype}), devices)}
+        return programs["decode chunk"], programs["update (2 per step)"]
+
+    def dtypes(args):
+        return {str(arg.dtype) for arg in jax.tree.leaves(args)}
+
+    decode_bf16, update_bf16 = decode_and_update("v4:2x2x2", "bfloat16")
+    decode_f32, _ = decode_and_update("v4:2x2x2", "float32")
+    params_of = lambda program: program.lowered.args_info[0][0]  # noqa: E731  (decode: params; update: TrainState)
+    assert dtypes(params_of(decode_bf16)) == {"bfloat16"} and dtypes(params_of(decode_f32)) == {"float32"}
+    assert dtypes(params_of(update_bf16).params) == {"float32"}
+    bf16, f32 = compile_check.compile_row(decode_bf16), compile_check.compile_row(decode_f32)
+    assert bf16.arguments < f32.arguments and bf16.temporaries <= f32.temporaries
+    one_host = {dtype: decode_and_update("v5e:2x2", dtype)[0].resident for dtype in ("bfloat16", "float32")}
+    assert one_host == {"bfloat16": ("params", "optimizer state", "reference"),
+                        "float32": ("optimizer state", "reference")}
 
 
 def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir):

@@ -35,6 +35,7 @@ def test_tpu_configs_validate_on_their_slice(name):
     assert cfg.model.preset == PRESETS[name]
     assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
     assert config_lib.update_config(cfg).warmup_steps == 286  # 28.5% of 1005 rollout batches
+    assert (cfg.model.param_dtype, cfg.rollout.params_dtype) == ("float32", "bfloat16")  # bf16 host-local copies
 
 
 def test_paper_variants():
@@ -72,6 +73,18 @@ def test_bad_topology_or_preset_is_named(key, value, message):
     cfg = load("qwen7b_v4")
     section, name = key.split(".")
     cfg[section][name] = value
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(cfg, 16)
+
+
+@pytest.mark.parametrize("param_dtype, rollout_dtype, message", [
+    ("float32", "int8", r"rollout\.params_dtype must be one of 'float32', 'bfloat16', got 'int8'"),
+    ("bfloat16", "float32", r"rollout\.params_dtype \('float32'\) must not be wider than model\.param_dtype "
+                            r"\('bfloat16'\)"),
+])
+def test_bad_rollout_params_dtype_is_named(param_dtype, rollout_dtype, message):
+    cfg = load("qwen7b_v4")
+    cfg.model.param_dtype, cfg.rollout.params_dtype = param_dtype, rollout_dtype
     with pytest.raises(config_lib.ConfigError, match=message):
         config_lib.validate(cfg, 16)
 

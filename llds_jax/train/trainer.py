@@ -19,18 +19,26 @@ retriever. Sequence ids are global (`agent.rollout(first_sequence=...)`), so the
 process would. The hosts' trajectories are then packed to one agreed length and gathered into the global
 training batch on every host (`global_batch`); `train_on_batch` places it on the global mesh. Rollout metrics
 are combined over the hosts (`combine_over_processes`). With one process all of this is a no-op: the rollout
-uses the training mesh and the very same param arrays, and nothing is gathered.
+uses the training mesh and, with `rollout.params_dtype` the params' own dtype, the very same param arrays, and
+nothing is gathered.
+
+`rollout.params_dtype` (e.g. bfloat16 on float32 master weights): the rollout's params are cast once per rollout
+(`cast_params`, on the training mesh, before any gather: the host-local copy is half the size), and the sampler
+runs prefill, decode chunks and extends on those arrays; old / reference / policy log-probs and the updates use
+the training params.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from etils import epath
@@ -89,6 +97,26 @@ def host_copy(tree):
     """`tree`'s arrays copied to pinned host memory with the same shardings (each host holds its own shards). The
     copy runs in the background; an update that donates the arrays waits for it."""
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def cast_params(params: nnx.State, dtype: str) -> nnx.State:
+    """`params` with every array in `dtype` (e.g. "bfloat16"), new buffers laid out like them; `params` itself
+    when every array already is (nothing is copied)."""
+    dtype = jnp.dtype(dtype)
+    if all(x.dtype == dtype for x in jax.tree.leaves(params)):
+        return params
+    return _cast(params, dtype)
+
+
+def abstract_rollout_params(params: nnx.State, dtype: str) -> nnx.State:
+    """`cast_params(params, dtype)` as ShapeDtypeStructs with the same shardings (`params` may be abstract): the
+    params the rollout programs get, for ahead-of-time compilation."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding), params)
 
 
 def read_examples(files: Sequence[str], what: str) -> list[QAExample]:
@@ -181,8 +209,13 @@ class Trainer:
 
     # ----- pieces of a step ----------------------------------------------------------------------------------------
     def rollout_params(self, params: nnx.State) -> nnx.State:
-        """`params` (on the training mesh) as the rollout mesh holds them: the same arrays with one process; else a
-        host-local copy (every host gathers the full params, then places them on its own devices). A collective."""
+        """`params` (on the training mesh) as the rollout mesh holds them, in `rollout.params_dtype`: cast once (a
+        copy on the training mesh, none when they already are in that dtype; called once per rollout, so every
+        session and decode chunk of it runs on the same arrays); with several processes a host-local copy of
+        those (every host gathers the full params, then places them on its own devices). A collective.
+
+        The training params themselves are not changed: the trainer's log-probs and updates keep using them."""
+        params = cast_params(params, self.cfg.rollout.params_dtype)
         if jax.process_count() == 1:
             return params
         host_params = multihost_utils.process_allgather(params, tiled=True)

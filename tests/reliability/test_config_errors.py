@@ -59,6 +59,8 @@ def assert_one_line(proc: subprocess.CompletedProcess, message: str) -> None:
     ("--config.rollout.top_k=-1", "rollout.top_k must be >= 0, got -1"),
     ("--config.rollout.temperature=0", "rollout.temperature must be > 0, got 0.0"),
     ("--config.rollout.retrieval_top_k=0", "rollout.retrieval_top_k must be >= 1, got 0"),
+    ("--config.rollout.params_dtype=float16", "rollout.params_dtype must be one of 'float32', 'bfloat16', got "
+                                              "'float16'"),
     ("--config.rollout.max_prompt_tokens=512",
      "rollout.max_prompt_tokens (512) must be below rollout.max_context_tokens (512)"),
     ("--config.train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),

@@ -1,0 +1,82 @@
+"""rollout.params_dtype: the rollout samples on a copy of the params cast once per rollout; the training params (what
+the optimizer and the trainer's log-probs use) stay the same float32 arrays."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llds_jax.train import trainer as trainer_lib
+from tests.run_fixtures import tiny_config
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+
+
+def dtypes(tree) -> set:
+    return {x.dtype for x in jax.tree.leaves(tree)}
+
+
+def test_cast_keeps_the_layout_and_copies_nothing_in_the_same_dtype(make_train_state):
+    params, _ = make_train_state(0)
+    cast = trainer_lib.cast_params(params, "bfloat16")
+    assert dtypes(params) == {F32} and dtypes(cast) == {BF16}
+    abstract = trainer_lib.abstract_rollout_params(params, "bfloat16")
+    for x, y, a in zip(jax.tree.leaves(params), jax.tree.leaves(cast), jax.tree.leaves(abstract)):
+        assert y.sharding.is_equivalent_to(x.sharding, x.ndim) and a.sharding.is_equivalent_to(x.sharding, x.ndim)
+        assert (a.shape, a.dtype) == (y.shape, y.dtype)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x).astype(jnp.bfloat16))
+    assert trainer_lib.cast_params(params, "float32") is params
+
+
+def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_assets, tmp_path, monkeypatch):
+    """Two rollouts (two steps) of 2 prompts x 4 samples on the 8 CPU devices, each in 2 sessions of 4 sequences
+    with several decode chunks: one cast per rollout, every decode chunk of a rollout on its bfloat16 arrays, the
+    decode programs compiled in the first rollout reused by the second; the training params are the same float32
+    arrays afterwards."""
+    cfg = tiny_config()
+    cfg.demo.enabled = False
+    cfg.model.path = tiny_assets["model"]
+    cfg.data.train_files, cfg.data.eval_files = [tiny_assets["train"]], [tiny_assets["test"]]
+    cfg.retriever.index_dir = tiny_assets["index"]
+    cfg.run_dir = str(tmp_path / "run")
+    cfg.mesh.fsdp = -1
+    cfg.data.samples_per_prompt = 4
+    cfg.optim.mini_batch_size = cfg.optim.micro_batch_size = 8  # a multiple of the 8 batch shards (validation)
+    cfg.rollout.params_dtype = "bfloat16"
+    cfg.rollout.max_batch_size = 4
+    cfg.rollout.decode_chunk = 2  # 8-token turns: up to 4 chunks a turn
+    cfg.rollout.top_p = 1.0  # no sort of the 152k-token vocabulary in every decode step
+    trainer = trainer_lib.Trainer(cfg)
+    casts, decoded = [], []
+    cast = trainer_lib._cast
+    monkeypatch.setattr(trainer_lib, "_cast", lambda params, dtype: casts.append(dtype) or cast(params, dtype))
+    decode_chunk = trainer.sampler.decode_chunk
+
+    def recording_decode_chunk(params, state, stop_b):
+        decoded.append((params, state.cache.valid_bs.shape))
+        return decode_chunk(params, state, stop_b)
+
+    monkeypatch.setattr(trainer.sampler, "decode_chunk", recording_decode_chunk)
+    params = trainer.step_fn.init_state().params
+    leaves = jax.tree.leaves(params)
+    prompts = next(trainer.data)
+    rollouts, compiled = [], []
+    try:
+        for step in (1, 2):
+            rollouts.append(trainer.rollout(params, prompts, jax.random.key(step)))
+            compiled.append(trainer.sampler._decode._cache_size())
+    finally:
+        trainer.close()
+
+    assert casts == [BF16, BF16]
+    first = decoded[0][0]
+    per_rollout = [[shape for p, shape in decoded if p is copy] for copy in (first, decoded[-1][0])]
+    assert decoded[-1][0] is not first and sum(map(len, per_rollout)) == len(decoded)  # two copies, one per rollout
+    assert min(map(len, per_rollout)) > 4 and dtypes(first) == dtypes(decoded[-1][0]) == {BF16}
+    # Decode programs: fewer than the chunks, and none new for the second rollout's copy.
+    assert compiled[0] < len(per_rollout[0]) and compiled[1] == compiled[0], (compiled, per_rollout)
+    for rollout in rollouts:
+        assert len(rollout.trajectories) == 8
+        for t in rollout.trajectories:
+            sampled = t.loss_mask.astype(bool)
+            assert sampled.any() and np.isfinite(t.sampler_logp[sampled]).all()
+            assert (t.sampler_logp[sampled] <= 0).all()
+    assert all(a is b for a, b in zip(jax.tree.leaves(params), leaves)) and dtypes(params) == {F32}
