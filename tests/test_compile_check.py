@@ -138,7 +138,7 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     assert dtypes(params_of(decode_bf16)) == {"bfloat16"} and dtypes(params_of(decode_f32)) == {"float32"}
     assert dtypes(params_of(update_bf16).params) == {"float32"}
     bf16, f32 = compile_check.compile_row(decode_bf16), compile_check.compile_row(decode_f32)
-    assert bf16.arguments < f32.arguments and bf16.temporaries <= f32.temporaries
+    assert bf16.arguments < f32.arguments
     one_host = {dtype: decode_and_update("v5e:2x2", dtype)[0].resident for dtype in ("bfloat16", "float32")}
     assert one_host == {"bfloat16": ("params", "optimizer state", "reference"),
                         "float32": ("optimizer state", "reference")}

@@ -253,11 +253,13 @@ class RLTrainStep:
 
     def _packed_rows(self, laid_out: RolloutBatch) -> PackedRows:
         """Each micro-batch of a laid-out host batch packed into R rows, placed on the device(s). R: the most rows a
-        micro-batch needs, rounded up to the data-axes size, or a larger R compiled already (bounded compiles)."""
+        micro-batch needs, rounded up to a bucket (a multiple of the data-axes size and of a quarter of the
+        micro-batch: at most 4 row counts per batch length), or a larger R compiled already (bounded compiles)."""
         layout = laid_out.tokens_bt.shape[:2]
         tokens_nml, mask_nml = (x.reshape((-1,) + x.shape[2:]) for x in (laid_out.tokens_bt, laid_out.mask_bt))
         shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh)) if self.mesh is not None else 1
-        needed = -(-rows_needed(mask_nml) // shards) * shards
+        bucket = math.lcm(shards, max(1, self.update_cfg.micro_batch_size // 4))
+        needed = min(-(-rows_needed(mask_nml) // bucket) * bucket, self.update_cfg.micro_batch_size)
         num_rows = min((r for r in self._row_counts if r >= needed), default=needed)
         self._row_counts.add(num_rows)
         rows = pack(tokens_nml, mask_nml, num_rows)
