@@ -55,7 +55,6 @@ from llds_jax import parallel
 from llds_jax.model.config import ATTENTION_CHOICES as CHOICES  # "auto" and IMPLEMENTATIONS
 
 IMPLEMENTATIONS = ("xla", "blockwise", "splash", "cudnn")
-FULL_FORWARD_ONLY = ("splash", "cudnn")  # fused kernels of causal self-attention over one chunk
 HALF_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
@@ -63,11 +62,13 @@ _LANES = 128  # splash's block sizes are multiples of the TPU lane width
 
 
 def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_block: int, *,
-            full_forward: bool = False, platform: str = "cpu", dtype: str = "float32") -> str:
+            full_forward: bool = False, platform: str = "cpu", dtype: str = "float32", segmented: bool = False
+            ) -> str:
     """The implementation a call with `num_queries` queries over `num_keys` keys runs under the configured `choice`.
 
     `full_forward`: query t sits at key slot t of the same chunk (splash and cudnn serve only those); `platform`:
-    the backend the program is compiled for ("cpu", "gpu", "tpu"); `dtype`: the compute dtype of q, k, v.
+    the backend the program is compiled for ("cpu", "gpu", "tpu"); `dtype`: the compute dtype of q, k, v;
+    `segmented`: a packed row (per-query windows), which cudnn cannot express.
     Raises ValueError naming model.attention for cudnn off GPU or in another dtype than bfloat16 / float16.
     """
     if choice not in CHOICES:
@@ -80,11 +81,11 @@ def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_
     if num_queries == 1:
         return "xla"
     if full_forward:
-        if choice in FULL_FORWARD_ONLY:
+        if choice == "splash" or (choice == "cudnn" and not segmented):
             return choice
         if choice == "auto" and platform == "tpu":
             return "splash"
-        if choice == "auto" and platform == "gpu" and dtype in HALF_DTYPES:
+        if choice == "auto" and platform == "gpu" and dtype in HALF_DTYPES and not segmented:
             return "cudnn"
     if choice in ("xla", "blockwise"):
         return choice
@@ -114,13 +115,14 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slo
     """
     platform = platform or jax.default_backend()
     impl = resolve(implementation, q_btnh.shape[1], k_bskh.shape[1], query_block, key_block,
-                   full_forward=full_forward, platform=platform, dtype=jnp.dtype(q_btnh.dtype).name)
+                   full_forward=full_forward, platform=platform, dtype=jnp.dtype(q_btnh.dtype).name,
+                   segmented=query_first_bt is not None)
     if impl == "xla":
         return dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt)
     if impl == "splash":
         return splash_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, query_first_bt, query_block=query_block,
                                 key_block=key_block, interpret=platform != "tpu")
-    if impl == "cudnn" and query_first_bt is None:
+    if impl == "cudnn":
         return fused_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, implementation="cudnn")
     return blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt,
                                query_block=query_block, key_block=key_block)

@@ -425,6 +425,11 @@ def test_auto_picks_the_platform_kernel_for_full_forwards_only():
     assert resolve("splash", 32, 8192, 512, 512, platform="tpu") == "xla"
     assert resolve("cudnn", 4096, 4096, 512, 512, full_forward=True, platform="gpu", dtype="float16") == "cudnn"
     assert resolve("cudnn", 1, 4096, 512, 512, platform="gpu", dtype="bfloat16") == "xla"
+    # A packed row (per-query windows): cudnn has no segments, the tile rule decides.
+    packed = dict(full_forward=True, platform="gpu", dtype="bfloat16", segmented=True)
+    assert resolve("cudnn", 4096, 4096, 512, 512, **packed) == resolve("auto", 4096, 4096, 512, 512, **packed) == (
+        "blockwise")
+    assert resolve("auto", 4096, 4096, 512, 512, full_forward=True, platform="tpu", segmented=True) == "splash"
     assert resolve("xla", 4096, 4096, 512, 512, full_forward=True, platform="tpu") == "xla"
     assert resolve("blockwise", 4096, 4096, 512, 512, full_forward=True, platform="gpu") == "blockwise"
 
