@@ -80,3 +80,41 @@ class SyntheticCorpus:
         """`n` queries of filler words (drawn like passage words), for throughput measurements."""
         rng = random.Random(seed)
         return [" ".join(self._filler(rng, rng.randint(*words))) for _ in range(n)]
+
+
+def wordpiece_vocab() -> list[str]:
+    """A small WordPiece vocabulary that spells any lowercase ASCII text: BERT's special tokens, punctuation,
+    digits, letters and the corpus's consonant-vowel syllables, each also as a `##` continuation piece."""
+    pieces = list("abcdefghijklmnopqrstuvwxyz0123456789") + [c + v for c in _CONSONANTS for v in _VOWELS]
+    punctuation = list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *punctuation, *pieces, *("##" + p for p in pieces)]
+
+
+def write_random_bert(folder: str, *, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
+                      intermediate_size: int = 37, max_positions: int = 128, seed: int = 0, std: float = 0.2) -> str:
+    """Writes a randomly initialized BERT encoder folder in e5's layout (config.json, model.safetensors, a
+    `wordpiece_vocab` tokenizer) with transformers' BertModel; returns `folder`.
+
+    Every parameter, LayerNorm ones included, is drawn N(0, std^2) around its initial value, so no parameter is
+    trivially 1 or 0. Needs torch (the test extra): for tests and benchmarks only.
+    """
+    import os
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    vocab = wordpiece_vocab()
+    config = BertConfig(vocab_size=len(vocab), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                        num_attention_heads=num_heads, intermediate_size=intermediate_size,
+                        max_position_embeddings=max_positions, initializer_range=std)
+    torch.manual_seed(seed)
+    model = BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(std * torch.randn_like(param))
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "vocab.txt"), "w", encoding="utf-8") as f:
+        f.write("\n".join(vocab) + "\n")
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": max_positions}, f)
+    return folder

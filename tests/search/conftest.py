@@ -196,3 +196,11 @@ def post_json(url: str, body: object, timeout_s: float = 30) -> tuple[int, objec
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="session")
+def e5_folder(tmp_path_factory):
+    """A tiny random BERT folder in e5's layout (hidden 32, 2 layers, 4 heads, 128 positions, WordPiece vocab)."""
+    from llds_jax.search.synthetic import write_random_bert
+
+    return write_random_bert(str(tmp_path_factory.mktemp("e5") / "tiny_e5"))
