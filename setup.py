@@ -11,6 +11,7 @@ INSTALL_REQUIRES = [
     "transformers>=5",
     "jinja2",  # transformers' apply_chat_template (the test extra brought it only through torch)
     "elasticsearch[async]>=8",
+    "faiss-cpu",  # the dense retriever's index (reads Search-R1's e5 Flat/HNSW index files)
     "safetensors",
     "tensorboardX",
     "tensorboard",

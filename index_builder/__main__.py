@@ -2,9 +2,13 @@
 
     python -m index_builder wiki-18.jsonl.gz --to bm25 --out /data/wiki18_bm25
     python -m index_builder wiki-18.jsonl.gz --to elasticsearch --es-hosts https://es:9200 --es-index wiki18
+    python -m index_builder wiki-18.jsonl --to faiss --encoder e5 --encoder-path /models/e5-base-v2 --out /data/e5
+    python -m index_builder wiki-18.jsonl --to elasticsearch --encoder e5 --encoder-path /models/e5-base-v2 \
+        --es-hosts https://es:9200 --es-index wiki18_e5
 
 A malformed line stops the build with `file:line: reason` (exit status 2), or with --skip-bad is skipped and
-counted. Elasticsearch builds are resumable: re-run the same command and documents already indexed are skipped.
+counted. Elasticsearch and faiss builds are resumable: re-run the same command and documents already indexed are
+skipped (faiss: after the last complete shard of `OUT.partial`). A missing or unusable encoder folder is exit status 2.
 Elasticsearch credentials come from LLDS_ES_API_KEY or LLDS_ES_USER + LLDS_ES_PASSWORD.
 """
 from __future__ import annotations
@@ -23,6 +27,9 @@ from index_builder.progress import Progress
 from index_builder.summary import BuildSummary
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_elasticsearch import BulkRejectedError, build_elasticsearch
+from index_builder.to_faiss import build_faiss
+from llds_jax.search.dense_index import BuildSettingsError
+from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.elastic import hosts_for_display, make_client, parse_hosts
 from llds_jax.search.retry import describe
 
@@ -33,7 +40,9 @@ EXIT_INDEX = 3
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m index_builder", description=__doc__.split("\n")[0])
     parser.add_argument("corpus", help="corpus file: JSON lines {id, contents}, plain or gzip")
-    parser.add_argument("--to", choices=("bm25", "elasticsearch"), required=True, help="index kind to build")
+    parser.add_argument("--to", choices=("bm25", "faiss", "elasticsearch"), required=True,
+                        help="index kind to build (faiss and elasticsearch with --encoder e5: dense)")
+    parser.add_argument("--encoder", choices=("e5",), help="embed passages with this encoder (dense retrieval)")
     parser.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
     parser.add_argument("--k1", type=float, default=0.9, help="BM25 k1 (default 0.9)")
     parser.add_argument("--b", type=float, default=0.4, help="BM25 b (default 0.4)")
@@ -43,6 +52,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bm25.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     bm25.add_argument("--chunk-docs", type=int, default=100_000,
                       help="documents processed at a time, the memory bound (default 100000)")
+    dense = parser.add_argument_group("--encoder e5 (--to faiss, or --to elasticsearch for kNN)")
+    dense.add_argument("--encoder-path", help="e5 model folder, local or gs:// (e.g. a copy of intfloat/e5-base-v2)")
+    dense.add_argument("--max-length", type=int, default=256, help="tokens per passage (default 256, Search-R1's)")
+    dense.add_argument("--embed-batch", type=int, default=256, help="passages per device call (default 256)")
+    dense.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="encoder compute dtype (default float32; bfloat16 is faster on accelerators)")
+    dense.add_argument("--faiss-index", default="Flat",
+                       help="faiss index factory string (default Flat, as Search-R1's e5_Flat.index; or HNSW64)")
+    dense.add_argument("--shard-docs", type=int, default=100_000,
+                       help="--to faiss: passages per resumable shard (default 100000)")
     es = parser.add_argument_group("--to elasticsearch")
     es.add_argument("--es-hosts", default="http://127.0.0.1:9200", help="comma-separated cluster URLs")
     es.add_argument("--es-index", help="index name (created if missing, resumed if present)")
@@ -55,21 +74,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not os.path.isfile(args.corpus):
         parser.error(f"{args.corpus}: no such file")
-    if args.to == "bm25" and not args.out:
-        parser.error("--to bm25 needs --out FOLDER")
+    if args.to in ("bm25", "faiss") and not args.out:
+        parser.error(f"--to {args.to} needs --out FOLDER")
+    if args.to == "faiss" and args.encoder is None:
+        parser.error("--to faiss needs --encoder e5")
+    if args.to == "bm25" and args.encoder:
+        parser.error("--to bm25 takes no --encoder (BM25 is lexical); use --to faiss or --to elasticsearch")
+    if args.encoder and not args.encoder_path:
+        parser.error("--encoder e5 needs --encoder-path FOLDER (the e5 model)")
     if args.to == "elasticsearch" and not args.es_index:
         parser.error("--to elasticsearch needs --es-index NAME")
     return args
+
+
+class EncoderError(ValueError):
+    """The encoder folder is missing or not an e5 (BERT) model."""
+
+
+def open_encoder(args: argparse.Namespace) -> E5Embedder:
+    """The e5 embedder of --encoder-path; raises EncoderError (one line naming the flag and the folder)."""
+    try:
+        return E5Embedder(args.encoder_path, max_length=args.max_length, batch_size=args.embed_batch,
+                          dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as e:
+        raise EncoderError(f"e5 encoder (--encoder-path): {' '.join(str(e).split())}") from None
 
 
 def build(args: argparse.Namespace) -> BuildSummary:
     """Runs the build `args` describe; raises CorpusError, BulkRejectedError or the backend's errors."""
     reader = CorpusReader(args.corpus, skip_bad=args.skip_bad)
     progress = None if args.no_progress else Progress(reader.size, f"indexing {os.path.basename(args.corpus)}")
+    if args.to in ("bm25", "faiss") and args.overwrite and os.path.exists(args.out):
+        shutil.rmtree(args.out)
     if args.to == "bm25":
-        if args.overwrite and os.path.exists(args.out):
-            shutil.rmtree(args.out)
         return build_bm25(reader, args.out, k1=args.k1, b=args.b, chunk_docs=args.chunk_docs, progress=progress)
+    embedder = open_encoder(args) if args.encoder else None
+    if args.to == "faiss":
+        return build_faiss(reader, args.out, embedder, faiss_spec=args.faiss_index, shard_docs=args.shard_docs,
+                           progress=progress)
 
     async def to_elasticsearch() -> BuildSummary:
         hosts = parse_hosts(args.es_hosts)
@@ -87,7 +129,8 @@ def build(args: argparse.Namespace) -> BuildSummary:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry point; returns the exit status (0 ok, 2 malformed corpus, 3 index/cluster error)."""
+    """Command line entry point; returns the exit status (0 ok, 2 malformed corpus or unusable encoder or
+    settings, 3 index/cluster error)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("elastic_transport").setLevel(logging.WARNING)  # it logs every request at INFO
@@ -95,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
     try:
         summary = build(args)
-    except CorpusError as e:
+    except (CorpusError, EncoderError, BuildSettingsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_CORPUS
     except (BulkRejectedError, FileExistsError) as e:

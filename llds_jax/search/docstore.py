@@ -6,17 +6,42 @@ Layout inside the index folder:
   (length num_docs + 1), loaded memory-mapped.
 
 Nothing but the offsets' pages is held in RAM: `DocStore.get` reads one line with `os.pread` (thread-safe).
+
+`DocStore.of_corpus` opens a wiki-18 JSONL file itself the same way (row i = line i, as faiss rows of Search-R1's
+e5 index are): its line offsets are computed in one streaming pass and cached next to it as `FILE.offsets.npy`.
 """
 from __future__ import annotations
 
 import array
 import json
+import logging
 import os
 
 import numpy as np
 
 DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "doc_offsets.npy"
+CORPUS_OFFSETS_SUFFIX = ".offsets.npy"
+_GZIP_MAGIC = b"\x1f\x8b"
+_SCAN_BYTES = 64 << 20
+
+log = logging.getLogger(__name__)
+
+
+def line_offsets(path: str) -> np.ndarray:
+    """int64 byte offsets of each line start of the file `path`, plus its size at the end (a last line without a
+    newline still counts). One streaming pass, `_SCAN_BYTES` at a time."""
+    starts = [np.zeros(1, np.int64)]
+    position = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_SCAN_BYTES):
+            newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n"))
+            starts.append(newlines.astype(np.int64) + position + 1)
+            position += len(chunk)
+    offsets = np.concatenate(starts)
+    if offsets[-1] != position:  # no newline at the end: the last line ends at the file's end
+        offsets = np.append(offsets, position)
+    return offsets
 
 
 class DocStoreWriter:
@@ -49,14 +74,38 @@ class DocStore:
     """Read access to a folder's document store."""
 
     def __init__(self, folder: str):
-        path = os.path.join(folder, DOCS_FILE)
-        self._offsets = np.load(os.path.join(folder, OFFSETS_FILE), mmap_mode="r")
+        self._open(os.path.join(folder, DOCS_FILE), np.load(os.path.join(folder, OFFSETS_FILE), mmap_mode="r"),
+                   f"{OFFSETS_FILE} expects", "the index folder is incomplete or was modified")
+
+    @classmethod
+    def of_corpus(cls, path: str) -> DocStore:
+        """The rows of a plain (not gzip) JSONL corpus, row i = line i. The offsets are read from `path` +
+        ".offsets.npy" when it matches the file's size, else computed and saved there (kept in memory only when
+        the folder is not writable)."""
+        with open(path, "rb") as f:
+            if f.read(2) == _GZIP_MAGIC:
+                raise ValueError(f"{path}: rows are read by byte offset, which a gzip file does not allow;"
+                                 " decompress it (gunzip -k)")
+        cache = path + CORPUS_OFFSETS_SUFFIX
+        offsets = np.load(cache, mmap_mode="r") if os.path.exists(cache) else None
+        if offsets is None or int(offsets[-1]) != os.path.getsize(path):
+            log.info("%s: indexing line offsets (one pass over the file)", path)
+            offsets = line_offsets(path)
+            try:
+                np.save(cache, offsets)
+            except OSError as e:
+                log.warning("cannot cache the line offsets at %s (%s); they stay in memory", cache, e.strerror)
+        store = cls.__new__(cls)
+        store._open(path, offsets, "its line offsets expect", "the corpus changed while they were read")
+        return store
+
+    def _open(self, path: str, offsets: np.ndarray, expects: str, why: str) -> None:
+        self._offsets = offsets
         self._fd = os.open(path, os.O_RDONLY)
         size = os.fstat(self._fd).st_size
         if int(self._offsets[-1]) != size:
             os.close(self._fd)
-            raise ValueError(f"{path}: {size} bytes but {OFFSETS_FILE} expects {int(self._offsets[-1])}"
-                             " (the index folder is incomplete or was modified)")
+            raise ValueError(f"{path}: {size} bytes but {expects} {int(self._offsets[-1])} ({why})")
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -65,7 +114,7 @@ class DocStore:
         """(id, contents) of document `number` (0-based index order)."""
         start, end = int(self._offsets[number]), int(self._offsets[number + 1])
         record = json.loads(os.pread(self._fd, end - start, start))
-        return record["id"], record["contents"]
+        return str(record["id"]), record["contents"]
 
     def close(self) -> None:
         os.close(self._fd)

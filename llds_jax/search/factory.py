@@ -2,15 +2,27 @@
 
 Config keys (a dict, or anything with `to_dict()` / `items()` such as ml_collections.ConfigDict):
 
-- `backend`: "bm25" (default), "elasticsearch" or "http".
+- `backend`: "bm25" (default), "faiss", "elasticsearch" or "http".
 - bm25 (embedded index, see bm25.py):
   - `index_dir` (str, required): folder written by `python -m index_builder CORPUS --to bm25 --out DIR`.
   - `workers` (int, 2): search threads; a batch is split across them.
+- faiss (embedded dense retrieval with e5 query embeddings, see dense.py):
+  - `index_path` (str, required): a faiss index file (Search-R1's `e5_Flat.index` / `e5_HNSW64.index`), or a folder
+    written by `python -m index_builder CORPUS --to faiss --encoder e5 --out DIR`.
+  - `corpus_path` (str, ""): the corpus of an index file (`wiki-18.jsonl`, row i = line i); "" for a folder.
+  - `mmap` (bool, True): memory-map the index's vectors; `hnsw_ef_search` (int, 0): HNSW breadth, 0 = the file's.
+- faiss and elasticsearch, the e5 encoder (e5.py):
+  - `encoder_path` (str; required for faiss; elasticsearch: "" = BM25, a folder = kNN): e5 model folder (local or
+    gs://), e.g. a copy of intfloat/e5-base-v2.
+  - `max_length` (int, 256): tokens per query; `encoder_batch_size` (int, 256): queries per device call;
+    `encoder_dtype` ("float32" or "bfloat16", "float32"): compute dtype.
 - elasticsearch (see elastic.py; credentials only from env LLDS_ES_API_KEY or LLDS_ES_USER + LLDS_ES_PASSWORD):
   - `hosts` (str or list of str, "http://127.0.0.1:9200"): cluster URLs, a string may be comma-separated.
   - `index` (str, required): index name.
   - `verify_certs` (bool, True): verify TLS certificates; `ca_certs` (str or None): CA bundle file.
   - `batch_size` (int, 64): queries per msearch request.
+  - with `encoder_path`: `vector_field` (str, "embedding"), the dense_vector field; `num_candidates` (int, 100),
+    candidates per shard of the approximate kNN search (at least k).
 - http (a Search-R1 retrieval server, see http.py):
   - `url` (str, required): the endpoint, e.g. "http://127.0.0.1:8000/retrieve".
   - `batch_size` (int, 64): queries per POST.
@@ -31,15 +43,22 @@ from llds_jax.search.types import Retriever
 _REQUIRED = object()
 _POLICY_KEYS = {"timeout_s": ((int, float), 10.0), "max_retries": ((int,), 3), "backoff_s": ((int, float), 0.5),
                 "max_concurrency": ((int,), 8)}
+_ENCODER_KEYS = {"max_length": ((int,), 256), "encoder_batch_size": ((int,), 256),
+                 "encoder_dtype": ((str,), "float32")}
 # backend -> key -> (accepted types, default or _REQUIRED)
 _SPECS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
     "bm25": {"index_dir": ((str,), _REQUIRED), "workers": ((int,), 2)},
+    "faiss": {"index_path": ((str,), _REQUIRED), "corpus_path": ((str,), ""), "encoder_path": ((str,), _REQUIRED),
+              "mmap": ((bool,), True), "hnsw_ef_search": ((int,), 0), **_ENCODER_KEYS},
     "elasticsearch": {"hosts": ((str, list, tuple), "http://127.0.0.1:9200"), "index": ((str,), _REQUIRED),
                       "verify_certs": ((bool,), True), "ca_certs": ((str, type(None)), None),
-                      "batch_size": ((int,), 64), **_POLICY_KEYS},
+                      "batch_size": ((int,), 64), "encoder_path": ((str,), ""), "vector_field": ((str,), "embedding"),
+                      "num_candidates": ((int,), 100), **_ENCODER_KEYS, **_POLICY_KEYS},
     "http": {"url": ((str,), _REQUIRED), "batch_size": ((int,), 64), **_POLICY_KEYS},
 }
 BACKENDS = tuple(_SPECS)
+_CHOICES = {"encoder_dtype": ("float32", "bfloat16")}
+_POSITIVE = ("workers", "max_length", "encoder_batch_size", "num_candidates", "batch_size")
 
 
 def _as_dict(cfg: Any) -> dict:
@@ -70,6 +89,10 @@ def resolve_config(cfg: Any) -> dict:
         if not isinstance(value, types) or (is_bool and bool not in types):
             names = " or ".join(t.__name__ for t in types)
             raise ValueError(f"retriever config key {key!r} must be {names}, got {value!r}")
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ValueError(f"retriever config key {key!r} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+        if key in _POSITIVE and value < 1:
+            raise ValueError(f"retriever config key {key!r} must be >= 1, got {value!r}")
         resolved[key] = value
     return resolved
 
@@ -83,6 +106,12 @@ def make_retriever(cfg: Any) -> Retriever:
         from llds_jax.search.bm25 import Bm25Retriever
 
         return Bm25Retriever(c["index_dir"], workers=c["workers"])
+    if backend == "faiss":
+        from llds_jax.search.dense import FaissRetriever
+
+        return FaissRetriever(c["index_path"], c["encoder_path"], corpus_path=c["corpus_path"],
+                              max_length=c["max_length"], batch_size=c["encoder_batch_size"],
+                              dtype=c["encoder_dtype"], mmap=c["mmap"], hnsw_ef_search=c["hnsw_ef_search"])
     policy = RequestPolicy(timeout_s=float(c["timeout_s"]), max_retries=c["max_retries"],
                            backoff_s=float(c["backoff_s"]), max_concurrency=c["max_concurrency"])
     if backend == "elasticsearch":

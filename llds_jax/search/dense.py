@@ -1,0 +1,137 @@
+"""The embedded dense backend: e5 query embeddings (e5.py) searched in a faiss inner-product index in this process.
+
+The index is either Search-R1's own file (`e5_Flat.index`, `e5_HNSW64.index`), read as it is, with its corpus
+(`wiki-18.jsonl`, row i = line i, read by byte offset: `DocStore.of_corpus`), or a folder written by
+`python -m index_builder CORPUS --to faiss --encoder e5` (dense_index.py), which holds its passages.
+
+Flat indexes are memory-mapped (`mmap`, faiss's IO_FLAG_MMAP_IFC): the vectors stay in the page cache, not in the
+process's own memory. A Flat search reads every vector once per batch (21M x 768 float32 = 62 GB for wiki-18), so
+a host should keep the file in its page cache (RAM above the index size) or the search is disk-bound; HNSW reads
+a few thousand vectors per query. Scores are faiss's inner products (cosine similarities of unit vectors), as
+Search-R1's server returns them.
+
+Queries are embedded in batches under jit on the default JAX device, then searched with faiss's own threads; both
+run on one worker thread, never on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from collections.abc import Sequence
+
+import faiss
+import numpy as np
+
+from llds_jax.model.hf_io import read_config
+from llds_jax.search import dense_index
+from llds_jax.search.docstore import DocStore
+from llds_jax.search.e5 import E5Embedder
+from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
+
+
+def read_faiss_index(path: str, *, mmap: bool = True) -> faiss.Index:
+    """The faiss index file `path` (memory-mapped vectors when `mmap`); raises naming the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"faiss index {path} not found")
+    flags = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0
+    try:
+        return faiss.read_index(path, flags)
+    except RuntimeError as e:
+        reason = " ".join(str(e).split()).split("Error: ")[-1][:200]
+        raise ValueError(f"faiss index {path}: not readable by faiss ({reason})") from None
+
+
+def encoder_dim(encoder_path: str) -> int:
+    """The embedding size (hidden_size) an encoder folder declares, read from its config.json alone."""
+    try:
+        return int(read_config(encoder_path)["hidden_size"])
+    except FileNotFoundError:
+        raise FileNotFoundError(f"encoder folder {encoder_path} (retriever.encoder_path): no config.json there"
+                                " (an e5 model folder, e.g. intfloat/e5-base-v2)") from None
+    except KeyError:
+        raise ValueError(f"encoder folder {encoder_path}: config.json has no hidden_size") from None
+
+
+def check_compatible(index: faiss.Index, index_path: str, dim: int, encoder_path: str) -> None:
+    """Raises ValueError naming both sides when the index cannot hold this encoder's embeddings."""
+    if index.d != dim:
+        raise ValueError(f"faiss index {index_path} holds {index.d}-dimensional vectors but encoder {encoder_path}"
+                         f" embeds {dim} dimensions (config.json hidden_size): use the index built with this encoder")
+    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
+        raise ValueError(f"faiss index {index_path} uses metric {index.metric_type}, not inner product: e5"
+                         f" embeddings of encoder {encoder_path} are compared by inner product")
+
+
+class FaissRetriever(Retriever):
+    """Top-k passages of a faiss index for e5 query embeddings (see the module docstring).
+
+    index_path: a faiss index file (with `corpus_path`) or an index folder of ours (`corpus_path` "": its passages).
+    encoder_path: the e5 model folder (local or gs://). max_length, batch_size, dtype: E5Embedder's.
+    hnsw_ef_search: HNSW search breadth (0 keeps the file's; Search-R1 keeps faiss's default 16).
+    """
+
+    backend = "faiss"
+
+    def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = "", max_length: int = 256,
+                 batch_size: int = 256, dtype: str = "float32", mmap: bool = True, hnsw_ef_search: int = 0):
+        dim = encoder_dim(encoder_path)  # before anything heavy is read
+        folder = os.path.isdir(index_path)
+        file = dense_index.index_file(index_path) if folder else index_path
+        if not folder and not corpus_path:
+            raise ValueError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
+                             " (wiki-18.jsonl, row i = line i)")
+        self.index_path, self.encoder_path = index_path, encoder_path
+        self.index = read_faiss_index(file, mmap=mmap)
+        check_compatible(self.index, file, dim, encoder_path)
+        if hnsw_ef_search:
+            if not hasattr(self.index, "hnsw"):
+                raise ValueError(f"retriever.hnsw_ef_search is set but faiss index {file} is not HNSW")
+            self.index.hnsw.efSearch = hnsw_ef_search
+        corpus = corpus_path or os.path.join(index_path, dense_index.DOCS_NAME)
+        self._docs = DocStore.of_corpus(corpus_path) if corpus_path else DocStore(index_path)
+        if len(self._docs) < self.index.ntotal:
+            self._docs.close()
+            raise ValueError(f"corpus {corpus} has {len(self._docs):,} lines but faiss index {file} has"
+                             f" {self.index.ntotal:,} rows (row i is line i): the wrong corpus, or a truncated one")
+        self.embedder = E5Embedder(encoder_path, max_length=max_length, batch_size=batch_size, dtype=dtype)
+        self._where = f"faiss backend (index {index_path})"
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="faiss-search")
+
+    def top_k(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows [Q, k] int64, -1 where the index has fewer; scores [Q, k] float32) of the best k per query."""
+        query_qd = self.embedder.embed_queries(queries)
+        scores_qk, rows_qk = self.index.search(query_qd, k)
+        return rows_qk, scores_qk
+
+    def search_blocking(self, queries: Sequence[str], k: int) -> list[SearchResult]:
+        """`search` on the calling thread (for benchmarks and tools; raises on failure)."""
+        check_k(k)
+        if not queries:
+            return []
+        rows_qk, scores_qk = self.top_k(queries, k)
+        return [SearchResult([Document(*self._docs.get(int(r)), score=float(s))
+                              for r, s in zip(rows, scores) if r >= 0]) for rows, scores in zip(rows_qk, scores_qk)]
+
+    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
+        """Top-k documents per query: one batched embedding and one faiss search on the worker thread."""
+        check_k(k)
+        queries = list(queries)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.search_blocking, queries, k)
+        except Exception as e:  # a failure becomes an error result, never a crash
+            message = f"{self._where} failed: {type(e).__name__}: {e}"
+            return [SearchResult([], message) for _ in queries]
+
+    async def check(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._pool, self.search_blocking, ["index check"], 1)
+            await loop.run_in_executor(self._pool, self._docs.get, self.index.ntotal - 1)
+        except Exception as e:
+            raise RetrieverUnavailableError(
+                f"{self._where} cannot serve searches: {type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._docs.close()
