@@ -30,7 +30,7 @@ from index_builder.to_elasticsearch import BulkRejectedError, build_elasticsearc
 from index_builder.to_faiss import build_faiss
 from llds_jax.search.dense_index import BuildSettingsError
 from llds_jax.search.e5 import E5Embedder
-from llds_jax.search.elastic import hosts_for_display, make_client, parse_hosts
+from llds_jax.search.elastic import VECTOR_INDEXES, hosts_for_display, make_client, parse_hosts
 from llds_jax.search.retry import describe
 
 EXIT_BAD_CORPUS = 2
@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     es.add_argument("--es-index", help="index name (created if missing, resumed if present)")
     es.add_argument("--es-shards", type=int, default=1, help="primary shards of a new index (default 1)")
     es.add_argument("--es-replicas", type=int, default=1, help="replicas of a new index (default 1)")
+    es.add_argument("--es-vector-index", choices=VECTOR_INDEXES, default="hnsw",
+                    help="--encoder e5: dense_vector index type (default hnsw: float32, exact scores; int8_hnsw: 4x"
+                         " less memory)")
     es.add_argument("--bulk-docs", type=int, default=500, help="documents per bulk request (default 500)")
     es.add_argument("--es-timeout", type=float, default=60.0, help="seconds per request (default 60)")
     es.add_argument("--ca-certs", help="CA bundle file for TLS")
@@ -121,7 +124,7 @@ def build(args: argparse.Namespace) -> BuildSummary:
             return await build_elasticsearch(
                 reader, client, args.es_index, location=f"{hosts_for_display(hosts)} index {args.es_index!r}",
                 k1=args.k1, b=args.b, shards=args.es_shards, replicas=args.es_replicas, bulk_docs=args.bulk_docs,
-                progress=progress)
+                progress=progress, embedder=embedder, vector_index=args.es_vector_index)
         finally:
             await client.close()
 

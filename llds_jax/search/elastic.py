@@ -1,9 +1,18 @@
-"""The Elasticsearch backend: BM25 search of a cluster index with the official `AsyncElasticsearch` client.
+"""The Elasticsearch backend: BM25 or e5 kNN search of a cluster index with the official `AsyncElasticsearch` client.
 
 Index layout (`index_body`, used by `index_builder`): one document per passage, `_id` = passage id, fields `id`
-(keyword) and `contents` (text, `english` analyzer, BM25 similarity with k1 0.9, b 0.4). A query is a `match` on
-`contents` (terms OR-ed, as Search-R1's pyserini BM25 does); a batch goes out as `msearch` requests of
-`batch_size` queries, at most `max_concurrency` in flight, each with the timeout/retry policy of `retry.py`.
+(keyword) and `contents` (text, `english` analyzer, BM25 similarity with k1 0.9, b 0.4); built with an encoder,
+also a `dense_vector` field (`embedding`, the passage's unit e5 embedding, `dot_product` similarity, an HNSW
+graph). A BM25 query is a `match` on `contents` (terms OR-ed, as Search-R1's pyserini BM25 does); a dense query
+embeds the queries (e5.py, one batched call) and sends a top-level `knn` search (`knn_body`) per query. A batch goes
+out as `msearch` requests of `batch_size` queries, at most `max_concurrency` in flight, each with the timeout/retry
+policy of `retry.py`.
+
+kNN scores: Elasticsearch reports `(1 + dot) / 2` for `dot_product`; the retriever returns `2 * score - 1`, the
+inner product itself (what faiss and Search-R1's server return). The `hnsw` vector index keeps float32 vectors
+(scores exact to float precision; 21M x 768 need ~62 GB of RAM across the cluster to search fast);
+`int8_hnsw` (ES's default since 8.14, `--es-vector-index int8_hnsw`) quarters that and perturbs scores in the
+third decimal. `num_candidates` (at least k) is the per-shard candidate list of the approximate search.
 
 Credentials come from the environment only and are never logged: `LLDS_ES_API_KEY` (an encoded API key), or
 `LLDS_ES_USER` with `LLDS_ES_PASSWORD` (basic auth). TLS certificates are verified unless `verify_certs` is false;
@@ -15,6 +24,7 @@ Client versions: the 9.x Python client sends `Accept: ...; compatible-with=9`, w
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import urllib.parse
@@ -23,7 +33,8 @@ from collections.abc import Sequence
 import elasticsearch
 
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
-from llds_jax.search.types import BatchedRetriever, Document, RetrieverUnavailableError, SearchResult
+from llds_jax.search.types import (BatchedRetriever, Document, RetrieverUnavailableError, SearchResult,
+                                   check_k)
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +46,17 @@ _ES8_HINT = ("; the elasticsearch 9.x Python client cannot talk to an ES 8 clust
              " 'elasticsearch[async]>=8,<9' for ES 8")
 
 
-def index_body(*, k1: float = 0.9, b: float = 0.4, shards: int = 1, replicas: int = 1) -> dict:
-    """Settings and mappings of a passage index (keyword arguments of `indices.create`)."""
-    return {
+VECTOR_FIELD = "embedding"
+VECTOR_INDEXES = ("hnsw", "int8_hnsw")
+# Similarities whose kNN score is (1 + x) / 2 for the inner product (cosine of unit vectors) x.
+_HALF_SHIFTED = ("dot_product", "cosine")
+
+
+def index_body(*, k1: float = 0.9, b: float = 0.4, shards: int = 1, replicas: int = 1, dense_dims: int = 0,
+               vector_field: str = VECTOR_FIELD, vector_index: str = "hnsw") -> dict:
+    """Settings and mappings of a passage index (keyword arguments of `indices.create`); with `dense_dims`, also a
+    dense_vector field of that many dimensions (unit vectors, dot_product, `vector_index` "hnsw" or "int8_hnsw")."""
+    body = {
         "settings": {
             "number_of_shards": shards,
             "number_of_replicas": replicas,
@@ -50,6 +69,24 @@ def index_body(*, k1: float = 0.9, b: float = 0.4, shards: int = 1, replicas: in
             },
         },
     }
+    if dense_dims:
+        body["mappings"]["properties"][vector_field] = {
+            "type": "dense_vector", "dims": dense_dims, "index": True, "similarity": "dot_product",
+            "index_options": {"type": vector_index}}
+    return body
+
+
+def match_body(query: str, k: int) -> dict:
+    """The msearch body of a BM25 query: a `match` on `contents`, `k` hits with id and contents."""
+    return {"query": {"match": {"contents": query}}, "size": k, "_source": ["id", "contents"]}
+
+
+def knn_body(vector_d: Sequence[float], k: int, *, field: str = VECTOR_FIELD, num_candidates: int = 100) -> dict:
+    """The msearch body of a dense query (ES 8.x/9.x top-level `knn` search): the `k` nearest of `field` to
+    `vector_d`, with `num_candidates` (raised to k when smaller) candidates per shard; id and contents returned."""
+    return {"knn": {"field": field, "query_vector": [float(x) for x in vector_d], "k": k,
+                    "num_candidates": max(num_candidates, k)},
+            "size": k, "_source": ["id", "contents"]}
 
 
 def auth_from_env() -> dict:
@@ -105,12 +142,14 @@ def is_permanent(error: BaseException) -> bool:
 
 
 class ElasticsearchRetriever(BatchedRetriever):
-    """BM25 search of `index` on the cluster at `hosts` (see the module docstring)."""
+    """BM25 search of `index` on the cluster at `hosts`, or kNN search of its `vector_field` with the query
+    embeddings of `embedder` (an E5Embedder) when one is given (see the module docstring)."""
 
     backend = "elasticsearch"
 
     def __init__(self, hosts: str | Sequence[str], index: str, *, policy: RequestPolicy = RequestPolicy(),
-                 batch_size: int = 64, verify_certs: bool = True, ca_certs: str | None = None):
+                 batch_size: int = 64, verify_certs: bool = True, ca_certs: str | None = None, embedder=None,
+                 vector_field: str = VECTOR_FIELD, num_candidates: int = 100):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.hosts = parse_hosts(hosts)
@@ -120,23 +159,47 @@ class ElasticsearchRetriever(BatchedRetriever):
         self._where = f"elasticsearch backend at {hosts_for_display(self.hosts)} (index {index!r})"
         self._client = make_client(self.hosts, timeout_s=None, verify_certs=verify_certs, ca_certs=ca_certs)
         self._slots = asyncio.Semaphore(policy.max_concurrency)
+        self.embedder, self.vector_field, self.num_candidates = embedder, vector_field, num_candidates
+        self._embedding = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="es-embed")
+                           if embedder is not None else None)
+
+    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
+        """Top-k documents per query; a dense retriever embeds all queries in one call first."""
+        check_k(k)
+        queries = list(queries)
+        if self.embedder is None or not queries:
+            return await super().search(queries, k)
+        try:
+            query_qd = await asyncio.get_running_loop().run_in_executor(
+                self._embedding, self.embedder.embed_queries, queries)
+        except Exception as e:  # a failure becomes an error result, never a crash
+            message = f"{self._where}: embedding the queries failed: {describe(e)}"
+            return [SearchResult([], message) for _ in queries]
+        bodies = [knn_body(v, k, field=self.vector_field, num_candidates=self.num_candidates) for v in query_qd]
+        n = self.batch_size
+        answers = await asyncio.gather(*(self._msearch(bodies[i:i + n]) for i in range(0, len(bodies), n)))
+        return [result for batch in answers for result in batch]
 
     async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
+        return await self._msearch([match_body(query, k) for query in queries])
+
+    async def _msearch(self, bodies: list[dict]) -> list[SearchResult]:
+        """One msearch request of `bodies` (with its retries): one result per body."""
         searches = []
-        for query in queries:
+        for body in bodies:
             searches.append({"index": self.index})
-            searches.append({"query": {"match": {"contents": query}}, "size": k, "_source": ["id", "contents"]})
+            searches.append(body)
         async with self._slots:
             try:
                 response = await call_with_retries(
                     lambda: self._client.msearch(searches=searches), self.policy,
                     what=f"{self._where} msearch", is_permanent=is_permanent)
             except GiveUpError as e:
-                return [SearchResult([], str(e)) for _ in queries]
+                return [SearchResult([], str(e)) for _ in bodies]
         responses = response.body.get("responses") if isinstance(response.body, dict) else None
-        if not isinstance(responses, list) or len(responses) != len(queries):
-            message = f"{self._where} msearch: expected {len(queries)} responses, got {str(response.body)[:200]}"
-            return [SearchResult([], message) for _ in queries]
+        if not isinstance(responses, list) or len(responses) != len(bodies):
+            message = f"{self._where} msearch: expected {len(bodies)} responses, got {str(response.body)[:200]}"
+            return [SearchResult([], message) for _ in bodies]
         return [self._result(item) for item in responses]
 
     def _result(self, item: dict) -> SearchResult:
@@ -147,15 +210,23 @@ class ElasticsearchRetriever(BatchedRetriever):
             return SearchResult([], f"{self._where}: {reason}")
         try:
             return SearchResult([Document(id=str(hit["_source"].get("id", hit["_id"])),
-                                          contents=hit["_source"]["contents"], score=float(hit["_score"]))
+                                          contents=hit["_source"]["contents"], score=self._score(hit["_score"]))
                                  for hit in item["hits"]["hits"]])
         except (KeyError, TypeError, ValueError) as e:
             return SearchResult([], f"{self._where}: a hit lacks _source.contents or _score ({describe(e)})")
 
+    def _score(self, score: float) -> float:
+        """A hit's score: BM25 as reported, a kNN one as the inner product (see the module docstring)."""
+        return float(score) if self.embedder is None else 2.0 * float(score) - 1.0
+
     async def check(self) -> None:
         async def probe() -> bool:
             await self._client.info()  # a GET with a body: an ES 8 refusal of the 9.x client shows here
-            return bool(await self._client.indices.exists(index=self.index))
+            exists = bool(await self._client.indices.exists(index=self.index))
+            if exists and self.embedder is not None:
+                mapping = await self._client.indices.get_mapping(index=self.index)
+                self._check_vector_field(next(iter(mapping.body.values()), {}))
+            return exists
 
         try:
             exists = await asyncio.wait_for(probe(), self.policy.timeout_s)
@@ -171,5 +242,25 @@ class ElasticsearchRetriever(BatchedRetriever):
                 f"{self._where}: the index does not exist (build it: python -m index_builder CORPUS"
                 f" --to elasticsearch --es-index {self.index})")
 
+    def _check_vector_field(self, mapping: dict) -> None:
+        """Raises RetrieverUnavailableError naming the index field and the encoder when the index cannot answer
+        this encoder's kNN queries."""
+        field = mapping.get("mappings", {}).get("properties", {}).get(self.vector_field)
+        encoder = f"retriever.encoder_path {self.embedder.path} ({self.embedder.dim} dimensions)"
+        build = (f"build it with python -m index_builder CORPUS --to elasticsearch --encoder e5 --es-index"
+                 f" {self.index}")
+        if not isinstance(field, dict) or field.get("type") != "dense_vector":
+            found = "missing" if not isinstance(field, dict) else f"of type {field.get('type')!r}"
+            raise RetrieverUnavailableError(f"{self._where}: field {self.vector_field!r} is {found}, not a"
+                                            f" dense_vector, but {encoder} asks for kNN search; {build}")
+        if field.get("dims") != self.embedder.dim:
+            raise RetrieverUnavailableError(f"{self._where}: field {self.vector_field!r} holds {field.get('dims')}"
+                                            f"-dimensional vectors but {encoder} embeds {self.embedder.dim}")
+        if field.get("similarity", "cosine") not in _HALF_SHIFTED:
+            raise RetrieverUnavailableError(f"{self._where}: field {self.vector_field!r} has similarity"
+                                            f" {field.get('similarity')!r}; e5 vectors need dot_product or cosine")
+
     async def close(self) -> None:
         await self._client.close()
+        if self._embedding is not None:
+            self._embedding.shutdown(wait=True)

@@ -118,8 +118,17 @@ def make_retriever(cfg: Any) -> Retriever:
         from llds_jax.search.elastic import ElasticsearchRetriever
 
         hosts = c["hosts"] if isinstance(c["hosts"], str) else list(c["hosts"])
+        embedder = None
+        if c["encoder_path"]:
+            from llds_jax.search.dense import encoder_dim
+            from llds_jax.search.e5 import E5Embedder
+
+            encoder_dim(c["encoder_path"])  # a missing folder is named before anything heavy is read
+            embedder = E5Embedder(c["encoder_path"], max_length=c["max_length"],
+                                  batch_size=c["encoder_batch_size"], dtype=c["encoder_dtype"])
         return ElasticsearchRetriever(hosts, c["index"], policy=policy, batch_size=c["batch_size"],
-                                      verify_certs=c["verify_certs"], ca_certs=c["ca_certs"])
+                                      verify_certs=c["verify_certs"], ca_certs=c["ca_certs"], embedder=embedder,
+                                      vector_field=c["vector_field"], num_candidates=c["num_candidates"])
     from llds_jax.search.http import HttpRetriever
 
     return HttpRetriever(c["url"], policy=policy, batch_size=c["batch_size"])
