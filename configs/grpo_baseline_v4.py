@@ -2,8 +2,8 @@
 from configs import qwen7b_v4 as base
 
 
-def get_config():
-    c = base.get_config()
+def get_config(retriever_name: str = "e5"):
+    c = base.get_config(retriever_name)
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_grpo"
     c.objective.llds.enabled = False
     return c

@@ -6,8 +6,8 @@ compaction, 24.63 GiB of 30.75 (20% headroom), with sessions of 16 sequences.
 from configs import qwen3b_v4 as base
 
 
-def get_config():
-    c = base.get_config()
+def get_config(retriever_name: str = "e5"):
+    c = base.get_config(retriever_name)
     c.run_dir = "gs://YOUR_BUCKET/runs/llama3b_base_llds_ma"
     c.model.path = "gs://YOUR_BUCKET/models/Llama-3.2-3B"
     c.model.preset = "llama-3.2-3b"

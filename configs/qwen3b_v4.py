@@ -7,8 +7,8 @@ host's 4 chips; the largest program is the observation extend, 20.05 GiB of 30.7
 from configs import qwen7b_v4 as base
 
 
-def get_config():
-    c = base.get_config()
+def get_config(retriever_name: str = "e5"):
+    c = base.get_config(retriever_name)
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen3b_instruct_llds"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-3B-Instruct"
     c.model.chat_template = "instruct"

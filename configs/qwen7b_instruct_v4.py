@@ -2,8 +2,8 @@
 from configs import qwen7b_v4 as base
 
 
-def get_config():
-    c = base.get_config()
+def get_config(retriever_name: str = "e5"):
+    c = base.get_config(retriever_name)
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_instruct_llds"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct"
     c.model.chat_template = "instruct"

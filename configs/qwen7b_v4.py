@@ -1,5 +1,14 @@
 """Qwen2.5-7B-Base, GRPO + LLDS (lambda 0.2, action gate), the paper's setup, on a TPU v4-32 slice (16 chips,
-32 GiB HBM each, 4 hosts), retrieval through Elasticsearch over wiki-18 (docs/retrieval.md).
+32 GiB HBM each, 4 hosts), with the paper's retriever: e5-base-v2 over wiki-18 in Search-R1's faiss Flat index,
+top 3 (docs/retrieval.md, "Which retriever the paper used").
+
+Retrievers (`--config=configs/qwen7b_v4.py:NAME`, default e5; the other paper configs take the same names):
+- e5: the paper's. Search-R1's `e5_Flat.index` and `wiki-18.jsonl` on each host's local disk, read in process
+  (memory-mapped); queries embedded on the host's first TPU chip.
+- e5_hnsw: Search-R1's `e5_HNSW64.index` instead: far less CPU per query, approximate (a little recall lost).
+- e5_es: e5 kNN through Elasticsearch (`index_builder --to elasticsearch --encoder e5`).
+- bm25_es: BM25 through Elasticsearch (not the paper's retriever: EM and search behaviour differ from its tables).
+- bm25: the embedded BM25 index (`index_builder --to bm25`), same caveat.
 
 Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md): the largest program is the rollout's
 observation extend, 20.76 GiB of 30.75 (32% headroom; 25.17 GiB with model.attention=xla); the update 18.79 GiB
@@ -8,10 +17,33 @@ attention; not measured again with the blockwise one). Those figures hold a floa
 params; with `rollout.params_dtype = "bfloat16"` (below) the extend takes 15.29 GiB and the largest program is the
 update, 18.79 GiB (38.9% headroom; docs/tpu.md, "Rollout weights in bfloat16").
 """
+import ml_collections
+
 from llds_jax.config import default_config
 
 
-def get_config():
+WIKI18 = "/data/wiki18"  # Search-R1's download: e5_Flat.index, e5_HNSW64.index, wiki-18.jsonl (gunzipped)
+E5 = "gs://YOUR_BUCKET/models/e5-base-v2"  # a copy of intfloat/e5-base-v2 (safetensors + tokenizer files)
+ES_HOSTS = "https://YOUR_ES_HOST:9200"
+RETRIEVERS = {
+    "e5": {"backend": "faiss", "index_path": f"{WIKI18}/e5_Flat.index", "corpus_path": f"{WIKI18}/wiki-18.jsonl",
+           "encoder_path": E5},
+    "e5_hnsw": {"backend": "faiss", "index_path": f"{WIKI18}/e5_HNSW64.index",
+                "corpus_path": f"{WIKI18}/wiki-18.jsonl", "encoder_path": E5},
+    "e5_es": {"backend": "elasticsearch", "hosts": ES_HOSTS, "index": "wiki18_e5", "encoder_path": E5},
+    "bm25_es": {"backend": "elasticsearch", "hosts": ES_HOSTS, "index": "wiki18"},
+    "bm25": {"backend": "bm25", "index_dir": f"{WIKI18}/bm25"},
+}
+
+
+def retriever(name: str):
+    """The retriever config named `name` (a key of RETRIEVERS)."""
+    if name not in RETRIEVERS:
+        raise ValueError(f"retriever {name!r} is not one of {', '.join(RETRIEVERS)} (--config=CONFIG.py:NAME)")
+    return ml_collections.ConfigDict(RETRIEVERS[name])
+
+
+def get_config(retriever_name: str = "e5"):
     c = default_config()
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_llds"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-7B"
@@ -21,8 +53,7 @@ def get_config():
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.data.train_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/train.parquet"]
     c.data.eval_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/test.parquet"]
-    c.retriever = c.retriever.__class__({"backend": "elasticsearch", "hosts": "https://YOUR_ES_HOST:9200",
-                                         "index": "wiki18"})
+    c.retriever = retriever(retriever_name)
     c.rollout.max_batch_size = 16       # sessions of 16 rows: 32 do not fit a host's 4 chips (docs/tpu.md)
     c.rollout.params_dtype = "bfloat16"  # each host's rollout copy of the params: half of the float32 one
     return c

@@ -308,6 +308,11 @@ def _check_values(cfg: ml_collections.ConfigDict) -> None:
     for key, choices in _choices().items():
         if _value(cfg, key) not in choices:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {_value(cfg, key)!r}")
+    from llds_jax.search.factory import resolve_config  # keys and types of the chosen backend, before any run
+    try:
+        resolve_config(cfg.retriever)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not cfg.run_dir:
         raise ConfigError("run_dir must be set")
     if not cfg.model.path and not cfg.demo.enabled:  # the demo points model.path at its generated policy

@@ -1,5 +1,6 @@
 """Shipped configs pass the schema and validation; schema and combination errors name the key."""
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -36,6 +37,36 @@ def test_tpu_configs_validate_on_their_slice(name):
     assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
     assert config_lib.update_config(cfg).warmup_steps == 286  # 28.5% of 1005 rollout batches
     assert (cfg.model.param_dtype, cfg.rollout.params_dtype) == ("float32", "bfloat16")  # bf16 host-local copies
+
+
+@pytest.mark.parametrize("name", sorted(TPU_DEVICES))
+def test_paper_configs_use_the_papers_retriever(name):
+    """e5-base-v2 over Search-R1's faiss Flat index of wiki-18 (row i = line i of wiki-18.jsonl), top 3."""
+    cfg = load(name)
+    assert cfg.retriever.to_dict() == {"backend": "faiss", "index_path": "/data/wiki18/e5_Flat.index",
+                                       "corpus_path": "/data/wiki18/wiki-18.jsonl",
+                                       "encoder_path": "gs://YOUR_BUCKET/models/e5-base-v2"}
+    assert cfg.rollout.retrieval_top_k == 3
+
+
+def test_named_retriever_alternatives():
+    spec = importlib.util.spec_from_file_location("qwen3b_v4_alt", os.path.join(CONFIGS, "qwen3b_v4.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.get_config("bm25_es").retriever.to_dict() == {
+        "backend": "elasticsearch", "hosts": "https://YOUR_ES_HOST:9200", "index": "wiki18"}
+    assert module.get_config("e5_es").retriever.encoder_path == "gs://YOUR_BUCKET/models/e5-base-v2"
+    for name in ("e5_hnsw", "bm25"):
+        config_lib.validate(module.get_config(name), 8)
+    with pytest.raises(ValueError, match="retriever 'dense' is not one of e5, e5_hnsw, e5_es, bm25_es, bm25"):
+        module.get_config("dense")
+
+
+def test_retriever_keys_are_validated_with_the_config():
+    cfg = load("qwen7b_v4")
+    cfg.retriever.encoder_dtype = "fp8"
+    with pytest.raises(config_lib.ConfigError, match="retriever config key 'encoder_dtype' must be one of"):
+        config_lib.validate(cfg)
 
 
 def test_paper_variants():

@@ -5,8 +5,8 @@ an Elasticsearch index (noida-db, or the cluster at env LLDS_ES_URL) built with 
 Only what shrinks the run is overridden (SHRINK, plus the paths and the retriever's address): a tiny Qwen2 policy,
 4 prompts x 2 samples per step in sampler sessions of 2 sequences, 5 steps, short turns, LLD measured every step.
 Model, data, run folder and export folder live on gs://, in a bucket of a GCS emulator (fake-gcs-server), as on a
-pod. Everything else is the config's: bfloat16 compute with remat and scanned layers, the
-elasticsearch retriever and its request policy, GRPO + LLDS, the checkpoint policy, the final evaluation.
+pod. Everything else is the config's: bfloat16 compute with remat and scanned layers, its named `bm25_es`
+retriever (Elasticsearch; the default e5 retriever needs an e5 model and faiss index) and its request policy, GRPO + LLDS, the checkpoint policy, the final evaluation.
 
 The policy (`searching_policy`) makes the run checkable: greedy decoding searches in every turn; sampling searches,
 answers or mixes the tags; so training and evaluation both query Elasticsearch.
@@ -35,7 +35,7 @@ from tests.e2e.runs import (ROOT, finish, latest_checkpoint, read_metrics, start
                            wait_for_text)
 from tests.servers import delete_es_index, free_port
 
-QWEN7B = f"{ROOT}/configs/qwen7b_v4.py"
+QWEN7B = f"{ROOT}/configs/qwen7b_v4.py:bm25_es"  # its named Elasticsearch (BM25) retriever: no e5 model here
 DEVICES = 2  # fake CPU devices per host
 TOTAL_STEPS = 5
 PROMPTS_PER_STEP = 4
