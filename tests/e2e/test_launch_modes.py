@@ -1,16 +1,19 @@
 """--mode=eval (EM table equal to a recomputation from the transcripts), --mode=export, and one-line errors for
-bad data, a missing model folder and an unreachable retriever."""
+bad data, a missing model folder, an unreachable retriever and a dense index that does not fit its encoder."""
 import json
 import os
 import re
 import string
 
+import faiss
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from llds_jax.data.qa import read_qa
+from llds_jax.search.synthetic import write_random_bert
 from tests.servers import free_port
 
 
@@ -117,3 +120,29 @@ def test_unreachable_retriever_is_one_line(tmp_path, tiny_assets, config_writer,
     code, _, err = launch(config)
     assert code == 2
     assert err.startswith(f"llds_jax: error: {backend} backend at {address}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("problem", ["dimension", "short corpus", "no encoder"])
+def test_dense_index_that_does_not_fit_is_one_line(tmp_path, tiny_assets, config_writer, launch, problem):
+    """A faiss index of 16-dimensional vectors with a 32-dimensional encoder, a corpus shorter than the index, or
+    no encoder folder: exit 2 with one line naming both sides, before any step."""
+    encoder = write_random_bert(str(tmp_path / "e5")) if problem != "no encoder" else str(tmp_path / "no_e5")
+    dim = 16 if problem == "dimension" else 32
+    index_path = str(tmp_path / "e5_Flat.index")
+    index = faiss.IndexFlatIP(dim)
+    index.add(np.eye(dim, dtype=np.float32))
+    faiss.write_index(index, index_path)
+    corpus = tmp_path / "wiki-18.jsonl"
+    lines = 10 if problem == "short corpus" else dim
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f'"T{i}"\nx'}) + "\n" for i in range(lines)))
+    config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=str(tmp_path / "run"), retriever={
+        "backend": "faiss", "index_path": index_path, "corpus_path": str(corpus), "encoder_path": encoder})
+    code, out, err = launch(config)
+    expected = {
+        "dimension": f"faiss index {index_path} holds 16-dimensional vectors but encoder {encoder} embeds 32",
+        "short corpus": f"corpus {corpus} has 10 lines but faiss index {index_path} has 32 rows",
+        "no encoder": f"encoder folder {encoder} (retriever.encoder_path): no config.json there",
+    }[problem]
+    assert code == 2
+    assert err.startswith(f"llds_jax: error: {expected}") and err.count("\n") == 1, err
+    assert "step 1" not in out

@@ -135,3 +135,18 @@ def test_missing_encoder_folder_and_missing_corpus_key(tmp_path, e5_folder, dens
 def test_our_embedder_matches_the_reference_used_above(e5_folder, dense_corpus, passage_emb):
     ours = E5Embedder(e5_folder, max_length=MAX_LENGTH).embed_passages([r["contents"] for r in dense_corpus[1]])
     np.testing.assert_allclose(ours, passage_emb, atol=1e-5)
+
+
+def test_search_r1_server_serves_the_dense_backend(tmp_path, e5_folder, dense_corpus, passage_emb,
+                                                   search_server_factory, post_json, free_port):
+    """POST /retrieve (Search-R1's request and answer) over the faiss backend equals the brute-force search."""
+    path, records, queries = dense_corpus
+    index = write_index(str(tmp_path / "e5_Flat.index"), "Flat", passage_emb)
+    url = search_server_factory(free_port(), "backend=faiss", f"index_path={index}", f"corpus_path={path}",
+                                f"encoder_path={e5_folder}", f"max_length={MAX_LENGTH}")
+    status, body = post_json(f"{url}/retrieve", {"queries": queries, "topk": K, "return_scores": True})
+    assert status == 200
+    rows_qk, scores_qk = brute_force(e5_folder, queries, passage_emb)
+    for items, rows, scores in zip(body["result"], rows_qk, scores_qk):
+        assert [item["document"] for item in items] == [records[r] for r in rows]
+        np.testing.assert_allclose([item["score"] for item in items], scores, atol=2e-5)
