@@ -12,6 +12,12 @@ Prints, for top-3 retrieval:
    with one query per request, and queries/s with batched requests;
 4. query evaluation at wiki-18 scale (`--scale-docs`, 21M) on synthetic postings of a 7-term query: bm25s's numpy
    path (dense scores over all documents + argpartition) vs ours (`top_k_postings`, O(postings)).
+5. dense (e5): a randomly initialized encoder of e5-base-v2's shape (BERT-base: 768 hidden, 12 layers, 12 heads;
+   no model download is possible here, and speed does not depend on the weights): passages/s of
+   `index_builder --to faiss --encoder e5`'s embedding (our jit encoder, length-sorted buckets) extrapolated to
+   wiki-18's 21M passages; queries/s of our batched encoder + faiss Flat vs transformers' BertModel (PyTorch,
+   Search-R1's recipe: a padded batch, mean pooling) + the same faiss search, same process, same queries; and the
+   memory of loading a Flat index memory-mapped (our default) vs read into memory.
 Queries are 3-6 filler words drawn like passage words (so they hit long posting lists: a pessimistic load).
 """
 from __future__ import annotations
@@ -307,6 +313,112 @@ def server_throughput(index_dir: str, queries: list[str], clients: int, seconds:
         server.wait(30)
 
 
+E5_BASE_SHAPE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072,
+                 "max_positions": 512}
+
+
+def embed_passages_per_s(encoder: str, passages: list[str], batch: int) -> float:
+    """Passages/s of index_builder's embedding: E5Embedder.embed_passages over groups of 4096 (after a warm-up that
+    compiles the buckets these passages need)."""
+    from llds_jax.search.e5 import E5Embedder
+
+    embedder = E5Embedder(encoder, batch_size=batch)
+    embedder.embed_passages(passages)  # compiles
+    start = time.perf_counter()
+    for i in range(0, len(passages), 4096):
+        embedder.embed_passages(passages[i:i + 4096])
+    return len(passages) / (time.perf_counter() - start)
+
+
+def dense_query_qps(encoder: str, index_rows: int, queries: list[str], batch: int, dim: int) -> dict:
+    """Queries/s of (our jit encoder | transformers BertModel) + one faiss Flat search, in batches of `batch`."""
+    import faiss
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    from llds_jax.search.e5 import E5Embedder
+
+    rng = np.random.default_rng(0)
+    index = faiss.IndexFlatIP(dim)
+    for start in range(0, index_rows, 100_000):
+        x = rng.standard_normal((min(100_000, index_rows - start), dim), dtype=np.float32)
+        index.add(x / np.linalg.norm(x, axis=1, keepdims=True))
+    ours = E5Embedder(encoder, batch_size=batch)
+    tokenizer, model = AutoTokenizer.from_pretrained(encoder), BertModel.from_pretrained(encoder).eval()
+
+    def transformers_embed(texts: list[str]) -> np.ndarray:
+        tokens = tokenizer(["query: " + t for t in texts], padding=True, truncation=True, max_length=256,
+                           return_tensors="pt")
+        with torch.no_grad():
+            hidden = model(**tokens).last_hidden_state
+        mask = tokens["attention_mask"][..., None].float()
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+
+    numbers = {}
+    for name, embed in (("ours", ours.embed_queries), ("transformers", transformers_embed)):
+        embed(queries[:batch])  # warm-up (compiles our buckets)
+        encode_s = search_s = 0.0
+        for i in range(0, len(queries), batch):
+            start = time.perf_counter()
+            query_qd = embed(queries[i:i + batch])
+            encode_s += time.perf_counter() - start
+            start = time.perf_counter()
+            index.search(query_qd, TOP_K)
+            search_s += time.perf_counter() - start
+        numbers[name] = (len(queries) / (encode_s + search_s), len(queries) / encode_s)
+    numbers["search_qps"] = len(queries) / search_s
+    return numbers
+
+
+def dense_index_memory(path: str, mmap: bool) -> dict:
+    """Child process body: RSS after reading the faiss file `path` (memory-mapped or into memory)."""
+    from llds_jax.search.dense import read_faiss_index
+
+    before = memory_mib()[0]
+    index = read_faiss_index(path, mmap=mmap)
+    return {"loaded_mib": memory_mib()[0] - before, "rows": index.ntotal}
+
+
+def write_flat_index(path: str, rows: int, dim: int) -> str:
+    import faiss
+
+    rng = np.random.default_rng(1)
+    index = faiss.IndexFlatIP(dim)
+    for start in range(0, rows, 100_000):
+        index.add(rng.standard_normal((min(100_000, rows - start), dim), dtype=np.float32))
+    faiss.write_index(index, path)
+    return path
+
+
+def dense_section(args: argparse.Namespace, work: str) -> None:
+    from llds_jax.search.synthetic import write_random_bert
+
+    encoder = os.path.join(work, "e5_base_shape")
+    if not os.path.isdir(encoder):
+        write_random_bert(encoder, **E5_BASE_SHAPE, std=0.02)
+    corpus = SyntheticCorpus(args.dense_docs, seed=2, n_planted=1, vocab_size=50_000, words_per_doc=(90, 110))
+    passages = [r["contents"] for r in corpus.records()]
+    queries = corpus.random_queries(args.dense_queries, seed=3)
+    print(f"\n5. dense retrieval, e5-base-v2's shape (random weights), {os.cpu_count()} CPUs, jax on"
+          f" {__import__('jax').devices()[0].platform}", flush=True)
+    rate = embed_passages_per_s(encoder, passages, args.dense_batch)
+    print(f"index build embedding ({args.dense_docs:,} passages of 90-110 words, batches of {args.dense_batch}):"
+          f" {rate:,.1f} passages/s -> {21_000_000 / rate / 3600:,.1f} h for wiki-18's 21M passages", flush=True)
+    n = dense_query_qps(encoder, args.dense_rows, queries, args.dense_batch, E5_BASE_SHAPE["hidden_size"])
+    print(f"queries ({len(queries)} in batches of {args.dense_batch}, faiss Flat over {args.dense_rows:,} rows,"
+          f" top-{TOP_K}):")
+    print(f"{'encoder':<38} {'q/s end to end':>15} {'q/s encoding':>13}")
+    for name, label in (("ours", "ours: Flax BERT under jit, bucketed"), ("transformers", "transformers BertModel"
+                                                                                              " (PyTorch)")):
+        print(f"{label:<38} {n[name][0]:>15,.1f} {n[name][1]:>13,.1f}")
+    print(f"faiss Flat search alone: {n['search_qps']:,.0f} queries/s", flush=True)
+    flat = write_flat_index(os.path.join(work, "flat.index"), args.dense_rows, E5_BASE_SHAPE["hidden_size"])
+    size = os.path.getsize(flat) / 2**20
+    mapped, loaded = (measure_in_child("dense_index_memory", flat, m) for m in (True, False))
+    print(f"index load ({size:,.0f} MiB Flat file): memory-mapped +{mapped['loaded_mib']:,.0f} MiB RSS,"
+          f" read into memory +{loaded['loaded_mib']:,.0f} MiB RSS")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n-docs", type=int, default=100_000, help="passages to generate (default 100000)")
@@ -318,9 +430,18 @@ def main() -> None:
     parser.add_argument("--scale-docs", type=int, default=21_000_000,
                         help="documents of the query evaluation measurement (default 21000000; 0 skips it)")
     parser.add_argument("--work-dir", help="where to write corpus and indexes (default: a temporary folder)")
+    parser.add_argument("--dense-only", action="store_true", help="only section 5 (dense retrieval)")
+    parser.add_argument("--dense-docs", type=int, default=2048, help="passages embedded in section 5 (default 2048)")
+    parser.add_argument("--dense-queries", type=int, default=1024, help="queries of section 5 (default 1024)")
+    parser.add_argument("--dense-batch", type=int, default=256, help="texts per encoder call (default 256)")
+    parser.add_argument("--dense-rows", type=int, default=500_000,
+                        help="rows of section 5's faiss Flat index of random vectors (default 500000)")
     args = parser.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="llds_bench_")
     os.makedirs(work, exist_ok=True)
+    if args.dense_only:
+        dense_section(args, work)
+        return
     print(f"corpus: {args.n_docs:,} generated passages of 90-110 words; top-{TOP_K}; work dir {work}; "
           f"{os.cpu_count()} CPUs", flush=True)
     corpus = SyntheticCorpus(args.n_docs, seed=0, n_planted=10, vocab_size=50_000, words_per_doc=(90, 110))
@@ -358,6 +479,7 @@ def main() -> None:
         for terms, postings, dense_ms, ours_ms in topk_at_scale(args.scale_docs):
             print(f"{terms}-term query, {postings:,} postings: bm25s numpy path {dense_ms:,.0f} ms,"
                   f" ours (top_k_postings) {ours_ms:,.0f} ms")
+    dense_section(args, work)
 
 
 if __name__ == "__main__":
