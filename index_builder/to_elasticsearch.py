@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 import elasticsearch
 from elasticsearch.helpers import async_streaming_bulk
@@ -23,6 +24,9 @@ from index_builder.summary import BuildSummary
 from index_builder.corpus import Passage
 from llds_jax.search.elastic import VECTOR_FIELD, index_body
 
+if TYPE_CHECKING:
+    from llds_jax.search.e5 import E5Embedder
+
 
 class BulkRejectedError(RuntimeError):
     """The cluster refused a document for a reason other than "already exists"."""
@@ -30,8 +34,8 @@ class BulkRejectedError(RuntimeError):
 
 async def build_elasticsearch(reader: CorpusReader, client: elasticsearch.AsyncElasticsearch, index: str, *,
                               location: str, k1: float = 0.9, b: float = 0.4, shards: int = 1, replicas: int = 1,
-                              bulk_docs: int = 500, progress: Progress | None = None, embedder=None,
-                              vector_index: str = "hnsw") -> BuildSummary:
+                              bulk_docs: int = 500, progress: Progress | None = None,
+                              embedder: E5Embedder | None = None, vector_index: str = "hnsw") -> BuildSummary:
     """Indexes the passages of `reader` into `index` (created if missing), `bulk_docs` per bulk request; with
     `embedder` (an E5Embedder) also their embeddings (dense_vector field, `vector_index` "hnsw" or "int8_hnsw").
 
@@ -104,7 +108,8 @@ async def build_elasticsearch(reader: CorpusReader, client: elasticsearch.AsyncE
                         index_bytes=size)
 
 
-async def check_dense_index(client: elasticsearch.AsyncElasticsearch, index: str, location: str, embedder) -> None:
+async def check_dense_index(client: elasticsearch.AsyncElasticsearch, index: str, location: str,
+                            embedder: E5Embedder) -> None:
     """Raises BulkRejectedError naming the index field and the encoder when an existing index cannot take this
     encoder's vectors (built without --encoder, or with another encoder)."""
     mapping = next(iter((await client.indices.get_mapping(index=index)).body.values()), {})

@@ -29,12 +29,16 @@ import logging
 import os
 import urllib.parse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import elasticsearch
 
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import (BatchedRetriever, Document, RetrieverUnavailableError, SearchResult,
                                    check_k)
+
+if TYPE_CHECKING:  # the encoder (and JAX) is imported only by a dense retriever
+    from llds_jax.search.e5 import E5Embedder
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +152,8 @@ class ElasticsearchRetriever(BatchedRetriever):
     backend = "elasticsearch"
 
     def __init__(self, hosts: str | Sequence[str], index: str, *, policy: RequestPolicy = RequestPolicy(),
-                 batch_size: int = 64, verify_certs: bool = True, ca_certs: str | None = None, embedder=None,
-                 vector_field: str = VECTOR_FIELD, num_candidates: int = 100):
+                 batch_size: int = 64, verify_certs: bool = True, ca_certs: str | None = None,
+                 embedder: E5Embedder | None = None, vector_field: str = VECTOR_FIELD, num_candidates: int = 100):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.hosts = parse_hosts(hosts)
