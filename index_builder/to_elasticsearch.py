@@ -76,14 +76,17 @@ async def build_elasticsearch(reader: CorpusReader, client: elasticsearch.AsyncE
         nonlocal found
         answer = await client.mget(index=index, ids=[p.id for p in group], source=False)
         present_ids = {doc["_id"] for doc in answer["docs"] if doc.get("found")}
-        found += len({p.id for p in group} & present_ids)
-        todo = list({p.id: p for p in group if p.id not in present_ids}.values())  # a repeated id once
+        todo: dict[str, Passage] = {}
+        for passage in group:
+            if passage.id not in present_ids:
+                todo.setdefault(passage.id, passage)  # a repeated id keeps its first passage, as without encoder
+        found += len(group) - len(todo)  # indexed already, or repeated in the group
         if not todo:
             return []
-        emb_nd = embedder.embed_passages([p.contents for p in todo])
+        emb_nd = embedder.embed_passages([p.contents for p in todo.values()])
         return [{"_op_type": "create", "_index": index, "_id": p.id,
                  "_source": {"id": p.id, "contents": p.contents, VECTOR_FIELD: v.tolist()}}
-                for p, v in zip(todo, emb_nd)]
+                for p, v in zip(todo.values(), emb_nd)]
 
     indexed = present = 0
     stream = dense_actions() if embedder is not None else actions()
