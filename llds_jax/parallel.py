@@ -2,8 +2,10 @@
 
 - data: pure data parallelism (parameters replicated).
 - fsdp: data parallelism with parameters sharded (ZeRO-3 style) along their hidden dimension.
-- tensor: Megatron-style tensor parallelism over heads, MLP width and vocabulary.
-The batch dimension of activations is split over (data, fsdp).
+- tensor: Megatron-style tensor parallelism over heads and MLP width.
+The batch dimension of activations is split over (data, fsdp). The vocabulary dimension of the embedding and the
+output projection is split over (fsdp, tensor) and never gathered: the lookup and the log-softmax work per shard
+(`llds_jax.model.vocab`, `llds_jax.rl.logprobs`).
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
+VOCAB = ("fsdp", "tensor")
 
 # (regex on the "/"-joined parameter path, spec). Layer parameters carry a leading layer axis (None).
 PARAM_RULES: tuple[tuple[str, P], ...] = (
-    (r"^embed$", P("tensor", "fsdp")),                       # [V, D]
-    (r"^lm_head$", P("fsdp", "tensor")),                     # [D, V]
+    (r"^embed$", P(VOCAB, None)),                            # [V, D]
+    (r"^lm_head$", P(None, VOCAB)),                          # [D, V]
     (r"^final_norm$", P(None)),                              # [D]
     (r"^layers/(attn_norm|mlp_norm)$", P(None, None)),       # [L, D]
     (r"^layers/(q_proj|k_proj|v_proj)$", P(None, "fsdp", "tensor", None)),  # [L, D, N|K, H]
@@ -88,7 +91,9 @@ def validate(shapes: dict[str, tuple[int, ...]], mesh: Mesh) -> None:
                 continue
             size = math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
             if dim % size:
-                problems.append(f"{path} dimension {dim} is not divisible by mesh axis {axis!r} of size {size}")
+                hint = (f" (pad the vocabulary to a multiple of {size}: the Qwen2.5 and Llama-3 checkpoints are)"
+                        if axis == VOCAB else "")
+                problems.append(f"{path} dimension {dim} is not divisible by mesh axis {axis!r} of size {size}{hint}")
     if problems:
         raise ValueError("the mesh cannot divide the model: " + "; ".join(problems))
 
@@ -124,12 +129,19 @@ def constrain(x: jax.Array, *spec: Any) -> jax.Array:
 
     Axes whose size does not divide the dimension are dropped from the spec (e.g. batch 1 during decode).
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(AXES) <= set(mesh.axis_names):
+    mesh = current_mesh()
+    if mesh is None:
         return x
-    fitted = []
-    for dim, axis in zip(x.shape, spec):
-        names = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
-        size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
-        fitted.append(axis if dim % size == 0 else None)
-    return jax.lax.with_sharding_constraint(x, P(*fitted))
+    return jax.lax.with_sharding_constraint(x, P(*(fitted(mesh, dim, axis) for dim, axis in zip(x.shape, spec))))
+
+
+def current_mesh() -> Optional[jax.sharding.AbstractMesh]:
+    """The mesh set by `jax.set_mesh` if it has the (data, fsdp, tensor) axes, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or not set(AXES) <= set(mesh.axis_names) else mesh
+
+
+def fitted(mesh: Any, dim: int, axis: Any) -> Any:
+    """`axis` (a name, a tuple of names or None) if its mesh size divides `dim`, else None (replicated)."""
+    names = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+    return axis if dim % int(np.prod([mesh.shape[a] for a in names])) == 0 else None

@@ -18,6 +18,7 @@ from llds_jax import parallel
 from llds_jax.model import kv_cache as kv_lib
 from llds_jax.model.attention import attention
 from llds_jax.model import rope as rope_lib
+from llds_jax.model.vocab import embed_lookup
 from llds_jax.model.config import ModelConfig
 
 def rms_norm(x_btd: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
@@ -141,8 +142,7 @@ class Transformer(nnx.Module):
         return rms_norm(x_btd, self.final_norm.get_value(), cfg.rms_norm_eps), kv_out
 
     def _embed(self, tokens_bt: jax.Array) -> jax.Array:
-        x = jnp.take(self.embed.get_value(), tokens_bt, axis=0).astype(jnp.dtype(self.cfg.dtype))
-        return parallel.constrain(x, parallel.BATCH, None, None)
+        return embed_lookup(self.embed.get_value(), tokens_bt, jnp.dtype(self.cfg.dtype))
 
     def hidden(self, tokens_bt: jax.Array, mask_bt: jax.Array, segment_first_bt: Optional[jax.Array] = None
                ) -> jax.Array:
@@ -172,8 +172,10 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden(tokens_bt, mask_bt))
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
-        """Float32 logits [B, T, V] from hidden states."""
-        return jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
+        """Float32 logits [B, T, V] from hidden states, V split as the output projection is (under a mesh): each
+        device multiplies every row by its own vocabulary shard, so the [D, V] projection is never gathered."""
+        logits_btv = jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
+        return parallel.constrain(logits_btv, None, None, parallel.VOCAB)
 
     def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array, cache: kv_lib.KVCache,
                prefill: bool = False) -> tuple[jax.Array, kv_lib.KVCache]:

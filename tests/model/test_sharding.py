@@ -1,13 +1,17 @@
 """Sharding on 8 fake CPU devices: placement by rule, equality with the unsharded model, clear mesh errors."""
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
-from llds_jax.model import ModelConfig, Transformer, hf_io, preset
+from llds_jax.model import ModelConfig, Transformer, hf_io, kv_cache, preset, vocab
+from llds_jax.rl.logprobs import model_token_logp
 
 
 def test_eight_devices_present():
@@ -45,8 +49,79 @@ def test_sharded_forward_equals_unsharded(hf_checkpoint, left_padded_batch, axes
 def test_shard_model_places_random_init():
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
     model = parallel.shard_model(Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0)), mesh)
-    assert model.lm_head.get_value().sharding.spec == P("fsdp", "tensor")
-    assert model.embed.get_value().sharding.spec == P("tensor", "fsdp")
+    assert model.lm_head.get_value().sharding.spec == P(None, ("fsdp", "tensor"))
+    assert model.embed.get_value().sharding.spec == P(("fsdp", "tensor"), None)
+
+
+def all_gather_elements(hlo_text):
+    """Element counts of the outputs of every all-gather in compiled HLO text."""
+    counts = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*\(?\w+\[([\d,]*)\][^=]*\ball-gather(-start)?\(", line)
+        if match:
+            counts.append(math.prod(int(d) for d in match.group(1).split(",") if d))
+    return counts
+
+
+@pytest.mark.parametrize("axes, tied", [(dict(data=1, fsdp=4, tensor=2), False), (dict(data=2, fsdp=4, tensor=1), True)])
+def test_no_program_gathers_the_vocabulary(axes, tied):
+    """The log-prob gradient (embedding lookup, layers, output projection) and a KV-cache extend run on the
+    vocab-sharded embedding and output projection: the largest all-gather (layer weights under fsdp, one chunk of the
+    group's hidden states) is smaller than one shard of the [V, D] table, and the values equal the unsharded model's.
+    """
+    cfg = ModelConfig.tiny(vocab_size=2048, tie_word_embeddings=tied)
+    mesh = parallel.make_mesh(**axes)
+    plain = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, plain_state = nnx.split(plain)
+    sharded_state = nnx.state(parallel.shard_model(Transformer(cfg, rngs=nnx.Rngs(0)), mesh))
+    tokens_bt = jax.random.randint(jax.random.key(1), (8, 16), 0, cfg.vocab_size)
+    mask_bt = jnp.ones((8, 16), jnp.int32).at[:3, :5].set(0)
+
+    def loss(params, rest, tokens_bt, mask_bt, mesh):
+        model = nnx.merge(graphdef, params, rest)
+        logp_bt, _ = model_token_logp(model, tokens_bt, mask_bt, time_chunk=8, mesh=mesh)
+        return jnp.sum(logp_bt * mask_bt)
+
+    def extend(state, tokens_bt, mask_bt):
+        model = nnx.merge(graphdef, state)
+        h_btd, _ = model.extend(tokens_bt, mask_bt, kv_cache.init_cache(cfg, 8, 32))
+        return model.logits(h_btd[:, -1:])
+
+    split = lambda state: nnx.split_state(state, nnx.Param, ...)  # noqa: E731
+    want = jax.value_and_grad(loss)(*split(plain_state), tokens_bt, mask_bt, None)
+    with jax.set_mesh(mesh):
+        grad_fn = jax.jit(jax.value_and_grad(loss), static_argnums=4)
+        got = grad_fn(*split(sharded_state), tokens_bt, mask_bt, mesh)
+        extend_fn = jax.jit(extend)
+        logits = extend_fn(sharded_state, tokens_bt, mask_bt)
+        hlos = [grad_fn.lower(*split(sharded_state), tokens_bt, mask_bt, mesh).compile().as_text(),
+                extend_fn.lower(sharded_state, tokens_bt, mask_bt).compile().as_text()]
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(logits, extend(plain_state, tokens_bt, mask_bt), atol=1e-5, rtol=1e-5)
+    shard_elements = cfg.vocab_size * cfg.hidden_size // (mesh.shape["fsdp"] * mesh.shape["tensor"])
+    for hlo in hlos:
+        assert all_gather_elements(hlo) and max(all_gather_elements(hlo)) < shard_elements
+
+
+@pytest.mark.parametrize("chunk", [4, 6, 512])
+def test_sharded_lookup_in_time_chunks_equals_take(monkeypatch, chunk):
+    """The vocabulary-sharded lookup, a time chunk at a time (chunks dividing T, padded, or one chunk), gives the
+    rows of `jnp.take` exactly and the scatter-add of the output gradient as the table's gradient."""
+    monkeypatch.setattr(vocab, "LOOKUP_CHUNK", chunk)
+    mesh = parallel.make_mesh(data=1, fsdp=4, tensor=2)
+    table_vd = jax.random.normal(jax.random.key(0), (64, 8))
+    tokens_bt = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
+    cotangent_btd = jax.random.normal(jax.random.key(2), (8, 16, 8))
+    with jax.set_mesh(mesh):
+        sharded_vd = jax.device_put(table_vd, NamedSharding(mesh, P(parallel.VOCAB, None)))
+        x_btd, pullback = jax.vjp(lambda t: vocab.embed_lookup(t, tokens_bt, jnp.float32), sharded_vd)
+        (grad_vd,) = pullback(cotangent_btd)
+    np.testing.assert_array_equal(np.asarray(x_btd), np.asarray(table_vd)[np.asarray(tokens_bt)])
+    want_vd = np.zeros((64, 8), np.float32)
+    np.add.at(want_vd, np.asarray(tokens_bt).ravel(), np.asarray(cotangent_btd).reshape(-1, 8))
+    np.testing.assert_allclose(np.asarray(grad_vd), want_vd, rtol=1e-6, atol=1e-6)
 
 
 def test_mesh_that_cannot_divide_the_model_names_axis_and_sizes():

@@ -120,10 +120,10 @@ def test_sharded_step_equals_unsharded(sharded_step, plain_step_result, step_bat
     np.testing.assert_allclose(metrics.per_update["actor/loss"], plain_metrics.per_update["actor/loss"], rtol=1e-5,
                                atol=1e-7)
     lm_head = state.params["lm_head"].get_value()
-    assert lm_head.sharding.mesh.shape == mesh8.shape and lm_head.sharding.spec == P("fsdp", "tensor")
+    assert lm_head.sharding.mesh.shape == mesh8.shape and lm_head.sharding.spec == P(None, ("fsdp", "tensor"))
     mu_lm_head = jax.tree.leaves(state.opt_state)[[x.shape for x in jax.tree.leaves(state.opt_state)].index(
         lm_head.shape)]
-    assert mu_lm_head.sharding.spec == P("fsdp", "tensor")  # optimizer state laid out like its parameter
+    assert mu_lm_head.sharding.spec == P(None, ("fsdp", "tensor"))  # optimizer state laid out like its parameter
 
 
 def test_nonfinite_gradient_skips_the_update_and_is_counted(plain_step, step_batch, host_copy):
