@@ -21,6 +21,26 @@ from llds_jax.model import rope as rope_lib
 from llds_jax.model.vocab import embed_lookup
 from llds_jax.model.config import ModelConfig
 
+# The parameters the model reads only in its compute dtype (each cast at use): the matmul weights and the q/k/v
+# biases. The embedding (looked up, then cast) and the norms (read in float32) are not among them.
+COMPUTE_DTYPE_PARAMS = frozenset({"q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "o_proj",
+                                  "gate_proj", "up_proj", "down_proj", "lm_head"})
+
+
+def compute_weights(params: nnx.State, dtype: str) -> nnx.State:
+    """`params` (the model's nnx.Param state) with the `COMPUTE_DTYPE_PARAMS` cast to the compute `dtype` once.
+
+    A forward on the result computes what it computes on `params` (the model's own casts become no-ops), and the
+    gradient with respect to the cast weights is the cotangent those casts pass back, before its conversion to the
+    parameter dtype: the same values, held in the compute dtype (in bfloat16, half the bytes of float32).
+    """
+    def cast(path, x):
+        names = {key.key for key in path if isinstance(key, jax.tree_util.DictKey)}
+        return x.astype(dtype) if names & COMPUTE_DTYPE_PARAMS else x
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def rms_norm(x_btd: jax.Array, weight_d: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, returned in x's dtype (scaled by weight)."""
     x = x_btd.astype(jnp.float32)

@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from llds_jax.model.transformer import compute_weights
 from llds_jax.rl.batch import RolloutBatch, batch_dtype
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
@@ -157,7 +158,7 @@ class RLTrainStep:
       model = step.to_model(state.params)
 
     Args:
-      model: an nnx model with `hidden(tokens, mask)` and `unembedding()` (llds_jax.model.Transformer), its parameters
+      model: a llds_jax.model.Transformer (`hidden(tokens, mask)`, `unembedding()`, `cfg.dtype`), its parameters
         already placed (e.g. `parallel.shard_model(model, mesh)`); its nnx.Param variables are trained.
       objective: loss coefficients.
       update: mini/micro-batching and optimizer.
@@ -167,6 +168,7 @@ class RLTrainStep:
 
     def __init__(self, model: nnx.Module, objective: ObjectiveConfig, update: UpdateConfig, mesh: Mesh | None = None):
         self.graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
+        self._compute_dtype = model.cfg.dtype
         self.objective = objective
         self.update_cfg = update
         self.mesh = mesh
@@ -360,12 +362,14 @@ class RLTrainStep:
         old_k = take(old_logp)
         ref_k = None if ref_logp is None else take(ref_logp)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+        # Each micro-batch's gradient with respect to the weights cast once to the compute dtype: in bfloat16 it is
+        # held in bfloat16 (as the paper's FSDP mixed precision holds it) and summed in float32.
+        params_c = compute_weights(state.params, self._compute_dtype)
 
         def accumulate(grad_sum, xs):
             micro, micro_rows, old_bt, ref_bt = xs
-            (loss, metrics), grads = grad_fn(state.params, micro, micro_rows, old_bt, ref_bt, batch_stats,
-                                             index == 0)
-            return jax.tree.map(jnp.add, grad_sum, grads), (loss, metrics)
+            (loss, metrics), grads = grad_fn(params_c, micro, micro_rows, old_bt, ref_bt, batch_stats, index == 0)
+            return jax.tree.map(lambda total, g: total + g.astype(total.dtype), grad_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         grad_sum, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (micro_k, rows_k, old_k, ref_k))

@@ -14,9 +14,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from llds_jax.model import Transformer
+from llds_jax.model.transformer import COMPUTE_DTYPE_PARAMS, compute_weights
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
+from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.losses import objective_loss
 from llds_jax.rl.terms import LossInputs
 from llds_jax.rl.train_step import RLTrainStep, learning_rate
@@ -217,3 +219,29 @@ def test_abstract_values_are_those_of_the_real_step(sharded_step, step_batch, me
     assert layout(spec.batch_stats) == layout(prepared.batch_stats) and spec.num_updates == prepared.num_updates == 2
     assert list(spec.batch_stats) == ["answer_beta"]
     assert spec.batch.tokens_bt.sharding.spec == P(None, None, ("data", "fsdp"))
+
+
+def test_micro_batch_gradients_are_taken_in_the_compute_dtype(tiny_model_cfg, step_batch):
+    """`compute_weights` casts exactly the weights a bfloat16 model reads in bfloat16: the forward is bitwise the
+    same, and the gradient with respect to the cast weights is the float32 parameters' gradient held in bfloat16
+    (the norms and the embedding keep float32 and their float32 gradient)."""
+    cfg = dataclasses.replace(tiny_model_cfg, dtype="bfloat16")
+    graphdef, params, rest = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    cast = compute_weights(params, cfg.dtype)
+    dtypes = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in jax.tree_util.tree_flatten_with_path(cast)[0]}
+    halves = {name for name, dtype in dtypes.items() if dtype == jnp.bfloat16}
+    assert halves and all(any(f"'{w}'" in name for w in COMPUTE_DTYPE_PARAMS) for name in halves)
+    assert {name for name in dtypes if "norm" in name or "'embed'" in name}.isdisjoint(halves)
+    tokens_bt, mask_bt = jnp.asarray(step_batch.tokens_bt[:4]), jnp.asarray(step_batch.mask_bt[:4])
+
+    def loss(p):
+        logp_bt, _ = model_token_logp(nnx.merge(graphdef, p, rest), tokens_bt, mask_bt)
+        return jnp.sum(logp_bt * mask_bt), logp_bt
+
+    (_, logp_f32), grads_f32 = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    (_, logp_cast), grads_cast = jax.jit(jax.value_and_grad(loss, has_aux=True))(cast)
+    np.testing.assert_array_equal(np.asarray(logp_cast), np.asarray(logp_f32))
+    for g_cast, g_f32, weight in zip(jax.tree.leaves(grads_cast), jax.tree.leaves(grads_f32), jax.tree.leaves(cast)):
+        assert g_cast.dtype == weight.dtype and g_f32.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g_cast, np.float32), np.asarray(g_f32), rtol=2 ** -7,
+                                   atol=2 ** -7 * float(jnp.abs(g_f32).max()) / 64)
