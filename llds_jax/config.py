@@ -126,7 +126,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3
     c.train.lld_every = 10              # post-update Delta_traj / LLD rate every k steps (one extra forward)
     c.train.eval_every = 100            # 0: no periodic evaluation
-    c.train.eval_max_examples = 512     # subset size of the periodic evaluation
+    c.train.eval_max_examples = 512     # periodic evaluation: a fixed subset, equal shares per data_source; 0: all
     c.train.transcripts_every = 20      # TensorBoard text summaries of a few transcripts
     c.train.num_transcripts = 2
     c.train.final_eval = True           # evaluate data.eval_files (eval.max_examples) when training ends
@@ -168,7 +168,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict()
     c.eval.max_turns = 4
-    c.eval.max_examples = 0             # 0: every example of data.eval_files
+    c.eval.max_examples = 0             # 0: every example of data.eval_files; else a fixed stratified subset
     c.eval.batch_size = 256             # questions per rollout call
     return c
 
