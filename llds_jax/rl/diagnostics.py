@@ -4,7 +4,8 @@ Three moments of a rollout batch:
 - before its updates (`likelihood_metrics`): likelihood of correct vs incorrect trajectories, first vs later actions,
   gap between sampler and trainer log-probs;
 - per micro-batch inside the update (`update_metrics`): gate activation share, mean delta on preserved tokens, entropy,
-  clip fraction, approx KL(old, new), k3 KL to the reference;
+  clip fraction, approx KL(old, new), k3 KL to the reference; those that compare logp with old_logp
+  (`DISPLACEMENT_METRICS`, with the LLDS loss) are 0 by construction on a batch's first update;
 - after its updates (`lld_metrics`): Delta_traj = sum(new - old) over loss tokens, its mean for correct trajectories and
   the LLD rate (share of correct trajectories with Delta_traj <= 0).
 A mean over an empty set (e.g. no correct trajectory) is NaN.
@@ -16,6 +17,11 @@ from llds_jax.rl.config import ObjectiveConfig
 from llds_jax.rl.llds import action_sums, llds_gate
 from llds_jax.rl.losses import kl_penalty_bt, policy_ratio
 from llds_jax.rl.terms import LossInputs, aggregate
+
+
+# Per-update metrics that compare logp with old_logp: exactly 0 on the first update of a rollout batch (logp ==
+# old_logp there), so a batch reports them over its later updates (llds_jax.rl.train_step).
+DISPLACEMENT_METRICS = ("loss/llds", "llds/gate_share", "llds/preserved_delta", "actor/clip_frac", "actor/approx_kl")
 
 
 def _mean_where(x_b: jax.Array, select_b: jax.Array) -> jax.Array:

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax.rl.batch import RolloutBatch, batch_dtype
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
-from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
+from llds_jax.rl.diagnostics import DISPLACEMENT_METRICS, likelihood_metrics, lld_metrics, update_metrics
 from llds_jax.rl.logprobs import mesh_batch_axes, model_token_logp
 from llds_jax.rl.losses import objective_loss
 from llds_jax.rl.packing import PackedRows, pack, rows_needed, unpack
@@ -79,7 +79,9 @@ class BatchMetrics(NamedTuple):
     """Metrics of one rollout batch, on the host.
 
     Attributes:
-      scalars: name -> float: means over updates (plus `actor/grad_norm_max`), pre-update likelihood metrics,
+      scalars: name -> float: means over updates (plus `actor/grad_norm_max`); those of `DISPLACEMENT_METRICS`
+        (0 by construction on update 0) over updates 1..U-1, left out when the batch makes a single update;
+        pre-update likelihood metrics,
         seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`), the padding share of
         the rows the forwards run on (`perf/padding`), post-update LLD metrics when measured.
       per_update: name -> [U] array, one value per optimizer update (mean over its micro-batches).
@@ -144,6 +146,13 @@ def _lld_metrics(new_logp_ukmt: jax.Array, old_logp_ukmt: jax.Array, batch: Roll
     """`lld_metrics` of a prepared batch: ([B] Delta_traj, metrics)."""
     flat = jax.tree.map(_flat, batch)
     return lld_metrics(_flat(new_logp_ukmt), _flat(old_logp_ukmt), flat.loss_mask_bt, flat.rewards_b > 0)
+
+
+def _update_means(per_update: dict[str, np.ndarray]) -> dict[str, float]:
+    """Each per-update metric's mean over a batch's U updates; a displacement metric's (`DISPLACEMENT_METRICS`) over
+    updates 1..U-1, none with U = 1."""
+    return {key: float(np.mean(values[1:] if key in DISPLACEMENT_METRICS else values))
+            for key, values in per_update.items() if key not in DISPLACEMENT_METRICS or len(values) > 1}
 
 
 class RLTrainStep:
@@ -470,7 +479,7 @@ class RLTrainStep:
         before, per_update, after, delta_traj_b, total_skips = jax.device_get(
             (before, per_update, after, delta_traj_b, state.nonfinite_count))
         stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}
-        scalars = {key: float(np.mean(values)) for key, values in stacked.items()}
+        scalars = _update_means(stacked)
         scalars["actor/grad_norm_max"] = float(np.max(stacked["actor/grad_norm"]))
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)

@@ -37,6 +37,26 @@ def test_llds_is_exactly_zero_on_the_first_update_and_acts_on_the_second(plain_s
     assert metrics.scalars["actor/updates"] == 2
 
 
+def test_displacement_metrics_are_reported_over_the_updates_after_the_first(plain_step_result, plain_step,
+                                                                            step_batch, host_copy):
+    """loss/llds, the gate share, preserved delta, clip fraction and approx KL are 0 by construction on update 0:
+    a batch reports them over updates 1..U-1 (here update 1 alone); the other metrics over every update. A batch of
+    one update leaves them out (no empty mean)."""
+    _, _, metrics = plain_step_result
+    for key in ("loss/llds", "llds/gate_share", "llds/preserved_delta", "actor/clip_frac", "actor/approx_kl"):
+        assert metrics.per_update[key][0] == 0.0, key
+        assert metrics.scalars[key] == float(metrics.per_update[key][1]), key
+    assert all(metrics.scalars[key] != 0 for key in ("loss/llds", "llds/gate_share", "actor/approx_kl"))
+    for key in ("actor/entropy", "actor/loss", "actor/grad_norm", "actor/ref_kl_k3"):
+        np.testing.assert_allclose(metrics.scalars[key], np.mean(metrics.per_update[key]), rtol=1e-6, err_msg=key)
+    state = plain_step.init_state()
+    with pytest.warns(UserWarning, match="one optimizer update"):
+        _, one = plain_step.train_on_batch(state, plain_step.reference_params(state.params),
+                                           jax.tree.map(lambda x: x[:16], step_batch))
+    assert one.scalars["actor/updates"] == 1 and "llds/gate_share" not in one.scalars
+    assert "actor/entropy" in one.scalars and all(np.isfinite(v) for v in one.scalars.values())
+
+
 def test_warns_when_llds_is_on_with_one_update_per_batch(plain_step, step_batch, tiny_model_cfg):
     one_update = jax.tree.map(lambda x: x[:16], step_batch)
     with pytest.warns(UserWarning, match="LLDS is on but there is one optimizer update"):
