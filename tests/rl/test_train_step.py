@@ -132,6 +132,29 @@ def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, 
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params0))) > 1e-4
 
 
+def test_lld_measurement_runs_in_float32_with_a_bfloat16_model(plain_step, step_batch, tiny_model_cfg, host_copy):
+    """With bfloat16 compute and a small learning rate, bfloat16 log-probs move by rounding noise as large as the
+    change (or not at all: ties). Delta_traj is measured with both forwards in float32: it equals the change of
+    full-logits float32 log-probs from the params before to those after the updates, computed here directly."""
+    bf16_cfg = dataclasses.replace(tiny_model_cfg, dtype="bfloat16")
+    step = RLTrainStep(Transformer(bf16_cfg, rngs=nnx.Rngs(0)), ObjectiveConfig(),
+                       dataclasses.replace(plain_step.update_cfg, learning_rate=1e-5))
+    state = step.init_state()
+    before = host_copy(state.params)
+    state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
+    float32_model = dataclasses.replace(tiny_model_cfg, dtype="float32")
+    graphdef = nnx.split(Transformer(float32_model, rngs=nnx.Rngs(0)))[0]
+    tokens_bt, mask_bt = jnp.asarray(step_batch.tokens_bt), jnp.asarray(step_batch.mask_bt)
+    logp = jax.jit(lambda p: naive_logp_entropy(nnx.merge(graphdef, p), tokens_bt, mask_bt, 1.0)[0])
+    delta_bt = np.asarray(logp(jax.tree.map(jnp.asarray, host_copy(state.params)))) - np.asarray(logp(before))
+    want_b = (delta_bt.astype(np.float64) * step_batch.loss_mask_bt).sum(axis=1)
+    assert np.all(np.abs(want_b) > 1e-5)
+    np.testing.assert_allclose(metrics.delta_traj_b, want_b, rtol=0.02, atol=2e-6)
+    correct = step_batch.rewards_b > 0
+    assert metrics.scalars["lld/tie_share"] == 0.0
+    np.testing.assert_allclose(metrics.scalars["lld/rate"], np.mean(want_b[correct] < 0), rtol=1e-6)
+
+
 def test_sharded_step_equals_unsharded(sharded_step, plain_step_result, step_batch, mesh8):
     _, plain_state, plain_metrics = plain_step_result
     state = sharded_step.init_state()
@@ -183,7 +206,8 @@ def test_metrics_are_reported(plain_step_result, step_batch):
         assert np.isfinite(s[key]), key
     assert s["actor/grad_norm_max"] == max(metrics.per_update["actor/grad_norm"])
     correct = step_batch.rewards_b > 0
-    np.testing.assert_allclose(s["lld/rate"], np.mean(metrics.delta_traj_b[correct] <= 0), rtol=1e-6)
+    np.testing.assert_allclose(s["lld/rate"], np.mean(metrics.delta_traj_b[correct] < 0), rtol=1e-6)
+    np.testing.assert_allclose(s["lld/tie_share"], np.mean(metrics.delta_traj_b[correct] == 0), rtol=1e-6)
     np.testing.assert_allclose(s["lld/delta_traj_correct"], np.mean(metrics.delta_traj_b[correct]), rtol=1e-5)
     assert int(state.step) == 1
 
