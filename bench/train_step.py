@@ -7,8 +7,9 @@ gradient accumulation, global-norm clip, AdamW) is timed on a synthetic multi-tu
    the same process; achieved model FLOP/s over that peak is the MFU;
 2. an equivalent PyTorch step: the same random Qwen2 as a `transformers` `Qwen2ForCausalLM`, the same batch and
    micro-batching, the same loss re-implemented in torch (clipped ratio, k3 KL, entropy bonus, LLDS with the action
-   gate, token-mean), `clip_grad_norm_` and `torch.optim.AdamW`. Its first two update losses are compared with ours
-   (a check that both sides compute the same thing).
+   gate, token-mean: `torch_objective_loss`, which tests/rl/test_torch_objective.py checks against ours, values and
+   gradients), `clip_grad_norm_` and `torch.optim.AdamW`. Its first two update losses are compared with ours (a
+   check that both sides compute the same thing).
 
 FLOPs are counted analytically (model FLOPs: rematerialization is not counted):
     train FLOPs / token = 6 * P + 12 * L * T * N * H
@@ -222,6 +223,34 @@ def torch_qwen2(cfg: ModelConfig, params: nnx.State):
     return hf_model(cfg, params, "cpu").train()
 
 
+def torch_objective_loss(obj: ObjectiveConfig, logp, entropy, old, ref, advantages_b, mask, action_ids):
+    """The per-micro-batch loss of llds-method.md in PyTorch, written from the spec (not from our code): the default
+    objective only (token-mean aggregation, k3 KL, LLDS with the action gate, no answer weighting).
+
+    Args: torch tensors; logp, entropy [B, T] float32 (differentiated), old, ref [B, T] float32, advantages_b [B],
+    mask [B, T] float32 loss mask, action_ids [B, T] int64 (-1 off actions). Returns the scalar loss.
+    """
+    import torch
+
+    agg = lambda x: (x * mask).sum() / mask.sum().clamp(min=1.0)  # noqa: E731
+    a = advantages_b[:, None]
+    ratio = torch.exp(torch.clamp(logp - old, max=math.log(obj.ratio_cap)))
+    policy = agg(torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - obj.clip_ratio, 1 + obj.clip_ratio)))
+    d = ref - logp
+    kl = agg(torch.clamp(torch.exp(torch.clamp(d, max=20.0)) - d - 1.0, -obj.kl_clamp, obj.kl_clamp))
+    delta = old - logp
+    time_ = logp.shape[1]
+    valid = (mask > 0) & (action_ids >= 0)
+    slot = torch.where(valid, action_ids, torch.full_like(action_ids, time_))
+    sums = torch.zeros(logp.shape[0], time_ + 1).scatter_add_(
+        1, slot, torch.where(valid, delta.detach() * mask, torch.zeros_like(delta)))
+    fired = (sums.gather(1, slot) > 0) & (slot < time_)
+    gate = mask * (advantages_b >= 0)[:, None].float() * fired.float()
+    llds = agg(gate * obj.llds.lam * torch.relu(delta))
+    loss = policy + obj.kl_coef * kl - obj.entropy_coef * agg(entropy)
+    return loss + llds if obj.llds.enabled else loss
+
+
 class TorchStep:
     """The same update in PyTorch: full-logits log-probs, the loss terms re-implemented, accumulation, clip, AdamW.
 
@@ -266,26 +295,6 @@ class TorchStep:
         zero = torch.zeros_like(logp[:, :1])
         return torch.cat([zero, logp], 1), torch.cat([zero, entropy], 1)
 
-    def loss(self, logp, entropy, old, ref, advantages_b, mask, action_ids):
-        torch, obj = self.torch, self.objective
-        agg = lambda x: (x * mask).sum() / mask.sum().clamp(min=1.0)  # noqa: E731
-        a = advantages_b[:, None]
-        ratio = torch.exp(torch.clamp(logp - old, max=math.log(obj.ratio_cap)))
-        policy = agg(torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - obj.clip_ratio, 1 + obj.clip_ratio)))
-        d = ref - logp
-        kl = agg(torch.clamp(torch.exp(torch.clamp(d, max=20.0)) - d - 1.0, -obj.kl_clamp, obj.kl_clamp))
-        delta = old - logp
-        time_ = logp.shape[1]
-        valid = (mask > 0) & (action_ids >= 0)
-        slot = torch.where(valid, action_ids, torch.full_like(action_ids, time_))
-        sums = torch.zeros(logp.shape[0], time_ + 1).scatter_add_(
-            1, slot, torch.where(valid, delta.detach() * mask, torch.zeros_like(delta)))
-        fired = (sums.gather(1, slot) > 0) & (slot < time_)
-        gate = mask * (advantages_b >= 0)[:, None].float() * fired.float()
-        llds = agg(gate * obj.llds.lam * torch.relu(delta))
-        loss = policy + obj.kl_coef * kl - obj.entropy_coef * agg(entropy)
-        return loss + llds if obj.llds.enabled else loss
-
     def __call__(self):
         torch = self.torch
         u = self.index % self.tokens.shape[0]
@@ -297,8 +306,8 @@ class TorchStep:
             old = self.old_logp[u, k]
             if self.index == 0:  # first update: logp == old_logp by definition (as ours)
                 logp = old + (logp - logp.detach())
-            loss = self.loss(logp, entropy, old, self.ref_logp[u, k], self.advantages[u, k], self.loss_mask[u, k],
-                             self.action_ids[u, k]) / per_update
+            loss = torch_objective_loss(self.objective, logp, entropy, old, self.ref_logp[u, k], self.advantages[u, k],
+                                        self.loss_mask[u, k], self.action_ids[u, k]) / per_update
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.update_cfg.max_grad_norm)

@@ -1,4 +1,7 @@
-"""Llama-3.2-3B-Base with LLDS-MA (adaptive) on a TPU v4-16 slice. Llama's tokenizer has its own chat template.
+"""Llama-3.2-3B-Base with LLDS-MA (adaptive) on a TPU v4-16 slice.
+
+Prompt as in Search-R1: the tokenizer's own chat template when it has one, else the raw Search-R1 prompt
+(`model.chat_template = ""`: never the Qwen2.5-Instruct template qwen3b_v4.py falls back to).
 
 Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md): the largest program is the rollout's
 compaction, 24.63 GiB of 30.75 (20% headroom), with sessions of 16 sequences.
@@ -11,6 +14,7 @@ def get_config(retriever_name: str = "e5"):
     c.run_dir = "gs://YOUR_BUCKET/runs/llama3b_base_llds_ma"
     c.model.path = "gs://YOUR_BUCKET/models/Llama-3.2-3B"
     c.model.preset = "llama-3.2-3b"
+    c.model.chat_template = ""
     c.rollout.max_batch_size = 16       # 32 do not fit: 8 KV heads make its cache 4x Qwen2.5-3B's (docs/tpu.md)
     c.objective.llds.answer_weighting = "adaptive"
     return c

@@ -376,7 +376,8 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                                    everything if own_copy else (OPT_STATE, REFERENCE)))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     resident = {"optimizer init": (), "reference copy": (OPT_STATE,), "logp (reference)": (PARAMS, OPT_STATE),
-                "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything, "lld metrics": everything}
+                "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything,
+                "logp (float32, LLD)": (OPT_STATE, REFERENCE), "lld metrics": everything}
     training = [Program(name, f"{batch} x {length} tokens, micro-batch {cfg.optim.micro_batch_size}", program,
                         resident.get(name, (REFERENCE,)))
                 for name, program in step.lower_programs(state, ref, step.batch_spec(batch, length),

@@ -32,7 +32,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.path = ""                   # Hugging Face checkpoint folder (local or gs://)
     c.model.tokenizer_path = ""         # defaults to model.path
-    c.model.chat_template = "base"      # shipped Qwen2.5 template used when the tokenizer has none
+    c.model.chat_template = "base"      # shipped Qwen2.5 template used when a Qwen tokenizer has none
     c.model.dtype = "bfloat16"          # compute dtype
     c.model.param_dtype = "float32"     # master weights
     c.model.scan_layers = True
@@ -126,7 +126,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3
     c.train.lld_every = 10              # post-update Delta_traj / LLD rate every k steps (one extra forward)
     c.train.eval_every = 100            # 0: no periodic evaluation
-    c.train.eval_max_examples = 512     # subset size of the periodic evaluation
+    c.train.eval_max_examples = 512     # periodic evaluation: a fixed subset, equal shares per data_source; 0: all
     c.train.transcripts_every = 20      # TensorBoard text summaries of a few transcripts
     c.train.num_transcripts = 2
     c.train.final_eval = True           # evaluate data.eval_files (eval.max_examples) when training ends
@@ -168,7 +168,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict()
     c.eval.max_turns = 4
-    c.eval.max_examples = 0             # 0: every example of data.eval_files
+    c.eval.max_examples = 0             # 0: every example of data.eval_files; else a fixed stratified subset
     c.eval.batch_size = 256             # questions per rollout call
     return c
 
@@ -247,7 +247,9 @@ def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 ROLLOUT_PARAMS_DTYPES = ("float32", "bfloat16")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CHAT_TEMPLATES = ("base", "instruct", "")  # "": no fallback (the tokenizer must bring its own template)
+# "": no fallback: the tokenizer's own template, or none (the raw Search-R1 prompt). A Qwen2.5 fallback applies only
+# to a tokenizer with Qwen2.5's chat markers (llds_jax.tokenizer.load_tokenizer).
+CHAT_TEMPLATES = ("base", "instruct", "")
 
 # (keys, test, what the value must be): the bounds a run would otherwise crash on (or fail late) without naming the key.
 _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (

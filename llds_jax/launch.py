@@ -172,7 +172,7 @@ def _print_eval(trainer, params, step: int) -> None:
     from llds_jax.train.trainer import START_EVAL
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
-    examples = trainer.eval_examples[:trainer.cfg.eval.max_examples or None]
+    examples = trainer.eval_subset(trainer.cfg.eval.max_examples)
     metrics = trainer.evaluate(params, examples, out_dir, prefix="eval")
     if not distributed.is_main_process():
         return

@@ -11,7 +11,7 @@ any other evaluation written the same way). Writes into `RUN_DIR/report/` (or --
   the eval folders' results.json) over steps;
 - `likelihood.png`: likelihood of correct vs incorrect trajectories before each step's updates (token-mean and
   summed log-prob), first vs later actions;
-- `lld.png`: LLD rate and Delta_traj of correct trajectories after the updates;
+- `lld.png`: LLD rate, tie share and Delta_traj of correct trajectories after the updates;
 - `grad_norm.png`, `entropy.png`, `searches.png` (valid searches per trajectory, i.e. per question sample),
   `llds.png` (LLDS loss and gate share);
 
@@ -233,8 +233,8 @@ PLOTS: tuple[Plot, ...] = (
                                                               ("lld/logp_mean_later_actions", "later actions"))),
     )),
     Plot("lld.png", "Lazy likelihood displacement (after the step's updates)", (
-        Panel("LLD rate (share of correct trajectories with Delta_traj <= 0)", (("lld/rate", "LLD rate"),),
-              ylim=(-0.03, 1.03)),
+        Panel("share of correct trajectories with Delta_traj < 0 (LLD rate) and == 0 (ties)",
+              (("lld/rate", "LLD rate"), ("lld/tie_share", "ties")), ylim=(-0.03, 1.03)),
         Panel("Delta_traj of correct trajectories (mean)", (("lld/delta_traj_correct", "Delta_traj"),),
               zero_line=True),
     )),
@@ -257,9 +257,9 @@ PLOTS: tuple[Plot, ...] = (
 # Rows of the summary's metrics table.
 KEY_METRICS: tuple[str, ...] = (
     "reward/mean", "eval/em_mean", "lld/logp_mean_correct", "lld/logp_mean_incorrect", "lld/logp_sum_correct",
-    "lld/logp_sum_incorrect", "lld/rate", "lld/delta_traj_correct", "actor/grad_norm", "actor/grad_norm_max",
-    "actor/entropy", "actor/ref_kl_k3", "rollout/valid_searches", "rollout/response_length", "loss/llds",
-    "llds/gate_share", "actor/nonfinite_total",
+    "lld/logp_sum_incorrect", "lld/rate", "lld/tie_share", "lld/delta_traj_correct", "actor/grad_norm",
+    "actor/grad_norm_max", "actor/entropy", "actor/ref_kl_k3", "rollout/valid_searches", "rollout/response_length",
+    "loss/llds", "llds/gate_share", "actor/nonfinite_total",
 )
 
 # (config key, label) of the summary's config table.

@@ -135,7 +135,9 @@ def tokenizer_files(folder: str) -> list[str]:
 
 
 def load_tokenizer(path: str, fallback_chat_template: str | None = "base"):
-    """Loads a Hugging Face tokenizer from a folder; adds the shipped Qwen2.5 chat template if it has none.
+    """Loads a Hugging Face tokenizer from a folder; adds the shipped Qwen2.5 chat template `fallback_chat_template`
+    ("base" / "instruct") if it has none and has Qwen2.5's chat markers. Any other tokenizer without a template
+    (e.g. a Llama base model's) keeps none: the policy then gets the raw Search-R1 prompt, as in Search-R1.
 
     A gs:// folder's tokenizer files (`tokenizer_files`, ~11 MB for Qwen2.5) are downloaded at every call into a
     temporary folder, loaded and deleted: no cache that could go stale when the bucket's files change.
@@ -163,9 +165,15 @@ def _load_local(folder: str, fallback_chat_template: str | None, source: str):
         tok = AutoTokenizer.from_pretrained(folder)
     except OSError as e:
         raise ValueError(f"tokenizer folder {source}: {' '.join(str(e).split())}") from None  # one line
-    if not tok.chat_template and fallback_chat_template:
+    if not tok.chat_template and fallback_chat_template and _has_qwen_chat_markers(tok):
         tok.chat_template = chat_template(fallback_chat_template)
     return tok
+
+
+def _has_qwen_chat_markers(tokenizer) -> bool:
+    """Whether `<|im_start|>` and `<|im_end|>` are single tokens of `tokenizer` (what a Qwen2.5 template writes)."""
+    return all(len(tokenizer.encode(marker, add_special_tokens=False)) == 1
+               for marker in QWEN25_SPECIAL_TOKENS[1:3])
 
 
 def save_tokenizer(tokenizer, path: str) -> None:

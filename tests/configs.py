@@ -5,9 +5,9 @@ import os
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-def load(name: str):
-    """`get_config()` of configs/<name>.py."""
+def load(name: str, *args: str):
+    """`get_config(*args)` of configs/<name>.py (`--config=configs/<name>.py:ARG` passes ARG)."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(*args)

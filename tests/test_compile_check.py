@@ -27,7 +27,7 @@ SHRINK = {
 }
 PROGRAMS = ["prefill", "decode chunk", "extend", "cache growth", "compaction", "eval decode chunk",
             "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",
-            "update (2 per step)", "lld metrics"]
+            "logp (float32, LLD)", "update (2 per step)", "lld metrics"]
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,23 @@ def test_paper_variants():
                                                                                                   "low_var_kl")
 
 
+def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
+    """The paper's GRPO row is Search-R1's: 4 search turns in training, the best periodic evaluation before the
+    collapse; `:search_r1` changes only those (and the run folder), with any retriever."""
+    cfg = load("grpo_baseline_v4", "search_r1")
+    config_lib.validate(cfg, TPU_DEVICES["grpo_baseline_v4"])
+    default, search_r1 = load("grpo_baseline_v4").to_dict(), cfg.to_dict()
+    changed = {(section, key): (default[section][key], search_r1[section][key]) for section in default
+               if isinstance(default[section], dict) for key in default[section]
+               if default[section][key] != search_r1[section][key]}
+    assert changed == {("rollout", "max_turns"): (3, 4), ("train", "eval_every"): (100, 50)}
+    assert cfg.run_dir != default["run_dir"] and not cfg.objective.llds.enabled and cfg.eval.max_turns == 4
+    bm25 = load("grpo_baseline_v4", "bm25_es,search_r1")
+    assert bm25.retriever.backend == "elasticsearch" and bm25.rollout.max_turns == 4
+    with pytest.raises(ValueError, match="at most one retriever name, got e5, bm25"):
+        load("grpo_baseline_v4", "e5,bm25")
+
+
 @pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)

@@ -4,6 +4,7 @@ import os
 import pytest
 
 from llds_jax import tokenizer as tokenizer_lib
+from tests.configs import load
 
 
 def test_hello_world_ids(qwen_tokenizer):
@@ -77,3 +78,28 @@ def test_gcs_folder_gives_the_local_tokenizer_and_saves_back(qwen_tokenizer_dir,
 def test_missing_gcs_tokenizer_folder_is_named(gcs_dir):
     with pytest.raises(FileNotFoundError, match=f"tokenizer folder not found: {gcs_dir}/nothing"):
         tokenizer_lib.load_tokenizer(f"{gcs_dir}/nothing")
+
+
+def test_a_base_model_tokenizer_without_chat_template_gets_the_raw_search_r1_prompt(tmp_path):
+    """As Search-R1 does: a tokenizer without a chat template (a Llama base model's) encodes the bare prompt, under
+    llama3b_v4's setting and under any shipped Qwen2.5 fallback (its markers are not in this vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from llds_jax.rollout import protocol
+
+    question = "who wrote the book the origin of species"
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([protocol.make_prompt(question)], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+                            ).save_pretrained(str(tmp_path))
+    assert load("llama3b_v4").model.chat_template == ""
+    for fallback in ("", "base", "instruct"):
+        tok = tokenizer_lib.load_tokenizer(str(tmp_path), fallback_chat_template=fallback)
+        assert not tok.chat_template, fallback
+        prompt = tok.decode(protocol.chat_prompt_ids(tok, question))
+        assert prompt == protocol.make_prompt(question) and "You are Qwen" not in prompt

@@ -4,9 +4,11 @@ Three moments of a rollout batch:
 - before its updates (`likelihood_metrics`): likelihood of correct vs incorrect trajectories, first vs later actions,
   gap between sampler and trainer log-probs;
 - per micro-batch inside the update (`update_metrics`): gate activation share, mean delta on preserved tokens, entropy,
-  clip fraction, approx KL(old, new), k3 KL to the reference;
-- after its updates (`lld_metrics`): Delta_traj = sum(new - old) over loss tokens, its mean for correct trajectories and
-  the LLD rate (share of correct trajectories with Delta_traj <= 0).
+  clip fraction, approx KL(old, new), k3 KL to the reference; those that compare logp with old_logp
+  (`DISPLACEMENT_METRICS`, with the LLDS loss) are 0 by construction on a batch's first update;
+- after its updates (`lld_metrics`): Delta_traj = sum(new - old) over loss tokens, its mean for correct trajectories,
+  the LLD rate (share of correct trajectories with Delta_traj < 0) and the tie share (Delta_traj == 0: e.g. updates
+  too small to change the log-probs; the caller computes both log-probs in float32).
 A mean over an empty set (e.g. no correct trajectory) is NaN.
 """
 import jax
@@ -16,6 +18,11 @@ from llds_jax.rl.config import ObjectiveConfig
 from llds_jax.rl.llds import action_sums, llds_gate
 from llds_jax.rl.losses import kl_penalty_bt, policy_ratio
 from llds_jax.rl.terms import LossInputs, aggregate
+
+
+# Per-update metrics that compare logp with old_logp: exactly 0 on the first update of a rollout batch (logp ==
+# old_logp there), so a batch reports them over its later updates (llds_jax.rl.train_step).
+DISPLACEMENT_METRICS = ("loss/llds", "llds/gate_share", "llds/preserved_delta", "actor/clip_frac", "actor/approx_kl")
 
 
 def _mean_where(x_b: jax.Array, select_b: jax.Array) -> jax.Array:
@@ -117,18 +124,21 @@ def lld_metrics(
     """Likelihood displacement over a batch's updates.
 
     Args:
-      new_logp_bt: [B, T] log-probs recomputed after the batch's updates.
-      old_logp_bt: [B, T] log-probs before them.
+      new_logp_bt: [B, T] log-probs recomputed after the batch's updates (float32 compute: bfloat16 hides small
+        changes).
+      old_logp_bt: [B, T] log-probs before them, computed the same way.
       loss_mask_bt: [B, T] loss mask.
       correct_b: [B] bool.
 
     Returns:
-      (delta_traj_b, metrics): [B] Delta_traj = sum over loss tokens of (new - old); `lld/delta_traj_correct` (its
-      mean over correct trajectories) and `lld/rate` (share of correct trajectories with Delta_traj <= 0).
+      (delta_traj_b, metrics): [B] Delta_traj = sum over loss tokens of (new - old), float32 nats;
+      `lld/delta_traj_correct` (its mean over correct trajectories), `lld/rate` (share of correct trajectories with
+      Delta_traj < 0: likelihood strictly displaced) and `lld/tie_share` (share with Delta_traj == 0).
     """
-    delta_traj_b = jnp.sum((new_logp_bt - old_logp_bt) * loss_mask_bt, axis=-1)
+    delta_traj_b = jnp.sum((new_logp_bt.astype(jnp.float32) - old_logp_bt.astype(jnp.float32)) * loss_mask_bt, axis=-1)
     correct_b = correct_b.astype(bool)
     return delta_traj_b, {
         "lld/delta_traj_correct": _mean_where(delta_traj_b, correct_b),
-        "lld/rate": _mean_where((delta_traj_b <= 0).astype(jnp.float32), correct_b),
+        "lld/rate": _mean_where((delta_traj_b < 0).astype(jnp.float32), correct_b),
+        "lld/tie_share": _mean_where((delta_traj_b == 0).astype(jnp.float32), correct_b),
     }

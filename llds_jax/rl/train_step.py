@@ -11,7 +11,9 @@ its rewards and advantages set:
 3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
    loss of each of the K micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
    non-finite loss or gradient leaves params and optimizer state unchanged and counts the skip;
-4. optionally (`measure_lld`) logp of the same batch under the new params: Delta_traj and the LLD rate;
+4. optionally (`measure_lld`) logp of the same batch under the new params: Delta_traj and the LLD rate. Both sides
+   of Delta_traj run the model in float32 (`lld_logp`): with a bfloat16 compute dtype, the pre-update side is one
+   more forward before the updates (small updates would otherwise leave bfloat16 log-probs unchanged: ties);
 5. every metric fetched from the device once, at the end.
 
 The learning rate follows the reference code: linear warmup from 0 counted in rollout batches
@@ -36,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from llds_jax.model.transformer import compute_weights
 from llds_jax.rl.batch import RolloutBatch, batch_dtype
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
-from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
+from llds_jax.rl.diagnostics import DISPLACEMENT_METRICS, likelihood_metrics, lld_metrics, update_metrics
 from llds_jax.rl.logprobs import mesh_batch_axes, model_token_logp
 from llds_jax.rl.losses import objective_loss
 from llds_jax.rl.packing import PackedRows, pack, rows_needed, unpack
@@ -80,7 +82,9 @@ class BatchMetrics(NamedTuple):
     """Metrics of one rollout batch, on the host.
 
     Attributes:
-      scalars: name -> float: means over updates (plus `actor/grad_norm_max`), pre-update likelihood metrics,
+      scalars: name -> float: means over updates (plus `actor/grad_norm_max`); those of `DISPLACEMENT_METRICS`
+        (0 by construction on update 0) over updates 1..U-1, left out when the batch makes a single update;
+        pre-update likelihood metrics,
         seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`), the padding share of
         the rows the forwards run on (`perf/padding`), post-update LLD metrics when measured.
       per_update: name -> [U] array, one value per optimizer update (mean over its micro-batches).
@@ -133,6 +137,11 @@ def _flat(x: jax.Array) -> jax.Array:
     return x.reshape((-1,) + x.shape[3:])
 
 
+def _float32_compute(cfg):
+    """A model config computing in float32 (cuDNN attention, half precision only, gives way to "auto")."""
+    return dataclasses.replace(cfg, dtype="float32", attention="auto" if cfg.attention == "cudnn" else cfg.attention)
+
+
 def _likelihood_metrics(old_logp_ukmt: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]:
     """`likelihood_metrics` of a prepared batch (a trajectory is correct when its reward is > 0)."""
     flat = jax.tree.map(_flat, batch)
@@ -145,6 +154,13 @@ def _lld_metrics(new_logp_ukmt: jax.Array, old_logp_ukmt: jax.Array, batch: Roll
     """`lld_metrics` of a prepared batch: ([B] Delta_traj, metrics)."""
     flat = jax.tree.map(_flat, batch)
     return lld_metrics(_flat(new_logp_ukmt), _flat(old_logp_ukmt), flat.loss_mask_bt, flat.rewards_b > 0)
+
+
+def _update_means(per_update: dict[str, np.ndarray]) -> dict[str, float]:
+    """Each per-update metric's mean over a batch's U updates; a displacement metric's (`DISPLACEMENT_METRICS`) over
+    updates 1..U-1, none with U = 1."""
+    return {key: float(np.mean(values[1:] if key in DISPLACEMENT_METRICS else values))
+            for key, values in per_update.items() if key not in DISPLACEMENT_METRICS or len(values) > 1}
 
 
 class RLTrainStep:
@@ -174,6 +190,10 @@ class RLTrainStep:
         self.mesh = mesh
         self.optimizer = make_optimizer(update)
         self._logp = jax.jit(self._logp_impl, out_shardings=self._batch_sharding(4))
+        # The LLD measurement's forwards run in float32: with a float32 model they are those of `sequence_logp`.
+        self._lld_in_float32 = jnp.dtype(model.cfg.dtype) != jnp.float32
+        self._logp_float32 = jax.jit(functools.partial(self._logp_impl, float32_compute=True),
+                                     out_shardings=self._batch_sharding(4))
         self._likelihood = jax.jit(_likelihood_metrics)
         self._lld = jax.jit(_lld_metrics)
         self._update = None  # jitted on first use, with the state's shardings as output shardings
@@ -313,10 +333,13 @@ class RLTrainStep:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     # ----- jitted pieces -------------------------------------------------------------------------------------------
-    def _token_logp(self, params, tokens_mt, mask_mt, rows: PackedRows | None):
+    def _token_logp(self, params, tokens_mt, mask_mt, rows: PackedRows | None, float32_compute: bool = False):
         """(logp, entropy) [micro, T] of one micro-batch's trajectories: a forward over the trajectories, or over
-        their packed rows (`rows`, one micro-batch's) brought back to the trajectories' layout."""
+        their packed rows (`rows`, one micro-batch's) brought back to the trajectories' layout. `float32_compute`:
+        the model computes in float32 whatever its compute dtype."""
         model = nnx.merge(self.graphdef, params, self._rest)
+        if float32_compute:
+            model.cfg = _float32_compute(model.cfg)
         logp = functools.partial(model_token_logp, model, temperature=self.objective.temperature,
                                  time_chunk=self.update_cfg.logp_time_chunk, mesh=self.mesh)
         if rows is None:
@@ -324,17 +347,24 @@ class RLTrainStep:
         logp_rl, entropy_rl = logp(rows.tokens_rl, rows.mask_rl, segment_first_bt=rows.segment_first_rl)
         return unpack(logp_rl, rows.source_ml), unpack(entropy_rl, rows.source_ml)
 
-    def _logp_impl(self, params, tokens_ukmt, mask_ukmt, rows: PackedRows | None):
+    def _logp_impl(self, params, tokens_ukmt, mask_ukmt, rows: PackedRows | None, float32_compute: bool = False):
         """Forward-only logp of a laid-out batch, one micro-batch at a time. [U, K, micro, T]."""
         layout = tokens_ukmt.shape
         flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_ukmt, mask_ukmt, rows))
-        logp_nmt = jax.lax.map(lambda xs: self._token_logp(params, *xs)[0], flat)
+        logp_nmt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
         return logp_nmt.reshape(layout)
 
     def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
         """logp of every token of a prepared batch under `params` (jitted, no gradient). [U, K, micro, T]."""
         with self._mesh_context():
             return self._logp(params, prepared.batch.tokens_bt, prepared.batch.mask_bt, prepared.rows)
+
+    def lld_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
+        """`sequence_logp` with the model computing in float32 (the LLD measurement's log-probs). [U, K, micro, T]."""
+        if not self._lld_in_float32:
+            return self.sequence_logp(params, prepared)
+        with self._mesh_context():
+            return self._logp_float32(params, prepared.batch.tokens_bt, prepared.batch.mask_bt, prepared.rows)
 
     def _micro_loss(self, params, micro: RolloutBatch, rows: PackedRows | None, old_logp_bt, ref_logp_bt,
                     batch_stats, first_update):
@@ -424,6 +454,9 @@ class RLTrainStep:
                     state, batch, prepared.rows, prepared.batch_stats, logp, None if ref_params is None else logp,
                     index)),
             ]
+            if measure_lld and self._lld_in_float32:
+                programs.insert(-1, ("logp (float32, LLD)", self._logp_float32.lower(
+                    state.params, batch.tokens_bt, batch.mask_bt, prepared.rows)))
             if measure_lld:
                 programs.append(("lld metrics", self._lld.lower(logp, logp, batch)))
         return programs
@@ -439,7 +472,8 @@ class RLTrainStep:
           state: the train state (donated: use the returned one).
           ref_params: frozen reference parameters (`reference_params`); None only when objective.kl_coef == 0.
           batch: the rollout batch, its rewards and advantages set.
-          measure_lld: recompute logp after the updates and report Delta_traj / LLD rate (one extra forward).
+          measure_lld: recompute logp after the updates and report Delta_traj / LLD rate / tie share (one extra
+            forward; two with a bfloat16 compute dtype, both in float32).
           between_updates: called once each update but the last has run on the device (the loop then waits for
           each update before starting the next); what it raises ends the batch, with `state` donated already.
 
@@ -456,6 +490,7 @@ class RLTrainStep:
         jax.block_until_ready((old_logp, ref_logp))  # once per batch: times the frozen log-probs apart
         logp_s = time.perf_counter() - start
         before = self._likelihood(old_logp, prepared.batch)
+        lld_old_logp = self.lld_logp(state.params, prepared) if measure_lld else None  # before the updates donate
         update = self._jitted_update(state)
         per_update = []
         with self._mesh_context():
@@ -469,12 +504,11 @@ class RLTrainStep:
         state = state._replace(step=state.step + 1)
         after, delta_traj_b = {}, None
         if measure_lld:
-            new_logp = self.sequence_logp(state.params, prepared)
-            delta_traj_b, after = self._lld(new_logp, old_logp, prepared.batch)
+            delta_traj_b, after = self._lld(self.lld_logp(state.params, prepared), lld_old_logp, prepared.batch)
         before, per_update, after, delta_traj_b, total_skips = jax.device_get(
             (before, per_update, after, delta_traj_b, state.nonfinite_count))
         stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}
-        scalars = {key: float(np.mean(values)) for key, values in stacked.items()}
+        scalars = _update_means(stacked)
         scalars["actor/grad_norm_max"] = float(np.max(stacked["actor/grad_norm"]))
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)

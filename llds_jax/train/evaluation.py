@@ -1,16 +1,41 @@
-"""Evaluation: exact match and searches per question per data_source, the unweighted mean over sources,
-transcripts and printed tables."""
+"""Evaluation: a fixed subset stratified over data_source, exact match and searches per question per data_source,
+the unweighted mean over sources, transcripts and printed tables."""
 from __future__ import annotations
 
 import json
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 from etils import epath
 
 from llds_jax.rollout.trajectory import Trajectory, em_score
 
 MEAN_KEY = "mean"
+
+
+def stratified_subset(examples: Sequence[Any], size: int, seed: int) -> list[Any]:
+    """A fixed subset of `size` examples spread as evenly over `data_source` as the sources allow, in file order.
+
+    Each source gets an equal share of `size` (sources smaller than their share give all they have, the rest is
+    shared among the others; the remainder of the division goes to the largest sources); within a source the
+    examples are drawn without replacement by a generator seeded with `seed` (same examples, seed and size: same
+    subset). `size` 0 or at least the number of examples: every example.
+    """
+    if size <= 0 or size >= len(examples):
+        return list(examples)
+    rows_by_source: dict[str, list[int]] = defaultdict(list)
+    for row, example in enumerate(examples):
+        rows_by_source[example.data_source].append(row)
+    sources = sorted(rows_by_source, key=lambda source: (len(rows_by_source[source]), source))
+    rng = np.random.default_rng(seed)
+    chosen, left = [], size
+    for i, source in enumerate(sources):
+        rows = rows_by_source[source]
+        take = min(len(rows), left // (len(sources) - i))
+        chosen += [rows[j] for j in rng.choice(len(rows), take, replace=False)]
+        left -= take
+    return [examples[row] for row in sorted(chosen)]
 
 
 def source_table(trajectories: Sequence[Trajectory], value: Callable[[Trajectory], float]) -> dict[str, float]:

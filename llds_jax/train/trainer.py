@@ -315,6 +315,11 @@ class Trainer:
         })
         return metrics
 
+    def eval_subset(self, size: int) -> list[QAExample]:
+        """The evaluation questions of a `size` setting (`eval.max_examples`, `train.eval_max_examples`): a fixed
+        subset stratified over data_source (`evaluation.stratified_subset`, seeded by `seed`); 0: all of them."""
+        return evaluation.stratified_subset(self.eval_examples, size, self.cfg.seed)
+
     def evaluate(self, params, examples: Sequence[QAExample], out_dir: Optional[epath.Path] = None,
                  prefix: str = "eval") -> dict[str, float]:
         """Greedy rollouts with eval.max_turns; EM and searches per question per data_source, and their unweighted
@@ -366,8 +371,8 @@ class Trainer:
         first_record = start + 1 if start or not cfg.train.eval_at_start else 0
         writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=first_record)
         if start == 0 and cfg.train.eval_at_start and self.eval_examples:
-            examples = self.eval_examples[:cfg.eval.max_examples or None]
-            writer.write(0, self.evaluate(state.params, examples, self.run_dir / "eval" / START_EVAL))
+            writer.write(0, self.evaluate(state.params, self.eval_subset(cfg.eval.max_examples),
+                                          self.run_dir / "eval" / START_EVAL))
         step = saved = start
         try:
             with PreemptionGuard() as guard:
@@ -389,7 +394,7 @@ class Trainer:
                                                         f"command resumes there") from None
                     del pre_step
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_examples:
-                        subset = self.eval_examples[:cfg.train.eval_max_examples or None]
+                        subset = self.eval_subset(cfg.train.eval_max_examples)
                         metrics.update(self.evaluate(state.params, subset,
                                                      self.run_dir / "eval" / f"step_{step}"))
                     writer.write(step, metrics)

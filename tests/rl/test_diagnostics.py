@@ -39,7 +39,7 @@ def test_likelihood_metrics(make_rollout):
         np.testing.assert_allclose(float(got[key]), value, rtol=1e-5, err_msg=key)
 
 
-def test_lld_rate_and_delta_traj():
+def test_lld_rate_counts_strict_decreases_and_ties_apart():
     m = np.array([[0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 1, 1], [0, 1, 1, 1]], np.float32)
     old = np.full((4, 4), -1.0, np.float32)
     new = old + np.array([[9, 0.5, 0.2, 9], [0, -0.5, 9, 0.1], [0, 0, -0.1, 0.1], [0, 0.3, 0.3, 0.3]], np.float32)
@@ -47,7 +47,8 @@ def test_lld_rate_and_delta_traj():
     delta_b, got = lld_metrics(new, old, m, correct)
     np.testing.assert_allclose(np.asarray(delta_b), [0.7, -0.4, 0.0, 0.9], atol=1e-6)
     np.testing.assert_allclose(float(got["lld/delta_traj_correct"]), 0.1, atol=1e-6)
-    np.testing.assert_allclose(float(got["lld/rate"]), 2 / 3, rtol=1e-6)  # Delta <= 0 for 2 of 3 correct
+    np.testing.assert_allclose(float(got["lld/rate"]), 1 / 3, rtol=1e-6)  # Delta < 0 for 1 of 3 correct: a tie is
+    np.testing.assert_allclose(float(got["lld/tie_share"]), 1 / 3, rtol=1e-6)  # not a displacement, it has its share
 
 
 def test_gate_share_and_preserved_delta():

@@ -39,6 +39,26 @@ def test_llds_is_exactly_zero_on_the_first_update_and_acts_on_the_second(plain_s
     assert metrics.scalars["actor/updates"] == 2
 
 
+def test_displacement_metrics_are_reported_over_the_updates_after_the_first(plain_step_result, plain_step,
+                                                                            step_batch, host_copy):
+    """loss/llds, the gate share, preserved delta, clip fraction and approx KL are 0 by construction on update 0:
+    a batch reports them over updates 1..U-1 (here update 1 alone); the other metrics over every update. A batch of
+    one update leaves them out (no empty mean)."""
+    _, _, metrics = plain_step_result
+    for key in ("loss/llds", "llds/gate_share", "llds/preserved_delta", "actor/clip_frac", "actor/approx_kl"):
+        assert metrics.per_update[key][0] == 0.0, key
+        assert metrics.scalars[key] == float(metrics.per_update[key][1]), key
+    assert all(metrics.scalars[key] != 0 for key in ("loss/llds", "llds/gate_share", "actor/approx_kl"))
+    for key in ("actor/entropy", "actor/loss", "actor/grad_norm", "actor/ref_kl_k3"):
+        np.testing.assert_allclose(metrics.scalars[key], np.mean(metrics.per_update[key]), rtol=1e-6, err_msg=key)
+    state = plain_step.init_state()
+    with pytest.warns(UserWarning, match="one optimizer update"):
+        _, one = plain_step.train_on_batch(state, plain_step.reference_params(state.params),
+                                           jax.tree.map(lambda x: x[:16], step_batch))
+    assert one.scalars["actor/updates"] == 1 and "llds/gate_share" not in one.scalars
+    assert "actor/entropy" in one.scalars and all(np.isfinite(v) for v in one.scalars.values())
+
+
 def test_warns_when_llds_is_on_with_one_update_per_batch(plain_step, step_batch, tiny_model_cfg):
     one_update = jax.tree.map(lambda x: x[:16], step_batch)
     with pytest.warns(UserWarning, match="LLDS is on but there is one optimizer update"):
@@ -114,6 +134,29 @@ def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, 
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params0))) > 1e-4
 
 
+def test_lld_measurement_runs_in_float32_with_a_bfloat16_model(plain_step, step_batch, tiny_model_cfg, host_copy):
+    """With bfloat16 compute and a small learning rate, bfloat16 log-probs move by rounding noise as large as the
+    change (or not at all: ties). Delta_traj is measured with both forwards in float32: it equals the change of
+    full-logits float32 log-probs from the params before to those after the updates, computed here directly."""
+    bf16_cfg = dataclasses.replace(tiny_model_cfg, dtype="bfloat16")
+    step = RLTrainStep(Transformer(bf16_cfg, rngs=nnx.Rngs(0)), ObjectiveConfig(),
+                       dataclasses.replace(plain_step.update_cfg, learning_rate=1e-5))
+    state = step.init_state()
+    before = host_copy(state.params)
+    state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
+    float32_model = dataclasses.replace(tiny_model_cfg, dtype="float32")
+    graphdef = nnx.split(Transformer(float32_model, rngs=nnx.Rngs(0)))[0]
+    tokens_bt, mask_bt = jnp.asarray(step_batch.tokens_bt), jnp.asarray(step_batch.mask_bt)
+    logp = jax.jit(lambda p: naive_logp_entropy(nnx.merge(graphdef, p), tokens_bt, mask_bt, 1.0)[0])
+    delta_bt = np.asarray(logp(jax.tree.map(jnp.asarray, host_copy(state.params)))) - np.asarray(logp(before))
+    want_b = (delta_bt.astype(np.float64) * step_batch.loss_mask_bt).sum(axis=1)
+    assert np.all(np.abs(want_b) > 1e-5)
+    np.testing.assert_allclose(metrics.delta_traj_b, want_b, rtol=0.02, atol=2e-6)
+    correct = step_batch.rewards_b > 0
+    assert metrics.scalars["lld/tie_share"] == 0.0
+    np.testing.assert_allclose(metrics.scalars["lld/rate"], np.mean(want_b[correct] < 0), rtol=1e-6)
+
+
 def test_sharded_step_equals_unsharded(sharded_step, plain_step_result, step_batch, mesh8):
     _, plain_state, plain_metrics = plain_step_result
     state = sharded_step.init_state()
@@ -165,7 +208,8 @@ def test_metrics_are_reported(plain_step_result, step_batch):
         assert np.isfinite(s[key]), key
     assert s["actor/grad_norm_max"] == max(metrics.per_update["actor/grad_norm"])
     correct = step_batch.rewards_b > 0
-    np.testing.assert_allclose(s["lld/rate"], np.mean(metrics.delta_traj_b[correct] <= 0), rtol=1e-6)
+    np.testing.assert_allclose(s["lld/rate"], np.mean(metrics.delta_traj_b[correct] < 0), rtol=1e-6)
+    np.testing.assert_allclose(s["lld/tie_share"], np.mean(metrics.delta_traj_b[correct] == 0), rtol=1e-6)
     np.testing.assert_allclose(s["lld/delta_traj_correct"], np.mean(metrics.delta_traj_b[correct]), rtol=1e-5)
     assert int(state.step) == 1
 

@@ -34,3 +34,21 @@ def test_columns_print_each_table_side_by_side_with_counts():
                                  "nq            0.000    1.000  3",
                                  "hotpotqa          -    3.000  1",
                                  "mean          0.000    2.000"]
+
+
+def test_eval_subset_is_fixed_and_stratified_over_data_sources():
+    """Search-R1's test file starts with NQ only: the first rows would evaluate NQ alone. The subset gives each source
+    an equal share (a small source all it has, its unused share to the others), drawn by the seed, in file order."""
+    examples = ([SimpleNamespace(data_source="nq", row=i) for i in range(20)]
+                + [SimpleNamespace(data_source="bamboogle", row=20 + i) for i in range(2)]
+                + [SimpleNamespace(data_source="hotpotqa", row=22 + i) for i in range(20)])
+    subset = evaluation.stratified_subset(examples, 11, seed=0)
+    counts = {source: sum(e.data_source == source for e in subset) for source in ("nq", "bamboogle", "hotpotqa")}
+    assert counts == {"bamboogle": 2, "hotpotqa": 4, "nq": 5}  # 11 = 2 + 9 shared: hotpotqa 9 // 2, nq the rest
+    assert [e.row for e in subset] == sorted(e.row for e in subset)
+    assert evaluation.stratified_subset(examples, 11, seed=0) == subset
+    assert evaluation.stratified_subset(examples, 11, seed=1) != subset
+    assert evaluation.stratified_subset(examples, 0, seed=0) == examples  # 0: the whole split
+    assert evaluation.stratified_subset(examples, 42, seed=0) == examples
+    em = evaluation.em_table([trajectory(e.data_source, float(e.data_source == "nq"), 0) for e in subset])
+    assert em["mean"] == pytest.approx(1 / 3)  # the mean over the three sources, not NQ's EM
