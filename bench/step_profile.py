@@ -13,6 +13,8 @@ the steps after the first (compilation done):
                           started while other rows still decode are hidden behind decoding)
   rollout/compile_grid    after the first rollout: compiling the sampler's bucket grid ahead (`Sampler.compile_grid`)
   batch                   packing the trajectories, checking and placing the batch, fetching metrics
+  compile_rows            with packing, the first batch of a length: compiling the forwards of every packed-row
+                          count ahead (`RLTrainStep.compile_row_counts`)
   logp                    old and reference log-probs (one forward each)
   updates                 the optimizer updates (and the post-update log-probs on LLD steps)
   checkpoint              the blocking part of an (asynchronous) Orbax save; saved every step here
@@ -23,7 +25,8 @@ the XLA compilations of each step (`jax.monitoring` backend-compile events, by f
 first step is the first use of a new shape bucket: a longer training batch than any before, or a conversation
 that outgrows every cache capacity of the first step (from the second step on the sampler reuses its compiled
 buckets, after compiling the grid of their combinations ahead: `Sampler.freeze_shapes`); a program compiled again
-for an input signature it was already compiled for is a bug, counted apart (from the lowerings JAX logs) and
+for an input signature it was already compiled for is a bug, counted apart (from the lowerings JAX logs that a
+backend compilation follows: a program compiled ahead lowers again at its first call, then finds its executable) and
 expected to be 0.
 
     python bench/step_profile.py                                   # configs/demo_cpu.py, 3 steps
@@ -31,11 +34,15 @@ expected to be 0.
     python bench/step_profile.py --config.rollout.decode_chunk=8   # ml_collections-style overrides work too
     python bench/step_profile.py --search-seconds-per-query 0.05 [--no-overlap]   # a loaded search backend
     python bench/step_profile.py --steps 20 --compare-packing      # unpacked, then packed: the tokens/s ratio
+    python bench/step_profile.py --steps 20 --compare-packing \
+        --unpacked-override model.attention_query_block=512 --unpacked-override model.attention_key_block=512
 
 The padding share is that of the rows the log-probs and updates run on (`perf/padding`): with
 `optim.pack_trajectories` the packed rows, else one row per trajectory. `--compare-packing` profiles the config twice
 in this process, with `optim.pack_trajectories=False` and then `True` (each from a fresh trainer, the same seed), and
-prints both reports and the ratio of their tokens/s.
+prints both reports and the ratio of their tokens/s; `--unpacked-override` sets keys of the unpacked run alone (the
+demo's 64-token attention tiles serve its packed rows: the second example compares with the 512-token tiles an
+unpacked demo would keep).
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ from llds_jax.rollout.interfaces import SamplerSession
 from llds_jax.search.types import Retriever
 
 PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
-          "batch", "logp", "updates", "checkpoint", "other")
+          "batch", "compile_rows", "logp", "updates", "checkpoint", "other")
 COMPILE_EVENT = "backend_compile_duration"  # /jax/core/compile/backend_compile_duration
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo_cpu.py")
 
@@ -69,27 +76,31 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 class CompileCounter:
     """Counts XLA backend compilations (with their seconds and function names) while installed, and tells the
     first compilation of a program for an input signature (function, shapes, dtypes, shardings) from a repeated
-    one: the lowerings JAX logs at DEBUG level are keyed by their signature."""
+    one: the lowerings JAX logs at DEBUG level are keyed by their signature, and a signature counts as compiled once
+    a backend compilation follows its lowering (a program lowered ahead and compiled is lowered again at its first
+    call, and compiles nothing then; one lowered ahead and not compiled compiles at its first call)."""
 
     LOWERING_LOGGER = "jax._src.interpreters.pxla"
 
     def __init__(self):
         self.events: list[tuple[str, float]] = []
-        self.lowerings: list[tuple[str, bool]] = []  # (function, signature seen before)
-        self._signatures: set[str] = set()
+        self.lowerings: list[list] = []  # [function, signature compiled before, a backend compilation followed]
+        self._compiled: set[str] = set()  # signatures a backend compilation followed
         self._handler = logging.Handler(logging.DEBUG)
         self._handler.emit = self._on_log  # type: ignore[method-assign]
 
     def __call__(self, event: str, duration: float, **kwargs) -> None:
         if event.endswith(COMPILE_EVENT):
             self.events.append((str(kwargs.get("fun_name", "?")), duration))
+            if self.lowerings:
+                self.lowerings[-1][2] = True
+                self._compiled.add(self._last_signature)
 
     def _on_log(self, record: logging.LogRecord) -> None:
         if not str(record.msg).startswith("Compiling %s with global shapes and types"):
             return
-        signature = repr(record.args)
-        self.lowerings.append((str(record.args[0]), signature in self._signatures))
-        self._signatures.add(signature)
+        self._last_signature = repr(record.args)
+        self.lowerings.append([str(record.args[0]), self._last_signature in self._compiled, False])
 
     def __enter__(self) -> "CompileCounter":
         jax.monitoring.register_event_duration_secs_listener(self)
@@ -110,7 +121,7 @@ class CompileCounter:
     def mark(self) -> tuple[int, int]:
         return len(self.events), len(self.lowerings)
 
-    def since(self, mark: tuple[int, int]) -> tuple[list[tuple[str, float]], list[tuple[str, bool]]]:
+    def since(self, mark: tuple[int, int]) -> tuple[list[tuple[str, float]], list[list]]:
         return self.events[mark[0]:], self.lowerings[mark[1]:]
 
 
@@ -123,10 +134,11 @@ def step_phases(metrics: dict[str, float], checkpoint_s: float, wall_s: float) -
         "rollout/prefill": prefill, "rollout/decode": decode, "rollout/retrieval_wait": wait,
         "rollout/host": max(rollout_s - prefill - decode - wait, 0.0),
         "rollout/compile_grid": metrics.get("perf/compile_grid_s", 0.0),
+        "compile_rows": metrics.get("perf/compile_rows_s", 0.0),
         "logp": metrics["perf/logp_s"], "updates": metrics["perf/update_s"], "checkpoint": checkpoint_s,
     }
-    phases["batch"] = max(metrics["perf/step_s"] - rollout_s - phases["rollout/compile_grid"] - phases["logp"]
-                          - phases["updates"], 0.0)
+    phases["batch"] = max(metrics["perf/step_s"] - rollout_s - phases["rollout/compile_grid"] - phases["compile_rows"]
+                          - phases["logp"] - phases["updates"], 0.0)
     phases["other"] = max(wall_s - sum(phases.values()), 0.0)
     return {name: phases[name] for name in PHASES}
 
@@ -253,7 +265,8 @@ def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 
                     "step": step, "wall_s": wall_s, "phases": step_phases(metrics, checkpoint_s, wall_s),
                     "compiles": len(compiled), "compile_s": sum(d for _, d in compiled),
                     "compiled": sorted(collections.Counter(name for name, _ in compiled).items()),
-                    "repeated_signatures": sorted(collections.Counter(n for n, seen in lowered if seen).items()),
+                    "repeated_signatures": sorted(collections.Counter(
+                        n for n, seen, compiled in lowered if seen and compiled).items()),
                     "tokens": float(sum(lengths)), "tokens_per_s": sum(lengths) / wall_s,
                     "padding": metrics["perf/padding"], "sequence_length": metrics["perf/sequence_length"],
                     "sampled_tokens_per_s": metrics.get("rollout/sampled_tokens_per_s", 0.0),
@@ -344,6 +357,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    "decoding (one call per turn), to measure what overlapping them with decoding saves")
     p.add_argument("--compare-packing", action="store_true", help="profile without and then with "
                    "optim.pack_trajectories, and print the ratio of tokens/s")
+    p.add_argument("--unpacked-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --compare-packing: a config override for the unpacked run only, repeatable (e.g. the "
+                   "attention tiles the config had before it packed)")
     args, rest = p.parse_known_args(argv)
     for arg in rest:
         if not arg.startswith("--config.") or "=" not in arg:
@@ -384,15 +400,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 def compare_packing(args: argparse.Namespace) -> dict[str, Any]:
-    """`profile` of the config without, then with, packed trajectories; returns {"unpacked": result, "packed":
-    result, "tokens_per_s_ratio": packed / unpacked}."""
+    """`profile` of the config without (and with `--unpacked-override`), then with, packed trajectories; returns
+    {"unpacked": result, "packed": result, "tokens_per_s_ratio": packed / unpacked}."""
     results = {}
     for name, packed in (("unpacked", False), ("packed", True)):
-        cfg = load_config(args.config, [*args.override, f"optim.pack_trajectories={packed}"])
+        overrides = [*args.override, f"optim.pack_trajectories={packed}"] + ([] if packed else args.unpacked_override)
+        cfg = load_config(args.config, overrides)
         with _run_folder(args.run_dir and os.path.join(args.run_dir, name)) as run_dir:
             cfg.run_dir = run_dir
-            print(f"step_profile: {os.path.relpath(args.config)}, optim.pack_trajectories={packed}; {args.steps} "
-                  f"step(s)", flush=True)
+            print(f"step_profile: {os.path.relpath(args.config)}, {', '.join(overrides)}; {args.steps} step(s)",
+                  flush=True)
             results[name] = profile(cfg, args.steps, args.checkpoint_every, log=lambda line: print(line, flush=True))
         print(format_report(results[name]), flush=True)
     ratio = results["packed"]["tokens_per_s"] / results["unpacked"]["tokens_per_s"]

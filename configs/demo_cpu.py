@@ -45,6 +45,8 @@ def get_config():
 
     c.model.dtype = "float32"
     c.model.remat = False
+    c.model.attention_query_block = 64  # blockwise tiles of 64 x 64: a packed row's tiles outside every query's
+    c.model.attention_key_block = 64    # trajectory are skipped (rows of 384 hold 3-4 trajectories)
     c.mesh.fsdp = 1
     c.data.prompts_per_step = 8
     c.data.samples_per_prompt = 8
@@ -62,6 +64,7 @@ def get_config():
     c.optim.warmup_ratio = 0.0
     c.optim.reference_dtype = "float32"
     c.optim.logp_time_chunk = 128
+    c.optim.pack_row_tokens = 384       # packed rows twice the usual batch length (192): 13.7% padding, not 34%
     c.train.total_steps = 20
     c.train.sequence_bucket = 64
     c.train.checkpoint_every = 10

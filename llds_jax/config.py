@@ -118,6 +118,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.optim.logp_time_chunk = 256
     c.optim.reference_dtype = "bfloat16"
     c.optim.pack_trajectories = True    # forwards on each micro-batch's trajectories packed into fewer rows
+    c.optim.pack_row_tokens = 0         # packed rows' length; 0: the batch length (its longest trajectory)
+    c.optim.precompile_row_counts = True  # a new batch length compiles every packed-row count ahead
     c.optim.max_skipped_updates = 20    # updates skipped in a row (non-finite loss/gradient) that end a run; 0: never
 
     c.train = ml_collections.ConfigDict()
@@ -267,7 +269,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "optim.learning_rate", "optim.weight_decay", "train.lld_every", "train.eval_every", "train.eval_max_examples",
       "train.transcripts_every", "train.num_transcripts", "eval.max_turns", "eval.max_examples",
       "sft.curriculum_steps", "sft.warmup_steps", "sft.weight_decay", "distributed.num_processes",
-      "rollout.max_failed_search_steps", "optim.max_skipped_updates"),
+      "rollout.max_failed_search_steps", "optim.max_skipped_updates", "optim.pack_row_tokens"),
      lambda v: v >= 0, ">= 0"),
     (("rollout.temperature", "rollout.search_timeout_s", "objective.kl_clamp", "optim.max_grad_norm", "optim.adam_eps",
       "sft.learning_rate", "sft.max_grad_norm", "demo.initializer_range"), lambda v: v > 0, "> 0"),

@@ -126,6 +126,11 @@ class UpdateConfig:
       reference_dtype: storage dtype of the frozen reference parameters, "float32" or "bfloat16".
       pack_trajectories: run the forwards (log-probs, updates) on each micro-batch's trajectories packed into fewer
         rows (llds_jax/rl/packing.py); same micro-batches and per-token results, less padding. False: one row each.
+      pack_row_tokens: length of a packed row in tokens; 0 (or less than the batch length): the batch length. Rows
+        longer than the longest trajectory let more trajectories share one (less padding; attention that skips
+        other trajectories' keys, blockwise or splash, keeps their cost near the trajectories' own).
+      precompile_row_counts: with packing, the first batch of each length compiles the forwards of every row count
+        an update can need (`RLTrainStep.row_counts`) before it runs, so later batches do not stop to compile.
     """
 
     mini_batch_size: int = 256
@@ -140,6 +145,8 @@ class UpdateConfig:
     logp_time_chunk: int = DEFAULT_TIME_CHUNK
     reference_dtype: str = "float32"
     pack_trajectories: bool = False
+    pack_row_tokens: int = 0
+    precompile_row_counts: bool = False
 
     def __post_init__(self):
         for key in ("mini_batch_size", "micro_batch_size", "logp_time_chunk"):
@@ -148,7 +155,7 @@ class UpdateConfig:
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
                              f"optim.micro_batch_size ({self.micro_batch_size})")
-        for key in ("learning_rate", "warmup_steps", "weight_decay"):
+        for key in ("learning_rate", "warmup_steps", "weight_decay", "pack_row_tokens"):
             if getattr(self, key) < 0:
                 raise ValueError(f"optim.{key} must be >= 0; got {getattr(self, key)!r}")
         if not self.max_grad_norm > 0:

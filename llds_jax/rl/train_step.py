@@ -6,8 +6,10 @@ its rewards and advantages set:
    e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches K, micro-batch size, ...] (sharded on the
    micro-batch axis over the mesh's data axes, so every micro-batch spans all devices); with
    `optim.pack_trajectories`, each micro-batch's trajectories are also packed into fewer rows for the forward
-   (llds_jax/rl/packing.py: same micro-batches, same per-token results, less padding);
-2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only;
+   (llds_jax/rl/packing.py: same micro-batches, same per-token results, less padding), as many rows as each
+   update's micro-batches need (rows of `optim.pack_row_tokens`);
+2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only, one call per
+   update's mini-batch (on its rows);
 3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
    loss of each of the K micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
    non-finite loss or gradient leaves params and optimizer state unchanged and counts the skip;
@@ -68,14 +70,15 @@ class PreparedBatch(NamedTuple):
       batch: the RolloutBatch with every array as [U, K, micro, ...] (sharded on the micro axis over the data axes).
       batch_stats: the loss terms' whole-batch statistics (`terms.batch_statistics`), replicated scalars.
       num_updates: U, the optimizer updates of this batch.
-      rows: with `optim.pack_trajectories`, each micro-batch's trajectories packed into R rows ([U, K, R, L] and
-        [U, K, micro, L] arrays, sharded like `batch`), which the forwards run on; None: the forwards run on `batch`.
+      rows: with `optim.pack_trajectories`, per update, each of its micro-batches' trajectories packed into R_u
+        rows of L' tokens ([1, K, R_u, L'] and [1, K, micro, L] arrays, sharded like `batch`), which the forwards
+        run on; None: the forwards run on `batch`.
     """
 
     batch: RolloutBatch
     batch_stats: dict[str, jax.Array]
     num_updates: int
-    rows: PackedRows | None = None
+    rows: tuple[PackedRows, ...] | None = None
 
 
 class BatchMetrics(NamedTuple):
@@ -86,7 +89,8 @@ class BatchMetrics(NamedTuple):
         (0 by construction on update 0) over updates 1..U-1, left out when the batch makes a single update;
         pre-update likelihood metrics,
         seconds of the frozen log-probs (`perf/logp_s`) and of the updates (`perf/update_s`), the padding share of
-        the rows the forwards run on (`perf/padding`), post-update LLD metrics when measured.
+        the rows the forwards run on (`perf/padding`), seconds compiling the packed-row counts of a new batch
+        length ahead (`perf/compile_rows_s`), post-update LLD metrics when measured.
       per_update: name -> [U] array, one value per optimizer update (mean over its micro-batches).
       delta_traj_b: [B] Delta_traj per trajectory when `measure_lld`, else None.
     """
@@ -197,7 +201,8 @@ class RLTrainStep:
         self._likelihood = jax.jit(_likelihood_metrics)
         self._lld = jax.jit(_lld_metrics)
         self._update = None  # jitted on first use, with the state's shardings as output shardings
-        self._row_counts: set[int] = set()  # packed-row counts compiled so far (a smaller one reuses a larger)
+        self._concat_updates = jax.jit(lambda parts: jnp.concatenate(parts), out_shardings=self._batch_sharding(4))
+        self._precompiled_lengths: set[int] = set()  # batch lengths whose row counts are compiled (`compile_row_counts`)
 
     # ----- state ---------------------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State | None = None) -> TrainState:
@@ -206,8 +211,9 @@ class RLTrainStep:
         init = self._init_optimizer(params)
         with self._mesh_context():
             opt_state = init(params)
-        replicated = self._replicated()
-        step, nonfinite_count = (jax.device_put(np.int32(0), replicated) for _ in range(2))  # distinct buffers
+        # Committed (to the mesh, or to the device) as the updates' outputs are: the same program signature.
+        placement = self._replicated() or jax.devices()[0]
+        step, nonfinite_count = (jax.device_put(np.int32(0), placement) for _ in range(2))  # distinct buffers
         return TrainState(params=params, opt_state=opt_state, step=step, nonfinite_count=nonfinite_count)
 
     def _init_optimizer(self, params: nnx.State):
@@ -261,7 +267,7 @@ class RLTrainStep:
                           "first update, so LLDS is exactly zero; use optim.mini_batch_size < the batch size",
                           stacklevel=2)
         if self.mesh is not None:
-            shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh))
+            shards = self._data_shards()
             if cfg.micro_batch_size % shards:
                 raise ValueError(f"optim.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
                                  f"data axes size ({shards})")
@@ -273,19 +279,33 @@ class RLTrainStep:
                              num_updates=num_updates,
                              rows=self._packed_rows(laid_out) if cfg.pack_trajectories else None)
 
-    def _packed_rows(self, laid_out: RolloutBatch) -> PackedRows:
-        """Each micro-batch of a laid-out host batch packed into R rows, placed on the device(s). R: the most rows a
-        micro-batch needs, rounded up to a bucket (a multiple of the data-axes size and of a quarter of the
-        micro-batch: at most 4 row counts per batch length), or a larger R compiled already (bounded compiles)."""
-        layout = laid_out.tokens_bt.shape[:2]
-        tokens_nml, mask_nml = (x.reshape((-1,) + x.shape[2:]) for x in (laid_out.tokens_bt, laid_out.mask_bt))
-        shards = math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh)) if self.mesh is not None else 1
-        bucket = math.lcm(shards, max(1, self.update_cfg.micro_batch_size // 4))
-        needed = min(-(-rows_needed(mask_nml) // bucket) * bucket, self.update_cfg.micro_batch_size)
-        num_rows = min((r for r in self._row_counts if r >= needed), default=needed)
-        self._row_counts.add(num_rows)
-        rows = pack(tokens_nml, mask_nml, num_rows)
-        return jax.tree.map(lambda x: self._put(x.reshape(layout + x.shape[1:])), rows)
+    def _data_shards(self) -> int:
+        """The size of the mesh's data axes (1 without a mesh)."""
+        return math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh)) if self.mesh is not None else 1
+
+    def row_counts(self, length: int) -> list[int]:
+        """Every packed-row count R_u an update of a batch of `length` tokens can need: the multiples of the
+        data-axes size up to the worst case's (every trajectory `length` tokens long, L' // length to a row)."""
+        shards, per_row = self._data_shards(), self._row_length(length) // length
+        worst = -(-self.update_cfg.micro_batch_size // per_row)
+        return list(range(shards, -(-worst // shards) * shards + 1, shards))
+
+    def _row_length(self, length: int) -> int:
+        """L' of the packed rows of a batch of `length` tokens: `optim.pack_row_tokens`, at least `length`."""
+        return max(self.update_cfg.pack_row_tokens, length)
+
+    def _packed_rows(self, laid_out: RolloutBatch) -> tuple[PackedRows, ...]:
+        """Per update, its micro-batches of a laid-out host batch packed into R_u rows of L' tokens, placed on the
+        device(s) as [1, K, R_u, L'] arrays. R_u: the most rows one of them needs, rounded up to a multiple of the
+        data-axes size (so at most micro / shards row counts per batch length, each a compilation of the forwards)."""
+        shards = self._data_shards()
+        row_length = self._row_length(laid_out.tokens_bt.shape[-1])
+        per_update = []
+        for tokens_kml, mask_kml in zip(laid_out.tokens_bt, laid_out.mask_bt):
+            num_rows = -(-rows_needed(mask_kml, row_length) // shards) * shards
+            rows = pack(tokens_kml, mask_kml, num_rows, row_length)
+            per_update.append(jax.tree.map(lambda x: self._put(x[None]), rows))
+        return tuple(per_update)
 
     def _layout(self, num: int) -> tuple[int, int, int]:
         """(U, K, micro) of a batch of `num` trajectories."""
@@ -306,9 +326,10 @@ class RLTrainStep:
         batch_axes = mesh_batch_axes(self.mesh) or None
         return NamedSharding(self.mesh, P(None, None, batch_axes) if ndim >= 3 else P())
 
-    def batch_spec(self, num: int, length: int) -> PreparedBatch:
+    def batch_spec(self, num: int, length: int, num_rows: int | None = None) -> PreparedBatch:
         """The abstract `prepare_batch` result of a rollout batch of `num` trajectories of `length` tokens, for
-        ahead-of-time compilation (packed: the worst case, one row per trajectory)."""
+        ahead-of-time compilation (packed: `num_rows` rows per micro-batch, by default the worst case, one row per
+        trajectory)."""
         layout = self._layout(num)
 
         def spec(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -319,10 +340,10 @@ class RLTrainStep:
                                 for field in dataclasses.fields(RolloutBatch)})
         rows = None
         if self.update_cfg.pack_trajectories:
-            rows = PackedRows(tokens_rl=spec(layout + (length,), jnp.int32),
-                              mask_rl=spec(layout + (length,), jnp.float32),
-                              segment_first_rl=spec(layout + (length,), jnp.int32),
-                              source_ml=spec(layout + (length,), jnp.int32))
+            update_rows = (1, layout[1], num_rows or layout[2], self._row_length(length))
+            rows = (PackedRows(tokens_rl=spec(update_rows, jnp.int32), mask_rl=spec(update_rows, jnp.float32),
+                               segment_first_rl=spec(update_rows, jnp.int32),
+                               source_ml=spec((1,) + layout[1:] + (length,), jnp.int32)),) * layout[0]
         stats = {name: spec((), jnp.float32) for name in batch_statistics(RolloutBatch.zeros(1, 1), self.objective)}
         return PreparedBatch(batch=batch, batch_stats=stats, num_updates=layout[0], rows=rows)
 
@@ -347,24 +368,32 @@ class RLTrainStep:
         logp_rl, entropy_rl = logp(rows.tokens_rl, rows.mask_rl, segment_first_bt=rows.segment_first_rl)
         return unpack(logp_rl, rows.source_ml), unpack(entropy_rl, rows.source_ml)
 
-    def _logp_impl(self, params, tokens_ukmt, mask_ukmt, rows: PackedRows | None, float32_compute: bool = False):
-        """Forward-only logp of a laid-out batch, one micro-batch at a time. [U, K, micro, T]."""
-        layout = tokens_ukmt.shape
-        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_ukmt, mask_ukmt, rows))
-        logp_nmt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
-        return logp_nmt.reshape(layout)
+    def _logp_impl(self, params, tokens_ukmt, mask_ukmt, rows: PackedRows | None, index,
+                   float32_compute: bool = False):
+        """Forward-only logp of update `index`'s mini-batch of a laid-out batch, one micro-batch at a time, on the
+        update's packed rows (`rows`, [1, K, R, L'] arrays) or on its trajectories. [1, K, micro, T]."""
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=index, slice_size=1, axis=0)
+        tokens_1kmt, mask_1kmt = take(tokens_ukmt), take(mask_ukmt)
+        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_1kmt, mask_1kmt, rows))
+        logp_kmt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
+        return logp_kmt.reshape(tokens_1kmt.shape)
+
+    def _per_update(self, logp_fn, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
+        """`logp_fn` (a jitted `_logp_impl`) of every update's mini-batch, concatenated: [U, K, micro, T]."""
+        batch = prepared.batch
+        with self._mesh_context():
+            return self._concat_updates(tuple(
+                logp_fn(params, batch.tokens_bt, batch.mask_bt, None if prepared.rows is None else prepared.rows[u],
+                        jnp.int32(u))
+                for u in range(prepared.num_updates)))
 
     def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
         """logp of every token of a prepared batch under `params` (jitted, no gradient). [U, K, micro, T]."""
-        with self._mesh_context():
-            return self._logp(params, prepared.batch.tokens_bt, prepared.batch.mask_bt, prepared.rows)
+        return self._per_update(self._logp, params, prepared)
 
     def lld_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
         """`sequence_logp` with the model computing in float32 (the LLD measurement's log-probs). [U, K, micro, T]."""
-        if not self._lld_in_float32:
-            return self.sequence_logp(params, prepared)
-        with self._mesh_context():
-            return self._logp_float32(params, prepared.batch.tokens_bt, prepared.batch.mask_bt, prepared.rows)
+        return self._per_update(self._logp_float32 if self._lld_in_float32 else self._logp, params, prepared)
 
     def _micro_loss(self, params, micro: RolloutBatch, rows: PackedRows | None, old_logp_bt, ref_logp_bt,
                     batch_stats, first_update):
@@ -383,12 +412,14 @@ class RLTrainStep:
 
     def _update_impl(self, state: TrainState, batch: RolloutBatch, rows: PackedRows | None, batch_stats, old_logp,
                      ref_logp, index):
-        """One optimizer update on mini-batch `index` of a prepared batch ([U, K, micro, ...] arrays).
+        """One optimizer update on mini-batch `index` of a prepared batch ([U, K, micro, ...] arrays), its forwards on
+        `rows`, that update's packed rows ([1, K, R, L'] arrays), or on its trajectories (None).
 
         Update 0 must run on the parameters old_logp was computed with (train_on_batch guarantees it).
         """
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        micro_k, rows_k = jax.tree.map(take, (batch, rows))
+        micro_k = jax.tree.map(take, batch)
+        rows_k = jax.tree.map(lambda x: x[0], rows)
         old_k = take(old_logp)
         ref_k = None if ref_logp is None else take(ref_logp)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
@@ -436,9 +467,13 @@ class RLTrainStep:
                        measure_lld: bool) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program `init_state`, `reference_params` and `train_on_batch` run, lowered (not compiled) at
         abstract values (`abstract_state()`, `abstract_reference` of its params, `batch_spec`), named as
-        `train_on_batch` uses them, in the order a run first runs them."""
+        `train_on_batch` uses them, in the order a run first runs them (the log-probs: one update's mini-batch, as
+        each call computes it)."""
         batch = prepared.batch
-        logp = jax.ShapeDtypeStruct(batch.tokens_bt.shape, jnp.float32, sharding=self._batch_sharding(4))
+        rows = None if prepared.rows is None else prepared.rows[0]
+        # The log-probs come out of a jitted program: committed to a device also without a mesh.
+        logp_sharding = self._batch_sharding(4) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        logp = jax.ShapeDtypeStruct(batch.tokens_bt.shape, jnp.float32, sharding=logp_sharding)
         index = jax.ShapeDtypeStruct((), jnp.int32)
         init = self._init_optimizer(state.params)
         with self._mesh_context():
@@ -446,20 +481,33 @@ class RLTrainStep:
             if ref_params is not None:
                 programs += [("reference copy", self._reference_copier(state.params).lower(state.params)),
                              ("logp (reference)", self._logp.lower(ref_params, batch.tokens_bt, batch.mask_bt,
-                                                                   prepared.rows))]
+                                                                   rows, index))]
             programs += [
-                ("logp (policy)", self._logp.lower(state.params, batch.tokens_bt, batch.mask_bt, prepared.rows)),
+                ("logp (policy)", self._logp.lower(state.params, batch.tokens_bt, batch.mask_bt, rows, index)),
                 ("likelihood metrics", self._likelihood.lower(logp, batch)),
                 (f"update ({prepared.num_updates} per step)", self._jitted_update(state).lower(
-                    state, batch, prepared.rows, prepared.batch_stats, logp, None if ref_params is None else logp,
-                    index)),
+                    state, batch, rows, prepared.batch_stats, logp, None if ref_params is None else logp, index)),
             ]
             if measure_lld and self._lld_in_float32:
                 programs.insert(-1, ("logp (float32, LLD)", self._logp_float32.lower(
-                    state.params, batch.tokens_bt, batch.mask_bt, prepared.rows)))
+                    state.params, batch.tokens_bt, batch.mask_bt, rows, index)))
             if measure_lld:
                 programs.append(("lld metrics", self._lld.lower(logp, logp, batch)))
         return programs
+
+    def compile_row_counts(self, state: TrainState, ref_params: nnx.State | None, num: int, length: int,
+                           measure_lld: bool) -> int:
+        """Compiles ahead, without running them, the log-probs and the update at every packed-row count a batch of
+        `num` trajectories of `length` tokens can need (`row_counts`), so that no later batch of that length
+        compiles (as the sampler's shape grid). Returns the programs compiled."""
+        modules = set()  # the reference's log-probs are the policy's program when both have the same dtypes
+        for num_rows in self.row_counts(length):
+            for name, lowered in self.lower_programs(state, ref_params, self.batch_spec(num, length, num_rows),
+                                                     measure_lld):
+                if name.startswith(("logp", "update")) and lowered.as_text() not in modules:
+                    modules.add(lowered.as_text())
+                    lowered.compile()
+        return len(modules)
 
     # ----- the step ------------------------------------------------------------------------------------------------
     def train_on_batch(
@@ -484,6 +532,13 @@ class RLTrainStep:
             raise ValueError("ref_params is required when objective.kl_coef > 0")
         prepared = self.prepare_batch(batch)
         real_tokens = float(np.sum(np.asarray(batch.mask_bt) > 0))
+        compile_rows_s, length = 0.0, batch.tokens_bt.shape[1]
+        if prepared.rows is not None and self.update_cfg.precompile_row_counts and length not in \
+                self._precompiled_lengths:
+            self._precompiled_lengths.add(length)
+            start = time.perf_counter()
+            self.compile_row_counts(state, ref_params, batch.num_trajectories, length, measure_lld)
+            compile_rows_s = time.perf_counter() - start
         start = time.perf_counter()
         old_logp = self.sequence_logp(state.params, prepared)
         ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
@@ -498,7 +553,8 @@ class RLTrainStep:
                 if index and between_updates is not None:
                     jax.block_until_ready(per_update[-1])
                     between_updates()
-                state, metrics = update(state, prepared.batch, prepared.rows, prepared.batch_stats, old_logp,
+                rows = None if prepared.rows is None else prepared.rows[index]
+                state, metrics = update(state, prepared.batch, rows, prepared.batch_stats, old_logp,
                                         ref_logp, jnp.int32(index))
                 per_update.append(metrics)
         state = state._replace(step=state.step + 1)
@@ -513,9 +569,11 @@ class RLTrainStep:
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)
         scalars["actor/updates"] = float(prepared.num_updates)
-        forward_bt = prepared.rows.tokens_rl if prepared.rows is not None else prepared.batch.tokens_bt
-        scalars["perf/padding"] = 1.0 - real_tokens / math.prod(forward_bt.shape)
+        forward_tokens = (math.prod(prepared.batch.tokens_bt.shape) if prepared.rows is None
+                          else sum(math.prod(rows.tokens_rl.shape) for rows in prepared.rows))
+        scalars["perf/padding"] = 1.0 - real_tokens / forward_tokens
         scalars["perf/logp_s"] = logp_s
+        scalars["perf/compile_rows_s"] = compile_rows_s
         scalars["perf/update_s"] = time.perf_counter() - start - logp_s
         scalars.update({key: float(value) for key, value in {**before, **after}.items()})
         return state, BatchMetrics(scalars=scalars, per_update=stacked, delta_traj_b=delta_traj_b)

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "step_profile.py"
 TINY = ROOT / "configs" / "tiny_test.py"
 PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
-          "batch", "logp", "updates", "checkpoint", "other")
+          "batch", "compile_rows", "logp", "updates", "checkpoint", "other")
 
 
 def load_bench():

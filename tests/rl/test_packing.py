@@ -52,6 +52,20 @@ def test_pack_places_every_real_token_once_and_unpack_brings_it_back(make_rollou
         pack(tokens_nml[:1], mask_nml[:1], 1)
 
 
+def test_rows_longer_than_the_batch_take_more_trajectories(make_rollout):
+    batch = make_rollout(3, 16, 24, 96)
+    tokens_nml, mask_nml = batch.tokens_bt.reshape(4, 4, 24), batch.mask_bt.reshape(4, 4, 24)
+    assert rows_needed(mask_nml, 96) == 1 < rows_needed(mask_nml)  # 4 trajectories of <= 24 tokens in one row
+    rows = pack(tokens_nml, mask_nml, 2, 96)
+    assert rows.tokens_rl.shape == (4, 2, 96) and rows.source_ml.shape == (4, 4, 24)
+    for n in range(4):
+        back_ml = unpack(jnp.asarray(rows.tokens_rl[n], jnp.float32), jnp.asarray(rows.source_ml[n]))
+        np.testing.assert_array_equal(np.asarray(back_ml), np.where(rows.source_ml[n] >= 0, tokens_nml[n], 0))
+    assert rows.mask_rl[:, 1].sum() == 0  # the second row is not needed
+    with pytest.raises(ValueError, match="rows of 16 tokens are shorter than the batch length 24"):
+        pack(tokens_nml, mask_nml, 4, 16)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "blockwise", "splash"])
 def test_packed_forward_equals_unpacked_values_and_gradients(make_rollout, implementation):
     """Log-probs and entropies of packed rows, unpacked, equal the one-row-per-trajectory forward wherever a token
@@ -112,7 +126,7 @@ def test_packed_train_step_equals_unpacked(tiny_model_cfg, step_batch, plain_ste
     _, plain_state, plain_metrics = plain_step_result
     step = _packed_step(tiny_model_cfg)
     prepared = step.prepare_batch(step_batch)
-    assert prepared.rows.num_rows < STEP_UPDATE.micro_batch_size  # the forwards run on fewer rows
+    assert all(rows.num_rows < STEP_UPDATE.micro_batch_size for rows in prepared.rows)  # fewer rows
     state = step.init_state()
     state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
     assert metrics.scalars["loss/llds"] > 0  # the second update's LLDS term is live, and equal
@@ -124,7 +138,54 @@ def test_packed_train_step_on_a_mesh_equals_unpacked(tiny_model_cfg, step_batch,
     on another device's row, and come back to its own."""
     _, plain_state, plain_metrics = plain_step_result
     step = _packed_step(tiny_model_cfg, mesh8)
-    assert step.prepare_batch(step_batch).rows.num_rows % 4 == 0
+    assert all(rows.num_rows % 4 == 0 for rows in step.prepare_batch(step_batch).rows)
     state = step.init_state()
     state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
     _assert_same_step(state, metrics, plain_state, plain_metrics)
+
+
+def test_rows_longer_than_the_batch_and_a_row_count_per_update_equal_unpacked(tiny_model_cfg, step_batch,
+                                                                              plain_step_result):
+    """Rows of 32 tokens for a 24-token batch (`optim.pack_row_tokens`): the two updates' micro-batches pack into 3
+    and 2 rows, each update's forwards on its own rows; losses, gates, LLD metrics and parameters as unpacked."""
+    _, plain_state, plain_metrics = plain_step_result
+    update = dataclasses.replace(STEP_UPDATE, pack_trajectories=True, pack_row_tokens=32)
+    step = RLTrainStep(Transformer(tiny_model_cfg, rngs=nnx.Rngs(0)), ObjectiveConfig(), update)
+    prepared = step.prepare_batch(step_batch)
+    assert [rows.tokens_rl.shape for rows in prepared.rows] == [(1, 4, 3, 32), (1, 4, 2, 32)]
+    state = step.init_state()
+    state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
+    _assert_same_step(state, metrics, plain_state, plain_metrics)
+    real = float(np.sum(step_batch.mask_bt > 0))
+    np.testing.assert_allclose(metrics.scalars["perf/padding"], 1 - real / (4 * 3 * 32 + 4 * 2 * 32), rtol=1e-12)
+
+
+def test_row_counts_compiled_ahead_leave_nothing_to_compile(tiny_model_cfg, make_rollout):
+    """With `precompile_row_counts`, the first batch of a length compiles the forwards of every row count its
+    updates can need (`row_counts`); a later batch of that length needing other counts compiles nothing."""
+    update = dataclasses.replace(STEP_UPDATE, pack_trajectories=True, pack_row_tokens=48, precompile_row_counts=True)
+    step = RLTrainStep(Transformer(tiny_model_cfg, rngs=nnx.Rngs(1)), ObjectiveConfig(), update)
+    assert step.row_counts(24) == [1, 2]  # micro-batches of 4, two 24-token trajectories to a 48-token row
+    long_batch = make_rollout(7, 32, 24, tiny_model_cfg.vocab_size)
+    mask_bt = long_batch.mask_bt.copy()
+    mask_bt[:16, 12:] = 0.0  # the first update's trajectories fit one row each micro-batch, the second's need two
+    short_batch = dataclasses.replace(long_batch, mask_bt=mask_bt,
+                                      loss_mask_bt=long_batch.loss_mask_bt * mask_bt)
+    counts = [[rows.num_rows for rows in step.prepare_batch(b).rows] for b in (long_batch, short_batch)]
+    assert counts[0] != counts[1]
+    state = step.init_state()
+    ref = step.reference_params(state.params)
+    state, metrics = step.train_on_batch(state, ref, long_batch)
+    assert metrics.scalars["perf/compile_rows_s"] > 0
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state, metrics = step.train_on_batch(state, ref, short_batch)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [] and metrics.scalars["perf/compile_rows_s"] == 0.0
