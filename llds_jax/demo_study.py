@@ -30,22 +30,23 @@ Before running, the command prints the runs and an estimated wall time (llds_jax
 study's own finished jobs, else constants from docs/demo.md). `--dry-run` prints the same and the commands, and runs
 nothing.
 
-Budget (2 cores, about 90 minutes). A 20-step demo run costs ~3 min of the machine and a seed's world + warm start
-~5 min (llds_jax.study.budget), so issue 19's full design (3 settings; grpo and llds on 8 seeds; grpo_low_lr,
-grpo_kl10, llds_token, llds_response on 4: 96 runs, 8 warm starts) estimates at about 5 h 20 min on a quiet machine.
-It does not fit in 90 minutes. What fits, at 20 steps per run (the stress collapse of docs/demo.md came at step 17):
+Budget (2 cores, about 90 minutes). A 20-step demo run costs ~173 s of the machine and a seed's world + warm start
+~290 s (llds_jax.study.budget: measured one at a time on a quiet machine). Issue 19's full design (3 settings; grpo
+and llds on 8 seeds; grpo_low_lr, grpo_kl10, llds_token, llds_response on 4: 96 runs, 8 warm starts) estimates at
+5 h 17 min: it does not fit. What fits, keeping 20 steps per run (the stress collapse of docs/demo.md came at step
+17) and both controls:
 
-    python -m llds_jax.demo_study --settings stress,paper_shaped --seeds 4 \\
-        --arms grpo,llds,grpo_low_lr,grpo_kl10 --out runs/demo_study
+    python -m llds_jax.demo_study --settings stress,paper_shaped --seeds 4 \
+        --arms grpo,llds,grpo_low_lr:2,grpo_kl10:2 --out runs/demo_study
 
-4 seeds (4 warm starts, ~19 min) x (stress: 4 arms + paper_shaped: 4 arms) = 32 runs (~93 min at 8.7 s per step;
-paper_shaped's 80 trajectories per step cost more, the estimate does not know until it has timed one): about
-1 h 50 min as printed by the command, over the budget by ~20 min; dropping paper_shaped's controls
-(`--settings stress` in one call, then `--settings paper_shaped --arms grpo,llds`) gives 24 runs, ~88 min. What is
-cut from the issue's design: 8 seeds for grpo vs llds (4), the default setting, and the gate ablation. The study is
-resumable, so the rest of the design is the same command with more seeds, settings and arms in a later session:
+24 runs (per setting: grpo and llds on seeds 0-3, each control on seeds 0-1) and 4 warm starts: 480 run steps x
+8.7 s + 4 x 290 s = 5336 s (the command prints 1h28m); paper_shaped's steps (80 trajectories, 10 updates) took ~10%
+longer than stress's in a 3-step timing, so ~92 min. Cut from the issue's design: grpo vs llds on 4 seeds instead
+of 8, the controls on 2 instead of 4, the default setting, the gate ablation. A loaded machine is slower (a warm
+start took 842 s next to a CI run): check the printed estimate, or bound the wall time with `timeout -s INT 90m`
+(the outputs then cover the seeds finished). The rest of the design, resumable, in a later session:
 
-    python -m llds_jax.demo_study --settings stress,default,paper_shaped --seeds 8 \\
+    python -m llds_jax.demo_study --settings stress,default,paper_shaped --seeds 8 \
         --arms grpo,llds,grpo_low_lr:4,grpo_kl10:4,llds_token:4,llds_response:4 --out runs/demo_study
 """
 from __future__ import annotations
@@ -69,13 +70,18 @@ def _warm_start_built(out: str, seed: int) -> bool:
     return os.path.exists(os.path.join(_seed_folder(out, seed), "warm_start", WARM_START_DONE))
 
 
+def warm_start_job(seed: int) -> str:
+    """The name of the job that builds a seed's world and warm start."""
+    return f"seed_{seed}/warm_start"
+
+
 def jobs_of(study: plan.Plan, pending: Sequence[plan.Run]) -> list[runner.Job]:
     """Per seed with pending runs: its world + warm start (`--mode=sft`), then its runs (after that), seed by seed
     (so that a study stopped early holds whole seeds of every arm)."""
     logs = os.path.join(study.out, "logs")
     jobs = []
     for seed in sorted({run.seed for run in pending}):
-        warm = f"seed_{seed}/warm_start"
+        warm = warm_start_job(seed)
         jobs.append(runner.Job(warm, tuple(study.warm_starts[seed].command("sft")),
                                os.path.join(logs, f"seed_{seed}_warm_start.log")))
         jobs += [runner.Job(run.name, tuple(run.command()), os.path.join(logs, run.name.replace("/", "_") + ".log"),
@@ -120,6 +126,7 @@ def _print_plan(study: plan.Plan, pending: Sequence[plan.Run], builds: int, rate
 def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[runner.Outcome]:
     """Runs the pending runs (and their seeds' warm starts), printing progress and recording timings."""
     by_name = {run.name: run for run in pending}
+    warm_seeds = {warm_start_job(seed): seed for seed in study.warm_starts}
     job_list = jobs_of(study, pending)
     built_before = {seed: _warm_start_built(study.out, seed) for seed in study.warm_starts}
     left = list(pending)
@@ -134,12 +141,11 @@ def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[
         name = outcome.job.name
         run = by_name.get(name)
         if outcome.status is not None:
-            seed = int(name.split("/")[0][len("seed_"):]) if run is None else run.seed
             budget.append_timing(study.out, {
                 "job": name, "kind": "warm_start" if run is None else "run",
                 "setting": None if run is None else run.setting, "steps": 0 if run is None else run.total_steps,
                 "seconds": outcome.seconds, "jobs": jobs, "status": outcome.status,
-                "built": run is None and not built_before[seed]})
+                "built": run is None and not built_before[warm_seeds[name]]})
         if run is not None:
             left.remove(run)
         state = ("skipped: the job it waits for failed" if outcome.status is None else

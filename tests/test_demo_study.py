@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llds_jax import demo_study
-from llds_jax.study import budget, plan, runner, stats, table
+from llds_jax.study import budget, outcomes, plan, plots, runner, stats, table
 from llds_jax.study.outcomes import LIKELIHOOD, LLD_RATE, REWARD, RunResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +161,50 @@ def test_estimate_uses_measured_machine_seconds_per_setting_else_the_constants(t
     assert budget.estimate_s(runs, 1, measured) == 150.0 + 150.0 + 300.0  # default: the overall rate
 
 
+# ----- what a run shows ----
+def _write_run(run_dir, records, final_em=None, steps=6):
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+    if final_em is not None:
+        final = os.path.join(run_dir, "eval", f"final_step_{steps}")
+        os.makedirs(final)
+        with open(os.path.join(final, "results.json"), "w") as f:
+            json.dump({"em": {"single_hop": 2 * final_em, "two_hop": 0.0, "mean": final_em}, "counts": {}}, f)
+
+
+def test_a_runs_result_comes_from_its_metrics_and_final_evaluation(tmp_path):
+    rewards = [0.6, 0.3, 0.05, 0.0, 0.08, 0.0]
+    rates = [0.2, None, 0.6, None, None, 1.0]  # null: no correct trajectory at that step
+    records = [{"step": 0, "eval/em_mean": 0.1}] + [
+        {"step": k + 1, REWARD: r, LLD_RATE: q, LIKELIHOOD: -0.1 * k} for k, (r, q) in enumerate(zip(rewards, rates))]
+    run = plan.Run("stress", "grpo", 3, "c.py", (), str(tmp_path / "run"), 6)
+    _write_run(run.run_dir, records, final_em=0.25)
+    result = outcomes.read_result(run)
+    assert (result.setting, result.arm, result.seed, result.final_em) == ("stress", "grpo", 3, 0.25)
+    assert (result.collapse_step, result.collapsed) == (3, True)
+    assert result.lld_rate_mean == pytest.approx(0.6, abs=1e-12)
+    assert result.curves[REWARD] == ([1, 2, 3, 4, 5, 6], rewards)
+    assert result.curves[LLD_RATE] == ([1, 3, 6], [0.2, 0.6, 1.0])
+
+    unfinished = plan.Run("stress", "llds", 3, "c.py", (), str(tmp_path / "unfinished"), 6)
+    _write_run(unfinished.run_dir, records[:3])
+    with pytest.raises(plan.StudyError, match="stress/llds/seed_3: no final evaluation in .*final_step_6"):
+        outcomes.read_result(unfinished)
+
+
+def test_each_setting_gets_a_figure_with_one_line_per_seed_and_one_colour_per_arm(tmp_path):
+    results = [_result("grpo", 0, 0.5, rate=0.4), _result("grpo", 1, 0.2, rate=0.1), _result("llds", 0, 0.7)]
+    fig = plots.setting_figure("stress", results)
+    reward_ax, likelihood_ax, rate_ax = fig.axes
+    assert len(reward_ax.lines) == 3 and len(rate_ax.lines) == 2  # llds seed 0 logged no LLD rate
+    assert [line.get_color() for line in reward_ax.lines][:2] == [reward_ax.lines[0].get_color()] * 2
+    assert reward_ax.lines[2].get_color() != reward_ax.lines[0].get_color()
+    assert [t.get_text() for t in reward_ax.get_legend().get_texts()] == ["grpo", "llds"]
+    assert plots.write(results, str(tmp_path)) == [str(tmp_path / "plots" / "stress.png")]
+    assert (tmp_path / "plots" / "stress.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ----- table ----------------------------------------------------------------------------------------------------------
 def _result(arm, seed, em, step=None, rate=None):
     curves = {REWARD: ([1], [0.5]), LIKELIHOOD: ([1], [-0.1]),
@@ -215,11 +259,16 @@ def test_a_tiny_study_runs_and_its_table_matches_the_runs_own_files(tmp_path):
     out = tmp_path / "study"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one CPU device per run, as on the command line
+    # A warm start on guessing demonstrations long enough to answer in the format (one memorized value per seed's
+    # world), longer turns and every test question: some final EM and train rewards are not 0, so the table's
+    # numbers can be told apart.
+    tiny = {"demo.tokenizer": "world", "demo.vocab_size": 512, "demo.search_fraction": 0.0, "sft.enabled": True,
+            "sft.steps": 300, "sft.batch_size": 16, "sft.learning_rate": 1e-2, "sft.warmup_steps": 5,
+            "sft.log_every": 100, "rollout.max_turn_tokens": 32, "data.prompts_per_step": 4,
+            "data.samples_per_prompt": 4, "optim.mini_batch_size": 8, "optim.micro_batch_size": 4,
+            "train.eval_every": 0, "train.total_steps": 2, "eval.max_examples": 0}
     command = [sys.executable, "-m", "llds_jax.demo_study", f"--settings=tiny={TINY}", "--arms=grpo,llds",
-               "--seeds=2", f"--out={out}", "--jobs=2", "--", "--config.demo.tokenizer=world",
-               "--config.demo.vocab_size=512", "--config.sft.enabled=True", "--config.sft.steps=2",
-               "--config.sft.batch_size=2", "--config.sft.warmup_steps=1", "--config.sft.log_every=1",
-               "--config.train.eval_every=0", "--config.train.total_steps=2"]
+               "--seeds=2", f"--out={out}", "--jobs=2", "--", *(f"--config.{k}={v}" for k, v in tiny.items())]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4 to run, 2 worlds + warm starts to build" in proc.stdout
@@ -243,6 +292,7 @@ def test_a_tiny_study_runs_and_its_table_matches_the_runs_own_files(tmp_path):
         assert (row["em_low"], row["em_high"]) == stats.bootstrap_interval(em)
         assert row["collapsed"] == collapsed and row["collapse_steps"] == [None, None]
         assert row["lld_rates"] == pytest.approx(rates)
+    assert any(em for row in rows for em in row["final_em"]), "every final EM is 0: the check above cannot bite"
     worlds = [json.loads((out / "seeds" / f"seed_{s}" / "world" / "COMPLETE").read_text()) for s in (0, 1)]
     assert [w["seed"] for w in worlds] == [0, 1]  # each seed its own world (and warm start on it)
     assert (out / "plots" / "tiny.png").read_bytes()[:4] == b"\x89PNG"

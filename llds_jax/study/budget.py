@@ -66,8 +66,8 @@ def rates(timings: Sequence[Mapping]) -> Rates:
     all_steps = [v for values in per_step.values() for v in values]
     step_s = statistics.median(all_steps) if all_steps else RUN_STEP_S
     warm_s = statistics.median(built) if built else WARM_START_S
-    source = (f"runs: {'measured over ' + str(len(all_steps)) + ' finished run(s)' if all_steps else 'constant'}; "
-              f"warm starts: {'measured over ' + str(len(built)) if built else 'constant'}")
+    source = (f"per step: {f'measured, {len(all_steps)} run(s)' if all_steps else 'constant'}; "
+              f"per warm start: {f'measured, {len(built)} built' if built else 'constant'}")
     return Rates(step_s, by_setting, warm_s, source)
 
 
