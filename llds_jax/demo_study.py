@@ -59,15 +59,13 @@ from collections.abc import Sequence
 from llds_jax.study import budget, outcomes, plots, plan, runner, table
 from llds_jax.train.metrics import format_duration
 
-WARM_START_DONE = "warm_start.json"  # llds_jax.sft.stage: written last into sft.output_dir
-
-
-def _seed_folder(out: str, seed: int) -> str:
-    return os.path.join(out, "seeds", f"seed_{seed}")
+# llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
+# study's own process never needs).
+WARM_START_DONE = "warm_start.json"
 
 
 def _warm_start_built(out: str, seed: int) -> bool:
-    return os.path.exists(os.path.join(_seed_folder(out, seed), "warm_start", WARM_START_DONE))
+    return os.path.exists(os.path.join(plan.seed_folder(out, seed), "warm_start", WARM_START_DONE))
 
 
 def warm_start_job(seed: int) -> str:

@@ -155,9 +155,14 @@ def parse_settings(text: str) -> dict[str, str]:
     return settings
 
 
+def seed_folder(out: str, seed: int) -> str:
+    """Where a seed's world (`world/`) and warm start (`warm_start/`) go."""
+    return os.path.join(out, "seeds", f"seed_{seed}")
+
+
 def seed_overrides(out: str, seed: int) -> list[str]:
     """The seed's own world, warm start and sampling."""
-    folder = os.path.join(out, "seeds", f"seed_{seed}")
+    folder = seed_folder(out, seed)
     return [f"seed={seed}", f"demo.assets_dir={os.path.join(folder, 'world')}",
             f"sft.output_dir={os.path.join(folder, 'warm_start')}"]
 
