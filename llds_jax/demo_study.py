@@ -106,7 +106,7 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, [override[len("--config."):] for override in extra]
 
 
-def _print_plan(study: plan.Plan, pending: Sequence[plan.Run], builds: int, rates: budget.Rates, jobs: int) -> None:
+def _print_plan(study: plan.Plan, pending: Sequence[plan.Run], builds: int, rates: budget.Rates) -> None:
     done = len(study.runs) - len(pending)
     print(f"study {study.out}: {len(study.runs)} runs over {len(study.warm_starts)} seeds; {done} finished "
           f"(skipped), {len(pending)} to run, {builds} worlds + warm starts to build", flush=True)
@@ -117,8 +117,8 @@ def _print_plan(study: plan.Plan, pending: Sequence[plan.Run], builds: int, rate
         print(f"  {setting:14s} {arm:14s} seeds {','.join(map(str, seeds))}", flush=True)
     wall = budget.estimate_s(pending, builds, rates)
     print(f"estimated wall time: {format_duration(wall)} ({sum(r.total_steps for r in pending)} run steps at "
-          f"{rates.step_s:.1f} s, {builds} warm starts at {rates.warm_start_s:.0f} s, machine-seconds with "
-          f"--jobs {jobs}; {rates.source})", flush=True)
+          f"{rates.step_s:.1f} s, {builds} warm starts at {rates.warm_start_s:.0f} s of the machine; {rates.source})",
+          flush=True)
 
 
 def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[runner.Outcome]:
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     pending = [run for run in study.runs if not run.finished()]
     builds = len({run.seed for run in pending if not _warm_start_built(study.out, run.seed)})
-    _print_plan(study, pending, builds, budget.rates(budget.read_timings(study.out)), args.jobs)
+    _print_plan(study, pending, builds, budget.rates(budget.read_timings(study.out)))
     if args.dry_run:
         for job in jobs_of(study, pending):
             print(f"+ {job.shell()}")
