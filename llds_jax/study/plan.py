@@ -101,6 +101,7 @@ class Plan:
 
 
 def config_value(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    """The value (or section) of a dotted key, e.g. "optim.learning_rate"."""
     for part in key.split("."):
         cfg = cfg[part]
     return cfg
