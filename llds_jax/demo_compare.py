@@ -2,47 +2,59 @@
 
     python -m llds_jax.demo_compare [--config=configs/demo_cpu_grpo.py] [--out=runs/demo_compare] [--dry-run]
 
-Runs `python -m llds_jax.launch` twice (run folders `<out>/grpo` and `<out>/llds`; the second differs only in
-`objective.llds.enabled=True`), then `python -m llds_jax.report <out>/llds --compare <out>/grpo --out <out>/report`.
-Both runs share the config's `demo.assets_dir` and `sft.output_dir`, so the world and the warm start are built once.
-Extra arguments after `--` go to both launches (e.g. `-- --config.train.total_steps=10`).
+Runs `python -m llds_jax.launch` twice, one after the other (run folders `<out>/grpo` and `<out>/llds` with the
+study's grpo and llds arms: llds_jax.study.plan.ARMS), then `python -m llds_jax.report <out>/llds --compare
+<out>/grpo --out <out>/report`. Both runs share the config's `demo.assets_dir` and `sft.output_dir`, so the world and
+the warm start are built once. Extra arguments after `--` go to both launches (e.g. `-- --config.train.total_steps=10`).
+Several seeds, settings and controls: `python -m llds_jax.demo_study`.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import subprocess
 import sys
 
+from llds_jax.study import plan, runner
 
-def commands(config: str, out: str, extra: list[str]) -> list[list[str]]:
-    """The three commands: the GRPO run, the GRPO + LLDS run, the report comparing them."""
+
+def jobs(config: str, out: str, extra: list[str]) -> list[runner.Job]:
+    """The three jobs: the GRPO run, the GRPO + LLDS run, the report comparing them (each after the one before)."""
+    cfg = plan.load(config, [override[len("--config."):] for override in extra if override.startswith("--config.")])
     launch = [sys.executable, "-m", "llds_jax.launch", f"--config={config}"]
-    grpo, llds = os.path.join(out, "grpo"), os.path.join(out, "llds")
-    return [
-        launch + [f"--config.run_dir={grpo}", "--config.objective.llds.enabled=False", *extra],
-        launch + [f"--config.run_dir={llds}", "--config.objective.llds.enabled=True", *extra],
-        [sys.executable, "-m", "llds_jax.report", llds, "--compare", grpo, "--out", os.path.join(out, "report")],
-    ]
+    folders = {arm: os.path.join(out, arm) for arm in ("grpo", "llds")}
+    runs = [runner.Job(arm, (*launch, f"--config.run_dir={folder}",
+                             *(f"--config.{o}" for o in plan.ARMS[arm].overrides(cfg)), *extra), None, after)
+            for (arm, folder), after in zip(folders.items(), ((), ("grpo",)))]
+    report = (sys.executable, "-m", "llds_jax.report", folders["llds"], "--compare", folders["grpo"], "--out",
+              os.path.join(out, "report"))
+    return [*runs, runner.Job("report", report, None, ("llds",))]
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    own, extra = plan.split_argv(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m llds_jax.demo_compare", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/demo_cpu_grpo.py")
     parser.add_argument("--out", default="runs/demo_compare")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(own)
-    for cmd in commands(args.config, args.out, extra):
-        print("+ " + shlex.join(cmd), flush=True)
-        if not args.dry_run:
-            code = subprocess.call(cmd)
-            if code:
-                print(f"llds_jax.demo_compare: command failed with exit status {code}", file=sys.stderr)
-                return code
+    try:
+        job_list = jobs(args.config, args.out, extra)
+    except plan.StudyError as e:
+        print(f"llds_jax.demo_compare: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for job in job_list:
+            print(f"+ {job.shell()}")
+        return 0
+
+    def on_start(job: runner.Job) -> None:
+        print(f"+ {job.shell()}", flush=True)
+
+    for outcome in runner.run_jobs(job_list, 1, on_start):
+        if outcome.status:
+            print(f"llds_jax.demo_compare: {outcome.job.name} failed with exit status {outcome.status}",
+                  file=sys.stderr)
+            return outcome.status
     return 0
 
 

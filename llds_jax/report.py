@@ -283,7 +283,8 @@ CONFIG_HIGHLIGHTS: tuple[tuple[str, str], ...] = (
 _LINESTYLES = ("-", "--", ":", "-.")
 
 
-def _color(index: int):
+def series_color(index: int):
+    """The `index`-th color of matplotlib's tab10 cycle (wrapping after 10)."""
     from matplotlib import colormaps
     return colormaps["tab10"](index % 10)
 
@@ -314,7 +315,7 @@ def plot_figure(plot: Plot, runs: Sequence[Run]):
                 if not steps:
                     continue
                 ax.plot(steps, values, label=f"{run.name} {label}" if compare else label,
-                        color=_color(r if compare else s), linestyle=_LINESTYLES[s % len(_LINESTYLES)] if compare
+                        color=series_color(r if compare else s), linestyle=_LINESTYLES[s % len(_LINESTYLES)] if compare
                         else "-", marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.3)
             if panel.em:
                 _plot_em(ax, run, r, compare, first_color=len(panel.series))
@@ -339,14 +340,14 @@ def _plot_em(ax, run: Run, r: int, compare: bool, first_color: int) -> None:
     for i, source in enumerate(s for s in sources if s in points):
         steps = sorted(points[source])
         label = f"EM {source}" if not compare else f"{run.name} EM {source}"
-        ax.plot(steps, [points[source][k] for k in steps], label=label, color=_color(r if compare else first_color + i),
-                marker="s" if source == EM_MEAN else "^", markersize=6 if source == EM_MEAN else 4,
-                linestyle=":" if compare else "-", linewidth=0.8)
+        ax.plot(steps, [points[source][k] for k in steps], label=label,
+                color=series_color(r if compare else first_color + i), marker="s" if source == EM_MEAN else "^",
+                markersize=6 if source == EM_MEAN else 4, linestyle=":" if compare else "-", linewidth=0.8)
     final = run.final_em_points()
     if final:
         steps = sorted(final)
         ax.plot(steps, [final[k] for k in steps], linestyle="none", marker="*", markersize=12,
-                color=_color(r if compare else first_color + len(sources)),
+                color=series_color(r if compare else first_color + len(sources)),
                 label=f"{run.name} EM mean (final eval)" if compare else "EM mean (final eval)")
 
 
@@ -383,7 +384,8 @@ def objective_line(config: Mapping[str, Any] | None) -> str:
             f", answer weighting {_config_value(config, 'objective.llds.answer_weighting')})")
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a markdown table (a `|` inside a cell escaped)."""
     cells = lambda row: "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |"  # noqa: E731
     return [cells(header), "|" + "---|" * len(header), *map(cells, rows)]
 
@@ -397,7 +399,8 @@ def metrics_table(run: Run) -> list[str]:
         rows.append([metric, f"{steps[0]}–{steps[-1]} (n={len(steps)})", fmt(values[0]), fmt(values[-1]),
                      fmt(min(values)), fmt(max(values))])
     absent = [m for m in KEY_METRICS if not run.series(m)[0]]
-    lines = _table(["metric", "steps", "first", "last", "min", "max"], rows) if rows else ["No key metric in the log."]
+    lines = (markdown_table(["metric", "steps", "first", "last", "min", "max"], rows) if rows
+             else ["No key metric in the log."])
     if absent:
         lines += ["", "Without any finite value in the log (absent, or null e.g. for want of a correct trajectory): "
                   + ", ".join(f"`{m}`" for m in absent) + "."]
@@ -417,7 +420,7 @@ def eval_table(run: Run) -> list[str]:
         total = sum(result.counts.values()) if result.counts else None
         rows.append([_eval_label(result), "—" if result.step is None else str(result.step),
                      *(fmt(result.em.get(s)) for s in sources), fmt(result.em.get(EM_MEAN)), fmt(total)])
-    return _table(["evaluation", "step", *sources, EM_MEAN, "questions"], rows)
+    return markdown_table(["evaluation", "step", *sources, EM_MEAN, "questions"], rows)
 
 
 def final_em_table(runs: Sequence[Run]) -> list[str] | None:
@@ -429,7 +432,7 @@ def final_em_table(runs: Sequence[Run]) -> list[str] | None:
     rows = [[s, *(fmt(finals[name].em.get(s)) if name in finals else "—" for name in (r.name for r in runs))]
             for s in sources]
     rows.append(["(evaluation)", *(finals[r.name].name if r.name in finals else "—" for r in runs)])
-    return _table(["data_source", *(r.name for r in runs)], rows)
+    return markdown_table(["data_source", *(r.name for r in runs)], rows)
 
 
 def summary_markdown(runs: Sequence[Run], plots: Sequence[tuple[Plot, bool, list[str]]]) -> str:
@@ -439,7 +442,7 @@ def summary_markdown(runs: Sequence[Run], plots: Sequence[tuple[Plot, bool, list
     if len(runs) > 1:
         lines += [f"{len(runs)} runs compared, overlaid in each plot (labels are the run folder names).", ""]
     lines += ["## Config highlights", ""]
-    lines += _table(["key", *(r.name for r in runs)],
+    lines += markdown_table(["key", *(r.name for r in runs)],
                     [[f"{label} (`{key}`)", *(fmt(_config_value(r.config, key)) for r in runs)]
                      for key, label in CONFIG_HIGHLIGHTS])
     lines.append("")

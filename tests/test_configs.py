@@ -25,7 +25,8 @@ PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_
 
 def test_every_config_file_is_covered():
     names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))} - {"__init__"}
-    assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "tiny_test"}
+    assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "demo_cpu_paper",
+                                                 "tiny_test"}
 
 
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
@@ -95,7 +96,7 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
         load("grpo_baseline_v4", "e5,bm25")
 
 
-@pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "tiny_test"])
+@pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
     config_lib.check_schema(cfg)
@@ -111,6 +112,16 @@ def test_demo_comparison_differs_from_the_demo_only_in_llds_and_stress():
                for key in demo[section] if demo[section][key] != grpo[section][key]}
     assert changed == {("objective", "llds"), ("optim", "mini_batch_size"), ("optim", "micro_batch_size"),
                        ("optim", "learning_rate")}
+
+
+def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and_warm_start():
+    """10 updates per rollout batch, each of 2 whole groups, linear warmup over 28.5% of the steps."""
+    demo, paper = load("demo_cpu"), load("demo_cpu_paper")
+    assert config_lib.updates_per_step(paper) == 10 and config_lib.rollout_batch_size(paper) == 80
+    assert paper.optim.mini_batch_size // paper.data.samples_per_prompt == 2
+    assert paper.optim.mini_batch_size % paper.data.samples_per_prompt == 0
+    assert config_lib.update_config(paper).warmup_steps == 5 and paper.optim.learning_rate == demo.optim.learning_rate
+    assert paper.demo.to_dict() == demo.demo.to_dict() and paper.sft.to_dict() == demo.sft.to_dict()
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -67,12 +67,18 @@ def test_world_tokenizer_warm_start_rl_and_report(tmp_path):
 
 
 def test_comparison_runs_grpo_then_llds_with_the_same_config_then_the_report(capsys):
-    assert demo_compare.main(["--config=configs/x.py", "--out=runs/cmp", "--dry-run", "--",
+    assert demo_compare.main(["--config=configs/demo_cpu_grpo.py", "--out=runs/cmp", "--dry-run", "--",
                               "--config.train.total_steps=3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
     grpo, llds, report = lines
-    assert "llds_jax.launch --config=configs/x.py --config.run_dir=runs/cmp/grpo" in grpo
+    assert "llds_jax.launch --config=configs/demo_cpu_grpo.py --config.run_dir=runs/cmp/grpo" in grpo
     assert grpo.endswith("--config.objective.llds.enabled=False --config.train.total_steps=3")
-    assert llds.endswith("--config.objective.llds.enabled=True --config.train.total_steps=3")
+    assert llds.endswith("--config.objective.llds.enabled=True --config.objective.llds.lam=0.2 "
+                         "--config.objective.llds.gate=action --config.train.total_steps=3")
     assert report.endswith("llds_jax.report runs/cmp/llds --compare runs/cmp/grpo --out runs/cmp/report")
+
+
+def test_comparison_of_a_missing_config_names_it(capsys):
+    assert demo_compare.main(["--config=configs/x.py", "--dry-run"]) == 2
+    assert "config file not found: configs/x.py" in capsys.readouterr().err

@@ -1,0 +1,203 @@
+"""The multi-seed study of the CPU demo (issue 19): arms x settings x seeds, then one table and one figure per setting.
+
+    python -m llds_jax.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
+        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--dry-run] [-- --config.KEY=VALUE ...]
+
+Every run is `python -m llds_jax.launch` (llds_jax.study.plan: folders and overrides). Each seed has its own world,
+warm start and sampling (`OUT/seeds/seed_K/`), built once by `--mode=sft` before that seed's runs start and shared by
+all its settings and arms. Up to `--jobs` commands run at once (default 2, for the 2-core machine), each logging to
+`OUT/logs/`. Arguments after `--` go to every launch (e.g. `-- --config.train.total_steps=10`).
+
+Arms (`NAME` or `NAME:K`, K = how many of the seeds it runs, the first K): grpo, llds (lambda 0.2, action gate),
+grpo_low_lr (1/2.5 of the setting's learning rate), grpo_kl10 (10x the setting's KL coefficient), llds_token and
+llds_response (the gate ablation; llds_action is llds). Settings: stress (configs/demo_cpu_grpo.py), default
+(configs/demo_cpu.py), paper_shaped (configs/demo_cpu_paper.py), or `NAME=CONFIG_FILE`. Seeds: `N` (0..N-1), `A-B`
+or `A,B,...`.
+
+Resumable: a run whose final evaluation (`eval/final_step_N/results.json`) exists is skipped; any other is launched
+again and resumes from its latest checkpoint (the trainer does that by itself). Ctrl-C (or `timeout -s INT 90m ...`)
+stops the running launches, which save their state, and writes the outputs of the runs finished so far (exit status
+130); runs are ordered seed by seed, so a study stopped early holds whole seeds of every arm. The outputs, rewritten
+from every finished run of the plan at the end of each invocation (also when some runs failed, which it lists; exit
+status 1 then):
+
+- `OUT/table.md`, `table.csv`, `table.json` (and `runs.csv`): per setting x arm the final greedy test EM (mean over
+  seeds, 95% bootstrap interval, per seed), collapse count and steps to collapse, mean LLD rate (llds_jax.study.table
+  defines each column);
+- `OUT/plots/SETTING.png`: per-seed curves of train reward, correct trajectories' token-mean log-prob and LLD rate.
+
+Before running, the command prints the runs and an estimated wall time (llds_jax.study.budget: measured rates of the
+study's own finished jobs, else constants from docs/demo.md). `--dry-run` prints the same and the commands, and runs
+nothing.
+
+Budget (2 cores, about 90 minutes). A 20-step demo run costs ~173 s of the machine and a seed's world + warm start
+~290 s (llds_jax.study.budget: measured one at a time on a quiet machine). Issue 19's full design (3 settings; grpo
+and llds on 8 seeds; grpo_low_lr, grpo_kl10, llds_token, llds_response on 4: 96 runs, 8 warm starts) estimates at
+5 h 17 min: it does not fit. What fits, keeping 20 steps per run (the stress collapse of docs/demo.md came at step
+17) and both controls:
+
+    python -m llds_jax.demo_study --settings stress,paper_shaped --seeds 4 \
+        --arms grpo,llds,grpo_low_lr:2,grpo_kl10:2 --out runs/demo_study
+
+24 runs (per setting: grpo and llds on seeds 0-3, each control on seeds 0-1) and 4 warm starts: 480 run steps x
+8.7 s + 4 x 290 s = 5336 s (the command prints 1h28m); paper_shaped's steps (80 trajectories, 10 updates) took ~10%
+longer than stress's in a 3-step timing, so ~92 min. Cut from the issue's design: grpo vs llds on 4 seeds instead
+of 8, the controls on 2 instead of 4, the default setting, the gate ablation. A loaded machine is slower (a warm
+start took 842 s next to a CI run): check the printed estimate, or bound the wall time with `timeout -s INT 90m`
+(the outputs then cover the seeds finished). The rest of the design, resumable, in a later session:
+
+    python -m llds_jax.demo_study --settings stress,default,paper_shaped --seeds 8 \
+        --arms grpo,llds,grpo_low_lr:4,grpo_kl10:4,llds_token:4,llds_response:4 --out runs/demo_study
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from llds_jax.study import budget, outcomes, plots, plan, runner, table
+from llds_jax.train.metrics import format_duration
+
+# llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
+# study's own process never needs).
+WARM_START_DONE = "warm_start.json"
+
+
+def _warm_start_built(out: str, seed: int) -> bool:
+    return os.path.exists(os.path.join(plan.seed_folder(out, seed), "warm_start", WARM_START_DONE))
+
+
+def warm_start_job(seed: int) -> str:
+    """The name of the job that builds a seed's world and warm start."""
+    return f"seed_{seed}/warm_start"
+
+
+def jobs_of(study: plan.Plan, pending: Sequence[plan.Run]) -> list[runner.Job]:
+    """Per seed with pending runs: its world + warm start (`--mode=sft`), then its runs (after that), seed by seed
+    (so that a study stopped early holds whole seeds of every arm)."""
+    logs = os.path.join(study.out, "logs")
+    jobs = []
+    for seed in sorted({run.seed for run in pending}):
+        warm = warm_start_job(seed)
+        jobs.append(runner.Job(warm, tuple(study.warm_starts[seed].command("sft")),
+                               os.path.join(logs, f"seed_{seed}_warm_start.log")))
+        jobs += [runner.Job(run.name, tuple(run.command()), os.path.join(logs, run.name.replace("/", "_") + ".log"),
+                            (warm,)) for run in pending if run.seed == seed]
+    return jobs
+
+
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, extra = plan.split_argv(argv)
+    parser = argparse.ArgumentParser(prog="python -m llds_jax.demo_study", description=__doc__.split("\n")[0])
+    parser.add_argument("--settings", default="stress", help="comma-separated: stress, default, paper_shaped, "
+                        "NAME=CONFIG_FILE (default: stress)")
+    parser.add_argument("--arms", default="grpo,llds", help="comma-separated NAME or NAME:K (default: grpo,llds)")
+    parser.add_argument("--seeds", default="8", help="N (0..N-1), A-B or A,B,... (default: 8)")
+    parser.add_argument("--out", default="runs/demo_study", help="study folder (default: runs/demo_study)")
+    parser.add_argument("--jobs", type=int, default=2, help="launches at once (default: 2, for 2 cores)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, estimate and commands; run nothing")
+    args = parser.parse_args(own)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    for override in extra:
+        if not override.startswith("--config."):
+            parser.error(f"arguments after -- must be --config.KEY=VALUE overrides, got {override!r}")
+    return args, [override[len("--config."):] for override in extra]
+
+
+def _print_plan(study: plan.Plan, pending: Sequence[plan.Run], builds: int, rates: budget.Rates) -> None:
+    done = len(study.runs) - len(pending)
+    print(f"study {study.out}: {len(study.runs)} runs over {len(study.warm_starts)} seeds; {done} finished "
+          f"(skipped), {len(pending)} to run, {builds} worlds + warm starts to build", flush=True)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for run in study.runs:
+        groups.setdefault((run.setting, run.arm), []).append(run.seed)
+    for (setting, arm), seeds in groups.items():
+        print(f"  {setting:14s} {arm:14s} seeds {','.join(map(str, seeds))}", flush=True)
+    wall = budget.estimate_s(pending, builds, rates)
+    print(f"estimated wall time: {format_duration(wall)} ({sum(r.total_steps for r in pending)} run steps at "
+          f"{rates.step_s:.1f} s, {builds} warm starts at {rates.warm_start_s:.0f} s of the machine; {rates.source})",
+          flush=True)
+
+
+def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[runner.Outcome]:
+    """Runs the pending runs (and their seeds' warm starts), printing progress and recording timings."""
+    by_name = {run.name: run for run in pending}
+    warm_seeds = {warm_start_job(seed): seed for seed in study.warm_starts}
+    job_list = jobs_of(study, pending)
+    built_before = {seed: _warm_start_built(study.out, seed) for seed in study.warm_starts}
+    left = list(pending)
+    ended = 0
+
+    def on_start(job: runner.Job) -> None:
+        print(f"start  {job.name}  (log {job.log})", flush=True)
+
+    def on_end(outcome: runner.Outcome) -> None:
+        nonlocal ended
+        ended += 1
+        name = outcome.job.name
+        run = by_name.get(name)
+        if outcome.status is not None:
+            budget.append_timing(study.out, {
+                "job": name, "kind": "warm_start" if run is None else "run",
+                "setting": None if run is None else run.setting, "steps": 0 if run is None else run.total_steps,
+                "seconds": outcome.seconds, "jobs": jobs, "status": outcome.status,
+                "built": run is None and not built_before[warm_seeds[name]]})
+        if run is not None:
+            left.remove(run)
+        state = ("skipped: the job it waits for failed" if outcome.status is None else
+                 f"exit status {outcome.status} after {format_duration(outcome.seconds)}")
+        if run is not None and run.finished():
+            state += f", final EM {outcomes.read_result(run).final_em:.3f}"
+        remaining = budget.estimate_s(left, 0, budget.rates(budget.read_timings(study.out)))
+        print(f"[{ended}/{len(job_list)}] {name}: {state}; about {format_duration(remaining)} of runs left",
+              flush=True)
+
+    return runner.run_jobs(job_list, jobs, on_start, on_end)
+
+
+def write_outputs(study: plan.Plan) -> list[str]:
+    """Table and plots of every finished run of the plan; returns the paths written (none when no run finished)."""
+    results = [outcomes.read_result(run) for run in study.runs if run.finished()]
+    if not results:
+        return []
+    return table.write(table.rows(results), results, study.out) + plots.write(results, study.out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, extra = _parse(sys.argv[1:] if argv is None else argv)
+    try:
+        study = plan.make_plan(os.path.normpath(args.out), plan.parse_settings(args.settings),
+                               plan.parse_arms(args.arms), plan.parse_seeds(args.seeds), extra)
+    except plan.StudyError as e:
+        print(f"llds_jax.demo_study: error: {e}", file=sys.stderr)
+        return 2
+    pending = [run for run in study.runs if not run.finished()]
+    builds = len({run.seed for run in pending if not _warm_start_built(study.out, run.seed)})
+    _print_plan(study, pending, builds, budget.rates(budget.read_timings(study.out)))
+    if args.dry_run:
+        for job in jobs_of(study, pending):
+            print(f"+ {job.shell()}")
+        return 0
+    interrupted = False
+    try:
+        run_study(study, pending, args.jobs)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("llds_jax.demo_study: interrupted; the running launches saved their state; table and plots of the "
+              "finished runs follow", file=sys.stderr)
+    for path in write_outputs(study):
+        print(path)
+    if interrupted:
+        return 130
+    unfinished = [run.name for run in study.runs if not run.finished()]
+    if unfinished:
+        print(f"llds_jax.demo_study: {len(unfinished)} run(s) not finished (see {study.out}/logs): "
+              f"{', '.join(unfinished)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The study's table: one row per setting x arm over its seeds, written as `table.md`, `table.csv` and `table.json`
+(which also holds every run's own numbers, as does `runs.csv`)."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from llds_jax import report
+from llds_jax.study import stats
+from llds_jax.study.outcomes import LLD_RATE, REWARD, RunResult
+from llds_jax.study.plan import ARMS
+
+DEFINITIONS = {
+    "final_em": "greedy test EM (mean over data sources) of the final evaluation after the last step",
+    "em_interval": f"95% percentile bootstrap interval of the mean final EM over seeds "
+                   f"({stats.BOOTSTRAP_RESAMPLES} resamples, numpy default_rng({stats.BOOTSTRAP_SEED}))",
+    "collapsed": f"train {REWARD} < {stats.COLLAPSE_REWARD} on {stats.COLLAPSE_STEPS} consecutive steps, or final "
+                 f"EM < {stats.COLLAPSE_EM}",
+    "collapse_step": f"first of the first {stats.COLLAPSE_STEPS} consecutive steps of train {REWARD} < "
+                     f"{stats.COLLAPSE_REWARD} (none when only the final EM says collapsed)",
+    "lld_rate_mean": f"mean over seeds of each run's mean {LLD_RATE} over its steps (share of correct "
+                     "trajectories whose log-likelihood fell over the step's updates)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A setting x arm over its seeds; per-seed lists in seed order (None in `collapse_steps`: not collapsed or
+    collapsed by the final-EM rule only; in `lld_rates`: no LLD rate logged)."""
+    setting: str
+    arm: str
+    seeds: list[int]
+    final_em: list[float]
+    em_mean: float
+    em_low: float
+    em_high: float
+    collapsed: int
+    collapse_steps: list[int | None]
+    lld_rates: list[float | None]
+    lld_rate_mean: float | None
+
+
+def rows(results: Sequence[RunResult]) -> list[Row]:
+    """One row per (setting, arm), in the order they first appear in `results`."""
+    groups: dict[tuple[str, str], list[RunResult]] = {}
+    for result in results:
+        groups.setdefault((result.setting, result.arm), []).append(result)
+    table = []
+    for (setting, arm), group in groups.items():
+        group = sorted(group, key=lambda r: r.seed)
+        em = [r.final_em for r in group]
+        low, high = stats.bootstrap_interval(em)
+        rates = [r.lld_rate_mean for r in group]
+        known = [rate for rate in rates if rate is not None]
+        table.append(Row(setting, arm, [r.seed for r in group], em, float(np.mean(em)), low, high,
+                         sum(r.collapsed for r in group), [r.collapse_step for r in group], rates,
+                         float(np.mean(known)) if known else None))
+    return table
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def _steps(row: Row) -> str:
+    steps = [f"{step} (seed {seed})" for seed, step in zip(row.seeds, row.collapse_steps) if step is not None]
+    return ", ".join(steps) or "—"
+
+
+def markdown(table: Sequence[Row]) -> str:
+    """table.md: the rows, then the definitions of the columns."""
+    lines = report.markdown_table(
+        ["setting", "arm", "seeds", "final EM mean [95% CI]", "final EM per seed", "collapsed", "steps to collapse",
+         "mean LLD rate"],
+        [[row.setting, f"{row.arm}: {ARMS[row.arm].description}" if row.arm in ARMS else row.arm,
+          str(len(row.seeds)), f"{row.em_mean:.3f} [{row.em_low:.3f}, {row.em_high:.3f}]",
+          " ".join(f"{em:.3f}" for em in row.final_em), f"{row.collapsed}/{len(row.seeds)}", _steps(row),
+          _num(row.lld_rate_mean)] for row in table])
+    lines += ["", "Seeds in each row: " + "; ".join(f"{row.setting}/{row.arm}: {', '.join(map(str, row.seeds))}"
+                                                    for row in table), ""]
+    lines += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _csv_list(values: Sequence) -> str:
+    return ";".join("" if v is None else str(v) for v in values)
+
+
+def write(table: Sequence[Row], results: Sequence[RunResult], out: str) -> list[str]:
+    """Writes table.md, table.csv, table.json and runs.csv into `out`; returns their paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, name) for name in ("table.md", "table.csv", "table.json", "runs.csv")]
+    with open(paths[0], "w") as f:
+        f.write(markdown(table))
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["setting", "arm", "n_seeds", "seeds", "em_mean", "em_ci_low", "em_ci_high", "em_per_seed",
+                         "collapsed", "collapse_steps", "lld_rate_mean"])
+        for row in table:
+            writer.writerow([row.setting, row.arm, len(row.seeds), _csv_list(row.seeds), row.em_mean, row.em_low,
+                             row.em_high, _csv_list(row.final_em), row.collapsed, _csv_list(row.collapse_steps),
+                             "" if row.lld_rate_mean is None else row.lld_rate_mean])
+    run_fields = ("setting", "arm", "seed", "final_em", "collapse_step", "collapsed", "lld_rate_mean")
+    runs = [{field: getattr(result, field) for field in run_fields} for result in results]
+    with open(paths[2], "w") as f:
+        json.dump({"definitions": DEFINITIONS, "rows": [dataclasses.asdict(row) for row in table], "runs": runs}, f,
+                  indent=2)
+    with open(paths[3], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=run_fields)
+        writer.writeheader()
+        writer.writerows(runs)
+    return paths
