@@ -474,7 +474,7 @@ class RLTrainStep:
         # The log-probs come out of a jitted program: committed to a device also without a mesh.
         logp_sharding = self._batch_sharding(4) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         logp = jax.ShapeDtypeStruct(batch.tokens_bt.shape, jnp.float32, sharding=logp_sharding)
-        index = jax.ShapeDtypeStruct((), jnp.int32)
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated())  # as an int32 under the mesh
         init = self._init_optimizer(state.params)
         with self._mesh_context():
             programs = [("optimizer init", init.lower(state.params))]

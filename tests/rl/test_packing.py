@@ -100,12 +100,11 @@ def test_packed_forward_equals_unpacked_values_and_gradients(make_rollout, imple
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4)
 
 
-def _packed_step(cfg, mesh=None):
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+def _packed_step(cfg, mesh=None, update=dataclasses.replace(STEP_UPDATE, pack_trajectories=True), seed=0):
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
     if mesh is not None:
         parallel.shard_model(model, mesh)
-    return RLTrainStep(model, ObjectiveConfig(), dataclasses.replace(STEP_UPDATE, pack_trajectories=True),
-                       mesh=mesh)
+    return RLTrainStep(model, ObjectiveConfig(), update, mesh=mesh)
 
 
 def _assert_same_step(state, metrics, plain_state, plain_metrics):
@@ -149,8 +148,8 @@ def test_rows_longer_than_the_batch_and_a_row_count_per_update_equal_unpacked(ti
     """Rows of 32 tokens for a 24-token batch (`optim.pack_row_tokens`): the two updates' micro-batches pack into 3
     and 2 rows, each update's forwards on its own rows; losses, gates, LLD metrics and parameters as unpacked."""
     _, plain_state, plain_metrics = plain_step_result
-    update = dataclasses.replace(STEP_UPDATE, pack_trajectories=True, pack_row_tokens=32)
-    step = RLTrainStep(Transformer(tiny_model_cfg, rngs=nnx.Rngs(0)), ObjectiveConfig(), update)
+    step = _packed_step(tiny_model_cfg, update=dataclasses.replace(STEP_UPDATE, pack_trajectories=True,
+                                                                  pack_row_tokens=32))
     prepared = step.prepare_batch(step_batch)
     assert [rows.tokens_rl.shape for rows in prepared.rows] == [(1, 4, 3, 32), (1, 4, 2, 32)]
     state = step.init_state()
@@ -160,11 +159,14 @@ def test_rows_longer_than_the_batch_and_a_row_count_per_update_equal_unpacked(ti
     np.testing.assert_allclose(metrics.scalars["perf/padding"], 1 - real / (4 * 3 * 32 + 4 * 2 * 32), rtol=1e-12)
 
 
-def test_row_counts_compiled_ahead_leave_nothing_to_compile(tiny_model_cfg, make_rollout):
+@pytest.mark.parametrize("with_mesh", [False, True])
+def test_row_counts_compiled_ahead_leave_nothing_to_compile(tiny_model_cfg, make_rollout, with_mesh):
     """With `precompile_row_counts`, the first batch of a length compiles the forwards of every row count its
-    updates can need (`row_counts`); a later batch of that length needing other counts compiles nothing."""
+    updates can need (`row_counts`); a later batch of that length needing other counts compiles nothing. Also on a
+    one-device mesh, as the trainer runs the demo (programs under the mesh: its index scalars are the mesh's)."""
     update = dataclasses.replace(STEP_UPDATE, pack_trajectories=True, pack_row_tokens=48, precompile_row_counts=True)
-    step = RLTrainStep(Transformer(tiny_model_cfg, rngs=nnx.Rngs(1)), ObjectiveConfig(), update)
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]) if with_mesh else None
+    step = _packed_step(tiny_model_cfg, mesh, update, seed=1)
     assert step.row_counts(24) == [1, 2]  # micro-batches of 4, two 24-token trajectories to a 48-token row
     long_batch = make_rollout(7, 32, 24, tiny_model_cfg.vocab_size)
     mask_bt = long_batch.mask_bt.copy()
