@@ -1,10 +1,11 @@
 """Packed trajectories: several trajectories of a micro-batch share one row of the training forward.
 
 The m trajectories of a micro-batch (each at most L tokens) go, first fit by decreasing length, into R rows of
-L' >= L tokens (`optim.pack_row_tokens`; by default L' = L). A trajectory's real tokens stay contiguous and in order; `segment_first_rl` marks where each one starts, so
-the model restarts positions there and no token attends to another trajectory (`Transformer.hidden`); `source_ml`
-records where each token went, so that the per-token log-probs and entropies come back to the [m, L] layout on which
-the loss terms, the LLDS gates, the action ids and the LLD diagnostics work unchanged (`unpack`).
+L' >= L tokens (`optim.pack_row_tokens`; by default L' = L). A trajectory's real tokens stay contiguous and in
+order; `segment_first_rl` marks where each one starts, so the model restarts positions there and no token attends to
+another trajectory (`Transformer.hidden`); `source_ml` records where each token went, so that the per-token
+log-probs and entropies come back to the [m, L] layout on which the loss terms, the LLDS gates, the action ids and
+the LLD diagnostics work unchanged (`unpack`).
 
 Micro-batch and mini-batch membership stay those of the unpacked batch, counted in trajectories: the objective does
 not change, only the rows the forward runs on (R <= m, fewer the more the trajectories are shorter than L).

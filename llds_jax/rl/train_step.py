@@ -202,7 +202,7 @@ class RLTrainStep:
         self._lld = jax.jit(_lld_metrics)
         self._update = None  # jitted on first use, with the state's shardings as output shardings
         self._concat_updates = jax.jit(lambda parts: jnp.concatenate(parts), out_shardings=self._batch_sharding(4))
-        self._precompiled_lengths: set[int] = set()  # batch lengths whose row counts are compiled (`compile_row_counts`)
+        self._precompiled_lengths: set[int] = set()  # batch lengths whose row counts `compile_row_counts` did
 
     # ----- state ---------------------------------------------------------------------------------------------------
     def init_state(self, params: nnx.State | None = None) -> TrainState:
@@ -504,8 +504,9 @@ class RLTrainStep:
         for num_rows in self.row_counts(length):
             for name, lowered in self.lower_programs(state, ref_params, self.batch_spec(num, length, num_rows),
                                                      measure_lld):
-                if name.startswith(("logp", "update")) and lowered.as_text() not in modules:
-                    modules.add(lowered.as_text())
+                module = lowered.as_text() if name.startswith(("logp", "update")) else None
+                if module is not None and module not in modules:
+                    modules.add(module)
                     lowered.compile()
         return len(modules)
 
