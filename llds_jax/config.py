@@ -237,6 +237,16 @@ def redacted(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(_redact("", cfg))
 
 
+def redacted_argument(arg: str) -> str:
+    """A command-line argument safe to print or log, as `redacted` makes a config: in `KEY=VALUE` (e.g.
+    `--config.retriever.password=...`) the value of a key named like a secret becomes `***`, and the user info of
+    any URL becomes `***@`."""
+    key, sep, value = arg.partition("=")
+    if sep and value and _is_secret_key(key):
+        return f"{key}={REDACTED}"
+    return _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", arg)
+
+
 def rollout_batch_size(cfg: ml_collections.ConfigDict) -> int:
     """Trajectories per training step: prompts_per_step x samples_per_prompt."""
     return cfg.data.prompts_per_step * cfg.data.samples_per_prompt

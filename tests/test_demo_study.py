@@ -134,6 +134,13 @@ def _job(tmp_path, name, code, after=()):
     return runner.Job(name, (sys.executable, "-c", script), str(tmp_path / f"{name}.log"), after)
 
 
+def test_printed_and_logged_commands_hide_secrets():
+    job = runner.Job("run", ("python", "-m", "llds_jax.launch", "--config.retriever.password=hunter2",
+                             "--config.retriever.hosts=https://elastic:s3cr3t@es:9200", "--config.seed=3"), None)
+    assert job.shell() == ("python -m llds_jax.launch '--config.retriever.password=***' "
+                           "'--config.retriever.hosts=https://***@es:9200' --config.seed=3")
+
+
 def test_jobs_run_after_those_they_wait_for_and_are_skipped_when_one_failed(tmp_path):
     started = []
     jobs = [_job(tmp_path, "a", 0), _job(tmp_path, "b", 3), _job(tmp_path, "c", 0, ("a",)),

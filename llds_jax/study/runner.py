@@ -14,6 +14,8 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
+from llds_jax.config import redacted_argument
+
 
 @dataclasses.dataclass(frozen=True)
 class Job:
@@ -25,8 +27,8 @@ class Job:
     after: tuple[str, ...] = ()
 
     def shell(self) -> str:
-        """The command as one shell line."""
-        return shlex.join(self.command)
+        """The command as one shell line to print or log, secrets redacted (`config.redacted_argument`)."""
+        return shlex.join(redacted_argument(arg) for arg in self.command)
 
 
 @dataclasses.dataclass(frozen=True)
