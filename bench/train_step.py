@@ -180,7 +180,7 @@ class UpdateRunner:
         self.step = RLTrainStep(Transformer(cfg, rngs=nnx.Rngs(seed)), objective or ObjectiveConfig(), update)
         self.state = self.step.init_state()
         prepared = self.step.prepare_batch(batch)
-        self.batch, self.rows, self.stats = prepared.batch, prepared.rows, prepared.batch_stats
+        self.prepared, self.batch, self.stats = prepared, prepared.batch, prepared.batch_stats
         self.num_updates = prepared.num_updates
         if frozen_logp:
             ref = self.step.reference_params(self.state.params)
@@ -194,8 +194,8 @@ class UpdateRunner:
             shardings = jax.tree.map(lambda x: x.sharding, self.state)
             jitted = jax.jit(self.step._update_impl, out_shardings=(shardings, None))
         wall, cpu = time.perf_counter(), time.process_time()
-        self.lowered = jitted.lower(self.state, self.batch, self._rows(0), self.stats, self.old_logp, self.ref_logp,
-                                    jnp.int32(0))
+        self.lowered = jitted.lower(self.state, self.batch, prepared.update_rows(0), self.stats, self.old_logp,
+                                    self.ref_logp, jnp.int32(0))
         self.lower_s, self.lower_cpu = time.perf_counter() - wall, time.process_time() - cpu  # trace + lower
         wall, cpu = time.perf_counter(), time.process_time()
         self.compiled = self.lowered.compile()
@@ -204,14 +204,10 @@ class UpdateRunner:
         self.index = 0
         self.losses: list[float] = []
 
-    def _rows(self, index: int):
-        """Update `index`'s packed rows (None unpacked)."""
-        return None if self.rows is None else self.rows[index]
-
     def __call__(self):
         index = self.index % self.num_updates
-        self.state, metrics = self.compiled(self.state, self.batch, self._rows(index), self.stats, self.old_logp,
-                                            self.ref_logp, jnp.int32(index))
+        self.state, metrics = self.compiled(self.state, self.batch, self.prepared.update_rows(index), self.stats,
+                                            self.old_logp, self.ref_logp, jnp.int32(index))
         self.index += 1
         if len(self.losses) < 2:
             self.losses.append(float(metrics["actor/loss"]))

@@ -80,6 +80,10 @@ class PreparedBatch(NamedTuple):
     num_updates: int
     rows: tuple[PackedRows, ...] | None = None
 
+    def update_rows(self, index: int) -> PackedRows | None:
+        """Update `index`'s packed rows; None when the forwards run on the trajectories."""
+        return None if self.rows is None else self.rows[index]
+
 
 class BatchMetrics(NamedTuple):
     """Metrics of one rollout batch, on the host.
@@ -383,8 +387,7 @@ class RLTrainStep:
         batch = prepared.batch
         with self._mesh_context():
             return self._concat_updates(tuple(
-                logp_fn(params, batch.tokens_bt, batch.mask_bt, None if prepared.rows is None else prepared.rows[u],
-                        jnp.int32(u))
+                logp_fn(params, batch.tokens_bt, batch.mask_bt, prepared.update_rows(u), jnp.int32(u))
                 for u in range(prepared.num_updates)))
 
     def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
@@ -470,7 +473,7 @@ class RLTrainStep:
         `train_on_batch` uses them, in the order a run first runs them (the log-probs: one update's mini-batch, as
         each call computes it)."""
         batch = prepared.batch
-        rows = None if prepared.rows is None else prepared.rows[0]
+        rows = prepared.update_rows(0)
         # The log-probs come out of a jitted program: committed to a device also without a mesh.
         logp_sharding = self._batch_sharding(4) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         logp = jax.ShapeDtypeStruct(batch.tokens_bt.shape, jnp.float32, sharding=logp_sharding)
@@ -554,9 +557,8 @@ class RLTrainStep:
                 if index and between_updates is not None:
                     jax.block_until_ready(per_update[-1])
                     between_updates()
-                rows = None if prepared.rows is None else prepared.rows[index]
-                state, metrics = update(state, prepared.batch, rows, prepared.batch_stats, old_logp,
-                                        ref_logp, jnp.int32(index))
+                state, metrics = update(state, prepared.batch, prepared.update_rows(index), prepared.batch_stats,
+                                        old_logp, ref_logp, jnp.int32(index))
                 per_update.append(metrics)
         state = state._replace(step=state.step + 1)
         after, delta_traj_b = {}, None
