@@ -142,6 +142,10 @@ def usable_hbm_bytes(device: Any) -> Optional[float]:
     return None
 
 
+# An all-gather's outputs in HLO text: "%x = bf16[16,4096,3584]{...} all-gather(...)", a tuple of them for a
+# combined all-gather; an asynchronous one's are those of its all-gather-done.
+_ALL_GATHER = re.compile(r"=\s*(.*?)\s\ball-gather(?:-done)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -223,7 +227,9 @@ class Program:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One compiled program's memory per chip (bytes; `total` without the resident arrays until
-    `with_resident`) and compile time; `error` when it did not compile."""
+    `with_resident`) and compile time; `error` when it did not compile. `gather`: its largest all-gather's output
+    (e.g. "bf16[16,4096,3584]", "" when it has none) of `gather_elements` elements; `gathers`: every all-gather's
+    output dims."""
 
     name: str
     shapes: str
@@ -234,6 +240,9 @@ class Row:
     total: float = 0.0
     compile_s: float = 0.0
     error: str = ""
+    gather: str = ""
+    gather_elements: int = 0
+    gathers: tuple[tuple[int, ...], ...] = ()
 
     def with_resident(self, resident: float) -> "Row":
         return dataclasses.replace(self, resident=resident, total=self.total + resident)
@@ -248,6 +257,17 @@ def long_lived_bytes(rows: dict[str, Row]) -> dict[str, float]:
     return {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
 
 
+def all_gather_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(element type, dims) of the output of every all-gather in compiled HLO text, e.g. [("bf16", (16, 4096))]."""
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = _ALL_GATHER.search(line)
+        if match:
+            shapes += [(dtype, tuple(int(d) for d in dims.split(",") if d))
+                       for dtype, dims in _SHAPE.findall(match.group(1))]
+    return shapes
+
+
 def compile_row(program: Program) -> Row:
     """Compiles one program; its memory per chip from XLA's analysis (or the compiler's error)."""
     start = time.perf_counter()
@@ -258,11 +278,14 @@ def compile_row(program: Program) -> Row:
         return Row(program.name, program.shapes, compile_s=time.perf_counter() - start, error=message[:500])
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
+    gathers = all_gather_shapes(compiled.as_text())
+    dtype, dims = max(gathers, key=lambda g: math.prod(g[1]), default=("", ()))
     own = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
            + m.generated_code_size_in_bytes)
     return Row(program.name, program.shapes, arguments=float(m.argument_size_in_bytes),
                outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
-               compile_s=seconds)
+               compile_s=seconds, gather=f"{dtype}[{','.join(map(str, dims))}]" if dtype else "",
+               gather_elements=math.prod(dims) if dtype else 0, gathers=tuple(d for _, d in gathers))
 
 
 def format_bytes(n: float) -> str:
@@ -279,7 +302,7 @@ def format_table(rows: Sequence[Row], hbm_bytes: float) -> str:
     width = max(len(r.name) for r in rows)
     shapes = max(len(r.shapes) for r in rows)
     header = (f"{'program':<{width}}  {'shapes':<{shapes}}  {'args':>7} {'temps':>7} {'resident':>8} {'total':>7} "
-              f"{'of HBM':>7} {'compile':>8}")
+              f"{'of HBM':>7} {'compile':>8}  largest all-gather")
     lines = [header, "-" * len(header)]
     for r in rows:
         if r.error:
@@ -290,7 +313,7 @@ def format_table(rows: Sequence[Row], hbm_bytes: float) -> str:
             continue
         lines.append(f"{r.name:<{width}}  {r.shapes:<{shapes}}  {format_bytes(r.arguments):>7} "
                      f"{format_bytes(r.temporaries):>7} {format_bytes(r.resident):>8} {format_bytes(r.total):>7} "
-                     f"{r.total / hbm_bytes:7.1%} {r.compile_s:7.1f}s")
+                     f"{r.total / hbm_bytes:7.1%} {r.compile_s:7.1f}s  {r.gather or '-'}")
     return "\n".join(lines)
 
 
@@ -310,6 +333,22 @@ def overflows(rows: Sequence[Row], hbm_bytes: float) -> list[str]:
                        f"stays resident, {(r.total - hbm_bytes) / GIB:.2f} GiB over the {hbm_bytes / GIB:.2f} GiB "
                        "of HBM")
     return out
+
+
+def whole_table_gathers(rows: Sequence[Row], vocab_size: int, hidden_size: int) -> list[str]:
+    """One line per program that all-gathers the whole [V, D] embedding or output projection (an output whose last
+    two dims are [V, D] or [D, V]): the vocabulary sharding (parallel.VOCAB) lost somewhere in it."""
+    def whole_table(dims):
+        return tuple(dims[-2:]) in ((vocab_size, hidden_size), (hidden_size, vocab_size))
+
+    lines = []
+    for r in rows:
+        tables = [dims for dims in r.gathers if whole_table(dims)]
+        if tables:
+            lines.append(f"{r.name} ({r.shapes}) all-gathers the whole [{vocab_size}, {hidden_size}] vocabulary "
+                         f"table ({', '.join(str(list(dims)) for dims in tables)}): the embedding or output "
+                         "projection is no longer vocabulary-sharded there")
+    return lines
 
 
 def model_config(cfg, platform: str = "tpu"):
@@ -409,12 +448,14 @@ def run(cfg, topology: str) -> int:
     rows = [row.with_resident(sum(sizes[name] for name in program.resident))
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))
-    problems = overflows(rows, hbm)
+    model = model_config(cfg)
+    problems = overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
     for line in problems:
         print(f"llds_jax: error: {line}")
     if problems:
         return EXIT_DOES_NOT_FIT
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
-          f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom)")
+          f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "
+          f"all-gathers a whole [{model.vocab_size}, {model.hidden_size}] vocabulary table")
     return 0

@@ -40,6 +40,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.attention = "auto"          # auto / xla (dense) / blockwise (online softmax) / splash (TPU) / cudnn (GPU)
     c.model.attention_query_block = 512  # largest blockwise tile (splash: its block, x 128): queries ...
     c.model.attention_key_block = 512   # ... x keys
+    c.model.mlp_chunks = 1              # the MLP over this many slices of its width in turn (1: all at once)
     c.model.preset = ""                 # named architecture (model.PRESETS): --mode=compile reads no checkpoint
 
     c.mesh = ml_collections.ConfigDict()
@@ -269,7 +270,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "rollout.max_prompt_tokens", "rollout.max_context_tokens", "rollout.max_response_tokens",
       "rollout.retrieval_top_k", "rollout.decode_chunk", "rollout.min_capacity_bucket",
       "rollout.min_observation_bucket", "optim.mini_batch_size", "optim.micro_batch_size", "optim.logp_time_chunk",
-      "model.attention_query_block", "model.attention_key_block", "train.total_steps", "train.checkpoint_every",
+      "model.attention_query_block", "model.attention_key_block", "model.mlp_chunks", "train.total_steps", "train.checkpoint_every",
       "train.keep_checkpoints", "train.sequence_bucket",
       "eval.batch_size", "sft.steps", "sft.batch_size", "sft.max_length", "sft.sequence_bucket", "sft.log_every",
       "demo.num_people", "demo.vocab_size", "demo.hidden_size", "demo.num_layers", "demo.num_heads",
@@ -370,7 +371,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     if num_devices is None:
         return
     from llds_jax import parallel
-    data, fsdp, _ = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    data, fsdp, tensor = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if cfg.model.mlp_chunks > 1 and tensor > 1:
+        raise ConfigError(f"model.mlp_chunks = {cfg.model.mlp_chunks} slices the MLP width, which mesh.tensor = "
+                          f"{tensor} shards: use one or the other")
     if cfg.optim.micro_batch_size % (data * fsdp):
         raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
                           f"mesh's batch axes data x fsdp = {data * fsdp}")
@@ -387,7 +391,7 @@ def model_overrides(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     m = cfg.model
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat,
                 attention=m.attention, attention_query_block=m.attention_query_block,
-                attention_key_block=m.attention_key_block)
+                attention_key_block=m.attention_key_block, mlp_chunks=m.mlp_chunks)
 
 
 def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:

@@ -34,7 +34,8 @@ PROGRAMS = ["prefill", "decode chunk", "extend", "cache growth", "compaction", "
 def tiny_model_dir(tmp_path_factory):
     """A checkpoint folder holding only config.json: compile mode reads the architecture, never the weights."""
     path = tmp_path_factory.mktemp("tiny_arch")
-    cfg = ModelConfig.tiny(vocab_size=512, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    # V = 640 is no other dimension of the programs (the check for gathers of a whole [V, D] table reads dims).
+    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
     (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
     return str(path)
 
@@ -116,7 +117,30 @@ def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys)
     assert "compiling for v4:2x2x2: 8 chips, 2 host(s), TPU v4" in out
     for name in PROGRAMS:
         assert f"\n{name} " in out
-    assert "every program fits" in out
+    assert "every program fits" in out and "none all-gathers a whole [640, 64] vocabulary table" in out
+
+
+def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
+    """compile_row reads the largest all-gather from the TPU compiler's HLO; a program that replicates a
+    vocabulary-sharded [V, D] table is named, one that uses it sharded is not."""
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    mesh = jax.sharding.Mesh(devices, ("vocab",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("vocab", None))
+    table = jax.ShapeDtypeStruct((512, 64), jax.numpy.bfloat16, sharding=sharded)
+
+    def row(name, **out):
+        lowered = jax.jit(lambda w: w * 2, **out).lower(table)
+        return compile_check.compile_row(compile_check.Program(name, "[512, 64]", lowered, ()))
+
+    gathered = row("gathered", out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    kept = row("kept", out_shardings=sharded)
+    assert (gathered.gather, gathered.gather_elements, gathered.gathers) == ("bf16[512,64]", 512 * 64, ((512, 64),))
+    assert (kept.gather, kept.gather_elements, kept.gathers) == ("", 0, ())
+    assert compile_check.whole_table_gathers([gathered, kept], 512, 64) == [
+        "gathered ([512, 64]) all-gathers the whole [512, 64] vocabulary table ([512, 64]): the embedding or output "
+        "projection is no longer vocabulary-sharded there"]
+    # Larger gathers of other arrays (hidden states [B, T, D]) are not the table.
+    assert compile_check.whole_table_gathers([gathered], 1024, 64) == []
 
 
 def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):

@@ -164,6 +164,16 @@ def test_wrong_type_in_a_config_file_is_named():
         config_lib.check_schema(cfg)
 
 
+def test_mlp_chunks_with_a_tensor_axis_is_named():
+    cfg = load("qwen7b_v4")
+    cfg.model.mlp_chunks, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 8, 2
+    with pytest.raises(config_lib.ConfigError, match=r"model\.mlp_chunks = 2 slices the MLP width, which "
+                                                    r"mesh\.tensor = 2 shards: use one or the other"):
+        config_lib.validate(cfg, 16)
+    cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1
+    config_lib.validate(cfg, 16)
+
+
 def test_impossible_batch_split_is_named():
     cfg = load("qwen7b_v4")
     cfg.optim.micro_batch_size = 8

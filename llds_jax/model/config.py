@@ -45,6 +45,9 @@ class ModelConfig:
       attention_platform: the platform the programs are compiled for ("cpu", "gpu", "tpu"), which `auto` and
         `cudnn` decide from; None: jax.default_backend() when traced. A run sets it from its mesh's devices (the
         compile check's are abstract TPU chips while JAX's own backend is the CPU).
+      mlp_chunks: the SwiGLU MLP runs over this many slices of its F intermediate features in turn, forward and
+        backward, so a layer holds [B, T, F / mlp_chunks] activations instead of [B, T, F] (llds_jax.model.mlp);
+        F must be a multiple. 1: all at once.
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
         attention patterns quickly: the demo's 128-wide policy uses 0.1).
@@ -74,6 +77,7 @@ class ModelConfig:
     attention_query_block: int = 512
     attention_key_block: int = 512
     attention_platform: Optional[str] = None
+    mlp_chunks: int = 1
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, tuple[int, ...], None] = None
@@ -101,6 +105,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.mlp_chunks, int) or isinstance(self.mlp_chunks, bool) or self.mlp_chunks < 1:
+            raise ValueError(f"model.mlp_chunks must be an integer >= 1, got {self.mlp_chunks!r}")
+        if self.intermediate_size % self.mlp_chunks:
+            raise ValueError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
+                             f"({self.intermediate_size})")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
 

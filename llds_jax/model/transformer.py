@@ -16,6 +16,7 @@ from flax import nnx
 
 from llds_jax import parallel
 from llds_jax.model import kv_cache as kv_lib
+from llds_jax.model import mlp as mlp_lib
 from llds_jax.model.attention import attention
 from llds_jax.model import rope as rope_lib
 from llds_jax.model.vocab import embed_lookup
@@ -112,9 +113,7 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
     x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out, w["o_proj"])
     x_btd = parallel.constrain(x_btd, parallel.BATCH, None, None)
     h = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
-    act = jax.nn.silu(jnp.einsum("btd,df->btf", h, w["gate_proj"])) * jnp.einsum("btd,df->btf", h, w["up_proj"])
-    act = parallel.constrain(act, parallel.BATCH, None, "tensor")
-    x_btd = x_btd + jnp.einsum("btf,fd->btd", act, w["down_proj"])
+    x_btd = x_btd + mlp_lib.swiglu(h, w["gate_proj"], w["up_proj"], w["down_proj"], cfg.mlp_chunks)
     return parallel.constrain(x_btd, parallel.BATCH, None, None), new_kv
 
 

@@ -275,7 +275,8 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     if s.batch_size % batch_shards:
         raise ValueError(f"sft.batch_size ({s.batch_size}) must be a multiple of the mesh's batch axes "
                          f"data x fsdp = {batch_shards}")
-    # The attention implementation is left out of the fingerprint: it computes the same function.
+    # The attention implementation and model.mlp_chunks are left out of the fingerprint: each computes the same
+    # function.
     model = hf_io.load_model(m.path, mesh=mesh, **config_lib.model_overrides(cfg))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if first:

@@ -1,6 +1,5 @@
 """Sharding on 8 fake CPU devices: placement by rule, equality with the unsharded model, clear mesh errors."""
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from llds_jax import parallel
+from llds_jax import compile_check, parallel
 from llds_jax.model import ModelConfig, Transformer, hf_io, kv_cache, preset, vocab
 from llds_jax.rl.logprobs import model_token_logp
 
@@ -55,12 +54,7 @@ def test_shard_model_places_random_init():
 
 def all_gather_elements(hlo_text):
     """Element counts of the outputs of every all-gather in compiled HLO text."""
-    counts = []
-    for line in hlo_text.splitlines():
-        match = re.search(r"=\s*\(?\w+\[([\d,]*)\][^=]*\ball-gather(-start)?\(", line)
-        if match:
-            counts.append(math.prod(int(d) for d in match.group(1).split(",") if d))
-    return counts
+    return [math.prod(dims) for _, dims in compile_check.all_gather_shapes(hlo_text)]
 
 
 @pytest.mark.parametrize("axes, tied", [(dict(data=1, fsdp=4, tensor=2), False), (dict(data=2, fsdp=4, tensor=1), True)])

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from llds_jax import compile_check
 from llds_jax.model import Transformer
 from llds_jax.rl.logprobs import model_token_logp, token_logp_entropy
 
@@ -60,12 +61,7 @@ def test_chunked_equals_full_logits_with_gradients(inputs, reference):
 
 def all_gather_shapes(hlo_text):
     """Output shapes of every all-gather in compiled HLO text, e.g. [[4, 8, 96]]."""
-    shapes = []
-    for line in hlo_text.splitlines():
-        match = re.search(r"=\s*\(?\w+\[([\d,]*)\][^=]*\ball-gather(-start)?\(", line)
-        if match:
-            shapes.append([int(d) for d in match.group(1).split(",") if d])
-    return shapes
+    return [list(dims) for _, dims in compile_check.all_gather_shapes(hlo_text)]
 
 
 @pytest.mark.parametrize("axis_type, mesh_shape", [(AxisType.Auto, (2, 1, 4)), (AxisType.Explicit, (2, 1, 4)),
