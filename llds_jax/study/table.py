@@ -23,6 +23,8 @@ DEFINITIONS = {
                  f"EM < {stats.COLLAPSE_EM}",
     "collapse_step": f"first of the first {stats.COLLAPSE_STEPS} consecutive steps of train {REWARD} < "
                      f"{stats.COLLAPSE_REWARD} (none when only the final EM says collapsed)",
+    "vs_grpo": "the arm's final EM minus GRPO's on the same seeds (same world, warm start and first rollout batch), "
+               "mean over those seeds with its 95% percentile bootstrap interval (as for em_interval)",
     "lld_rate_mean": f"mean over seeds of each run's mean {LLD_RATE} over its steps (share of correct "
                      "trajectories whose log-likelihood fell over the step's updates)",
 }
@@ -43,10 +45,16 @@ class Row:
     collapse_steps: list[int | None]
     lld_rates: list[float | None]
     lld_rate_mean: float | None
+    vs_grpo: list[float] = dataclasses.field(default_factory=list)
+    vs_grpo_seeds: list[int] = dataclasses.field(default_factory=list)
+    vs_grpo_mean: float | None = None
+    vs_grpo_low: float | None = None
+    vs_grpo_high: float | None = None
 
 
 def rows(results: Sequence[RunResult]) -> list[Row]:
-    """One row per (setting, arm), in the order they first appear in `results`."""
+    """One row per (setting, arm), in the order they first appear in `results`; an arm other than grpo is also
+    compared with grpo seed by seed in its setting (`vs_grpo`, over the seeds both have)."""
     groups: dict[tuple[str, str], list[RunResult]] = {}
     for result in results:
         groups.setdefault((result.setting, result.arm), []).append(result)
@@ -60,11 +68,31 @@ def rows(results: Sequence[RunResult]) -> list[Row]:
         table.append(Row(setting, arm, [r.seed for r in group], em, float(np.mean(em)), low, high,
                          sum(r.collapsed for r in group), [r.collapse_step for r in group], rates,
                          float(np.mean(known)) if known else None))
-    return table
+    by_key = {(row.setting, row.arm): row for row in table}
+    return [_paired(row, by_key.get((row.setting, "grpo"))) for row in table]
+
+
+def _paired(row: Row, grpo: Row | None) -> Row:
+    if grpo is None or row.arm == "grpo":
+        return row
+    grpo_em = dict(zip(grpo.seeds, grpo.final_em))
+    seeds = [seed for seed in row.seeds if seed in grpo_em]
+    if not seeds:
+        return row
+    diffs = [em - grpo_em[seed] for seed, em in zip(row.seeds, row.final_em) if seed in grpo_em]
+    low, high = stats.bootstrap_interval(diffs)
+    return dataclasses.replace(row, vs_grpo=diffs, vs_grpo_seeds=seeds, vs_grpo_mean=float(np.mean(diffs)),
+                               vs_grpo_low=low, vs_grpo_high=high)
 
 
 def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
+
+
+def _vs_grpo(row: Row) -> str:
+    if row.vs_grpo_mean is None:
+        return "—"
+    return f"{row.vs_grpo_mean:+.3f} [{row.vs_grpo_low:+.3f}, {row.vs_grpo_high:+.3f}] ({len(row.vs_grpo)} seeds)"
 
 
 def _steps(row: Row) -> str:
@@ -76,11 +104,11 @@ def markdown(table: Sequence[Row]) -> str:
     """table.md: the rows, then the definitions of the columns."""
     lines = report.markdown_table(
         ["setting", "arm", "seeds", "final EM mean [95% CI]", "final EM per seed", "collapsed", "steps to collapse",
-         "mean LLD rate"],
+         "mean LLD rate", "EM minus grpo, same seeds [95% CI]"],
         [[row.setting, f"{row.arm}: {ARMS[row.arm].description}" if row.arm in ARMS else row.arm,
           str(len(row.seeds)), f"{row.em_mean:.3f} [{row.em_low:.3f}, {row.em_high:.3f}]",
           " ".join(f"{em:.3f}" for em in row.final_em), f"{row.collapsed}/{len(row.seeds)}", _steps(row),
-          _num(row.lld_rate_mean)] for row in table])
+          _num(row.lld_rate_mean), _vs_grpo(row)] for row in table])
     lines += ["", "Seeds in each row: " + "; ".join(f"{row.setting}/{row.arm}: {', '.join(map(str, row.seeds))}"
                                                     for row in table), ""]
     lines += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
@@ -100,11 +128,14 @@ def write(table: Sequence[Row], results: Sequence[RunResult], out: str) -> list[
     with open(paths[1], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["setting", "arm", "n_seeds", "seeds", "em_mean", "em_ci_low", "em_ci_high", "em_per_seed",
-                         "collapsed", "collapse_steps", "lld_rate_mean"])
+                         "collapsed", "collapse_steps", "lld_rate_mean", "vs_grpo_mean", "vs_grpo_ci_low",
+                         "vs_grpo_ci_high", "vs_grpo_per_seed"])
         for row in table:
             writer.writerow([row.setting, row.arm, len(row.seeds), _csv_list(row.seeds), row.em_mean, row.em_low,
                              row.em_high, _csv_list(row.final_em), row.collapsed, _csv_list(row.collapse_steps),
-                             "" if row.lld_rate_mean is None else row.lld_rate_mean])
+                             "" if row.lld_rate_mean is None else row.lld_rate_mean,
+                             *("" if v is None else v for v in (row.vs_grpo_mean, row.vs_grpo_low,
+                                                                 row.vs_grpo_high)), _csv_list(row.vs_grpo)])
     run_fields = ("setting", "arm", "seed", "final_em", "collapse_step", "collapsed", "lld_rate_mean")
     runs = [{field: getattr(result, field) for field in run_fields} for result in results]
     with open(paths[2], "w") as f:
