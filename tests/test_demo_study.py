@@ -230,8 +230,8 @@ def test_table_rows_aggregate_each_arm_over_its_seeds(tmp_path):
                                                                                           [0.3, None], 0.3)
     paths = table.write([grpo, llds], results, str(tmp_path))
     text = (tmp_path / "table.md").read_text()
-    assert ("| stress | grpo: GRPO (LLDS off) | 2 | 0.250 [0.000, 0.500] | 0.500 0.000 | 1/2 | 17 (seed 1) | 0.500 | — |"
-            in text)
+    assert ("| stress | grpo: GRPO (LLDS off) | 2 | 0.250 [0.000, 0.500] | 0.500 0.000 | 1/2 | 17 (seed 1) | 0.500 "
+            "| — |") in text
     # llds - grpo on seeds 0 and 1: 0.7 - 0.5 and 0.03 - 0.0.
     assert (llds.vs_grpo, llds.vs_grpo_seeds) == (pytest.approx([0.2, 0.03]), [0, 1])
     assert llds.vs_grpo_mean == pytest.approx(0.115)
@@ -239,7 +239,8 @@ def test_table_rows_aggregate_each_arm_over_its_seeds(tmp_path):
     assert "| +0.115 [+0.030, +0.200] (2 seeds) |" in text
     assert "3 consecutive steps" in text
     assert json.loads((tmp_path / "table.json").read_text())["rows"][1]["final_em"] == [0.7, 0.03]
-    assert (tmp_path / "table.csv").read_text().splitlines()[1] == "stress,grpo,2,0;1,0.25,0.0,0.5,0.5;0.0,1,;17,0.5,,,,"
+    assert (tmp_path / "table.csv").read_text().splitlines()[1] == ("stress,grpo,2,0;1,0.25,0.0,0.5,0.5;0.0,1,;17,0.5"
+                                                                    ",,,,")
     # A seed GRPO does not have is left out of the paired comparison.
     _, lone = table.rows(results + [_result("llds", 2, 0.9)])
     assert (lone.seeds, lone.vs_grpo_seeds) == ([0, 1, 2], [0, 1])
