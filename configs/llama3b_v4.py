@@ -3,8 +3,8 @@
 Prompt as in Search-R1: the tokenizer's own chat template when it has one, else the raw Search-R1 prompt
 (`model.chat_template = ""`: never the Qwen2.5-Instruct template qwen3b_v4.py falls back to).
 
-Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md): the largest program is the rollout's
-compaction, 24.63 GiB of 30.75 (20% headroom), with sessions of 16 sequences.
+Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-02): the largest program is the
+rollout's compaction, 24.63 GiB of 30.75 (20% headroom), with sessions of 16 sequences; the update 13.46 GiB.
 """
 from configs import qwen3b_v4 as base
 

@@ -1,8 +1,9 @@
 """Qwen2.5-3B-Instruct, GRPO + LLDS (lambda 0.2, action gate) on a TPU v4-16 slice (8 chips, 2 hosts); data,
 retrieval and mesh as qwen7b_v4.py.
 
-Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md): rollout sessions of 32 sequences on each
-host's 4 chips; the largest program is the observation extend, 20.05 GiB of 30.75 (35% headroom).
+Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-02): rollout sessions of 32
+sequences on each host's 4 chips; the largest program is the rollout's compaction, 17.45 GiB of 30.75 (43%
+headroom); the update 12.23 GiB.
 """
 from configs import qwen7b_v4 as base
 
