@@ -227,9 +227,8 @@ class Program:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One compiled program's memory per chip (bytes; `total` without the resident arrays until
-    `with_resident`) and compile time; `error` when it did not compile. `gather`: its largest all-gather's output
-    (e.g. "bf16[16,4096,3584]", "" when it has none) of `gather_elements` elements; `gathers`: every all-gather's
-    output dims."""
+    `with_resident`) and compile time; `error` when it did not compile. `gathers`: (element type, dims) of every
+    all-gather's output (`all_gather_shapes`)."""
 
     name: str
     shapes: str
@@ -240,9 +239,15 @@ class Row:
     total: float = 0.0
     compile_s: float = 0.0
     error: str = ""
-    gather: str = ""
-    gather_elements: int = 0
-    gathers: tuple[tuple[int, ...], ...] = ()
+    gathers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def gather(self) -> str:
+        """The largest all-gather's output, e.g. "bf16[16,4096,3584]" ("" when the program has none)."""
+        if not self.gathers:
+            return ""
+        dtype, dims = max(self.gathers, key=lambda g: math.prod(g[1]))
+        return f"{dtype}[{','.join(map(str, dims))}]"
 
     def with_resident(self, resident: float) -> "Row":
         return dataclasses.replace(self, resident=resident, total=self.total + resident)
@@ -278,14 +283,11 @@ def compile_row(program: Program) -> Row:
         return Row(program.name, program.shapes, compile_s=time.perf_counter() - start, error=message[:500])
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
-    gathers = all_gather_shapes(compiled.as_text())
-    dtype, dims = max(gathers, key=lambda g: math.prod(g[1]), default=("", ()))
     own = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
            + m.generated_code_size_in_bytes)
     return Row(program.name, program.shapes, arguments=float(m.argument_size_in_bytes),
                outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
-               compile_s=seconds, gather=f"{dtype}[{','.join(map(str, dims))}]" if dtype else "",
-               gather_elements=math.prod(dims) if dtype else 0, gathers=tuple(d for _, d in gathers))
+               compile_s=seconds, gathers=tuple(all_gather_shapes(compiled.as_text())))
 
 
 def format_bytes(n: float) -> str:
@@ -343,7 +345,7 @@ def whole_table_gathers(rows: Sequence[Row], vocab_size: int, hidden_size: int) 
 
     lines = []
     for r in rows:
-        tables = [dims for dims in r.gathers if whole_table(dims)]
+        tables = [dims for _, dims in r.gathers if whole_table(dims)]
         if tables:
             lines.append(f"{r.name} ({r.shapes}) all-gathers the whole [{vocab_size}, {hidden_size}] vocabulary "
                          f"table ({', '.join(str(list(dims)) for dims in tables)}): the embedding or output "

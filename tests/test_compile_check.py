@@ -134,8 +134,8 @@ def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
 
     gathered = row("gathered", out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     kept = row("kept", out_shardings=sharded)
-    assert (gathered.gather, gathered.gather_elements, gathered.gathers) == ("bf16[512,64]", 512 * 64, ((512, 64),))
-    assert (kept.gather, kept.gather_elements, kept.gathers) == ("", 0, ())
+    assert (gathered.gather, gathered.gathers) == ("bf16[512,64]", (("bf16", (512, 64)),))
+    assert (kept.gather, kept.gathers) == ("", ())
     assert compile_check.whole_table_gathers([gathered, kept], 512, 64) == [
         "gathered ([512, 64]) all-gathers the whole [512, 64] vocabulary table ([512, 64]): the embedding or output "
         "projection is no longer vocabulary-sharded there"]

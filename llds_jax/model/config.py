@@ -101,12 +101,10 @@ class ModelConfig:
         if self.attention == "cudnn" and self.attention_platform not in (None, "gpu"):
             raise ValueError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); the run's devices are "
                              f"{self.attention_platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
-        for name in ("attention_query_block", "attention_key_block"):
+        for name in ("attention_query_block", "attention_key_block", "mlp_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.mlp_chunks, int) or isinstance(self.mlp_chunks, bool) or self.mlp_chunks < 1:
-            raise ValueError(f"model.mlp_chunks must be an integer >= 1, got {self.mlp_chunks!r}")
         if self.intermediate_size % self.mlp_chunks:
             raise ValueError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
                              f"({self.intermediate_size})")

@@ -67,13 +67,13 @@ def _sliced_fwd(h_btd, gate_df, up_df, down_fd, chunks):
 
 def _sliced_bwd(chunks, residuals, d_out_btd):
     h_btd, gate_df, up_df, down_fd = residuals
+    size = gate_df.shape[1] // chunks
 
     def body(i, carry):
         d_h_btd, d_gate_df, d_up_df, d_down_fd = carry
         weights = _slice_weights(gate_df, up_df, down_fd, i, chunks)
         _, vjp = jax.vjp(_swiglu, h_btd, *weights)
         d_h_part, d_gate_part, d_up_part, d_down_part = vjp(d_out_btd)
-        size = gate_df.shape[1] // chunks
         return (d_h_btd + d_h_part.astype(jnp.float32),
                 jax.lax.dynamic_update_slice_in_dim(d_gate_df, d_gate_part, i * size, 1),
                 jax.lax.dynamic_update_slice_in_dim(d_up_df, d_up_part, i * size, 1),

@@ -76,10 +76,10 @@ def _paired(row: Row, grpo: Row | None) -> Row:
     if grpo is None or row.arm == "grpo":
         return row
     grpo_em = dict(zip(grpo.seeds, grpo.final_em))
-    seeds = [seed for seed in row.seeds if seed in grpo_em]
-    if not seeds:
+    pairs = [(seed, em - grpo_em[seed]) for seed, em in zip(row.seeds, row.final_em) if seed in grpo_em]
+    if not pairs:
         return row
-    diffs = [em - grpo_em[seed] for seed, em in zip(row.seeds, row.final_em) if seed in grpo_em]
+    seeds, diffs = (list(x) for x in zip(*pairs))
     low, high = stats.bootstrap_interval(diffs)
     return dataclasses.replace(row, vs_grpo=diffs, vs_grpo_seeds=seeds, vs_grpo_mean=float(np.mean(diffs)),
                                vs_grpo_low=low, vs_grpo_high=high)
