@@ -1,7 +1,7 @@
 """The multi-seed study of the CPU demo (issue 19): arms x settings x seeds, then one table and one figure per setting.
 
     python -m llds_jax.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
-        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--dry-run] [-- --config.KEY=VALUE ...]
+        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--dry-run | --report] [-- --config.KEY=VALUE ...]
 
 Every run is `python -m llds_jax.launch` (llds_jax.study.plan: folders and overrides). Each seed has its own world,
 warm start and sampling (`OUT/seeds/seed_K/`), built once by `--mode=sft` before that seed's runs start and shared by
@@ -28,7 +28,8 @@ status 1 then):
 
 Before running, the command prints the runs and an estimated wall time (llds_jax.study.budget: measured rates of the
 study's own finished jobs, else constants from docs/demo.md). `--dry-run` prints the same and the commands, and runs
-nothing.
+nothing. `--report` runs nothing either: it writes the outputs of the plan's finished runs (a study run in parts,
+e.g. one setting per session, reported as one table) and names the runs not in them.
 
 Budget (2 cores, about 90 minutes). A 20-step demo run costs ~173 s of the machine and a seed's world + warm start
 ~290 s (llds_jax.study.budget: measured one at a time on a quiet machine). Issue 19's full design (3 settings; grpo
@@ -96,7 +97,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seeds", default="8", help="N (0..N-1), A-B or A,B,... (default: 8)")
     parser.add_argument("--out", default="runs/demo_study", help="study folder (default: runs/demo_study)")
     parser.add_argument("--jobs", type=int, default=2, help="launches at once (default: 2, for 2 cores)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan, estimate and commands; run nothing")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--dry-run", action="store_true", help="print the plan, estimate and commands; run nothing")
+    modes.add_argument("--report", action="store_true",
+                       help="write table and plots of the plan's finished runs; run nothing")
     args = parser.parse_args(own)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -174,6 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llds_jax.demo_study: error: {e}", file=sys.stderr)
         return 2
     pending = [run for run in study.runs if not run.finished()]
+    if args.report:
+        print(f"study {study.out}: {len(study.runs) - len(pending)} of {len(study.runs)} runs finished", flush=True)
+        for path in write_outputs(study):
+            print(path)
+        if pending:
+            print(f"not in the outputs (not finished): {', '.join(run.name for run in pending)}", flush=True)
+        return 0
     builds = len({run.seed for run in pending if not _warm_start_built(study.out, run.seed)})
     _print_plan(study, pending, builds, budget.rates(budget.read_timings(study.out)))
     if args.dry_run:

@@ -270,6 +270,24 @@ def test_dry_run_prints_the_estimate_and_the_commands_and_skips_finished_runs(tm
     assert "must be --config.KEY=VALUE overrides, got 'train.total_steps=2'" in capsys.readouterr().err
 
 
+def test_report_writes_the_outputs_of_the_finished_runs_and_launches_nothing(tmp_path, capsys):
+    out = str(tmp_path / "study")
+    records = [{"step": k, REWARD: 0.5, LLD_RATE: 0.25, LIKELIHOOD: -0.1} for k in range(1, 21)]
+    _write_run(os.path.join(out, "runs", "stress", "grpo", "seed_1"), records, final_em=0.375, steps=20)
+    assert demo_study.main(["--seeds", "2", "--out", out, "--report"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"study {out}: 1 of 4 runs finished"
+    assert lines[-1] == ("not in the outputs (not finished): stress/grpo/seed_0, stress/llds/seed_0, "
+                         "stress/llds/seed_1")
+    rows = json.loads(open(os.path.join(out, "table.json")).read())["rows"]
+    assert [(r["arm"], r["seeds"], r["final_em"], r["lld_rate_mean"]) for r in rows] == [("grpo", [1], [0.375], 0.25)]
+    assert os.path.exists(os.path.join(out, "plots", "stress.png"))
+    assert not os.path.exists(os.path.join(out, "logs")) and not os.path.exists(os.path.join(out, "seeds"))
+    with pytest.raises(SystemExit):
+        demo_study.main(["--out", out, "--report", "--dry-run"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_tiny_study_runs_and_its_table_matches_the_runs_own_files(tmp_path):
     out = tmp_path / "study"
