@@ -204,12 +204,20 @@ def test_each_setting_gets_a_figure_with_one_line_per_seed_and_one_colour_per_ar
     results = [_result("grpo", 0, 0.5, rate=0.4), _result("grpo", 1, 0.2, rate=0.1), _result("llds", 0, 0.7)]
     fig = plots.setting_figure("stress", results)
     reward_ax, likelihood_ax, rate_ax = fig.axes
-    assert len(reward_ax.lines) == 3 and len(rate_ax.lines) == 2  # llds seed 0 logged no LLD rate
-    assert [line.get_color() for line in reward_ax.lines][:2] == [reward_ax.lines[0].get_color()] * 2
-    assert reward_ax.lines[2].get_color() != reward_ax.lines[0].get_color()
-    assert [t.get_text() for t in reward_ax.get_legend().get_texts()] == ["grpo", "llds"]
+    # grpo: 2 seeds and their mean; llds: 1 seed, no mean; llds seed 0 logged no LLD rate.
+    assert len(reward_ax.lines) == 4 and len(rate_ax.lines) == 3
+    assert [line.get_color() for line in reward_ax.lines][:3] == [reward_ax.lines[0].get_color()] * 3
+    assert reward_ax.lines[3].get_color() != reward_ax.lines[0].get_color()
+    assert rate_ax.lines[2].get_linewidth() > rate_ax.lines[0].get_linewidth()
+    assert list(rate_ax.lines[2].get_ydata()) == pytest.approx([0.25])
+    assert [t.get_text() for t in reward_ax.get_legend().get_texts()] == ["grpo (mean of 2)", "llds"]
     assert plots.write(results, str(tmp_path)) == [str(tmp_path / "plots" / "stress.png")]
     assert (tmp_path / "plots" / "stress.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mean_curve_averages_the_seeds_that_have_each_step():
+    steps, values = plots.mean_curve([([1, 2, 3], [0.2, 0.4, 0.6]), ([1, 3], [0.0, 1.0]), ([4], [0.5])])
+    assert steps == [1, 2, 3, 4] and values == pytest.approx([0.1, 0.4, 0.8, 0.5])
 
 
 # ----- table ----------------------------------------------------------------------------------------------------------

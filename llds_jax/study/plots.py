@@ -1,6 +1,7 @@
 """The study's figures: one PNG per setting (`plots/SETTING.png`), three panels over training steps (train reward,
 token-mean log-prob of correct trajectories before the updates, LLD rate), one colour per arm, one thin line per
-seed. Matplotlib's Figure with the Agg canvas (llds_jax.report.save_figure): no display needed."""
+seed and, for an arm of several seeds, a thick line of their mean. Matplotlib's Figure with the Agg canvas
+(llds_jax.report.save_figure): no display needed."""
 from __future__ import annotations
 
 import os
@@ -16,8 +17,20 @@ PANELS = ((REWARD, "train reward (share of correct trajectories)"),
           (LLD_RATE, "LLD rate (share of correct trajectories whose log-likelihood fell)"))
 
 
+def mean_curve(curves: Sequence[tuple[list[int], list[float]]]) -> tuple[list[int], list[float]]:
+    """Per step, the mean over the seeds' curves that have a value at that step (a run logs no LLD rate at a step
+    without correct trajectories); `curves`: per seed (steps, values)."""
+    by_step: dict[int, list[float]] = {}
+    for steps, values in curves:
+        for step, value in zip(steps, values):
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    return steps, [sum(by_step[step]) / len(by_step[step]) for step in steps]
+
+
 def setting_figure(setting: str, results: Sequence[RunResult]):
-    """The Figure of one setting's runs: arms coloured in the order they first appear, each seed a thin line."""
+    """The Figure of one setting's runs: arms coloured in the order they first appear, each seed a thin line, each
+    arm of several seeds also a thick line of their mean (`mean_curve`)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -25,16 +38,17 @@ def setting_figure(setting: str, results: Sequence[RunResult]):
     fig = Figure(figsize=(9, 1.2 + 2.8 * len(PANELS)), layout="constrained")
     axes = fig.subplots(len(PANELS), 1, sharex=True, squeeze=False)[:, 0]
     seeds = sorted({r.seed for r in results})
-    fig.suptitle(f"setting {setting}: {len(seeds)} seed(s), one thin line each")
+    fig.suptitle(f"setting {setting}: {len(seeds)} seed(s); thin lines: one seed each, thick: an arm's mean")
     for ax, (metric, title) in zip(axes, PANELS):
         for index, arm in enumerate(arms):
-            labelled = False
-            for result in (r for r in results if r.arm == arm):
-                steps, values = result.curves[metric]
-                if steps:
-                    ax.plot(steps, values, color=report.series_color(index), linewidth=0.8, alpha=0.7,
-                            label=None if labelled else arm)
-                    labelled = True
+            curves = [r.curves[metric] for r in results if r.arm == arm and r.curves[metric][0]]
+            for steps, values in curves:
+                ax.plot(steps, values, color=report.series_color(index), linewidth=0.6, alpha=0.45)
+            if len(curves) > 1:
+                ax.plot(*mean_curve(curves), color=report.series_color(index), linewidth=2.2,
+                        label=f"{arm} (mean of {len(curves)})")
+            elif curves:
+                ax.lines[-1].set_label(arm)
         ax.set_title(f"{title} ({metric})", fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
