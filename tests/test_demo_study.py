@@ -210,7 +210,7 @@ def test_each_setting_gets_a_figure_with_one_line_per_seed_and_one_colour_per_ar
     assert reward_ax.lines[3].get_color() != reward_ax.lines[0].get_color()
     assert rate_ax.lines[2].get_linewidth() > rate_ax.lines[0].get_linewidth()
     assert list(rate_ax.lines[2].get_ydata()) == pytest.approx([0.25])
-    assert [t.get_text() for t in reward_ax.get_legend().get_texts()] == ["grpo (mean of 2)", "llds"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["grpo (mean of 2)", "llds"]
     assert plots.write(results, str(tmp_path)) == [str(tmp_path / "plots" / "stress.png")]
     assert (tmp_path / "plots" / "stress.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -52,9 +52,9 @@ def setting_figure(setting: str, results: Sequence[RunResult]):
         ax.set_title(f"{title} ({metric})", fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
     axes[-1].set_xlabel("step")
+    # One legend for the three panels, below them (every run logs a train reward: the first panel has every arm).
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8)
     return fig
 
 
