@@ -31,24 +31,23 @@ study's own finished jobs, else constants from docs/demo.md). `--dry-run` prints
 nothing. `--report` runs nothing either: it writes the outputs of the plan's finished runs (a study run in parts,
 e.g. one setting per session, reported as one table) and names the runs not in them.
 
-Budget (2 cores, about 90 minutes). A 20-step demo run costs ~173 s of the machine and a seed's world + warm start
-~290 s (llds_jax.study.budget: measured one at a time on a quiet machine). Issue 19's full design (3 settings; grpo
-and llds on 8 seeds; grpo_low_lr, grpo_kl10, llds_token, llds_response on 4: 96 runs, 8 warm starts) estimates at
-5 h 17 min: it does not fit. What fits, keeping 20 steps per run (the stress collapse of docs/demo.md came at step
-17) and both controls:
+Budget (2 cores, about 90 minutes). Measured on 2026-12-02 (OUT/timings.jsonl, two launches at once, nothing else
+running): a 20-step run 145-170 s of the machine (each launch 290-340 s of wall time beside another: stress 289,
+paper_shaped 304, default 343, medians), a seed's world + warm start ~290 s (580 s beside another). Issue 19's full
+design (3 settings; grpo and llds on 8 seeds; grpo_low_lr, grpo_kl10, llds_token, llds_response on 4: 96 runs, 8
+warm starts) takes about 4 h 45 min: it does not fit. What fits, keeping 20 steps per run (the stress collapse of
+docs/demo.md came at step 17) and both controls:
 
     python -m llds_jax.demo_study --settings stress,paper_shaped --seeds 4 \
         --arms grpo,llds,grpo_low_lr:2,grpo_kl10:2 --out runs/demo_study
 
-24 runs (per setting: grpo and llds on seeds 0-3, each control on seeds 0-1) and 4 warm starts: 480 run steps x
-8.7 s + 4 x 290 s = 5336 s (the command prints 1h28m); paper_shaped's steps (80 trajectories, 10 updates) took ~10%
-longer than stress's in a 3-step timing, so ~92 min. Cut from the issue's design: grpo vs llds on 4 seeds instead
-of 8, the controls on 2 instead of 4, the default setting, the gate ablation. A loaded machine is slower (a warm
-start took 842 s next to a CI run): check the printed estimate, or bound the wall time with `timeout -s INT 90m`
-(the outputs then cover the seeds finished). The rest of the design, resumable, in a later session:
+24 runs (per setting: grpo and llds on seeds 0-3, each control on seeds 0-1) and 4 warm starts. A loaded machine
+is slower (a warm start took 842 s next to a CI run): check the printed estimate, or bound the wall time with
+`timeout -s INT 90m` (the outputs then cover the seeds finished). The whole design runs in parts with the same
+`--out`, each part resumable (docs/evidence.md lists the parts run so far), and one table of every finished run:
 
     python -m llds_jax.demo_study --settings stress,default,paper_shaped --seeds 8 \
-        --arms grpo,llds,grpo_low_lr:4,grpo_kl10:4,llds_token:4,llds_response:4 --out runs/demo_study
+        --arms grpo,llds,grpo_low_lr:4,grpo_kl10:4,llds_token:4,llds_response:4 --out runs/demo_study [--report]
 """
 from __future__ import annotations
 
