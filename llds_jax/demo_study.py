@@ -160,12 +160,13 @@ def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[
     return runner.run_jobs(job_list, jobs, on_start, on_end)
 
 
-def write_outputs(study: plan.Plan) -> list[str]:
-    """Table and plots of every finished run of the plan; returns the paths written (none when no run finished)."""
+def write_outputs(study: plan.Plan) -> None:
+    """Writes the table and plots of every finished run of the plan (nothing when none finished), printing each
+    path."""
     results = [outcomes.read_result(run) for run in study.runs if run.finished()]
-    if not results:
-        return []
-    return table.write(table.rows(results), results, study.out) + plots.write(results, study.out)
+    if results:
+        for path in table.write(table.rows(results), results, study.out) + plots.write(results, study.out):
+            print(path, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,8 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pending = [run for run in study.runs if not run.finished()]
     if args.report:
         print(f"study {study.out}: {len(study.runs) - len(pending)} of {len(study.runs)} runs finished", flush=True)
-        for path in write_outputs(study):
-            print(path)
+        write_outputs(study)
         if pending:
             print(f"not in the outputs (not finished): {', '.join(run.name for run in pending)}", flush=True)
         return 0
@@ -197,8 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted = True
         print("llds_jax.demo_study: interrupted; the running launches saved their state; table and plots of the "
               "finished runs follow", file=sys.stderr)
-    for path in write_outputs(study):
-        print(path)
+    write_outputs(study)
     if interrupted:
         return 130
     unfinished = [run.name for run in study.runs if not run.finished()]

@@ -43,12 +43,11 @@ def setting_figure(setting: str, results: Sequence[RunResult]):
         for index, arm in enumerate(arms):
             curves = [r.curves[metric] for r in results if r.arm == arm and r.curves[metric][0]]
             for steps, values in curves:
-                ax.plot(steps, values, color=report.series_color(index), linewidth=0.6, alpha=0.45)
+                ax.plot(steps, values, color=report.series_color(index), linewidth=0.6, alpha=0.45,
+                        label=arm if len(curves) == 1 else None)
             if len(curves) > 1:
                 ax.plot(*mean_curve(curves), color=report.series_color(index), linewidth=2.2,
                         label=f"{arm} (mean of {len(curves)})")
-            elif curves:
-                ax.lines[-1].set_label(arm)
         ax.set_title(f"{title} ({metric})", fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
