@@ -1,7 +1,8 @@
 """The multi-seed study of the CPU demo (issue 19): arms x settings x seeds, then one table and one figure per setting.
 
     python -m llds_jax.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
-        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--dry-run | --report] [-- --config.KEY=VALUE ...]
+        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--dry-run | --report [--recorded RUNS_CSV]]
+        [-- --config.KEY=VALUE ...]
 
 Every run is `python -m llds_jax.launch` (llds_jax.study.plan: folders and overrides). Each seed has its own world,
 warm start and sampling (`OUT/seeds/seed_K/`), built once by `--mode=sft` before that seed's runs start and shared by
@@ -29,7 +30,10 @@ status 1 then):
 Before running, the command prints the runs and an estimated wall time (llds_jax.study.budget: measured rates of the
 study's own finished jobs, else constants from docs/demo.md). `--dry-run` prints the same and the commands, and runs
 nothing. `--report` runs nothing either: it writes the outputs of the plan's finished runs (a study run in parts,
-e.g. one setting per session, reported as one table) and names the runs not in them.
+e.g. one setting per session, reported as one table) and names the runs not in them. With `--recorded RUNS_CSV` (the
+`runs.csv` of an earlier report, e.g. docs/evidence/runs.csv) a run not finished here is taken from that record: its
+numbers go into the table, not into the plots (a record has no curves); a run both finished here and recorded is
+reported from here, and the command prints whether its numbers reproduce the record's.
 
 Budget (2 cores, about 90 minutes). Measured on 2026-12-02 (OUT/timings.jsonl, two launches at once, nothing else
 running): a 20-step run 145-170 s of the machine (each launch 290-340 s of wall time beside another: stress 289,
@@ -54,7 +58,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from llds_jax.study import budget, outcomes, plots, plan, runner, table
 from llds_jax.train.metrics import format_duration
@@ -100,9 +104,13 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     modes.add_argument("--dry-run", action="store_true", help="print the plan, estimate and commands; run nothing")
     modes.add_argument("--report", action="store_true",
                        help="write table and plots of the plan's finished runs; run nothing")
+    parser.add_argument("--recorded", metavar="RUNS_CSV", help="with --report: the runs.csv of an earlier report; "
+                        "the plan's runs not finished here are taken from it (in the table, not the plots)")
     args = parser.parse_args(own)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.recorded and not args.report:
+        parser.error("--recorded is only read by --report")
     for override in extra:
         if not override.startswith("--config."):
             parser.error(f"arguments after -- must be --config.KEY=VALUE overrides, got {override!r}")
@@ -160,13 +168,34 @@ def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[
     return runner.run_jobs(job_list, jobs, on_start, on_end)
 
 
-def write_outputs(study: plan.Plan) -> None:
+def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] | None = None) -> None:
     """Writes the table and plots of every finished run of the plan (nothing when none finished), printing each
-    path."""
-    results = [outcomes.read_result(run) for run in study.runs if run.finished()]
+    path. A run of the plan not finished here but in `recorded` (run name -> its numbers from a runs.csv) is in the
+    table, not in the plots."""
+    recorded = recorded or {}
+    here = [outcomes.read_result(run) for run in study.runs if run.finished()]
+    finished = {result.name: result for result in here}
+    results = [finished.get(run.name) or recorded[run.name] for run in study.runs
+               if run.name in finished or run.name in recorded]
     if results:
-        for path in table.write(table.rows(results), results, study.out) + plots.write(results, study.out):
+        paths = table.write(table.rows(results), results, study.out) + (plots.write(here, study.out) if here else [])
+        for path in paths:
             print(path, flush=True)
+
+
+def compare_recorded(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult]) -> list[str]:
+    """One line per run of the plan both finished here and in `recorded`: whether its numbers (final EM, collapse,
+    mean LLD rate) are the record's exactly, else both."""
+    lines = []
+    for run in study.runs:
+        if run.name in recorded and run.finished():
+            here, record = outcomes.read_result(run), recorded[run.name]
+            numbers = [(field, getattr(here, field), getattr(record, field))
+                       for field in ("final_em", "collapse_step", "collapsed", "lld_rate_mean")]
+            differ = [f"{field} {a} here, {b} recorded" for field, a, b in numbers if a != b]
+            lines.append(f"{run.name}: " + ("; ".join(differ) if differ else
+                                            f"reproduces the record exactly (final EM {here.final_em:.6f})"))
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,9 +209,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     pending = [run for run in study.runs if not run.finished()]
     if args.report:
         print(f"study {study.out}: {len(study.runs) - len(pending)} of {len(study.runs)} runs finished", flush=True)
-        write_outputs(study)
-        if pending:
-            print(f"not in the outputs (not finished): {', '.join(run.name for run in pending)}", flush=True)
+        recorded = {}
+        if args.recorded:
+            try:
+                recorded = {result.name: result for result in table.read_runs(args.recorded)}
+            except (OSError, plan.StudyError) as e:
+                print(f"llds_jax.demo_study: error: --recorded: {e}", file=sys.stderr)
+                return 2
+            taken = [run.name for run in pending if run.name in recorded]
+            print(f"runs not finished here taken from {args.recorded} (in the table, not the plots): {len(taken)}",
+                  flush=True)
+            for line in compare_recorded(study, recorded):
+                print(line, flush=True)
+        write_outputs(study, recorded)
+        missing = [run.name for run in pending if run.name not in recorded]
+        if missing:
+            print(f"not in the outputs (not finished): {', '.join(missing)}", flush=True)
         return 0
     builds = len({run.seed for run in pending if not _warm_start_built(study.out, run.seed)})
     _print_plan(study, pending, builds, budget.rates(budget.read_timings(study.out)))

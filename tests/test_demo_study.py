@@ -1,6 +1,7 @@
 """The study command (python -m llds_jax.demo_study): its statistics on hand-made series, its plan, scheduling and
 estimate, and a real tiny study (2 seeds x 2 arms x 2 steps, subprocesses) whose table is checked against the runs'
 own metric and evaluation files."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -294,6 +295,56 @@ def test_report_writes_the_outputs_of_the_finished_runs_and_launches_nothing(tmp
     with pytest.raises(SystemExit):
         demo_study.main(["--out", out, "--report", "--dry-run"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+
+def test_runs_csv_reads_back_what_the_table_wrote_and_names_a_bad_value(tmp_path):
+    results = [_result("grpo", 0, 0.5, rate=0.4), _result("grpo", 1, 0.0, step=17), _result("llds", 0, 0.7)]
+    table.write(table.rows(results), results, str(tmp_path))
+    read = table.read_runs(str(tmp_path / "runs.csv"))
+    assert [dataclasses.replace(r, curves={}) for r in read] == [dataclasses.replace(r, curves={}) for r in results]
+    assert all(r.curves == {REWARD: ([], []), LIKELIHOOD: ([], []), LLD_RATE: ([], [])} for r in read)
+    lines = (tmp_path / "runs.csv").read_text().splitlines()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join([lines[0], lines[1], lines[2].replace(",17,True,", ",17,yes,")]) + "\n")
+    with pytest.raises(plan.StudyError, match=r"bad.csv line 3: column collapsed must be True or False, got 'yes'"):
+        table.read_runs(str(bad))
+    bad.write_text("setting,arm,seed,final_em\nstress,grpo,0,0.5\n")
+    with pytest.raises(plan.StudyError, match="bad.csv line 1: .* missing collapse_step, collapsed, lld_rate_mean"):
+        table.read_runs(str(bad))
+
+
+def test_report_takes_the_runs_not_finished_here_from_a_recorded_runs_csv(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "study")
+    plotted = []
+    write_plots = plots.write
+    monkeypatch.setattr(plots, "write", lambda results, folder: plotted.append([r.name for r in results]) or
+                        write_plots(results, folder))
+    records = [{"step": k, REWARD: 0.5, LLD_RATE: 0.25, LIKELIHOOD: -0.1} for k in range(1, 21)]
+    _write_run(os.path.join(out, "runs", "stress", "grpo", "seed_1"), records, final_em=0.375, steps=20)
+    recorded = [_result("grpo", 1, 0.375, rate=0.25), _result("llds", 0, 0.5, rate=0.125)]
+    table.write(table.rows(recorded), recorded, str(tmp_path / "earlier"))
+    csv_path = str(tmp_path / "earlier" / "runs.csv")
+    assert demo_study.main(["--seeds", "2", "--out", out, "--report", "--recorded", csv_path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"runs not finished here taken from {csv_path} (in the table, not the plots): 1"
+    assert lines[2] == "stress/grpo/seed_1: reproduces the record exactly (final EM 0.375000)"
+    assert lines[-1] == "not in the outputs (not finished): stress/grpo/seed_0, stress/llds/seed_1"
+    rows = json.loads(open(os.path.join(out, "table.json")).read())["rows"]
+    assert [(r["arm"], r["seeds"], r["final_em"], r["vs_grpo"]) for r in rows] == [
+        ("grpo", [1], [0.375], []), ("llds", [0], [0.5], [])]
+    assert plotted == [["stress/grpo/seed_1"]]  # the recorded llds run has no curves to draw
+
+    # A recorded number the run here does not reproduce is named with both values.
+    recorded[0] = _result("grpo", 1, 0.5, rate=0.25)
+    table.write(table.rows(recorded), recorded, str(tmp_path / "earlier"))
+    assert demo_study.main(["--seeds", "2", "--out", out, "--report", "--recorded", csv_path]) == 0
+    assert "stress/grpo/seed_1: final_em 0.375 here, 0.5 recorded" in capsys.readouterr().out.splitlines()
+    with pytest.raises(SystemExit):
+        demo_study.main(["--out", out, "--recorded", csv_path])
+    assert "--recorded is only read by --report" in capsys.readouterr().err
+    assert demo_study.main(["--out", out, "--report", "--recorded", str(tmp_path / "none.csv")]) == 2
+    assert "error: --recorded: " in capsys.readouterr().err
 
 
 @pytest.mark.slow

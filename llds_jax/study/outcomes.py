@@ -30,6 +30,11 @@ class RunResult:
     lld_rate_mean: float | None
     curves: dict[str, tuple[list[int], list[float]]]
 
+    @property
+    def name(self) -> str:
+        """As the run's (llds_jax.study.plan.Run.name): SETTING/ARM/seed_K."""
+        return f"{self.setting}/{self.arm}/seed_{self.seed}"
+
 
 def read_result(run: Run) -> RunResult:
     """The numbers of a finished run (StudyError, naming the folder, when its final evaluation is missing)."""

@@ -1,5 +1,5 @@
 """The study's table: one row per setting x arm over its seeds, written as `table.md`, `table.csv` and `table.json`
-(which also holds every run's own numbers, as does `runs.csv`)."""
+(which also holds every run's own numbers, as does `runs.csv`, which `read_runs` reads back)."""
 from __future__ import annotations
 
 import csv
@@ -12,8 +12,8 @@ import numpy as np
 
 from llds_jax import report
 from llds_jax.study import stats
-from llds_jax.study.outcomes import LLD_RATE, REWARD, RunResult
-from llds_jax.study.plan import ARMS
+from llds_jax.study.outcomes import CURVES, LLD_RATE, REWARD, RunResult
+from llds_jax.study.plan import ARMS, StudyError
 
 DEFINITIONS = {
     "final_em": "greedy test EM (mean over data sources) of the final evaluation after the last step",
@@ -115,6 +115,10 @@ def markdown(table: Sequence[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The columns of runs.csv: one run's numbers (RunResult's fields but its curves).
+RUN_FIELDS = ("setting", "arm", "seed", "final_em", "collapse_step", "collapsed", "lld_rate_mean")
+
+
 def _csv_list(values: Sequence) -> str:
     return ";".join("" if v is None else str(v) for v in values)
 
@@ -136,13 +140,47 @@ def write(table: Sequence[Row], results: Sequence[RunResult], out: str) -> list[
                              "" if row.lld_rate_mean is None else row.lld_rate_mean,
                              *("" if v is None else v for v in (row.vs_grpo_mean, row.vs_grpo_low,
                                                                  row.vs_grpo_high)), _csv_list(row.vs_grpo)])
-    run_fields = ("setting", "arm", "seed", "final_em", "collapse_step", "collapsed", "lld_rate_mean")
-    runs = [{field: getattr(result, field) for field in run_fields} for result in results]
+    runs = [{field: getattr(result, field) for field in RUN_FIELDS} for result in results]
     with open(paths[2], "w") as f:
         json.dump({"definitions": DEFINITIONS, "rows": [dataclasses.asdict(row) for row in table], "runs": runs}, f,
                   indent=2)
     with open(paths[3], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=run_fields)
+        writer = csv.DictWriter(f, fieldnames=RUN_FIELDS)
         writer.writeheader()
         writer.writerows(runs)
     return paths
+
+
+# runs.csv column -> (parse its text, what it must be); other columns are text.
+_RUN_PARSERS = {
+    "seed": (int, "an integer"),
+    "final_em": (float, "a number"),
+    "collapse_step": (lambda text: None if text == "" else int(text), "an integer or empty"),
+    "collapsed": (lambda text: {"True": True, "False": False}[text], "True or False"),
+    "lld_rate_mean": (lambda text: None if text == "" else float(text), "a number or empty"),
+}
+
+
+def read_runs(path: str) -> list[RunResult]:
+    """The runs of a `runs.csv` written by `write`: each run's numbers, without curves (every curve empty); a study
+    run in parts on machines whose run folders were not kept reports its earlier runs from it. StudyError naming the
+    file, line and column of a missing column or a bad value."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [name for name in RUN_FIELDS if name not in (reader.fieldnames or ())]
+        if missing:
+            raise StudyError(f"{path} line 1: runs.csv needs the columns {', '.join(RUN_FIELDS)}; missing "
+                             f"{', '.join(missing)}")
+        results = []
+        for record in reader:
+            values = {}
+            for name in RUN_FIELDS:
+                parse, expected = _RUN_PARSERS.get(name, (str, "text"))
+                text = record[name] or ""
+                try:
+                    values[name] = parse(text)
+                except (KeyError, ValueError):
+                    raise StudyError(f"{path} line {reader.line_num}: column {name} must be {expected}, got "
+                                     f"{text!r}") from None
+            results.append(RunResult(**values, curves={metric: ([], []) for metric in CURVES}))
+    return results
