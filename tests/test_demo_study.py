@@ -297,7 +297,6 @@ def test_report_writes_the_outputs_of_the_finished_runs_and_launches_nothing(tmp
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-
 def test_runs_csv_reads_back_what_the_table_wrote_and_names_a_bad_value(tmp_path):
     results = [_result("grpo", 0, 0.5, rate=0.4), _result("grpo", 1, 0.0, step=17), _result("llds", 0, 0.7)]
     table.write(table.rows(results), results, str(tmp_path))
