@@ -171,9 +171,12 @@ def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[
 def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] | None = None) -> None:
     """Writes the table and plots of every finished run of the plan (nothing when none finished), printing each
     path. A run of the plan not finished here but in `recorded` (run name -> its numbers from a runs.csv) is in the
-    table, not in the plots."""
+    table, not in the plots; a run in both is reported from here, after a line saying whether it reproduces the
+    record (`compare_recorded`)."""
     recorded = recorded or {}
     here = [outcomes.read_result(run) for run in study.runs if run.finished()]
+    for line in compare_recorded(here, recorded):
+        print(line, flush=True)
     finished = {result.name: result for result in here}
     results = [finished.get(run.name) or recorded[run.name] for run in study.runs
                if run.name in finished or run.name in recorded]
@@ -183,18 +186,18 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
             print(path, flush=True)
 
 
-def compare_recorded(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult]) -> list[str]:
-    """One line per run of the plan both finished here and in `recorded`: whether its numbers (final EM, collapse,
-    mean LLD rate) are the record's exactly, else both."""
+def compare_recorded(here: Sequence[outcomes.RunResult], recorded: Mapping[str, outcomes.RunResult]) -> list[str]:
+    """One line per run of `here` also in `recorded`: whether its numbers (final EM, collapse, mean LLD rate) are
+    the record's exactly, else both."""
     lines = []
-    for run in study.runs:
-        if run.name in recorded and run.finished():
-            here, record = outcomes.read_result(run), recorded[run.name]
-            numbers = [(field, getattr(here, field), getattr(record, field))
+    for result in here:
+        if result.name in recorded:
+            record = recorded[result.name]
+            numbers = [(field, getattr(result, field), getattr(record, field))
                        for field in ("final_em", "collapse_step", "collapsed", "lld_rate_mean")]
             differ = [f"{field} {a} here, {b} recorded" for field, a, b in numbers if a != b]
-            lines.append(f"{run.name}: " + ("; ".join(differ) if differ else
-                                            f"reproduces the record exactly (final EM {here.final_em:.6f})"))
+            lines.append(f"{result.name}: " + ("; ".join(differ) if differ else
+                                               f"reproduces the record exactly (final EM {result.final_em:.6f})"))
     return lines
 
 
@@ -219,8 +222,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             taken = [run.name for run in pending if run.name in recorded]
             print(f"runs not finished here taken from {args.recorded} (in the table, not the plots): {len(taken)}",
                   flush=True)
-            for line in compare_recorded(study, recorded):
-                print(line, flush=True)
         write_outputs(study, recorded)
         missing = [run.name for run in pending if run.name not in recorded]
         if missing:
