@@ -33,6 +33,8 @@ import re
 import time
 from typing import Any, Optional, Sequence
 
+from llds_jax import roofline, step_estimate
+
 GIB = 1 << 30
 EXIT_DOES_NOT_FIT = 1
 
@@ -214,14 +216,18 @@ PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One program to compile: its name, the shapes it runs at, the program lowered (`jax.stages.Lowered`), and
-    the long-lived arrays (PARAMS, OPT_STATE, REFERENCE) that stay in HBM while it runs without being its
-    arguments."""
+    """One program to compile: its name, the shapes it runs at, the program lowered (`jax.stages.Lowered`), the
+    long-lived arrays (PARAMS, OPT_STATE, REFERENCE) that stay in HBM while it runs without being its arguments,
+    whether it is a rollout program (run on the rollout copy of the params), and what the step estimate needs."""
 
     name: str
     shapes: str
     lowered: Any
     resident: tuple[str, ...]
+    rollout: bool = False
+    loop_runs: int = 1  # iterations of a while loop whose trip count the program does not fix (a decode chunk's)
+    calls: float = 0.0  # calls per training step (`llds_jax.step_estimate`)
+    sampled_per_call: int = 0  # tokens a call samples with every row sampling (a decode chunk: rows x steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +246,7 @@ class Row:
     compile_s: float = 0.0
     error: str = ""
     gathers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    cost: Any = None  # llds_jax.roofline.HloCost of one call
 
     @property
     def gather(self) -> str:
@@ -285,9 +292,11 @@ def compile_row(program: Program) -> Row:
     m = compiled.memory_analysis()
     own = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
            + m.generated_code_size_in_bytes)
+    text = compiled.as_text()
     return Row(program.name, program.shapes, arguments=float(m.argument_size_in_bytes),
                outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
-               compile_s=seconds, gathers=tuple(all_gather_shapes(compiled.as_text())))
+               compile_s=seconds, gathers=tuple(all_gather_shapes(text)),
+               cost=roofline.hlo_costs(text, program.loop_runs))
 
 
 def format_bytes(n: float) -> str:
@@ -353,6 +362,41 @@ def whole_table_gathers(rows: Sequence[Row], vocab_size: int, hidden_size: int) 
     return lines
 
 
+def _strip_layer_axis(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """dims without leading 1s (one layer's slice of the stacked [L, ...] weights)."""
+    while dims and dims[0] == 1:
+        dims = dims[1:]
+    return dims
+
+
+def weight_shapes(model_cfg, tensor: int) -> set[tuple[int, ...]]:
+    """Every shape in which a rollout program could all-gather one layer's weight matrix of `model_cfg` (the
+    rollout copy's architecture, on a mesh whose tensor axis is `tensor` chips): q [D, N, H], k / v [D, K, H],
+    o [N, H, D] (also with heads merged) with N or K whole or cut into `tensor` slices; gate / up [D, F], down
+    [F, D] with F whole or cut into `tensor`, `mlp_chunks` or both's slices (one chip's or one MLP slice's part)."""
+    m = model_cfg
+    d, h, f = m.hidden_size, m.head_dim, m.intermediate_size
+    heads = {n // k for n in (m.num_heads, m.num_kv_heads) for k in {1, tensor} if n % k == 0}
+    widths = {f // k for k in {1, tensor, m.mlp_chunks, tensor * m.mlp_chunks} if f % k == 0}
+    return ({(d, n, h) for n in heads} | {(n, h, d) for n in heads} | {(d, n * h) for n in heads}
+            | {(n * h, d) for n in heads} | {(d, w) for w in widths} | {(w, d) for w in widths})
+
+
+def weight_gathers(rows: Sequence[Row], model_cfg, tensor: int) -> list[str]:
+    """One line per program of `rows` (rollout programs) that all-gathers a layer's weight matrix
+    (`weight_shapes`, after dropping leading 1s): the rollout copy is not laid out so that each chip multiplies by
+    its own slice."""
+    shapes = weight_shapes(model_cfg, tensor)
+    lines = []
+    for r in rows:
+        found = sorted({dims for _, dims in r.gathers if _strip_layer_axis(dims) in shapes})
+        if found:
+            shapes_text = ", ".join(str(list(dims)) for dims in found)
+            lines.append(f"{r.name} ({r.shapes}) all-gathers a layer's weights ({shapes_text}): set "
+                         "rollout.tensor_parallel so that each chip keeps its own slice (docs/tpu.md)")
+    return lines
+
+
 def model_config(cfg, platform: str = "tpu"):
     """The run's architecture without its weights: `model.preset`, else `config.json` in `model.path`; attention
     decided for `platform` (the compiled-for devices', not JAX's CPU backend)."""
@@ -369,6 +413,29 @@ def model_config(cfg, platform: str = "tpu"):
         raise FileNotFoundError(f"model.path: {e} (set model.preset to compile without the checkpoint)") from None
 
 
+def rollout_layout(cfg, devices: Sequence[Any], train_mesh=None):
+    """The rollout layout (`llds_jax.rollout.layout`) of the first host of `devices` (every host's is alike);
+    `train_mesh` defaults to the run's training mesh over `devices`."""
+    from llds_jax import parallel
+    from llds_jax.rollout.layout import make_layout
+
+    if train_mesh is None:
+        train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    first_host = min(d.process_index for d in devices)
+    return make_layout(cfg.rollout.tensor_parallel, model_config(cfg, devices[0].platform), train_mesh,
+                       [d for d in devices if d.process_index == first_host], cfg.mesh.tensor, cfg.rollout.extend_chunk)
+
+
+def _layout_label(layout, hosts: int) -> str:
+    """How a rollout program's shapes say where it runs: " (host-local)" on several hosts, the tensor-parallel
+    group when there is one."""
+    where = ["host-local"] if hosts > 1 else []
+    if layout.tensor > 1:
+        where.append(f"tensor {layout.tensor}" + (f", key/value heads x{layout.kv_repeat}" if layout.kv_repeat > 1
+                                                  else ""))
+    return f" ({', '.join(where)})" if where else ""
+
+
 def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered at
     the run's largest shapes with abstract arrays (compiling is what takes time); in the order a run first runs
@@ -380,51 +447,69 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     from llds_jax.model import Transformer
     from llds_jax.rl.train_step import RLTrainStep
     from llds_jax.rollout.buckets import round_up
+    from llds_jax.rollout.layout import abstract_rollout_params
     from llds_jax.rollout.sampler import Sampler
-    from llds_jax.train.trainer import abstract_rollout_params, rollout_mesh
 
     hosts = sorted({d.process_index for d in devices})
     train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-    local_mesh = rollout_mesh(cfg, train_mesh, [d for d in devices if d.process_index == hosts[0]])
-    model = nnx.eval_shape(lambda: Transformer(model_config(cfg, devices[0].platform), rngs=nnx.Rngs(0)))
+    model_cfg = model_config(cfg, devices[0].platform)
+    layout = rollout_layout(cfg, devices, train_mesh)
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     abstract = nnx.state(model, nnx.Param)
     nnx.update(model, parallel.abstract_params(abstract, train_mesh))
     step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), train_mesh)
     state = step.abstract_state()
     ref = step.abstract_reference(state.params) if cfg.objective.kl_coef else None
-    graphdef, _ = nnx.split(model)
-    several_hosts = local_mesh is not train_mesh
-    rollout_params = abstract_rollout_params(
-        parallel.abstract_params(state.params, local_mesh) if several_hosts else state.params,
-        cfg.rollout.params_dtype)
-    # The rollout's params are a copy of their own (the training params stay resident) on several hosts or in
+    graphdef = layout.graphdef(nnx.split(model)[0])
+    rollout_params = abstract_rollout_params(layout, state.params, cfg.rollout.params_dtype)
+    # The rollout's params are a copy of their own (the training params stay resident) on another mesh or in
     # another dtype; else they are the training params themselves.
-    own_copy = several_hosts or cfg.rollout.params_dtype != cfg.model.param_dtype
+    own_copy = layout.resharded or layout.kv_repeat > 1 or cfg.rollout.params_dtype != cfg.model.param_dtype
     everything = (PARAMS, OPT_STATE, REFERENCE)
     rollout = []
     shapes_seen = set()
     batch = config_lib.rollout_batch_size(cfg)
     for label, evaluation, sequences in (("", False, batch // len(hosts)), ("eval ", True, cfg.eval.batch_size)):
-        sampler = Sampler(graphdef, sampling_config(cfg, evaluation), local_mesh)
+        sampler = Sampler(graphdef, sampling_config(cfg, evaluation), layout.mesh)
         s = rollout_shapes(cfg, sequences, sampler.batch_multiple)
+        calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, s.rows)
         lowered = sampler.lower_programs(rollout_params, s.rows, s.prompt, s.prefill_capacity, s.capacity,
                                          s.observation)
         for name, shapes, program in lowered:
             if (name, shapes) in shapes_seen and name != "decode chunk":
                 continue  # the evaluation sampler runs the very same program
             shapes_seen.add((name, shapes))
-            rollout.append(Program(f"{label}{name}", shapes + (" (host-local)" if several_hosts else ""), program,
-                                   everything if own_copy else (OPT_STATE, REFERENCE)))
+            decode = name == "decode chunk"
+            rollout.append(Program(f"{label}{name}", shapes + _layout_label(layout, len(hosts)), program,
+                                   everything if own_copy else (OPT_STATE, REFERENCE), rollout=True,
+                                   loop_runs=cfg.rollout.decode_chunk if decode else 1, calls=calls.get(name, 0.0),
+                                   sampled_per_call=s.rows * cfg.rollout.decode_chunk if decode else 0))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     resident = {"optimizer init": (), "reference copy": (OPT_STATE,), "logp (reference)": (PARAMS, OPT_STATE),
                 "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything,
                 "logp (float32, LLD)": (OPT_STATE, REFERENCE), "lld metrics": everything}
+    calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
     training = [Program(name, f"{batch} x {length} tokens, micro-batch {cfg.optim.micro_batch_size}", program,
-                        resident.get(name, (REFERENCE,)))
+                        resident.get(name, (REFERENCE,)), calls=calls.get(name, 0.0))
                 for name, program in step.lower_programs(state, ref, step.batch_spec(batch, length),
                                                          measure_lld=bool(cfg.train.lld_every))]
     setup = [p for p in training if p.name in ("optimizer init", "reference copy")]
     return setup + rollout + training[len(setup):]
+
+
+def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int) -> str:
+    """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks, with its
+    assumptions."""
+    from llds_jax import config as config_lib
+
+    costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls,
+                                       step_estimate.ROLLOUT if p.rollout else step_estimate.UPDATES)
+             for r, p in zip(rows, programs)]
+    decode = next(p for p in programs if p.name == "decode chunk")
+    sequences = config_lib.rollout_batch_size(cfg) // hosts
+    return "\n".join([step_estimate.format_estimate(costs, roofline.PEAKS[generation], generation,
+                                                     decode.sampled_per_call),
+                      step_estimate.assumptions(cfg, sequences, decode.sampled_per_call // cfg.rollout.decode_chunk)])
 
 
 def run(cfg, topology: str) -> int:
@@ -451,13 +536,17 @@ def run(cfg, topology: str) -> int:
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))
     model = model_config(cfg)
-    problems = overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
+    layout = rollout_layout(cfg, devices)
+    problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
+                + weight_gathers([r for r, p in zip(rows, programs) if p.rollout], layout.model_cfg, layout.tensor))
     for line in problems:
         print(f"llds_jax: error: {line}")
     if problems:
         return EXIT_DOES_NOT_FIT
+    print(estimate(cfg, rows, programs, resolve_topology(topology)[0], hosts))
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "
-          f"all-gathers a whole [{model.vocab_size}, {model.hidden_size}] vocabulary table")
+          f"all-gathers a whole [{model.vocab_size}, {model.hidden_size}] vocabulary table, no rollout program a "
+          "layer's weights")
     return 0

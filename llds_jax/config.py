@@ -82,6 +82,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0
     c.rollout.decode_chunk = 32
     c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
+    c.rollout.tensor_parallel = 0       # chips splitting the rollout copy's heads and MLP (-1: a host's; 0: training's)
+    c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
     c.rollout.min_capacity_bucket = 128  # smallest KV-cache capacity (slots) of a sampler session
@@ -290,6 +292,8 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
      "in [0, 1]"),
     (("optim.adam_b1", "optim.adam_b2"), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("distributed.process_id",), lambda v: v >= -1, ">= 0 (or -1: detected)"),
+    (("rollout.tensor_parallel",), lambda v: v >= -1, ">= 1 (or -1: all of a host's chips, 0: the training layout)"),
+    (("rollout.extend_chunk",), lambda v: v >= 0 and not v & (v - 1), "0 (one pass) or a power of two"),
 )
 
 

@@ -34,8 +34,10 @@ PROGRAMS = ["prefill", "decode chunk", "extend", "cache growth", "compaction", "
 def tiny_model_dir(tmp_path_factory):
     """A checkpoint folder holding only config.json: compile mode reads the architecture, never the weights."""
     path = tmp_path_factory.mktemp("tiny_arch")
-    # V = 640 is no other dimension of the programs (the check for gathers of a whole [V, D] table reads dims).
-    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    # V = 640 and F = 96 are no other dimension of the programs (the checks for gathers of a whole [V, D] table
+    # and of a layer's weights read dims).
+    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                           head_dim=16)
     (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
     return str(path)
 
@@ -100,7 +102,9 @@ def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys)
     programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
     assert list(programs) == PROGRAMS[6:8] + PROGRAMS[:5] + ["eval prefill", "eval decode chunk", "eval extend",
                                                              "eval cache growth", "eval compaction"] + PROGRAMS[8:]
-    assert programs["decode chunk"].shapes == "16 rows x 32 steps, 512 slots (host-local)"
+    # Tensor parallelism over the host's 4 chips; the 2 key/value heads held twice each.
+    assert programs["decode chunk"].shapes == ("16 rows x 32 steps, 512 slots (host-local, tensor 4, key/value "
+                                               "heads x2)")
     assert programs["decode chunk"].resident == ("params", "optimizer state", "reference")  # rollout's own copy
     rows = {name: compile_check.compile_row(programs[name]) for name in ("optimizer init", "reference copy")}
     init, copy = rows["optimizer init"], rows["reference copy"]
@@ -118,6 +122,28 @@ def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys)
     for name in PROGRAMS:
         assert f"\n{name} " in out
     assert "every program fits" in out and "none all-gathers a whole [640, 64] vocabulary table" in out
+    assert "no rollout program a layer's weights" in out
+
+
+@pytest.mark.parametrize("tensor_parallel", [0, -1], ids=["training-layout", "tensor-parallel"])
+def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tensor_parallel):
+    """The decode chunk read from the TPU compiler's HLO: under the training (fsdp) layout every layer's q / k / v
+    / o projections and MLP slices are all-gathered, which the check names; split over the host's chips by
+    heads and MLP width (rollout.tensor_parallel) only the logits of the rows are gathered."""
+    cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": tensor_parallel})
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "decode chunk")
+    row = compile_check.compile_row(decode)
+    layout = compile_check.rollout_layout(cfg, devices)
+    found = compile_check.weight_gathers([row], layout.model_cfg, layout.tensor)
+    if tensor_parallel:
+        assert found == [] and {dims for _, dims in row.gathers} == {(4, 160, 16)}  # f32 logits: 4 x 160 of V
+    else:
+        # q [D, N, H], k and v [D, K, H], o [N, H, D] of one layer; gate / up [D, F / 4] and down [F / 4, D] of
+        # one of the 4 MLP slices (configs/qwen7b_v4.py slices the MLP for the update).
+        assert found == [f"decode chunk ({decode.shapes}) all-gathers a layer's weights ([1, 4, 16, 64], "
+                         "[1, 64, 2, 16], [1, 64, 4, 16], [24, 64], [64, 24]): set rollout.tensor_parallel so that "
+                         "each chip keeps its own slice (docs/tpu.md)"]
 
 
 def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
@@ -145,12 +171,12 @@ def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
 
 def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     """rollout.params_dtype: the rollout programs are lowered with params in that dtype (smaller arguments per chip
-    with bfloat16), the training programs with the float32 params; on one host a bfloat16 copy is a copy of its own,
-    so the float32 params stay resident beside it."""
-    def decode_and_update(topology, dtype):
+    with bfloat16), the training programs with the float32 params; on one host in the training layout a bfloat16
+    copy is a copy of its own, so the float32 params stay resident beside it."""
+    def decode_and_update(topology, dtype, tensor_parallel=-1):
         devices, _ = compile_check.topology_devices(topology)
         programs = {p.name: p for p in compile_check.build_programs(flagship(tiny_model_dir, **{
-            "rollout.params_dtype": dtype}), devices)}
+            "rollout.params_dtype": dtype, "rollout.tensor_parallel": tensor_parallel}), devices)}
         return programs["decode chunk"], programs["update (2 per step)"]
 
     def dtypes(args):
@@ -163,9 +189,12 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     assert dtypes(params_of(update_bf16).params) == {"float32"}
     bf16, f32 = compile_check.compile_row(decode_bf16), compile_check.compile_row(decode_f32)
     assert bf16.arguments < f32.arguments
-    one_host = {dtype: decode_and_update("v5e:2x2", dtype)[0].resident for dtype in ("bfloat16", "float32")}
+    one_host = {dtype: decode_and_update("v5e:2x2", dtype, tensor_parallel=0)[0].resident
+                for dtype in ("bfloat16", "float32")}
     assert one_host == {"bfloat16": ("params", "optimizer state", "reference"),
                         "float32": ("optimizer state", "reference")}
+    # Split over the chips by heads (rollout.tensor_parallel), the rollout's copy is its own in any dtype.
+    assert decode_and_update("v5e:2x2", "float32")[0].resident == ("params", "optimizer state", "reference")
 
 
 def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir):

@@ -48,6 +48,10 @@ class ModelConfig:
       mlp_chunks: the SwiGLU MLP runs over this many slices of its F intermediate features in turn, forward and
         backward, so a layer holds [B, T, F / mlp_chunks] activations instead of [B, T, F] (llds_jax.model.mlp);
         F must be a multiple. 1: all at once.
+      extend_chunk: an extend of more new tokens than this (an observation appended to the KV cache) runs in
+        passes of this many tokens, each over the cache the earlier passes wrote, so it holds [B, extend_chunk]
+        activations instead of [B, T] (the same attention and results, up to float rounding); a power of two. 0:
+        one pass. Prefill and decode are unaffected.
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
         attention patterns quickly: the demo's 128-wide policy uses 0.1).
@@ -78,6 +82,7 @@ class ModelConfig:
     attention_key_block: int = 512
     attention_platform: Optional[str] = None
     mlp_chunks: int = 1
+    extend_chunk: int = 0
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, tuple[int, ...], None] = None
@@ -105,6 +110,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.extend_chunk, int) or self.extend_chunk < 0 or self.extend_chunk & (
+                self.extend_chunk - 1):
+            raise ValueError(f"rollout.extend_chunk must be 0 or a power of two, got {self.extend_chunk!r}")
         if self.intermediate_size % self.mlp_chunks:
             raise ValueError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
                              f"({self.intermediate_size})")

@@ -208,8 +208,29 @@ class Transformer(nnx.Module):
         the T new tokens alone, a full forward (the fused kernels of model.attention splash / cudnn / auto may
         serve it), instead of over every slot. Real tokens get the same result either way.
 
+        An extend of T > cfg.extend_chunk tokens (not prefill) runs in T / extend_chunk passes of extend_chunk
+        tokens in turn (a scan over the passes, the cache carried).
+
         Returns (final-normed hidden states [B, T, D], updated cache).
         """
+        b, t = tokens_bt.shape
+        chunk = self.cfg.extend_chunk
+        if prefill or not chunk or t <= chunk:
+            return self._extend_pass(tokens_bt, valid_bt, cache, prefill)
+        if t % chunk:
+            raise ValueError(f"extend: {t} new tokens are not a multiple of extend_chunk {chunk}")
+
+        def one_pass(cache, pass_tokens):
+            hidden_btd, cache = self._extend_pass(*pass_tokens, cache)
+            return cache, hidden_btd
+
+        per_pass = lambda x_bt: x_bt.reshape(b, t // chunk, chunk).swapaxes(0, 1)  # noqa: E731  [C, B, T / C]
+        cache, hidden_cbtd = jax.lax.scan(one_pass, cache, (per_pass(tokens_bt), per_pass(valid_bt)))
+        return hidden_cbtd.swapaxes(0, 1).reshape(b, t, -1), cache
+
+    def _extend_pass(self, tokens_bt: jax.Array, valid_bt: jax.Array, cache: kv_lib.KVCache,
+                     prefill: bool = False) -> tuple[jax.Array, kv_lib.KVCache]:
+        """`extend` in one pass over the T new tokens."""
         valid = valid_bt.astype(bool)
         valid_bs, slot_bt, end_b, next_pos_b = kv_lib.advance(cache, valid)
         positions_bt = cache.next_pos_b[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1

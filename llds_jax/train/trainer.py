@@ -14,16 +14,17 @@ same way, exit status 2) or whose updates are all skipped.
 
 Several hosts (processes): the updates run on the GLOBAL mesh (every device of the job; params and optimizer state
 sharded over it). Rollouts are host-local: each host samples its own slice of the step's prompts (PromptIterator)
-on a mesh of its own devices, with a host-local copy of the current params (`rollout_params`), and calls its own
-retriever. Sequence ids are global (`agent.rollout(first_sequence=...)`), so the hosts together sample what one
+on a mesh of its own devices, with a host-local copy of the current params laid out as `rollout.tensor_parallel`
+says (`llds_jax.rollout.layout`: tensor parallelism over the host's chips, or the training layout), and calls its
+own retriever. Sequence ids are global (`agent.rollout(first_sequence=...)`), so the hosts together sample what one
 process would. The hosts' trajectories are then packed to one agreed length and gathered into the global
 training batch on every host (`global_batch`); `train_on_batch` places it on the global mesh. Rollout metrics
-are combined over the hosts (`combine_over_processes`). With one process all of this is a no-op: the rollout
-uses the training mesh and, with `rollout.params_dtype` the params' own dtype, the very same param arrays, and
-nothing is gathered.
+are combined over the hosts (`combine_over_processes`). With one process nothing is gathered: the rollout uses the
+training mesh and, with `rollout.params_dtype` the params' own dtype, the very same param arrays (training layout),
+or its own tensor-parallel copy on a mesh of the same devices.
 
 `rollout.params_dtype` (e.g. bfloat16 on float32 master weights): the rollout's params are cast once per rollout
-(`cast_params`, on the training mesh, before any gather: the host-local copy is half the size), and the sampler
+(`layout.cast_params`, on the training mesh, before any gather: the host-local copy is half the size), and the sampler
 runs prefill, decode chunks and extends on those arrays; old / reference / policy log-probs and the updates use
 the training params.
 """
@@ -31,14 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from etils import epath
@@ -53,7 +52,9 @@ from llds_jax.model import hf_io
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, RLTrainStep, TrainState, learning_rate
+from llds_jax.model.config import from_hf_config
 from llds_jax.rollout import agent
+from llds_jax.rollout.layout import make_layout, rollout_params
 from llds_jax.rollout.sampler import Sampler
 from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
@@ -99,26 +100,6 @@ def host_copy(tree):
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _cast(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
-    return jax.tree.map(lambda x: x.astype(dtype), params)
-
-
-def cast_params(params: nnx.State, dtype: str) -> nnx.State:
-    """`params` with every array in `dtype` (e.g. "bfloat16"), new buffers laid out like them; `params` itself
-    when every array already is (nothing is copied)."""
-    dtype = jnp.dtype(dtype)
-    if all(x.dtype == dtype for x in jax.tree.leaves(params)):
-        return params
-    return _cast(params, dtype)
-
-
-def abstract_rollout_params(params: nnx.State, dtype: str) -> nnx.State:
-    """`cast_params(params, dtype)` as ShapeDtypeStructs with the same shardings (`params` may be abstract): the
-    params the rollout programs get, for ahead-of-time compilation."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding), params)
-
-
 def read_examples(files: Sequence[str], what: str) -> list[QAExample]:
     """QA examples of several files, uids made unique across files."""
     if not files:
@@ -146,16 +127,6 @@ def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HO
     return {k: float(values_pk[:, i].sum() if k in summed else values_pk[:, i].mean()) for i, k in enumerate(keys)}
 
 
-def rollout_mesh(cfg: ml_collections.ConfigDict, train_mesh: jax.sharding.Mesh,
-                 local_devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-    """The mesh rollouts run on: the training mesh when it holds only this host's devices; else this host's own
-    `local_devices` (rows over fsdp, mesh.tensor kept), so that each host samples its prompts without waiting for
-    the others."""
-    if len(local_devices) == train_mesh.devices.size:
-        return train_mesh
-    return parallel.make_mesh(1, -1, cfg.mesh.tensor, devices=local_devices)
-
-
 def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Runner) -> Retriever:
     """The configured retriever once its check passed; closed again when the check raises (its
     RetrieverUnavailableError names backend and address)."""
@@ -181,15 +152,17 @@ class Trainer:
                                         fallback_chat_template=cfg.model.chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         m = cfg.model
-        model = hf_io.load_model(m.path, mesh=self.mesh, preset=m.preset, **config_lib.model_overrides(cfg),
-                                 attention_platform=self.mesh.devices.flat[0].platform)
+        overrides = dict(config_lib.model_overrides(cfg), attention_platform=self.mesh.devices.flat[0].platform)
+        # From the checkpoint's config.json, before any weight is read: a layout the model cannot take fails fast.
+        self.layout = make_layout(cfg.rollout.tensor_parallel, from_hf_config(hf_io.read_config(m.path), **overrides),
+                                  self.mesh, jax.local_devices(), cfg.mesh.tensor, cfg.rollout.extend_chunk)
+        model = hf_io.load_model(m.path, mesh=self.mesh, preset=m.preset, **overrides)
         self.step_fn = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), self.mesh)
-        graphdef, _ = nnx.split(model)
+        graphdef = self.layout.graphdef(nnx.split(model)[0])
         stop_ids = agent.turn_stop_ids(self.tokenizer)
-        self.rollout_mesh = rollout_mesh(cfg, self.mesh, jax.local_devices())
-        self.sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids), self.rollout_mesh)
+        self.sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids), self.layout.mesh)
         self.eval_sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=True),
-                                    self.rollout_mesh)
+                                    self.layout.mesh)
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
         self.eval_examples = read_examples(cfg.data.eval_files, "eval_files") if cfg.data.eval_files else []
@@ -209,17 +182,11 @@ class Trainer:
 
     # ----- pieces of a step ----------------------------------------------------------------------------------------
     def rollout_params(self, params: nnx.State) -> nnx.State:
-        """`params` (on the training mesh) as the rollout mesh holds them, in `rollout.params_dtype`: cast once (a
-        copy on the training mesh, none when they already are in that dtype; called once per rollout, so every
-        session and decode chunk of it runs on the same arrays); with several processes a host-local copy of
-        those (every host gathers the full params, then places them on its own devices). A collective.
-
-        The training params themselves are not changed: the trainer's log-probs and updates keep using them."""
-        params = cast_params(params, self.cfg.rollout.params_dtype)
-        if jax.process_count() == 1:
-            return params
-        host_params = multihost_utils.process_allgather(params, tiled=True)
-        return jax.device_put(host_params, parallel.param_shardings(params, self.rollout_mesh))
+        """`params` (on the training mesh) as the rollout samples with them (`llds_jax.rollout.layout`): in
+        `rollout.params_dtype`, on the rollout mesh. Called once per rollout, so every session and decode chunk of
+        it runs on the same arrays. A collective with several processes. The training params are not changed: the
+        trainer's log-probs and updates keep using them."""
+        return rollout_params(self.layout, params, self.cfg.rollout.params_dtype)
 
     def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array,
                 between_sessions: Optional[Callable[[], None]] = None) -> agent.Rollout:

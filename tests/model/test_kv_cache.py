@@ -93,3 +93,30 @@ def test_jitted_extend_matches_eager():
     h_eager, _ = model.extend(toks, valid, cache)
     np.testing.assert_allclose(np.asarray(h_jit)[np.asarray(valid)], np.asarray(h_eager)[np.asarray(valid)],
                                atol=1e-6)
+
+
+def test_extend_in_passes_equals_one_pass():
+    """extend_chunk: right-padded observations of 0 to 13 tokens appended in passes of 4 tokens (a row's tokens
+    may end inside any pass, or fill none) give one pass's hidden states at every real token and its cache."""
+    whole, passes = _model(), _model(extend_chunk=4)
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(1, 256, (4, 5)), jnp.int32)
+    lengths = [13, 0, 4, 9]
+    obs = np.zeros((4, 16), np.int32)
+    valid = np.zeros((4, 16), bool)
+    for b, n in enumerate(lengths):
+        obs[b, :n] = rng.integers(1, 256, n)
+        valid[b, :n] = True
+    out = {}
+    for name, model in (("whole", whole), ("passes", passes)):
+        cache = init_cache(model.cfg, batch_size=4, capacity=32)
+        _, cache = model.extend(prompt, jnp.ones((4, 5), bool), cache, prefill=True)
+        out[name] = jax.jit(lambda t, v, c, m=model: m.extend(t, v, c))(jnp.asarray(obs), jnp.asarray(valid), cache)
+    (h_whole, c_whole), (h_passes, c_passes) = out["whole"], out["passes"]
+    np.testing.assert_allclose(np.asarray(h_passes)[valid], np.asarray(h_whole)[valid], atol=1e-5)
+    for field in ("valid_bs", "end_b", "next_pos_b"):
+        np.testing.assert_array_equal(getattr(c_passes, field), getattr(c_whole, field))
+    real_ls = np.asarray(c_whole.valid_bs)
+    np.testing.assert_allclose(np.asarray(c_passes.k_lbskh)[:, real_ls], np.asarray(c_whole.k_lbskh)[:, real_ls],
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(c_whole.end_b), 5 + np.asarray(lengths))

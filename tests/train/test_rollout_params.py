@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llds_jax.rollout import layout as layout_lib
 from llds_jax.train import trainer as trainer_lib
 from tests.run_fixtures import tiny_config
 
@@ -16,14 +17,17 @@ def dtypes(tree) -> set:
 
 def test_cast_keeps_the_layout_and_copies_nothing_in_the_same_dtype(make_train_state):
     params, _ = make_train_state(0)
-    cast = trainer_lib.cast_params(params, "bfloat16")
+    cast = layout_lib.cast_params(params, "bfloat16")
     assert dtypes(params) == {F32} and dtypes(cast) == {BF16}
-    abstract = trainer_lib.abstract_rollout_params(params, "bfloat16")
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    training_layout = layout_lib.RolloutLayout(mesh, None)
+    abstract = layout_lib.abstract_rollout_params(training_layout, params, "bfloat16")
     for x, y, a in zip(jax.tree.leaves(params), jax.tree.leaves(cast), jax.tree.leaves(abstract)):
         assert y.sharding.is_equivalent_to(x.sharding, x.ndim) and a.sharding.is_equivalent_to(x.sharding, x.ndim)
         assert (a.shape, a.dtype) == (y.shape, y.dtype)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(x).astype(jnp.bfloat16))
-    assert trainer_lib.cast_params(params, "float32") is params
+    assert layout_lib.cast_params(params, "float32") is params
+    assert layout_lib.rollout_params(training_layout, params, "float32") is params
 
 
 def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_assets, tmp_path, monkeypatch):
@@ -46,8 +50,8 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     cfg.rollout.top_p = 1.0  # no sort of the 152k-token vocabulary in every decode step
     trainer = trainer_lib.Trainer(cfg)
     casts, decoded = [], []
-    cast = trainer_lib._cast
-    monkeypatch.setattr(trainer_lib, "_cast", lambda params, dtype: casts.append(dtype) or cast(params, dtype))
+    cast = layout_lib._cast
+    monkeypatch.setattr(layout_lib, "_cast", lambda params, dtype: casts.append(dtype) or cast(params, dtype))
     decode_chunk = trainer.sampler.decode_chunk
 
     def recording_decode_chunk(params, state, stop_b):

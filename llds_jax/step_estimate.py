@@ -1,0 +1,91 @@
+"""An ESTIMATED training-step time for `--mode=compile`: each compiled program's roofline time (`llds_jax.roofline`,
+read from its HLO) times the calls a step makes of it, split into the rollout and the updates.
+
+Not a measurement: peak rates are never reached, and the call counts rest on stated assumptions, the worst case
+the config allows:
+- every sampler session (`rollout.max_batch_size` rows, or the host's share) runs `rollout.max_turns` + 1 turns
+  and waits in each for a row that samples `rollout.max_turn_tokens` tokens (turn-synchronous sessions wait for
+  their longest row), in decode chunks of `rollout.decode_chunk` steps, each at the largest cache capacity a
+  conversation can reach (decode attends over every slot of the capacity);
+- each session prefills once, extends `rollout.max_turns` observations, grows its cache and compacts once;
+- hosts sample their sessions at the same time (a step's rollout is one host's); evaluation is left out (it runs
+  every `train.eval_every` steps);
+- the updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
+  (`train.lld_every`) its two float32 forwards per update and its metrics, spread over the steps between.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
+
+ROLLOUT, UPDATES = "rollout", "updates"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """One compiled program in the estimate: its name and shapes, its cost per call on one chip, its calls per
+    training step and which part of the step it belongs to (ROLLOUT, UPDATES or "" for neither)."""
+
+    name: str
+    shapes: str
+    cost: HloCost
+    calls: float
+    part: str
+
+
+def rollout_calls(cfg, sequences: int, rows: int) -> dict[str, float]:
+    """Calls per training step of each rollout program (module docstring) for one host's `sequences` sequences in
+    sessions of `rows` rows."""
+    r = cfg.rollout
+    sessions = math.ceil(sequences / rows)
+    turns = r.max_turns + 1
+    return {"prefill": sessions, "decode chunk": sessions * turns * math.ceil(r.max_turn_tokens / r.decode_chunk),
+            "extend": sessions * r.max_turns, "cache growth": sessions, "compaction": sessions}
+
+
+def update_calls(cfg, updates: int) -> dict[str, float]:
+    """Calls per training step of each training program (module docstring) with `updates` optimizer updates."""
+    lld = 1 / cfg.train.lld_every if cfg.train.lld_every else 0.0
+    return {"logp (reference)": updates, "logp (policy)": updates, "likelihood metrics": 1,
+            "logp (float32, LLD)": 2 * updates * lld, "lld metrics": lld, f"update ({updates} per step)": updates}
+
+
+def assumptions(cfg, sequences: int, rows: int) -> str:
+    """The call counts' assumptions in one line."""
+    r = cfg.rollout
+    sessions = math.ceil(sequences / rows)
+    return (f"assumed per host and step: {sequences} trajectories in {sessions} session(s) of {rows} rows, each "
+            f"{r.max_turns + 1} turns of {r.max_turn_tokens} decode steps (the longest row) in chunks of "
+            f"{r.decode_chunk}, {r.max_turns} extends, at the largest cache capacity")
+
+
+def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str,
+                    decode_tokens_per_call: int) -> str:
+    """The table of each program's estimated time per call and per step, the decode chunk's tokens/s (with every
+    one of its `decode_tokens_per_call` = rows x steps sampling), and the step's rollout and update time and the
+    rollout's share."""
+    width = max(len(p.name) for p in programs)
+    header = (f"{'program':<{width}}  {'GFLOP':>9} {'HBM GB':>8} {'ICI GB':>8} {'bound':>10} {'per call':>9} "
+              f"{'calls':>7} {'per step':>9}")
+    lines = [f"estimated time per chip (roofline from each program's HLO at {generation} peaks; an estimate, not a "
+             "measurement)", header, "-" * len(header)]
+    totals = {ROLLOUT: 0.0, UPDATES: 0.0}
+    for p in programs:
+        estimate = roofline_seconds(p.cost, peaks)
+        per_step = estimate.seconds * p.calls
+        if p.part:
+            totals[p.part] += per_step
+        lines.append(f"{p.name:<{width}}  {p.cost.flops / 1e9:9.1f} {p.cost.hbm_bytes / 1e9:8.2f} "
+                     f"{p.cost.ici_bytes / 1e9:8.3f} {estimate.bound:>10} {estimate.seconds * 1e3:7.2f}ms "
+                     f"{p.calls:7.1f} {per_step:8.2f}s")
+    decode = next((p for p in programs if p.name == "decode chunk"), None)
+    if decode is not None:
+        lines.append(f"decode: {decode_tokens_per_call / roofline_seconds(decode.cost, peaks).seconds:,.0f} "
+                     "tokens/s per host with every row sampling")
+    step = totals[ROLLOUT] + totals[UPDATES]
+    lines.append(f"estimated step: rollout {totals[ROLLOUT]:.1f} s + updates {totals[UPDATES]:.1f} s = {step:.1f} s; "
+                 f"rollout {totals[ROLLOUT] / step:.1%} of the step" if step else "estimated step: no program runs")
+    return "\n".join(lines)
