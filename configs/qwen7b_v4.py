@@ -52,7 +52,9 @@ def get_config(retriever_name: str = "e5"):
     c.data.train_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/train.parquet"]
     c.data.eval_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/test.parquet"]
     c.retriever = retriever(retriever_name)
-    c.rollout.max_batch_size = 16       # sessions of 16 rows: 32 do not fit a host's 4 chips (docs/tpu.md)
+    c.rollout.max_batch_size = 128      # sessions of 128 rows (docs/tpu.md)
     c.rollout.params_dtype = "bfloat16"  # each host's rollout copy of the params: half of the float32 one
+    c.rollout.tensor_parallel = -1      # the rollout copy split over a host's 4 chips: no weight gathers in decode
+    c.rollout.extend_chunk = 128        # observations appended 128 tokens at a time: 128 rows x 512 do not fit
     c.model.mlp_chunks = 4              # the MLP 4736 features at a time: the update's temporaries 8.15 -> 7.07 GiB
     return c

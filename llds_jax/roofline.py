@@ -382,7 +382,7 @@ def _fused_read(module: Module, comp: Computation, name: str, full: float, escap
     for user, position in comp.users(name):
         if user.opcode in _SLICES and position == 0:
             read += _bytes(user.shape)
-        elif user.opcode == "dynamic-update-slice" and position == 0:
+        elif user.opcode in _IN_PLACE and position == 0:
             continue
         elif user.opcode == "bitcast":
             read += _fused_read(module, comp, user.name, full, escape)
@@ -395,9 +395,13 @@ def _fused_read(module: Module, comp: Computation, name: str, full: float, escap
     return min(read, full)
 
 
+# Ops that update their operand 0 in place: they neither read it whole nor write more than their update.
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+
+
 def _written(module: Module, ins: Instruction, comp: Computation) -> float:
-    """HBM bytes an instruction writes: its outputs in HBM, a dynamic-update-slice (alone or the root of a
-    fusion, one per tuple element) only its update."""
+    """HBM bytes an instruction writes: its outputs in HBM, a dynamic-update-slice or scatter (alone or the root of
+    a fusion, one per tuple element) only its update."""
     roots, root_comp = [ins], comp
     if ins.opcode == "fusion":
         root_comp = module.computations[ins.called("calls")]
@@ -408,8 +412,9 @@ def _written(module: Module, ins: Instruction, comp: Computation) -> float:
     written = 0.0
     for array, root in zip(ins.shape, roots):
         root = _through_bitcasts(root_comp, root.name)
-        if root.opcode == "dynamic-update-slice" and array.memory_space == 0:
-            written += _bytes(root_comp.instructions[root.operands[1]].shape)
+        if root.opcode in _IN_PLACE and array.memory_space == 0:  # the update: a DUS's operand 1, a scatter's last
+            update = root.operands[1] if root.opcode == "dynamic-update-slice" else root.operands[-1]
+            written += _bytes(root_comp.instructions[update].shape)
         else:
             written += array.hbm_bytes
     return written
@@ -418,7 +423,7 @@ def _written(module: Module, ins: Instruction, comp: Computation) -> float:
 def kernel_hbm_bytes(module: Module, ins: Instruction, comp: Computation) -> float:
     """HBM bytes one run of an instruction that is a kernel of its own moves: the HBM-resident operands it reads
     plus the HBM outputs it writes. Slices read what they take (a fusion too, `_fused_read`), a
-    dynamic-update-slice does not read the buffer it updates and writes only the update; an asynchronous pair
+    dynamic-update-slice or scatter does not read the buffer it updates and writes only the update; an asynchronous pair
     counts its operands at the `-start` and its results at the `-done`."""
     if ins.opcode in _NO_TRAFFIC:
         return 0.0
@@ -431,7 +436,7 @@ def kernel_hbm_bytes(module: Module, ins: Instruction, comp: Computation) -> flo
         if ins.opcode in _SLICES | {"slice-start"} and position == 0:
             taken = ins.shape[1:2] if ins.opcode == "slice-start" else ins.shape
             read += _bytes(taken) if _hbm(operand) else 0.0
-        elif ins.opcode == "dynamic-update-slice" and position == 0:
+        elif ins.opcode in _IN_PLACE and position == 0:
             continue
         elif ins.opcode == "fusion":
             inner = module.computations[ins.called("calls")]

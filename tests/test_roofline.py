@@ -192,6 +192,33 @@ def test_slices_of_a_stacked_weight_and_an_in_place_cache_update_count_only_what
         2 * 4 * 128 * 2 + 4) + 2 * COPY  # and the copies x -> r -> y
 
 
+def test_a_scatter_into_the_stacked_cache_moves_only_its_updates():
+    """The KV cache written in place (llds_jax.model.kv_cache.write_layer_slots): a fused scatter of each row's new
+    entries into one layer of the stacked [L, B, S, H] cache reads the indices and updates and writes the updates,
+    not the 2 MiB cache."""
+    parts = """
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  ROOT %b = bf16[] parameter(1)
+}
+
+%write (cache: bf16[2,4,1024,128], idx: s32[4,1,3], new: bf16[4,1,128]) -> bf16[2,4,1024,128] {
+  %cache = bf16[2,4,1024,128]{3,2,1,0} parameter(0)
+  %idx = s32[4,1,3]{2,1,0} parameter(1)
+  %new = bf16[4,1,128]{2,1,0} parameter(2)
+  ROOT %sc = bf16[2,4,1024,128]{3,2,1,0} scatter(%cache, %idx, %new), update_window_dims={2}, \
+inserted_window_dims={0,1,2}, scatter_dims_to_operand_dims={0,1,2}, index_vector_dim=2, to_apply=%add
+}
+"""
+    entry = """  %cache = bf16[2,4,1024,128]{3,2,1,0} parameter(3)
+  %idx = s32[4,1,3]{2,1,0} parameter(4)
+  %new = bf16[4,1,128]{2,1,0} parameter(5)
+  %cache2 = bf16[2,4,1024,128]{3,2,1,0} fusion(%cache, %idx, %new), kind=kLoop, calls=%write
+  %r = f32[8,32]{1,0} copy(%x)"""
+    assert roofline.hlo_costs(module(parts, entry=entry)).hbm_bytes == (4 * 3 * 4 + 4 * 128 * 2) + 4 * 128 * 2 + (
+        2 * COPY)
+
+
 def test_a_pallas_kernel_over_several_lines_counts_its_bytes_and_its_runs_not_its_flops():
     """A Pallas kernel (splash attention) is a tpu_custom_call whose kernel_metadata spans lines, one of them a
     lone "}" that does not end the computation; its FLOPs are not in the HLO."""

@@ -48,6 +48,16 @@ def write_slots(cache_bs_: jax.Array, new_bt_: jax.Array, start_b: jax.Array) ->
     return jax.vmap(one)(cache_bs_, new_bt_, start_b)
 
 
+def write_layer_slots(cache_lbs_: jax.Array, layer: jax.Array, new_bt_: jax.Array, start_b: jax.Array) -> jax.Array:
+    """Writes each row's T new entries into layer `layer` (a traced int32) of a stacked [L, B, S, ...] cache, at
+    slots start_b .. start_b + T - 1: one scatter of the new entries, in place where the cache is a loop carry or
+    donated (the layer's other slots do not move). Entries past the last slot are dropped."""
+    b, t = new_bt_.shape[:2]
+    rows_bt = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    slots_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return cache_lbs_.at[layer, rows_bt, slots_bt].set(new_bt_.astype(cache_lbs_.dtype), mode="drop")
+
+
 def advance(cache: KVCache, valid_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Bookkeeping of one extend of T tokens.
 

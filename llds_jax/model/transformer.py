@@ -86,10 +86,13 @@ class DecoderLayers(nnx.Module):
 
 def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, query_first_bt, kv,
            prefill=False):
-    """One decoder block. `kv` is None (keys = this chunk) or (k_bskh, v_bskh, slot_start_b) to write into; key
+    """One decoder block. `kv` is None (keys = this chunk) or (k_lbskh, v_lbskh, layer, slot_start_b): the whole
+    stacked cache, this block's layer index in it and each row's first slot to write. The new keys and values go
+    into their slots in place and the block attends to its layer of the cache, so no layer's cache is copied. Key
     slot s is visible to query t iff key_valid_bs[b, s] and query_first_bt[b, t] <= s <= query_slot_bt[b, t]
     (query_first_bt None: 0). `prefill`: the cache is empty, so the keys are this chunk's alone (query_slot_bt = t,
-    key_valid_bs [B, T]), as in a full forward, and are still written into the cache."""
+    key_valid_bs [B, T]), as in a full forward, and are still written into the cache. Returns (x_btd, the updated
+    (k_lbskh, v_lbskh) or None)."""
     dt = jnp.dtype(cfg.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
     h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
@@ -102,10 +105,11 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
     k = rope_lib.apply_rope(k, cos_bth, sin_bth)
     new_kv = None
     if kv is not None:
-        k_cache, v_cache, start_b = kv
-        new_kv = (kv_lib.write_slots(k_cache, k, start_b), kv_lib.write_slots(v_cache, v, start_b))
+        k_cache, v_cache, layer, start_b = kv
+        new_kv = (kv_lib.write_layer_slots(k_cache, layer, k, start_b),
+                  kv_lib.write_layer_slots(v_cache, layer, v, start_b))
         if not prefill:
-            k, v = new_kv
+            k, v = new_kv[0][layer], new_kv[1][layer]
     # A full forward (or prefill): query t sits at key slot t of this chunk, which the fused kernels serve.
     out = attention(q, k, v, query_slot_bt, key_valid_bs, query_first_bt, implementation=cfg.attention,
                     query_block=cfg.attention_query_block, key_block=cfg.attention_key_block,
@@ -140,24 +144,23 @@ class Transformer(nnx.Module):
         cos, sin = rope_lib.rope_angles(positions_bt, rope_lib.inverse_frequencies(cfg))
         params = self.layers.arrays()
 
-        def body(x, xs):
-            p, kv = xs
-            kv_in = None if kv is None else (kv[0], kv[1], slot_start_b)
-            x, kv_out = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, query_first_bt, kv_in, prefill)
-            return x, kv_out
+        def body(carry, xs):  # the cache (whole, every layer) rides in the carry and is written in place
+            x, kv_stack = carry
+            p, layer = xs
+            kv_in = None if kv_stack is None else (*kv_stack, layer, slot_start_b)
+            x, kv_stack = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, query_first_bt, kv_in, prefill)
+            return (x, kv_stack), None
 
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=not cfg.scan_layers)
-        kv_stack = None if cache is None else (cache.k_lbskh, cache.v_lbskh)
+        carry = (x_btd, None if cache is None else (cache.k_lbskh, cache.v_lbskh))
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if cfg.scan_layers:
-            x_btd, kv_out = jax.lax.scan(body, x_btd, (params, kv_stack))
+            carry, _ = jax.lax.scan(body, carry, (params, layers))
         else:
-            outs = []
             for i in range(cfg.num_layers):
-                layer = jax.tree.map(lambda a: a[i], (params, kv_stack))
-                x_btd, kv_i = body(x_btd, layer)
-                outs.append(kv_i)
-            kv_out = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+                carry, _ = body(carry, jax.tree.map(lambda a: a[i], (params, layers)))
+        x_btd, kv_out = carry
         return rms_norm(x_btd, self.final_norm.get_value(), cfg.rms_norm_eps), kv_out
 
     def _embed(self, tokens_bt: jax.Array) -> jax.Array:
