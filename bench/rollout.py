@@ -5,22 +5,36 @@
    tokens per row. Also prints how many greedy tokens agree (a check of the weight mapping).
 2. Multi-turn: a conversation of N turns (decode a turn, append an observation) with observations appended to
    the KV cache (`model.extend`) against re-encoding the whole context at the start of every turn.
+3. Continuous batching: the agent loop (`agent.rollout`, Qwen2.5 tokenizer) over the same model with continuous
+   batching (`AgentConfig.continuous_batching`) against turn-synchronous sessions of --cb-rows sequences, sampled
+   (temperature 1) from the same PRNG streams, so both sample the same tokens. The random model writes no action:
+   every turn gets the invalid-action message as its observation, and a turn ends at a "stop token" (every
+   --cb-stop-every-th vocabulary id: turns of varied lengths) or at --cb-turn-tokens. Prints the decode-row
+   occupancy (sampled tokens / (decode steps x device rows)) and the sampled tokens per second of rollout of each,
+   and their ratios.
 
 Both sides are warmed up (compiled) before timing. Example:
     python bench/rollout.py --batch 16 --new-tokens 128
+    python bench/rollout.py --only-continuous --cb-sequences 64 --cb-rows 16
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import tempfile
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
+from llds_jax import tokenizer as tokenizer_lib
+from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer, hf_io, to_hf_config
-from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout import agent
+from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.sampler import Sampler
+from llds_jax.search.types import Retriever
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,6 +55,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--obs-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per side (the best is reported)")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--only-continuous", action="store_true", help="run the continuous-batching comparison only")
+    p.add_argument("--cb-sequences", type=int, default=32, help="continuous batching: sequences of the rollout")
+    p.add_argument("--cb-rows", type=int, default=8, help="continuous batching: rows (agent max_batch_size)")
+    p.add_argument("--cb-turns", type=int, default=3, help="continuous batching: agent max_turns")
+    p.add_argument("--cb-turn-tokens", type=int, default=48, help="continuous batching: agent max_turn_tokens")
+    p.add_argument("--cb-stop-every", type=int, default=12, help="continuous batching: every this many vocabulary "
+                   "ids is a stop token (a turn's expected length)")
+    p.add_argument("--cb-decode-chunk", type=int, default=8, help="continuous batching: decode steps per chunk")
     p.add_argument("--hf-device", default="cpu", help="torch device of the transformers model (cpu, cuda)")
     return p.parse_args()
 
@@ -146,6 +168,9 @@ def main() -> None:
           f"vocab {cfg.vocab_size}); batch {args.batch}, prompts {min(map(len, prompts))}-{args.prompt_len} tokens; "
           f"devices: {jax.devices()[0].platform} x{jax.device_count()}")
 
+    if args.only_continuous:
+        continuous_batching(args, graphdef, params)
+        return
     new = args.new_tokens * args.batch
     ours_s, ours_tokens = best_time(lambda: decode_ours(sampler, params, prompts, args.new_tokens), args.repeats)
     print(f"[decode] llds_jax sampler: {ours_s:.2f} s, {new / ours_s:.0f} tokens/s")
@@ -171,6 +196,52 @@ def main() -> None:
     print(f"[multi-turn] {args.turns} turns x {args.turn_tokens} tokens, observations of ~{args.obs_tokens} tokens: "
           f"KV-cache extend {ext_s:.2f} s, re-encode every turn {re_s:.2f} s; ratio {re_s / ext_s:.2f}x "
           f"(greedy tokens identical: {same:.0%})")
+    continuous_batching(args, graphdef, params)
+
+
+class NoRetriever(Retriever):
+    """A retriever that is never asked (the random model writes no search)."""
+
+    backend = "none"
+
+    async def search(self, queries, k):
+        raise RuntimeError("NoRetriever: no search expected")
+
+    async def check(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+def continuous_batching(args, graphdef, params) -> None:
+    """Section 3: the agent loop with continuous batching against sessions (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = tokenizer_lib.load_tokenizer(tokenizer_lib.write_qwen25_tokenizer(folder, "base"))
+    stop_ids = tuple(range(0, min(args.vocab, 151643), args.cb_stop_every))
+    sampler = Sampler(graphdef, SamplingConfig(temperature=1.0, decode_chunk=args.cb_decode_chunk, stop_ids=stop_ids))
+    examples = [QAExample(uid=f"q{i}", question="which city is it " + "really " * (i % 5), golden_answers=("x",),
+                          data_source="bench") for i in range(args.cb_sequences)]
+    base = AgentConfig(max_turns=args.cb_turns, max_turn_tokens=args.cb_turn_tokens, max_batch_size=args.cb_rows)
+    results = {}
+    for name, continuous in (("sessions", False), ("continuous", True)):
+        config = dataclasses.replace(base, continuous_batching=continuous)
+        run = lambda: agent.rollout(sampler, params, tokenizer, NoRetriever(), examples,  # noqa: E731
+                                    jax.random.key(1), config)
+        run()  # compiles
+        result = min((run() for _ in range(max(args.repeats, 1))), key=lambda r: r.metrics["rollout_s"])
+        m = result.metrics
+        results[name] = (m["decode_occupancy"], m["sampled_tokens"] / m["rollout_s"], result)
+        print(f"[continuous] {name:<10}: decode occupancy {m['decode_occupancy']:.1%}, {m['sampled_tokens']:.0f} "
+              f"sampled tokens in {m['rollout_s']:.2f} s: {m['sampled_tokens'] / m['rollout_s']:.0f} tokens/s "
+              f"(decode {m['decode_s']:.2f} s, prefill and extends {m['prefill_s']:.2f} s)")
+    (occ_s, tps_s, sessions), (occ_c, tps_c, continuous) = results["sessions"], results["continuous"]
+    # The same streams; a near-uniform distribution over the whole vocabulary (a random model) can still draw
+    # another token from logits that differ at float rounding (prompt encoded by an extend, other padding).
+    same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(sessions.trajectories, continuous.trajectories))
+    print(f"[continuous] {args.cb_sequences} sequences, {args.cb_rows} rows, up to {args.cb_turns + 1} turns of "
+          f"<= {args.cb_turn_tokens} tokens: continuous / sessions occupancy {occ_c / occ_s:.2f}x, tokens/s "
+          f"{tps_c / tps_s:.2f}x (trajectories with the same tokens: {same}/{args.cb_sequences})")
 
 
 if __name__ == "__main__":

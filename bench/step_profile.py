@@ -33,6 +33,7 @@ expected to be 0.
     python bench/step_profile.py --config configs/tiny_test.py --steps 2 --override rollout.max_turns=2
     python bench/step_profile.py --config.rollout.decode_chunk=8   # ml_collections-style overrides work too
     python bench/step_profile.py --search-seconds-per-query 0.05 [--no-overlap]   # a loaded search backend
+    python bench/step_profile.py --config.rollout.continuous_batching=True   # the continuous-batching rollout
     python bench/step_profile.py --steps 20 --compare-packing      # unpacked, then packed: the tokens/s ratio
     python bench/step_profile.py --steps 20 --compare-packing \
         --unpacked-override model.attention_query_block=512 --unpacked-override model.attention_key_block=512
@@ -270,6 +271,7 @@ def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 
                     "tokens": float(sum(lengths)), "tokens_per_s": sum(lengths) / wall_s,
                     "padding": metrics["perf/padding"], "sequence_length": metrics["perf/sequence_length"],
                     "sampled_tokens_per_s": metrics.get("rollout/sampled_tokens_per_s", 0.0),
+                    "decode_occupancy": metrics.get("rollout/decode_occupancy", 0.0),
                     "searches": metrics.get("rollout/valid_searches", 0.0),
                     "search_calls_s": metrics.get("rollout/search_calls_s", 0.0),
                     "reward": metrics["reward/mean"],
@@ -311,6 +313,7 @@ def format_report(result: dict[str, Any]) -> str:
             ("compile seconds", lambda r: f"{r['compile_s']:>10.2f}s"),
             ("tokens/s (batch)", lambda r: f"{r['tokens_per_s']:>11.1f}"),
             ("sampled tokens/s", lambda r: f"{r['sampled_tokens_per_s']:>11.1f}"),
+            ("decode occupancy", lambda r: f"{r['decode_occupancy']:>11.1%}"),
             ("sequence length", lambda r: f"{r['sequence_length']:>11.0f}"),
             ("padding share", lambda r: f"{r['padding']:>11.1%}"),
             ("searches / trajectory", lambda r: f"{r['searches']:>11.2f}"),
@@ -387,6 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
               + (f"; search latency {args.search_latency:g} s" if args.search_latency else "")
               + (f"; {args.search_seconds_per_query:g} s per query" if args.search_seconds_per_query else "")
               + ("; searches wait for the end of decoding" if args.no_overlap else "")
+              + ("; continuous batching" if cfg.rollout.continuous_batching else "")
               + f"; {args.steps} step(s), {cfg.data.prompts_per_step} x {cfg.data.samples_per_prompt} trajectories "
               f"per step; devices {jax.devices()[0].platform} x{jax.device_count()}", flush=True)
         result = profile(cfg, args.steps, args.checkpoint_every, log=lambda line: print(line, flush=True),

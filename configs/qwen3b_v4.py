@@ -1,9 +1,9 @@
 """Qwen2.5-3B-Instruct, GRPO + LLDS (lambda 0.2, action gate) on a TPU v4-16 slice (8 chips, 2 hosts); data,
 retrieval and mesh as qwen7b_v4.py.
 
-Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-02): rollout sessions of 32
-sequences on each host's 4 chips; the largest program is the rollout's compaction, 17.45 GiB of 30.75 (43%
-headroom); the update 12.23 GiB.
+Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-03): rollout sessions of 64
+sequences on each host's 4 chips, split over them by heads (its 2 key/value heads held twice each); the largest
+program is the rollout's compaction, 18.75 GiB of 30.75 (39% headroom); the update 12.23 GiB.
 """
 from configs import qwen7b_v4 as base
 
@@ -15,5 +15,5 @@ def get_config(retriever_name: str = "e5"):
     c.model.chat_template = "instruct"
     c.model.preset = "qwen2.5-3b"
     c.mesh.topology = "v4:2x2x2"
-    c.rollout.max_batch_size = 32       # 64 rows do not fit a host's 4 chips (docs/tpu.md)
+    c.rollout.max_batch_size = 64       # 128 rows do not fit: cache growth and compaction hold two caches (docs/tpu.md)
     return c

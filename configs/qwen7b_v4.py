@@ -10,10 +10,10 @@ Retrievers (`--config=configs/qwen7b_v4.py:NAME`, default e5; the other paper co
 - bm25_es: BM25 through Elasticsearch (not the paper's retriever: EM and search behaviour differ from its tables).
 - bm25: the embedded BM25 index (`index_builder --to bm25`), same caveat.
 
-Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md, "qwen7b_v4 as committed"): every program
-fits; the largest is the rollout's compaction, 17.62 GiB of 30.75 (42.7% headroom), then the observation extend
-(13.63 GiB) and the update (13.33 GiB; 15.94 GiB at micro-batch 32). Each host samples on its own 4 chips, so
-sessions hold 16 sequences (32 did not fit with the dense attention; not measured again since).
+Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md, "qwen7b_v4 as committed (2026-12-03)"):
+every program fits; the largest is the rollout's prefill of 128 prompts, 27.80 GiB of 30.75 (9.6% headroom), the
+update 13.33 GiB (15.94 GiB at micro-batch 32). Each host samples its sessions of 128 sequences on its own 4 chips,
+the rollout copy split over them by heads and MLP width (no weight gathers); 256 rows would need a 28 GiB cache.
 """
 import ml_collections
 

@@ -84,6 +84,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
     c.rollout.tensor_parallel = 0       # chips splitting the rollout copy's heads and MLP (-1: a host's; 0: training's)
     c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
+    c.rollout.continuous_batching = False  # a finished row takes the next waiting sequence (rollout/continuous.py)
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
     c.rollout.min_capacity_bucket = 128  # smallest KV-cache capacity (slots) of a sampler session
@@ -419,7 +420,8 @@ def agent_config(cfg: ml_collections.ConfigDict, evaluation: bool = False) -> Ag
         max_turns=cfg.eval.max_turns if evaluation else r.max_turns, max_turn_tokens=r.max_turn_tokens,
         max_observation_tokens=r.max_observation_tokens, max_prompt_tokens=r.max_prompt_tokens,
         max_context_tokens=r.max_context_tokens, max_response_tokens=r.max_response_tokens,
-        retrieval_top_k=r.retrieval_top_k, search_timeout_s=r.search_timeout_s, max_batch_size=r.max_batch_size)
+        retrieval_top_k=r.retrieval_top_k, search_timeout_s=r.search_timeout_s, max_batch_size=r.max_batch_size,
+        continuous_batching=r.continuous_batching)
 
 
 def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],

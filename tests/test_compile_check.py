@@ -214,7 +214,8 @@ def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir):
                     "--config.rollout.max_response_tokens=4096")
     assert result.returncode == compile_check.EXIT_DOES_NOT_FIT, result.stdout[-3000:] + result.stderr[-3000:]
     errors = [line for line in result.stdout.splitlines() if line.startswith("llds_jax: error: ")]
-    assert any(line.startswith("llds_jax: error: eval extend (16384 x 32 tokens, 8192 slots) does not fit: ")
+    assert any(line.startswith("llds_jax: error: eval extend (16384 x 32 tokens, 8192 slots (tensor 4, key/value "
+                               "heads x2)) does not fit: ")
                and "GiB over the 15.75 GiB of HBM" in line for line in errors), errors
     assert all(line.startswith("llds_jax: error: eval ") for line in errors), errors
 

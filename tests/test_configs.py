@@ -239,7 +239,7 @@ def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
     for name in ("__init__", "qwen7b_v4", "qwen3b_v4", "llama3b_v4"):
         text = open(os.path.join(CONFIGS, name + ".py"), encoding="utf-8").read()
         if name == "qwen7b_v4":
-            text = text.replace("c.rollout.max_batch_size = 16", "c.rollout.max_batch_size = 16\n    c.seed = 7")
+            text = text.replace("c.rollout.max_batch_size = 128", "c.rollout.max_batch_size = 128\n    c.seed = 7")
         (copy / (name + ".py")).write_text(text, encoding="utf-8")
     script = ("import sys; from absl import flags; from llds_jax import launch; "
               "launch.parse_flags(['launch', '--config=' + sys.argv[1]]); c = flags.FLAGS.config; "

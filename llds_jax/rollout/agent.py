@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout import protocol
@@ -63,7 +64,8 @@ class Rollout:
     + `decode_s` (decode chunks on device, and their dispatch) + `search_s` (waiting for search results after
     decoding: retrieval on the critical path) + `host_s` (the rest: text checks between chunks, cutting and parsing
     turns, tokenizing observations, building trajectories). `search_calls_s` sums the retriever calls' own
-    durations, most of them hidden behind decoding.
+    durations, most of them hidden behind decoding. `decode_occupancy`: sampled tokens / (decode steps x device
+    batch rows), the share of decode rows doing real work (0 for sessions that do not count them).
     """
 
     trajectories: list[Trajectory]
@@ -119,7 +121,10 @@ def rollout(sampler: TurnSampler, params, tokenizer, retriever: Retriever, examp
         several hosts, so that the hosts together sample what one process would.
       between_sessions: called before every sampler session but the first (`config.max_batch_size` splits the
         examples into sessions); what it raises ends the rollout (the trainer's stop check: a preemption notice
-        then waits for one session, not the whole rollout).
+        then waits for one session, not the whole rollout). Not called with `config.continuous_batching` (one
+        batch serves every example).
+    With `config.continuous_batching` the examples run in one continuous batch (`continuous`; the sampler must be a
+    `sampler.Sampler`), each sampling from the stream it has here.
     Returns a Rollout with one trajectory per example, in order.
     """
     coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config, first_sequence,
@@ -135,20 +140,32 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
         raise ValueError("rollout: no examples")
     size = config.max_batch_size or len(examples)
     trajectories: list[Trajectory] = []
-    timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0}
+    timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0,
+              "decode_sampled_tokens": 0.0, "decode_row_steps": 0.0}
+    steps = AgentSteps(tokenizer, retriever, config, timing)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
-        for first in range(0, len(examples), size):
-            if first and between_sessions is not None:
-                between_sessions()
-            loop = _BatchLoop(sampler, params, tokenizer, retriever, examples[first:first + size], config, timing,
-                              decode_thread)
-            trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))
+        if config.continuous_batching:
+            from llds_jax.rollout import continuous  # imports this module
+
+            keys_n = jnp.concatenate([sampler.sequence_keys(*_session_stream(rng, first_sequence + first,
+                                                                             config.max_batch_size),
+                                                            len(examples[first:first + size]))
+                                      for first in range(0, len(examples), size)])
+            trajectories = await continuous.run(sampler, params, steps, examples, keys_n, size, decode_thread)
+        else:
+            for first in range(0, len(examples), size):
+                if first and between_sessions is not None:
+                    between_sessions()
+                loop = _BatchLoop(sampler, params, steps, examples[first:first + size], decode_thread)
+                trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))
     elapsed = time.perf_counter() - start
     metrics = rollout_metrics(trajectories)
     host_s = elapsed - timing["prefill_s"] - timing["decode_s"] - timing["search_s"]
+    decode_sampled, row_steps = timing.pop("decode_sampled_tokens"), timing.pop("decode_row_steps")
     metrics.update(timing, rollout_s=elapsed, host_s=max(host_s, 0.0),
-                   sampled_tokens_per_s=timing["sampled_tokens"] / max(timing["decode_s"], 1e-9))
+                   sampled_tokens_per_s=timing["sampled_tokens"] / max(timing["decode_s"], 1e-9),
+                   decode_occupancy=decode_sampled / row_steps if row_steps else 0.0)
     return Rollout(trajectories, metrics)
 
 
@@ -177,16 +194,121 @@ def _session_stream(rng: jax.Array, first_sequence: int, max_batch_size: int) ->
     return jax.random.fold_in(rng, first_sequence // max_batch_size), first_sequence % max_batch_size
 
 
+class AgentSteps:
+    """The steps of the protocol both engines share (the sessions' turn loop here, continuous batching in
+    `continuous`): turn budgets, the turn-end check, cutting and parsing a turn, appending its observation to the
+    conversation, and the batched searches (their seconds go to timing["search_calls_s"])."""
+
+    def __init__(self, tokenizer, retriever: Retriever, config: AgentConfig, timing: dict[str, float]):
+        self.tokenizer, self.retriever, self.config, self.timing = tokenizer, retriever, config, timing
+
+    def conversation(self, example: QAExample) -> _Conversation:
+        return _Conversation(protocol.chat_prompt_ids(self.tokenizer, example.question, self.config.max_prompt_tokens))
+
+    def budget(self, conv: _Conversation) -> int:
+        """Tokens the conversation's next turn may sample (0: it is full)."""
+        cfg = self.config
+        return max(0, min(cfg.max_turn_tokens, cfg.max_context_tokens - conv.context_len,
+                          cfg.max_response_tokens - conv.response_len))
+
+    def turn_finished(self, token_lists: list[list[int]]) -> list[bool]:
+        texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+        return [protocol.turn_finished(text) for text in texts]
+
+    def close_turn(self, conv: _Conversation, sample: SampledTurn, final: bool
+                   ) -> tuple[Turn, bool, Optional[str]]:
+        """Cuts and parses a sampled turn (the kept tokens are the Turn's token_ids); sets the conversation's end
+        reason when it ends. Returns (the turn, whether it searches, its observation when known: the invalid-action
+        message)."""
+        body = sample.token_ids[:-1] if sample.hit_stop else sample.token_ids
+        cut = protocol.cut_turn_tokens(body, self.tokenizer)
+        keep = cut.num_tokens
+        action = protocol.parse_action(cut.text)
+        turn = Turn(token_ids=tuple(body[:keep]), logps=tuple(sample.logps[:keep]), text=cut.text, action=action,
+                    num_sampled=len(sample.token_ids), hit_stop=sample.hit_stop)
+        if action.kind == "answer":
+            conv.end_reason = END_ANSWER
+        elif final:
+            conv.end_reason = END_MAX_TURNS
+        elif action.kind == "search":
+            return turn, True, None
+        else:
+            return turn, False, protocol.INVALID_ACTION_MESSAGE
+        return turn, False, None
+
+    def append_turn(self, conv: _Conversation, turn: Turn, observation: Optional[str], error: Optional[str]
+                    ) -> tuple[Optional[list[int]], bool]:
+        """Appends a closed turn and its observation (text, or None) to the conversation; a failed search's error
+        is recorded on the turn. An observation that does not fit the context caps ends the conversation
+        (context_full). Returns (the observation's token ids to extend the session with, None when the
+        conversation ends; whether the observation was cut to max_observation_tokens)."""
+        conv.response_len += len(turn.token_ids)
+        obs_ids, truncated = None, False
+        if observation is not None:
+            ids = self.tokenizer.encode(observation, add_special_tokens=False)
+            truncated = len(ids) > self.config.max_observation_tokens
+            ids = ids[:self.config.max_observation_tokens]
+            if self.fits(conv, len(ids)):
+                obs_ids = ids
+                conv.response_len += len(ids)
+                turn = dataclasses.replace(turn, observation=observation, observation_ids=tuple(ids),
+                                           observation_truncated=truncated)
+            else:
+                conv.end_reason = END_CONTEXT_FULL
+        if error is not None:
+            turn = dataclasses.replace(turn, search_error=error)
+        conv.turns.append(turn)
+        return obs_ids, truncated
+
+    def warn_truncations(self, truncations: int) -> None:
+        if truncations:
+            log.warning("%d observation(s) cut to agent.max_observation_tokens=%d tokens", truncations,
+                        self.config.max_observation_tokens)
+
+    def fits(self, conv: _Conversation, extra: int) -> bool:
+        cfg = self.config
+        return (conv.context_len + extra <= cfg.max_context_tokens
+                and conv.response_len + extra <= cfg.max_response_tokens)
+
+    def trajectories(self, examples: Sequence[QAExample], convs: Sequence[_Conversation]) -> list[Trajectory]:
+        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer)
+                for ex, c in zip(examples, convs)]
+
+    async def search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:
+        """One batched retriever call; (observation, error message or None) per query."""
+        start = time.perf_counter()
+        results: Sequence[SearchResult]
+        try:
+            results = await asyncio.wait_for(self.retriever.search(queries, self.config.retrieval_top_k),
+                                             timeout=self.config.search_timeout_s)
+            if len(results) != len(queries):
+                raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
+            failures = [r.error for r in results]
+        except asyncio.TimeoutError:
+            results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
+        except Exception as e:  # a failing backend must not crash the rollout
+            results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
+        self.timing["search_calls_s"] += time.perf_counter() - start
+        return [(search_error_observation(str(failures[j])), str(failures[j])) if failures[j]
+                else (protocol.format_observation([d.contents for d in results[j].docs]), None)
+                for j in range(len(queries))]
+
+
+def add_decode_counts(timing: dict[str, float], session) -> None:
+    """Adds a session's decode_counts (sampled tokens, decode steps x rows) to `timing`, when it keeps them."""
+    for key, value in getattr(session, "decode_counts", {}).items():
+        timing[f"decode_{key}"] += value
+
+
 class _BatchLoop:
     """The turn loop of one sampler session."""
 
-    def __init__(self, sampler: TurnSampler, params, tokenizer, retriever: Retriever, examples: Sequence[QAExample],
-                 config: AgentConfig, timing: dict[str, float], decode_thread: concurrent.futures.Executor):
-        self.sampler, self.params, self.tokenizer, self.retriever = sampler, params, tokenizer, retriever
-        self.examples, self.config, self.timing = list(examples), config, timing
+    def __init__(self, sampler: TurnSampler, params, steps: AgentSteps, examples: Sequence[QAExample],
+                 decode_thread: concurrent.futures.Executor):
+        self.sampler, self.params, self.steps = sampler, params, steps
+        self.examples, self.config, self.timing = list(examples), steps.config, steps.timing
         self.decode_thread = decode_thread
-        self.convs = [_Conversation(protocol.chat_prompt_ids(tokenizer, ex.question, config.max_prompt_tokens))
-                      for ex in self.examples]
+        self.convs = [steps.conversation(ex) for ex in self.examples]
 
     async def run(self, rng: jax.Array, first_sequence: int) -> list[Trajectory]:
         session = self.sampler.start(self.params, [c.prompt_ids for c in self.convs], rng,
@@ -197,43 +319,21 @@ class _BatchLoop:
             await self._turn(session, final=turn_index == self.config.max_turns)
         for key in ("prefill_s", "decode_s"):
             self.timing[key] += session.timing[key]
-        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer)
-                for ex, c in zip(self.examples, self.convs)]
-
-    def _budget(self, conv: _Conversation) -> int:
-        cfg = self.config
-        return max(0, min(cfg.max_turn_tokens, cfg.max_context_tokens - conv.context_len,
-                          cfg.max_response_tokens - conv.response_len))
-
-    def _turn_finished(self, token_lists: list[list[int]]) -> list[bool]:
-        texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
-        return [protocol.turn_finished(text) for text in texts]
+        add_decode_counts(self.timing, session)
+        return self.steps.trajectories(self.examples, self.convs)
 
     def _close_turn(self, i: int, sample: SampledTurn, final: bool, turns: dict[int, Turn], keep: list[int],
                     observations: list[Optional[str]]) -> bool:
         """Cuts and parses sequence i's sampled turn; returns whether it searches. Runs on the decode thread for
         sequences the session reports early (they are not touched elsewhere until decoding is over)."""
-        conv = self.convs[i]
-        body = sample.token_ids[:-1] if sample.hit_stop else sample.token_ids
-        cut = protocol.cut_turn_tokens(body, self.tokenizer)
-        keep[i] = cut.num_tokens
-        action = protocol.parse_action(cut.text)
-        turns[i] = Turn(token_ids=tuple(body[:keep[i]]), logps=tuple(sample.logps[:keep[i]]), text=cut.text,
-                        action=action, num_sampled=len(sample.token_ids), hit_stop=sample.hit_stop)
-        if action.kind == "answer":
-            conv.end_reason = END_ANSWER
-        elif final:
-            conv.end_reason = END_MAX_TURNS
-        elif action.kind == "search":
-            return True
-        else:
-            observations[i] = protocol.INVALID_ACTION_MESSAGE
-        return False
+        turns[i], searches, observations[i] = self.steps.close_turn(self.convs[i], sample, final)
+        keep[i] = len(turns[i].token_ids)
+        return searches
 
     async def _turn(self, session: SamplerSession, final: bool) -> None:
         n = len(self.convs)
         active = [c.end_reason is None for c in self.convs]
-        budgets = [self._budget(c) if active[i] else 0 for i, c in enumerate(self.convs)]
+        budgets = [self.steps.budget(c) if active[i] else 0 for i, c in enumerate(self.convs)]
         keep = [0] * n
         observations: list[Optional[str]] = [None] * n
         turns: dict[int, Turn] = {}
@@ -245,11 +345,11 @@ class _BatchLoop:
                          if self._close_turn(i, sample, final, turns, keep, observations)]
             if searching:
                 queries = [turns[i].action.content for i in searching]
-                in_flight.append((searching, asyncio.run_coroutine_threadsafe(self._search(queries), loop)))
+                in_flight.append((searching, asyncio.run_coroutine_threadsafe(self.steps.search(queries), loop)))
 
         try:
             samples = await loop.run_in_executor(self.decode_thread, session.decode_turn, budgets,
-                                                 self._turn_finished, on_finished)
+                                                 self.steps.turn_finished, on_finished)
         except BaseException:
             for _, future in in_flight:
                 future.cancel()
@@ -268,7 +368,7 @@ class _BatchLoop:
         for seqs, future in in_flight:
             outcomes.update(zip(seqs, await asyncio.wrap_future(future)))
         if late:
-            outcomes.update(zip(late, await self._search([turns[i].action.content for i in late])))
+            outcomes.update(zip(late, await self.steps.search([turns[i].action.content for i in late])))
         self.timing["search_s"] += time.perf_counter() - wait_start
         errors = {}
         for i, (observation, error) in outcomes.items():
@@ -278,48 +378,7 @@ class _BatchLoop:
         obs_ids: list[Optional[list[int]]] = [None] * n
         truncations = 0
         for i in sorted(turns):
-            turn, conv = turns[i], self.convs[i]
-            conv.response_len += len(turn.token_ids)
-            if observations[i] is not None:
-                ids = self.tokenizer.encode(observations[i], add_special_tokens=False)
-                truncated = len(ids) > self.config.max_observation_tokens
-                ids = ids[:self.config.max_observation_tokens]
-                truncations += truncated
-                if self._fits(conv, len(ids)):
-                    obs_ids[i] = ids
-                    conv.response_len += len(ids)
-                    turn = dataclasses.replace(turn, observation=observations[i], observation_ids=tuple(ids),
-                                               observation_truncated=truncated)
-                else:
-                    conv.end_reason = END_CONTEXT_FULL
-            if i in errors:
-                turn = dataclasses.replace(turn, search_error=errors[i])
-            conv.turns.append(turn)
-        if truncations:
-            log.warning("%d observation(s) cut to agent.max_observation_tokens=%d tokens", truncations,
-                        self.config.max_observation_tokens)
+            obs_ids[i], truncated = self.steps.append_turn(self.convs[i], turns[i], observations[i], errors.get(i))
+            truncations += truncated
+        self.steps.warn_truncations(truncations)
         session.end_turn(keep, obs_ids)
-
-    def _fits(self, conv: _Conversation, extra: int) -> bool:
-        cfg = self.config
-        return (conv.context_len + extra <= cfg.max_context_tokens
-                and conv.response_len + extra <= cfg.max_response_tokens)
-
-    async def _search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:
-        """One batched retriever call; (observation, error message or None) per query."""
-        start = time.perf_counter()
-        results: Sequence[SearchResult]
-        try:
-            results = await asyncio.wait_for(self.retriever.search(queries, self.config.retrieval_top_k),
-                                             timeout=self.config.search_timeout_s)
-            if len(results) != len(queries):
-                raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
-            failures = [r.error for r in results]
-        except asyncio.TimeoutError:
-            results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
-        except Exception as e:  # a failing backend must not crash the rollout
-            results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
-        self.timing["search_calls_s"] += time.perf_counter() - start
-        return [(search_error_observation(str(failures[j])), str(failures[j])) if failures[j]
-                else (protocol.format_observation([d.contents for d in results[j].docs]), None)
-                for j in range(len(queries))]

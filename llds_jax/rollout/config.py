@@ -22,6 +22,9 @@ class AgentConfig:
       retrieval_top_k: documents per search.
       search_timeout_s: timeout of one batched retriever call.
       max_batch_size: sequences per sampler session (0: all at once); larger inputs run in several sessions.
+      continuous_batching: instead of sessions that run their rows turn by turn, one device batch of
+        max_batch_size rows (0: all sequences) that sequences enter and leave between any two decode chunks, each
+        row on its own turn (`llds_jax.rollout.continuous`); needs `sampler.Sampler`. The same tokens are sampled.
     """
 
     max_turns: int = 4
@@ -33,6 +36,7 @@ class AgentConfig:
     retrieval_top_k: int = 3
     search_timeout_s: float = 60.0
     max_batch_size: int = 0
+    continuous_batching: bool = False
 
     def __post_init__(self):
         positive = ("max_turn_tokens", "max_observation_tokens", "max_prompt_tokens", "max_context_tokens",

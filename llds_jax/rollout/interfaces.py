@@ -28,6 +28,8 @@ class SamplerSession(Protocol):
     Attributes:
       timing: seconds spent so far on the device: "prefill_s" (prompts and observation extends) and "decode_s"
         (decode chunks, and their dispatch).
+      decode_counts (optional): "sampled_tokens" and "row_steps" (decode steps x batch rows) so far, for the
+        rollout's decode occupancy (0 without them).
     """
 
     timing: dict[str, float]

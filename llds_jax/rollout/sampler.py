@@ -15,6 +15,12 @@ A `Sampler` holds the jitted programs of one model architecture; `Sampler.start(
                                        observation tokens with `model.extend` (no re-encoding of the
                                        conversation). A row given no observation is finished and leaves the batch.
 
+For continuous batching (`llds_jax.rollout.continuous`), `Sampler.start_rows` opens a `RowSession` instead: a
+device batch of rows that sequences enter and leave between any two decode chunks, each row on its own turn.
+Its `extend` rolls back and extends just some rows (observations), or empties them and encodes new prompts there,
+in calls of `_extend_rows` (the rows gathered into a smaller batch, extended, scattered back; the other rows
+untouched).
+
 Log-probs are those of the sampling distribution over the full vocabulary: log_softmax(logits / temperature) in
 float32, what the learner recomputes. Top-k / top-p only restrict which tokens can be drawn; the log-probs are not
 renormalized over the kept set. Greedy decoding reports temperature-1 log-probs.
@@ -33,7 +39,8 @@ the logits may differ at float rounding (other reduction sizes).
 
 `Session.timing` accumulates seconds: `prefill_s` (prompt prefill and observation extends, each waited for once
 per turn), `decode_s` (decode chunk calls and the wait for their tokens) and `host_s` (the host callbacks between
-chunks). No wait is added inside the decode loop: it fetches each chunk's tokens anyway.
+chunks). No wait is added inside the decode loop: it fetches each chunk's tokens anyway. `Session.decode_counts`
+counts the sampled tokens and the decode steps x batch rows (their ratio: the decode occupancy).
 
 Dimension letters: B rows, T new tokens, C decode steps of one chunk, S cache slots, V vocabulary, D hidden.
 """
@@ -55,10 +62,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import KVCache, init_cache
+from llds_jax.rollout import buckets
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.interfaces import SampledTurn
-from llds_jax.rollout.shape_plan import (DecodeShape, EndTurnShape, GrowShape, PrefillShape, SelectShape, Shape,
-                                          ShapePlan)
+from llds_jax.rollout.shape_plan import (DecodeShape, EmptyShape, EndTurnShape, ExtendRowsShape, GrowShape,
+                                          PrefillShape, SelectShape, Shape, ShapePlan)
 
 
 @flax.struct.dataclass
@@ -229,6 +237,48 @@ def _end_turn(graphdef, params, state: DecodeState, end_b, next_pos_b, obs_bt, o
     return _constrain_state(state.replace(cache=cache, logits_bv=_last_logits(model, hidden_btd, obs_valid_bt)))
 
 
+def _empty(graphdef, params, rng, rows: int, capacity: int) -> DecodeState:
+    """A batch of `rows` empty rows of `capacity` slots, every row done (continuous batching fills them with
+    `_extend_rows`; their keys are placeholders until then)."""
+    model = nnx.merge(graphdef, params)
+    zeros_b = jnp.zeros((rows,), jnp.int32)
+    return _constrain_state(DecodeState(
+        cache=_constrain_cache(init_cache(model.cfg, rows, capacity)),
+        logits_bv=jnp.zeros((rows, model.cfg.vocab_size), jnp.float32),
+        key_b=jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows, dtype=jnp.uint32)), count_b=zeros_b,
+        remaining_b=zeros_b, done_b=jnp.ones((rows,), bool)))
+
+
+def _extend_rows(graphdef, params, state: DecodeState, rows_k, end_k, next_pos_k, tokens_kt, valid_kt, key_data_k,
+                 prefill: bool) -> DecodeState:
+    """Rolls rows `rows_k` back to (end_k, next_pos_k) and appends right-padded tokens to them; the other rows'
+    cache, logits and decode state are untouched.
+
+    prefill (static): the rows start new sequences, their tokens are prompts: the caller gives end 0 and position
+    0 (the rows are emptied), attention runs over the prompts alone (as `_prefill`), the sampled-token counts are
+    set to 0 and the PRNG keys to `key_data_k` (uint32 [K, ...], `jax.random.key_data`; ignored otherwise).
+    Padding entries of rows_k hold the batch size (dropped); they need one valid token.
+    """
+    model = nnx.merge(graphdef, params)
+    cache = state.cache
+    take = lambda a, axis=0: jnp.take(a, rows_k, axis=axis, mode="clip")  # noqa: E731
+    put = lambda a, new, axis=0: a.at[(slice(None),) * axis + (rows_k,)].set(new, mode="drop")  # noqa: E731
+    slots_s = jnp.arange(cache.capacity, dtype=jnp.int32)
+    rows = KVCache(k_lbskh=take(cache.k_lbskh, 1), v_lbskh=take(cache.v_lbskh, 1),
+                   valid_bs=take(cache.valid_bs) & (slots_s[None, :] < end_k[:, None]), end_b=end_k,
+                   next_pos_b=next_pos_k)
+    hidden_ktd, rows = model.extend(tokens_kt, valid_kt, rows, prefill=prefill)
+    cache = KVCache(k_lbskh=put(cache.k_lbskh, rows.k_lbskh, 1), v_lbskh=put(cache.v_lbskh, rows.v_lbskh, 1),
+                    valid_bs=put(cache.valid_bs, rows.valid_bs), end_b=put(cache.end_b, rows.end_b),
+                    next_pos_b=put(cache.next_pos_b, rows.next_pos_b))
+    state = state.replace(cache=cache, logits_bv=put(state.logits_bv, _last_logits(model, hidden_ktd, valid_kt)))
+    if prefill:
+        key_data_b = put(jax.random.key_data(state.key_b), key_data_k)
+        state = state.replace(key_b=jax.random.wrap_key_data(key_data_b, impl=jax.random.key_impl(state.key_b)),
+                              count_b=put(state.count_b, jnp.zeros_like(end_k)))
+    return _constrain_state(state)
+
+
 def _grow(state: DecodeState, capacity: int) -> DecodeState:
     """The same state with `capacity` cache slots (new slots empty)."""
     cache = state.cache
@@ -245,10 +295,13 @@ def _spec(array: jax.Array) -> jax.ShapeDtypeStruct:
 
 
 def _select_rows(state: DecodeState, rows_b) -> DecodeState:
-    """The state of rows `rows_b` (a smaller batch)."""
+    """The state of rows `rows_b` (a smaller batch). The cache is taken one layer at a time (a loop over L), so the
+    program holds one layer's rows beside its output rather than a copy of the whole cache."""
     take = lambda a, axis=0: jnp.take(a, rows_b, axis=axis)
+    take_layers = lambda a_l: jax.lax.map(take, a_l)  # noqa: E731
     cache = state.cache
-    cache = KVCache(k_lbskh=take(cache.k_lbskh, 1), v_lbskh=take(cache.v_lbskh, 1), valid_bs=take(cache.valid_bs),
+    cache = KVCache(k_lbskh=take_layers(cache.k_lbskh), v_lbskh=take_layers(cache.v_lbskh),
+                    valid_bs=take(cache.valid_bs),
                     end_b=take(cache.end_b), next_pos_b=take(cache.next_pos_b))
     return _constrain_state(DecodeState(cache=cache, logits_bv=take(state.logits_bv), key_b=take(state.key_b),
                                         count_b=take(state.count_b), remaining_b=take(state.remaining_b),
@@ -277,6 +330,9 @@ class Sampler:
         self._end_turn = jax.jit(functools.partial(_end_turn, graphdef), donate_argnums=1)
         self._grow = jax.jit(_grow, static_argnums=1)
         self._select = jax.jit(_select_rows)
+        self._empty = jax.jit(functools.partial(_empty, graphdef), static_argnames=("rows", "capacity"))
+        self._extend_rows = jax.jit(functools.partial(_extend_rows, graphdef), donate_argnums=1,
+                                    static_argnames="prefill")
         self._params_spec = None  # the params as ShapeDtypeStructs, from the first decode chunk
 
     def freeze_shapes(self, grid: bool = True) -> int:
@@ -354,6 +410,36 @@ class Sampler:
         put = self.put
         return self._end_turn(params, state, put(end_b), put(next_pos_b), put(obs_bt), put(obs_valid_bt))
 
+    def empty(self, params, rng: jax.Array, rows: int, capacity: int) -> DecodeState:
+        """A batch of `rows` empty rows of `capacity` slots, every row done (see `_empty`)."""
+        self.plan.record(EmptyShape(rows, capacity))
+        return self._empty(params, rng, rows=rows, capacity=capacity)
+
+    def extend_rows(self, params, state: DecodeState, rows_k: np.ndarray, end_k: np.ndarray, next_pos_k: np.ndarray,
+                    tokens_kt: np.ndarray, valid_kt: np.ndarray, key_data_k: np.ndarray, prefill: bool
+                    ) -> DecodeState:
+        """Rolls rows rows_k (int32 [K]; the batch size: padding) of `state` (donated) back to (int32 cache end and
+        next position [K]) and appends right-padded tokens (int32 and bool valid [K, T]); with `prefill` the rows
+        start new sequences (prompts) with PRNG key data key_data_k (uint32 [K, ...]). See `_extend_rows`."""
+        self.plan.record(ExtendRowsShape(*state.cache.valid_bs.shape, *tokens_kt.shape, prefill))
+        put = self.put
+        return self._extend_rows(params, state, put(rows_k), put(end_k), put(next_pos_k), put(tokens_kt),
+                                 put(valid_kt), put(key_data_k), prefill=prefill)
+
+    def sequence_keys(self, rng: jax.Array, first_sequence: int, n: int) -> jax.Array:
+        """The PRNG keys [n] of sequences first_sequence .. first_sequence + n - 1 of `rng`: fold_in(rng, id), the
+        keys `prefill` gives them (a session's sequence i has id first_sequence + i, see `start`)."""
+        if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            rng = jax.random.wrap_key_data(rng)
+        ids_n = np.arange(first_sequence, first_sequence + n, dtype=np.uint32)
+        return jax.vmap(lambda i: jax.random.fold_in(rng, i))(ids_n)
+
+    def start_rows(self, params, prompts: Sequence[Sequence[int]], keys_n: jax.Array, rows: int,
+                   first_turn: int) -> "RowSession":
+        """Opens a continuous-batching session over `prompts`: at most `rows` sequences at a time, sequence i
+        sampling from keys_n[i] (see `sequence_keys`), room for a first turn of `first_turn` tokens."""
+        return RowSession(self, params, prompts, keys_n, rows, first_turn)
+
     def grow(self, state: DecodeState, capacity: int) -> DecodeState:
         """The same state with `capacity` cache slots (new slots empty)."""
         self.plan.record(GrowShape(*state.cache.valid_bs.shape, capacity))
@@ -381,6 +467,11 @@ class Sampler:
             return self._end_turn.lower(params, state, host(r), host(r), host(r, t), host(r, t, dtype=bool))
         if isinstance(shape, GrowShape):
             return self._grow.lower(state, shape.capacity_out)
+        if isinstance(shape, ExtendRowsShape):
+            k, t, key_shape = shape.rows_in, shape.tokens, jax.eval_shape(jax.random.key_data, state.key_b).shape[1:]
+            return self._extend_rows.lower(params, state, host(k), host(k), host(k), host(k, t),
+                                           host(k, t, dtype=bool), host(k, *key_shape, dtype=np.uint32),
+                                           prefill=shape.prefill)
         return self._select.lower(state, host(shape.rows_out))
 
     def _abstract_state(self, params, rows: int, capacity: int) -> DecodeState:
@@ -424,27 +515,73 @@ class Sampler:
         return Session(self, params, prompts, rng, first_sequence)
 
 
-class Session:
+class _DeviceBatch:
+    """What both kinds of session share: the decode state of a batch of rows on device, its growth, the decode
+    chunk calls with their timing, and the count of decode-row occupancy.
+
+    Attributes:
+      timing: seconds, see the module docstring.
+      decode_counts: "sampled_tokens" (tokens the rows sampled) and "row_steps" (decode steps run x batch rows);
+        their ratio is the decode occupancy, the share of decode rows doing real work.
+    """
+
+    def __init__(self, sampler: Sampler, params, prompts: Sequence[Sequence[int]]):
+        if not prompts:
+            raise ValueError("Session: no prompts")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("Session: every prompt needs at least one token")
+        self._sampler = sampler
+        self._cfg = sampler.config
+        self._params = params
+        self._prompts = [list(map(int, p)) for p in prompts]
+        self._state: Optional[DecodeState] = None
+        self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0}
+        self.decode_counts = {"sampled_tokens": 0, "row_steps": 0}
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def capacity(self) -> int:
+        """Cache slots per row, 0 before the first turn."""
+        return 0 if self._state is None else self._state.cache.capacity
+
+    def _rows(self) -> int:
+        return 0 if self._state is None else self._state.done_b.shape[0]
+
+    def _ensure_capacity(self, needed: int) -> None:
+        """Grows the cache, to the capacity the plan gives, when a row needs more than its `capacity` slots."""
+        grown = self._sampler.plan.grown_capacity(self._rows(), self.capacity, needed)
+        if grown > self.capacity:
+            self._state = self._sampler.grow(self._state, grown)
+
+    def _decode_chunk(self, stop_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """One decode chunk call (stop_b: bool [B], rows the host finished); returns its tokens, log-probs and
+        emitted flags [B, C] and the rows done after it [B], on the host. Counts decode_s and decode_counts."""
+        start = time.perf_counter()
+        self._state, tokens_bc, logp_bc, emitted_bc = self._sampler.decode_chunk(self._params, self._state, stop_b)
+        tokens_bc, logp_bc, emitted_bc, done_b = jax.device_get((tokens_bc, logp_bc, emitted_bc, self._state.done_b))
+        self.timing["decode_s"] += time.perf_counter() - start
+        # Every step that ran emitted a token on some row (the loop stops once all rows are done).
+        self.decode_counts["sampled_tokens"] += int(emitted_bc.sum())
+        self.decode_counts["row_steps"] += int(emitted_bc.any(axis=0).sum()) * emitted_bc.shape[0]
+        return tokens_bc, logp_bc, emitted_bc, done_b
+
+
+class Session(_DeviceBatch):
     """One batch of conversations in the KV cache. Sequences are indexed 0..n-1 in `prompts` order; sequence i
     samples with the global id first_sequence + i (see `Sampler.start`)."""
 
     def __init__(self, sampler: Sampler, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
                  first_sequence: int = 0):
-        if not prompts:
-            raise ValueError("Session: no prompts")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("Session: every prompt needs at least one token")
+        super().__init__(sampler, params, prompts)
         if first_sequence < 0:
             raise ValueError(f"Session: first_sequence must be >= 0, got {first_sequence}")
         if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)
-        self._sampler = sampler
-        self._cfg = sampler.config
-        self._params = params
-        self._prompts = [list(map(int, p)) for p in prompts]
         self._rng = rng
         self._first_sequence = first_sequence
-        self._state: Optional[DecodeState] = None
         n = len(prompts)
         self._alive = np.ones(n, bool)
         # Host mirrors, per sequence: the cache slot the sequence writes to next and its next RoPE position.
@@ -454,21 +591,11 @@ class Session:
         self._turn_start_pos = np.zeros(n, np.int64)
         self._slot_of = np.full(n, -1, np.int64)  # the batch row holding each sequence (-1: none)
         self._seq_of: np.ndarray = np.zeros(0, np.int64)  # the sequence in each batch row (-1: padding)
-        self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0}  # see the module docstring
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self._prompts)
 
     @property
     def batch_rows(self) -> int:
         """Rows of the device batch (a bucket), 0 before the first turn."""
         return len(self._seq_of)
-
-    @property
-    def capacity(self) -> int:
-        """Cache slots per row, 0 before the first turn."""
-        return 0 if self._state is None else self._state.cache.capacity
 
     def decode_turn(self, budgets: Sequence[int],
                     turn_finished: Callable[[list[list[int]]], list[bool]],
@@ -588,12 +715,6 @@ class Session:
         self._slot_of[:] = -1
         self._slot_of[live] = np.arange(len(live))
 
-    def _ensure_capacity(self, needed: int) -> None:
-        """Grows the cache, to the capacity the plan gives, when a row needs more than its `capacity` slots."""
-        grown = self._sampler.plan.grown_capacity(self.batch_rows, self.capacity, needed)
-        if grown > self.capacity:
-            self._state = self._sampler.grow(self._state, grown)
-
     def _row_array(self, per_sequence: np.ndarray, dtype) -> np.ndarray:
         out = np.zeros(len(self._seq_of), dtype)
         real = self._seq_of >= 0
@@ -601,7 +722,7 @@ class Session:
         return out
 
     def _run_turn(self, budgets_n: np.ndarray, turn_finished, on_finished, turns: list[SampledTurn]) -> None:
-        sampler, put = self._sampler, self._sampler.put
+        put = self._sampler.put
         stop_set = set(self._cfg.stop_ids)
         remaining_b = self._row_array(budgets_n, np.int32)
         self._state = self._state.replace(remaining_b=put(remaining_b), done_b=put(remaining_b <= 0))
@@ -609,12 +730,8 @@ class Session:
         running_b = remaining_b > 0  # host view: rows still sampling this turn
         stop_b = np.zeros(rows, bool)
         while running_b.any():
-            start = time.perf_counter()
-            self._state, tokens_bc, logp_bc, emitted_bc = sampler.decode_chunk(self._params, self._state, stop_b)
-            tokens_bc, logp_bc, emitted_bc, done_b = jax.device_get(
-                (tokens_bc, logp_bc, emitted_bc, self._state.done_b))
+            tokens_bc, logp_bc, emitted_bc, done_b = self._decode_chunk(stop_b)
             host_start = time.perf_counter()
-            self.timing["decode_s"] += host_start - start
             for row in np.flatnonzero(emitted_bc.any(axis=1)):
                 turn = turns[self._seq_of[row]]
                 emitted = emitted_bc[row]
@@ -639,6 +756,206 @@ class Session:
             self._end[seq] += n_tok
             self._pos[seq] += n_tok
             turns[seq] = _with_hit_stop(turn, stop_set)
+
+
+class RowSession(_DeviceBatch):
+    """Continuous batching: a device batch of `rows` rows that sequences enter and leave between any two decode
+    chunks, each row on its own turn. Sequences are indexed 0..n-1 in `prompts` order; sequence i samples its n-th
+    token with fold_in(key_i, n), key_i = keys_n[i] (see `Sampler.sequence_keys`), whichever row it
+    takes: the tokens a sequence samples do not depend on when or where it runs.
+
+    The caller drives it between chunks: `extend` (observations after rolled-back turns, and new sequences'
+    prompts, one device call over just those rows), `finish` (a sequence leaves its row), `begin_turn` (a sequence
+    samples its next turn), `decode_chunk` (one chunk of every row on its turn; rows that are not are done in it)
+    and `compact` (once no sequence waits for a row: the live rows into a smaller row bucket).
+
+    Args:
+      sampler: the Sampler.
+      params: the policy parameters.
+      prompts: token ids of each sequence.
+      keys_n: PRNG keys [n], each sequence's stream.
+      rows: sequences at a time (the batch is bucketed as the plan says).
+      first_turn: the longest first turn, for the first cache capacity.
+    """
+
+    def __init__(self, sampler: Sampler, params, prompts: Sequence[Sequence[int]], keys_n: jax.Array, rows: int,
+                 first_turn: int):
+        super().__init__(sampler, params, prompts)
+        if keys_n.shape != (self.num_sequences,):
+            raise ValueError(f"RowSession: need {self.num_sequences} keys, got shape {keys_n.shape}")
+        self._rng = keys_n[0]  # the empty batch's placeholder keys
+        self._key_data_n = np.asarray(jax.random.key_data(keys_n))
+        self._first_turn = first_turn
+        self._slot_of = np.full(self.num_sequences, -1, np.int64)  # the row of each sequence (-1: none)
+        self._batch = min(rows, self.num_sequences)
+        # Host mirrors, per row: the sequence (-1: free), the next cache slot and RoPE position, where the current
+        # turn started, the tokens it may still sample and whether it samples this turn; the turn's tokens.
+        self._seq_of = self._end = self._pos = self._turn_end = self._turn_pos = self._remaining = np.zeros(0, np.int64)
+        self._decoding = np.zeros(0, bool)
+        self._turn: list[SampledTurn] = []  # set for every row by `_start`
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows of the device batch (a bucket), 0 before the first extend."""
+        return len(self._seq_of)
+
+    @property
+    def free_rows(self) -> int:
+        """Rows that can take a sequence now (all `rows` before the first extend)."""
+        return int((self._seq_of < 0).sum()) if self._state is not None else self._batch
+
+    @property
+    def decoding(self) -> int:
+        """Rows on their turn."""
+        return int(self._decoding.sum())
+
+    def finish(self, seq: int) -> None:
+        """Sequence `seq` is over: its row is free."""
+        row = self._row(seq)
+        self._seq_of[row], self._slot_of[seq], self._decoding[row] = -1, -1, False
+
+    def extend(self, observations: dict[int, tuple[int, Sequence[int]]], admit: Sequence[int]) -> None:
+        """Sequence s of `observations` (s -> (keep, observation ids)) keeps the first `keep` tokens of its last
+        turn and gets the observation after them (one device call; frozen, a few when they are more rows than
+        any such call ran); each sequence of `admit` takes a free row and its prompt is encoded there (likewise,
+        a prefill of those rows: prompts and observations have buckets of their own). The other rows are
+        untouched."""
+        if len(admit) > self.free_rows:
+            raise ValueError(f"RowSession.extend: {len(admit)} sequences for {self.free_rows} free rows")
+        with self._sampler.mesh_context():
+            if self._state is None:
+                self._start()
+            free = list(np.flatnonzero(self._seq_of < 0))
+            if observations:
+                rows_k = np.array([self._row(seq) for seq in sorted(observations)])
+                keep_k = np.array([observations[seq][0] for seq in sorted(observations)])
+                tokens_k = [list(observations[seq][1]) for seq in sorted(observations)]
+                sampled_k = np.array([len(self._turn[row].token_ids) for row in rows_k])
+                if (keep_k < 0).any() or (keep_k > sampled_k).any() or not all(tokens_k):
+                    raise ValueError(f"RowSession.extend: keep {keep_k.tolist()} of {sampled_k.tolist()} sampled "
+                                     f"tokens, observations of {[len(t) for t in tokens_k]}")
+                self._extend(rows_k, self._turn_end[rows_k] + keep_k, self._turn_pos[rows_k] + keep_k, tokens_k,
+                             prefill=False)
+            if admit:
+                rows_k = np.array(free[:len(admit)])
+                self._seq_of[rows_k], self._slot_of[list(admit)] = admit, rows_k
+                zeros_k = np.zeros(len(admit), np.int64)
+                self._extend(rows_k, zeros_k, zeros_k, [self._prompts[seq] for seq in admit], prefill=True)
+
+    def begin_turn(self, seq: int, budget: int) -> None:
+        """Sequence `seq` samples its next turn, at most `budget` (> 0) tokens, from the next decode chunk on."""
+        if budget < 1:
+            raise ValueError(f"RowSession.begin_turn: budget must be >= 1, got {budget}")
+        row = self._row(seq)
+        self._turn_end[row], self._turn_pos[row] = self._end[row], self._pos[row]
+        self._remaining[row], self._decoding[row] = budget, True
+        self._turn[row] = SampledTurn([], [], False)
+
+    def decode_chunk(self, turn_finished: Callable[[list[list[int]]], list[bool]]
+                     ) -> list[tuple[int, SampledTurn]]:
+        """One decode chunk of the rows on their turn. A row's turn ends at a stop token, at its budget, or once
+        `turn_finished` (token lists of the rows still sampling) says so. Returns (sequence, its SampledTurn) of
+        each sequence whose turn ended, ascending."""
+        with self._sampler.mesh_context():
+            put = self._sampler.put
+            self._ensure_capacity(int(np.max(self._end + self._remaining * self._decoding)) + 1)
+            self._state = self._state.replace(remaining_b=put(self._remaining.astype(np.int32)),
+                                              done_b=put(~self._decoding))
+            tokens_bc, logp_bc, emitted_bc, done_b = self._decode_chunk(np.zeros(self.batch_rows, bool))
+        host_start = time.perf_counter()
+        for row in np.flatnonzero(emitted_bc.any(axis=1)):
+            emitted = emitted_bc[row]
+            self._turn[row].token_ids.extend(tokens_bc[row, emitted].tolist())
+            self._turn[row].logps.extend(logp_bc[row, emitted].tolist())
+            n = int(emitted.sum())
+            self._end[row] += n
+            self._pos[row] += n
+            self._remaining[row] -= n
+        ended_b = self._decoding & done_b
+        check = np.flatnonzero(self._decoding & ~done_b)
+        if check.size:
+            finished = turn_finished([self._turn[row].token_ids for row in check])
+            ended_b[check[np.asarray(finished, bool)]] = True
+        self._decoding &= ~ended_b
+        stop_set = set(self._cfg.stop_ids)
+        ended = sorted((int(self._seq_of[row]), _with_hit_stop(self._turn[row], stop_set))
+                       for row in np.flatnonzero(ended_b))
+        self.timing["host_s"] += time.perf_counter() - host_start
+        return ended
+
+    def compact(self) -> None:
+        """Moves the live sequences into a smaller batch bucket when the plan has one for them (call it once no
+        sequence waits for a row)."""
+        live = np.flatnonzero(self._seq_of >= 0)
+        if self._state is None or not live.size:
+            return
+        compaction = self._sampler.plan.compaction(self.batch_rows, self.capacity, len(live))
+        if compaction is None:
+            return
+        take = np.concatenate([live, np.full(compaction.rows_out - len(live), live[0])])
+        with self._sampler.mesh_context():
+            self._state = self._sampler.select_rows(self._state, take.astype(np.int32))
+        self._seq_of = np.concatenate([self._seq_of[live], np.full(len(take) - len(live), -1)])
+        self._slot_of[self._seq_of[:len(live)]] = np.arange(len(live))
+        for name in ("_end", "_pos", "_turn_end", "_turn_pos", "_remaining", "_decoding"):
+            setattr(self, name, getattr(self, name)[take])
+        self._decoding[len(live):] = False
+        self._turn = [self._turn[row] for row in take]
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _row(self, seq: int) -> int:
+        row = int(self._slot_of[seq])
+        if row < 0:
+            raise ValueError(f"RowSession: sequence {seq} holds no row")
+        return row
+
+    def _start(self) -> None:
+        """The empty batch, with room for the longest prompt and a first turn."""
+        longest = max(map(len, self._prompts))
+        prompt = buckets.pow2_bucket(longest, self._cfg.min_observation_bucket)
+        shape = self._sampler.plan.empty(self._batch, prompt + self._first_turn + 1)
+        self._state = self._sampler.empty(self._params, self._rng, shape.rows, shape.capacity)
+        zeros = lambda dtype=np.int64: np.zeros(shape.rows, dtype)  # noqa: E731
+        self._seq_of = np.full(shape.rows, -1, np.int64)
+        self._end, self._pos, self._turn_end, self._turn_pos, self._remaining = (zeros() for _ in range(5))
+        self._decoding = zeros(bool)
+        self._turn = [SampledTurn([], [], False) for _ in range(shape.rows)]
+
+    def _extend(self, rows_k: np.ndarray, end_k: np.ndarray, pos_k: np.ndarray, tokens_k: list[list[int]],
+                prefill: bool) -> None:
+        """The extend of rows rows_k, rolled back to (end_k, pos_k), by tokens_k; with `prefill` the rows start
+        their sequences (see `_extend_rows`). Frozen, in several calls when they are more than the plan's limit."""
+        limit = self._sampler.plan.extend_rows_limit(self.batch_rows, prefill)
+        if limit is not None and len(rows_k) > limit:
+            for first in range(0, len(rows_k), limit):
+                part = slice(first, first + limit)
+                self._extend(rows_k[part], end_k[part], pos_k[part], tokens_k[part], prefill)
+            return
+        lengths_k = np.array([len(t) for t in tokens_k])
+        shape = self._sampler.plan.extend_rows(self.batch_rows, self.capacity, len(rows_k), int(lengths_k.max()),
+                                               int(end_k.max()), prefill)
+        self._ensure_capacity(int(end_k.max()) + shape.tokens)
+        k, t = shape.rows_in, shape.tokens
+        pad = lambda a, fill, dtype: np.concatenate([a, np.full(k - len(a), fill)]).astype(dtype)  # noqa: E731
+        tokens_kt = np.zeros((k, t), np.int32)
+        valid_kt = np.zeros((k, t), bool)
+        valid_kt[len(rows_k):, 0] = True  # padding rows hold one token so that attention never sees an empty row
+        for i, tokens in enumerate(tokens_k):
+            tokens_kt[i, :len(tokens)] = tokens
+            valid_kt[i, :len(tokens)] = True
+        seqs = self._seq_of[rows_k]
+        key_data_k = np.zeros((k,) + self._key_data_n.shape[1:], np.uint32)
+        key_data_k[:len(rows_k)] = self._key_data_n[seqs]
+        start = time.perf_counter()
+        self._state = self._sampler.extend_rows(
+            self._params, self._state, pad(rows_k, self.batch_rows, np.int32), pad(end_k, 0, np.int32),
+            pad(pos_k, 0, np.int32), tokens_kt, valid_kt, key_data_k, prefill)
+        self._state.logits_bv.block_until_ready()  # times the extend apart from decoding
+        self.timing["prefill_s"] += time.perf_counter() - start
+        self._end[rows_k] = end_k + lengths_k
+        self._pos[rows_k] = pos_k + lengths_k
+        self._decoding[rows_k] = False
 
 
 def _with_hit_stop(turn: SampledTurn, stop_ids: set[int]) -> SampledTurn:

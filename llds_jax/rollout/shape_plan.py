@@ -3,11 +3,12 @@ and which shapes to compile ahead of time once the shapes are frozen.
 
 Each program of `sampler` has its own shape type (a NamedTuple of sizes in rows or cache / token slots):
 `PrefillShape`, `DecodeShape`, `EndTurnShape` (roll back and observation extend), `GrowShape` (a larger cache) and
-`SelectShape` (compaction to fewer rows). Before `ShapePlan.freeze`, a call takes the buckets of what it needs
-(`buckets`): rows the power of two of its sequences (a multiple of the mesh's batch shards), prompt, cache and
-observation slots powers of two. After it, a call takes the smallest bucket already run that fits, if any, instead
-of compiling a program for a new smaller one, and `ShapePlan.grid` lists what to compile ahead: every program at
-every combination of the row, capacity and observation buckets run so far.
+`SelectShape` (compaction to fewer rows); continuous batching adds `EmptyShape` (an empty batch of rows) and
+`ExtendRowsShape` (tokens appended to some rows of a batch). Before `ShapePlan.freeze`, a call takes the buckets
+of what it needs (`buckets`): rows the power of two of its sequences (a multiple of the mesh's batch shards),
+prompt, cache and observation slots powers of two. After it, a call takes the smallest bucket already run that
+fits, if any, instead of compiling a program for a new smaller one, and `ShapePlan.grid` lists what to compile
+ahead: every program at every combination of the row, capacity and observation buckets run so far.
 """
 from __future__ import annotations
 
@@ -88,8 +89,38 @@ class SelectShape(NamedTuple):
     rows_out: int
 
 
-Shape = Union[PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape]
-_KINDS = (PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape)
+class EmptyShape(NamedTuple):
+    """An empty batch of rows (continuous batching: sequences enter it with `ExtendRowsShape`).
+
+    Attributes:
+      rows: batch rows.
+      capacity: cache slots per row.
+    """
+
+    rows: int
+    capacity: int
+
+
+class ExtendRowsShape(NamedTuple):
+    """Some rows of a batch rolled back (or emptied) and extended by right-padded tokens; the other rows untouched.
+
+    Attributes:
+      rows: batch rows.
+      capacity: cache slots per row.
+      rows_in: rows taking part (a row bucket, padded).
+      tokens: token slots per row taking part.
+      prefill: the rows start new sequences (their tokens are prompts; attention over them alone).
+    """
+
+    rows: int
+    capacity: int
+    rows_in: int
+    tokens: int
+    prefill: bool
+
+
+Shape = Union[PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape, EmptyShape, ExtendRowsShape]
+_KINDS = (PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape, EmptyShape, ExtendRowsShape)
 
 
 class ShapePlan:
@@ -166,13 +197,48 @@ class ShapePlan:
 
         Frozen: the smallest observation bucket run at these rows that holds the observations and whose extend
         has run at the capacity it leads to."""
-        observation = buckets.pow2_bucket(longest_observation, self.config.min_observation_bucket)
-        if self.frozen:
-            at = lambda t: EndTurnShape(rows, self.grown_capacity(rows, capacity, end + t), t)  # noqa: E731
-            observation = min((s.observation for s in self._run[EndTurnShape] if s.rows == rows
-                               and s.observation >= longest_observation and self.has_run(at(s.observation))),
-                              default=observation)
-        return EndTurnShape(rows, self.grown_capacity(rows, capacity, end + observation), observation)
+        at = lambda t: EndTurnShape(rows, self.grown_capacity(rows, capacity, end + t), t)  # noqa: E731
+        return at(self._token_bucket(EndTurnShape, "observation", longest_observation, at, rows=rows))
+
+    def empty(self, sequences: int, first_turn: int) -> EmptyShape:
+        """The empty batch of continuous batching for `sequences` rows at a time, with room for prompts and a first
+        turn of `first_turn` slots (frozen: the smallest capacity run at these rows that holds them)."""
+        rows = self.batch_rows(sequences)
+        capacity = (self._smallest_run(EmptyShape, "capacity", first_turn, rows=rows)
+                    or buckets.pow2_bucket(first_turn, self.config.min_capacity_bucket))
+        return EmptyShape(rows, capacity)
+
+    def extend_rows(self, rows: int, capacity: int, rows_in: int, longest: int, end: int, prefill: bool
+                    ) -> ExtendRowsShape:
+        """The extend of `rows_in` rows of a batch of `rows` rows with `capacity` slots by at most `longest` tokens
+        (prompts with `prefill`), where the furthest of them writes from slot `end`; its capacity is the one the
+        cache grows to for the token bucket (frozen: the smallest bucket of rows taking part run from these rows
+        that holds them, then the smallest token bucket run whose extend has run there)."""
+        rows_in = (self._smallest_run(ExtendRowsShape, "rows_in", rows_in, rows=rows, prefill=prefill)
+                   or self.batch_rows(rows_in))
+        at = lambda t: ExtendRowsShape(  # noqa: E731
+            rows, self.grown_capacity(rows, capacity, end + t), rows_in, t, prefill)
+        return at(self._token_bucket(ExtendRowsShape, "tokens", longest, at, rows=rows, rows_in=rows_in,
+                                     prefill=prefill))
+
+    def extend_rows_limit(self, rows: int, prefill: bool) -> Optional[int]:
+        """Frozen: the most rows one extend of a batch of `rows` rows takes (the largest row bucket of the extends
+        of its kind run there: more run as several extends, compiling nothing); None when not frozen or none ran."""
+        if not self.frozen:
+            return None
+        return max((s.rows_in for s in self._run[ExtendRowsShape] if s.rows == rows and s.prefill == prefill),
+                   default=None)
+
+    def _token_bucket(self, kind: type, field: str, longest: int, at: Callable[[int], Shape], **fixed: int) -> int:
+        """The token slots of an extend of at most `longest` tokens: a power of two (>= min_observation_bucket),
+        or, frozen, the smallest `field` of the `kind` shapes run with `fixed` fields that holds them and whose
+        shape `at(slots)` has run."""
+        slots = buckets.pow2_bucket(longest, self.config.min_observation_bucket)
+        if not self.frozen:
+            return slots
+        return min((getattr(s, field) for s in self._run[kind]
+                    if all(getattr(s, name) == value for name, value in fixed.items())
+                    and getattr(s, field) >= longest and self.has_run(at(getattr(s, field)))), default=slots)
 
     def _smallest_run(self, kind: type, field: str, at_least: int, below: Optional[int] = None, **fixed: int
                       ) -> Optional[int]:
@@ -189,15 +255,20 @@ class ShapePlan:
 
     def grid(self) -> list[Shape]:
         """The shapes not run yet on the grid of the row and capacity buckets of the decode states run so far: at
-        every (rows, capacity), a decode chunk, an extend of each observation bucket run, growth to each larger
+        every (rows, capacity), a decode chunk, an extend of each observation bucket run (continuous batching:
+        row extends of each row and token bucket run of their kind, of at most `rows` rows), growth to each larger
         capacity and compaction to each smaller row bucket. Ordered by rows, then capacity."""
         states = self._states()
         rows, capacities = sorted({r for r, _ in states}), sorted({c for _, c in states})
         observations = sorted({s.observation for s in self._run[EndTurnShape]})
+        row_extends = {(s.rows_in, s.prefill) for s in self._run[ExtendRowsShape]}  # with each token bucket of its kind
+        tokens = {prefill: sorted({s.tokens for s in self._run[ExtendRowsShape] if s.prefill == prefill})
+                  for prefill in (False, True)}
         grid = []
         for r in rows:
             for c in capacities:
                 grid += [DecodeShape(r, c), *(EndTurnShape(r, c, t) for t in observations),
+                         *(ExtendRowsShape(r, c, k, t, p) for k, p in sorted(row_extends) for t in tokens[p] if k <= r),
                          *(GrowShape(r, c, g) for g in capacities if g > c),
                          *(SelectShape(r, c, k) for k in rows if k < r)]
         return [shape for shape in grid if not self.has_run(shape)]
@@ -211,8 +282,8 @@ class ShapePlan:
         return len(shapes)
 
     def _states(self) -> set[tuple[int, int]]:
-        """(rows, capacity) of the decode states run: made by a prefill or compaction, or taken by a decode chunk,
-        an extend or a growth."""
-        return ({(s.rows, s.capacity) for s in self._run[PrefillShape]}
-                | {(s.rows, s.capacity) for kind in (DecodeShape, EndTurnShape, GrowShape) for s in self._run[kind]}
+        """(rows, capacity) of the decode states run: made by a prefill, an empty batch or compaction, or taken by a
+        decode chunk, an extend or a growth."""
+        kinds = (PrefillShape, EmptyShape, DecodeShape, EndTurnShape, ExtendRowsShape, GrowShape)
+        return ({(s.rows, s.capacity) for kind in kinds for s in self._run[kind]}
                 | {(s.rows_out, s.capacity) for s in self._run[SelectShape]})
