@@ -21,7 +21,12 @@ The programs, at the config's largest shapes (the worst case a long run can reac
 Memory per chip of a program = its arguments + outputs - aliased (donated) + temporaries + code, plus the arrays a
 run keeps alive meanwhile that are not its arguments ("resident": train state, reference parameters). A program
 over the chip's HBM (as XLA reports it usable: a little under the nominal size) is an error: the command prints
-the table and exits with status 1, naming the program and the GiB over.
+the table and exits with status 1, naming the program and the GiB over. So is a program that all-gathers a whole
+[V, D] vocabulary table, or a rollout program that all-gathers a layer's weights (`weight_gathers`: the rollout
+copy is not split over the chips, `rollout.tensor_parallel`).
+
+When every program fits, the command also prints an estimated step time: each program's roofline time read from
+its HLO (`llds_jax.roofline`) times its calls per step (`llds_jax.step_estimate`, with its assumptions).
 """
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ training mesh and, with `rollout.params_dtype` the params' own dtype, the very s
 or its own tensor-parallel copy on a mesh of the same devices.
 
 `rollout.params_dtype` (e.g. bfloat16 on float32 master weights): the rollout's params are cast once per rollout
-(`layout.cast_params`, on the training mesh, before any gather: the host-local copy is half the size), and the sampler
-runs prefill, decode chunks and extends on those arrays; old / reference / policy log-probs and the updates use
-the training params.
+(`layout.cast_params`, on the training mesh, before any gather: the host-local copy is half the size), and the
+sampler runs prefill, decode chunks and extends on those arrays; old / reference / policy log-probs and the
+updates use the training params.
 """
 from __future__ import annotations
 
@@ -48,11 +48,10 @@ from llds_jax import config as config_lib
 from llds_jax import distributed, parallel
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
-from llds_jax.model import hf_io
+from llds_jax.model import from_hf_config, hf_io
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, RLTrainStep, TrainState, learning_rate
-from llds_jax.model.config import from_hf_config
 from llds_jax.rollout import agent
 from llds_jax.rollout.layout import make_layout, rollout_params
 from llds_jax.rollout.sampler import Sampler
