@@ -5,8 +5,10 @@ the ratio.
 
     python bench/rollout_layout.py --config configs/qwen7b_v4.py --baseline-rows 16
 
-The baseline is `rollout.tensor_parallel = 0` at `--baseline-rows` rows per session (what the paper configs ran
-before 2026-12-03), the other the config as it is.
+The baseline is `rollout.tensor_parallel = 0` at `--baseline-rows` rows per session, attending over every cache
+slot (`rollout.cache_block = 0`: what the paper configs ran before 2026-12-03), the other the config as it is. A
+decode that reads the filled cache blocks alone is costed at the step estimate's mean fill
+(`llds_jax.step_estimate.filled_blocks`).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def main() -> None:
     args = p.parse_args()
     jax.config.update("jax_platforms", "cpu")
     tokens_per_s = []
-    for label, overrides in (("training layout", ["rollout.tensor_parallel=0",
+    for label, overrides in (("training layout", ["rollout.tensor_parallel=0", "rollout.cache_block=0",
                                                   f"rollout.max_batch_size={args.baseline_rows}"]),
                              ("as configured", [])):
         cfg, program, cost = decode_chunk(args.config, overrides)

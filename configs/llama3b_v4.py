@@ -4,8 +4,8 @@ Prompt as in Search-R1: the tokenizer's own chat template when it has one, else 
 (`model.chat_template = ""`: never the Qwen2.5-Instruct template qwen3b_v4.py falls back to).
 
 Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-03): the largest program is the
-rollout's observation extend, 21.32 GiB of 30.75 (31% headroom), with sessions of 32 sequences split over each
-host's 4 chips by heads; the update 13.46 GiB.
+rollout's compaction, 26.79 GiB of 30.75 (13% headroom), with sessions of 64 sequences split over each host's 4
+chips by heads; the update 13.46 GiB.
 """
 from configs import qwen3b_v4 as base
 
@@ -16,6 +16,6 @@ def get_config(retriever_name: str = "e5"):
     c.model.path = "gs://YOUR_BUCKET/models/Llama-3.2-3B"
     c.model.preset = "llama-3.2-3b"
     c.model.chat_template = ""
-    c.rollout.max_batch_size = 32       # 64 do not fit (the extend): 8 KV heads make its cache 2x Qwen2.5-3B's
+    c.rollout.max_batch_size = 64       # 128 would need a 28 GiB cache: 8 KV heads make it 2x Qwen2.5-3B's
     c.objective.llds.answer_weighting = "adaptive"
     return c

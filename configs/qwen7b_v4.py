@@ -11,9 +11,10 @@ Retrievers (`--config=configs/qwen7b_v4.py:NAME`, default e5; the other paper co
 - bm25: the embedded BM25 index (`index_builder --to bm25`), same caveat.
 
 Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md, "qwen7b_v4 as committed (2026-12-03)"):
-every program fits; the largest is the rollout's prefill of 128 prompts, 27.80 GiB of 30.75 (9.6% headroom), the
+every program fits; the largest is the rollout's compaction of 128 rows, 27.76 GiB of 30.75 (9.7% headroom), the
 update 13.33 GiB (15.94 GiB at micro-batch 32). Each host samples its sessions of 128 sequences on its own 4 chips,
-the rollout copy split over them by heads and MLP width (no weight gathers); 256 rows would need a 28 GiB cache.
+the rollout copy split over them by heads and MLP width (no weight gathers), decode reading only the cache's
+filled blocks; 256 rows would need a 28 GiB cache. Estimated rollout share of a step: 35.5% (docs/tpu.md).
 """
 import ml_collections
 
@@ -56,5 +57,6 @@ def get_config(retriever_name: str = "e5"):
     c.rollout.params_dtype = "bfloat16"  # each host's rollout copy of the params: half of the float32 one
     c.rollout.tensor_parallel = -1      # the rollout copy split over a host's 4 chips: no weight gathers in decode
     c.rollout.extend_chunk = 128        # observations appended 128 tokens at a time: 128 rows x 512 do not fit
+    c.rollout.cache_block = 512         # decode and extends read the filled cache alone, 512 slots at a time
     c.model.mlp_chunks = 4              # the MLP 4736 features at a time: the update's temporaries 8.15 -> 7.07 GiB
     return c

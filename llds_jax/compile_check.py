@@ -230,7 +230,9 @@ class Program:
     lowered: Any
     resident: tuple[str, ...]
     rollout: bool = False
-    loop_runs: int = 1  # iterations of a while loop whose trip count the program does not fix (a decode chunk's)
+    # Iterations of the while loops whose trip count the program does not fix, by nesting (`roofline.hlo_costs`):
+    # a decode chunk's steps, then the filled cache blocks each step reads (`step_estimate.filled_blocks`).
+    loop_runs: tuple[float, ...] = (1,)
     calls: float = 0.0  # calls per training step (`llds_jax.step_estimate`)
     sampled_per_call: int = 0  # tokens a call samples with every row sampling (a decode chunk: rows x steps)
 
@@ -428,7 +430,8 @@ def rollout_layout(cfg, devices: Sequence[Any], train_mesh=None):
         train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     first_host = min(d.process_index for d in devices)
     return make_layout(cfg.rollout.tensor_parallel, model_config(cfg, devices[0].platform), train_mesh,
-                       [d for d in devices if d.process_index == first_host], cfg.mesh.tensor, cfg.rollout.extend_chunk)
+                       [d for d in devices if d.process_index == first_host], cfg.mesh.tensor, cfg.rollout.extend_chunk,
+                       cfg.rollout.cache_block)
 
 
 def _layout_label(layout, hosts: int) -> str:
@@ -478,6 +481,8 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         sampler = Sampler(graphdef, sampling_config(cfg, evaluation), layout.mesh)
         s = rollout_shapes(cfg, sequences, sampler.batch_multiple)
         calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, s.rows)
+        decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)
+        loop_runs = {"decode chunk": (cfg.rollout.decode_chunk, decode_blocks), "extend": (extend_blocks,)}
         lowered = sampler.lower_programs(rollout_params, s.rows, s.prompt, s.prefill_capacity, s.capacity,
                                          s.observation)
         for name, shapes, program in lowered:
@@ -487,7 +492,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
             decode = name == "decode chunk"
             rollout.append(Program(f"{label}{name}", shapes + _layout_label(layout, len(hosts)), program,
                                    everything if own_copy else (OPT_STATE, REFERENCE), rollout=True,
-                                   loop_runs=cfg.rollout.decode_chunk if decode else 1, calls=calls.get(name, 0.0),
+                                   loop_runs=loop_runs.get(name, (1,)), calls=calls.get(name, 0.0),
                                    sampled_per_call=s.rows * cfg.rollout.decode_chunk if decode else 0))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     resident = {"optimizer init": (), "reference copy": (OPT_STATE,), "logp (reference)": (PARAMS, OPT_STATE),

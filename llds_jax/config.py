@@ -84,6 +84,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
     c.rollout.tensor_parallel = 0       # chips splitting the rollout copy's heads and MLP (-1: a host's; 0: training's)
     c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
+    c.rollout.cache_block = 0           # decode/extend read the filled KV cache in blocks of this many slots (0: all)
     c.rollout.continuous_batching = False  # a finished row takes the next waiting sequence (rollout/continuous.py)
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
@@ -295,6 +296,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("distributed.process_id",), lambda v: v >= -1, ">= 0 (or -1: detected)"),
     (("rollout.tensor_parallel",), lambda v: v >= -1, ">= 1 (or -1: all of a host's chips, 0: the training layout)"),
     (("rollout.extend_chunk",), lambda v: v >= 0 and not v & (v - 1), "0 (one pass) or a power of two"),
+    (("rollout.cache_block",), lambda v: v >= 0 and not v & (v - 1), "0 (every slot) or a power of two"),
 )
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
 # ----- chips ---------------------------------------------------------------------------------------------------------
 
@@ -585,23 +585,23 @@ class HloCost:
 class _Walker:
     """Costs of the computations of a module, memoized by (computation, whether its instructions are kernels)."""
 
-    def __init__(self, module: Module, dynamic_trip_count: int):
+    def __init__(self, module: Module, dynamic_trip_counts: Sequence[float]):
         self.module = module
-        self.dynamic_trip_count = dynamic_trip_count
-        self.memo: dict[tuple[str, bool], HloCost] = {}
+        self.dynamic_trip_counts = dynamic_trip_counts
+        self.memo: dict[tuple[str, bool, int], HloCost] = {}
 
-    def computation(self, name: str, kernels: bool) -> HloCost:
+    def computation(self, name: str, kernels: bool, depth: int = 0) -> HloCost:
         """One run of a computation: the sum of its instructions; HBM bytes only when its instructions are
-        kernels (not in a fusion body)."""
-        if (name, kernels) not in self.memo:
+        kernels (not in a fusion body). `depth`: the dynamic loops it runs inside."""
+        if (name, kernels, depth) not in self.memo:
             comp = self.module.computations[name]
             total = HloCost()
             for ins in comp.instructions.values():
-                total = total + self.instruction(ins, comp, kernels)
-            self.memo[name, kernels] = total
-        return self.memo[name, kernels]
+                total = total + self.instruction(ins, comp, kernels, depth)
+            self.memo[name, kernels, depth] = total
+        return self.memo[name, kernels, depth]
 
-    def instruction(self, ins: Instruction, comp: Computation, kernels: bool) -> HloCost:
+    def instruction(self, ins: Instruction, comp: Computation, kernels: bool, depth: int = 0) -> HloCost:
         """One run of an instruction with what it calls: a while's body `trips` times and its condition
         `trips + 1` times, a conditional's costliest branch (field by field), a call's computation once, a fusion's
         or async wrapper's computation once for FLOPs and collectives (its HBM traffic is the instruction's)."""
@@ -613,9 +613,10 @@ class _Walker:
                        kernel_calls=float(ins.opcode == "custom-call" and '"tpu_custom_call"' in ins.attrs))
         if ins.opcode == "while":
             trips = _trip_count(self.module, ins, comp)
-            runs = self.dynamic_trip_count if trips is None else trips
-            cost = cost + self.computation(ins.called("body"), kernels).times(runs)
-            cost = cost + self.computation(ins.called("condition"), kernels).times(runs + 1)
+            inner = depth + (trips is None)
+            runs = self.dynamic_trip_counts[min(depth, len(self.dynamic_trip_counts) - 1)] if trips is None else trips
+            cost = cost + self.computation(ins.called("body"), kernels, inner).times(runs)
+            cost = cost + self.computation(ins.called("condition"), kernels, inner).times(runs + 1)
             cost = cost + HloCost(dynamic_loops=int(trips is None))
         elif ins.opcode == "conditional":
             branches = ins.attr("branch_computations")
@@ -623,26 +624,30 @@ class _Walker:
                      else [ins.called("true_computation"), ins.called("false_computation")])
             worst = HloCost()
             for name in names:
-                worst = worst.most(self.computation(name, kernels))
+                worst = worst.most(self.computation(name, kernels, depth))
             cost = cost + worst
         elif ins.opcode == "call":
-            cost = cost + self.computation(ins.called("to_apply"), kernels)
+            cost = cost + self.computation(ins.called("to_apply"), kernels, depth)
         elif ins.opcode == "fusion" or (ins.opcode.endswith("-start") and ins.called("calls")):
-            cost = cost + self.computation(ins.called("calls"), False)
+            cost = cost + self.computation(ins.called("calls"), False, depth)
         return cost
 
 
-def hlo_costs(hlo_text: str, dynamic_trip_count: int = 1) -> HloCost:
+def hlo_costs(hlo_text: str, dynamic_trip_count: Union[float, Sequence[float]] = 1) -> HloCost:
     """FLOPs, HBM bytes and ICI bytes per chip of one run of a compiled program, from its HLO text
     (`compiled.as_text()`), every computation counted as often as it runs.
 
     Args:
       hlo_text: the optimized HLO of one program (per chip: SPMD-partitioned).
       dynamic_trip_count: iterations assumed for a while loop whose trip count the HLO does not fix (a decode
-        chunk's steps, a `fori_loop` with a traced bound).
+        chunk's steps, a `fori_loop` with a traced bound); a sequence gives them by nesting: its first entry for
+        such loops inside no other, the second for those inside one (the filled KV blocks a decode step reads,
+        `filled_cache_attention`), and so on, the last for any deeper. A loop's cost is linear in its count, so a
+        mean count gives the mean cost.
     """
     module = parse_module(hlo_text)
-    return _Walker(module, dynamic_trip_count).computation(module.entry, kernels=True)
+    counts = [dynamic_trip_count] if isinstance(dynamic_trip_count, (int, float)) else list(dynamic_trip_count)
+    return _Walker(module, counts).computation(module.entry, kernels=True)
 
 # ----- time ----------------------------------------------------------------------------------------------------------
 

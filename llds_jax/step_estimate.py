@@ -5,9 +5,14 @@ Not a measurement: peak rates are never reached, and the call counts rest on sta
 the config allows:
 - every sampler session (`rollout.max_batch_size` rows, or the host's share) runs `rollout.max_turns` + 1 turns
   and waits in each for a row that samples `rollout.max_turn_tokens` tokens (turn-synchronous sessions wait for
-  their longest row), in decode chunks of `rollout.decode_chunk` steps, each at the largest cache capacity a
-  conversation can reach (decode attends over every slot of the capacity);
+  their longest row), in decode chunks of `rollout.decode_chunk` steps (a chunk stops once every row is done, so
+  a turn's last chunk runs only the steps left: max_turn_tokens / decode_chunk chunks' worth of steps), each at
+  the largest cache capacity a conversation can reach;
 - each session prefills once, extends `rollout.max_turns` observations, grows its cache and compacts once;
+- with `rollout.cache_block`, decode and extends read the cache's filled blocks alone (`filled_blocks`): a
+  conversation's slots are its prompt bucket, then each turn's `rollout.max_turn_tokens` and each observation's
+  `rollout.max_observation_tokens` (padded to its bucket while it is appended), a short prompt padded to the
+  largest prompt bucket (the `max_context_tokens` cap never binds);
 - hosts sample their sessions at the same time (a step's rollout is one host's); evaluation is left out (it runs
   every `train.eval_every` steps);
 - the updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
@@ -42,8 +47,25 @@ def rollout_calls(cfg, sequences: int, rows: int) -> dict[str, float]:
     r = cfg.rollout
     sessions = math.ceil(sequences / rows)
     turns = r.max_turns + 1
-    return {"prefill": sessions, "decode chunk": sessions * turns * math.ceil(r.max_turn_tokens / r.decode_chunk),
+    return {"prefill": sessions, "decode chunk": sessions * turns * r.max_turn_tokens / r.decode_chunk,
             "extend": sessions * r.max_turns, "cache growth": sessions, "compaction": sessions}
+
+
+def filled_blocks(cfg, prompt: int, observation: int, capacity: int) -> tuple[float, float]:
+    """(mean cache blocks a decode step reads, mean blocks an extend pass reads) under the module's assumptions,
+    with `prompt` and `observation` the largest buckets and `capacity` the largest cache: a query at slot q reads
+    q // block + 1 blocks of `rollout.cache_block` slots (at most capacity / block). The decode chunk's and the
+    extend's block loops are counted at these means (their costs are linear in the count)."""
+    r = cfg.rollout
+    block = min(r.cache_block or capacity, capacity)
+    cap = capacity // block
+    per_turn = r.max_turn_tokens + r.max_observation_tokens
+    decode = [min(cap, (prompt + t * per_turn + i) // block + 1)
+              for t in range(r.max_turns + 1) for i in range(r.max_turn_tokens)]
+    chunk = min(r.extend_chunk or observation, observation)
+    extend = [min(cap, (prompt + t * per_turn + r.max_turn_tokens + (p + 1) * chunk - 1) // block + 1)
+              for t in range(r.max_turns) for p in range(observation // chunk)]
+    return sum(decode) / len(decode), (sum(extend) / len(extend) if extend else float(cap))
 
 
 def update_calls(cfg, updates: int) -> dict[str, float]:
@@ -57,9 +79,11 @@ def assumptions(cfg, sequences: int, rows: int) -> str:
     """The call counts' assumptions in one line."""
     r = cfg.rollout
     sessions = math.ceil(sequences / rows)
+    read = (f"reading the filled cache in blocks of {r.cache_block} slots" if r.cache_block
+            else "attending over every slot of the largest cache capacity")
     return (f"assumed per host and step: {sequences} trajectories in {sessions} session(s) of {rows} rows, each "
             f"{r.max_turns + 1} turns of {r.max_turn_tokens} decode steps (the longest row) in chunks of "
-            f"{r.decode_chunk}, {r.max_turns} extends, at the largest cache capacity")
+            f"{r.decode_chunk}, {r.max_turns} extends of {r.max_observation_tokens} tokens, {read}")
 
 
 def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str,

@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from llds_jax import compile_check
+from llds_jax import compile_check, roofline, step_estimate
 from llds_jax.model import ModelConfig, to_hf_config
 from tests.configs import load
 
@@ -144,6 +144,26 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
         assert found == [f"decode chunk ({decode.shapes}) all-gathers a layer's weights ([1, 4, 16, 64], "
                          "[1, 64, 2, 16], [1, 64, 4, 16], [24, 64], [64, 24]): set rollout.tensor_parallel so that "
                          "each chip keeps its own slice (docs/tpu.md)"]
+
+
+def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
+    """rollout.cache_block = 64 of a 512-slot cache: the TPU decode chunk holds two loops of run-time length (its
+    steps, and in each layer of each step the filled blocks); the estimate counts the second at the conversation's
+    mean filled blocks, and the chunk's HBM bytes grow by the same amount with each block assumed (one block's
+    keys and values per layer and step). The dense decode has one such loop."""
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    cfg = flagship(tiny_model_dir, **{"rollout.cache_block": 64})
+    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "decode chunk")
+    s = compile_check.rollout_shapes(cfg, 16, 1)
+    assert decode.loop_runs == (32, step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)[0])
+    text = decode.lowered.compile().as_text()
+    costs = [roofline.hlo_costs(text, (32, blocks)) for blocks in (1, 2, 3)]
+    assert {c.dynamic_loops for c in costs} == {2}
+    assert costs[1].hbm_bytes - costs[0].hbm_bytes == pytest.approx(costs[2].hbm_bytes - costs[1].hbm_bytes)
+    assert costs[1].hbm_bytes > costs[0].hbm_bytes
+    dense = next(p for p in compile_check.build_programs(flagship(tiny_model_dir, **{"rollout.cache_block": 0}),
+                                                          devices) if p.name == "decode chunk")
+    assert roofline.hlo_costs(dense.lowered.compile().as_text(), (32, 5)).dynamic_loops == 1
 
 
 def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():

@@ -6,10 +6,11 @@ from tests.configs import load
 
 def test_calls_per_step_of_the_flagship_config():
     """configs/qwen7b_v4.py: 2560 trajectories over 4 hosts, 640 each in 5 sessions of 128 rows; 3 search turns
-    and the answer turn of 500 tokens in chunks of 32 (16 chunks a turn); 10 updates, LLD measured every step."""
+    and the answer turn of 500 tokens in chunks of 32 (15 whole chunks and one of 20 steps a turn: 500 / 32 chunks'
+    worth of steps); 10 updates, LLD measured every step."""
     cfg = load("qwen7b_v4")
     assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
-        "prefill": 5, "decode chunk": 5 * 4 * 16, "extend": 5 * 3, "cache growth": 5, "compaction": 5}
+        "prefill": 5, "decode chunk": 5 * 4 * 500 / 32, "extend": 5 * 3, "cache growth": 5, "compaction": 5}
     cfg.train.lld_every = 4
     assert step_estimate.update_calls(cfg, updates=10) == {
         "logp (reference)": 10, "logp (policy)": 10, "likelihood metrics": 1, "logp (float32, LLD)": 5.0,
@@ -18,7 +19,25 @@ def test_calls_per_step_of_the_flagship_config():
     assert step_estimate.update_calls(cfg, updates=10)["logp (float32, LLD)"] == 0
     assert step_estimate.assumptions(cfg, 640, 128) == (
         "assumed per host and step: 640 trajectories in 5 session(s) of 128 rows, each 4 turns of 500 decode steps "
-        "(the longest row) in chunks of 32, 3 extends, at the largest cache capacity")
+        "(the longest row) in chunks of 32, 3 extends of 500 tokens, reading the filled cache in blocks of 512 "
+        "slots")
+    cfg.rollout.cache_block = 0
+    assert step_estimate.assumptions(cfg, 640, 128).endswith(
+        "3 extends of 500 tokens, attending over every slot of the largest cache capacity")
+
+
+def test_filled_blocks_follow_the_conversation():
+    """Blocks of 4 slots; a prompt bucket of 8, turns of 2 tokens, observations of 3 (bucket 4) appended in
+    passes of 2, one search turn: decode queries sit at slots 8, 9 (turn 1: 3 blocks each) and 13, 14 (turn 2,
+    after 2 + 3 tokens: 4 blocks); the extend's 2 passes see up to slots 11 and 13 (3 and 4 blocks). At most
+    capacity / block; without cache_block, one block: the whole capacity."""
+    cfg = load("qwen7b_v4")
+    r = cfg.rollout
+    r.cache_block, r.max_turn_tokens, r.max_observation_tokens, r.extend_chunk, r.max_turns = 4, 2, 3, 2, 1
+    assert step_estimate.filled_blocks(cfg, prompt=8, observation=4, capacity=32) == (3.5, 3.5)
+    assert step_estimate.filled_blocks(cfg, prompt=8, observation=4, capacity=12) == (3.0, 3.0)
+    r.cache_block = 0
+    assert step_estimate.filled_blocks(cfg, prompt=8, observation=4, capacity=32) == (1.0, 1.0)
 
 
 def test_step_time_adds_each_programs_roofline_time_per_call_times_its_calls():

@@ -52,6 +52,10 @@ class ModelConfig:
         passes of this many tokens, each over the cache the earlier passes wrote, so it holds [B, extend_chunk]
         activations instead of [B, T] (the same attention and results, up to float rounding); a power of two. 0:
         one pass. Prefill and decode are unaffected.
+      cache_block: decode and extends over a KV cache attend to its filled part alone, read in blocks of this many
+        slots (a power of two) up to the last slot a query of the batch sees (`filled_cache_attention`: the
+        same attention, up to float rounding); 0: dense over every slot of the capacity, filled or not. Prefill
+        and full forwards are unaffected.
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
         attention patterns quickly: the demo's 128-wide policy uses 0.1).
@@ -83,6 +87,7 @@ class ModelConfig:
     attention_platform: Optional[str] = None
     mlp_chunks: int = 1
     extend_chunk: int = 0
+    cache_block: int = 0
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, tuple[int, ...], None] = None
@@ -110,9 +115,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.extend_chunk, int) or self.extend_chunk < 0 or self.extend_chunk & (
-                self.extend_chunk - 1):
-            raise ValueError(f"rollout.extend_chunk must be 0 or a power of two, got {self.extend_chunk!r}")
+        for name in ("extend_chunk", "cache_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value & (value - 1):
+                raise ValueError(f"rollout.{name} must be 0 or a power of two, got {value!r}")
         if self.intermediate_size % self.mlp_chunks:
             raise ValueError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
                              f"({self.intermediate_size})")

@@ -50,9 +50,22 @@ def write_slots(cache_bs_: jax.Array, new_bt_: jax.Array, start_b: jax.Array) ->
 
 def write_layer_slots(cache_lbs_: jax.Array, layer: jax.Array, new_bt_: jax.Array, start_b: jax.Array) -> jax.Array:
     """Writes each row's T new entries into layer `layer` (a traced int32) of a stacked [L, B, S, ...] cache, at
-    slots start_b .. start_b + T - 1: one scatter of the new entries, in place where the cache is a loop carry or
-    donated (the layer's other slots do not move). Entries past the last slot are dropped."""
+    slots start_b .. start_b + T - 1, in place where the cache is a loop carry or donated (the layer's other slots
+    do not move). The caller keeps start_b + T <= S.
+
+    One token per row (decode): one scatter of the new entries. Several (prefill, extends): one
+    dynamic-update-slice per row in a loop. A scatter of [B, T] entries works on the cache flattened over
+    (L, B, S), which on TPU needs the cache row-major, while an extend's attention products want it heads-major
+    when a chip holds several key/value heads: the compiler then copied the whole cache to row-major and back in
+    every layer (14 GiB of temporaries for Llama-3.2-3B at 64 rows, docs/tpu.md); a slice update takes either
+    layout.
+    """
     b, t = new_bt_.shape[:2]
+    if t > 1:
+        def row(i, cache):
+            update = jax.lax.dynamic_index_in_dim(new_bt_, i, keepdims=True)[None].astype(cache.dtype)
+            return jax.lax.dynamic_update_slice(cache, update, (layer, i, start_b[i]) + (0,) * (cache.ndim - 3))
+        return jax.lax.fori_loop(0, b, row, cache_lbs_)
     rows_bt = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     slots_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     return cache_lbs_.at[layer, rows_bt, slots_bt].set(new_bt_.astype(cache_lbs_.dtype), mode="drop")

@@ -17,7 +17,7 @@ from flax import nnx
 from llds_jax import parallel
 from llds_jax.model import kv_cache as kv_lib
 from llds_jax.model import mlp as mlp_lib
-from llds_jax.model.attention import attention
+from llds_jax.model.attention import attention, filled_cache_attention
 from llds_jax.model import rope as rope_lib
 from llds_jax.model.vocab import embed_lookup
 from llds_jax.model.config import ModelConfig
@@ -91,8 +91,9 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
     into their slots in place and the block attends to its layer of the cache, so no layer's cache is copied. Key
     slot s is visible to query t iff key_valid_bs[b, s] and query_first_bt[b, t] <= s <= query_slot_bt[b, t]
     (query_first_bt None: 0). `prefill`: the cache is empty, so the keys are this chunk's alone (query_slot_bt = t,
-    key_valid_bs [B, T]), as in a full forward, and are still written into the cache. Returns (x_btd, the updated
-    (k_lbskh, v_lbskh) or None)."""
+    key_valid_bs [B, T]), as in a full forward, and are still written into the cache. Otherwise, with
+    cfg.cache_block, attention reads only the cache's filled blocks (`filled_cache_attention`). Returns (x_btd, the
+    updated (k_lbskh, v_lbskh) or None)."""
     dt = jnp.dtype(cfg.dtype)
     w = {name: a.astype(dt) for name, a in p.items()}
     h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
@@ -108,17 +109,25 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
         k_cache, v_cache, layer, start_b = kv
         new_kv = (kv_lib.write_layer_slots(k_cache, layer, k, start_b),
                   kv_lib.write_layer_slots(v_cache, layer, v, start_b))
+        if not prefill and cfg.cache_block:
+            out = filled_cache_attention(q, *new_kv, layer, query_slot_bt, key_valid_bs, cfg.cache_block)
+            return _block_tail(cfg, x_btd, out, p, w), new_kv
         if not prefill:
             k, v = new_kv[0][layer], new_kv[1][layer]
     # A full forward (or prefill): query t sits at key slot t of this chunk, which the fused kernels serve.
     out = attention(q, k, v, query_slot_bt, key_valid_bs, query_first_bt, implementation=cfg.attention,
                     query_block=cfg.attention_query_block, key_block=cfg.attention_key_block,
                     full_forward=kv is None or prefill, platform=cfg.attention_platform)
-    x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out, w["o_proj"])
+    return _block_tail(cfg, x_btd, out, p, w), new_kv
+
+
+def _block_tail(cfg: ModelConfig, x_btd, out_btnh, p, w):
+    """The rest of a decoder block after attention: output projection and residual, then the MLP."""
+    x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out_btnh, w["o_proj"])
     x_btd = parallel.constrain(x_btd, parallel.BATCH, None, None)
     h = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
     x_btd = x_btd + mlp_lib.swiglu(h, w["gate_proj"], w["up_proj"], w["down_proj"], cfg.mlp_chunks)
-    return parallel.constrain(x_btd, parallel.BATCH, None, None), new_kv
+    return parallel.constrain(x_btd, parallel.BATCH, None, None)
 
 
 class Transformer(nnx.Module):

@@ -96,12 +96,13 @@ def tensor_size(setting: int, local_chips: int, model_cfg: ModelConfig) -> int:
 
 
 def make_layout(setting: int, model_cfg: ModelConfig, train_mesh: Mesh, local_devices: Sequence[jax.Device],
-                mesh_tensor: int = 1, extend_chunk: int = 0) -> RolloutLayout:
+                mesh_tensor: int = 1, extend_chunk: int = 0, cache_block: int = 0) -> RolloutLayout:
     """The rollout layout of `rollout.tensor_parallel` = `setting` (module docstring) for this host's
     `local_devices`; `mesh_tensor` is the training mesh's tensor axis (kept by the training layout on several
-    hosts); `extend_chunk`: the rollout architecture's `ModelConfig.extend_chunk` (`rollout.extend_chunk`)."""
+    hosts); `extend_chunk`, `cache_block`: the rollout architecture's `ModelConfig` fields of those names
+    (`rollout.extend_chunk`, `rollout.cache_block`)."""
     local = list(local_devices)
-    base_cfg = model_cfg.replace(extend_chunk=extend_chunk)
+    base_cfg = model_cfg.replace(extend_chunk=extend_chunk, cache_block=cache_block)
     if setting == TRAINING_LAYOUT:
         own = base_cfg != model_cfg
         if len(local) == train_mesh.devices.size:

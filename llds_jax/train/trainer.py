@@ -154,7 +154,8 @@ class Trainer:
         overrides = dict(config_lib.model_overrides(cfg), attention_platform=self.mesh.devices.flat[0].platform)
         # From the checkpoint's config.json, before any weight is read: a layout the model cannot take fails fast.
         self.layout = make_layout(cfg.rollout.tensor_parallel, from_hf_config(hf_io.read_config(m.path), **overrides),
-                                  self.mesh, jax.local_devices(), cfg.mesh.tensor, cfg.rollout.extend_chunk)
+                                  self.mesh, jax.local_devices(), cfg.mesh.tensor, cfg.rollout.extend_chunk,
+                                  cfg.rollout.cache_block)
         model = hf_io.load_model(m.path, mesh=self.mesh, preset=m.preset, **overrides)
         self.step_fn = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), self.mesh)
         graphdef = self.layout.graphdef(nnx.split(model)[0])

@@ -100,6 +100,46 @@ def test_kv_cache_vectors_parity():
             _assert_close(g, r, "float32", f"{name} {blocks}")
 
 
+@pytest.mark.parametrize("block", [4, 8, 32, 64])
+def test_filled_cache_attention_reads_the_stacked_cache_like_the_dense_path(block):
+    """`filled_cache_attention` on layer 1 of a stacked [L, B, S, K, H] cache (S = 32, holes from left padding and
+    unused slots, rows at different fills, T = 5 queries at each row's own offset): the dense path's answer for
+    every query that sees a key, zeros for one that sees none (row 3's first query); a block of 64 covers the
+    whole cache in one."""
+    b, t, s, layers = 4, 5, 32, 3
+    q, _, _, _ = _inputs(6, b, t, s, 4, 2, 8, jnp.float32)
+    rng = np.random.default_rng(7)
+    k_lbskh, v_lbskh = (jnp.asarray(rng.normal(size=(layers, b, s, 2, 8)), jnp.float32) for _ in range(2))
+    end = np.array([3, 17, 26, 0])
+    valid = np.zeros((b, s), bool)
+    for row, e in enumerate(end):
+        valid[row, 1:e + t] = True  # slot 0 padding in every row
+    slot = jnp.asarray(end[:, None] + np.arange(t)[None, :], jnp.int32)
+    fn = jax.jit(attention_lib.filled_cache_attention, static_argnames="block")
+    got = np.asarray(fn(q, k_lbskh, v_lbskh, jnp.int32(1), slot, jnp.asarray(valid), block=block))
+    want = np.asarray(dense_attention(q, k_lbskh[1], v_lbskh[1], slot, jnp.asarray(valid)))
+    sees = np.zeros((b, t), bool)
+    sees[:] = True
+    sees[3, 0] = False
+    np.testing.assert_allclose(got[sees], want[sees], atol=1e-6, rtol=0)
+    assert not np.any(got[~sees])
+
+
+def test_filled_cache_attention_never_reads_past_the_last_query_slot():
+    """Slots after the batch's largest query slot are not read: NaN there changes nothing."""
+    b, t, s = 2, 1, 64
+    q, _, _, _ = _inputs(8, b, t, s, 2, 1, 8, jnp.float32)
+    rng = np.random.default_rng(9)
+    k_lbskh, v_lbskh = (rng.normal(size=(1, b, s, 1, 8)).astype(np.float32) for _ in range(2))
+    slot = jnp.asarray([[5], [12]], jnp.int32)
+    valid = jnp.asarray(np.arange(s)[None, :] <= np.asarray(slot))
+    want = np.asarray(dense_attention(q, jnp.asarray(k_lbskh[0]), jnp.asarray(v_lbskh[0]), slot, valid))
+    k_lbskh[:, :, 16:], v_lbskh[:, :, 16:] = np.nan, np.nan  # beyond the block of slot 12 (blocks of 8)
+    got = attention_lib.filled_cache_attention(q, jnp.asarray(k_lbskh), jnp.asarray(v_lbskh), jnp.int32(0), slot,
+                                               valid, block=8)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=0)
+
+
 def test_a_query_that_sees_no_key_gets_the_uniform_average_of_all_slots():
     """The dense path's float32 softmax over S equal masked scores; its gradient reaches v only (by 1 / S)."""
     b, t, s = 2, 6, 9
@@ -141,6 +181,7 @@ def test_auto_is_blockwise_beyond_one_tile_and_decode_is_dense():
     ("attention_platform", "metal", r"model\.attention_platform must be None or one of \('cpu', 'gpu', 'tpu'\)"),
     ("attention_query_block", 0, r"model\.attention_query_block must be an integer >= 1, got 0"),
     ("attention_key_block", 1.5, r"model\.attention_key_block must be an integer >= 1, got 1\.5"),
+    ("cache_block", 48, r"rollout\.cache_block must be 0 or a power of two, got 48"),
 ])
 def test_model_config_rejects_bad_attention_settings(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -259,6 +300,24 @@ def _run_conversation(model):
     h, cache = extend(model, jnp.asarray(rng.integers(1, 256, size=(3, 1))), jnp.ones((3, 1), bool), cache)
     outs.append(h)
     return outs, cache
+
+
+def test_kv_cache_conversation_reading_filled_blocks_agrees():
+    """model.cache_block: the conversation's decode steps and extends read the cache 4 slots at a time; every
+    hidden state of a real token as the dense path's, and the same cache."""
+    dense = Transformer(ModelConfig.tiny(attention="xla"), rngs=nnx.Rngs(0))
+    filled = Transformer(ModelConfig.tiny(attention="xla", cache_block=4), rngs=nnx.Rngs(0))
+    want, want_cache = _run_conversation(dense)
+    got, got_cache = _run_conversation(filled)
+    real = [np.ones((3, 7), bool), *[np.ones((3, 1), bool)] * 2, np.zeros((3, 6), bool), np.ones((3, 1), bool)]
+    real[0][1, :4], real[0][2, :2] = False, False  # left padding sees nothing (its hidden state is padding's)
+    real[3][0, :6], real[3][1, :1] = True, True
+    for w, g, r in zip(want, got, real):
+        np.testing.assert_allclose(np.asarray(g)[r], np.asarray(w)[r], atol=1e-5, rtol=0)
+    real_ls = np.asarray(want_cache.valid_bs)
+    np.testing.assert_allclose(np.asarray(got_cache.k_lbskh)[:, real_ls], np.asarray(want_cache.k_lbskh)[:, real_ls],
+                               atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got_cache.end_b), np.asarray(want_cache.end_b))
 
 
 def test_kv_cache_conversation_agrees():

@@ -55,6 +55,20 @@ def test_tensor_parallel_layout_samples_the_training_layouts_greedy_tokens(train
     np.testing.assert_allclose(got[1], reference[1], atol=1e-5)
 
 
+@pytest.mark.parametrize("tensor", [0, -1], ids=["training-layout", "all-chips"])
+def test_reading_the_filled_cache_in_blocks_samples_the_same_greedy_tokens(trained, tensor):
+    """rollout.cache_block (as the pod configs set it, with extends in passes): decode and the observation's
+    extend read the cache 8 slots at a time, in either layout; the dense path's greedy tokens and log-probs."""
+    mesh, graphdef, params = trained
+    local = jax.devices()[:4] if tensor == -1 else jax.devices()
+    reference = converse(make_layout(0, MODEL, mesh, jax.devices()), graphdef, params)
+    layout = make_layout(tensor, MODEL, mesh, local, extend_chunk=1, cache_block=8)
+    assert (layout.model_cfg.cache_block, layout.model_cfg.extend_chunk) == (8, 1)
+    got = converse(layout, graphdef, params)
+    assert got[0] == reference[0]
+    np.testing.assert_allclose(got[1], reference[1], atol=1e-5)
+
+
 def test_rollout_copy_repeats_key_value_heads_and_leaves_the_training_params(trained):
     mesh, _, params = trained
     before = jax.tree.map(np.asarray, params)
