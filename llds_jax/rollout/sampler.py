@@ -348,10 +348,11 @@ class Sampler:
 
     def compile_grid(self) -> int:
         """Compiles (ahead of time, without running them) the programs a session can need on the grid of the row
-        and capacity buckets run so far (`ShapePlan.grid`): decode and an extend of each observation bucket run so
-        far at every (rows, capacity), growth to each larger capacity and compaction to each smaller row bucket. A
-        frozen session then compiles only when a conversation outgrows every capacity run (or a batch every row
-        bucket). Returns the number of programs compiled (0 before any decode chunk ran)."""
+        and capacity buckets run so far (`ShapePlan.grid`; continuous batching: every row bucket between the
+        smallest run and its batch): decode and an extend of each observation bucket run so far at every (rows,
+        capacity), growth to each larger capacity and compaction to each smaller row bucket. A frozen session then
+        compiles only when a conversation outgrows every capacity run (or a batch every row bucket). Returns the
+        number of programs compiled (0 before any decode chunk ran)."""
         if self._params_spec is None:
             return 0
         with self.mesh_context():

@@ -8,7 +8,8 @@ Each program of `sampler` has its own shape type (a NamedTuple of sizes in rows 
 of what it needs (`buckets`): rows the power of two of its sequences (a multiple of the mesh's batch shards),
 prompt, cache and observation slots powers of two. After it, a call takes the smallest bucket already run that
 fits, if any, instead of compiling a program for a new smaller one, and `ShapePlan.grid` lists what to compile
-ahead: every program at every combination of the row, capacity and observation buckets run so far.
+ahead: every program at every combination of the row, capacity and observation buckets run so far (continuous
+batching: and of every row bucket between the smallest run and its batch, which it can compact to at any point).
 """
 from __future__ import annotations
 
@@ -254,12 +255,14 @@ class ShapePlan:
     # -- ahead of time ---------------------------------------------------------------------------------------------
 
     def grid(self) -> list[Shape]:
-        """The shapes not run yet on the grid of the row and capacity buckets of the decode states run so far: at
+        """The shapes not run yet on the grid of the row and capacity buckets of the decode states run so far (with
+        continuous batching, every row bucket between the smallest run and its batch: `_continuous_rows`): at
         every (rows, capacity), a decode chunk, an extend of each observation bucket run (continuous batching:
         row extends of each row and token bucket run of their kind, of at most `rows` rows), growth to each larger
         capacity and compaction to each smaller row bucket. Ordered by rows, then capacity."""
         states = self._states()
-        rows, capacities = sorted({r for r, _ in states}), sorted({c for _, c in states})
+        rows = sorted({r for r, _ in states} | self._continuous_rows({r for r, _ in states}))
+        capacities = sorted({c for _, c in states})
         observations = sorted({s.observation for s in self._run[EndTurnShape]})
         row_extends = {(s.rows_in, s.prefill) for s in self._run[ExtendRowsShape]}  # with each token bucket of its kind
         tokens = {prefill: sorted({s.tokens for s in self._run[ExtendRowsShape] if s.prefill == prefill})
@@ -280,6 +283,23 @@ class ShapePlan:
             lower(shape).compile()
             self.record(shape)
         return len(shapes)
+
+    def _continuous_rows(self, rows_run: set[int]) -> set[int]:
+        """The row buckets from the smallest of `rows_run` up to the largest empty batch run (none without one).
+
+        A continuous batch compacts to the bucket of its live rows whenever they fit a smaller one, and how many
+        are live when depends on the sampled turns: a first rollout whose batch went from 64 rows straight to 16
+        would otherwise leave a frozen plan without the 32-row bucket a later one needs. (The sessions' grid keeps
+        the row buckets they ran.)"""
+        batches = [s.rows for s in self._run[EmptyShape]]
+        if not batches:
+            return set()
+        out, sequences = set(), 1
+        while (rows := self.batch_rows(sequences)) <= max(batches):
+            if rows >= min(rows_run):
+                out.add(rows)
+            sequences *= 2
+        return out
 
     def _states(self) -> set[tuple[int, int]]:
         """(rows, capacity) of the decode states run: made by a prefill, an empty batch or compaction, or taken by a

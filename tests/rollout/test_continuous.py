@@ -161,3 +161,36 @@ def test_row_extends_leave_the_other_rows_untouched(greedy):
     assert (int(state.cache.end_b[0]), int(state.cache.next_pos_b[0])) == (3 + 3 + 2, 3 + 3 + 2)
     assert state.cache.valid_bs[0, :8].all() and not state.cache.valid_bs[0, 8:].any()
     assert int(state.count_b[0]) == 8 and not (state.logits_bv[0] == before.logits_bv[0]).all()
+
+
+def test_frozen_row_session_compacts_to_a_row_bucket_its_first_rollout_skipped(greedy):
+    """A first session's 8 rows went straight to 2 (6 of 8 turns ended at once); frozen, a session with 3 live rows
+    decodes in 4 rows, not 8 (every row bucket below the batch is compiled ahead), and samples the same tokens."""
+    graphdef, params, config, _ = greedy
+    sampler = Sampler(graphdef, config)  # a plan of its own: this test freezes it
+    prompts = [[11 + i, 12, 13] for i in range(8)]
+    never = lambda token_lists: [False] * len(token_lists)  # noqa: E731
+
+    def run(budgets):
+        session = sampler.start_rows(params, prompts, sampler.sequence_keys(jax.random.key(0), 0, 8), rows=8,
+                                     first_turn=8)
+        session.extend({}, list(range(8)))
+        for seq, budget in enumerate(budgets):
+            session.begin_turn(seq, budget)
+        rows, turns = [], {}
+        while session.decoding:  # chunks of 4 steps: a turn of budget 4 ends after the first
+            for seq, turn in session.decode_chunk(never):
+                turns[seq] = turn.token_ids
+                session.finish(seq)
+            session.compact()
+            rows.append(session.batch_rows)
+        return rows, turns, session.decode_counts
+
+    first_rows, first, _ = run([4] * 6 + [8] * 2)
+    assert first_rows == [2, 2]
+    sampler.freeze_shapes()
+    rows, turns, counts = run([4] * 5 + [8] * 3)
+    assert rows == [4, 4]
+    # 8 rows x 4 steps, then 3 of 4 rows x 4 steps: 44 tokens in 48 row-steps (64 in 8 rows).
+    assert counts == {"sampled_tokens": 44, "row_steps": 48}
+    assert turns[5][:4] == first[5] and all(turns[seq] == first[seq] for seq in (0, 6, 7))

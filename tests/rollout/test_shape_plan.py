@@ -1,6 +1,7 @@
 """The shape plan: which bucket each sampler call takes before and after freezing, and the grid compiled ahead."""
 from llds_jax.rollout.config import SamplingConfig
-from llds_jax.rollout.shape_plan import DecodeShape, EndTurnShape, GrowShape, PrefillShape, SelectShape, ShapePlan
+from llds_jax.rollout.shape_plan import (DecodeShape, EmptyShape, EndTurnShape, ExtendRowsShape, GrowShape,
+                                         PrefillShape, SelectShape, ShapePlan)
 
 CONFIG = SamplingConfig(min_prompt_bucket=16, min_capacity_bucket=16, min_observation_bucket=4)
 
@@ -45,6 +46,11 @@ def test_frozen_plan_takes_the_smallest_bucket_run_that_fits():
     assert plan.end_turn(4, 64, longest_observation=20, end=40) == EndTurnShape(4, 256, 32)
 
 
+class Lowered:
+    def compile(self):
+        return None
+
+
 def test_grid_lists_the_programs_not_run_on_the_buckets_run_and_compile_grid_records_them():
     """The shapes of the conversation of test_sampler's grid test: 4 rows at capacities 32 and 64, 2 at 64."""
     plan = ShapePlan(CONFIG, batch_multiple=1)
@@ -56,11 +62,35 @@ def test_grid_lists_the_programs_not_run_on_the_buckets_run_and_compile_grid_rec
     assert plan.grid() == expected
     assert not plan.has_run(SelectShape(4, 32, 64))  # equal fields, another program than GrowShape(4, 32, 64)
     lowered = []
-
-    class Lowered:
-        def compile(self):
-            return None
-
     assert plan.compile_grid(lambda shape: lowered.append(shape) or Lowered()) == 4
     assert lowered == expected
     assert all(plan.has_run(shape) for shape in expected) and plan.grid() == []
+
+
+def test_continuous_batching_grid_holds_every_row_bucket_below_its_batch():
+    """A first continuous rollout whose 8-row batch compacted straight to 2 rows: the frozen plan can still compact
+    3 live rows to 4 (every row bucket from the smallest run up to the batch is compiled ahead); a session's plan
+    keeps the row buckets it ran."""
+    run = (DecodeShape(8, 32), SelectShape(8, 32, 2), DecodeShape(2, 32))
+    plan = ShapePlan(CONFIG, batch_multiple=1)
+    for shape in (EmptyShape(8, 32), ExtendRowsShape(8, 32, 8, 16, True), ExtendRowsShape(8, 32, 2, 16, False), *run):
+        plan.record(shape)
+    assert {DecodeShape(4, 32), SelectShape(8, 32, 4), SelectShape(4, 32, 2),
+            ExtendRowsShape(4, 32, 2, 16, False)} <= set(plan.grid())
+    assert not any(shape.rows == 1 for shape in plan.grid())  # not below the smallest bucket run
+    plan.compile_grid(lambda shape: Lowered())
+    plan.freeze()
+    assert plan.compaction(8, 32, live=3) == SelectShape(8, 32, 4)
+    assert plan.compaction(8, 32, live=2) == SelectShape(8, 32, 2)
+    sessions = ShapePlan(CONFIG, batch_multiple=1)
+    for shape in (PrefillShape(8, 16, 32), *run):
+        sessions.record(shape)
+    assert all(shape.rows in (2, 8) for shape in sessions.grid())
+    sessions.compile_grid(lambda shape: Lowered())
+    sessions.freeze()
+    assert sessions.compaction(8, 32, live=3) is None
+    # With batch shards, the buckets between are multiples of them: 4 -> 8 -> 16 rows.
+    sharded = ShapePlan(CONFIG, batch_multiple=4)
+    for shape in (EmptyShape(16, 32), SelectShape(16, 32, 4)):
+        sharded.record(shape)
+    assert {shape.rows for shape in sharded.grid()} == {4, 8, 16}
