@@ -12,7 +12,8 @@ The programs, at the config's largest shapes (the worst case a long run can reac
 - rollout (each host's own chips with several hosts, as the trainer runs it): prefill of `rollout.max_batch_size`
   rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
   observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
-  (`rollout_shapes`); the same for evaluation (greedy, `eval.batch_size` rows); their params in
+  (`rollout_shapes`; with `rollout.continuous_batching`, the empty batch and extends of every row by a prompt
+  and by an observation in place of the prefill and the extend); the same for evaluation (greedy, `eval.batch_size` rows); their params in
   `rollout.params_dtype`, as the trainer casts them (with bfloat16 on float32 master weights, half the bytes);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
   reference, the likelihood metrics, one optimizer update with all its micro-batches and the LLD metrics, at the
@@ -482,9 +483,10 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         s = rollout_shapes(cfg, sequences, sampler.batch_multiple)
         calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, s.rows)
         decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)
-        loop_runs = {"decode chunk": (cfg.rollout.decode_chunk, decode_blocks), "extend": (extend_blocks,)}
+        loop_runs = {"decode chunk": (cfg.rollout.decode_chunk, decode_blocks), "extend": (extend_blocks,),
+                     "row extend": (extend_blocks,)}
         lowered = sampler.lower_programs(rollout_params, s.rows, s.prompt, s.prefill_capacity, s.capacity,
-                                         s.observation)
+                                         s.observation, continuous=cfg.rollout.continuous_batching)
         for name, shapes, program in lowered:
             if (name, shapes) in shapes_seen and name != "decode chunk":
                 continue  # the evaluation sampler runs the very same program

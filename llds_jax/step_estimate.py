@@ -13,6 +13,9 @@ the config allows:
   conversation's slots are its prompt bucket, then each turn's `rollout.max_turn_tokens` and each observation's
   `rollout.max_observation_tokens` (padded to its bucket while it is appended), a short prompt padded to the
   largest prompt bucket (the `max_context_tokens` cap never binds);
+- continuous batching (`rollout.continuous_batching`): at the worst case every row's sequences run in lockstep,
+  so its calls are the sessions' (one empty batch, prompt extends of every row in place of prefills, observation
+  extends of every row);
 - hosts sample their sessions at the same time (a step's rollout is one host's); evaluation is left out (it runs
   every `train.eval_every` steps);
 - the updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
@@ -47,8 +50,11 @@ def rollout_calls(cfg, sequences: int, rows: int) -> dict[str, float]:
     r = cfg.rollout
     sessions = math.ceil(sequences / rows)
     turns = r.max_turns + 1
-    return {"prefill": sessions, "decode chunk": sessions * turns * r.max_turn_tokens / r.decode_chunk,
-            "extend": sessions * r.max_turns, "cache growth": sessions, "compaction": sessions}
+    calls = {"decode chunk": sessions * turns * r.max_turn_tokens / r.decode_chunk, "cache growth": sessions,
+             "compaction": sessions}
+    if r.continuous_batching:  # one batch; each row's sequences at the worst case run in lockstep, as sessions
+        return {"empty batch": 1, "prompt extend": sessions, "row extend": sessions * r.max_turns, **calls}
+    return {"prefill": sessions, "extend": sessions * r.max_turns, **calls}
 
 
 def filled_blocks(cfg, prompt: int, observation: int, capacity: int) -> tuple[float, float]:

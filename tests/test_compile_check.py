@@ -166,6 +166,23 @@ def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
     assert roofline.hlo_costs(dense.lowered.compile().as_text(), (32, 5)).dynamic_loops == 1
 
 
+def test_continuous_batching_compiles_its_own_rollout_programs(tiny_model_dir, capsys):
+    """rollout.continuous_batching: the empty batch, the extend of every row by a prompt and by an observation
+    replace the prefill and the session's extend; every program compiles and fits, and the step estimate counts
+    them."""
+    cfg = flagship(tiny_model_dir, **{"rollout.continuous_batching": True})
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
+    rollout = [name for name, p in programs.items() if p.rollout and not name.startswith("eval ")]
+    assert rollout == ["empty batch", "prompt extend", "decode chunk", "row extend", "cache growth", "compaction"]
+    assert programs["prompt extend"].shapes.startswith("16 of 16 rows x 64 tokens, 128 slots")
+    assert programs["row extend"].shapes.startswith("16 of 16 rows x 32 tokens, 512 slots")
+    assert (programs["empty batch"].calls, programs["prompt extend"].calls, programs["row extend"].calls) == (1, 1, 3)
+    assert compile_check.run(cfg, "v4:2x2x2") == 0
+    out = capsys.readouterr().out
+    assert "\nrow extend " in out and "every program fits" in out
+
+
 def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
     """compile_row reads the largest all-gather from the TPU compiler's HLO; a program that replicates a
     vocabulary-sharded [V, D] table is named, one that uses it sharded is not."""

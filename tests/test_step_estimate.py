@@ -11,6 +11,10 @@ def test_calls_per_step_of_the_flagship_config():
     cfg = load("qwen7b_v4")
     assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
         "prefill": 5, "decode chunk": 5 * 4 * 500 / 32, "extend": 5 * 3, "cache growth": 5, "compaction": 5}
+    cfg.rollout.continuous_batching = True
+    assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
+        "empty batch": 1, "prompt extend": 5, "row extend": 5 * 3, "decode chunk": 5 * 4 * 500 / 32,
+        "cache growth": 5, "compaction": 5}
     cfg.train.lld_every = 4
     assert step_estimate.update_calls(cfg, updates=10) == {
         "logp (reference)": 10, "logp (policy)": 10, "likelihood metrics": 1, "logp (float32, LLD)": 5.0,

@@ -358,21 +358,33 @@ class Sampler:
         with self.mesh_context():
             return self.plan.compile_grid(functools.partial(self._lower, self._params_spec))
 
-    def lower_programs(self, params, rows: int, prompt: int, prefill_capacity: int,
-                       capacity: int, observation: int) -> list[tuple[str, str, jax.stages.Lowered]]:
+    def lower_programs(self, params, rows: int, prompt: int, prefill_capacity: int, capacity: int,
+                       observation: int, continuous: bool = False) -> list[tuple[str, str, jax.stages.Lowered]]:
         """The programs of a session lowered (not compiled) at one set of buckets, for ahead-of-time compilation
         without devices: prefill of `prompt`-token prompts into a cache of `prefill_capacity` slots, then at
         `capacity` slots: a decode chunk, the extend of an `observation`-slot observation, the growth from
         capacity / 2 and the compaction to rows / 2 (when rows > 1). Returns (name, shapes, lowered) triples.
 
+        continuous: those of a continuous-batching `RowSession` instead: the empty batch and the extend of every
+        row by a prompt (at `prefill_capacity` slots) in place of the prefill, the extend of every row by an
+        observation in place of the session's extend (the most rows one such call takes).
         params: the parameters as the session gets them (arrays or ShapeDtypeStructs with shardings).
         """
-        programs = [
-            ("prefill", f"{rows} x {prompt} tokens, {prefill_capacity} slots",
-             PrefillShape(rows, prompt, prefill_capacity)),
+        if continuous:
+            start = [("empty batch", f"{rows} rows, {prefill_capacity} slots", EmptyShape(rows, prefill_capacity)),
+                     ("prompt extend", f"{rows} of {rows} rows x {prompt} tokens, {prefill_capacity} slots",
+                      ExtendRowsShape(rows, prefill_capacity, rows, prompt, True))]
+            extend = ("row extend", f"{rows} of {rows} rows x {observation} tokens, {capacity} slots",
+                      ExtendRowsShape(rows, capacity, rows, observation, False))
+        else:
+            start = [("prefill", f"{rows} x {prompt} tokens, {prefill_capacity} slots",
+                      PrefillShape(rows, prompt, prefill_capacity))]
+            extend = ("extend", f"{rows} x {observation} tokens, {capacity} slots",
+                      EndTurnShape(rows, capacity, observation))
+        programs = start + [
             ("decode chunk", f"{rows} rows x {self.config.decode_chunk} steps, {capacity} slots",
              DecodeShape(rows, capacity)),
-            ("extend", f"{rows} x {observation} tokens, {capacity} slots", EndTurnShape(rows, capacity, observation)),
+            extend,
             ("cache growth", f"{rows} rows, {capacity // 2} -> {capacity} slots",
              GrowShape(rows, capacity // 2, capacity)),
         ]
@@ -456,10 +468,13 @@ class Sampler:
     def _lower(self, params, shape: Shape) -> jax.stages.Lowered:
         """The program of `shape` lowered at abstract arguments of that shape, laid out as a session passes them."""
         host, r = self._host_spec, shape.rows
+        key = jax.eval_shape(lambda: jax.random.key(0))
         if isinstance(shape, PrefillShape):
-            t, key = shape.prompt, jax.eval_shape(lambda: jax.random.key(0))
+            t = shape.prompt
             return self._prefill.lower(params, host(r, t), host(r, t, dtype=bool), key, host(r, dtype=np.uint32),
                                        capacity=shape.capacity)
+        if isinstance(shape, EmptyShape):
+            return self._empty.lower(params, key, rows=r, capacity=shape.capacity)
         state = self._abstract_state(params, r, shape.capacity)
         if isinstance(shape, DecodeShape):
             return self._decode.lower(params, state, host(r, dtype=bool))
