@@ -86,6 +86,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
     c.rollout.cache_block = 0           # decode/extend read the filled KV cache in blocks of this many slots (0: all)
     c.rollout.continuous_batching = False  # a finished row takes the next waiting sequence (rollout/continuous.py)
+    c.rollout.max_extend_rows = 0       # ... appending to at most this many rows per extend call (0: any)
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
     c.rollout.min_capacity_bucket = 128  # smallest KV-cache capacity (slots) of a sampler session
@@ -297,6 +298,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("rollout.tensor_parallel",), lambda v: v >= -1, ">= 1 (or -1: all of a host's chips, 0: the training layout)"),
     (("rollout.extend_chunk",), lambda v: v >= 0 and not v & (v - 1), "0 (one pass) or a power of two"),
     (("rollout.cache_block",), lambda v: v >= 0 and not v & (v - 1), "0 (every slot) or a power of two"),
+    (("rollout.max_extend_rows",), lambda v: v >= 0 and not v & (v - 1), "0 (any) or a power of two"),
 )
 
 
@@ -433,4 +435,4 @@ def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, greedy=evaluation,
                           stop_ids=stop_ids, decode_chunk=r.decode_chunk,
                           min_capacity_bucket=r.min_capacity_bucket,
-                          min_observation_bucket=r.min_observation_bucket)
+                          min_observation_bucket=r.min_observation_bucket, max_extend_rows=r.max_extend_rows)

@@ -15,7 +15,7 @@ the config allows:
   largest prompt bucket (the `max_context_tokens` cap never binds);
 - continuous batching (`rollout.continuous_batching`): at the worst case every row's sequences run in lockstep,
   so its calls are the sessions' (one empty batch, prompt extends of every row in place of prefills, observation
-  extends of every row);
+  extends of every row; `rollout.max_extend_rows` rows per call);
 - hosts sample their sessions at the same time (a step's rollout is one host's); evaluation is left out (it runs
   every `train.eval_every` steps);
 - the updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
@@ -53,7 +53,9 @@ def rollout_calls(cfg, sequences: int, rows: int) -> dict[str, float]:
     calls = {"decode chunk": sessions * turns * r.max_turn_tokens / r.decode_chunk, "cache growth": sessions,
              "compaction": sessions}
     if r.continuous_batching:  # one batch; each row's sequences at the worst case run in lockstep, as sessions
-        return {"empty batch": 1, "prompt extend": sessions, "row extend": sessions * r.max_turns, **calls}
+        per_batch = rows / min(rows, r.max_extend_rows or rows)  # extend calls for every row of the batch
+        return {"empty batch": 1, "prompt extend": sessions * per_batch,
+                "row extend": sessions * r.max_turns * per_batch, **calls}
     return {"prefill": sessions, "extend": sessions * r.max_turns, **calls}
 
 

@@ -29,3 +29,16 @@ def batch_bucket(n: int, multiple: int = 1, minimum: int = 1) -> int:
     if multiple < 1:
         raise ValueError(f"batch_bucket: multiple must be >= 1, got {multiple}")
     return round_up(pow2_bucket(n, minimum), multiple)
+
+
+def compact_bucket(n: int, multiple: int = 1, minimum: int = 1) -> int:
+    """Rows of a continuous batch compacted to n live sequences: the smallest of the powers of two and the 1.5x
+    steps between them (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) >= max(n, minimum), rounded up to a multiple of
+    `multiple` (the mesh's batch shards, as `batch_bucket`). Before the rounding, n rows above `minimum` fill more
+    than 2/3 of it (of a power of two: more than 1/2)."""
+    if multiple < 1:
+        raise ValueError(f"compact_bucket: multiple must be >= 1, got {multiple}")
+    size = pow2_bucket(n, minimum)
+    if size >= 4 and size // 4 * 3 >= max(n, minimum):
+        size = size // 4 * 3
+    return round_up(size, multiple)

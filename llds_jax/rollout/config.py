@@ -69,6 +69,9 @@ class SamplingConfig:
       decode_chunk: decode steps per device call between host checks of the turn text.
       min_prompt_bucket, min_capacity_bucket, min_observation_bucket, min_batch_bucket: smallest buckets.
       compact: move the unfinished rows into a smaller batch bucket when enough rows have finished.
+      max_extend_rows: continuous batching: the most rows one extend call appends to (prompts or observations;
+        more go in several calls), a power of two; 0: any number. Such a call holds its rows' cache beside the
+        batch's (a pod's 128-row batch cannot hold a second copy: docs/tpu.md).
     """
 
     temperature: float = 1.0
@@ -82,6 +85,7 @@ class SamplingConfig:
     min_observation_bucket: int = 16
     min_batch_bucket: int = 1
     compact: bool = True
+    max_extend_rows: int = 0
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -96,4 +100,6 @@ class SamplingConfig:
         for name in ("min_prompt_bucket", "min_capacity_bucket", "min_observation_bucket", "min_batch_bucket"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sampling.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_extend_rows < 0 or self.max_extend_rows & (self.max_extend_rows - 1):
+            raise ValueError(f"rollout.max_extend_rows must be 0 (any) or a power of two, got {self.max_extend_rows}")
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))

@@ -11,7 +11,8 @@ the rollout from a queue, and after every decode chunk the host:
      fit the free rows, and appends them in one extend over just those rows (roll back + observation, or an
      empty row + prompt); the other rows' cache, logits and decode state are untouched;
   3. starts the next turn of those sequences, frees the rows of finished trajectories (they take queued
-     sequences at the next step) and, once the queue is empty, compacts the live rows to a smaller row bucket;
+     sequences at the next step) and, once the queue is empty, compacts the live rows to a smaller row bucket (a
+     power of two or 1.5x one, `ShapePlan.compacted_rows`: the live rows fill more than 2/3 of it);
   4. decodes the next chunk; rows waiting for a search or without a sequence are done in it. When fewer rows are
      on their turn than wait for a search (none, or a chunk at low occupancy while searches are about to come
      back: a decode step costs about the same at any number of rows), it waits for the first search call to come

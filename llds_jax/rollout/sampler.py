@@ -348,8 +348,8 @@ class Sampler:
 
     def compile_grid(self) -> int:
         """Compiles (ahead of time, without running them) the programs a session can need on the grid of the row
-        and capacity buckets run so far (`ShapePlan.grid`; continuous batching: every row bucket between the
-        smallest run and its batch): decode and an extend of each observation bucket run so far at every (rows,
+        and capacity buckets run so far (`ShapePlan.grid`; continuous batching: every compacted row bucket between
+        the smallest run and its batch): decode and an extend of each observation bucket run so far at every (rows,
         capacity), growth to each larger capacity and compaction to each smaller row bucket. A frozen session then
         compiles only when a conversation outgrows every capacity run (or a batch every row bucket). Returns the
         number of programs compiled (0 before any decode chunk ran)."""
@@ -367,15 +367,17 @@ class Sampler:
 
         continuous: those of a continuous-batching `RowSession` instead: the empty batch and the extend of every
         row by a prompt (at `prefill_capacity` slots) in place of the prefill, the extend of every row by an
-        observation in place of the session's extend (the most rows one such call takes).
+        observation in place of the session's extend (the most rows one such call takes: all, or
+        `config.max_extend_rows`).
         params: the parameters as the session gets them (arrays or ShapeDtypeStructs with shardings).
         """
         if continuous:
+            k = min(rows, self.config.max_extend_rows or rows)
             start = [("empty batch", f"{rows} rows, {prefill_capacity} slots", EmptyShape(rows, prefill_capacity)),
-                     ("prompt extend", f"{rows} of {rows} rows x {prompt} tokens, {prefill_capacity} slots",
-                      ExtendRowsShape(rows, prefill_capacity, rows, prompt, True))]
-            extend = ("row extend", f"{rows} of {rows} rows x {observation} tokens, {capacity} slots",
-                      ExtendRowsShape(rows, capacity, rows, observation, False))
+                     ("prompt extend", f"{k} of {rows} rows x {prompt} tokens, {prefill_capacity} slots",
+                      ExtendRowsShape(rows, prefill_capacity, k, prompt, True))]
+            extend = ("row extend", f"{k} of {rows} rows x {observation} tokens, {capacity} slots",
+                      ExtendRowsShape(rows, capacity, k, observation, False))
         else:
             start = [("prefill", f"{rows} x {prompt} tokens, {prefill_capacity} slots",
                       PrefillShape(rows, prompt, prefill_capacity))]
@@ -783,7 +785,8 @@ class RowSession(_DeviceBatch):
     The caller drives it between chunks: `extend` (observations after rolled-back turns, and new sequences'
     prompts, one device call over just those rows), `finish` (a sequence leaves its row), `begin_turn` (a sequence
     samples its next turn), `decode_chunk` (one chunk of every row on its turn; rows that are not are done in it)
-    and `compact` (once no sequence waits for a row: the live rows into a smaller row bucket).
+    and `compact` (once no sequence waits for a row: the live rows into a smaller row bucket, a power of two or
+    1.5x one: `ShapePlan.compacted_rows`).
 
     Args:
       sampler: the Sampler.
@@ -900,12 +903,12 @@ class RowSession(_DeviceBatch):
         return ended
 
     def compact(self) -> None:
-        """Moves the live sequences into a smaller batch bucket when the plan has one for them (call it once no
-        sequence waits for a row)."""
+        """Moves the live sequences into a smaller batch bucket (`ShapePlan.compacted_rows`: a power of two or 1.5x
+        one) when the plan has one for them (call it once no sequence waits for a row)."""
         live = np.flatnonzero(self._seq_of >= 0)
         if self._state is None or not live.size:
             return
-        compaction = self._sampler.plan.compaction(self.batch_rows, self.capacity, len(live))
+        compaction = self._sampler.plan.compaction(self.batch_rows, self.capacity, len(live), continuous=True)
         if compaction is None:
             return
         take = np.concatenate([live, np.full(compaction.rows_out - len(live), live[0])])
@@ -941,7 +944,8 @@ class RowSession(_DeviceBatch):
     def _extend(self, rows_k: np.ndarray, end_k: np.ndarray, pos_k: np.ndarray, tokens_k: list[list[int]],
                 prefill: bool) -> None:
         """The extend of rows rows_k, rolled back to (end_k, pos_k), by tokens_k; with `prefill` the rows start
-        their sequences (see `_extend_rows`). Frozen, in several calls when they are more than the plan's limit."""
+        their sequences (see `_extend_rows`). In several calls when they are more than the plan's limit
+        (`rollout.max_extend_rows`; frozen, the largest call run)."""
         limit = self._sampler.plan.extend_rows_limit(self.batch_rows, prefill)
         if limit is not None and len(rows_k) > limit:
             for first in range(0, len(rows_k), limit):

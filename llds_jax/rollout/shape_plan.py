@@ -5,7 +5,8 @@ Each program of `sampler` has its own shape type (a NamedTuple of sizes in rows 
 `PrefillShape`, `DecodeShape`, `EndTurnShape` (roll back and observation extend), `GrowShape` (a larger cache) and
 `SelectShape` (compaction to fewer rows); continuous batching adds `EmptyShape` (an empty batch of rows) and
 `ExtendRowsShape` (tokens appended to some rows of a batch). Before `ShapePlan.freeze`, a call takes the buckets
-of what it needs (`buckets`): rows the power of two of its sequences (a multiple of the mesh's batch shards),
+of what it needs (`buckets`): rows the power of two of its sequences (a multiple of the mesh's batch shards;
+continuous batching compacts to finer row buckets, powers of two and 1.5x them: `buckets.compact_bucket`),
 prompt, cache and observation slots powers of two. After it, a call takes the smallest bucket already run that
 fits, if any, instead of compiling a program for a new smaller one, and `ShapePlan.grid` lists what to compile
 ahead: every program at every combination of the row, capacity and observation buckets run so far (continuous
@@ -156,6 +157,11 @@ class ShapePlan:
         """Rows of a batch of `sequences` sequences."""
         return buckets.batch_bucket(sequences, self.batch_multiple, self.config.min_batch_bucket)
 
+    def compacted_rows(self, live: int) -> int:
+        """Rows of a continuous batch compacted to `live` sequences: a power of two or 1.5x one (a multiple of the
+        mesh's batch shards, `buckets.compact_bucket`), so that they fill more than 2/3 of it."""
+        return buckets.compact_bucket(live, self.batch_multiple, self.config.min_batch_bucket)
+
     def prefill(self, sequences: int, longest_prompt: int, first_turn: int) -> PrefillShape:
         """The prefill of `sequences` prompts of at most `longest_prompt` tokens into a cache with room for a first
         turn of `first_turn` tokens (and the slot a finished row writes per decode step).
@@ -170,11 +176,12 @@ class ShapePlan:
                     or buckets.pow2_bucket(needed, self.config.min_capacity_bucket))
         return PrefillShape(rows, prompt, capacity)
 
-    def compaction(self, rows: int, capacity: int, live: int) -> Optional[SelectShape]:
-        """The move of `live` unfinished sequences out of a batch of `rows` rows into a smaller row bucket; None
-        when the batch stays (compaction off, no sequence left, no smaller bucket holds them, or, frozen, no
-        compaction to a smaller bucket that holds them has run from this shape)."""
-        rows_out = self.batch_rows(live)
+    def compaction(self, rows: int, capacity: int, live: int, continuous: bool = False) -> Optional[SelectShape]:
+        """The move of `live` unfinished sequences out of a batch of `rows` rows into a smaller row bucket
+        (`batch_rows`; with `continuous`, a continuous batch's: `compacted_rows`); None when the batch stays
+        (compaction off, no sequence left, no smaller bucket holds them, or, frozen, no compaction to a smaller
+        bucket that holds them has run from this shape)."""
+        rows_out = self.compacted_rows(live) if continuous else self.batch_rows(live)
         if not self.config.compact or rows_out >= rows or live == 0:
             return None
         if self.frozen:
@@ -213,22 +220,26 @@ class ShapePlan:
                     ) -> ExtendRowsShape:
         """The extend of `rows_in` rows of a batch of `rows` rows with `capacity` slots by at most `longest` tokens
         (prompts with `prefill`), where the furthest of them writes from slot `end`; its capacity is the one the
-        cache grows to for the token bucket (frozen: the smallest bucket of rows taking part run from these rows
-        that holds them, then the smallest token bucket run whose extend has run there)."""
+        cache grows to for the token bucket. The rows taking part are padded to their `batch_rows` bucket, at most
+        `rows` (a batch compacted to a 1.5x bucket); frozen: to the smallest such bucket run from these rows that
+        holds them, then the token bucket is the smallest run whose extend has run there."""
         rows_in = (self._smallest_run(ExtendRowsShape, "rows_in", rows_in, rows=rows, prefill=prefill)
-                   or self.batch_rows(rows_in))
+                   or min(self.batch_rows(rows_in), rows))
         at = lambda t: ExtendRowsShape(  # noqa: E731
             rows, self.grown_capacity(rows, capacity, end + t), rows_in, t, prefill)
         return at(self._token_bucket(ExtendRowsShape, "tokens", longest, at, rows=rows, rows_in=rows_in,
                                      prefill=prefill))
 
     def extend_rows_limit(self, rows: int, prefill: bool) -> Optional[int]:
-        """Frozen: the most rows one extend of a batch of `rows` rows takes (the largest row bucket of the extends
-        of its kind run there: more run as several extends, compiling nothing); None when not frozen or none ran."""
+        """The most rows one extend of a batch of `rows` rows takes (more run as several extends): at most
+        `config.max_extend_rows` (when set), and frozen, the largest row bucket of the extends of its kind run
+        there (compiling nothing); None: any."""
+        cap = self.config.max_extend_rows or None
         if not self.frozen:
-            return None
-        return max((s.rows_in for s in self._run[ExtendRowsShape] if s.rows == rows and s.prefill == prefill),
-                   default=None)
+            return cap
+        run = max((s.rows_in for s in self._run[ExtendRowsShape] if s.rows == rows and s.prefill == prefill),
+                  default=None)
+        return min(run, cap) if run and cap else run or cap
 
     def _token_bucket(self, kind: type, field: str, longest: int, at: Callable[[int], Shape], **fixed: int) -> int:
         """The token slots of an extend of at most `longest` tokens: a power of two (>= min_observation_bucket),
@@ -256,8 +267,8 @@ class ShapePlan:
 
     def grid(self) -> list[Shape]:
         """The shapes not run yet on the grid of the row and capacity buckets of the decode states run so far (with
-        continuous batching, every row bucket between the smallest run and its batch: `_continuous_rows`): at
-        every (rows, capacity), a decode chunk, an extend of each observation bucket run (continuous batching:
+        continuous batching, every compacted row bucket between the smallest run and its batch: `_continuous_rows`):
+        at every (rows, capacity), a decode chunk, an extend of each observation bucket run (continuous batching:
         row extends of each row and token bucket run of their kind, of at most `rows` rows), growth to each larger
         capacity and compaction to each smaller row bucket. Ordered by rows, then capacity."""
         states = self._states()
@@ -285,20 +296,21 @@ class ShapePlan:
         return len(shapes)
 
     def _continuous_rows(self, rows_run: set[int]) -> set[int]:
-        """The row buckets from the smallest of `rows_run` up to the largest empty batch run (none without one).
+        """The compacted row buckets (`compacted_rows`: powers of two and 1.5x them) from the smallest of `rows_run`
+        up to the largest empty batch run (none without one).
 
         A continuous batch compacts to the bucket of its live rows whenever they fit a smaller one, and how many
         are live when depends on the sampled turns: a first rollout whose batch went from 64 rows straight to 16
-        would otherwise leave a frozen plan without the 32-row bucket a later one needs. (The sessions' grid keeps
-        the row buckets they ran.)"""
+        would otherwise leave a frozen plan without the 24-, 32- and 48-row buckets a later one needs. (The
+        sessions' grid keeps the row buckets they ran.)"""
         batches = [s.rows for s in self._run[EmptyShape]]
         if not batches:
             return set()
-        out, sequences = set(), 1
-        while (rows := self.batch_rows(sequences)) <= max(batches):
+        out, rows = set(), self.compacted_rows(1)
+        while rows <= max(batches):
             if rows >= min(rows_run):
                 out.add(rows)
-            sequences *= 2
+            rows = self.compacted_rows(rows + 1)
         return out
 
     def _states(self) -> set[tuple[int, int]]:

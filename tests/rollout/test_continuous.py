@@ -85,6 +85,19 @@ def test_greedy_continuous_batching_matches_sessions_with_higher_occupancy(qwen_
     assert continuous.metrics["sampled_tokens"] == sessions.metrics["sampled_tokens"]
 
 
+def test_extends_of_at_most_max_extend_rows_rows_sample_the_same(qwen_tokenizer, greedy):
+    """rollout.max_extend_rows = 1: every prompt and observation is appended by a call of its own (the 4-row batch
+    starts with 3 prompts: 3 calls), the same greedy trajectories as the sessions."""
+    graphdef, params, config, _ = greedy
+    capped = Sampler(graphdef, dataclasses.replace(config, max_extend_rows=1))
+    continuous = rollout(qwen_tokenizer, capped, params, continuous=True)
+    assert_same_trajectories(rollout(qwen_tokenizer, Sampler(graphdef, config), params, continuous=False).trajectories,
+                             continuous.trajectories)
+    assert {s.rows_in for s in capped.plan._run[ExtendRowsShape]} == {1}
+    with pytest.raises(ValueError, match=r"rollout\.max_extend_rows must be 0 \(any\) or a power of two, got 3"):
+        dataclasses.replace(config, max_extend_rows=3)
+
+
 def test_greedy_continuous_batching_on_a_mesh_matches_sessions(qwen_tokenizer, greedy):
     graphdef, params, config, sampler = greedy
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
@@ -164,8 +177,9 @@ def test_row_extends_leave_the_other_rows_untouched(greedy):
 
 
 def test_frozen_row_session_compacts_to_a_row_bucket_its_first_rollout_skipped(greedy):
-    """A first session's 8 rows went straight to 2 (6 of 8 turns ended at once); frozen, a session with 3 live rows
-    decodes in 4 rows, not 8 (every row bucket below the batch is compiled ahead), and samples the same tokens."""
+    """A first session's 8 rows went straight to 2 (6 of 8 turns ended at once); frozen, a session with 5 live rows
+    decodes in 6 rows (a 1.5x bucket), not 8 (every compacted row bucket below the batch is compiled ahead), and
+    samples the same tokens."""
     graphdef, params, config, _ = greedy
     sampler = Sampler(graphdef, config)  # a plan of its own: this test freezes it
     prompts = [[11 + i, 12, 13] for i in range(8)]
@@ -189,8 +203,8 @@ def test_frozen_row_session_compacts_to_a_row_bucket_its_first_rollout_skipped(g
     first_rows, first, _ = run([4] * 6 + [8] * 2)
     assert first_rows == [2, 2]
     sampler.freeze_shapes()
-    rows, turns, counts = run([4] * 5 + [8] * 3)
-    assert rows == [4, 4]
-    # 8 rows x 4 steps, then 3 of 4 rows x 4 steps: 44 tokens in 48 row-steps (64 in 8 rows).
-    assert counts == {"sampled_tokens": 44, "row_steps": 48}
-    assert turns[5][:4] == first[5] and all(turns[seq] == first[seq] for seq in (0, 6, 7))
+    rows, turns, counts = run([4] * 3 + [8] * 5)
+    assert rows == [6, 6]
+    # 8 rows x 4 steps, then 5 of 6 rows x 4 steps: 52 tokens in 56 row-steps (64 in 8 rows).
+    assert counts == {"sampled_tokens": 52, "row_steps": 56}
+    assert all(turns[seq][:4] == first[seq] for seq in (3, 4, 5)) and all(turns[seq] == first[seq] for seq in (0, 6, 7))

@@ -69,8 +69,8 @@ def test_grid_lists_the_programs_not_run_on_the_buckets_run_and_compile_grid_rec
 
 def test_continuous_batching_grid_holds_every_row_bucket_below_its_batch():
     """A first continuous rollout whose 8-row batch compacted straight to 2 rows: the frozen plan can still compact
-    3 live rows to 4 (every row bucket from the smallest run up to the batch is compiled ahead); a session's plan
-    keeps the row buckets it ran."""
+    3 live rows to 3 and 4 to 4 (every compacted row bucket from the smallest run up to the batch is compiled
+    ahead); a session's plan keeps the row buckets it ran."""
     run = (DecodeShape(8, 32), SelectShape(8, 32, 2), DecodeShape(2, 32))
     plan = ShapePlan(CONFIG, batch_multiple=1)
     for shape in (EmptyShape(8, 32), ExtendRowsShape(8, 32, 8, 16, True), ExtendRowsShape(8, 32, 2, 16, False), *run):
@@ -80,8 +80,9 @@ def test_continuous_batching_grid_holds_every_row_bucket_below_its_batch():
     assert not any(shape.rows == 1 for shape in plan.grid())  # not below the smallest bucket run
     plan.compile_grid(lambda shape: Lowered())
     plan.freeze()
-    assert plan.compaction(8, 32, live=3) == SelectShape(8, 32, 4)
-    assert plan.compaction(8, 32, live=2) == SelectShape(8, 32, 2)
+    assert plan.compaction(8, 32, live=3, continuous=True) == SelectShape(8, 32, 3)
+    assert plan.compaction(8, 32, live=4, continuous=True) == SelectShape(8, 32, 4)
+    assert plan.compaction(8, 32, live=2, continuous=True) == SelectShape(8, 32, 2)
     sessions = ShapePlan(CONFIG, batch_multiple=1)
     for shape in (PrefillShape(8, 16, 32), *run):
         sessions.record(shape)
@@ -89,8 +90,52 @@ def test_continuous_batching_grid_holds_every_row_bucket_below_its_batch():
     sessions.compile_grid(lambda shape: Lowered())
     sessions.freeze()
     assert sessions.compaction(8, 32, live=3) is None
-    # With batch shards, the buckets between are multiples of them: 4 -> 8 -> 16 rows.
+    # With batch shards, the buckets between are multiples of them: 4 -> 8 -> 12 -> 16 rows (6 rounds up to 8).
     sharded = ShapePlan(CONFIG, batch_multiple=4)
     for shape in (EmptyShape(16, 32), SelectShape(16, 32, 4)):
         sharded.record(shape)
-    assert {shape.rows for shape in sharded.grid()} == {4, 8, 16}
+    assert {shape.rows for shape in sharded.grid()} == {4, 8, 12, 16}
+
+
+def test_continuous_batching_compacts_to_powers_of_two_and_the_1_5x_buckets_between():
+    """The demo's third rollout: 47 live rows of 64 compact to 48 rows (today's buckets keep them in 64), as the
+    frozen plan of a first rollout that went 64 -> 32 -> 16 rows allows: its grid holds 24 and 48 rows. A
+    session's plan of the same run keeps powers of two: its buckets, grid and compactions are as before."""
+    plan = ShapePlan(CONFIG, batch_multiple=1)
+    assert [plan.compacted_rows(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 47, 49)] == [
+        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 48, 64]
+    assert plan.compaction(64, 128, live=47, continuous=True) == SelectShape(64, 128, 48)
+    assert plan.compaction(64, 128, live=47) is None
+    assert plan.compaction(64, 128, live=17, continuous=True) == SelectShape(64, 128, 24)
+    assert plan.compaction(48, 128, live=33, continuous=True) is None  # 33 live rows need the 48
+    # Multiples of the batch shards and at least min_batch_bucket.
+    assert [ShapePlan(CONFIG, batch_multiple=4).compacted_rows(n) for n in (1, 5, 7, 9, 13, 17, 33)] == [
+        4, 8, 8, 12, 16, 24, 48]
+    assert [ShapePlan(CONFIG, batch_multiple=8).compacted_rows(n) for n in (9, 17, 33)] == [16, 24, 48]
+    at_least_8 = ShapePlan(SamplingConfig(min_batch_bucket=8), batch_multiple=1)
+    assert [at_least_8.compacted_rows(n) for n in (1, 8, 9)] == [8, 8, 12]
+    # A row extend of a batch compacted to 48 rows takes at most its 48 rows (the power of two of 40 is 64).
+    assert plan.extend_rows(48, 128, rows_in=40, longest=3, end=60, prefill=False) == ExtendRowsShape(
+        48, 128, 48, 4, False)
+    assert plan.extend_rows(64, 128, rows_in=40, longest=3, end=60, prefill=False).rows_in == 64
+
+    run = (DecodeShape(64, 128), SelectShape(64, 128, 32), DecodeShape(32, 128), SelectShape(32, 128, 16),
+           DecodeShape(16, 128))
+    for shape in (EmptyShape(64, 128), ExtendRowsShape(64, 128, 64, 16, True), *run):
+        plan.record(shape)
+    grid = plan.grid()
+    assert {shape.rows for shape in grid if isinstance(shape, DecodeShape)} == {24, 48}  # 16, 32 and 64 ran
+    assert {shape.rows_out for shape in grid if isinstance(shape, SelectShape)} == {16, 24, 32, 48}
+    plan.compile_grid(lambda shape: Lowered())
+    plan.freeze()
+    assert plan.compaction(64, 128, live=47, continuous=True) == SelectShape(64, 128, 48)
+    assert plan.compaction(48, 128, live=20, continuous=True) == SelectShape(48, 128, 24)
+    assert plan.compaction(64, 128, live=5, continuous=True) == SelectShape(64, 128, 16)  # nothing below 16 ran
+    sessions = ShapePlan(CONFIG, batch_multiple=1)
+    for shape in (PrefillShape(64, 16, 128), *run):
+        sessions.record(shape)
+    assert sessions.grid() == [SelectShape(64, 128, 16)]
+    sessions.compile_grid(lambda shape: Lowered())
+    sessions.freeze()
+    assert sessions.compaction(64, 128, live=47) is None
+    assert sessions.compaction(64, 128, live=20) == SelectShape(64, 128, 32)
