@@ -583,7 +583,8 @@ class HloCost:
 
 
 class _Walker:
-    """Costs of the computations of a module, memoized by (computation, whether its instructions are kernels)."""
+    """Costs of the computations of a module, memoized by (computation, whether its instructions are kernels, how
+    many loops of run-time length it runs inside)."""
 
     def __init__(self, module: Module, dynamic_trip_counts: Sequence[float]):
         self.module = module
