@@ -92,6 +92,7 @@ def test_rollout_shapes_are_the_largest_buckets(tiny_model_dir):
     assert compile_check.rollout_shapes(cfg, sequences=6, batch_multiple=4).rows == 8
 
 
+@pytest.mark.slow
 def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys):
     """Two hosts of 4 chips (v4:2x2x2): rollouts on one host's chips, training on all 8. XLA's argument sizes
     per chip equal the shards of the abstract arrays (what the resident column adds up)."""
@@ -125,6 +126,7 @@ def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys)
     assert "no rollout program a layer's weights" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensor_parallel", [0, -1], ids=["training-layout", "tensor-parallel"])
 def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tensor_parallel):
     """The decode chunk read from the TPU compiler's HLO: under the training (fsdp) layout every layer's q / k / v
@@ -146,6 +148,7 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
                          "each chip keeps its own slice (docs/tpu.md)"]
 
 
+@pytest.mark.slow
 def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
     """rollout.cache_block = 64 of a 512-slot cache: the TPU decode chunk holds two loops of run-time length (its
     steps, and in each layer of each step the filled blocks); the estimate counts the second at the conversation's
@@ -166,6 +169,7 @@ def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
     assert roofline.hlo_costs(dense.lowered.compile().as_text(), (32, 5)).dynamic_loops == 1
 
 
+@pytest.mark.slow
 def test_continuous_batching_compiles_its_own_rollout_programs(tiny_model_dir, capsys):
     """rollout.continuous_batching: the empty batch, the extend of every row by a prompt and by an observation
     replace the prefill and the session's extend; every program compiles and fits, and the step estimate counts
@@ -206,6 +210,7 @@ def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
     assert compile_check.whole_table_gathers([gathered], 1024, 64) == []
 
 
+@pytest.mark.slow
 def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     """rollout.params_dtype: the rollout programs are lowered with params in that dtype (smaller arguments per chip
     with bfloat16), the training programs with the float32 params; on one host in the training layout a bfloat16
@@ -234,6 +239,7 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     assert decode_and_update("v5e:2x2", "float32")[0].resident == ("params", "optimizer state", "reference")
 
 
+@pytest.mark.slow
 def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir):
     result = launch(tiny_model_dir, "--topology=v5e:2x2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -243,6 +249,7 @@ def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir):
     assert "(host-local)" not in result.stdout  # one host: rollouts on the training mesh
 
 
+@pytest.mark.slow
 def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir):
     """Evaluation in one session of 16384 questions with a 4k-token context: the extend's attention scores over
     the cache cannot fit a v5e chip's 16 GiB; training (32 trajectories) still fits."""

@@ -11,13 +11,13 @@ def test_calls_per_step_of_the_flagship_config():
     cfg = load("qwen7b_v4")
     assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
         "prefill": 5, "decode chunk": 5 * 4 * 500 / 32, "extend": 5 * 3, "cache growth": 5, "compaction": 5}
-    cfg.rollout.continuous_batching = True
+    cfg.rollout.continuous_batching = True  # extends of at most 16 rows: 8 calls for every row of a 128-row batch
     assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
-        "empty batch": 1, "prompt extend": 5, "row extend": 5 * 3, "decode chunk": 5 * 4 * 500 / 32,
+        "empty batch": 1, "prompt extend": 5 * 8, "row extend": 5 * 3 * 8, "decode chunk": 5 * 4 * 500 / 32,
         "cache growth": 5, "compaction": 5}
-    cfg.rollout.max_extend_rows = 16  # 8 calls for every row of a 128-row batch
+    cfg.rollout.max_extend_rows = 0  # one call for every row
     calls = step_estimate.rollout_calls(cfg, sequences=640, rows=128)
-    assert (calls["prompt extend"], calls["row extend"]) == (5 * 8, 5 * 3 * 8)
+    assert (calls["prompt extend"], calls["row extend"]) == (5, 5 * 3)
     cfg.train.lld_every = 4
     assert step_estimate.update_calls(cfg, updates=10) == {
         "logp (reference)": 10, "logp (policy)": 10, "likelihood metrics": 1, "logp (float32, LLD)": 5.0,

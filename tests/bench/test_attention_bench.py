@@ -4,9 +4,12 @@ import importlib.util
 import pathlib
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "attention.py"
 
 
+@pytest.mark.slow
 def test_attention_bench_runs_small_on_cpu(capsys):
     spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
     module = importlib.util.module_from_spec(spec)

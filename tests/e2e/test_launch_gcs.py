@@ -88,6 +88,7 @@ def test_train_resume_and_export_in_a_bucket(tmp_path, gcs_assets, gcs_dir, gcs_
     assert AutoTokenizer.from_pretrained(str(local)).encode(text) == load_tokenizer(gcs_assets["model"]).encode(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem", ["missing_model", "missing_data", "unreachable_endpoint"])
 def test_gcs_problems_are_one_line(tmp_path, gcs_assets, gcs_dir, gcs_env, unreachable_gcs_env, config_writer,
                                    launch, problem):

@@ -45,6 +45,7 @@ def means_by_source(records, value):
     return {**{source: round(m, 3) for source, m in means.items()}, "mean": round(sum(means.values()) / len(means), 3)}
 
 
+@pytest.mark.slow
 def test_eval_table_equals_recomputation_from_transcripts(tmp_path, tiny_assets, answer_policy, config_writer,
                                                         launch):
     policy, city = answer_policy
@@ -109,6 +110,7 @@ def test_missing_model_folder_is_one_line(tmp_path, tiny_assets, config_writer, 
     assert len([line for line in err.splitlines() if line.startswith("llds_jax: error")]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["http", "elasticsearch"])
 def test_unreachable_retriever_is_one_line(tmp_path, tiny_assets, config_writer, launch, backend):
     """Nothing listens at the retriever's address: exit 2 and one line naming backend and address, nothing else."""
@@ -122,6 +124,7 @@ def test_unreachable_retriever_is_one_line(tmp_path, tiny_assets, config_writer,
     assert err.startswith(f"llds_jax: error: {backend} backend at {address}") and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem", ["dimension", "short corpus", "no encoder"])
 def test_dense_index_that_does_not_fit_is_one_line(tmp_path, tiny_assets, config_writer, launch, problem):
     """A faiss index of 16-dimensional vectors with a 32-dimensional encoder, a corpus shorter than the index, or

@@ -210,6 +210,7 @@ def _batch():
     return jnp.asarray(tokens), jnp.asarray(mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True])
 def test_model_forward_and_parameter_gradients_agree(remat):
     dense, blockwise = _models(remat=remat)
@@ -229,6 +230,7 @@ def test_model_forward_and_parameter_gradients_agree(remat):
         assert np.abs(g - r).max() <= 1e-5 * max(np.abs(r).max(), 1e-6), path
 
 
+@pytest.mark.slow
 def test_sharded_blockwise_update_equals_unsharded_dense():
     """On a (data 2, fsdp 2, tensor 2) mesh of fake CPU devices (batch and heads split): the jitted loss gradient
     through the blockwise model equals the unsharded dense one."""
@@ -254,6 +256,7 @@ def test_sharded_blockwise_update_equals_unsharded_dense():
         assert np.abs(g - r).max() <= 1e-5 * max(np.abs(r).max(), 1e-6), path
 
 
+@pytest.mark.slow
 def test_auto_runs_blockwise_in_a_long_forward_and_dense_in_decode(monkeypatch):
     calls = []
     real = attention_lib.blockwise_attention
@@ -539,6 +542,7 @@ def test_compile_check_model_config_carries_the_devices_platform():
     assert compile_check.model_config(cfg, "tpu").attention_platform == "tpu"
 
 
+@pytest.mark.slow
 def test_model_logp_and_parameter_gradients_agree_under_splash():
     """The tiny model's model_token_logp (hidden -> log-probs) and its parameter gradient: splash (interpret mode)
     equals the dense reference on the tokens predicted from a real one (the batch of `_batch`: left, right and

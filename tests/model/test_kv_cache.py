@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from llds_jax.model import ModelConfig, Transformer, init_cache
@@ -16,6 +17,7 @@ def _full_logits(model, rows):
     return [np.asarray(model(jnp.asarray([r]))[0]) for r in rows]
 
 
+@pytest.mark.slow
 def test_prefill_decode_extend_equal_full_forward():
     model = _model()
     rng = np.random.default_rng(0)

@@ -57,6 +57,7 @@ def test_sliced_mlp_bfloat16_weight_gradients_are_the_whole_paths_columns():
                                atol=2 ** -6 * float(jnp.abs(dh_w.astype(jnp.float32)).max()))
 
 
+@pytest.mark.slow
 def test_transformer_with_sliced_mlp_matches_whole_under_remat_and_scan():
     from flax import nnx
     from llds_jax.model.transformer import Transformer

@@ -57,6 +57,7 @@ def all_gather_elements(hlo_text):
     return [math.prod(dims) for _, dims in compile_check.all_gather_shapes(hlo_text)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes, tied", [(dict(data=1, fsdp=4, tensor=2), False), (dict(data=2, fsdp=4, tensor=1), True)])
 def test_no_program_gathers_the_vocabulary(axes, tied):
     """The log-prob gradient (embedding lookup, layers, output projection) and a KV-cache extend run on the

@@ -107,6 +107,7 @@ def test_hlo_check_detects_a_gather_of_vocab_sharded_logits(inputs):
     assert [s for s in all_gather_shapes(hlo) if V in s]
 
 
+@pytest.mark.slow
 def test_model_logp_is_aligned_to_tokens(tiny_model_cfg, make_rollout):
     """logp_bt[:, t] = log softmax(logits at t - 1)[token t]; column 0 is 0; padding does not matter."""
     roll = make_rollout(1, 4, 20, tiny_model_cfg.vocab_size)

@@ -66,6 +66,7 @@ def test_rows_longer_than_the_batch_take_more_trajectories(make_rollout):
         pack(tokens_nml, mask_nml, 4, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "blockwise", "splash"])
 def test_packed_forward_equals_unpacked_values_and_gradients(make_rollout, implementation):
     """Log-probs and entropies of packed rows, unpacked, equal the one-row-per-trajectory forward wherever a token
@@ -119,6 +120,7 @@ def _assert_same_step(state, metrics, plain_state, plain_metrics):
     np.testing.assert_allclose(metrics.delta_traj_b, plain_metrics.delta_traj_b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_train_step_equals_unpacked(tiny_model_cfg, step_batch, plain_step_result):
     """Same micro-batches (counted in trajectories), same objective: every loss term, LLDS gate and LLD metric of
     every update, and the parameters after the step, as without packing."""
@@ -132,6 +134,7 @@ def test_packed_train_step_equals_unpacked(tiny_model_cfg, step_batch, plain_ste
     _assert_same_step(state, metrics, plain_state, plain_metrics)
 
 
+@pytest.mark.slow
 def test_packed_train_step_on_a_mesh_equals_unpacked(tiny_model_cfg, step_batch, plain_step_result, mesh8):
     """On data 2 x fsdp 2 x tensor 2: packed rows are a multiple of the 4 data shards; a trajectory's tokens may sit
     on another device's row, and come back to its own."""
@@ -143,6 +146,7 @@ def test_packed_train_step_on_a_mesh_equals_unpacked(tiny_model_cfg, step_batch,
     _assert_same_step(state, metrics, plain_state, plain_metrics)
 
 
+@pytest.mark.slow
 def test_rows_longer_than_the_batch_and_a_row_count_per_update_equal_unpacked(tiny_model_cfg, step_batch,
                                                                               plain_step_result):
     """Rows of 32 tokens for a 24-token batch (`optim.pack_row_tokens`): the two updates' micro-batches pack into 3
@@ -159,6 +163,7 @@ def test_rows_longer_than_the_batch_and_a_row_count_per_update_equal_unpacked(ti
     np.testing.assert_allclose(metrics.scalars["perf/padding"], 1 - real / (4 * 3 * 32 + 4 * 2 * 32), rtol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_mesh", [False, True])
 def test_row_counts_compiled_ahead_leave_nothing_to_compile(tiny_model_cfg, make_rollout, with_mesh):
     """With `precompile_row_counts`, the first batch of a length compiles the forwards of every row count its

@@ -80,6 +80,7 @@ def naive_logp_entropy(model, tokens_bt, mask_bt, temperature):
     return pad(logp_bt), pad(entropy_bt)
 
 
+@pytest.mark.slow
 def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, plain_step_result, step_batch):
     """Each update = AdamW on the clipped gradient of the MEAN of the 4 per-micro-batch losses (each a token mean
     over its own loss tokens), computed here directly with full logits and plain optax."""
@@ -134,6 +135,7 @@ def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, 
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params0))) > 1e-4
 
 
+@pytest.mark.slow
 def test_lld_measurement_runs_in_float32_with_a_bfloat16_model(plain_step, step_batch, tiny_model_cfg, host_copy):
     """With bfloat16 compute and a small learning rate, bfloat16 log-probs move by rounding noise as large as the
     change (or not at all: ties). Delta_traj is measured with both forwards in float32: it equals the change of
@@ -157,6 +159,7 @@ def test_lld_measurement_runs_in_float32_with_a_bfloat16_model(plain_step, step_
     np.testing.assert_allclose(metrics.scalars["lld/rate"], np.mean(want_b[correct] < 0), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_unsharded(sharded_step, plain_step_result, step_batch, mesh8):
     _, plain_state, plain_metrics = plain_step_result
     state = sharded_step.init_state()
@@ -265,6 +268,7 @@ def test_abstract_values_are_those_of_the_real_step(sharded_step, step_batch, me
     assert spec.batch.tokens_bt.sharding.spec == P(None, None, ("data", "fsdp"))
 
 
+@pytest.mark.slow
 def test_micro_batch_gradients_are_taken_in_the_compute_dtype(tiny_model_cfg, step_batch):
     """`compute_weights` casts exactly the weights a bfloat16 model reads in bfloat16: the forward is bitwise the
     same, and the gradient with respect to the cast weights is the float32 parameters' gradient held in bfloat16

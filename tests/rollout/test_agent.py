@@ -408,6 +408,7 @@ def steered_trajectories(qwen_tokenizer, real):
     return steered_rollout(qwen_tokenizer, real, seed=0)
 
 
+@pytest.mark.slow
 def test_real_model_rollout_logps_match_full_forward(qwen_tokenizer, real, steered_trajectories):
     graphdef, _, params, _ = real
     trajs = steered_trajectories

@@ -67,6 +67,7 @@ def assert_same_trajectories(sessions, continuous, atol=1e-5):
         assert (a.end_reason, em_score(a), a.final_answer) == (b.end_reason, em_score(b), b.final_answer)
 
 
+@pytest.mark.slow
 def test_greedy_continuous_batching_matches_sessions_with_higher_occupancy(qwen_tokenizer, greedy):
     _, params, _, sampler = greedy
     sessions = rollout(qwen_tokenizer, sampler, params, continuous=False)
@@ -85,6 +86,7 @@ def test_greedy_continuous_batching_matches_sessions_with_higher_occupancy(qwen_
     assert continuous.metrics["sampled_tokens"] == sessions.metrics["sampled_tokens"]
 
 
+@pytest.mark.slow
 def test_extends_of_at_most_max_extend_rows_rows_sample_the_same(qwen_tokenizer, greedy):
     """rollout.max_extend_rows = 1: every prompt and observation is appended by a call of its own (the 4-row batch
     starts with 3 prompts: 3 calls), the same greedy trajectories as the sessions."""
@@ -98,6 +100,7 @@ def test_extends_of_at_most_max_extend_rows_rows_sample_the_same(qwen_tokenizer,
         dataclasses.replace(config, max_extend_rows=3)
 
 
+@pytest.mark.slow
 def test_greedy_continuous_batching_on_a_mesh_matches_sessions(qwen_tokenizer, greedy):
     graphdef, params, config, sampler = greedy
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
@@ -109,6 +112,7 @@ def test_greedy_continuous_batching_on_a_mesh_matches_sessions(qwen_tokenizer, g
     assert all(s.rows_in % 4 == 0 for s in sharded.plan._run[ExtendRowsShape])
 
 
+@pytest.mark.slow
 def test_sampled_continuous_batching_samples_the_same_tokens(qwen_tokenizer, sampled):
     params, sampler = sampled
     sessions = rollout(qwen_tokenizer, sampler, params, continuous=False, seed=5)
@@ -118,6 +122,7 @@ def test_sampled_continuous_batching_samples_the_same_tokens(qwen_tokenizer, sam
     assert sessions.metrics["decode_occupancy"] < continuous.metrics["decode_occupancy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["one-device", "mesh"])
 def test_frozen_continuous_batching_compiles_nothing_for_another_batch(qwen_tokenizer, tiny, sampled, backend_compiles,
                                                                        sharded):
@@ -176,6 +181,7 @@ def test_row_extends_leave_the_other_rows_untouched(greedy):
     assert int(state.count_b[0]) == 8 and not (state.logits_bv[0] == before.logits_bv[0]).all()
 
 
+@pytest.mark.slow
 def test_frozen_row_session_compacts_to_a_row_bucket_its_first_rollout_skipped(greedy):
     """A first session's 8 rows went straight to 2 (6 of 8 turns ended at once); frozen, a session with 5 live rows
     decodes in 6 rows (a 1.5x bucket), not 8 (every compacted row bucket below the batch is compiled ahead), and

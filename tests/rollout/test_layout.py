@@ -39,6 +39,7 @@ def converse(layout, graphdef, params):
     return [t.token_ids for t in turns], np.concatenate([t.logps for t in turns])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensor", [4, 2, -1], ids=["tensor4-kv-repeat", "tensor2", "all-chips"])
 def test_tensor_parallel_layout_samples_the_training_layouts_greedy_tokens(trained, tensor):
     mesh, graphdef, params = trained
@@ -55,6 +56,7 @@ def test_tensor_parallel_layout_samples_the_training_layouts_greedy_tokens(train
     np.testing.assert_allclose(got[1], reference[1], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensor", [0, -1], ids=["training-layout", "all-chips"])
 def test_reading_the_filled_cache_in_blocks_samples_the_same_greedy_tokens(trained, tensor):
     """rollout.cache_block (as the pod configs set it, with extends in passes): decode and the observation's

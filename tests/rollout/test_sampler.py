@@ -155,6 +155,7 @@ def check_logps(model, seqs, mask, logps, temperature=TEMPERATURE):
         np.testing.assert_allclose(np.asarray(lp[1:])[is_model], ref[is_model], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_multi_turn_rollback_and_extend_match_full_forward(tiny, sampler):
     """Turns are cut at arbitrary points (later tokens rolled back), observations appended with extend, the
     cache grows past its first bucket, and finished rows leave the batch (compaction)."""
@@ -222,6 +223,7 @@ def test_rows_do_not_depend_on_batch_mates_and_seed_matters(tiny, sampler):
     assert [o.token_ids for o in other] != [o.token_ids for o in three]
 
 
+@pytest.mark.slow
 def test_sharded_session_matches_unsharded(tiny, sampler):
     model, graphdef, params = tiny
     prompts = prompts_of([6, 2, 9, 4, 7])
@@ -239,6 +241,7 @@ def test_sharded_session_matches_unsharded(tiny, sampler):
     check_logps(model, *got[:3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "mesh"])
 def test_frozen_shapes_compile_the_bucket_grid_ahead_and_sample_the_same(tiny, backend_compiles, sharded):
     """freeze_shapes compiles the grid of the buckets run so far; then a conversation that needs shapes no session

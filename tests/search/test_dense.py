@@ -137,6 +137,7 @@ def test_our_embedder_matches_the_reference_used_above(e5_folder, dense_corpus, 
     np.testing.assert_allclose(ours, passage_emb, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_search_r1_server_serves_the_dense_backend(tmp_path, e5_folder, dense_corpus, passage_emb,
                                                    search_server_factory, post_json, free_port):
     """POST /retrieve (Search-R1's request and answer) over the faiss backend equals the brute-force search."""

@@ -93,6 +93,7 @@ def test_curriculum_serves_its_first_batches_then_the_rest():
         stage.SFTConfig(data_files=("a",), output_dir="o", curriculum_files=("b",), curriculum_steps=300)
 
 
+@pytest.mark.slow
 def test_train_minimizes_the_masked_nll_of_model_turns():
     cfg_m = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -120,6 +121,7 @@ def test_train_minimizes_the_masked_nll_of_model_turns():
     assert records[-1]["loss"] < 0.2 * records[0]["loss"]  # memorizes the four sequences' masked tokens
 
 
+@pytest.mark.slow
 def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
     cfg = world_demo(tmp_path / "run")
     assert cfg.sft.data_files and cfg.sft.data_files[0].endswith("demonstrations.jsonl")
@@ -145,6 +147,7 @@ def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
     assert stage.fingerprint(stage.sft_config(changed), cfg.model.path, cfg.model.path, overrides) != recorded
 
 
+@pytest.mark.slow
 def test_warm_start_from_and_to_gcs(world_demo, tmp_path, gcs_dir, gcs_fs, capsys):
     cfg = world_demo(f"{gcs_dir}/run")  # assets (and their embedded index) stay local
     gcs_fs.put(cfg.model.path, f"{gcs_dir}/model", recursive=True)
@@ -174,6 +177,7 @@ def listed(gcs_fs, folder):
     return [path.rsplit("/", 1)[1] for path in gcs_fs.ls(folder, refresh=True)]
 
 
+@pytest.mark.slow
 def test_warm_start_curriculum_reads_the_searching_demonstrations_first(world_demo, tmp_path, capsys):
     cfg = world_demo(tmp_path / "run")
     cfg.sft.curriculum_steps = 2

@@ -37,6 +37,7 @@ def host_copy(tree):
 META = {"data": {"epoch": 1, "position": 6}, "rng": [0, 42], "nonfinite_count": 0}
 
 
+@pytest.mark.slow
 def test_round_trip_keeps_values_and_shardings(tmp_path, make_train_state):
     params, opt_state = make_train_state(1)
     ckpt = Checkpointer(str(tmp_path), save_every=1, keep=3)
@@ -192,6 +193,7 @@ def _never_retrieved(loop, *failures):
         gc.collect()
 
 
+@pytest.mark.slow
 def test_orphaned_reads_of_a_failed_restore_are_not_reported(tmp_path, caplog):
     async def test_code_fails():
         raise ValueError("a failure of our own")

@@ -3,6 +3,7 @@ the optimizer and the trainer's log-probs use) stay the same float32 arrays."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from llds_jax.rollout import layout as layout_lib
 from llds_jax.train import trainer as trainer_lib
@@ -30,6 +31,7 @@ def test_cast_keeps_the_layout_and_copies_nothing_in_the_same_dtype(make_train_s
     assert layout_lib.rollout_params(training_layout, params, "float32") is params
 
 
+@pytest.mark.slow
 def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_assets, tmp_path, monkeypatch):
     """Two rollouts (two steps) of 2 prompts x 4 samples on the 8 CPU devices, each in 2 sessions of 4 sequences
     with several decode chunks: one cast per rollout, every decode chunk of a rollout on its bfloat16 arrays, the
