@@ -13,8 +13,9 @@ The programs, at the config's largest shapes (the worst case a long run can reac
   rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
   observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
   (`rollout_shapes`; with `rollout.continuous_batching`, the empty batch and extends of every row by a prompt
-  and by an observation in place of the prefill and the extend); the same for evaluation (greedy, `eval.batch_size` rows); their params in
-  `rollout.params_dtype`, as the trainer casts them (with bfloat16 on float32 master weights, half the bytes);
+  and by an observation in place of the prefill and the extend); the same for evaluation (greedy,
+  `eval.batch_size` rows); their params in `rollout.params_dtype`, as the trainer casts them (with bfloat16 on
+  float32 master weights, half the bytes);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
   reference, the likelihood metrics, one optimizer update with all its micro-batches and the LLD metrics, at the
   longest training batch (`rollout.max_context_tokens` rounded up to `train.sequence_bucket`).

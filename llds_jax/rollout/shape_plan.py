@@ -234,12 +234,11 @@ class ShapePlan:
         """The most rows one extend of a batch of `rows` rows takes (more run as several extends): at most
         `config.max_extend_rows` (when set), and frozen, the largest row bucket of the extends of its kind run
         there (compiling nothing); None: any."""
-        cap = self.config.max_extend_rows or None
-        if not self.frozen:
-            return cap
-        run = max((s.rows_in for s in self._run[ExtendRowsShape] if s.rows == rows and s.prefill == prefill),
-                  default=None)
-        return min(run, cap) if run and cap else run or cap
+        limits = [self.config.max_extend_rows]  # 0: none
+        if self.frozen:
+            run = (s.rows_in for s in self._run[ExtendRowsShape] if s.rows == rows and s.prefill == prefill)
+            limits.append(max(run, default=0))
+        return min((n for n in limits if n), default=None)
 
     def _token_bucket(self, kind: type, field: str, longest: int, at: Callable[[int], Shape], **fixed: int) -> int:
         """The token slots of an extend of at most `longest` tokens: a power of two (>= min_observation_bucket),
