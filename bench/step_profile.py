@@ -217,14 +217,16 @@ def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 
     search_latency_s, search_s_per_query: make the retriever slower (`DelayedRetriever`); overlap=False: searches
     wait for the end of each turn's decoding (to measure what the overlap saves).
     """
-    from llds_jax import demo
+    from llds_jax import application
     from llds_jax.train.checkpoint import Checkpointer, rng_to_json
     from llds_jax.train.preemption import PreemptionGuard
     from llds_jax.train.trainer import Trainer
 
     setup = {}
     start = time.perf_counter()
-    demo.prepare(cfg)
+    app = application.load(cfg)  # the config's application, as `python -m llds_jax.launch` runs it: the demo's assets
+    if app is not None:
+        app.prepare_run(cfg)
     setup["assets_s"] = time.perf_counter() - start
     if "sft" in cfg and cfg.sft.enabled:  # the warm start, as `python -m llds_jax.launch` runs it
         from llds_jax import sft

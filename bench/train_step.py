@@ -187,7 +187,7 @@ class UpdateRunner:
             self.old_logp = self.step.sequence_logp(self.state.params, prepared)
             self.ref_logp = self.step.sequence_logp(ref, prepared)
         else:
-            self.old_logp = self.ref_logp = jnp.zeros(prepared.batch.tokens_bt.shape, jnp.float32)
+            self.old_logp = self.ref_logp = jnp.zeros(prepared.batch.tokens_ukmt.shape, jnp.float32)
         if donate:
             jitted = self.step._jitted_update(self.state)
         else:

@@ -14,12 +14,15 @@
    first step and after the last, and both are printed side by side. `python -m llds_jax.report runs/demo_cpu`
    draws the plots.
 """
+from llds_jax.apps import demo_config
 from llds_jax.config import default_config
 
 
 def get_config():
     c = default_config()
     c.run_dir = "runs/demo_cpu"
+    c.app = demo_config.APP             # the demo application (llds_jax.apps.demo) prepares the run
+    c.demo = demo_config.section()
     c.demo.enabled = True
     c.demo.assets_dir = "runs/demo_world"
     c.demo.tokenizer = "world"

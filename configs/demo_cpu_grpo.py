@@ -1,8 +1,8 @@
 """GRPO without LLDS on the demo world, with settings that stress stability: twice the updates per rollout batch
 (8) and 2.5x the learning rate of configs/demo_cpu.py. Same world, warm start (shared runs/demo_world) and seed.
 
-    python -m llds_jax.demo_compare          # this config with LLDS off, then on; then the comparison report
-    python -m llds_jax.demo_study            # the multi-seed study's "stress" setting (docs/evidence.md)
+    python -m llds_jax.apps.demo_compare     # this config with LLDS off, then on; then the comparison report
+    python -m llds_jax.apps.demo_study       # the multi-seed study's "stress" setting (docs/evidence.md)
 """
 from configs import demo_cpu as base
 

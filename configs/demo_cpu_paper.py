@@ -3,7 +3,7 @@ batch"): 10 optimizer updates per rollout batch, each mini-batch several whole G
 rate warmup over 28.5% of the steps. Same world, warm start (shared runs/demo_world) and seed as configs/demo_cpu.py.
 
     python -m llds_jax.launch --config=configs/demo_cpu_paper.py
-    python -m llds_jax.demo_study --settings paper_shaped     # the study's "paper_shaped" setting
+    python -m llds_jax.apps.demo_study --settings paper_shaped  # the study's "paper_shaped" setting
 
 The paper: 512 prompts x 5 samples = 2560 trajectories, mini-batches of 256 (10 updates, 51.2 groups each), micro-
 batches of 16, lr 0 -> 1e-6 over 28.5% of 1005 steps, then constant. Scaled to the demo, 10 updates of whole groups

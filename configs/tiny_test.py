@@ -1,12 +1,15 @@
 """A tiny end-to-end run for tests: the demo's generated world and embedded index, a 1-layer policy, a few
 short turns. Every piece of a real run is exercised (rollout with search, updates, LLD metrics, checkpoints,
 TensorBoard, evaluation); nothing is learned."""
+from llds_jax.apps import demo_config
 from llds_jax.config import default_config
 
 
 def get_config():
     c = default_config()
     c.run_dir = "runs/tiny_test"
+    c.app = demo_config.APP             # the demo application (llds_jax.apps.demo) prepares the run
+    c.demo = demo_config.section()
     c.demo.enabled = True
     c.demo.num_people = 20
     c.demo.hidden_size = 32

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import json
 import logging
 import os
 from collections.abc import Iterator
+
+from llds_jax.data.jsonl import JsonlLines, parse_object
 
 log = logging.getLogger(__name__)
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -34,16 +35,7 @@ class CorpusError(ValueError):
 
 def parse_line(raw: bytes) -> tuple[str, str]:
     """(id, contents) of one corpus line; raises ValueError with the reason when it is malformed."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 ({e.reason} at byte {e.start})") from e
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from e
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    record = parse_object(raw)
     for key in ("id", "contents"):
         if key not in record:
             raise ValueError(f'missing key "{key}"')
@@ -74,13 +66,12 @@ class CorpusReader:
 
     def __iter__(self) -> Iterator[Passage]:
         stream = gzip.GzipFile(fileobj=self._raw, mode="rb") if self._compressed else self._raw
-        number = passages = 0
+        lines = JsonlLines(stream)
+        passages = 0
         try:
-            for number, raw in enumerate(stream, start=1):
-                if not raw.strip():
-                    continue
+            for number, raw in lines:
                 try:
-                    doc_id, contents = parse_line(raw.rstrip(b"\r\n"))
+                    doc_id, contents = parse_line(raw)
                 except ValueError as e:
                     where = f"{self.path}:{number}: {e}"
                     if not self.skip_bad:
@@ -92,12 +83,12 @@ class CorpusReader:
                 passages += 1
                 yield Passage(doc_id, contents, number)
         except (OSError, EOFError) as e:  # a truncated or corrupt .gz
-            raise CorpusError(f"{self.path}: cannot read past line {number}: {e}") from e
+            raise CorpusError(f"{self.path}: cannot read past line {lines.line}: {e}") from e
         finally:
             self.close()
         if not passages:
             why = (f"all {self.skipped} non-blank lines are malformed" if self.skipped else
-                   "the file is empty" if number == 0 else "it has only blank lines")
+                   "the file is empty" if lines.line == 0 else "it has only blank lines")
             raise CorpusError(f"{self.path}: no passages to index ({why})")
 
     def close(self) -> None:

@@ -40,99 +40,34 @@ import re
 import time
 from typing import Any, Optional, Sequence
 
-from llds_jax import roofline, step_estimate
+from llds_jax import roofline, step_estimate, topologies
 
 GIB = 1 << 30
 EXIT_DOES_NOT_FIT = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """One TPU generation as `get_topology_desc` takes it.
-
-    Attributes:
-      chip_config: its `chip_config_name` ("megacore": one device per chip of two TensorCores).
-      hbm_gib: nominal HBM per chip.
-      shapes: slice shapes ("2x2x4") of the generation's documented slices.
-      alias: prefix of its accelerator-type names ("v4-" in v4-32).
-      cores_per_chip: TensorCores an accelerator-type name counts per chip (v4-32 is 16 chips).
-    """
-
-    chip_config: str
-    hbm_gib: float
-    shapes: tuple[str, ...]
-    alias: str
-    cores_per_chip: int
-
-
-_CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16")
-_SQUARES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
-GENERATIONS: dict[str, Generation] = {
-    "v4": Generation("megacore", 32, _CUBES, "v4-", 2),
-    "v5p": Generation("megacore", 95, _CUBES, "v5p-", 2),
-    "v5e": Generation("default", 16, _SQUARES, "v5litepod-", 1),
-    "v6e": Generation("default", 32, _SQUARES, "v6e-", 1),
-}
-
-
-class TopologyError(ValueError):
-    """An unknown topology name; the message lists the valid ones."""
 
 
 class CompilerUnavailableError(RuntimeError):
     """XLA's TPU compiler (the libtpu wheel) is not installed."""
 
 
-def _chips(shape: str) -> int:
-    return math.prod(int(n) for n in shape.split("x"))
-
-
-def valid_topologies() -> list[str]:
-    """Every topology name `resolve_topology` takes, as GENERATION:SHAPE."""
-    return [f"{gen}:{shape}" for gen, g in GENERATIONS.items() for shape in g.shapes]
-
-
-def resolve_topology(name: str) -> tuple[str, str]:
-    """(generation, slice shape) of a topology name: "v4:2x2x4" or its accelerator type "v4-32".
-
-    Raises TopologyError listing the valid names."""
-    name = name.strip()
-    for gen, g in GENERATIONS.items():
-        if name.startswith(f"{gen}:") and name[len(gen) + 1:] in g.shapes:
-            return gen, name[len(gen) + 1:]
-        if name.startswith(g.alias) and name[len(g.alias):].isdigit():
-            chips = int(name[len(g.alias):]) // g.cores_per_chip
-            shape = next((s for s in g.shapes if _chips(s) == chips), None)
-            if shape is not None and chips * g.cores_per_chip == int(name[len(g.alias):]):
-                return gen, shape
-    aliases = ", ".join(f"{g.alias}N" for g in GENERATIONS.values())
-    raise TopologyError(f"unknown TPU topology {name!r}; valid: {', '.join(valid_topologies())} (or the "
-                        f"accelerator types {aliases} of those slices)")
-
-
-def topology_chips(name: str) -> int:
-    """Chips (devices) of a topology name."""
-    return _chips(resolve_topology(name)[1])
-
-
 def topology_devices(name: str) -> tuple[list[Any], float]:
     """The abstract devices (one per chip, hosts of 4 chips; a single host up to 8 chips) of a topology and the
     nominal HBM per chip in bytes. Compiling for them needs `libtpu` (`pip install -e '.[tpu]'`)."""
-    gen, shape = resolve_topology(name)
-    g = GENERATIONS[gen]
+    gen, shape = topologies.resolve(name)
+    g = topologies.GENERATIONS[gen]
     dims = [int(n) for n in shape.split("x")] + [1] * (3 - len(shape.split("x")))
-    per_host = tuple(min(d, b) for d, b in zip(dims, (2, 4 if _chips(shape) <= 8 else 2, 1)))
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{g.alias}{_chips(shape) * g.cores_per_chip}")
+    per_host = tuple(min(d, b) for d, b in zip(dims, (2, 4 if topologies.shape_chips(shape) <= 8 else 2, 1)))
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{g.alias}{topologies.shape_chips(shape) * g.cores_per_chip}")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # both only silence libtpu's start-up warnings
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: other libtpu processes may run
     if importlib.util.find_spec("libtpu") is None:
         raise CompilerUnavailableError("--mode=compile needs XLA's TPU compiler, the libtpu wheel: "
                                        "pip install -e '.[tpu]'")
-    from jax.experimental import topologies
+    from jax.experimental import topologies as jax_topologies
 
-    topology = topologies.get_topology_desc(topology_name=f"{gen}:{shape}", platform="tpu",
-                                            chip_config_name=g.chip_config, chips_per_host_bounds=per_host,
-                                            num_slices=1)
+    topology = jax_topologies.get_topology_desc(topology_name=f"{gen}:{shape}", platform="tpu",
+                                                chip_config_name=g.chip_config, chips_per_host_bounds=per_host,
+                                                num_slices=1)
     return list(topology.devices), g.hbm_gib * GIB
 
 
@@ -449,16 +384,17 @@ def _layout_label(layout, hosts: int) -> str:
 def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered at
     the run's largest shapes with abstract arrays (compiling is what takes time); in the order a run first runs
-    them."""
+    them. The samplers and the train step name their programs at abstract arguments (`abstract_programs`,
+    `llds_jax.programs.CompilablePrograms`); what stays resident and the calls per step are added here."""
     from flax import nnx
 
     from llds_jax import config as config_lib
     from llds_jax import parallel
     from llds_jax.model import Transformer
-    from llds_jax.rl.train_step import RLTrainStep
+    from llds_jax.rl.train_step import RLTrainStep, TrainShapes
     from llds_jax.rollout.buckets import round_up
     from llds_jax.rollout.layout import abstract_rollout_params
-    from llds_jax.rollout.sampler import Sampler
+    from llds_jax.rollout.sampler import Sampler, SessionShapes
 
     hosts = sorted({d.process_index for d in devices})
     train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
@@ -468,10 +404,8 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     abstract = nnx.state(model, nnx.Param)
     nnx.update(model, parallel.abstract_params(abstract, train_mesh))
     step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), train_mesh)
-    state = step.abstract_state()
-    ref = step.abstract_reference(state.params) if cfg.objective.kl_coef else None
     graphdef = layout.graphdef(nnx.split(model)[0])
-    rollout_params = abstract_rollout_params(layout, state.params, cfg.rollout.params_dtype)
+    rollout_params = abstract_rollout_params(layout, step.abstract_state().params, cfg.rollout.params_dtype)
     # The rollout's params are a copy of their own (the training params stay resident) on another mesh or in
     # another dtype; else they are the training params themselves.
     own_copy = layout.resharded or layout.kv_repeat > 1 or cfg.rollout.params_dtype != cfg.model.param_dtype
@@ -486,15 +420,15 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)
         loop_runs = {"decode chunk": (cfg.rollout.decode_chunk, decode_blocks), "extend": (extend_blocks,),
                      "row extend": (extend_blocks,)}
-        lowered = sampler.lower_programs(rollout_params, s.rows, s.prompt, s.prefill_capacity, s.capacity,
-                                         s.observation, continuous=cfg.rollout.continuous_batching)
-        for name, shapes, program in lowered:
-            if (name, shapes) in shapes_seen and name != "decode chunk":
+        at = SessionShapes(rollout_params, **dataclasses.asdict(s), continuous=cfg.rollout.continuous_batching)
+        for program in sampler.abstract_programs(at):
+            name = program.name
+            if (name, program.shapes) in shapes_seen and name != "decode chunk":
                 continue  # the evaluation sampler runs the very same program
-            shapes_seen.add((name, shapes))
+            shapes_seen.add((name, program.shapes))
             decode = name == "decode chunk"
-            rollout.append(Program(f"{label}{name}", shapes + _layout_label(layout, len(hosts)), program,
-                                   everything if own_copy else (OPT_STATE, REFERENCE), rollout=True,
+            rollout.append(Program(f"{label}{name}", program.shapes + _layout_label(layout, len(hosts)),
+                                   program.lower(), everything if own_copy else (OPT_STATE, REFERENCE), rollout=True,
                                    loop_runs=loop_runs.get(name, (1,)), calls=calls.get(name, 0.0),
                                    sampled_per_call=s.rows * cfg.rollout.decode_chunk if decode else 0))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
@@ -502,10 +436,8 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                 "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything,
                 "logp (float32, LLD)": (OPT_STATE, REFERENCE), "lld metrics": everything}
     calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
-    training = [Program(name, f"{batch} x {length} tokens, micro-batch {cfg.optim.micro_batch_size}", program,
-                        resident.get(name, (REFERENCE,)), calls=calls.get(name, 0.0))
-                for name, program in step.lower_programs(state, ref, step.batch_spec(batch, length),
-                                                         measure_lld=bool(cfg.train.lld_every))]
+    training = [Program(p.name, p.shapes, p.lower(), resident.get(p.name, (REFERENCE,)), calls=calls.get(p.name, 0.0))
+                for p in step.abstract_programs(TrainShapes(batch, length, measure_lld=bool(cfg.train.lld_every)))]
     setup = [p for p in training if p.name in ("optimizer init", "reference copy")]
     return setup + rollout + training[len(setup):]
 
@@ -530,11 +462,11 @@ def run(cfg, topology: str) -> int:
     program fits, `EXIT_DOES_NOT_FIT`: one does not)."""
     import jax
 
-    from llds_jax import config as config_lib
+    from llds_jax import checks
 
     jax.config.update("jax_platforms", "cpu")  # the host's own backend; TPU programs are compiled, never run
     devices, nominal = topology_devices(topology)
-    config_lib.validate(cfg, len(devices))
+    checks.validate(cfg, len(devices))
     hbm = usable_hbm_bytes(devices[0]) or nominal
     hosts = len({d.process_index for d in devices})
     print(f"compiling for {topology}: {len(devices)} chips, {hosts} host(s), {devices[0].device_kind}, "
@@ -556,7 +488,7 @@ def run(cfg, topology: str) -> int:
         print(f"llds_jax: error: {line}")
     if problems:
         return EXIT_DOES_NOT_FIT
-    print(estimate(cfg, rows, programs, resolve_topology(topology)[0], hosts))
+    print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts))
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "

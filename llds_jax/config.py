@@ -1,15 +1,19 @@
 """Run configuration: the paper's code-exact defaults, schema validation, and typed views for each component.
 
 `default_config()` is the schema: a run config may change values, never add keys (except retriever options,
-which `llds_jax.search.factory` validates per backend) or change a value's type.
+which `llds_jax.search.factory` validates per backend, and the sections of the application its `app` key names,
+llds_jax.application) or change a value's type.
 
-Importing this module loads no JAX (the typed views are plain dataclasses: llds_jax.rl.config, llds_jax.rollout.config);
-`validate` imports what it checks against (the registered loss terms, the demo's tokenizers, ...) when it runs.
+On the lowest floor of the package: it imports only the typed views' plain dataclasses (llds_jax.rl.config,
+llds_jax.rollout.config, llds_jax.sft.config), whose defaults are the schema's, so importing it loads no JAX.
+`check` covers what this module knows; `llds_jax.checks` (above the components) validates a whole run config
+against them.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
@@ -17,6 +21,7 @@ import ml_collections
 from llds_jax.rl import config as rl_config
 from llds_jax.rl.config import REFERENCE_DTYPES, LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
+from llds_jax.sft.config import SFTConfig
 
 
 class ConfigError(ValueError):
@@ -28,6 +33,7 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/default"          # local folder or gs://bucket/path: checkpoints, events, metrics, config
     c.seed = 0
+    c.app = ""                          # an application's module (llds_jax.application; e.g. llds_jax.apps.demo)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""                   # Hugging Face checkpoint folder (local or gs://)
@@ -68,64 +74,72 @@ def default_config() -> ml_collections.ConfigDict:
     c.retriever.index_dir = "indexes/wiki18_bm25"
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.max_turns = 3             # turns with search; one final turn follows
-    c.rollout.max_turn_tokens = 500
-    c.rollout.max_observation_tokens = 500
-    c.rollout.max_prompt_tokens = 2048
-    c.rollout.max_context_tokens = 4096
-    c.rollout.max_response_tokens = 4096
-    c.rollout.retrieval_top_k = 3
-    c.rollout.search_timeout_s = 60.0
-    c.rollout.max_batch_size = 0        # sequences per sampler session (0: the whole rollout batch)
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 0.95
-    c.rollout.top_k = 0
-    c.rollout.decode_chunk = 32
+    c.rollout.max_turns = AgentConfig.max_turns  # turns with search; one final turn follows
+    c.rollout.max_turn_tokens = AgentConfig.max_turn_tokens
+    c.rollout.max_observation_tokens = AgentConfig.max_observation_tokens
+    c.rollout.max_prompt_tokens = AgentConfig.max_prompt_tokens
+    c.rollout.max_context_tokens = AgentConfig.max_context_tokens
+    c.rollout.max_response_tokens = AgentConfig.max_response_tokens
+    c.rollout.retrieval_top_k = AgentConfig.retrieval_top_k
+    c.rollout.search_timeout_s = AgentConfig.search_timeout_s
+    c.rollout.max_batch_size = AgentConfig.max_batch_size  # sequences per sampler session (0: the whole rollout batch)
+    c.rollout.temperature = SamplingConfig.temperature
+    c.rollout.top_p = SamplingConfig.top_p
+    c.rollout.top_k = SamplingConfig.top_k
+    c.rollout.decode_chunk = SamplingConfig.decode_chunk
     c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
     c.rollout.tensor_parallel = 0       # chips splitting the rollout copy's heads and MLP (-1: a host's; 0: training's)
     c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
     c.rollout.cache_block = 0           # decode/extend read the filled KV cache in blocks of this many slots (0: all)
-    c.rollout.continuous_batching = False  # a finished row takes the next waiting sequence (rollout/continuous.py)
-    c.rollout.max_extend_rows = 0       # ... appending to at most this many rows per extend call (0: any)
+    # a finished row takes the next waiting sequence (rollout/continuous.py)
+    c.rollout.continuous_batching = AgentConfig.continuous_batching
+    # ... appending to at most this many rows per extend call (0: any)
+    c.rollout.max_extend_rows = SamplingConfig.max_extend_rows
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
-    c.rollout.min_capacity_bucket = 128  # smallest KV-cache capacity (slots) of a sampler session
-    c.rollout.min_observation_bucket = 16  # smallest padded observation length of an extend
+    # smallest KV-cache capacity (slots) of a sampler session
+    c.rollout.min_capacity_bucket = SamplingConfig.min_capacity_bucket
+    # smallest padded observation length of an extend
+    c.rollout.min_observation_bucket = SamplingConfig.min_observation_bucket
     c.rollout.search_failure_rate = 0.5  # a step whose searches failed more often than this is a failing step ...
     c.rollout.max_failed_search_steps = 3  # ... and this many in a row end the run (saved; 0: never)
 
     c.objective = ml_collections.ConfigDict()
-    c.objective.clip_ratio = 0.2
-    c.objective.ratio_cap = 100.0
-    c.objective.entropy_coef = 0.001
-    c.objective.kl_coef = 0.001
-    c.objective.kl_estimator = "low_var_kl"
-    c.objective.kl_clamp = 10.0
-    c.objective.aggregation = "token-mean"
+    c.objective.clip_ratio = ObjectiveConfig.clip_ratio
+    c.objective.ratio_cap = ObjectiveConfig.ratio_cap
+    c.objective.entropy_coef = ObjectiveConfig.entropy_coef
+    c.objective.kl_coef = ObjectiveConfig.kl_coef
+    c.objective.kl_estimator = ObjectiveConfig.kl_estimator
+    c.objective.kl_clamp = ObjectiveConfig.kl_clamp
+    c.objective.aggregation = ObjectiveConfig.aggregation
     c.objective.llds = ml_collections.ConfigDict()
-    c.objective.llds.enabled = True
-    c.objective.llds.variant = "llds"
-    c.objective.llds.lam = 0.2
-    c.objective.llds.gate = "action"
-    c.objective.llds.answer_weighting = "none"
-    c.objective.llds.answer_beta = 0.05
-    c.objective.llds.adaptive_c = 0.2
+    c.objective.llds.enabled = LLDSConfig.enabled
+    c.objective.llds.variant = LLDSConfig.variant
+    c.objective.llds.lam = LLDSConfig.lam
+    c.objective.llds.gate = LLDSConfig.gate
+    c.objective.llds.answer_weighting = LLDSConfig.answer_weighting
+    c.objective.llds.answer_beta = LLDSConfig.answer_beta
+    c.objective.llds.adaptive_c = LLDSConfig.adaptive_c
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.mini_batch_size = 256      # trajectories per optimizer update (10 updates per 2560-trajectory batch)
-    c.optim.micro_batch_size = 16
-    c.optim.learning_rate = 1e-6
+    # trajectories per optimizer update (10 updates per 2560-trajectory batch)
+    c.optim.mini_batch_size = UpdateConfig.mini_batch_size
+    c.optim.micro_batch_size = UpdateConfig.micro_batch_size
+    c.optim.learning_rate = UpdateConfig.learning_rate
     c.optim.warmup_ratio = 0.285       # of train.total_steps
-    c.optim.max_grad_norm = 1.0
-    c.optim.adam_b1 = 0.9
-    c.optim.adam_b2 = 0.999
-    c.optim.adam_eps = 1e-8
-    c.optim.weight_decay = 0.01
-    c.optim.logp_time_chunk = 256
-    c.optim.reference_dtype = "bfloat16"
-    c.optim.pack_trajectories = True    # forwards on each micro-batch's trajectories packed into fewer rows
-    c.optim.pack_row_tokens = 0         # packed rows' length; 0: the batch length (its longest trajectory)
-    c.optim.precompile_row_counts = True  # a new batch length compiles every packed-row count ahead
+    c.optim.max_grad_norm = UpdateConfig.max_grad_norm
+    c.optim.adam_b1 = UpdateConfig.adam_b1
+    c.optim.adam_b2 = UpdateConfig.adam_b2
+    c.optim.adam_eps = UpdateConfig.adam_eps
+    c.optim.weight_decay = UpdateConfig.weight_decay
+    c.optim.logp_time_chunk = UpdateConfig.logp_time_chunk
+    c.optim.reference_dtype = UpdateConfig.reference_dtype
+    # forwards on each micro-batch's trajectories packed into fewer rows
+    c.optim.pack_trajectories = UpdateConfig.pack_trajectories
+    # packed rows' length; 0: the batch length (its longest trajectory)
+    c.optim.pack_row_tokens = UpdateConfig.pack_row_tokens
+    # a new batch length compiles every packed-row count ahead
+    c.optim.precompile_row_counts = UpdateConfig.precompile_row_counts
     c.optim.max_skipped_updates = 20    # updates skipped in a row (non-finite loss/gradient) that end a run; 0: never
 
     c.train = ml_collections.ConfigDict()
@@ -146,33 +160,20 @@ def default_config() -> ml_collections.ConfigDict:
     c.sft = ml_collections.ConfigDict()    # supervised warm start before RL (llds_jax.sft); cached by settings
     c.sft.enabled = False
     c.sft.data_files = ()               # demonstration JSONL files (the demo fills in its own)
-    c.sft.curriculum_files = ()         # the first curriculum_steps draw from these (the demo: its searching ones)
-    c.sft.curriculum_steps = 0          # part of sft.steps; 0: no curriculum
+    # the first curriculum_steps draw from these (the demo: its searching ones)
+    c.sft.curriculum_files = SFTConfig.curriculum_files
+    c.sft.curriculum_steps = SFTConfig.curriculum_steps  # part of sft.steps; 0: no curriculum
     c.sft.output_dir = ""               # default <run_dir>/warm_start; becomes model.path for RL
-    c.sft.steps = 200
-    c.sft.batch_size = 32
-    c.sft.learning_rate = 1e-3
-    c.sft.warmup_steps = 10
-    c.sft.weight_decay = 0.0
-    c.sft.max_grad_norm = 1.0
-    c.sft.max_length = 1024             # longer demonstrations are skipped (counted)
-    c.sft.sequence_bucket = 64
-    c.sft.min_score = -1.0              # skip records scored below this; < 0: keep all
-    c.sft.log_every = 20
-
-    c.demo = ml_collections.ConfigDict()   # self-contained assets (llds_jax.demo); off for real runs
-    c.demo.enabled = False
-    c.demo.assets_dir = ""              # default <run_dir>/assets (runs may share one)
-    c.demo.num_people = 200
-    c.demo.tokenizer = "qwen2.5"        # or "world": a BPE trained on the generated world (llds_jax.demo)
-    c.demo.vocab_size = 2048            # entries of the world tokenizer
-    c.demo.search_fraction = 0.3        # share of demonstrations that search (the rest guess)
-    c.demo.hidden_size = 64
-    c.demo.num_layers = 2
-    c.demo.num_heads = 4
-    c.demo.num_kv_heads = 2
-    c.demo.intermediate_size = 128
-    c.demo.initializer_range = 0.02     # std of the random policy's initial weights (model.initializer_range)
+    c.sft.steps = SFTConfig.steps
+    c.sft.batch_size = SFTConfig.batch_size
+    c.sft.learning_rate = SFTConfig.learning_rate
+    c.sft.warmup_steps = SFTConfig.warmup_steps
+    c.sft.weight_decay = SFTConfig.weight_decay
+    c.sft.max_grad_norm = SFTConfig.max_grad_norm
+    c.sft.max_length = SFTConfig.max_length  # longer demonstrations are skipped (counted)
+    c.sft.sequence_bucket = SFTConfig.sequence_bucket
+    c.sft.min_score = SFTConfig.min_score  # skip records scored below this; < 0: keep all
+    c.sft.log_every = SFTConfig.log_every
 
     c.eval = ml_collections.ConfigDict()
     c.eval.max_turns = 4
@@ -186,6 +187,19 @@ _FREE_FORM = ("retriever",)  # sub-configs whose keys depend on a choice inside 
 
 def _type_name(value: Any) -> str:
     return type(value).__name__
+
+
+def schema(app: Any = None) -> ml_collections.ConfigDict:
+    """The schema of a run config: `default_config()` and the sections of its application (`app`: the module
+    `llds_jax.application.load` returns for the config's `app` key; None: no application)."""
+    c = default_config()
+    if app is not None:
+        for name, section in app.config_sections().items():
+            if name in c:
+                raise ConfigError(f"app {app.__name__!r} declares the config section {name!r}, which is the "
+                                  f"library's")
+            c[name] = section
+    return c
 
 
 def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict | None = None,
@@ -277,9 +291,8 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "rollout.min_observation_bucket", "optim.mini_batch_size", "optim.micro_batch_size", "optim.logp_time_chunk",
       "model.attention_query_block", "model.attention_key_block", "model.mlp_chunks", "train.total_steps",
       "train.checkpoint_every", "train.keep_checkpoints", "train.sequence_bucket",
-      "eval.batch_size", "sft.steps", "sft.batch_size", "sft.max_length", "sft.sequence_bucket", "sft.log_every",
-      "demo.num_people", "demo.vocab_size", "demo.hidden_size", "demo.num_layers", "demo.num_heads",
-      "demo.num_kv_heads", "demo.intermediate_size"), lambda v: v >= 1, ">= 1"),
+      "eval.batch_size", "sft.steps", "sft.batch_size", "sft.max_length", "sft.sequence_bucket", "sft.log_every"),
+     lambda v: v >= 1, ">= 1"),
     (("rollout.max_turns", "rollout.max_batch_size", "rollout.top_k", "objective.clip_ratio", "objective.entropy_coef",
       "objective.kl_coef", "objective.llds.lam", "objective.llds.answer_beta", "objective.llds.adaptive_c",
       "optim.learning_rate", "optim.weight_decay", "train.lld_every", "train.eval_every", "train.eval_max_examples",
@@ -288,11 +301,10 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "rollout.max_failed_search_steps", "optim.max_skipped_updates", "optim.pack_row_tokens"),
      lambda v: v >= 0, ">= 0"),
     (("rollout.temperature", "rollout.search_timeout_s", "objective.kl_clamp", "optim.max_grad_norm", "optim.adam_eps",
-      "sft.learning_rate", "sft.max_grad_norm", "demo.initializer_range"), lambda v: v > 0, "> 0"),
+      "sft.learning_rate", "sft.max_grad_norm"), lambda v: v > 0, "> 0"),
     (("objective.ratio_cap",), lambda v: v > 1, "> 1"),
     (("rollout.top_p",), lambda v: 0 < v <= 1, "in (0, 1]"),
-    (("optim.warmup_ratio", "demo.search_fraction", "rollout.search_failure_rate"), lambda v: 0 <= v <= 1,
-     "in [0, 1]"),
+    (("optim.warmup_ratio", "rollout.search_failure_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
     (("optim.adam_b1", "optim.adam_b2"), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("distributed.process_id",), lambda v: v >= -1, ">= 0 (or -1: detected)"),
     (("rollout.tensor_parallel",), lambda v: v >= -1, ">= 1 (or -1: all of a host's chips, 0: the training layout)"),
@@ -302,44 +314,50 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
 )
 
 
-def _choices() -> dict[str, tuple[str, ...]]:
-    """The keys that name one of a fixed set of values, and those values."""
-    from llds_jax.demo import TOKENIZERS
-    from llds_jax.model.config import ATTENTION_CHOICES
-    from llds_jax.rl import losses  # noqa: F401  (registers the built-in loss terms, "llds" among them)
-    from llds_jax.rl.terms import registered_loss_terms
-    return {"model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
-            "model.attention": ATTENTION_CHOICES,
-            "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
-            "objective.llds.variant": registered_loss_terms(), "objective.llds.gate": rl_config.GATES,
-            "objective.llds.answer_weighting": rl_config.ANSWER_WEIGHTINGS,
-            "optim.reference_dtype": REFERENCE_DTYPES, "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES,
-            "demo.tokenizer": TOKENIZERS}
+# The keys that name one of a fixed set of values this module knows, and those values (the choices that components
+# register, loss terms and attention kernels, are checked by llds_jax.checks).
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
+    "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
+    "objective.llds.gate": rl_config.GATES, "objective.llds.answer_weighting": rl_config.ANSWER_WEIGHTINGS,
+    "optim.reference_dtype": REFERENCE_DTYPES, "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES}
 
 
-def _value(cfg: ml_collections.ConfigDict, key: str) -> Any:
+def check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[str]) -> None:
+    """Raises ConfigError naming `key` unless its value is one of `choices`."""
+    if value(cfg, key) not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value(cfg, key)!r}")
+
+
+def value(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    """The value of a dotted run-config key ("rollout.top_p")."""
     for part in key.split("."):
         cfg = cfg[part]
     return cfg
 
 
-def _check_values(cfg: ml_collections.ConfigDict) -> None:
-    """Every value and combination that needs no device count; each error names the run-config key."""
+def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
+    """Schema, bounds, choices and the combinations of this module's keys; each error names the run-config key.
+
+    `app`: the application module the config's `app` key names (`llds_jax.application.load`), whose sections the
+    schema accepts and whose own checks run here. The checks against components (loss terms, retriever backends,
+    model presets, TPU topologies, the device mesh) are `llds_jax.checks.validate`'s, which loads the application
+    and runs this first."""
+    if cfg.get("app", "") and app is None:
+        raise ConfigError(f"app {cfg.app!r} is set: check the config with llds_jax.checks.validate, which loads it")
+    check_schema(cfg, schema(app))
     for keys, test, what in _BOUNDS:
         for key in keys:
-            if not test(_value(cfg, key)):
-                raise ConfigError(f"{key} must be {what}, got {_value(cfg, key)!r}")
-    for key, choices in _choices().items():
-        if _value(cfg, key) not in choices:
-            raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {_value(cfg, key)!r}")
-    from llds_jax.search.factory import resolve_config  # keys and types of the chosen backend, before any run
-    try:
-        resolve_config(cfg.retriever)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+            if not test(value(cfg, key)):
+                raise ConfigError(f"{key} must be {what}, got {value(cfg, key)!r}")
+    for key, choices in _CHOICES.items():
+        check_choice(cfg, key, choices)
+    if app is not None:
+        app.check_config(cfg)
     if not cfg.run_dir:
         raise ConfigError("run_dir must be set")
-    if not cfg.model.path and not cfg.demo.enabled:  # the demo points model.path at its generated policy
+    # An application may set model.path when the run starts (the demo: its generated policy).
+    if not cfg.model.path and "model.path" not in (app.provided_keys(cfg) if app is not None else ()):
         raise ConfigError("model.path must name a Hugging Face checkpoint folder")
     r, o = cfg.rollout, cfg.optim
     if _DTYPE_BYTES[r.params_dtype] > _DTYPE_BYTES[cfg.model.param_dtype]:
@@ -358,41 +376,6 @@ def _check_values(cfg: ml_collections.ConfigDict) -> None:
     for key in ("warmup_steps", "curriculum_steps"):
         if cfg.sft[key] > cfg.sft.steps:
             raise ConfigError(f"sft.{key} ({cfg.sft[key]}) must be at most sft.steps ({cfg.sft.steps})")
-    if cfg.model.preset:
-        from llds_jax.model import PRESETS
-        if cfg.model.preset.lower() not in PRESETS:
-            raise ConfigError(f"model.preset {cfg.model.preset!r} is not one of {sorted(PRESETS)}")
-    if cfg.mesh.topology:
-        from llds_jax.compile_check import TopologyError, resolve_topology
-        try:
-            resolve_topology(cfg.mesh.topology)
-        except TopologyError as e:
-            raise ConfigError(f"mesh.topology: {e}") from None
-
-
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-    """Schema, values and the combinations a run cannot start with; each error names the run-config key.
-
-    Without `num_devices` (before the devices are known) the mesh is not checked; everything else is.
-    """
-    check_schema(cfg)
-    _check_values(cfg)
-    if num_devices is None:
-        return
-    from llds_jax import parallel
-    data, fsdp, tensor = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    if cfg.model.mlp_chunks > 1 and tensor > 1:
-        raise ConfigError(f"model.mlp_chunks = {cfg.model.mlp_chunks} slices the MLP width, which mesh.tensor = "
-                          f"{tensor} shards: use one or the other")
-    if cfg.optim.micro_batch_size % (data * fsdp):
-        raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
-                          f"mesh's batch axes data x fsdp = {data * fsdp}")
-    # The typed views check their own fields again (their messages name their own fields, which _check_values
-    # has already covered under the run-config keys).
-    objective_config(cfg)
-    update_config(cfg)
-    agent_config(cfg)
-    agent_config(cfg, evaluation=True)
 
 
 def model_overrides(cfg: ml_collections.ConfigDict) -> dict[str, Any]:

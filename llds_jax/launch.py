@@ -13,8 +13,8 @@ output.
 
 Every path may be local or gs:// (docs/gcs.md). A bad config, a missing file or bucket, GCS out of reach (or without
 credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2. The
-whole config is validated (llds_jax.config.validate) before anything heavy runs: demo assets, the warm start, model
-loading, rollouts.
+whole config is validated (llds_jax.checks.validate) before anything heavy runs: the application's preparation
+(the run config's `app` key, llds_jax.application: e.g. the demo's assets), the warm start, model loading, rollouts.
 
 A file-list key (a tuple: `data.train_files`, `data.eval_files`, `sft.data_files`, `sft.curriculum_files`) takes
 comma-separated paths on the command line (`--config.data.train_files=a.parquet,gs://b/b.parquet`), repeated flags
@@ -72,8 +72,13 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:
     """The run's gs:// paths by config key (or flag), e.g. {"run_dir": "gs://b/runs/x", "data.train_files[0]": ...}."""
+    from llds_jax import application
+
     named = {"run_dir": cfg.run_dir, "model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
-             "sft.output_dir": cfg.sft.output_dir, "demo.assets_dir": cfg.demo.assets_dir, "--export_dir": export_dir}
+             "sft.output_dir": cfg.sft.output_dir, "--export_dir": export_dir}
+    app = application.load(cfg)
+    if app is not None:  # the application's own paths (the demo: demo.assets_dir)
+        named.update(app.paths(cfg))
     for section, key in (("data", "train_files"), ("data", "eval_files"), ("sft", "data_files"),
                          ("sft", "curriculum_files")):
         named.update({f"{section}.{key}[{i}]": path for i, path in enumerate(cfg[section][key])})
@@ -98,10 +103,11 @@ def _params_for_eval(trainer):
 
 def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     """Runs one mode; returns the process exit status."""
+    from llds_jax import checks
     from llds_jax import config as config_lib
 
     if mode != "compile":  # compile_check validates against the topology's device count
-        config_lib.validate(cfg)
+        checks.validate(cfg)
     if mode == "compile":
         from llds_jax import compile_check
 
@@ -117,14 +123,15 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
                                  d.process_id if d.process_id >= 0 else None)
     from llds_jax.train.trainer import Trainer
 
-    if cfg.demo.enabled:
-        from llds_jax import demo
+    from llds_jax import application
 
-        demo.prepare_run(cfg)
+    app = application.load(cfg)
+    if app is not None:  # e.g. the demo (llds_jax.apps.demo) builds its assets and points the config at them
+        app.prepare_run(cfg)
     if cfg.sft.enabled or mode == "sft":
-        from llds_jax import sft
+        from llds_jax.sft import stage
 
-        cfg.model.path = sft.warm_start(cfg)
+        cfg.model.path = stage.warm_start(cfg)
         if mode == "sft":
             return 0
     if distributed.is_main_process():

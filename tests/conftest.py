@@ -4,9 +4,14 @@ needs it) and shared fixtures."""
 import contextlib
 import os
 import re
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A persistent compilation cache for the suite and the launches it runs as subprocesses: a program one test compiled
+# is read back by the next test (or pytest-xdist worker) that builds it, and by the next run of the suite.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "llds_jax_test_jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 from tests import gcs_emulator  # noqa: E402
 
@@ -46,19 +51,23 @@ def qwen_instruct_tokenizer(tmp_path_factory):
 @contextlib.contextmanager
 def _backend_compiles():
     events = []
-    listener = lambda event, duration, **kw: (  # noqa: E731
-        events.append(duration) if event.endswith("backend_compile_duration") else None)
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    on_compile = lambda event, duration, **kw: (  # noqa: E731
+        events.append(event) if event.endswith("backend_compile_duration") else None)
+    on_cache_hit = lambda event, **kw: (  # noqa: E731
+        events.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    jax.monitoring.register_event_listener(on_cache_hit)
     try:
         yield events
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+        jax.monitoring.unregister_event_listener(on_cache_hit)
 
 
 @pytest.fixture
 def backend_compiles():
-    """`with backend_compiles() as events:` collects one entry per XLA compilation inside the block (by any
-    program, ahead-of-time or at a call)."""
+    """`with backend_compiles() as events:` collects one entry per executable built inside the block (by any
+    program, ahead-of-time or at a call): compiled by XLA or read from the suite's persistent compilation cache."""
     return _backend_compiles
 
 

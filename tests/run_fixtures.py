@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from llds_jax import demo
+from llds_jax.apps import demo
 from llds_jax.data import synthetic
 from llds_jax.data.qa import read_qa
 from llds_jax.data.synthetic import CITIES

@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from llds_jax import compile_check, roofline, step_estimate
+from llds_jax import compile_check, roofline, step_estimate, topologies
 from llds_jax.model import ModelConfig, to_hf_config
 from tests.configs import load
 
@@ -62,13 +62,13 @@ def launch(model_dir, *args):
                                         ("v5p-8", ("v5p", "2x2x1")), ("v5litepod-16", ("v5e", "4x4")),
                                         ("v6e:2x4", ("v6e", "2x4"))])
 def test_topology_names_and_accelerator_types(name, want):
-    assert compile_check.resolve_topology(name) == want
+    assert topologies.resolve(name) == want
 
 
 @pytest.mark.parametrize("name", ["v4-33", "v4:3x3x3", "v7:2x2", ""])
 def test_unknown_topology_lists_the_valid_names(name):
-    with pytest.raises(compile_check.TopologyError) as e:
-        compile_check.resolve_topology(name)
+    with pytest.raises(topologies.TopologyError) as e:
+        topologies.resolve(name)
     assert f"unknown TPU topology {name!r}" in str(e.value)
     assert "v4:2x2x4" in str(e.value) and "v5e:16x16" in str(e.value) and "v4-N" in str(e.value)
 

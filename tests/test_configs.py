@@ -10,7 +10,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from llds_jax import compile_check
+from llds_jax import application, checks, topologies
 from llds_jax import config as config_lib
 from tests.configs import CONFIGS, load
 
@@ -32,8 +32,8 @@ def test_every_config_file_is_covered():
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
 def test_tpu_configs_validate_on_their_slice(name):
     cfg = load(name)
-    config_lib.validate(cfg, TPU_DEVICES[name])
-    assert compile_check.topology_chips(cfg.mesh.topology) == TPU_DEVICES[name]  # the slice --mode=compile checks
+    checks.validate(cfg, TPU_DEVICES[name])
+    assert topologies.chips(cfg.mesh.topology) == TPU_DEVICES[name]  # the slice --mode=compile checks
     assert cfg.model.preset == PRESETS[name]
     assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
     assert config_lib.update_config(cfg).warmup_steps == 286  # 28.5% of 1005 rollout batches
@@ -58,7 +58,7 @@ def test_named_retriever_alternatives():
         "backend": "elasticsearch", "hosts": "https://YOUR_ES_HOST:9200", "index": "wiki18"}
     assert module.get_config("e5_es").retriever.encoder_path == "gs://YOUR_BUCKET/models/e5-base-v2"
     for name in ("e5_hnsw", "bm25"):
-        config_lib.validate(module.get_config(name), 8)
+        checks.validate(module.get_config(name), 8)
     with pytest.raises(ValueError, match="retriever 'dense' is not one of e5, e5_hnsw, e5_es, bm25_es, bm25"):
         module.get_config("dense")
 
@@ -67,7 +67,7 @@ def test_retriever_keys_are_validated_with_the_config():
     cfg = load("qwen7b_v4")
     cfg.retriever.encoder_dtype = "fp8"
     with pytest.raises(config_lib.ConfigError, match="retriever config key 'encoder_dtype' must be one of"):
-        config_lib.validate(cfg)
+        checks.validate(cfg)
 
 
 def test_paper_variants():
@@ -83,7 +83,7 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
     """The paper's GRPO row is Search-R1's: 4 search turns in training, the best periodic evaluation before the
     collapse; `:search_r1` changes only those (and the run folder), with any retriever."""
     cfg = load("grpo_baseline_v4", "search_r1")
-    config_lib.validate(cfg, TPU_DEVICES["grpo_baseline_v4"])
+    checks.validate(cfg, TPU_DEVICES["grpo_baseline_v4"])
     default, search_r1 = load("grpo_baseline_v4").to_dict(), cfg.to_dict()
     changed = {(section, key): (default[section][key], search_r1[section][key]) for section in default
                if isinstance(default[section], dict) for key in default[section]
@@ -99,9 +99,11 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
 @pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
-    config_lib.check_schema(cfg)
-    cfg.model.path = "/some/model"  # set by llds_jax.demo.prepare at run time
-    config_lib.validate(cfg, 1)
+    assert cfg.app == "llds_jax.apps.demo" and cfg.demo.enabled  # the demo application prepares the run
+    config_lib.check_schema(cfg, config_lib.schema(application.load(cfg)))
+    checks.validate(cfg, 1)  # model.path is left to the demo
+    cfg.model.path = "/some/model"  # set by llds_jax.apps.demo.prepare at run time
+    checks.validate(cfg, 1)
 
 
 def test_demo_comparison_differs_from_the_demo_only_in_llds_and_stress():
@@ -137,7 +139,7 @@ def test_bad_topology_or_preset_is_named(key, value, message):
     section, name = key.split(".")
     cfg[section][name] = value
     with pytest.raises(config_lib.ConfigError, match=message):
-        config_lib.validate(cfg, 16)
+        checks.validate(cfg, 16)
 
 
 @pytest.mark.parametrize("param_dtype, rollout_dtype, message", [
@@ -149,7 +151,7 @@ def test_bad_rollout_params_dtype_is_named(param_dtype, rollout_dtype, message):
     cfg = load("qwen7b_v4")
     cfg.model.param_dtype, cfg.rollout.params_dtype = param_dtype, rollout_dtype
     with pytest.raises(config_lib.ConfigError, match=message):
-        config_lib.validate(cfg, 16)
+        checks.validate(cfg, 16)
 
 
 def test_unknown_key_in_a_config_file_is_named():
@@ -173,9 +175,9 @@ def test_mlp_chunks_with_a_tensor_axis_is_named():
     cfg.model.mlp_chunks, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 8, 2
     with pytest.raises(config_lib.ConfigError, match=r"model\.mlp_chunks = 2 slices the MLP width, which "
                                                     r"mesh\.tensor = 2 shards: use one or the other"):
-        config_lib.validate(cfg, 16)
+        checks.validate(cfg, 16)
     cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1
-    config_lib.validate(cfg, 16)
+    checks.validate(cfg, 16)
 
 
 def test_impossible_batch_split_is_named():
@@ -183,16 +185,16 @@ def test_impossible_batch_split_is_named():
     cfg.optim.micro_batch_size = 8
     with pytest.raises(config_lib.ConfigError, match=r"optim\.micro_batch_size \(8\) must be a multiple of the "
                                                     r"mesh's batch axes data x fsdp = 16"):
-        config_lib.validate(cfg, 16)
+        checks.validate(cfg, 16)
     cfg = load("qwen7b_v4")
     cfg.data.prompts_per_step = 500
     with pytest.raises(config_lib.ConfigError, match=r"optim\.mini_batch_size \(256\) must divide the rollout "
                                                     r"batch data\.prompts_per_step x data\.samples_per_prompt = 2500"):
-        config_lib.validate(cfg, 16)
+        checks.validate(cfg, 16)
     with pytest.raises(ValueError, match=r"16 devices cannot be split into data=1 x fsdp=-1 x tensor=3"):
         cfg = load("qwen7b_v4")
         cfg.mesh.tensor = 3
-        config_lib.validate(cfg, 16)
+        checks.validate(cfg, 16)
 
 
 def test_file_lists_are_overridden_on_the_command_line():
@@ -209,18 +211,20 @@ def test_file_lists_are_overridden_on_the_command_line():
                                                                                     ("/d/demos.jsonl",), ())
 
 
-def test_config_module_loads_without_jax_and_still_validates_the_llds_variant():
-    """`import llds_jax.config` loads no JAX (a fresh process); `validate` then imports the registered loss terms."""
+def test_config_module_loads_without_jax_and_checks_validates_the_llds_variant():
+    """`import llds_jax.config` loads no JAX (a fresh process) and checks what it owns; `checks.validate` then
+    checks the registered loss terms."""
     script = textwrap.dedent("""\
         import sys
         import llds_jax.config as config_lib
-        assert "jax" not in sys.modules, sorted(m for m in sys.modules if m.startswith("llds_jax"))
         cfg = config_lib.default_config()
         cfg.model.path = "/some/model"
-        config_lib.validate(cfg)
         cfg.objective.llds.variant = "lldz"
+        config_lib.check(cfg)
+        assert "jax" not in sys.modules, sorted(m for m in sys.modules if m.startswith("llds_jax"))
+        from llds_jax import checks
         try:
-            config_lib.validate(cfg)
+            checks.validate(cfg)
         except config_lib.ConfigError as e:
             print(e)
         """)

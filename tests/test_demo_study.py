@@ -1,5 +1,5 @@
-"""The study command (python -m llds_jax.demo_study): its statistics on hand-made series, its plan, scheduling and
-estimate, and a real tiny study (2 seeds x 2 arms x 2 steps, subprocesses) whose table is checked against the runs'
+"""The study command (python -m llds_jax.apps.demo_study): its statistics on hand-made series, its plan, scheduling
+and estimate, and a real tiny study (2 seeds x 2 arms x 2 steps, subprocesses) whose table is checked against the runs'
 own metric and evaluation files."""
 import dataclasses
 import json
@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from llds_jax import demo_study
-from llds_jax.study import budget, outcomes, plan, plots, runner, stats, table
-from llds_jax.study.outcomes import LIKELIHOOD, LLD_RATE, REWARD, RunResult
+from llds_jax.apps import demo_study
+from llds_jax.apps.study import budget, outcomes, plan, plots, runner, stats, table
+from llds_jax.apps.study.outcomes import LIKELIHOOD, LLD_RATE, REWARD, RunResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
@@ -359,7 +359,7 @@ def test_a_tiny_study_runs_and_its_table_matches_the_runs_own_files(tmp_path):
             "sft.log_every": 100, "rollout.max_turn_tokens": 32, "data.prompts_per_step": 4,
             "data.samples_per_prompt": 4, "optim.mini_batch_size": 8, "optim.micro_batch_size": 4,
             "train.eval_every": 0, "train.total_steps": 2, "eval.max_examples": 0}
-    command = [sys.executable, "-m", "llds_jax.demo_study", f"--settings=tiny={TINY}", "--arms=grpo,llds",
+    command = [sys.executable, "-m", "llds_jax.apps.demo_study", f"--settings=tiny={TINY}", "--arms=grpo,llds",
                "--seeds=2", f"--out={out}", "--jobs=2", "--", *(f"--config.{k}={v}" for k, v in tiny.items())]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

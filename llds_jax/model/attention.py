@@ -212,14 +212,14 @@ def _splash_rows(q_bnth, k_bkth, v_bkth, segment_bt, *, block_sizes, interpret):
 
 
 def _per_shard(fn, q_bnth, k_bkth, v_bkth, segment_bt):
-    """fn on each shard under the current mesh (jax.set_mesh): rows split over the batch axes (data, fsdp) and
-    heads over tensor, each where it divides (else whole); fn alone without a mesh. A Pallas kernel is opaque to
-    XLA's partitioner, which would otherwise gather every operand onto each chip."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(parallel.AXES) <= set(mesh.axis_names):
+    """fn on each shard under the current mesh (jax.set_mesh): rows split as "batch" and heads as "kv_heads" (the
+    query heads with their key/value heads), each where it divides (else whole); fn alone without a mesh. A Pallas
+    kernel is opaque to XLA's partitioner, which would otherwise gather every operand onto each chip."""
+    mesh = parallel.current_mesh()
+    if mesh is None:
         return fn(q_bnth, k_bkth, v_bkth, segment_bt)
-    rows = parallel.BATCH if q_bnth.shape[0] % math.prod(mesh.shape[a] for a in parallel.BATCH) == 0 else None
-    heads = "tensor" if k_bkth.shape[1] % mesh.shape["tensor"] == 0 else None
+    rows = parallel.fitted(mesh, q_bnth.shape[0], "batch")
+    heads = parallel.fitted(mesh, k_bkth.shape[1], "kv_heads")
     return jax.shard_map(fn, in_specs=(P(rows, heads), P(rows, heads), P(rows, heads), P(rows)),
                          out_specs=P(rows, heads), check_vma=False)(q_bnth, k_bkth, v_bkth, segment_bt)
 

@@ -25,7 +25,7 @@ def _swiglu(h_btd: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax
             ) -> jax.Array:
     """The MLP in the compute dtype: [B, T, D] -> [B, T, D] (in `out_dtype`, default the compute dtype)."""
     act_btf = jax.nn.silu(jnp.einsum("btd,df->btf", h_btd, gate_df)) * jnp.einsum("btd,df->btf", h_btd, up_df)
-    act_btf = parallel.constrain(act_btf, parallel.BATCH, None, "tensor")
+    act_btf = parallel.constrain(act_btf, "batch", None, "mlp")
     return jnp.einsum("btf,fd->btd", act_btf, down_fd, preferred_element_type=out_dtype)
 
 

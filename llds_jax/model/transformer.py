@@ -102,7 +102,7 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
     v = jnp.einsum("btd,dkh->btkh", h, w["v_proj"])
     if cfg.qkv_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    q = parallel.constrain(rope_lib.apply_rope(q, cos_bth, sin_bth), parallel.BATCH, None, "tensor", None)
+    q = parallel.constrain(rope_lib.apply_rope(q, cos_bth, sin_bth), "batch", None, "heads", None)
     k = rope_lib.apply_rope(k, cos_bth, sin_bth)
     new_kv = None
     if kv is not None:
@@ -124,10 +124,10 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
 def _block_tail(cfg: ModelConfig, x_btd, out_btnh, p, w):
     """The rest of a decoder block after attention: output projection and residual, then the MLP."""
     x_btd = x_btd + jnp.einsum("btnh,nhd->btd", out_btnh, w["o_proj"])
-    x_btd = parallel.constrain(x_btd, parallel.BATCH, None, None)
+    x_btd = parallel.constrain(x_btd, "batch", None, None)
     h = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
     x_btd = x_btd + mlp_lib.swiglu(h, w["gate_proj"], w["up_proj"], w["down_proj"], cfg.mlp_chunks)
-    return parallel.constrain(x_btd, parallel.BATCH, None, None)
+    return parallel.constrain(x_btd, "batch", None, None)
 
 
 class Transformer(nnx.Module):
@@ -206,7 +206,7 @@ class Transformer(nnx.Module):
         """Float32 logits [B, T, V] from hidden states, V split as the output projection is (under a mesh): each
         device multiplies every row by its own vocabulary shard, so the [D, V] projection is never gathered."""
         logits_btv = jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
-        return parallel.constrain(logits_btv, None, None, parallel.VOCAB)
+        return parallel.constrain(logits_btv, None, None, "vocab")
 
     def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array, cache: kv_lib.KVCache,
                prefill: bool = False) -> tuple[jax.Array, kv_lib.KVCache]:

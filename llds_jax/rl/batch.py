@@ -2,8 +2,10 @@
 
 The trainer packs a step's trajectories into a `RolloutBatch` (host numpy arrays: B trajectories, L tokens, left or
 right padding), sets its exact-match rewards (`with_rewards`), then its GRPO advantages (`with_advantages`), and the
-train step checks it (`checked`) and lays it out on the device(s) as the same type, every array shaped
-[updates U, micro-batches K, micro, ...] (a JAX pytree: jitted functions take and index it like a tuple of arrays).
+train step checks it (`checked`) and lays it out on the device(s) for its updates as a `LaidOutBatch`
+(llds_jax/rl/batch_layout.py: the same fields as [updates U, micro-batches K, micro, ...] arrays). A RolloutBatch is
+a JAX pytree: under jit, a micro-batch of the updates is one (and `jax.lax.scan` takes the K micro-batches of an
+update as one of [K, micro, ...] arrays).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class RolloutBatch:
 
     @property
     def num_trajectories(self) -> int:
-        """B (the leading axis; of a laid-out batch, the number of updates U)."""
+        """B (the leading axis)."""
         return self.tokens_bt.shape[0]
 
     def with_rewards(self, rewards_b: Any) -> RolloutBatch:

@@ -130,7 +130,7 @@ class UpdateConfig:
         longer than the longest trajectory let more trajectories share one (less padding; attention that skips
         other trajectories' keys, blockwise or splash, keeps their cost near the trajectories' own).
       precompile_row_counts: with packing, the first batch of each length compiles the forwards of every row count
-        an update can need (`RLTrainStep.row_counts`) before it runs, so later batches do not stop to compile.
+        an update can need (`BatchLayout.row_counts`) before it runs, so later batches do not stop to compile.
     """
 
     mini_batch_size: int = 256
@@ -143,10 +143,10 @@ class UpdateConfig:
     adam_eps: float = 1e-8
     weight_decay: float = 0.01
     logp_time_chunk: int = DEFAULT_TIME_CHUNK
-    reference_dtype: str = "float32"
-    pack_trajectories: bool = False
+    reference_dtype: str = "bfloat16"
+    pack_trajectories: bool = True
     pack_row_tokens: int = 0
-    precompile_row_counts: bool = False
+    precompile_row_counts: bool = True
 
     def __post_init__(self):
         for key in ("mini_batch_size", "micro_batch_size", "logp_time_chunk"):

@@ -4,12 +4,12 @@ The sequence is cut into time chunks; each chunk's logits `hidden @ w_dv / tempe
 `jax.checkpoint`-ed scan body, so the backward pass recomputes them chunk by chunk: peak memory is one chunk's
 [B, chunk, V] logits instead of [B, T, V].
 
-With a mesh, the vocabulary stays sharded as the parameters are (`w_dv` as P(None, ("fsdp", "tensor")) inside a
-`shard_map`, `parallel.VOCAB`): neither the output projection nor the logits are ever gathered. The batch is split over
-the mesh's data axes ("data", "fsdp"); each chunk's hidden states are gathered over "fsdp" (the rows of the group, one
-chunk at a time), each device computes its vocabulary shard's logits for all of them, and the log-softmax comes from
-per-shard max / sum reductions (`pmax` / `psum` of [B, chunk] statistics) over the vocabulary axes, after which each
-device keeps its own rows.
+With a mesh, the vocabulary stays sharded as the parameters are (`w_dv` as `parallel.spec(None, "vocab")`, over fsdp and
+tensor, inside a `shard_map`): neither the output projection nor the logits are ever gathered. The batch is split over
+the mesh's "batch" axes (data, fsdp); each chunk's hidden states are gathered over the axis that splits both (fsdp: the
+rows of the group, one chunk at a time), each device computes its vocabulary shard's logits for all of them, and the
+log-softmax comes from per-shard max / sum reductions (`pmax` / `psum` of [B, chunk] statistics) over the vocabulary
+axes, after which each device keeps its own rows.
 
 Alignment used by the RL code: `logp_bt[:, t] = log p(token t | tokens < t)`, computed from the hidden state at t - 1;
 position 0 has no prediction and holds 0.
@@ -95,8 +95,8 @@ def _time_chunked(hidden_btd, w_dv, targets_bt, temperature, time_chunk, vocab_a
 
 
 def mesh_batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes a batch dimension is split over: those of ("data", "fsdp") the mesh has."""
-    return tuple(axis for axis in parallel.BATCH if axis in mesh.axis_names)
+    """The mesh axes a batch dimension is split over: those of the logical "batch" dimension the mesh has."""
+    return parallel.axes("batch", mesh)
 
 
 def token_logp_entropy(
@@ -132,7 +132,7 @@ def token_logp_entropy(
     if mesh is None:
         return run(hidden_btd, w_dv, targets_bt)
 
-    vocab_axes = tuple(axis for axis in parallel.VOCAB if axis in mesh.axis_names) or None
+    vocab_axes = parallel.axes("vocab", mesh) or None
     vocab_shards = math.prod(mesh.shape[a] for a in vocab_axes or ())
     if w_dv.shape[1] % vocab_shards:
         raise ValueError(f"vocab size {w_dv.shape[1]} is not divisible by the mesh's {vocab_axes} axes "

@@ -3,11 +3,11 @@
 Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`, `batch` a `RolloutBatch` (llds_jax/rl/batch.py) with
 its rewards and advantages set:
 1. check the batch on the host; the whole-batch statistics of the configured loss terms (`terms.batch_statistics`,
-   e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches K, micro-batch size, ...] (sharded on the
-   micro-batch axis over the mesh's data axes, so every micro-batch spans all devices); with
-   `optim.pack_trajectories`, each micro-batch's trajectories are also packed into fewer rows for the forward
-   (llds_jax/rl/packing.py: same micro-batches, same per-token results, less padding), as many rows as each
-   update's micro-batches need (rows of `optim.pack_row_tokens`);
+   e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches K, micro-batch size, ...]
+   (llds_jax/rl/batch_layout.py: a `LaidOutBatch`, sharded on the micro-batch axis over the mesh's data axes, so
+   every micro-batch spans all devices); with `optim.pack_trajectories`, each micro-batch's trajectories are also
+   packed into fewer rows for the forward (llds_jax/rl/packing.py: same micro-batches, same per-token results, less
+   padding), as many rows as each update's micro-batches need (rows of `optim.pack_row_tokens`);
 2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only, one call per
    update's mini-batch (on its rows);
 3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
@@ -20,6 +20,9 @@ its rewards and advantages set:
 
 The learning rate follows the reference code: linear warmup from 0 counted in rollout batches
 (`lr = base * step / warmup_steps`, the first batch at lr 0), then constant; it is fixed within a batch.
+
+`RLTrainStep.abstract_programs` names every program of the above at abstract arguments (llds_jax/programs.py's
+`CompilablePrograms`), for `--mode=compile`.
 """
 import contextlib
 import dataclasses
@@ -38,12 +41,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax.model.transformer import compute_weights
-from llds_jax.rl.batch import RolloutBatch, batch_dtype
+from llds_jax.programs import AbstractProgram
+from llds_jax.rl.batch import RolloutBatch
+from llds_jax.rl.batch_layout import BatchLayout, LaidOutBatch, PreparedBatch
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.diagnostics import DISPLACEMENT_METRICS, likelihood_metrics, lld_metrics, update_metrics
-from llds_jax.rl.logprobs import mesh_batch_axes, model_token_logp
+from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.losses import objective_loss
-from llds_jax.rl.packing import PackedRows, pack, rows_needed, unpack
+from llds_jax.rl.packing import PackedRows, unpack
 from llds_jax.rl.terms import LossInputs, batch_statistics
 
 
@@ -63,26 +68,15 @@ class TrainState(NamedTuple):
     nonfinite_count: jax.Array
 
 
-class PreparedBatch(NamedTuple):
-    """A checked rollout batch on the device(s), laid out for the updates.
+@dataclasses.dataclass(frozen=True)
+class TrainShapes:
+    """What `RLTrainStep.abstract_programs` lowers the programs at: a rollout batch of `num` trajectories of
+    `length` tokens (packed: the worst case, one row per trajectory), with the LLD measurement's programs when
+    `measure_lld`."""
 
-    Attributes:
-      batch: the RolloutBatch with every array as [U, K, micro, ...] (sharded on the micro axis over the data axes).
-      batch_stats: the loss terms' whole-batch statistics (`terms.batch_statistics`), replicated scalars.
-      num_updates: U, the optimizer updates of this batch.
-      rows: with `optim.pack_trajectories`, per update, each of its micro-batches' trajectories packed into R_u
-        rows of L' tokens ([1, K, R_u, L'] and [1, K, micro, L] arrays, sharded like `batch`), which the forwards
-        run on; None: the forwards run on `batch`.
-    """
-
-    batch: RolloutBatch
-    batch_stats: dict[str, jax.Array]
-    num_updates: int
-    rows: tuple[PackedRows, ...] | None = None
-
-    def update_rows(self, index: int) -> PackedRows | None:
-        """Update `index`'s packed rows; None when the forwards run on the trajectories."""
-        return None if self.rows is None else self.rows[index]
+    num: int
+    length: int
+    measure_lld: bool
 
 
 class BatchMetrics(NamedTuple):
@@ -150,17 +144,17 @@ def _float32_compute(cfg):
     return dataclasses.replace(cfg, dtype="float32", attention="auto" if cfg.attention == "cudnn" else cfg.attention)
 
 
-def _likelihood_metrics(old_logp_ukmt: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]:
-    """`likelihood_metrics` of a prepared batch (a trajectory is correct when its reward is > 0)."""
-    flat = jax.tree.map(_flat, batch)
+def _likelihood_metrics(old_logp_ukmt: jax.Array, batch: LaidOutBatch) -> dict[str, jax.Array]:
+    """`likelihood_metrics` of a laid-out batch (a trajectory is correct when its reward is > 0)."""
+    flat = batch.rollout_batch()
     return likelihood_metrics(_flat(old_logp_ukmt), flat.loss_mask_bt, flat.action_ids_bt, flat.rewards_b > 0,
                               flat.sampler_logp_bt)
 
 
-def _lld_metrics(new_logp_ukmt: jax.Array, old_logp_ukmt: jax.Array, batch: RolloutBatch
+def _lld_metrics(new_logp_ukmt: jax.Array, old_logp_ukmt: jax.Array, batch: LaidOutBatch
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`lld_metrics` of a prepared batch: ([B] Delta_traj, metrics)."""
-    flat = jax.tree.map(_flat, batch)
+    """`lld_metrics` of a laid-out batch: ([B] Delta_traj, metrics)."""
+    flat = batch.rollout_batch()
     return lld_metrics(_flat(new_logp_ukmt), _flat(old_logp_ukmt), flat.loss_mask_bt, flat.rewards_b > 0)
 
 
@@ -172,7 +166,8 @@ def _update_means(per_update: dict[str, np.ndarray]) -> dict[str, float]:
 
 
 class RLTrainStep:
-    """GRPO + KL + entropy + LLDS updates of a model on rollout batches (jitted; sharded when given a mesh).
+    """GRPO + KL + entropy + LLDS updates of a model on rollout batches (jitted; sharded when given a mesh); its
+    programs at abstract arguments: `abstract_programs` (`programs.CompilablePrograms`).
 
     Usage:
       step = RLTrainStep(model, ObjectiveConfig(), UpdateConfig(...), mesh=mesh)
@@ -196,16 +191,17 @@ class RLTrainStep:
         self.objective = objective
         self.update_cfg = update
         self.mesh = mesh
+        self.layout = BatchLayout(update, mesh)
         self.optimizer = make_optimizer(update)
-        self._logp = jax.jit(self._logp_impl, out_shardings=self._batch_sharding(4))
+        self._logp = jax.jit(self._logp_impl, out_shardings=self.layout.sharding(4))
         # The LLD measurement's forwards run in float32: with a float32 model they are those of `sequence_logp`.
         self._lld_in_float32 = jnp.dtype(model.cfg.dtype) != jnp.float32
         self._logp_float32 = jax.jit(functools.partial(self._logp_impl, float32_compute=True),
-                                     out_shardings=self._batch_sharding(4))
+                                     out_shardings=self.layout.sharding(4))
         self._likelihood = jax.jit(_likelihood_metrics)
         self._lld = jax.jit(_lld_metrics)
         self._update = None  # jitted on first use, with the state's shardings as output shardings
-        self._concat_updates = jax.jit(lambda parts: jnp.concatenate(parts), out_shardings=self._batch_sharding(4))
+        self._concat_updates = jax.jit(lambda parts: jnp.concatenate(parts), out_shardings=self.layout.sharding(4))
         self._precompiled_lengths: set[int] = set()  # batch lengths whose row counts `compile_row_counts` did
 
     # ----- state ---------------------------------------------------------------------------------------------------
@@ -256,100 +252,23 @@ class RLTrainStep:
     # ----- batch ---------------------------------------------------------------------------------------------------
     def prepare_batch(self, batch: RolloutBatch) -> PreparedBatch:
         """Checks a rollout batch (`RolloutBatch.checked`), computes the loss terms' batch statistics and lays it out
-        on the device(s).
+        on the device(s) (`BatchLayout.lay_out`).
 
         Warns when LLDS is on and the batch makes a single optimizer update (LLDS would be exactly zero).
         """
-        cfg = self.update_cfg
         batch = batch.checked()
-        num = batch.num_trajectories
-        if num % cfg.mini_batch_size:
-            raise ValueError(f"batch size {num} is not a multiple of optim.mini_batch_size ({cfg.mini_batch_size})")
-        num_updates = num // cfg.mini_batch_size
+        num_updates = self.layout.shape(batch.num_trajectories)[0]
         if self.objective.llds.enabled and num_updates == 1:
             warnings.warn("LLDS is on but there is one optimizer update per rollout batch: logp == old_logp on the "
                           "first update, so LLDS is exactly zero; use optim.mini_batch_size < the batch size",
                           stacklevel=2)
-        if self.mesh is not None:
-            shards = self._data_shards()
-            if cfg.micro_batch_size % shards:
-                raise ValueError(f"optim.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
-                                 f"data axes size ({shards})")
-        layout = self._layout(num)
-        stats = batch_statistics(batch, self.objective)
-        laid_out = jax.tree.map(lambda x: x.reshape(layout + x.shape[1:]), batch)
-        return PreparedBatch(batch=jax.tree.map(self._put, laid_out),
-                             batch_stats={name: self._put(np.float32(value)) for name, value in stats.items()},
-                             num_updates=num_updates,
-                             rows=self._packed_rows(laid_out) if cfg.pack_trajectories else None)
-
-    def _data_shards(self) -> int:
-        """The size of the mesh's data axes (1 without a mesh)."""
-        return math.prod(self.mesh.shape[a] for a in mesh_batch_axes(self.mesh)) if self.mesh is not None else 1
-
-    def row_counts(self, length: int) -> list[int]:
-        """Every packed-row count R_u an update of a batch of `length` tokens can need: the multiples of the
-        data-axes size up to the worst case's (every trajectory `length` tokens long, L' // length to a row)."""
-        shards, per_row = self._data_shards(), self._row_length(length) // length
-        worst = -(-self.update_cfg.micro_batch_size // per_row)
-        return list(range(shards, -(-worst // shards) * shards + 1, shards))
-
-    def _row_length(self, length: int) -> int:
-        """L' of the packed rows of a batch of `length` tokens: `optim.pack_row_tokens`, at least `length`."""
-        return max(self.update_cfg.pack_row_tokens, length)
-
-    def _packed_rows(self, laid_out: RolloutBatch) -> tuple[PackedRows, ...]:
-        """Per update, its micro-batches of a laid-out host batch packed into R_u rows of L' tokens, placed on the
-        device(s) as [1, K, R_u, L'] arrays. R_u: the most rows one of them needs, rounded up to a multiple of the
-        data-axes size (so at most micro / shards row counts per batch length, each a compilation of the forwards)."""
-        shards = self._data_shards()
-        row_length = self._row_length(laid_out.tokens_bt.shape[-1])
-        per_update = []
-        for tokens_kml, mask_kml in zip(laid_out.tokens_bt, laid_out.mask_bt):
-            num_rows = -(-rows_needed(mask_kml, row_length) // shards) * shards
-            rows = pack(tokens_kml, mask_kml, num_rows, row_length)
-            per_update.append(jax.tree.map(lambda x: self._put(x[None]), rows))
-        return tuple(per_update)
-
-    def _layout(self, num: int) -> tuple[int, int, int]:
-        """(U, K, micro) of a batch of `num` trajectories."""
-        cfg = self.update_cfg
-        return num // cfg.mini_batch_size, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size
-
-    def _put(self, array: np.ndarray) -> jax.Array:
-        """[U, K, micro, ...] arrays split on the micro axis over the data axes; scalars replicated."""
-        if self.mesh is None:
-            return jnp.asarray(array)
-        return jax.device_put(array, self._batch_sharding(array.ndim))
-
-    def _batch_sharding(self, ndim: int) -> NamedSharding | None:
-        """The layout of a laid-out [U, K, micro, ...] array (the micro axis over the data axes); of a scalar
-        (ndim 0): replicated. None without a mesh."""
-        if self.mesh is None:
-            return None
-        batch_axes = mesh_batch_axes(self.mesh) or None
-        return NamedSharding(self.mesh, P(None, None, batch_axes) if ndim >= 3 else P())
+        return self.layout.lay_out(batch, batch_statistics(batch, self.objective))
 
     def batch_spec(self, num: int, length: int, num_rows: int | None = None) -> PreparedBatch:
         """The abstract `prepare_batch` result of a rollout batch of `num` trajectories of `length` tokens, for
-        ahead-of-time compilation (packed: `num_rows` rows per micro-batch, by default the worst case, one row per
-        trajectory)."""
-        layout = self._layout(num)
-
-        def spec(shape, dtype) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch_sharding(len(shape)))
-
-        batch = RolloutBatch(**{field.name: spec(layout + ((length,) if field.name.endswith("_bt") else ()),
-                                                 batch_dtype(field.name))
-                                for field in dataclasses.fields(RolloutBatch)})
-        rows = None
-        if self.update_cfg.pack_trajectories:
-            update_rows = (1, layout[1], num_rows or layout[2], self._row_length(length))
-            rows = (PackedRows(tokens_rl=spec(update_rows, jnp.int32), mask_rl=spec(update_rows, jnp.float32),
-                               segment_first_rl=spec(update_rows, jnp.int32),
-                               source_ml=spec((1,) + layout[1:] + (length,), jnp.int32)),) * layout[0]
-        stats = {name: spec((), jnp.float32) for name in batch_statistics(RolloutBatch.zeros(1, 1), self.objective)}
-        return PreparedBatch(batch=batch, batch_stats=stats, num_updates=layout[0], rows=rows)
+        ahead-of-time compilation (`BatchLayout.spec`)."""
+        stat_names = list(batch_statistics(RolloutBatch.zeros(1, 1), self.objective))
+        return self.layout.spec(num, length, stat_names, num_rows)
 
     def _replicated(self):
         return None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -387,7 +306,7 @@ class RLTrainStep:
         batch = prepared.batch
         with self._mesh_context():
             return self._concat_updates(tuple(
-                logp_fn(params, batch.tokens_bt, batch.mask_bt, prepared.update_rows(u), jnp.int32(u))
+                logp_fn(params, batch.tokens_ukmt, batch.mask_ukmt, prepared.update_rows(u), jnp.int32(u))
                 for u in range(prepared.num_updates)))
 
     def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
@@ -413,15 +332,15 @@ class RLTrainStep:
         metrics.update(update_metrics(inputs, self.objective))
         return loss, metrics
 
-    def _update_impl(self, state: TrainState, batch: RolloutBatch, rows: PackedRows | None, batch_stats, old_logp,
+    def _update_impl(self, state: TrainState, batch: LaidOutBatch, rows: PackedRows | None, batch_stats, old_logp,
                      ref_logp, index):
-        """One optimizer update on mini-batch `index` of a prepared batch ([U, K, micro, ...] arrays), its forwards on
-        `rows`, that update's packed rows ([1, K, R, L'] arrays), or on its trajectories (None).
+        """One optimizer update on mini-batch `index` of a laid-out batch, its forwards on `rows`, that update's
+        packed rows ([1, K, R, L'] arrays), or on its trajectories (None).
 
         Update 0 must run on the parameters old_logp was computed with (train_on_batch guarantees it).
         """
+        micro_k = batch.micro_batches(index)
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        micro_k = jax.tree.map(take, batch)
         rows_k = jax.tree.map(lambda x: x[0], rows)
         old_k = take(old_logp)
         ref_k = None if ref_logp is None else take(ref_logp)
@@ -466,51 +385,59 @@ class RLTrainStep:
         return self._update
 
     # ----- ahead of time ------------------------------------------------------------------------------------------
-    def lower_programs(self, state: TrainState, ref_params: nnx.State | None, prepared: PreparedBatch,
-                       measure_lld: bool) -> list[tuple[str, jax.stages.Lowered]]:
-        """Every program `init_state`, `reference_params` and `train_on_batch` run, lowered (not compiled) at
-        abstract values (`abstract_state()`, `abstract_reference` of its params, `batch_spec`), named as
-        `train_on_batch` uses them, in the order a run first runs them (the log-probs: one update's mini-batch, as
-        each call computes it)."""
+    def abstract_programs(self, at: TrainShapes) -> list[AbstractProgram]:
+        """Every program `init_state`, `reference_params` and `train_on_batch` run, at abstract values
+        (`abstract_state()`, `abstract_reference` of its params, `batch_spec`) of a batch of `at.num` trajectories
+        of `at.length` tokens; see `_programs`."""
+        state = self.abstract_state()
+        ref_params = self.abstract_reference(state.params) if self.objective.kl_coef else None
+        return self._programs(state, ref_params, self.batch_spec(at.num, at.length), at.measure_lld)
+
+    def _programs(self, state: TrainState, ref_params: nnx.State | None, prepared: PreparedBatch,
+                  measure_lld: bool) -> list[AbstractProgram]:
+        """The programs of `abstract_programs` at `state`, `ref_params` (None: no reference) and `prepared` (arrays
+        or abstract values), named as `train_on_batch` uses them, in the order a run first runs them (the log-probs:
+        one update's mini-batch, as each call computes it)."""
         batch = prepared.batch
         rows = prepared.update_rows(0)
         # The log-probs come out of a jitted program: committed to a device also without a mesh.
-        logp_sharding = self._batch_sharding(4) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        logp = jax.ShapeDtypeStruct(batch.tokens_bt.shape, jnp.float32, sharding=logp_sharding)
+        logp_sharding = self.layout.sharding(4) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        logp = jax.ShapeDtypeStruct(batch.tokens_ukmt.shape, jnp.float32, sharding=logp_sharding)
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated())  # as an int32 under the mesh
-        init = self._init_optimizer(state.params)
-        with self._mesh_context():
-            programs = [("optimizer init", init.lower(state.params))]
-            if ref_params is not None:
-                programs += [("reference copy", self._reference_copier(state.params).lower(state.params)),
-                             ("logp (reference)", self._logp.lower(ref_params, batch.tokens_bt, batch.mask_bt,
-                                                                   rows, index))]
-            programs += [
-                ("logp (policy)", self._logp.lower(state.params, batch.tokens_bt, batch.mask_bt, rows, index)),
-                ("likelihood metrics", self._likelihood.lower(logp, batch)),
-                (f"update ({prepared.num_updates} per step)", self._jitted_update(state).lower(
-                    state, batch, rows, prepared.batch_stats, logp, None if ref_params is None else logp, index)),
-            ]
-            if measure_lld and self._lld_in_float32:
-                programs.insert(-1, ("logp (float32, LLD)", self._logp_float32.lower(
-                    state.params, batch.tokens_bt, batch.mask_bt, rows, index)))
-            if measure_lld:
-                programs.append(("lld metrics", self._lld.lower(logp, logp, batch)))
+        shapes = f"{batch.num_trajectories} x {batch.length} tokens, micro-batch {batch.micro_batch_size}"
+        program = functools.partial(AbstractProgram, shapes=shapes, mesh=self.mesh)
+        tokens_mask = (batch.tokens_ukmt, batch.mask_ukmt)
+        programs = [program("optimizer init", fn=self._init_optimizer(state.params), args=(state.params,))]
+        if ref_params is not None:
+            programs += [program("reference copy", fn=self._reference_copier(state.params), args=(state.params,)),
+                         program("logp (reference)", fn=self._logp, args=(ref_params, *tokens_mask, rows, index))]
+        programs += [
+            program("logp (policy)", fn=self._logp, args=(state.params, *tokens_mask, rows, index)),
+            program("likelihood metrics", fn=self._likelihood, args=(logp, batch)),
+        ]
+        if measure_lld and self._lld_in_float32:
+            programs.append(program("logp (float32, LLD)", fn=self._logp_float32,
+                                    args=(state.params, *tokens_mask, rows, index)))
+        programs.append(program(f"update ({prepared.num_updates} per step)", fn=self._jitted_update(state), args=(
+            state, batch, rows, prepared.batch_stats, logp, None if ref_params is None else logp, index)))
+        if measure_lld:
+            programs.append(program("lld metrics", fn=self._lld, args=(logp, logp, batch)))
         return programs
 
     def compile_row_counts(self, state: TrainState, ref_params: nnx.State | None, num: int, length: int,
                            measure_lld: bool) -> int:
         """Compiles ahead, without running them, the log-probs and the update at every packed-row count a batch of
-        `num` trajectories of `length` tokens can need (`row_counts`), so that no later batch of that length
-        compiles (as the sampler's shape grid). Returns the programs compiled."""
+        `num` trajectories of `length` tokens can need (`BatchLayout.row_counts`), so that no later batch of that
+        length compiles (as the sampler's shape grid). Returns the programs compiled."""
         modules = set()  # the reference's log-probs are the policy's program when both have the same dtypes
-        for num_rows in self.row_counts(length):
-            for name, lowered in self.lower_programs(state, ref_params, self.batch_spec(num, length, num_rows),
-                                                     measure_lld):
-                module = lowered.as_text() if name.startswith(("logp", "update")) else None
-                if module is not None and module not in modules:
-                    modules.add(module)
-                    lowered.compile()
+        for num_rows in self.layout.row_counts(length):
+            for program in self._programs(state, ref_params, self.batch_spec(num, length, num_rows), measure_lld):
+                if program.name.startswith(("logp", "update")):
+                    lowered = program.lower()
+                    module = lowered.as_text()
+                    if module not in modules:
+                        modules.add(module)
+                        lowered.compile()
         return len(modules)
 
     # ----- the step ------------------------------------------------------------------------------------------------
@@ -572,7 +499,7 @@ class RLTrainStep:
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)
         scalars["actor/updates"] = float(prepared.num_updates)
-        forward_tokens = (math.prod(prepared.batch.tokens_bt.shape) if prepared.rows is None
+        forward_tokens = (math.prod(prepared.batch.tokens_ukmt.shape) if prepared.rows is None
                           else sum(math.prod(rows.tokens_rl.shape) for rows in prepared.rows))
         scalars["perf/padding"] = 1.0 - real_tokens / forward_tokens
         scalars["perf/logp_s"] = logp_s

@@ -21,7 +21,7 @@ before the observations are appended. Each query's result does not depend on the
 trajectories are exactly those of one batched call per turn after decoding; only the wait shrinks.
 
 A failed search (an error result for that query, an exception or a timeout of the whole call) gives that
-sequence the observation `SEARCH_ERROR_OBSERVATION` (an information block holding one "Search failed: ..." line)
+sequence the observation `steps.SEARCH_ERROR_OBSERVATION` (an information block holding one "Search failed: ..." line)
 and records the error; the other sequences are unaffected.
 
 Context caps differ from Search-R1 in one way: Search-R1 left-truncates the rolling context to 4096 tokens; with a
@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -43,17 +42,12 @@ import jax
 import jax.numpy as jnp
 
 from llds_jax.data.qa import QAExample
-from llds_jax.rollout import protocol
+from llds_jax.rollout import continuous
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.interfaces import SampledTurn, SamplerSession, TurnSampler
-from llds_jax.rollout.trajectory import (END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Trajectory, Turn,
-                                         build_trajectory, rollout_metrics)
-from llds_jax.search.types import Retriever, SearchResult
-
-log = logging.getLogger(__name__)
-
-SEARCH_ERROR_OBSERVATION = "\n\n<information>Search failed: {error}</information>\n\n"
-MAX_ERROR_CHARS = 200
+from llds_jax.rollout.steps import AgentSteps, add_decode_counts
+from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Trajectory, Turn, rollout_metrics
+from llds_jax.search.types import Retriever
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +86,6 @@ def turn_stop_ids(tokenizer) -> tuple[int, ...]:
         raise ValueError("the tokenizer of model.tokenizer_path (default: model.path) has no EOS token: set "
                          "eos_token in its tokenizer_config.json")
     return tuple(sorted(ids))
-
-
-def search_error_observation(error: str) -> str:
-    """The observation of a failed search: an information block with the error's first line (shortened)."""
-    line = (error.strip().splitlines() or ["unknown error"])[0]
-    if len(line) > MAX_ERROR_CHARS:
-        line = line[:MAX_ERROR_CHARS - 3] + "..."
-    return SEARCH_ERROR_OBSERVATION.format(error=line)
 
 
 def rollout(sampler: TurnSampler, params, tokenizer, retriever: Retriever, examples: Sequence[QAExample],
@@ -146,8 +132,6 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
         if config.continuous_batching:
-            from llds_jax.rollout import continuous  # imports this module
-
             keys_n = jnp.concatenate([sampler.sequence_keys(*_session_stream(rng, first_sequence + first,
                                                                              config.max_batch_size),
                                                             len(examples[first:first + size]))
@@ -169,19 +153,6 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     return Rollout(trajectories, metrics)
 
 
-@dataclasses.dataclass
-class _Conversation:
-    """Host-side record of one sequence while it runs."""
-    prompt_ids: list[int]
-    turns: list[Turn] = dataclasses.field(default_factory=list)
-    response_len: int = 0
-    end_reason: Optional[str] = None
-
-    @property
-    def context_len(self) -> int:
-        return len(self.prompt_ids) + self.response_len
-
-
 def _session_stream(rng: jax.Array, first_sequence: int, max_batch_size: int) -> tuple[jax.Array, int]:
     """The (rng, first_sequence) of the session whose first example has global id `first_sequence`.
 
@@ -192,112 +163,6 @@ def _session_stream(rng: jax.Array, first_sequence: int, max_batch_size: int) ->
     if not max_batch_size:
         return rng, first_sequence
     return jax.random.fold_in(rng, first_sequence // max_batch_size), first_sequence % max_batch_size
-
-
-class AgentSteps:
-    """The steps of the protocol both engines share (the sessions' turn loop here, continuous batching in
-    `continuous`): turn budgets, the turn-end check, cutting and parsing a turn, appending its observation to the
-    conversation, and the batched searches (their seconds go to timing["search_calls_s"])."""
-
-    def __init__(self, tokenizer, retriever: Retriever, config: AgentConfig, timing: dict[str, float]):
-        self.tokenizer, self.retriever, self.config, self.timing = tokenizer, retriever, config, timing
-
-    def conversation(self, example: QAExample) -> _Conversation:
-        return _Conversation(protocol.chat_prompt_ids(self.tokenizer, example.question, self.config.max_prompt_tokens))
-
-    def budget(self, conv: _Conversation) -> int:
-        """Tokens the conversation's next turn may sample (0: it is full)."""
-        cfg = self.config
-        return max(0, min(cfg.max_turn_tokens, cfg.max_context_tokens - conv.context_len,
-                          cfg.max_response_tokens - conv.response_len))
-
-    def turn_finished(self, token_lists: list[list[int]]) -> list[bool]:
-        texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
-        return [protocol.turn_finished(text) for text in texts]
-
-    def close_turn(self, conv: _Conversation, sample: SampledTurn, final: bool
-                   ) -> tuple[Turn, bool, Optional[str]]:
-        """Cuts and parses a sampled turn (the kept tokens are the Turn's token_ids); sets the conversation's end
-        reason when it ends. Returns (the turn, whether it searches, its observation when known: the invalid-action
-        message)."""
-        body = sample.token_ids[:-1] if sample.hit_stop else sample.token_ids
-        cut = protocol.cut_turn_tokens(body, self.tokenizer)
-        keep = cut.num_tokens
-        action = protocol.parse_action(cut.text)
-        turn = Turn(token_ids=tuple(body[:keep]), logps=tuple(sample.logps[:keep]), text=cut.text, action=action,
-                    num_sampled=len(sample.token_ids), hit_stop=sample.hit_stop)
-        if action.kind == "answer":
-            conv.end_reason = END_ANSWER
-        elif final:
-            conv.end_reason = END_MAX_TURNS
-        elif action.kind == "search":
-            return turn, True, None
-        else:
-            return turn, False, protocol.INVALID_ACTION_MESSAGE
-        return turn, False, None
-
-    def append_turn(self, conv: _Conversation, turn: Turn, observation: Optional[str], error: Optional[str]
-                    ) -> tuple[Optional[list[int]], bool]:
-        """Appends a closed turn and its observation (text, or None) to the conversation; a failed search's error
-        is recorded on the turn. An observation that does not fit the context caps ends the conversation
-        (context_full). Returns (the observation's token ids to extend the session with, None when the
-        conversation ends; whether the observation was cut to max_observation_tokens)."""
-        conv.response_len += len(turn.token_ids)
-        obs_ids, truncated = None, False
-        if observation is not None:
-            ids = self.tokenizer.encode(observation, add_special_tokens=False)
-            truncated = len(ids) > self.config.max_observation_tokens
-            ids = ids[:self.config.max_observation_tokens]
-            if self.fits(conv, len(ids)):
-                obs_ids = ids
-                conv.response_len += len(ids)
-                turn = dataclasses.replace(turn, observation=observation, observation_ids=tuple(ids),
-                                           observation_truncated=truncated)
-            else:
-                conv.end_reason = END_CONTEXT_FULL
-        if error is not None:
-            turn = dataclasses.replace(turn, search_error=error)
-        conv.turns.append(turn)
-        return obs_ids, truncated
-
-    def warn_truncations(self, truncations: int) -> None:
-        if truncations:
-            log.warning("%d observation(s) cut to agent.max_observation_tokens=%d tokens", truncations,
-                        self.config.max_observation_tokens)
-
-    def fits(self, conv: _Conversation, extra: int) -> bool:
-        cfg = self.config
-        return (conv.context_len + extra <= cfg.max_context_tokens
-                and conv.response_len + extra <= cfg.max_response_tokens)
-
-    def trajectories(self, examples: Sequence[QAExample], convs: Sequence[_Conversation]) -> list[Trajectory]:
-        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer)
-                for ex, c in zip(examples, convs)]
-
-    async def search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:
-        """One batched retriever call; (observation, error message or None) per query."""
-        start = time.perf_counter()
-        results: Sequence[SearchResult]
-        try:
-            results = await asyncio.wait_for(self.retriever.search(queries, self.config.retrieval_top_k),
-                                             timeout=self.config.search_timeout_s)
-            if len(results) != len(queries):
-                raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
-            failures = [r.error for r in results]
-        except asyncio.TimeoutError:
-            results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
-        except Exception as e:  # a failing backend must not crash the rollout
-            results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
-        self.timing["search_calls_s"] += time.perf_counter() - start
-        return [(search_error_observation(str(failures[j])), str(failures[j])) if failures[j]
-                else (protocol.format_observation([d.contents for d in results[j].docs]), None)
-                for j in range(len(queries))]
-
-
-def add_decode_counts(timing: dict[str, float], session) -> None:
-    """Adds a session's decode_counts (sampled tokens, decode steps x rows) to `timing`, when it keeps them."""
-    for key, value in getattr(session, "decode_counts", {}).items():
-        timing[f"decode_{key}"] += value
 
 
 class _BatchLoop:

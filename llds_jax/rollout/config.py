@@ -27,7 +27,7 @@ class AgentConfig:
         row on its own turn (`llds_jax.rollout.continuous`); needs `sampler.Sampler`. The same tokens are sampled.
     """
 
-    max_turns: int = 4
+    max_turns: int = 3
     max_turn_tokens: int = 500
     max_observation_tokens: int = 500
     max_prompt_tokens: int = 2048
@@ -75,7 +75,7 @@ class SamplingConfig:
     """
 
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 0.95
     top_k: int = 0
     greedy: bool = False
     stop_ids: tuple[int, ...] = ()

@@ -5,7 +5,7 @@ trajectory idle until the batch's longest turn ends, and the next batch waits fo
 device batch (`sampler.RowSession`) of R rows (`max_batch_size`, or all sequences when 0) serves every sequence of
 the rollout from a queue, and after every decode chunk the host:
 
-  1. cuts and parses the turns that ended in the chunk (`agent.AgentSteps.close_turn`) and starts their searches, one
+  1. cuts and parses the turns that ended in the chunk (`steps.AgentSteps.close_turn`) and starts their searches, one
      batched call per chunk, on the event loop while decoding goes on (as the session path does);
   2. takes the observations that are ready (searches back, invalid-action messages) and the queued sequences that
      fit the free rows, and appends them in one extend over just those rows (roll back + observation, or an
@@ -36,7 +36,7 @@ from typing import Optional
 import jax
 
 from llds_jax.data.qa import QAExample
-from llds_jax.rollout.agent import AgentSteps, add_decode_counts
+from llds_jax.rollout.steps import AgentSteps, add_decode_counts
 from llds_jax.rollout.interfaces import SampledTurn
 from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Trajectory, Turn
 

@@ -72,8 +72,8 @@ class RolloutLayout:
 
     @property
     def tensor(self) -> int:
-        """Chips per tensor-parallel group (1: none)."""
-        return self.mesh.shape["tensor"]
+        """Chips per tensor-parallel group (1: none): the shards of the heads."""
+        return parallel.axis_size(self.mesh, "heads")
 
 
 def tensor_size(setting: int, local_chips: int, model_cfg: ModelConfig) -> int:

@@ -62,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import KVCache, init_cache
+from llds_jax.programs import AbstractProgram
 from llds_jax.rollout import buckets
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.interfaces import SampledTurn
@@ -131,15 +132,15 @@ def _logp_of(logp_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=1)[:, 0]
 
 
-_KV_SPEC = P(None, parallel.BATCH, None, "tensor", None)  # [L, B, S, K, H]: rows over the batch axes, heads over tensor
+_KV_SPEC = parallel.spec("layers", "batch", None, "kv_heads", None)  # [L, B, S, K, H]
 
 
 def _rows_spec(ndim: int) -> P:
-    return P(parallel.BATCH, *([None] * (ndim - 1)))
+    return parallel.spec("batch", *([None] * (ndim - 1)))
 
 
 def _cache_specs(cache: KVCache) -> KVCache:
-    """The layout of each cache field: rows over the mesh's batch axes, key/value heads over `tensor`."""
+    """The layout of each cache field: rows split as "batch", key/value heads as "kv_heads" (`parallel`)."""
     return KVCache(k_lbskh=_KV_SPEC, v_lbskh=_KV_SPEC, valid_bs=_rows_spec(2), end_b=_rows_spec(1),
                    next_pos_b=_rows_spec(1))
 
@@ -152,7 +153,7 @@ def _state_specs(state: DecodeState) -> DecodeState:
 
 
 def _constrain(tree, specs):
-    return jax.tree.map(lambda a, spec: parallel.constrain(a, *spec), tree, specs,
+    return jax.tree.map(lambda a, spec: parallel.constrain_spec(a, spec), tree, specs,
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -172,7 +173,7 @@ def _last_logits(model, hidden_btd: jax.Array, valid_bt: jax.Array) -> jax.Array
     t = valid_bt.shape[1]
     last_b = jnp.max(jnp.where(valid_bt, jnp.arange(t, dtype=jnp.int32)[None, :], 0), axis=1)
     hidden_b1d = jnp.take_along_axis(hidden_btd, last_b[:, None, None], axis=1)
-    return parallel.constrain(model.logits(hidden_b1d)[:, 0], parallel.BATCH, None)
+    return parallel.constrain(model.logits(hidden_b1d)[:, 0], "batch", None)
 
 
 def _prefill(graphdef, params, tokens_bt, valid_bt, rng, seq_ids_b, capacity: int) -> DecodeState:
@@ -308,6 +309,29 @@ def _select_rows(state: DecodeState, rows_b) -> DecodeState:
                                         done_b=take(state.done_b)))
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionShapes:
+    """What `Sampler.abstract_programs` lowers a session's programs at: one set of buckets and the parameters.
+
+    Attributes:
+      params: the parameters as a session gets them (arrays, or ShapeDtypeStructs with shardings).
+      rows: rows of the session's batch.
+      prompt: prompt slots of the prefill (or of a continuous batch's prompt extend).
+      prefill_capacity: cache slots of the prefill.
+      capacity: cache slots of the decode chunk, the extend, the growth (to) and the compaction.
+      observation: observation slots of an extend.
+      continuous: a continuous-batching `RowSession`'s programs rather than a `Session`'s.
+    """
+
+    params: object
+    rows: int
+    prompt: int
+    prefill_capacity: int
+    capacity: int
+    observation: int
+    continuous: bool = False
+
+
 class Sampler:
     """The jitted prefill / decode / extend programs of one model architecture and sampling config, and the plan of
     their shapes (`plan`, a `ShapePlan`).
@@ -323,7 +347,7 @@ class Sampler:
     def __init__(self, graphdef, config: SamplingConfig, mesh: Optional[Mesh] = None):
         self.config = config
         self.mesh = mesh
-        self.batch_multiple = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in parallel.BATCH]))
+        self.batch_multiple = 1 if mesh is None else parallel.axis_size(mesh, "batch")
         self.plan = ShapePlan(config, self.batch_multiple)
         self._prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames="capacity")
         self._decode = jax.jit(functools.partial(_decode_chunk, graphdef, config), donate_argnums=1)
@@ -358,20 +382,21 @@ class Sampler:
         with self.mesh_context():
             return self.plan.compile_grid(functools.partial(self._lower, self._params_spec))
 
-    def lower_programs(self, params, rows: int, prompt: int, prefill_capacity: int, capacity: int,
-                       observation: int, continuous: bool = False) -> list[tuple[str, str, jax.stages.Lowered]]:
-        """The programs of a session lowered (not compiled) at one set of buckets, for ahead-of-time compilation
-        without devices: prefill of `prompt`-token prompts into a cache of `prefill_capacity` slots, then at
-        `capacity` slots: a decode chunk, the extend of an `observation`-slot observation, the growth from
-        capacity / 2 and the compaction to rows / 2 (when rows > 1). Returns (name, shapes, lowered) triples.
+    def abstract_programs(self, at: SessionShapes) -> list[AbstractProgram]:
+        """The programs of a session at abstract arguments of one set of buckets (`programs.CompilablePrograms`), for
+        ahead-of-time compilation without devices: prefill of `at.prompt`-token prompts into a cache of
+        `at.prefill_capacity` slots, then at `at.capacity` slots: a decode chunk, the extend of an
+        `at.observation`-slot observation, the growth from capacity / 2 and the compaction to rows / 2 (when
+        rows > 1).
 
-        continuous: those of a continuous-batching `RowSession` instead: the empty batch and the extend of every
-        row by a prompt (at `prefill_capacity` slots) in place of the prefill, the extend of every row by an
+        With `at.continuous`, those of a continuous-batching `RowSession` instead: the empty batch and the extend of
+        every row by a prompt (at `prefill_capacity` slots) in place of the prefill, the extend of every row by an
         observation in place of the session's extend (the most rows one such call takes: all, or
         `config.max_extend_rows`).
-        params: the parameters as the session gets them (arrays or ShapeDtypeStructs with shardings).
         """
-        if continuous:
+        rows, prompt, prefill_capacity, capacity, observation = (
+            at.rows, at.prompt, at.prefill_capacity, at.capacity, at.observation)
+        if at.continuous:
             k = min(rows, self.config.max_extend_rows or rows)
             start = [("empty batch", f"{rows} rows, {prefill_capacity} slots", EmptyShape(rows, prefill_capacity)),
                      ("prompt extend", f"{k} of {rows} rows x {prompt} tokens, {prefill_capacity} slots",
@@ -396,7 +421,8 @@ class Sampler:
                 programs.append(("compaction", f"{rows} -> {smaller} rows, {capacity} slots",
                                  SelectShape(rows, capacity, smaller)))
         with self.mesh_context():
-            return [(name, shapes, self._lower(params, shape)) for name, shapes, shape in programs]
+            return [AbstractProgram(name, shapes, *self._abstract_call(at.params, shape), mesh=self.mesh)
+                    for name, shapes, shape in programs]
 
     # -- the programs, each run at the shape of its arguments (recorded in `plan`) -----------------------------------
 
@@ -468,29 +494,34 @@ class Sampler:
     # -- ahead-of-time lowering ------------------------------------------------------------------------------------
 
     def _lower(self, params, shape: Shape) -> jax.stages.Lowered:
-        """The program of `shape` lowered at abstract arguments of that shape, laid out as a session passes them."""
+        """The program of `shape` lowered at abstract arguments of that shape (`_abstract_call`)."""
+        fn, args, kwargs = self._abstract_call(params, shape)
+        return fn.lower(*args, **kwargs)
+
+    def _abstract_call(self, params, shape: Shape) -> tuple[Callable, tuple, dict]:
+        """The jitted program of `shape` and its abstract (positional, keyword) arguments of that shape, laid out as
+        a session passes them."""
         host, r = self._host_spec, shape.rows
         key = jax.eval_shape(lambda: jax.random.key(0))
         if isinstance(shape, PrefillShape):
             t = shape.prompt
-            return self._prefill.lower(params, host(r, t), host(r, t, dtype=bool), key, host(r, dtype=np.uint32),
-                                       capacity=shape.capacity)
+            return (self._prefill, (params, host(r, t), host(r, t, dtype=bool), key, host(r, dtype=np.uint32)),
+                    dict(capacity=shape.capacity))
         if isinstance(shape, EmptyShape):
-            return self._empty.lower(params, key, rows=r, capacity=shape.capacity)
+            return self._empty, (params, key), dict(rows=r, capacity=shape.capacity)
         state = self._abstract_state(params, r, shape.capacity)
         if isinstance(shape, DecodeShape):
-            return self._decode.lower(params, state, host(r, dtype=bool))
+            return self._decode, (params, state, host(r, dtype=bool)), {}
         if isinstance(shape, EndTurnShape):
             t = shape.observation
-            return self._end_turn.lower(params, state, host(r), host(r), host(r, t), host(r, t, dtype=bool))
+            return self._end_turn, (params, state, host(r), host(r), host(r, t), host(r, t, dtype=bool)), {}
         if isinstance(shape, GrowShape):
-            return self._grow.lower(state, shape.capacity_out)
+            return self._grow, (state, shape.capacity_out), {}
         if isinstance(shape, ExtendRowsShape):
             k, t, key_shape = shape.rows_in, shape.tokens, jax.eval_shape(jax.random.key_data, state.key_b).shape[1:]
-            return self._extend_rows.lower(params, state, host(k), host(k), host(k), host(k, t),
-                                           host(k, t, dtype=bool), host(k, *key_shape, dtype=np.uint32),
-                                           prefill=shape.prefill)
-        return self._select.lower(state, host(shape.rows_out))
+            return (self._extend_rows, (params, state, host(k), host(k), host(k), host(k, t), host(k, t, dtype=bool),
+                                        host(k, *key_shape, dtype=np.uint32)), dict(prefill=shape.prefill))
+        return self._select, (state, host(shape.rows_out)), {}
 
     def _abstract_state(self, params, rows: int, capacity: int) -> DecodeState:
         """The decode state of `rows` rows and `capacity` slots as ShapeDtypeStructs, laid out as the programs

@@ -13,20 +13,18 @@ for a rare-term query at wiki-18's 21M (a mostly-zero array is argpartition's wo
 """
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from llds_jax.search import analyzer
 from llds_jax.search.bm25_index import DATA_FILE, INDICES_FILE, INDPTR_FILE, VOCAB_FILE, read_manifest
 from llds_jax.search.docstore import DocStore
-from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
+from llds_jax.search.local import LocalRetriever
 
 
 def top_k_postings(accumulator: np.ndarray, postings: Sequence[tuple[np.ndarray, np.ndarray, int]],
@@ -62,7 +60,7 @@ def top_k_postings(accumulator: np.ndarray, postings: Sequence[tuple[np.ndarray,
     return candidates[first].astype(np.int64), values[first]
 
 
-class Bm25Retriever(Retriever):
+class Bm25Retriever(LocalRetriever):
     """Searches the index folder `index_dir` with `workers` threads (a batch is split across them).
 
     RAM: the vocabulary dict, plus one float32 accumulator of length num_docs per worker thread (84 MB at 21M).
@@ -80,16 +78,11 @@ class Bm25Retriever(Retriever):
         self._indptr = np.load(os.path.join(index_dir, INDPTR_FILE), mmap_mode="r")
         with open(os.path.join(index_dir, VOCAB_FILE), encoding="utf-8") as f:
             self._vocab: dict[str, int] = json.load(f)
-        self._docs = DocStore(index_dir)
-        if len(self._docs) != self.manifest["num_docs"] or len(self._indptr) != len(self._vocab) + 1:
+        docs = DocStore(index_dir)
+        if len(docs) != self.manifest["num_docs"] or len(self._indptr) != len(self._vocab) + 1:
             raise ValueError(f"{index_dir}: files disagree with {self.manifest} (an incomplete copy?)")
         self._local = threading.local()
-        self._workers = workers
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="bm25-search")
-
-    @property
-    def num_docs(self) -> int:
-        return len(self._docs)
+        super().__init__(index_dir, docs, workers)
 
     def top_k(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(document numbers, scores) of the best `k` documents for `query` (see `top_k_postings`)."""
@@ -103,42 +96,5 @@ class Bm25Retriever(Retriever):
             postings.append((self._indices[start:end], self._data[start:end], count))
         return top_k_postings(scores, postings, k)
 
-    def search_blocking(self, queries: Sequence[str], k: int) -> list[SearchResult]:
-        """`search` on the calling thread (for benchmarks and tools; raises on failure)."""
-        check_k(k)
-        results = []
-        for query in queries:
-            numbers, scores = self.top_k(query, k)
-            results.append(SearchResult([Document(*self._docs.get(int(n)), score=float(s))
-                                         for n, s in zip(numbers, scores)]))
-        return results
-
-    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
-        """Top-k documents per query; the batch is split over the worker threads."""
-        check_k(k)
-        queries = list(queries)
-        if not queries:
-            return []
-        loop = asyncio.get_running_loop()
-        size = -(-len(queries) // self._workers)
-        parts = [queries[i:i + size] for i in range(0, len(queries), size)]
-        try:
-            answers = await asyncio.gather(
-                *(loop.run_in_executor(self._pool, self.search_blocking, part, k) for part in parts))
-        except Exception as e:  # a failure becomes an error result, never a crash
-            message = f"bm25 backend (index {self.index_dir}) failed: {type(e).__name__}: {e}"
-            return [SearchResult([], message) for _ in queries]
-        return [result for part in answers for result in part]
-
-    async def check(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._pool, self.search_blocking, ["index check"], 1)
-            await loop.run_in_executor(self._pool, self._docs.get, self.num_docs - 1)
-        except Exception as e:
-            raise RetrieverUnavailableError(
-                f"bm25 backend (index {self.index_dir}) cannot serve searches: {type(e).__name__}: {e}") from e
-
-    async def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._docs.close()
+    def _top_k_rows(self, queries: list[str], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return (self.top_k(query, k) for query in queries)

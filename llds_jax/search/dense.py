@@ -15,10 +15,8 @@ run on one worker thread, never on the event loop.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import faiss
 import numpy as np
@@ -27,7 +25,7 @@ from llds_jax.model.hf_io import read_config
 from llds_jax.search import dense_index
 from llds_jax.search.docstore import DocStore
 from llds_jax.search.e5 import E5Embedder
-from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
+from llds_jax.search.local import LocalRetriever
 
 
 def read_faiss_index(path: str, *, mmap: bool = True) -> faiss.Index:
@@ -63,7 +61,7 @@ def check_compatible(index: faiss.Index, index_path: str, dim: int, encoder_path
                          f" embeddings of encoder {encoder_path} are compared by inner product")
 
 
-class FaissRetriever(Retriever):
+class FaissRetriever(LocalRetriever):
     """Top-k passages of a faiss index for e5 query embeddings (see the module docstring).
 
     index_path: a faiss index file (with `corpus_path`) or an index folder of ours (`corpus_path` "": its passages).
@@ -89,14 +87,18 @@ class FaissRetriever(Retriever):
                 raise ValueError(f"retriever.hnsw_ef_search is set but faiss index {file} is not HNSW")
             self.index.hnsw.efSearch = hnsw_ef_search
         corpus = corpus_path or os.path.join(index_path, dense_index.DOCS_NAME)
-        self._docs = DocStore.of_corpus(corpus_path) if corpus_path else DocStore(index_path)
-        if len(self._docs) < self.index.ntotal:
-            self._docs.close()
-            raise ValueError(f"corpus {corpus} has {len(self._docs):,} lines but faiss index {file} has"
+        docs = DocStore.of_corpus(corpus_path) if corpus_path else DocStore(index_path)
+        if len(docs) < self.index.ntotal:
+            docs.close()
+            raise ValueError(f"corpus {corpus} has {len(docs):,} lines but faiss index {file} has"
                              f" {self.index.ntotal:,} rows (row i is line i): the wrong corpus, or a truncated one")
         self.embedder = E5Embedder(encoder_path, max_length=max_length, batch_size=batch_size, dtype=dtype)
-        self._where = f"faiss backend (index {index_path})"
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="faiss-search")
+        super().__init__(index_path, docs, workers=1)
+
+    @property
+    def num_docs(self) -> int:
+        """The index's rows (the corpus may hold more lines)."""
+        return int(self.index.ntotal)
 
     def top_k(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows [Q, k] int64, -1 where the index has fewer; scores [Q, k] float32) of the best k per query."""
@@ -104,34 +106,5 @@ class FaissRetriever(Retriever):
         scores_qk, rows_qk = self.index.search(query_qd, k)
         return rows_qk, scores_qk
 
-    def search_blocking(self, queries: Sequence[str], k: int) -> list[SearchResult]:
-        """`search` on the calling thread (for benchmarks and tools; raises on failure)."""
-        check_k(k)
-        if not queries:
-            return []
-        rows_qk, scores_qk = self.top_k(queries, k)
-        return [SearchResult([Document(*self._docs.get(int(r)), score=float(s))
-                              for r, s in zip(rows, scores) if r >= 0]) for rows, scores in zip(rows_qk, scores_qk)]
-
-    async def search(self, queries: Sequence[str], k: int) -> list[SearchResult]:
-        """Top-k documents per query: one batched embedding and one faiss search on the worker thread."""
-        check_k(k)
-        queries = list(queries)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self.search_blocking, queries, k)
-        except Exception as e:  # a failure becomes an error result, never a crash
-            message = f"{self._where} failed: {type(e).__name__}: {e}"
-            return [SearchResult([], message) for _ in queries]
-
-    async def check(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._pool, self.search_blocking, ["index check"], 1)
-            await loop.run_in_executor(self._pool, self._docs.get, self.index.ntotal - 1)
-        except Exception as e:
-            raise RetrieverUnavailableError(
-                f"{self._where} cannot serve searches: {type(e).__name__}: {e}") from e
-
-    async def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._docs.close()
+    def _top_k_rows(self, queries: list[str], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return zip(*self.top_k(queries, k))

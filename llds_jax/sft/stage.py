@@ -39,72 +39,12 @@ from llds_jax import parallel
 from llds_jax.model import hf_io
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rollout.buckets import round_up
+from llds_jax.sft.config import SFTConfig
 from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
 from llds_jax.tokenizer import load_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
 DONE_FILE = "warm_start.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    """Settings of the warm start (the `sft` config section).
-
-    Attributes:
-      data_files: demonstration JSONL files (llds_jax.sft.demonstrations).
-      curriculum_files: demonstration files of the first `curriculum_steps` steps (empty: no curriculum).
-      curriculum_steps: steps drawn from `curriculum_files` before `data_files` (part of `steps`).
-      output_dir: where the warm-started Hugging Face folder (weights + tokenizer) goes.
-      steps: optimizer steps.
-      batch_size: demonstrations per step.
-      learning_rate: AdamW peak learning rate (linear warmup, then cosine decay to a tenth).
-      warmup_steps: steps of the linear warmup.
-      weight_decay: AdamW weight decay.
-      max_grad_norm: global-norm gradient clipping.
-      max_length: demonstrations longer than this many tokens are skipped (and counted).
-      max_prompt_tokens: prompts keep their last this many tokens (as in the rollout).
-      sequence_bucket: batches are padded to a multiple of this many tokens.
-      min_score: skip records scored below this (None: keep all).
-      logp_time_chunk: time chunk of the log-probs.
-      log_every: steps between progress lines.
-      seed: data order.
-    """
-
-    data_files: tuple[str, ...]
-    output_dir: str
-    curriculum_files: tuple[str, ...] = ()
-    curriculum_steps: int = 0
-    steps: int = 200
-    batch_size: int = 32
-    learning_rate: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_length: int = 1024
-    max_prompt_tokens: int = 2048
-    sequence_bucket: int = 64
-    min_score: Optional[float] = None
-    logp_time_chunk: int = 256
-    log_every: int = 20
-    seed: int = 0
-
-    def __post_init__(self):
-        if not self.data_files:
-            raise ValueError("sft.data_files lists no demonstration files")
-        if not self.output_dir:
-            raise ValueError("sft.output_dir must be set")
-        for name in ("steps", "batch_size", "max_length", "max_prompt_tokens", "sequence_bucket",
-                     "logp_time_chunk", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"sft.warmup_steps must be in [0, sft.steps], got {self.warmup_steps}")
-        if not 0 <= self.curriculum_steps <= self.steps:
-            raise ValueError(f"sft.curriculum_steps must be in [0, sft.steps], got {self.curriculum_steps}")
-        if self.curriculum_steps and not self.curriculum_files:
-            raise ValueError(f"sft.curriculum_steps={self.curriculum_steps} but sft.curriculum_files is empty")
 
 
 def schedule(cfg: SFTConfig) -> optax.Schedule:
@@ -231,7 +171,7 @@ def sft_config(cfg: ml_collections.ConfigDict) -> SFTConfig:
         batch_size=s.batch_size, learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, max_length=s.max_length,
         max_prompt_tokens=cfg.rollout.max_prompt_tokens, sequence_bucket=s.sequence_bucket,
-        min_score=None if s.min_score < 0 else s.min_score, logp_time_chunk=cfg.optim.logp_time_chunk,
+        min_score=s.min_score, logp_time_chunk=cfg.optim.logp_time_chunk,
         log_every=s.log_every, seed=cfg.seed)
 
 
@@ -267,8 +207,9 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
         print(f"warm start: reusing {out} (same settings, checkpoint and demonstrations)", flush=True)
         return str(out)
     tokenizer = load_tokenizer(tokenizer_path, fallback_chat_template=m.chat_template)
-    encoded = encode_all(read_demonstrations(s.data_files, s.min_score), tokenizer, s)
-    first = (encode_all(read_demonstrations(s.curriculum_files, s.min_score), tokenizer, s)
+    min_score = None if s.min_score < 0 else s.min_score
+    encoded = encode_all(read_demonstrations(s.data_files, min_score), tokenizer, s)
+    first = (encode_all(read_demonstrations(s.curriculum_files, min_score), tokenizer, s)
              if s.curriculum_steps else [])
     mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     batch_shards = math.prod(mesh.shape[axis] for axis in parallel.BATCH)

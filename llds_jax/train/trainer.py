@@ -45,7 +45,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from llds_jax import config as config_lib
-from llds_jax import distributed, parallel
+from llds_jax import checks, distributed, parallel
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
 from llds_jax.model import from_hf_config, hf_io
@@ -143,7 +143,7 @@ class Trainer:
 
     def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True):
         self.cfg = cfg
-        config_lib.validate(cfg, jax.device_count())
+        checks.validate(cfg, jax.device_count())
         self.mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         self.run_dir = epath.Path(cfg.run_dir)
         self.is_main = distributed.is_main_process()

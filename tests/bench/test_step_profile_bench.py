@@ -71,10 +71,10 @@ def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_othe
 
 def small_overrides():
     """Shrinks the tiny config further where its keys allow (the demo's small world tokenizer if it has one)."""
-    from llds_jax.config import default_config
+    from llds_jax.apps import demo_config
 
     overrides = ["rollout.top_p=1.0", "train.lld_every=0"]
-    if "tokenizer" in default_config().demo:
+    if "tokenizer" in demo_config.section():
         overrides.append("demo.tokenizer=world")
     return [arg for o in overrides for arg in ("--override", o)]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llds_jax import demo_compare
+from llds_jax.apps import demo_compare
 from llds_jax.tokenizer import chat_template, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

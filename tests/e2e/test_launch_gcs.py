@@ -11,7 +11,7 @@ from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llds_jax import demo
+from llds_jax.apps import demo, demo_config
 from llds_jax.config import ConfigError, default_config
 from llds_jax.model import hf_io
 from llds_jax.tokenizer import load_tokenizer
@@ -113,6 +113,7 @@ def test_gcs_problems_are_one_line(tmp_path, gcs_assets, gcs_dir, gcs_env, unrea
 
 def test_demo_assets_must_be_local():
     cfg = default_config()
+    cfg.app, cfg.demo = demo_config.APP, demo_config.section()
     cfg.run_dir, cfg.demo.enabled = "gs://llds-test/run", True
     with pytest.raises(ConfigError, match="^demo.assets_dir must be a local folder .*, got 'gs://llds-test/run/assets' "
                                           "from run_dir: set demo.assets_dir$"):

@@ -15,8 +15,10 @@ from llds_jax.rl.train_step import RLTrainStep
 TINY_MODEL = dict(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
                   head_dim=8)
 STEP_BATCH, STEP_TIME = 32, 24
-# One log-prob chunk per sequence keeps compile time low; the multi-chunk path is tested in test_logprobs.
-STEP_UPDATE = UpdateConfig(mini_batch_size=16, micro_batch_size=4, learning_rate=1e-3, logp_time_chunk=32)
+# One log-prob chunk per sequence keeps compile time low; the multi-chunk path is tested in test_logprobs. A float32
+# reference copy: the exact-value checks score the reference with float32 forwards (bfloat16 is tested on its own).
+STEP_UPDATE = UpdateConfig(mini_batch_size=16, micro_batch_size=4, learning_rate=1e-3, logp_time_chunk=32,
+                           reference_dtype="float32")
 
 
 def random_rollout(seed: int, batch: int, time: int, vocab: int, group: int = 4) -> RolloutBatch:

@@ -172,7 +172,7 @@ def test_row_counts_compiled_ahead_leave_nothing_to_compile(tiny_model_cfg, make
     update = dataclasses.replace(STEP_UPDATE, pack_trajectories=True, pack_row_tokens=48, precompile_row_counts=True)
     mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]) if with_mesh else None
     step = _packed_step(tiny_model_cfg, mesh, update, seed=1)
-    assert step.row_counts(24) == [1, 2]  # micro-batches of 4, two 24-token trajectories to a 48-token row
+    assert step.layout.row_counts(24) == [1, 2]  # micro-batches of 4, two 24-token trajectories to a 48-token row
     long_batch = make_rollout(7, 32, 24, tiny_model_cfg.vocab_size)
     mask_bt = long_batch.mask_bt.copy()
     mask_bt[:16, 12:] = 0.0  # the first update's trajectories fit one row each micro-batch, the second's need two

@@ -21,7 +21,7 @@ from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.losses import objective_loss
 from llds_jax.rl.terms import LossInputs
-from llds_jax.rl.train_step import RLTrainStep, learning_rate
+from llds_jax.rl.train_step import RLTrainStep, TrainShapes, learning_rate
 
 
 def assert_trees_close(got, want, atol=1e-5):
@@ -265,7 +265,26 @@ def test_abstract_values_are_those_of_the_real_step(sharded_step, step_batch, me
     assert layout(spec.batch) == layout(prepared.batch)
     assert layout(spec.batch_stats) == layout(prepared.batch_stats) and spec.num_updates == prepared.num_updates == 2
     assert list(spec.batch_stats) == ["answer_beta"]
-    assert spec.batch.tokens_bt.sharding.spec == P(None, None, ("data", "fsdp"))
+    assert spec.batch.tokens_ukmt.sharding.spec == P(None, None, ("data", "fsdp"))
+
+
+def test_abstract_programs_are_those_a_step_runs(sharded_step, tiny_model_cfg, mesh8):
+    """What --mode=compile lowers (`abstract_programs`): every program of a step, in the order a run first runs
+    them, the LLD measurement's only when asked, the reference's only with a KL term; at the abstract state and the
+    laid-out batch's spec."""
+    programs = sharded_step.abstract_programs(TrainShapes(32, 24, measure_lld=True))
+    assert [p.name for p in programs] == ["optimizer init", "reference copy", "logp (reference)", "logp (policy)",
+                                          "likelihood metrics", "update (2 per step)", "lld metrics"]
+    assert {p.shapes for p in programs} == {"32 x 24 tokens, micro-batch 4"} and {p.mesh for p in programs} == {mesh8}
+    layout = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)  # noqa: E731
+    state, batch = programs[-2].args[:2]
+    assert layout(state) == layout(sharded_step.abstract_state())
+    assert batch == sharded_step.batch_spec(32, 24).batch and batch.num_trajectories == 32
+    assert {x.shape for x in jax.tree.leaves(programs[4].lower().out_info)} == {()}  # scalar metrics
+    no_kl = RLTrainStep(Transformer(tiny_model_cfg, rngs=nnx.Rngs(0)), ObjectiveConfig(kl_coef=0.0),
+                        sharded_step.update_cfg)
+    assert [p.name for p in no_kl.abstract_programs(TrainShapes(32, 24, measure_lld=False))] == [
+        "optimizer init", "logp (policy)", "likelihood metrics", "update (2 per step)"]
 
 
 @pytest.mark.slow

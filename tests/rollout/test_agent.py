@@ -349,7 +349,8 @@ def steered_params(model, layer_scale=0.1, logit=30.0, steering=None):
 def real(qwen_tokenizer):
     model = Transformer(ModelConfig.tiny(vocab_size=151936), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    sampler = Sampler(graphdef, SamplingConfig(temperature=REAL_TEMPERATURE, decode_chunk=8,
+    # Plain temperature sampling (top_p 1): the steered rollout reaches every path of the protocol.
+    sampler = Sampler(graphdef, SamplingConfig(temperature=REAL_TEMPERATURE, top_p=1.0, decode_chunk=8,
                                                stop_ids=agent.turn_stop_ids(qwen_tokenizer)))
     return graphdef, params, steered_params(model), sampler
 

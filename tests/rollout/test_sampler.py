@@ -1,4 +1,6 @@
 """The sampler: sampling distributions, and sessions over the KV cache checked against full forwards."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import buckets
 from llds_jax.rollout.config import SamplingConfig
-from llds_jax.rollout.sampler import Sampler, sample_tokens
+from llds_jax.rollout.sampler import Sampler, SessionShapes, sample_tokens
 
 TEMPERATURE = 0.7
 
@@ -306,3 +308,20 @@ def test_frozen_session_reuses_a_longer_prompt_bucket(tiny, backend_compiles):
     ref = conversation(Sampler(graphdef, CONFIG), short, seed=1)
     assert got[0] == ref[0]
     np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-5)
+
+
+def test_abstract_programs_are_a_sessions_at_one_set_of_buckets(tiny, sampler):
+    """What --mode=compile lowers (`abstract_programs`): a session's programs at one set of buckets, named with
+    their shapes; for a continuous batch the empty batch, the prompt extend and the row extend in place of the
+    prefill and the extend. Each lowers to the program a session runs at those shapes."""
+    at = SessionShapes(tiny[2], rows=4, prompt=16, prefill_capacity=32, capacity=64, observation=8)
+    programs = sampler.abstract_programs(at)
+    assert [(p.name, p.shapes) for p in programs] == [
+        ("prefill", "4 x 16 tokens, 32 slots"), ("decode chunk", "4 rows x 4 steps, 64 slots"),
+        ("extend", "4 x 8 tokens, 64 slots"), ("cache growth", "4 rows, 32 -> 64 slots"),
+        ("compaction", "4 -> 2 rows, 64 slots")]
+    continuous = sampler.abstract_programs(dataclasses.replace(at, continuous=True))
+    assert [p.name for p in continuous] == ["empty batch", "prompt extend", "decode chunk", "row extend",
+                                            "cache growth", "compaction"]
+    grown = programs[3].lower().out_info
+    assert grown.cache.valid_bs.shape == (4, 64) and programs[3].args[0].cache.valid_bs.shape == (4, 32)

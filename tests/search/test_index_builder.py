@@ -10,7 +10,7 @@ import pytest
 
 from index_builder.__main__ import EXIT_BAD_CORPUS, EXIT_INDEX
 from index_builder.__main__ import main as index_builder_main
-from index_builder.corpus import CorpusReader, parse_line
+from index_builder.corpus import CorpusError, CorpusReader, parse_line
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_elasticsearch import build_elasticsearch
 from llds_jax.search.bm25 import Bm25Retriever
@@ -160,3 +160,22 @@ def test_missing_corpus_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         index_builder_main([str(tmp_path / "nope.jsonl"), "--to", "bm25", "--out", str(tmp_path / "i")])
     assert exit_info.value.code == 2 and "nope.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_line_numbers_count_blank_lines_in_a_gzip_corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"id": "0", "contents": "x"}\n\n[1]\n\n{"id": "1", "contents": "y"}\n'))
+    with pytest.raises(CorpusError, match=f"^{path}:3: expected a JSON object, got list \\(pass --skip-bad"):
+        list(CorpusReader(str(path)))
+    reader = CorpusReader(str(path), skip_bad=True)
+    assert [(p.id, p.line) for p in reader] == [("0", 1), ("1", 5)] and reader.skipped == 1
+
+
+def test_a_truncated_gzip_corpus_names_the_last_line_read(tmp_path):
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"id": "0", "contents": "x"}\n\n' + b"\n".join(
+        json.dumps({"id": str(i), "contents": "w" * 50}).encode() for i in range(1, 200)))[:-30])
+    read = []
+    with pytest.raises(CorpusError) as error:
+        read.extend(CorpusReader(str(path)))
+    assert len(read) > 2 and str(error.value).startswith(f"{path}: cannot read past line {read[-1].line}: ")

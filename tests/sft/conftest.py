@@ -1,13 +1,15 @@
 """A tiny world-tokenizer demo (assets and run config) shared by the warm-start tests."""
 import pytest
 
-from llds_jax import demo
+from llds_jax.apps import demo, demo_config
 from llds_jax.config import default_config
 
 
 def tiny_world_config(run_dir: str, assets_dir: str):
     c = default_config()
     c.run_dir = run_dir
+    c.app = demo_config.APP
+    c.demo = demo_config.section()
     c.demo.enabled = True
     c.demo.assets_dir = assets_dir
     c.demo.tokenizer = "world"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llds_jax import demo
+from llds_jax.apps import demo
 from llds_jax.model import ModelConfig, Transformer, hf_io
 from llds_jax.rollout import protocol
 from llds_jax.sft import demonstrations as demos_lib

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from llds_jax import report
-from llds_jax.study import stats
-from llds_jax.study.outcomes import CURVES, LLD_RATE, REWARD, RunResult
-from llds_jax.study.plan import ARMS, StudyError
+from llds_jax.apps.study import stats
+from llds_jax.apps.study.outcomes import CURVES, LLD_RATE, REWARD, RunResult
+from llds_jax.apps.study.plan import ARMS, StudyError
 
 DEFINITIONS = {
     "final_em": "greedy test EM (mean over data sources) of the final evaluation after the last step",

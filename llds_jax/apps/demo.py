@@ -9,8 +9,11 @@ CPU demo slow; the world's vocabulary is closed, so a BPE of under 1k entries co
 `prepare(cfg)` builds what a config's `demo` section asks for under `demo.assets_dir` (a local folder; default
 `<run_dir>/assets`, which a gs:// run_dir cannot give; rebuilt only when the settings change) and points the
 config's model, data, retriever and (with `sft.enabled` and no files of its own) sft.data_files keys at it; with
-`sft.curriculum_steps`, the curriculum draws from demonstrations that search on every question. The launch command
-calls `prepare_run(cfg)` when `demo.enabled`: `prepare` on every process of the run, process 0 first.
+`sft.curriculum_steps`, the curriculum draws from demonstrations that search on every question.
+
+An application on top of the library (llds_jax.application): a run config joins it with `app = "llds_jax.apps.demo"`
+and a `demo` section (llds_jax.apps.demo_config, which also checks it); the launch command calls `prepare_run(cfg)`:
+with `demo.enabled`, `prepare` on every process of the run, process 0 first.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from flax import nnx
 from index_builder.corpus import CorpusReader
 from index_builder.to_bm25 import build_bm25
 from llds_jax import distributed, gcs
+from llds_jax.apps.demo_config import (  # noqa: F401  (the application protocol, llds_jax.application)
+    DEMO_TOKENIZERS, check_config, config_sections, paths, provided_keys)
 from llds_jax.config import ConfigError
 from llds_jax.data import synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
@@ -36,7 +41,6 @@ from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tok
 
 log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
-TOKENIZERS = ("qwen2.5", "world")
 _VOCAB_MULTIPLE = 128  # embedding rows of a trained tokenizer are padded to a multiple of this
 ASSETS_VERSION = 6     # part of the recorded spec: assets built by older code are rebuilt
 
@@ -63,8 +67,8 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     intermediate_size, initializer_range, search_fraction, top_k (documents per search in the demonstrations) and
     version. An existing folder built from the same spec is reused.
     """
-    if spec["tokenizer"] not in TOKENIZERS:
-        raise ValueError(f"demo.tokenizer must be one of {TOKENIZERS}, got {spec['tokenizer']!r}")
+    if spec["tokenizer"] not in DEMO_TOKENIZERS:
+        raise ValueError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")
     done = os.path.join(out_dir, "COMPLETE")
     paths = {"model": os.path.join(out_dir, "model"), "index": os.path.join(out_dir, "index"),
              "train": os.path.join(out_dir, "world", "train.parquet"),

@@ -1,12 +1,12 @@
 """GRPO vs GRPO + LLDS on the demo world: the same config, seed, warm start and prompts, LLDS off and on.
 
-    python -m llds_jax.demo_compare [--config=configs/demo_cpu_grpo.py] [--out=runs/demo_compare] [--dry-run]
+    python -m llds_jax.apps.demo_compare [--config=configs/demo_cpu_grpo.py] [--out=runs/demo_compare] [--dry-run]
 
 Runs `python -m llds_jax.launch` twice, one after the other (run folders `<out>/grpo` and `<out>/llds` with the
-study's grpo and llds arms: llds_jax.study.plan.ARMS), then `python -m llds_jax.report <out>/llds --compare
+study's grpo and llds arms: llds_jax.apps.study.plan.ARMS), then `python -m llds_jax.report <out>/llds --compare
 <out>/grpo --out <out>/report`. Both runs share the config's `demo.assets_dir` and `sft.output_dir`, so the world and
 the warm start are built once. Extra arguments after `--` go to both launches (e.g. `-- --config.train.total_steps=10`).
-Several seeds, settings and controls: `python -m llds_jax.demo_study`.
+Several seeds, settings and controls: `python -m llds_jax.apps.demo_study`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from llds_jax.study import plan, runner
+from llds_jax.apps.study import plan, runner
 
 
 def jobs(config: str, out: str, extra: list[str]) -> list[runner.Job]:
@@ -32,7 +32,7 @@ def jobs(config: str, out: str, extra: list[str]) -> list[runner.Job]:
 
 def main(argv: list[str] | None = None) -> int:
     own, extra = plan.split_argv(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m llds_jax.demo_compare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llds_jax.apps.demo_compare", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/demo_cpu_grpo.py")
     parser.add_argument("--out", default="runs/demo_compare")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job_list = jobs(args.config, args.out, extra)
     except plan.StudyError as e:
-        print(f"llds_jax.demo_compare: error: {e}", file=sys.stderr)
+        print(f"llds_jax.apps.demo_compare: error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         for job in job_list:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for outcome in runner.run_jobs(job_list, 1, on_start):
         if outcome.status:
-            print(f"llds_jax.demo_compare: {outcome.job.name} failed with exit status {outcome.status}",
+            print(f"llds_jax.apps.demo_compare: {outcome.job.name} failed with exit status {outcome.status}",
                   file=sys.stderr)
             return outcome.status
     return 0

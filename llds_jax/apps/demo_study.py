@@ -1,13 +1,13 @@
 """The multi-seed study of the CPU demo (issue 19): arms x settings x seeds, then one table and one figure per setting.
 
-    python -m llds_jax.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
+    python -m llds_jax.apps.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
         [--seeds 8] [--out runs/demo_study] [--jobs 2] [--dry-run | --report [--recorded RUNS_CSV]]
         [-- --config.KEY=VALUE ...]
 
-Every run is `python -m llds_jax.launch` (llds_jax.study.plan: folders and overrides). Each seed has its own world,
-warm start and sampling (`OUT/seeds/seed_K/`), built once by `--mode=sft` before that seed's runs start and shared by
-all its settings and arms. Up to `--jobs` commands run at once (default 2, for the 2-core machine), each logging to
-`OUT/logs/`. Arguments after `--` go to every launch (e.g. `-- --config.train.total_steps=10`).
+Every run is `python -m llds_jax.launch` (llds_jax.apps.study.plan: folders and overrides). Each seed has its own
+world, warm start and sampling (`OUT/seeds/seed_K/`), built once by `--mode=sft` before that seed's runs start and
+shared by all its settings and arms. Up to `--jobs` commands run at once (default 2, for the 2-core machine), each
+logging to `OUT/logs/`. Arguments after `--` go to every launch (e.g. `-- --config.train.total_steps=10`).
 
 Arms (`NAME` or `NAME:K`, K = how many of the seeds it runs, the first K): grpo, llds (lambda 0.2, action gate),
 grpo_low_lr (1/2.5 of the setting's learning rate), grpo_kl10 (10x the setting's KL coefficient), llds_token and
@@ -23,12 +23,12 @@ from every finished run of the plan at the end of each invocation (also when som
 status 1 then):
 
 - `OUT/table.md`, `table.csv`, `table.json` (and `runs.csv`): per setting x arm the final greedy test EM (mean over
-  seeds, 95% bootstrap interval, per seed), collapse count and steps to collapse, mean LLD rate (llds_jax.study.table
-  defines each column);
+  seeds, 95% bootstrap interval, per seed), collapse count and steps to collapse, mean LLD rate
+  (llds_jax.apps.study.table defines each column);
 - `OUT/plots/SETTING.png`: per-seed curves of train reward, correct trajectories' token-mean log-prob and LLD rate.
 
-Before running, the command prints the runs and an estimated wall time (llds_jax.study.budget: measured rates of the
-study's own finished jobs, else constants from docs/demo.md). `--dry-run` prints the same and the commands, and runs
+Before running, the command prints the runs and an estimated wall time (llds_jax.apps.study.budget: measured rates of
+the study's own finished jobs, else constants from docs/demo.md). `--dry-run` prints the same and the commands, and runs
 nothing. `--report` runs nothing either: it writes the outputs of the plan's finished runs (a study run in parts,
 e.g. one setting per session, reported as one table) and names the runs not in them. With `--recorded RUNS_CSV` (the
 `runs.csv` of an earlier report, e.g. docs/evidence/runs.csv) a run not finished here is taken from that record: its
@@ -42,7 +42,7 @@ design (3 settings; grpo and llds on 8 seeds; grpo_low_lr, grpo_kl10, llds_token
 warm starts) takes about 4 h 45 min: it does not fit. What fits, keeping 20 steps per run (the stress collapse of
 docs/demo.md came at step 17) and both controls:
 
-    python -m llds_jax.demo_study --settings stress,paper_shaped --seeds 4 \
+    python -m llds_jax.apps.demo_study --settings stress,paper_shaped --seeds 4 \
         --arms grpo,llds,grpo_low_lr:2,grpo_kl10:2 --out runs/demo_study
 
 24 runs (per setting: grpo and llds on seeds 0-3, each control on seeds 0-1) and 4 warm starts. A loaded machine
@@ -50,7 +50,7 @@ is slower (a warm start took 842 s next to a CI run): check the printed estimate
 `timeout -s INT 90m` (the outputs then cover the seeds finished). The whole design runs in parts with the same
 `--out`, each part resumable (docs/evidence.md lists the parts run so far), and one table of every finished run:
 
-    python -m llds_jax.demo_study --settings stress,default,paper_shaped --seeds 8 \
+    python -m llds_jax.apps.demo_study --settings stress,default,paper_shaped --seeds 8 \
         --arms grpo,llds,grpo_low_lr:4,grpo_kl10:4,llds_token:4,llds_response:4 --out runs/demo_study [--report]
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from llds_jax.study import budget, outcomes, plots, plan, runner, table
+from llds_jax.apps.study import budget, outcomes, plots, plan, runner, table
 from llds_jax.train.metrics import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
@@ -93,7 +93,7 @@ def jobs_of(study: plan.Plan, pending: Sequence[plan.Run]) -> list[runner.Job]:
 
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     own, extra = plan.split_argv(argv)
-    parser = argparse.ArgumentParser(prog="python -m llds_jax.demo_study", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llds_jax.apps.demo_study", description=__doc__.split("\n")[0])
     parser.add_argument("--settings", default="stress", help="comma-separated: stress, default, paper_shaped, "
                         "NAME=CONFIG_FILE (default: stress)")
     parser.add_argument("--arms", default="grpo,llds", help="comma-separated NAME or NAME:K (default: grpo,llds)")
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         study = plan.make_plan(os.path.normpath(args.out), plan.parse_settings(args.settings),
                                plan.parse_arms(args.arms), plan.parse_seeds(args.seeds), extra)
     except plan.StudyError as e:
-        print(f"llds_jax.demo_study: error: {e}", file=sys.stderr)
+        print(f"llds_jax.apps.demo_study: error: {e}", file=sys.stderr)
         return 2
     pending = [run for run in study.runs if not run.finished()]
     if args.report:
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 recorded = {result.name: result for result in table.read_runs(args.recorded)}
             except (OSError, plan.StudyError) as e:
-                print(f"llds_jax.demo_study: error: --recorded: {e}", file=sys.stderr)
+                print(f"llds_jax.apps.demo_study: error: --recorded: {e}", file=sys.stderr)
                 return 2
             taken = [run.name for run in pending if run.name in recorded]
             print(f"runs not finished here taken from {args.recorded} (in the table, not the plots): {len(taken)}",
@@ -238,14 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_study(study, pending, args.jobs)
     except KeyboardInterrupt:
         interrupted = True
-        print("llds_jax.demo_study: interrupted; the running launches saved their state; table and plots of the "
+        print("llds_jax.apps.demo_study: interrupted; the running launches saved their state; table and plots of the "
               "finished runs follow", file=sys.stderr)
     write_outputs(study)
     if interrupted:
         return 130
     unfinished = [run.name for run in study.runs if not run.finished()]
     if unfinished:
-        print(f"llds_jax.demo_study: {len(unfinished)} run(s) not finished (see {study.out}/logs): "
+        print(f"llds_jax.apps.demo_study: {len(unfinished)} run(s) not finished (see {study.out}/logs): "
               f"{', '.join(unfinished)}", file=sys.stderr)
         return 1
     return 0

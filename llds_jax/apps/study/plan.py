@@ -21,7 +21,7 @@ from typing import Any
 
 import ml_collections
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 FINAL_EVAL = "final_step_{steps}"  # llds_jax.launch: <run_dir>/eval/final_step_N after the last step
 
 
@@ -168,7 +168,7 @@ def seed_overrides(out: str, seed: int) -> list[str]:
             f"sft.output_dir={os.path.join(folder, 'warm_start')}"]
 
 
-# What a seed's world and warm start depend on (llds_jax.demo.assets_for, llds_jax.sft.stage.fingerprint): every
+# What a seed's world and warm start depend on (llds_jax.apps.demo.assets_for, llds_jax.sft.stage.fingerprint): every
 # run of a seed must agree on these, or their launches would rebuild the shared folders under one another.
 WARM_START_KEYS = ("seed", "demo", "sft", "model", "rollout.max_prompt_tokens", "rollout.retrieval_top_k",
                    "optim.logp_time_chunk")
@@ -195,9 +195,10 @@ def load(config: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
 
 
 def _check_run_config(run: Run, cfg: ml_collections.ConfigDict) -> None:
-    if not (cfg.demo.enabled and cfg.sft.enabled):
+    demo = "demo" in cfg and cfg.demo.enabled  # a config without the demo application has no demo section
+    if not (demo and cfg.sft.enabled):
         raise StudyError(f"{run.name}: the study needs demo.enabled and sft.enabled (a world and a warm start per "
-                         f"seed); {run.config} has demo.enabled={cfg.demo.enabled}, sft.enabled={cfg.sft.enabled}")
+                         f"seed); {run.config} has demo.enabled={demo}, sft.enabled={cfg.sft.enabled}")
     if not cfg.train.final_eval:
         raise StudyError(f"{run.name}: train.final_eval is off: the study's table needs the final evaluation")
 

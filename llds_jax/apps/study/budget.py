@@ -19,7 +19,7 @@ import os
 import statistics
 from collections.abc import Mapping, Sequence
 
-from llds_jax.study.plan import Run
+from llds_jax.apps.study.plan import Run
 
 RUN_STEP_S = 8.7      # machine-seconds per step of a 20-step demo run, start-up, compilation and evaluations included
 WARM_START_S = 290.0  # machine-seconds to build one seed's world and warm start

@@ -1,5 +1,5 @@
 """What one finished run of the study shows, read from its own files: the final greedy test EM
-(`eval/final_step_N/results.json`, N = train.total_steps), collapse (llds_jax.study.stats) from the train reward of
+(`eval/final_step_N/results.json`, N = train.total_steps), collapse (llds_jax.apps.study.stats) from the train reward of
 `metrics.jsonl`, the mean LLD rate and the curves the study plots."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 
 from llds_jax import report
-from llds_jax.study import stats
-from llds_jax.study.plan import FINAL_EVAL, Run, StudyError
+from llds_jax.apps.study import stats
+from llds_jax.apps.study.plan import FINAL_EVAL, Run, StudyError
 
 REWARD = "reward/mean"              # share of correct trajectories of the step's rollout batch
 LIKELIHOOD = "lld/logp_mean_correct"  # per-trajectory token-mean log-prob of the correct ones, before the updates
@@ -32,7 +32,7 @@ class RunResult:
 
     @property
     def name(self) -> str:
-        """As the run's (llds_jax.study.plan.Run.name): SETTING/ARM/seed_K."""
+        """As the run's (llds_jax.apps.study.plan.Run.name): SETTING/ARM/seed_K."""
         return f"{self.setting}/{self.arm}/seed_{self.seed}"
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from etils import epath
 
 from llds_jax import report
-from llds_jax.study.outcomes import LIKELIHOOD, LLD_RATE, REWARD, RunResult
+from llds_jax.apps.study.outcomes import LIKELIHOOD, LLD_RATE, REWARD, RunResult
 
 PANELS = ((REWARD, "train reward (share of correct trajectories)"),
           (LIKELIHOOD, "correct trajectories: token-mean log-prob before the updates"),

@@ -1,0 +1,55 @@
+"""A whole run config validated before anything heavy runs (launch, the trainer, `--mode=compile`).
+
+`llds_jax.config` is a leaf: it checks what it knows (schema, bounds, its own choices and combinations). This module
+sits above the components a config names and checks it against them: the registered loss terms, the attention
+kernels, the model presets, the retriever backend's options, the TPU topologies and, once the device count is
+known, the mesh; and it loads the application the config's `app` key names (llds_jax.application), whose sections
+and checks `config.check` adds. Every error is a `config.ConfigError` naming the run-config key.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from llds_jax import config as config_lib
+from llds_jax import application, parallel, topologies
+from llds_jax.config import ConfigError
+from llds_jax.model.config import ATTENTION_CHOICES, PRESETS
+from llds_jax.rl import losses  # noqa: F401  (registers the built-in loss terms, "llds" among them)
+from llds_jax.rl.terms import registered_loss_terms
+from llds_jax.search.factory import resolve_config
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Everything a run cannot start with; each error names the run-config key.
+
+    Without `num_devices` (before the devices are known) the mesh is not checked; everything else is.
+    """
+    config_lib.check(cfg, application.load(cfg))
+    config_lib.check_choice(cfg, "objective.llds.variant", registered_loss_terms())
+    config_lib.check_choice(cfg, "model.attention", ATTENTION_CHOICES)
+    try:
+        resolve_config(cfg.retriever)  # keys and types of the chosen backend
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.model.preset and cfg.model.preset.lower() not in PRESETS:
+        raise ConfigError(f"model.preset {cfg.model.preset!r} is not one of {sorted(PRESETS)}")
+    if cfg.mesh.topology:
+        try:
+            topologies.resolve(cfg.mesh.topology)
+        except topologies.TopologyError as e:
+            raise ConfigError(f"mesh.topology: {e}") from None
+    if num_devices is None:
+        return
+    data, fsdp, tensor = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if cfg.model.mlp_chunks > 1 and tensor > 1:
+        raise ConfigError(f"model.mlp_chunks = {cfg.model.mlp_chunks} slices the MLP width, which mesh.tensor = "
+                          f"{tensor} shards: use one or the other")
+    if cfg.optim.micro_batch_size % (data * fsdp):
+        raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
+                          f"mesh's batch axes data x fsdp = {data * fsdp}")
+    # The typed views check their own fields again (their messages name their own fields, which config.check has
+    # already covered under the run-config keys).
+    config_lib.objective_config(cfg)
+    config_lib.update_config(cfg)
+    config_lib.agent_config(cfg)
+    config_lib.agent_config(cfg, evaluation=True)

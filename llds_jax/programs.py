@@ -1,0 +1,53 @@
+"""Programs at abstract arguments: what `--mode=compile` (llds_jax/compile_check.py) lowers and compiles.
+
+Each part of a run that executes jitted programs implements `CompilablePrograms`: asked at the shapes of a run (its
+own description of them, e.g. `rollout.sampler.SessionShapes`, `rl.train_step.TrainShapes`), it names every program
+it runs, each with its jitted function and the abstract arguments it runs it at (ShapeDtypeStructs carrying the
+shardings a run gives them). `AbstractProgram.lower` traces one without devices (on a deviceless TPU topology's
+mesh too); compile_check compiles the result and reads its memory per chip.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Optional, Protocol, TypeVar
+
+import jax
+from jax.sharding import Mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractProgram:
+    """One jitted program of a run at abstract arguments.
+
+    Attributes:
+      name: what it is, e.g. "decode chunk", "update (2 per step)" (a row of `--mode=compile`'s table).
+      shapes: the shapes it runs at, in words, e.g. "16 rows x 32 steps, 512 slots".
+      fn: the jitted function (`jax.jit(...)`).
+      args: its positional arguments: pytrees of ShapeDtypeStructs with shardings (or of arrays).
+      kwargs: its keyword arguments, static ones included.
+      mesh: the mesh it is traced under (`jax.set_mesh`); None: none.
+    """
+
+    name: str
+    shapes: str
+    fn: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mesh: Optional[Mesh] = None
+
+    def lower(self) -> jax.stages.Lowered:
+        """The program lowered (not compiled) at its arguments."""
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return self.fn.lower(*self.args, **self.kwargs)
+
+
+At = TypeVar("At", contravariant=True)
+
+
+class CompilablePrograms(Protocol[At]):
+    """What runs jitted programs and names them at abstract arguments (implemented by `rollout.sampler.Sampler` and
+    `rl.train_step.RLTrainStep`)."""
+
+    def abstract_programs(self, at: At) -> list[AbstractProgram]:
+        """Every program run at the shapes `at`, in the order a run first runs them."""

@@ -1,0 +1,98 @@
+"""The package's import graph, read from the source (AST, imports inside functions included): no circle, and the
+run-config schema on the lowest floors (it imports only leaves, so a config is checked before anything loads)."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "llds_jax"
+
+
+def _modules() -> dict[str, str]:
+    """Module name -> file of every module of the package."""
+    modules = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                modules[module.removesuffix(".__init__")] = path
+    return modules
+
+
+def _imports(module: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The package's modules that `module` imports anywhere in its file (a package stands for its __init__)."""
+    is_package = path.endswith("__init__.py")
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")[:len(module.split(".")) - node.level + is_package]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {module: _imports(module, path, modules) for module, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_the_reader_finds_a_circle_and_each_kind_of_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    modules = {"llds_jax", "llds_jax.rl", "llds_jax.rl.terms", "llds_jax.rl.llds", "llds_jax.config"}
+    path = os.path.join(ROOT, "llds_jax", "rl", "llds.py")
+    found = _imports("llds_jax.rl.llds", path, dict.fromkeys(modules, path))
+    assert "llds_jax.rl.terms" in found  # llds registers itself as a loss term
+
+
+def test_no_import_circle_in_the_package(graph):
+    assert _circles(graph) == []
+
+
+def test_config_is_on_the_lowest_floors(graph):
+    """llds_jax.config imports only leaves (modules that import nothing of the package), as does the topology
+    catalogue it is checked against."""
+    assert graph["llds_jax.topologies"] == set()
+    assert {m: graph[m] for m in graph["llds_jax.config"] if graph[m]} == {}
