@@ -17,7 +17,7 @@ import argparse
 import jax
 
 from llds_jax import compile_check, roofline, topologies
-from llds_jax.launch import load_config
+from llds_jax.config_file import load_config
 
 
 def decode_chunk(config: str, overrides: list[str]):

@@ -63,7 +63,7 @@ from typing import Any, Optional, Sequence
 import jax
 import ml_collections
 
-from llds_jax.launch import load_config  # the run config as the launch command reads it
+from llds_jax.config_file import load_config  # the run config as the launch command reads it
 from llds_jax.rollout.interfaces import SamplerSession
 from llds_jax.search.types import Retriever
 

@@ -9,6 +9,11 @@
 A malformed line stops the build with `file:line: reason` (exit status 2), or with --skip-bad is skipped and
 counted. Elasticsearch and faiss builds are resumable: re-run the same command and documents already indexed are
 skipped (faiss: after the last complete shard of `OUT.partial`). A missing or unusable encoder folder is exit status 2.
+SIGINT (Ctrl-C, `kill -INT`) stops any build within moments, even one started with SIGINT ignored (as a
+non-interactive shell starts `cmd &`): one line on stderr saying what is left, exit status 130. `--out` is only ever
+created complete (renamed from `OUT.partial`); bm25 removes `OUT.partial`, faiss keeps its complete shards there.
+One build per `--out`: a bm25 or faiss build holds the lease file `OUT.lease` (llds_jax.lease) while it runs; a
+second build on the same `--out` stops with one line naming the first (exit status 2).
 Elasticsearch credentials come from LLDS_ES_API_KEY or LLDS_ES_USER + LLDS_ES_PASSWORD.
 """
 from __future__ import annotations
@@ -23,18 +28,23 @@ import sys
 import elasticsearch
 
 from index_builder.corpus import CorpusError, CorpusReader
+from index_builder.interrupt import sigint_interrupts
 from index_builder.progress import Progress
 from index_builder.summary import BuildSummary
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_elasticsearch import BulkRejectedError, build_elasticsearch
 from index_builder.to_faiss import build_faiss
+from llds_jax.lease import FolderNotWritableError, Lease, LeaseHeldError
+from llds_jax.search.bm25_index import MANIFEST_FILE
 from llds_jax.search.dense_index import BuildSettingsError
 from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.elastic import VECTOR_INDEXES, hosts_for_display, make_client, parse_hosts
 from llds_jax.search.retry import describe
 
 EXIT_BAD_CORPUS = 2
+EXIT_OUT_IN_USE = 2  # another build holds --out's lease, or --out's folder is not writable
 EXIT_INDEX = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,18 +113,20 @@ def open_encoder(args: argparse.Namespace) -> E5Embedder:
         raise EncoderError(f"e5 encoder (--encoder-path): {' '.join(str(e).split())}") from None
 
 
-def build(args: argparse.Namespace) -> BuildSummary:
-    """Runs the build `args` describe; raises CorpusError, BulkRejectedError or the backend's errors."""
+def open_corpus(args: argparse.Namespace) -> tuple[CorpusReader, Progress | None]:
+    """The corpus reader and, unless --no-progress, its progress bar."""
     reader = CorpusReader(args.corpus, skip_bad=args.skip_bad)
-    progress = None if args.no_progress else Progress(reader.size, f"indexing {os.path.basename(args.corpus)}")
-    if args.to in ("bm25", "faiss") and args.overwrite and os.path.exists(args.out):
-        shutil.rmtree(args.out)
-    if args.to == "bm25":
-        return build_bm25(reader, args.out, k1=args.k1, b=args.b, chunk_docs=args.chunk_docs, progress=progress)
+    return reader, None if args.no_progress else Progress(reader.size, f"indexing {os.path.basename(args.corpus)}")
+
+
+def build(args: argparse.Namespace) -> BuildSummary:
+    """Runs the build `args` describe; raises CorpusError, BulkRejectedError, LeaseHeldError (another build on
+    --out) or the backend's errors."""
+    if args.to in ("bm25", "faiss"):
+        with Lease(args.out.rstrip("/") + ".lease", what=f"--out {args.out}"):
+            return build_local(args, *open_corpus(args))
+    reader, progress = open_corpus(args)
     embedder = open_encoder(args) if args.encoder else None
-    if args.to == "faiss":
-        return build_faiss(reader, args.out, embedder, faiss_spec=args.faiss_index, shard_docs=args.shard_docs,
-                           progress=progress)
 
     async def to_elasticsearch() -> BuildSummary:
         hosts = parse_hosts(args.es_hosts)
@@ -131,19 +143,58 @@ def build(args: argparse.Namespace) -> BuildSummary:
     return asyncio.run(to_elasticsearch())
 
 
+def build_local(args: argparse.Namespace, reader: CorpusReader, progress: Progress | None) -> BuildSummary:
+    """The bm25 or faiss index of `reader` at --out (replaced with --overwrite)."""
+    if args.overwrite and os.path.exists(args.out):
+        remove_index(args.out)
+    if args.to == "bm25":
+        return build_bm25(reader, args.out, k1=args.k1, b=args.b, chunk_docs=args.chunk_docs, progress=progress)
+    embedder = open_encoder(args) if args.encoder else None
+    return build_faiss(reader, args.out, embedder, faiss_spec=args.faiss_index, shard_docs=args.shard_docs,
+                       progress=progress)
+
+
+def remove_index(folder: str) -> None:
+    """Removes the index folder `folder` (--overwrite), its manifest first, so that an interrupted removal never
+    leaves a folder that reads as a complete index (both index kinds need llds_index.json)."""
+    manifest = os.path.join(folder, MANIFEST_FILE)
+    if os.path.exists(manifest):
+        os.remove(manifest)
+    shutil.rmtree(folder)
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """The line printed when SIGINT stopped the build `args` describe: what it leaves behind."""
+    if args.to == "elasticsearch":
+        return f"index_builder: interrupted; index {args.es_index!r} may hold part of the corpus: re-run the same" \
+               " command to resume"
+    partial = args.out.rstrip("/") + ".partial"
+    if args.to == "faiss":
+        return f"index_builder: interrupted; {args.out} not created, the complete shards in {partial} are kept:" \
+               " re-run the same command to resume"
+    return f"index_builder: interrupted; {args.out} not created, {partial} removed"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; returns the exit status (0 ok, 2 malformed corpus or unusable encoder or
-    settings, 3 index/cluster error)."""
+    settings, 3 index/cluster error, 130 interrupted by SIGINT)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("elastic_transport").setLevel(logging.WARNING)  # it logs every request at INFO
     # It warns of every failed request; the one-line error below says what failed.
     logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
     try:
-        summary = build(args)
+        with sigint_interrupts():
+            summary = build(args)
+    except KeyboardInterrupt:
+        print(("" if args.no_progress else "\n") + interrupted(args), file=sys.stderr)  # "\n" ends the bar's line
+        return EXIT_INTERRUPTED
     except (CorpusError, EncoderError, BuildSettingsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_CORPUS
+    except (LeaseHeldError, FolderNotWritableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_OUT_IN_USE
     except (BulkRejectedError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INDEX

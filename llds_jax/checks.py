@@ -2,16 +2,19 @@
 
 `llds_jax.config` is a leaf: it checks what it knows (schema, bounds, its own choices and combinations). This module
 sits above the components a config names and checks it against them: the registered loss terms, the attention
-kernels, the model presets, the retriever backend's options, the TPU topologies and, once the device count is
-known, the mesh; and it loads the application the config's `app` key names (llds_jax.application), whose sections
-and checks `config.check` adds. Every error is a `config.ConfigError` naming the run-config key.
+kernels, the model presets, the retriever backend's options, the TPU topologies, the local model folders and,
+once the device count is known, the mesh; and it loads the application the config's `app` key names
+(llds_jax.application), whose sections and checks `config.check` adds. Every error is a `config.ConfigError`
+naming the run-config key.
 """
 from __future__ import annotations
+
+import os
 
 import ml_collections
 
 from llds_jax import config as config_lib
-from llds_jax import application, parallel, topologies
+from llds_jax import application, gcs, parallel, topologies
 from llds_jax.config import ConfigError
 from llds_jax.model.config import ATTENTION_CHOICES, PRESETS
 from llds_jax.rl import losses  # noqa: F401  (registers the built-in loss terms, "llds" among them)
@@ -22,9 +25,12 @@ from llds_jax.search.factory import resolve_config
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Everything a run cannot start with; each error names the run-config key.
 
-    Without `num_devices` (before the devices are known) the mesh is not checked; everything else is.
+    Without `num_devices` (the launch command's check before anything runs, in the modes that read the checkpoint)
+    the mesh is not checked, and the local folders of model.path and model.tokenizer_path must exist; with it (the
+    trainer, and --mode=compile, which compiles a model.preset without its checkpoint) the folders are not checked.
     """
-    config_lib.check(cfg, application.load(cfg))
+    app = application.load(cfg)
+    config_lib.check(cfg, app)
     config_lib.check_choice(cfg, "objective.llds.variant", registered_loss_terms())
     config_lib.check_choice(cfg, "model.attention", ATTENTION_CHOICES)
     try:
@@ -39,6 +45,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
         except topologies.TopologyError as e:
             raise ConfigError(f"mesh.topology: {e}") from None
     if num_devices is None:
+        _check_model_folders(cfg, app.provided_keys(cfg) if app is not None else ())
         return
     data, fsdp, tensor = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     if cfg.model.mlp_chunks > 1 and tensor > 1:
@@ -53,3 +60,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     config_lib.update_config(cfg)
     config_lib.agent_config(cfg)
     config_lib.agent_config(cfg, evaluation=True)
+
+
+def _check_model_folders(cfg: ml_collections.ConfigDict, provided: tuple[str, ...]) -> None:
+    """The local folders that model.path and model.tokenizer_path name exist (a gs:// path's bucket is checked by
+    the launcher, llds_jax.gcs; a key in `provided`, the application's, is set when the run starts)."""
+    for key in ("model.path", "model.tokenizer_path"):
+        path = config_lib.value(cfg, key)
+        if path and key not in provided and not gcs.is_gcs(path) and not os.path.isdir(path):
+            raise ConfigError(f"{key} {path}: {'not a folder' if os.path.exists(path) else 'no such folder'}")

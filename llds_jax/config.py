@@ -18,6 +18,7 @@ from typing import Any
 
 import ml_collections
 
+from llds_jax import redaction
 from llds_jax.rl import config as rl_config
 from llds_jax.rl.config import REFERENCE_DTYPES, LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
@@ -156,6 +157,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.eval_at_start = False       # evaluate the starting policy (eval.max_examples) before step 1
     c.train.stop_within_step = True     # a stop signal ends the step between sessions / updates and saves the state
                                         # from before it (kept in host memory: params + optimizer state)
+    c.train.storage_timeout_s = 120.0   # a checkpoint/metrics write or read that takes longer ends the run (exit 2)
 
     c.sft = ml_collections.ConfigDict()    # supervised warm start before RL (llds_jax.sft); cached by settings
     c.sft.enabled = False
@@ -217,10 +219,12 @@ def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDi
             if key not in _FREE_FORM or prefix:
                 check_schema(value, expected, name + ".")
             continue
+        if isinstance(expected, (list, tuple)):  # the schema's only sequences are file lists
+            if not (isinstance(value, (list, tuple)) and all(isinstance(path, str) for path in value)):
+                raise ConfigError(f"{name} must be a tuple of paths (str), got {value!r}")
+            continue
         ok = isinstance(value, type(expected)) or (isinstance(expected, float) and isinstance(value, int)
                                                     and not isinstance(value, bool))
-        if isinstance(expected, (list, tuple)):
-            ok = isinstance(value, (list, tuple))
         if not ok or (isinstance(value, bool) != isinstance(expected, bool)):
             raise ConfigError(f"config key {name!r} must be {_type_name(expected)}, got {_type_name(value)} "
                               f"{value!r}")
@@ -229,8 +233,7 @@ def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDi
 # Words of a key whose value is a secret ("es_password", "access_token", ...); "key" only after api/access/private.
 _SECRET_WORDS = frozenset({"password", "passwd", "secret", "token", "apikey", "credential", "credentials", "auth"})
 _KEY_QUALIFIERS = frozenset({"api", "access", "private"})
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
-REDACTED = "***"
+REDACTED = redaction.REDACTED
 
 
 def _is_secret_key(key: str) -> bool:
@@ -244,7 +247,7 @@ def _redact(key: str, value: Any) -> Any:
     if _is_secret_key(key) and value not in (None, "", (), []):
         return REDACTED
     if isinstance(value, str):
-        return _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", value)
+        return redaction.redact(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_redact(key, v) for v in value)
     return value
@@ -252,7 +255,8 @@ def _redact(key: str, value: Any) -> Any:
 
 def redacted(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy of `cfg` safe to print or save: the user info of every URL in a string value (also inside lists, e.g.
-    `retriever.hosts = "https://elastic:PASSWORD@host:9200"`) becomes `***@`, and the value of every key named like
+    `retriever.hosts = "https://elastic:PASSWORD@host:9200"`; a password may hold unencoded `/ # ? @ :` and
+    spaces, `llds_jax.redaction`) becomes `***@`, and the value of every key named like
     a secret (password, token, secret, api_key, credentials, auth, ...) becomes `***`."""
     return ml_collections.ConfigDict(_redact("", cfg))
 
@@ -264,7 +268,7 @@ def redacted_argument(arg: str) -> str:
     key, sep, value = arg.partition("=")
     if sep and value and _is_secret_key(key):
         return f"{key}={REDACTED}"
-    return _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", arg)
+    return redaction.redact(arg)
 
 
 def rollout_batch_size(cfg: ml_collections.ConfigDict) -> int:
@@ -284,6 +288,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CHAT_TEMPLATES = ("base", "instruct", "")
 
 # (keys, test, what the value must be): the bounds a run would otherwise crash on (or fail late) without naming the key.
+# Every bounded number must also be finite.
 _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("data.prompts_per_step", "data.samples_per_prompt", "rollout.max_turn_tokens", "rollout.max_observation_tokens",
       "rollout.max_prompt_tokens", "rollout.max_context_tokens", "rollout.max_response_tokens",
@@ -295,13 +300,14 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
      lambda v: v >= 1, ">= 1"),
     (("rollout.max_turns", "rollout.max_batch_size", "rollout.top_k", "objective.clip_ratio", "objective.entropy_coef",
       "objective.kl_coef", "objective.llds.lam", "objective.llds.answer_beta", "objective.llds.adaptive_c",
-      "optim.learning_rate", "optim.weight_decay", "train.lld_every", "train.eval_every", "train.eval_max_examples",
+      "optim.weight_decay", "train.lld_every", "train.eval_every", "train.eval_max_examples",
       "train.transcripts_every", "train.num_transcripts", "eval.max_turns", "eval.max_examples",
       "sft.curriculum_steps", "sft.warmup_steps", "sft.weight_decay", "distributed.num_processes",
       "rollout.max_failed_search_steps", "optim.max_skipped_updates", "optim.pack_row_tokens"),
      lambda v: v >= 0, ">= 0"),
-    (("rollout.temperature", "rollout.search_timeout_s", "objective.kl_clamp", "optim.max_grad_norm", "optim.adam_eps",
-      "sft.learning_rate", "sft.max_grad_norm"), lambda v: v > 0, "> 0"),
+    (("rollout.temperature", "rollout.search_timeout_s", "train.storage_timeout_s", "objective.kl_clamp",
+      "optim.learning_rate", "optim.max_grad_norm", "optim.adam_eps", "sft.learning_rate", "sft.max_grad_norm"),
+     lambda v: v > 0, "> 0"),
     (("objective.ratio_cap",), lambda v: v > 1, "> 1"),
     (("rollout.top_p",), lambda v: 0 < v <= 1, "in (0, 1]"),
     (("optim.warmup_ratio", "rollout.search_failure_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -336,6 +342,18 @@ def value(cfg: ml_collections.ConfigDict, key: str) -> Any:
     return cfg
 
 
+def check_bounds(cfg: ml_collections.ConfigDict, bounds: Sequence[tuple[Sequence[str], Any, str]]) -> None:
+    """Raises ConfigError naming the key unless every number of `bounds` ((keys, test, what it must be), ...) is
+    finite and passes its test."""
+    for keys, test, what in bounds:
+        for key in keys:
+            number = value(cfg, key)
+            if not math.isfinite(number):  # inf passes `> 0`; the first update would make the weights NaN
+                raise ConfigError(f"{key} must be finite and {what}, got {number!r}")
+            if not test(number):
+                raise ConfigError(f"{key} must be {what}, got {number!r}")
+
+
 def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     """Schema, bounds, choices and the combinations of this module's keys; each error names the run-config key.
 
@@ -346,10 +364,7 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     if cfg.get("app", "") and app is None:
         raise ConfigError(f"app {cfg.app!r} is set: check the config with llds_jax.checks.validate, which loads it")
     check_schema(cfg, schema(app))
-    for keys, test, what in _BOUNDS:
-        for key in keys:
-            if not test(value(cfg, key)):
-                raise ConfigError(f"{key} must be {what}, got {value(cfg, key)!r}")
+    check_bounds(cfg, _BOUNDS)
     for key, choices in _CHOICES.items():
         check_choice(cfg, key, choices)
     if app is not None:

@@ -53,7 +53,8 @@ def copy_files(source: str | os.PathLike, target: str | os.PathLike, names: Iter
         (dst / name).write_bytes((src / name).read_bytes())
 
 
-def _endpoint() -> str:
+def endpoint() -> str:
+    """The GCS endpoint the clients talk to: STORAGE_EMULATOR_HOST (an emulator) or the public one."""
     return os.environ.get("STORAGE_EMULATOR_HOST") or PUBLIC_ENDPOINT
 
 
@@ -97,7 +98,7 @@ def check_buckets(paths: Mapping[str, str], timeout_s: float = 30.0) -> None:
             raise GCSUnavailableError(f"{where}: access denied (HTTP {e.code}); the account needs read/write "
                                       f"access to gs://{bucket}") from None
         except requests.RequestException as e:
-            raise GCSUnavailableError(f"{where}: Google Cloud Storage at {_endpoint()} did not answer "
+            raise GCSUnavailableError(f"{where}: Google Cloud Storage at {endpoint()} did not answer "
                                       f"({type(e).__name__})") from None
         except exceptions.GoogleAPICallError as e:
             raise GCSUnavailableError(f"{where}: listing gs://{bucket} failed (HTTP {e.code})") from None

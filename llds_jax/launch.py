@@ -18,37 +18,23 @@ whole config is validated (llds_jax.checks.validate) before anything heavy runs:
 
 A file-list key (a tuple: `data.train_files`, `data.eval_files`, `sft.data_files`, `sft.curriculum_files`) takes
 comma-separated paths on the command line (`--config.data.train_files=a.parquet,gs://b/b.parquet`), repeated flags
-(their paths add up) or a Python tuple (`"('a.parquet', 'b.parquet')"`, the way to give a path holding a comma).
+(their paths add up) or a Python tuple (`"('a.parquet', 'b.parquet')"`, the way to give a path holding a comma);
+llds_jax.config_file reads the config file and words what goes wrong in it.
 """
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import logging
 import os
-import re
 import sys
-from collections.abc import Sequence
 
-import ml_collections
 from absl import app, flags
 from absl import logging as absl_logging
 from absl.logging import converter as absl_converter
+from etils import epath
 from ml_collections import config_flags
-from ml_collections.config_flags import tuple_parser
 
-from llds_jax import gcs
-
-
-class _PathListParser(tuple_parser.TupleParser):
-    """Command-line value of a tuple (file-list) key: comma-separated paths, or a Python tuple/list literal."""
-
-    def parse(self, argument):
-        if isinstance(argument, str) and not argument.lstrip().startswith(("(", "[")):
-            return tuple(path.strip() for path in argument.split(",") if path.strip())
-        return super().parse(argument)
-
-
-config_flags.register_flag_parser_for_type(tuple, _PathListParser())
+from llds_jax import config_file, gcs  # config_file first: it registers the file-list parser the flag below uses
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft", "compile"], "What to run.")
@@ -57,17 +43,19 @@ _TOPOLOGY = flags.DEFINE_string("topology", "", "TPU topology of --mode=compile 
                                 "mesh.topology), e.g. v4:2x2x4 or v4-32.")
 
 EXIT_BAD_INPUT = 2
+LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.lease)
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from llds_jax.compile_check import CompilerUnavailableError
     from llds_jax.config import ConfigError
+    from llds_jax.lease import FolderNotWritableError, LeaseHeldError
     from llds_jax.search.types import RetrieverUnavailableError
     from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
     from llds_jax.train.watchdog import NonFiniteError
     return (ConfigError, FileNotFoundError, KeyError, ValueError, RetrieverUnavailableError,
             CheckpointMismatchError, CheckpointUnreadableError, gcs.GCSUnavailableError, CompilerUnavailableError,
-            NonFiniteError)
+            NonFiniteError, LeaseHeldError, FolderNotWritableError)
 
 
 def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:
@@ -104,7 +92,6 @@ def _params_for_eval(trainer):
 def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     """Runs one mode; returns the process exit status."""
     from llds_jax import checks
-    from llds_jax import config as config_lib
 
     if mode != "compile":  # compile_check validates against the topology's device count
         checks.validate(cfg)
@@ -114,6 +101,14 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
         if not (topology or cfg.mesh.topology):
             raise ValueError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
         return compile_check.run(cfg, topology or cfg.mesh.topology)
+    from llds_jax.train.preemption import PreemptionGuard
+
+    with PreemptionGuard() as guard:  # a stop before the training loop ends the command at once (status 0)
+        return _run(cfg, mode, export_dir, guard)
+
+
+def _run(cfg, mode: str, export_dir: str, guard) -> int:
+    """`run` for the modes that load the model, under the command's PreemptionGuard."""
     from llds_jax import distributed
 
     gcs.check_buckets(gcs_paths(cfg, export_dir))  # seconds, where the GCS clients would retry for minutes
@@ -121,9 +116,32 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     d = cfg.distributed
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
                                  d.process_id if d.process_id >= 0 else None)
-    from llds_jax.train.trainer import Trainer
+    guard.reinstall()  # over the SIGTERM handler of jax.distributed's preemption notifier
+    with contextlib.ExitStack() as stack:
+        if distributed.is_main_process():  # before anything heavy: one writer per run folder, and writable
+            _claim_outputs(stack, cfg, mode, export_dir)
+        return _load_and_run(cfg, mode, export_dir, guard)
 
-    from llds_jax import application
+
+def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str) -> None:
+    """Training holds the run folder's lease (llds_jax.lease: a second run on it stops with one line naming the
+    holder) until `stack` closes; eval checks that the run folder is writable, export that --export_dir is."""
+    from llds_jax import lease
+
+    if mode == "train":
+        stack.enter_context(lease.Lease(epath.Path(cfg.run_dir) / LEASE_FILE, what=f"run_dir {cfg.run_dir}",
+                                        timeout_s=cfg.train.storage_timeout_s))
+    elif mode == "eval":
+        lease.check_writable(cfg.run_dir, f"run_dir {cfg.run_dir}")
+    elif mode == "export" and export_dir:
+        lease.check_writable(export_dir, f"--export_dir {export_dir}")
+
+
+def _load_and_run(cfg, mode: str, export_dir: str, guard) -> int:
+    """Builds the trainer (after the application's preparation and the warm start) and runs `mode`."""
+    from llds_jax import application, distributed
+    from llds_jax import config as config_lib
+    from llds_jax.train.trainer import Trainer
 
     app = application.load(cfg)
     if app is not None:  # e.g. the demo (llds_jax.apps.demo) builds its assets and points the config at them
@@ -131,22 +149,24 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     if cfg.sft.enabled or mode == "sft":
         from llds_jax.sft import stage
 
+        guard.abort_during("the warm start")  # not resumable: a rerun trains it again
         cfg.model.path = stage.warm_start(cfg)
         if mode == "sft":
             return 0
+        guard.abort_during("start-up")
     if distributed.is_main_process():
         print(config_lib.redacted(cfg), flush=True)
     trainer = Trainer(cfg, training=mode == "train")
     try:
         if mode == "train":
-            step = trainer.run()
+            step = trainer.run(guard)
             if distributed.is_main_process():
                 print(f"training stopped after step {step} of {cfg.train.total_steps}; run folder {cfg.run_dir}")
             if step == cfg.train.total_steps and cfg.train.final_eval and trainer.eval_examples:
-                _print_eval(trainer, trainer.final_params, step)
+                _print_eval(trainer, trainer.final_params, step, guard)
         elif mode == "eval":
             params, step = _params_for_eval(trainer)
-            _print_eval(trainer, params, step)
+            _print_eval(trainer, params, step, guard)
         else:
             _export(trainer, export_dir)
     finally:
@@ -172,15 +192,21 @@ def _export(trainer, export_dir: str) -> None:
     print(f"exported step {step} to {export_dir}")
 
 
-def _print_eval(trainer, params, step: int) -> None:
-    """Evaluates `params` (every process) and prints the tables (process 0)."""
+def _print_eval(trainer, params, step: int, guard) -> None:
+    """Evaluates `params` (every process) and prints the tables (process 0). A stop request abandons the
+    evaluation (its searches in flight too) and raises StopRequested."""
     from llds_jax import distributed
     from llds_jax.train import evaluation
-    from llds_jax.train.trainer import START_EVAL
+    from llds_jax.train.preemption import StopRequested
+    from llds_jax.train.trainer import START_EVAL, StepInterrupted
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
     examples = trainer.eval_subset(trainer.cfg.eval.max_examples)
-    metrics = trainer.evaluate(params, examples, out_dir, prefix="eval")
+    guard.defer()
+    try:
+        metrics = trainer.evaluate(params, examples, out_dir, prefix="eval", stopping=lambda: guard.requested)
+    except StepInterrupted:
+        raise StopRequested(guard.signal_name, "the evaluation") from None
     if not distributed.is_main_process():
         return
     start = evaluation.read_results(trainer.run_dir / "eval" / START_EVAL)
@@ -196,8 +222,7 @@ def _print_eval(trainer, params, step: int) -> None:
 
 
 def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    del argv  # parse_flags has refused any argument that is not a flag
     # Warnings and errors only (orbax logs every save step at INFO), unless --verbosity asks for more (0: INFO,
     # e.g. the trainer's progress within a step).
     verbosity = flags.FLAGS["verbosity"]
@@ -206,102 +231,44 @@ def main(argv) -> None:
     absl_logging.set_verbosity(absl_converter.standard_to_absl(level))
     # The Elasticsearch client warns of every failed request; the retriever reports failures (with retries) itself.
     logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
+    from llds_jax.storage import StorageError
+    from llds_jax.train.preemption import StopRequested
+
     try:
         sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value))
+    except StopRequested as e:
+        print(f"llds_jax: {e}", file=sys.stderr)
+        sys.exit(0)
+    except StorageError as e:  # at once: the interpreter's exit would wait for storage threads that may hang
+        print(f"llds_jax: error: {e}; the same command resumes from the newest complete checkpoint",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_BAD_INPUT)
     except _known_errors() as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"llds_jax: error: {message}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 
-def _config_file(argv: list[str]) -> str | None:
-    """The file of `--config=PATH[:ARGS]` (or `--config PATH`) in argv, if given."""
-    for i, arg in enumerate(argv):
-        if arg.startswith(("--config=", "-config=")):
-            return arg.split("=", 1)[1].split(":", 1)[0]
-        if arg in ("--config", "-config") and i + 1 < len(argv):
-            return argv[i + 1].split(":", 1)[0]
-    return None
-
-
-def _config_file_problem(path: str) -> str | None:
-    """Why the config file cannot be loaded (missing, unreadable, a syntax error), checked without running it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-    except OSError as e:
-        return f"config file {path}: {e.strerror}"
-    try:
-        compile(source, path, "exec")
-    except SyntaxError as e:
-        return f"config file {path}, line {e.lineno}: {e.msg}"
-    return None
-
-
-def _unknown_key(error: BaseException, argv: list[str], path: str | None) -> str:
-    """The message of an override that names no key (config_flags raises KeyError, or AttributeError around one)."""
-    cause = error.args[0] if error.args and isinstance(error.args[0], BaseException) else error
-    text = str(cause.args[0]) if cause.args else ""
-    missing = text.splitlines()[0].strip("'\"") if text else ""
-    keys = [a.split("=", 1)[0].split(".", 1)[1] for a in argv[1:] if re.match(r"--?(no)?config\.", a)]
-    named = [k for k in keys if missing in k.split(".")]
-    if not named:  # not an override's key: the config file itself failed (e.g. it has no get_config)
-        return f"config file {path}: {text.splitlines()[0] if text else type(cause).__name__}"
-    hint = re.search(r'Did you mean "([^"]+)"', text)
-    if not hint:
-        return f"unknown config key {named[0]}"
-    parent = named[0].rpartition(".")[0]
-    return f"unknown config key {named[0]} (did you mean {parent + '.' if parent else ''}{hint[1]}?)"
-
-
-def import_config_package(path: str) -> None:
-    """Makes the package a config file lives in importable (configs/ has an __init__.py), so that a config builds on
-    another by importing it (`from configs import qwen7b_v4 as base`) from any working directory. The package is
-    taken from the config file's own folder; one already imported (e.g. `configs` from the repo root, on sys.path
-    when run there) is left as it is."""
-    folder = os.path.dirname(os.path.abspath(path))
-    name = os.path.basename(folder)
-    init = os.path.join(folder, "__init__.py")
-    if not name.isidentifier() or name in sys.modules or not os.path.isfile(init):
-        return
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[folder])
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[name] = package
-    spec.loader.exec_module(package)
-
-
-def load_config(path: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-    """The run config of a config file with `KEY=VALUE` overrides, read as `--config=PATH --config.KEY=VALUE ...`
-    is read on this command's line (the same parsers: a value takes the type of its key, a file list takes
-    comma-separated paths), for tools that load a run config without running it (bench/step_profile.py). An unknown
-    key raises KeyError, a value of the wrong type ValueError, each with parse_flags' one-line message."""
-    import_config_package(path)
-    argv = ["load_config", f"--config={path}", *(f"--config.{override}" for override in overrides)]
-    flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
-    try:
-        flag_values(argv)
-    except flags.Error as e:
-        raise ValueError(str(e)) from None
-    except (AttributeError, KeyError) as e:
-        raise KeyError(_unknown_key(e, argv, path)) from None
-    return flag_values.config
-
-
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors: a missing config file or one with a syntax error, an override key
-    that does not exist, or a value of the wrong type."""
-    path = _config_file(argv)
-    message = _config_file_problem(path) if path else None
+    """absl flag parsing with one-line errors (llds_jax.config_file): a config file that is missing, has a syntax
+    error or is not UTF-8, or whose code raises (a value of the wrong type assigned to a key names the key in full);
+    an override key that does not exist or a value of the wrong type; an argument that is not a flag."""
+    path = config_file.config_path(argv)
+    message = config_file.file_problem(path) if path else None
     if message is None:
         if path:
-            import_config_package(path)
+            config_file.import_config_package(path)
         try:
-            return flags.FLAGS(argv)
-        except flags.Error as e:
-            message = str(e)
-        except (AttributeError, KeyError) as e:
-            message = _unknown_key(e, argv, path)
+            rest = flags.FLAGS(argv)
+            if path:
+                config_file.loaded(_CONFIG.value)
+        except Exception as e:  # the config file's code may raise anything
+            message = config_file.parse_error(e, argv, path)
+        else:
+            if len(rest) == 1:
+                return rest
+            message = config_file.unexpected_arguments(rest[1:])
     print(f"llds_jax: error: {message}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 

@@ -126,6 +126,8 @@ def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int = 2048, 
 # merges.txt, special_tokens_map.json, added_tokens.json, chat_template.jinja/.json, config.json for the tokenizer
 # class, generation_config.json, sentencepiece/tiktoken models), by suffix: never weights or their index.
 TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+# The model's files among them, which a tokenizer reads but which are no tokenizer by themselves.
+_MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def tokenizer_files(folder: str) -> list[str]:
@@ -145,6 +147,9 @@ def load_tokenizer(path: str, fallback_chat_template: str | None = "base"):
     if not gcs.is_gcs(path):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer folder not found: {path}")
+        if not set(tokenizer_files(path)) - set(_MODEL_FILES):
+            raise FileNotFoundError(f"tokenizer folder {path}: no tokenizer files in it (tokenizer.json, "
+                                    "tokenizer_config.json, vocab.json, ...)")
         return _load_local(path, fallback_chat_template, path)
     names = tokenizer_files(path)
     if not names:
@@ -157,13 +162,13 @@ def load_tokenizer(path: str, fallback_chat_template: str | None = "base"):
 
 
 def _load_local(folder: str, fallback_chat_template: str | None, source: str):
-    """The tokenizer of local `folder` (a copy of `source`); raises ValueError naming `source` when transformers
-    cannot load it (e.g. its config.json is not valid JSON)."""
+    """The tokenizer of local `folder` (a copy of `source`); raises ValueError naming `source`, in one line, when
+    transformers cannot load it (e.g. its config.json is not valid JSON, or no file of it makes a tokenizer)."""
     from transformers import AutoTokenizer  # deferred: heavy import
 
     try:
         tok = AutoTokenizer.from_pretrained(folder)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer folder {source}: {' '.join(str(e).split())}") from None  # one line
     if not tok.chat_template and fallback_chat_template and _has_qwen_chat_markers(tok):
         tok.chat_template = chat_template(fallback_chat_template)

@@ -11,6 +11,7 @@ requests.
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 import tempfile
 import time
@@ -53,9 +54,11 @@ def environment(url: str) -> dict[str, str]:
 
 
 class Emulator:
-    """One fake-gcs-server process: in-memory objects, plain http on a free port of 127.0.0.1."""
+    """One fake-gcs-server process: plain http on a free port of 127.0.0.1; objects in memory, or in the folder
+    `root` (they outlive the process: `kill` it, `start` it again and the objects are back)."""
 
-    def __init__(self):
+    def __init__(self, root: str | None = None):
+        self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-server-", suffix=".log")
@@ -63,8 +66,9 @@ class Emulator:
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Starts the server and waits (at most `timeout_s` seconds) until it answers."""
+        backend = ["-backend", "filesystem", "-filesystem-root", self.root] if self.root else ["-backend", "memory"]
         self._process = subprocess.Popen(
-            [binary(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
+            [binary(), "-scheme", "http", *backend, "-host", "127.0.0.1", "-port", str(self.port),
              "-external-url", self.url, "-log-level", "warn"],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
@@ -91,6 +95,19 @@ class Emulator:
         client = storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
                                 client_options={"api_endpoint": self.url})
         return f"gs://{client.create_bucket(name).name}"
+
+    def kill(self) -> None:
+        """Kills the server at once (SIGKILL): an endpoint that died; `start` brings it back on the same port."""
+        self._process.kill()
+        self._process.wait()
+
+    def pause(self) -> None:
+        """Freezes the server (SIGSTOP): connections are accepted and never answered, an endpoint that hangs."""
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Unfreezes a paused server (SIGCONT)."""
+        self._process.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         """Ends the server process (its objects are gone)."""

@@ -54,10 +54,7 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
     """The `demo` section's bounds and choices; ConfigError naming the key."""
     if "demo" not in cfg:
         raise ConfigError(f"app {APP!r} needs the config section 'demo' (llds_jax.apps.demo_config.section())")
-    for keys, test, what in _BOUNDS:
-        for key in keys:
-            if not test(config_lib.value(cfg, key)):
-                raise ConfigError(f"{key} must be {what}, got {config_lib.value(cfg, key)!r}")
+    config_lib.check_bounds(cfg, _BOUNDS)
     config_lib.check_choice(cfg, "demo.tokenizer", DEMO_TOKENIZERS)
 
 

@@ -211,12 +211,21 @@ def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, Optional[Lla
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
 
 
+class HFConfig(dict):
+    """The object of a Hugging Face config.json, with the file it was read from (`source`), which errors name."""
+
+    def __init__(self, values: Mapping[str, Any], source: str):
+        super().__init__(values)
+        self.source = source
+
+
 def from_hf_config(config: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face `config.json` (path, folder or dict).
 
-    `overrides` set our own fields (dtype, param_dtype, scan_layers, remat, attention and its block sizes).
+    `overrides` set our own fields (dtype, param_dtype, scan_layers, remat, attention and its block sizes). Errors
+    name the file (a path, or an HFConfig's `source`).
     """
-    where = "config dict"
+    where = config.source if isinstance(config, HFConfig) else "config dict"
     if not isinstance(config, Mapping):
         path = os.fspath(config)
         if os.path.isdir(path):

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors.numpy import save as safetensors_save
 
 from llds_jax import parallel
-from llds_jax.model.config import ModelConfig, check_preset, from_hf_config, to_hf_config, token_ids
+from llds_jax.model.config import HFConfig, ModelConfig, check_preset, from_hf_config, to_hf_config, token_ids
 from llds_jax.model.transformer import Transformer
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -73,12 +73,13 @@ def read_generation_config(path: str) -> Optional[dict[str, Any]]:
     return _read_json(path, GENERATION_CONFIG_FILE)
 
 
-def read_config(path: str) -> dict[str, Any]:
-    """The config.json of a checkpoint folder (local or gs://), without reading its weights."""
+def read_config(path: str) -> HFConfig:
+    """The config.json of a checkpoint folder (local or gs://), without reading its weights; `from_hf_config`'s
+    errors name the file."""
     config = _read_json(path, CONFIG_FILE)
     if config is None:
         raise FileNotFoundError(f"{path}/{CONFIG_FILE} not found")
-    return config
+    return HFConfig(config, f"{path}/{CONFIG_FILE}")
 
 
 class CheckpointFolder:

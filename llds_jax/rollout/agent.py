@@ -60,10 +60,13 @@ class Rollout:
     turns, tokenizing observations, building trajectories). `search_calls_s` sums the retriever calls' own
     durations, most of them hidden behind decoding. `decode_occupancy`: sampled tokens / (decode steps x device
     batch rows), the share of decode rows doing real work (0 for sessions that do not count them).
+
+    `stopped`: the rollout was abandoned on a stop request (`rollout(stopping=...)`): no trajectories, no metrics.
     """
 
     trajectories: list[Trajectory]
     metrics: dict[str, float]
+    stopped: bool = False
 
     def __repr__(self) -> str:
         # Short: asyncio.Runner.run formats the finished task, result included, when it restores the SIGINT
@@ -90,7 +93,8 @@ def turn_stop_ids(tokenizer) -> tuple[int, ...]:
 
 def rollout(sampler: TurnSampler, params, tokenizer, retriever: Retriever, examples: Sequence[QAExample],
             rng: jax.Array, config: AgentConfig, runner: Optional[asyncio.Runner] = None, first_sequence: int = 0,
-            between_sessions: Optional[Callable[[], None]] = None) -> Rollout:
+            between_sessions: Optional[Callable[[], None]] = None,
+            stopping: Optional[Callable[[], bool]] = None) -> Rollout:
     """Runs the agent loop for `examples` (repeat an example for several samples; they share its uid).
 
     Args:
@@ -109,18 +113,22 @@ def rollout(sampler: TurnSampler, params, tokenizer, retriever: Retriever, examp
         examples into sessions); what it raises ends the rollout (the trainer's stop check: a preemption notice
         then waits for one session, not the whole rollout). Not called with `config.continuous_batching` (one
         batch serves every example).
+      stopping: whether a stop was requested on this host (the trainer's PreemptionGuard): once it is, searches
+        in flight are abandoned, no new turn or session starts, and the Rollout comes back `stopped` (the caller
+        agrees on the stop with the other hosts: this one returns at once, they finish theirs).
     With `config.continuous_batching` the examples run in one continuous batch (`continuous`; the sampler must be a
     `sampler.Sampler`), each sampling from the stream it has here.
     Returns a Rollout with one trajectory per example, in order.
     """
     coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config, first_sequence,
-                         between_sessions)
+                         between_sessions, stopping)
     return runner.run(coro) if runner is not None else asyncio.run(coro)
 
 
 async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retriever,
                         examples: Sequence[QAExample], rng: jax.Array, config: AgentConfig, first_sequence: int = 0,
-                        between_sessions: Optional[Callable[[], None]] = None) -> Rollout:
+                        between_sessions: Optional[Callable[[], None]] = None,
+                        stopping: Optional[Callable[[], bool]] = None) -> Rollout:
     """`rollout` as a coroutine."""
     if not examples:
         raise ValueError("rollout: no examples")
@@ -128,7 +136,7 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     trajectories: list[Trajectory] = []
     timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0,
               "decode_sampled_tokens": 0.0, "decode_row_steps": 0.0}
-    steps = AgentSteps(tokenizer, retriever, config, timing)
+    steps = AgentSteps(tokenizer, retriever, config, timing, stopping)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
         if config.continuous_batching:
@@ -141,8 +149,12 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
             for first in range(0, len(examples), size):
                 if first and between_sessions is not None:
                     between_sessions()
+                if steps.stopping():
+                    break
                 loop = _BatchLoop(sampler, params, steps, examples[first:first + size], decode_thread)
                 trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))
+    if steps.stopping():
+        return Rollout([], {}, stopped=True)
     elapsed = time.perf_counter() - start
     metrics = rollout_metrics(trajectories)
     host_s = elapsed - timing["prefill_s"] - timing["decode_s"] - timing["search_s"]
@@ -179,12 +191,14 @@ class _BatchLoop:
         session = self.sampler.start(self.params, [c.prompt_ids for c in self.convs], rng,
                                      first_sequence=first_sequence)
         for turn_index in range(self.config.max_turns + 1):
-            if all(c.end_reason is not None for c in self.convs):
+            if all(c.end_reason is not None for c in self.convs) or self.steps.stopping():
                 break
             await self._turn(session, final=turn_index == self.config.max_turns)
         for key in ("prefill_s", "decode_s"):
             self.timing[key] += session.timing[key]
         add_decode_counts(self.timing, session)
+        if self.steps.stopping():  # unfinished conversations: the rollout is abandoned
+            return []
         return self.steps.trajectories(self.examples, self.convs)
 
     def _close_turn(self, i: int, sample: SampledTurn, final: bool, turns: dict[int, Turn], keep: list[int],

@@ -55,6 +55,8 @@ async def run(sampler, params, steps: AgentSteps, examples: Sequence[QAExample],
         for _, future in engine.in_flight:
             future.cancel()
         raise
+    if steps.stopping():  # unfinished conversations: the rollout is abandoned
+        return []
     return steps.trajectories(examples, engine.convs)
 
 
@@ -76,7 +78,7 @@ class _Engine:
 
     def run(self) -> None:
         session = self.session
-        while True:
+        while not self.steps.stopping():
             self._collect_searches(block=False)
             self._extend()
             if self.queue and session.free_rows:

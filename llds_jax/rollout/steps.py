@@ -8,8 +8,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Optional, TypeVar
 
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout import protocol
@@ -19,9 +19,16 @@ from llds_jax.rollout.trajectory import END_ANSWER, END_CONTEXT_FULL, END_MAX_TU
 from llds_jax.search.types import Retriever, SearchResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SEARCH_ERROR_OBSERVATION = "\n\n<information>Search failed: {error}</information>\n\n"
 MAX_ERROR_CHARS = 200
+SEARCH_ABANDONED = "abandoned: the run is stopping"  # the error of a search cut off by a stop request
+STOP_POLL_S = 0.1  # how often a search in flight checks for a stop request (seconds)
+
+
+class SearchAbandoned(Exception):
+    """A search in flight was cut off because a stop was requested."""
 
 
 def search_error_observation(error: str) -> str:
@@ -48,10 +55,20 @@ class Conversation:
 class AgentSteps:
     """The steps of the protocol both engines share (the sessions' turn loop here, continuous batching in
     `continuous`): turn budgets, the turn-end check, cutting and parsing a turn, appending its observation to the
-    conversation, and the batched searches (their seconds go to timing["search_calls_s"])."""
+    conversation, and the batched searches (their seconds go to timing["search_calls_s"]).
 
-    def __init__(self, tokenizer, retriever: Retriever, config: AgentConfig, timing: dict[str, float]):
+    `stopping`: whether a stop was requested (the trainer's PreemptionGuard): a search in flight is then abandoned
+    (its queries get the observation of a failed search, SEARCH_ABANDONED) and the engines start no new turn; the
+    trainer discards the step's rollout."""
+
+    def __init__(self, tokenizer, retriever: Retriever, config: AgentConfig, timing: dict[str, float],
+                 stopping: Optional[Callable[[], bool]] = None):
         self.tokenizer, self.retriever, self.config, self.timing = tokenizer, retriever, config, timing
+        self._stopping = stopping
+
+    def stopping(self) -> bool:
+        """Whether a stop was requested: abandon the rollout."""
+        return self._stopping is not None and self._stopping()
 
     def conversation(self, example: QAExample) -> Conversation:
         return Conversation(protocol.chat_prompt_ids(self.tokenizer, example.question, self.config.max_prompt_tokens))
@@ -130,19 +147,35 @@ class AgentSteps:
         start = time.perf_counter()
         results: Sequence[SearchResult]
         try:
-            results = await asyncio.wait_for(self.retriever.search(queries, self.config.retrieval_top_k),
-                                             timeout=self.config.search_timeout_s)
+            results = await self._unless_stopping(asyncio.wait_for(
+                self.retriever.search(queries, self.config.retrieval_top_k), timeout=self.config.search_timeout_s))
             if len(results) != len(queries):
                 raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
             failures = [r.error for r in results]
         except asyncio.TimeoutError:
             results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
+        except SearchAbandoned:
+            results, failures = [], [SEARCH_ABANDONED] * len(queries)
         except Exception as e:  # a failing backend must not crash the rollout
             results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
         self.timing["search_calls_s"] += time.perf_counter() - start
         return [(search_error_observation(str(failures[j])), str(failures[j])) if failures[j]
                 else (protocol.format_observation([d.contents for d in results[j].docs]), None)
                 for j in range(len(queries))]
+
+    async def _unless_stopping(self, call: Awaitable[T]) -> T:
+        """Awaits `call`, polling `stopping` every STOP_POLL_S seconds; a stop cancels it and raises
+        SearchAbandoned."""
+        if self._stopping is None:
+            return await call
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=STOP_POLL_S)
+            if done:
+                return task.result()
+            if self.stopping():
+                task.cancel()
+                raise SearchAbandoned()
 
 
 def add_decode_counts(timing: dict[str, float], session) -> None:

@@ -84,6 +84,12 @@ class Bm25Retriever(LocalRetriever):
         self._local = threading.local()
         super().__init__(index_dir, docs, workers)
 
+    @property
+    def max_document_bytes(self) -> int:
+        """The most bytes one hit's `{"id": ..., "contents": ...}` takes in UTF-8 JSON (the server's response
+        estimate; `DocStore.max_record_bytes`)."""
+        return self._docs.max_record_bytes
+
     def top_k(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(document numbers, scores) of the best `k` documents for `query` (see `top_k_postings`)."""
         counts = collections.Counter(self._vocab[t] for t in analyzer.analyze(query) if t in self._vocab)

@@ -100,6 +100,12 @@ class FaissRetriever(LocalRetriever):
         """The index's rows (the corpus may hold more lines)."""
         return int(self.index.ntotal)
 
+    @property
+    def max_document_bytes(self) -> int:
+        """The most bytes one hit's `{"id": ..., "contents": ...}` takes in UTF-8 JSON (the server's response
+        estimate; `DocStore.max_record_bytes`: an upper bound over the corpus's lines)."""
+        return self._docs.max_record_bytes
+
     def top_k(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows [Q, k] int64, -1 where the index has fewer; scores [Q, k] float32) of the best k per query."""
         query_qd = self.embedder.embed_queries(queries)

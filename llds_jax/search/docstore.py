@@ -6,6 +6,8 @@ Layout inside the index folder:
   (length num_docs + 1), loaded memory-mapped.
 
 Nothing but the offsets' pages is held in RAM: `DocStore.get` reads one line with `os.pread` (thread-safe).
+`DocStore.max_record_bytes` bounds what any document's `{"id": ..., "contents": ...}` JSON takes (the retrieval
+server's response estimate), from the offsets alone.
 
 `DocStore.of_corpus` opens a wiki-18 JSONL file itself the same way (row i = line i, as faiss rows of Search-R1's
 e5 index are): its line offsets are computed in one streaming pass and cached next to it as `FILE.offsets.npy`.
@@ -13,6 +15,7 @@ e5 index are): its line offsets are computed in one streaming pass and cached ne
 from __future__ import annotations
 
 import array
+import functools
 import json
 import logging
 import os
@@ -24,6 +27,10 @@ OFFSETS_FILE = "doc_offsets.npy"
 CORPUS_OFFSETS_SUFFIX = ".offsets.npy"
 _GZIP_MAGIC = b"\x1f\x8b"
 _SCAN_BYTES = 64 << 20
+_OFFSETS_PER_SCAN = 1 << 20  # offsets read at a time by `longest_line` (8 MiB)
+# How much longer than its corpus line (newline included, if any) a document's record can be once re-encoded: an
+# integer id gains its quotes (2) and a compact line the spaces after ":" (2) and "," (1); strings never grow.
+_CORPUS_RECORD_SLACK = 5
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,13 @@ def line_offsets(path: str) -> np.ndarray:
     if offsets[-1] != position:  # no newline at the end: the last line ends at the file's end
         offsets = np.append(offsets, position)
     return offsets
+
+
+def longest_line(offsets: np.ndarray) -> int:
+    """The largest gap between consecutive `offsets` (bytes of the longest line, its newline included); 0 for none.
+    Reads `_OFFSETS_PER_SCAN` offsets at a time, so a memory-mapped array is never copied whole."""
+    return max((int(np.diff(offsets[i:i + _OFFSETS_PER_SCAN + 1]).max())
+                for i in range(0, len(offsets) - 1, _OFFSETS_PER_SCAN)), default=0)
 
 
 class DocStoreWriter:
@@ -75,7 +89,8 @@ class DocStore:
 
     def __init__(self, folder: str):
         self._open(os.path.join(folder, DOCS_FILE), np.load(os.path.join(folder, OFFSETS_FILE), mmap_mode="r"),
-                   f"{OFFSETS_FILE} expects", "the index folder is incomplete or was modified")
+                   f"{OFFSETS_FILE} expects", "the index folder is incomplete or was modified",
+                   record_slack=-1)  # each line is exactly a record (DocStoreWriter) and its newline
 
     @classmethod
     def of_corpus(cls, path: str) -> DocStore:
@@ -96,11 +111,13 @@ class DocStore:
             except OSError as e:
                 log.warning("cannot cache the line offsets at %s (%s); they stay in memory", cache, e.strerror)
         store = cls.__new__(cls)
-        store._open(path, offsets, "its line offsets expect", "the corpus changed while they were read")
+        store._open(path, offsets, "its line offsets expect", "the corpus changed while they were read",
+                    record_slack=_CORPUS_RECORD_SLACK)
         return store
 
-    def _open(self, path: str, offsets: np.ndarray, expects: str, why: str) -> None:
+    def _open(self, path: str, offsets: np.ndarray, expects: str, why: str, *, record_slack: int) -> None:
         self._offsets = offsets
+        self._record_slack = record_slack  # max_record_bytes - longest line (bytes)
         self._fd = os.open(path, os.O_RDONLY)
         size = os.fstat(self._fd).st_size
         if int(self._offsets[-1]) != size:
@@ -109,6 +126,14 @@ class DocStore:
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
+
+    @functools.cached_property
+    def max_record_bytes(self) -> int:
+        """Upper bound, in bytes, of `json.dumps({"id": id, "contents": contents}, ensure_ascii=False)` in UTF-8 for
+        any document `get` returns: exact (the longest record) for an index folder's store; for a corpus, its
+        longest line + 5, which holds for lines of wiki-18's shape (a string or integer id, string contents). One
+        pass over the offsets (168 MB at wiki-18's 21M lines), on first use."""
+        return longest_line(self._offsets) + self._record_slack
 
     def get(self, number: int) -> tuple[str, str]:
         """(id, contents) of document `number` (0-based index order)."""

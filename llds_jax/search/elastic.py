@@ -15,7 +15,9 @@ inner product itself (what faiss and Search-R1's server return). The `hnsw` vect
 third decimal. `num_candidates` (at least k) is the per-shard candidate list of the approximate search.
 
 Credentials come from the environment only and are never logged: `LLDS_ES_API_KEY` (an encoded API key), or
-`LLDS_ES_USER` with `LLDS_ES_PASSWORD` (basic auth). TLS certificates are verified unless `verify_certs` is false;
+`LLDS_ES_USER` with `LLDS_ES_PASSWORD` (basic auth). User info in a host URL (`https://elastic:PASSWORD@host:9200`;
+the password may hold unencoded `/ # ? @ :` and spaces, `llds_jax.redaction`) is percent-encoded for the client,
+which sends it as basic auth, and is in no message. TLS certificates are verified unless `verify_certs` is false;
 `ca_certs` names a CA bundle file for private CAs.
 
 Client versions: the 9.x Python client sends `Accept: ...; compatible-with=9`, which ES 8 servers reject with
@@ -27,12 +29,12 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import elasticsearch
 
+from llds_jax import redaction
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import (BatchedRetriever, Document, RetrieverUnavailableError, SearchResult,
                                    check_k)
@@ -115,27 +117,29 @@ def parse_hosts(hosts: str | Sequence[str]) -> list[str]:
 
 
 def hosts_for_display(hosts: Sequence[str]) -> str:
-    """The host URLs with any user:password@ removed, for messages."""
-    shown = []
-    for host in hosts:
-        parts = urllib.parse.urlsplit(host)
-        netloc = parts.netloc.rsplit("@", 1)[-1]
-        shown.append(urllib.parse.urlunsplit(parts._replace(netloc=netloc)))
-    return ",".join(shown)
+    """The host URLs with any user:password@ removed (found as `llds_jax.redaction` finds it; a host without a
+    scheme, which no client accepts, loses everything up to its last `@`), for messages."""
+    shown = [redaction.split_userinfo(host)[0] for host in hosts]
+    return ",".join(host if "://" in host else host.rpartition("@")[2] for host in shown)
 
 
 def make_client(hosts: Sequence[str], *, timeout_s: float | None, verify_certs: bool = True,
                 ca_certs: str | None = None) -> elasticsearch.AsyncElasticsearch:
     """An AsyncElasticsearch client for `hosts` with env credentials; the client itself never retries.
 
-    `timeout_s` bounds each request in seconds; None leaves that to the caller (the retriever's retry policy).
+    `timeout_s` bounds each request in seconds; None leaves that to the caller (the retriever's retry policy). User
+    info in a host URL is percent-encoded (the client's URL parser needs it so); a host the client rejects raises
+    ValueError with the URL redacted.
     """
     if not verify_certs:
         log.warning("elasticsearch at %s: TLS certificate verification is OFF", hosts_for_display(hosts))
     options = {"ca_certs": ca_certs} if ca_certs else {}
-    return elasticsearch.AsyncElasticsearch(
-        list(hosts), request_timeout=timeout_s, max_retries=0, retry_on_timeout=False,
-        verify_certs=verify_certs, **options, **auth_from_env())
+    try:
+        return elasticsearch.AsyncElasticsearch(
+            [redaction.encoded_userinfo(host) for host in hosts], request_timeout=timeout_s, max_retries=0,
+            retry_on_timeout=False, verify_certs=verify_certs, **options, **auth_from_env())
+    except ValueError as e:  # "Could not parse URL 'http://user:password@...'"
+        raise ValueError(f"elasticsearch hosts {hosts_for_display(hosts)}: {describe(e)}") from None
 
 
 def is_permanent(error: BaseException) -> bool:
@@ -156,12 +160,13 @@ class ElasticsearchRetriever(BatchedRetriever):
                  embedder: E5Embedder | None = None, vector_field: str = VECTOR_FIELD, num_candidates: int = 100):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.hosts = parse_hosts(hosts)
+        raw_hosts = parse_hosts(hosts)  # only the client sees them
+        self.hosts = [redaction.redact(host) for host in raw_hosts]
         self.index = index
         self.policy = policy
         self.batch_size = batch_size
-        self._where = f"elasticsearch backend at {hosts_for_display(self.hosts)} (index {index!r})"
-        self._client = make_client(self.hosts, timeout_s=None, verify_certs=verify_certs, ca_certs=ca_certs)
+        self._where = f"elasticsearch backend at {hosts_for_display(raw_hosts)} (index {index!r})"
+        self._client = make_client(raw_hosts, timeout_s=None, verify_certs=verify_certs, ca_certs=ca_certs)
         self._slots = asyncio.Semaphore(policy.max_concurrency)
         self.embedder, self.vector_field, self.num_candidates = embedder, vector_field, num_candidates
         self._embedding = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="es-embed")
@@ -202,7 +207,8 @@ class ElasticsearchRetriever(BatchedRetriever):
                 return [SearchResult([], str(e)) for _ in bodies]
         responses = response.body.get("responses") if isinstance(response.body, dict) else None
         if not isinstance(responses, list) or len(responses) != len(bodies):
-            message = f"{self._where} msearch: expected {len(bodies)} responses, got {str(response.body)[:200]}"
+            got = redaction.redact(str(response.body)[:200])
+            message = f"{self._where} msearch: expected {len(bodies)} responses, got {got}"
             return [SearchResult([], message) for _ in bodies]
         return [self._result(item) for item in responses]
 
@@ -211,7 +217,7 @@ class ElasticsearchRetriever(BatchedRetriever):
         if "error" in item:
             error = item["error"]
             reason = f"{error.get('type')}: {error.get('reason')}" if isinstance(error, dict) else str(error)
-            return SearchResult([], f"{self._where}: {reason}")
+            return SearchResult([], f"{self._where}: {redaction.redact(reason)}")
         try:
             return SearchResult([Document(id=str(hit["_source"].get("id", hit["_id"])),
                                           contents=hit["_source"]["contents"], score=self._score(hit["_score"]))

@@ -26,6 +26,9 @@ Config keys (a dict, or anything with `to_dict()` / `items()` such as ml_collect
 - http (a Search-R1 retrieval server, see http.py):
   - `url` (str, required): the endpoint, e.g. "http://127.0.0.1:8000/retrieve".
   - `batch_size` (int, 64): queries per POST.
+- elasticsearch and http, URLs: each needs a scheme (`http://`, `https://`); user info in one
+  (`https://elastic:PASSWORD@host:9200`, the password may hold unencoded `/ # ? @ :` and spaces) is sent as basic
+  auth and shown as `***@` in every message (`llds_jax.redaction`); no message quotes a key's value unredacted.
 - elasticsearch and http, requests (see retry.py): `timeout_s` (float, 10.0) per attempt, `max_retries` (int, 3),
   `backoff_s` (float, 0.5) first pause before a retry, doubled each time, `max_concurrency` (int, 8) requests in
   flight.
@@ -37,6 +40,7 @@ from typing import Any
 
 import ml_collections
 
+from llds_jax import redaction
 from llds_jax.search.retry import RequestPolicy
 from llds_jax.search.types import Retriever
 
@@ -59,6 +63,26 @@ _SPECS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
 BACKENDS = tuple(_SPECS)
 _CHOICES = {"encoder_dtype": ("float32", "bfloat16")}
 _POSITIVE = ("workers", "max_length", "encoder_batch_size", "num_candidates", "batch_size")
+_URL_KEYS = ("url", "hosts")
+
+
+def _shown(value: Any) -> str:
+    """`repr(value)` for a message, URL user info redacted."""
+    return redaction.redact(repr(value))
+
+
+def _check_urls(key: str, value: str | list | tuple) -> None:
+    """Raises ValueError unless every URL of `value` (one, a list, or a comma-separated string of hosts) has a
+    scheme; the message does not quote the URL (without a scheme its user info could not be found)."""
+    if isinstance(value, str):
+        urls = [u for u in value.split(",") if u.strip()] if key == "hosts" else [value]
+    else:
+        urls = list(value)
+    for i, url in enumerate(urls):
+        if not isinstance(url, str) or not redaction.SCHEME.match(url.strip()):
+            which = f"entry {i + 1} of " if len(urls) > 1 else ""
+            raise ValueError(f"retriever config key {key!r}: {which}the value needs a scheme (http:// or https://),"
+                             f" e.g. http://127.0.0.1:9200")
 
 
 def _as_dict(cfg: Any) -> dict:
@@ -88,11 +112,14 @@ def resolve_config(cfg: Any) -> dict:
         is_bool = isinstance(value, bool)
         if not isinstance(value, types) or (is_bool and bool not in types):
             names = " or ".join(t.__name__ for t in types)
-            raise ValueError(f"retriever config key {key!r} must be {names}, got {value!r}")
+            raise ValueError(f"retriever config key {key!r} must be {names}, got {_shown(value)}")
         if key in _CHOICES and value not in _CHOICES[key]:
-            raise ValueError(f"retriever config key {key!r} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+            raise ValueError(f"retriever config key {key!r} must be one of {', '.join(_CHOICES[key])}, got "
+                             f"{_shown(value)}")
         if key in _POSITIVE and value < 1:
             raise ValueError(f"retriever config key {key!r} must be >= 1, got {value!r}")
+        if key in _URL_KEYS:
+            _check_urls(key, value)
         resolved[key] = value
     return resolved
 

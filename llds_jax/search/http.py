@@ -4,14 +4,20 @@ Protocol (docs/search-r1-protocol.md): `POST {url}` with `{"queries": [str, ...]
 returns `{"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...], ...]}`, one list per query
 in order. A batch is sent as requests of `batch_size` queries, at most `max_concurrency` in flight, each under the
 timeout/retry policy of `retry.py`.
+
+User info in the URL (`http://user:password@host:8000/retrieve`, the password may hold unencoded `/ # ? @ :` and
+spaces) is sent as basic auth, never as part of the request URL, and every message shows the URL as
+`llds_jax.redaction.redact` makes it (`http://***@host:8000/retrieve`).
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
 import aiohttp
 
+from llds_jax import redaction
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import BatchedRetriever, Document, RetrieverUnavailableError, SearchResult
 
@@ -35,6 +41,17 @@ def is_permanent(error: BaseException) -> bool:
     return not isinstance(error, aiohttp.ClientError)
 
 
+def request_target(url: str) -> tuple[str, dict[str, str]]:
+    """(`url` without its user info, the request headers: that user info as a basic-auth `Authorization` header,
+    UTF-8 as RFC 7617 has it, or none without one); the user info found and percent-decoded as
+    `llds_jax.redaction.credentials` does."""
+    found = redaction.credentials(url)
+    if found is None:
+        return url, {}
+    bare, user, password = found
+    return bare, {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
 def parse_response(payload: object, num_queries: int) -> list[list[Document]]:
     """Documents per query from a `return_scores: true` response; raises ResponseShapeError on any mismatch."""
     if not isinstance(payload, dict) or not isinstance(payload.get("result"), list):
@@ -50,14 +67,18 @@ def parse_response(payload: object, num_queries: int) -> list[list[Document]]:
 
 
 class HttpRetriever(BatchedRetriever):
-    """Searches through the Search-R1 retrieval server at `url` (the full endpoint, e.g. http://host:8000/retrieve)."""
+    """Searches through the Search-R1 retrieval server at `url` (the full endpoint, e.g. http://host:8000/retrieve).
+
+    `url` (the attribute) is the redacted URL, for messages; requests go to the URL without its user info, with
+    that user info as basic auth."""
 
     backend = "http"
 
     def __init__(self, url: str, *, policy: RequestPolicy = RequestPolicy(), batch_size: int = 64):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.url = url
+        self.url = redaction.redact(url)
+        self._endpoint, self._headers = request_target(url)
         self.policy = policy
         self.batch_size = batch_size
         self._slots = asyncio.Semaphore(policy.max_concurrency)
@@ -70,7 +91,7 @@ class HttpRetriever(BatchedRetriever):
 
     async def _post(self, session: aiohttp.ClientSession, queries: list[str], k: int) -> list[list[Document]]:
         body = {"queries": queries, "topk": k, "return_scores": True}
-        async with session.post(self.url, json=body) as response:
+        async with session.post(self._endpoint, json=body, headers=self._headers) as response:
             text = await response.text()
             if response.status != 200:
                 raise HttpStatusError(response.status, text)

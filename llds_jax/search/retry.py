@@ -3,6 +3,9 @@
 A call is tried up to `1 + max_retries` times; each attempt is cut off after `timeout_s` seconds; before retry i
 (1-based) it sleeps `backoff_s * 2 ** (i - 1)` seconds. The worst case before giving up is therefore
 `(1 + max_retries) * timeout_s + backoff_s * (2 ** max_retries - 1)` seconds (`RequestPolicy.worst_case_s`).
+
+Every message (the retry warnings, GiveUpError, `describe`) shows URLs as `llds_jax.redaction.redact` makes them: a
+client library's error text may hold the URL with its user info.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from llds_jax import redaction
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -50,8 +55,10 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], policy: Request
                             is_permanent: Callable[[BaseException], bool]) -> T:
     """Awaits `attempt()` under `policy`; raises GiveUpError naming `what` when it cannot succeed.
 
-    `is_permanent(error)` says an error will not go away on retry (a bad request): it stops at once.
+    `is_permanent(error)` says an error will not go away on retry (a bad request): it stops at once. URL user info
+    in `what` is redacted.
     """
+    what = redaction.redact(what)
     last: BaseException | None = None
     for i in range(1 + policy.max_retries):
         if i:
@@ -72,8 +79,8 @@ async def call_with_retries(attempt: Callable[[], Awaitable[T]], policy: Request
 
 
 def describe(error: BaseException | None) -> str:
-    """A one-line description of an error: its type and message."""
-    name, text = type(error).__name__, str(error).strip()
+    """A one-line description of an error: its type and message, URL user info redacted (`redaction.redact`)."""
+    name, text = type(error).__name__, redaction.redact(str(error).strip())
     if not text:
         return name
     return text if text.startswith(name) else f"{name}: {text}"

@@ -15,19 +15,25 @@ Endpoints:
 
 Limits (`Limits`, one flag each): `topk` above `--max-topk`, more queries than `--max-queries` or a response
 (JSON) above `--max-response-bytes` get 400, a body above `--max-request-bytes` 413; the `{"error": message}`
-names the flag, its value and what the request had.
+names the flag, its value and what the request had. A body nesting arrays or objects too deeply to parse gets 400.
+The response size is checked twice: before any search, against `response_bound` when the backend knows the most
+bytes one document takes (`max_document_bytes`: the embedded bm25 and faiss backends), and exactly while it is
+encoded. Queries are searched in calls of at most `CHUNK_DOCUMENTS` documents and each call's results are encoded
+at once, so a request holds at most its encoded answer (<= --max-response-bytes) and one call's documents; the
+answer is JSON in UTF-8 (as Search-R1's FastAPI server sends it), sent without being copied whole.
 A start-up failure (bad config, missing index, unavailable backend, address in use) is one line on stderr,
 `python -m llds_jax.search.server: error: <reason>`, and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import logging
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from aiohttp import web
 
@@ -38,6 +44,13 @@ log = logging.getLogger(__name__)
 PROG = "python -m llds_jax.search.server"
 EXIT_START_FAILED = 2
 RETRIEVER_KEY = web.AppKey("retriever", Retriever)
+EMPTY_RESPONSE = b'{"result": []}'
+SCORE_CHARS = 24  # the most characters json.dumps writes for a float: "-2.2250738585072014e-308"
+# What `return_scores` wraps around a document: {"document": DOC, "score": SCORE}.
+SCORED_EXTRA_BYTES = len('{"document": , "score": }') + SCORE_CHARS
+# Documents one backend call may return (it gets CHUNK_DOCUMENTS // topk queries, at least one): what a request
+# holds in memory as Python objects at a time, ~9 MB of wiki-18 passages.
+CHUNK_DOCUMENTS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,23 +97,61 @@ def parse_request(body: object, default_topk: int, limits: Limits = Limits()) ->
     return queries, topk, return_scores
 
 
-def encode_response(results: Sequence[SearchResult], return_scores: bool, max_bytes: int) -> bytes:
-    """The JSON body `{"result": [...]}` (json.dumps' ASCII form), one list per result; raises
-    ResponseTooLargeError as soon as it would pass `max_bytes`, before the rest is encoded."""
-    parts: list[str] = []
-    size = len('{"result": []}')
-    for done, r in enumerate(results):
-        if return_scores:
-            items = [{"document": {"id": d.id, "contents": d.contents}, "score": d.score} for d in r.docs]
-        else:
-            items = [{"id": d.id, "contents": d.contents} for d in r.docs]
-        parts.append(json.dumps(items))
-        size += len(parts[-1]) + (2 if done else 0)  # ", " between lists
-        if size > max_bytes:
-            raise ResponseTooLargeError(
-                f"the response would pass {max_bytes} bytes (--max-response-bytes): {size} bytes after"
-                f' {done + 1} of {len(results)} queries; ask for fewer queries or a smaller "topk"')
-    return ('{"result": [' + ", ".join(parts) + "]}").encode()
+def encode_result(result: SearchResult, return_scores: bool) -> bytes:
+    """One query's list of documents as JSON in UTF-8 (json.dumps' separators; a lone surrogate as its \\u
+    escape)."""
+    if return_scores:
+        items = [{"document": {"id": d.id, "contents": d.contents}, "score": d.score} for d in result.docs]
+    else:
+        items = [{"id": d.id, "contents": d.contents} for d in result.docs]
+    return json.dumps(items, ensure_ascii=False).encode("utf-8", "backslashreplace")
+
+
+def response_bound(num_queries: int, topk: int, return_scores: bool, document_bytes: int) -> int:
+    """The size in bytes of the largest body `ResponseBody` can make from `num_queries` results of at most `topk`
+    documents each, when one document's `{"id": ..., "contents": ...}` takes at most `document_bytes` bytes: every
+    list full, every score SCORE_CHARS long."""
+    if num_queries == 0:
+        return len(EMPTY_RESPONSE)
+    item = document_bytes + (SCORED_EXTRA_BYTES if return_scores else 0)
+    # '{"result": [' + lists + ']}', ", " after every list but the last; a list is '[' + items + ']', ", " after
+    # every item but the last.
+    return len(EMPTY_RESPONSE) + num_queries * (topk * (item + 2) + 2) - 2
+
+
+class ResponseBody:
+    """The JSON body `{"result": [...]}` (UTF-8), built from the results of `num_queries` queries in order, one
+    backend call at a time. `add` raises ResponseTooLargeError as soon as the body would pass `max_bytes`. The body
+    is held as one byte string per `add`, never joined: `take` hands them out, dropping each."""
+
+    def __init__(self, num_queries: int, return_scores: bool, max_bytes: int):
+        self.num_queries, self.return_scores, self.max_bytes = num_queries, return_scores, max_bytes
+        self.size = len(EMPTY_RESPONSE)  # bytes
+        self.done = 0  # queries encoded
+        self._parts: collections.deque[bytes] = collections.deque([b'{"result": ['])
+
+    def add(self, results: Sequence[SearchResult]) -> None:
+        """Encodes the next results (queries `done`, `done` + 1, ...)."""
+        if not results:
+            return
+        if self.done:
+            self._parts.append(b", ")
+        lists = []
+        for r in results:
+            lists.append(encode_result(r, self.return_scores))
+            self.size += len(lists[-1]) + (2 if self.done else 0)  # ", " between lists
+            self.done += 1
+            if self.size > self.max_bytes:
+                raise ResponseTooLargeError(
+                    f"the response would pass {self.max_bytes} bytes (--max-response-bytes): {self.size} bytes"
+                    f' after {self.done} of {self.num_queries} queries; ask for fewer queries or a smaller "topk"')
+        self._parts.append(b", ".join(lists))
+
+    def take(self) -> Iterator[bytes]:
+        """The body's byte strings in order, each dropped from the body as it is handed out."""
+        while self._parts:
+            yield self._parts.popleft()
+        yield b"]}"
 
 
 async def _read_json(request: web.Request, max_bytes: int) -> object:
@@ -111,10 +162,54 @@ async def _read_json(request: web.Request, max_bytes: int) -> object:
     return await request.json()
 
 
+def _bound_error(num_queries: int, topk: int, return_scores: bool, document_bytes: int | None,
+                 max_bytes: int) -> web.Response | None:
+    """The 400 for a request whose `response_bound` passes `max_bytes`; None when it fits or the backend gives no
+    `document_bytes`."""
+    if document_bytes is None:
+        return None
+    bound = response_bound(num_queries, topk, return_scores, document_bytes)
+    if bound <= max_bytes:
+        return None
+    return _error(f"the response could pass {max_bytes} bytes (--max-response-bytes): up to {bound} bytes for"
+                  f" {num_queries} queries x topk {topk} (the longest document takes {document_bytes} bytes);"
+                  ' ask for fewer queries or a smaller "topk"')
+
+
+async def _search_into(body: ResponseBody, retriever: Retriever, queries: list[str], topk: int,
+                       searched: int) -> web.Response | None:
+    """Searches `queries` (the next after `searched` of the request's) and adds their results to `body`; the error
+    response when the backend failed or the body passed its limit, else None."""
+    results = await retriever.search(queries, topk)
+    failed = [r.error for r in results if r.error is not None]
+    if failed:
+        searched += len(queries)
+        rest = body.num_queries - searched
+        return _error(f"{len(failed)} of {searched} queries failed"
+                      + (f" (the other {rest} were not searched)" if rest else "") + f": {failed[0]}", status=503)
+    try:
+        body.add(results)
+    except ResponseTooLargeError as e:
+        return _error(str(e))
+    return None
+
+
+async def _send(request: web.Request, body: ResponseBody) -> web.StreamResponse:
+    """A 200 with `body`, written part by part (never copied whole)."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+    response.content_length = body.size
+    await response.prepare(request)
+    for part in body.take():
+        await response.write(part)
+    await response.write_eof()
+    return response
+
+
 def build_app(retriever: Retriever, *, default_topk: int = 3, limits: Limits = Limits()) -> web.Application:
     """The aiohttp application serving `retriever` under `limits`; it closes the retriever on cleanup."""
+    document_bytes = getattr(retriever, "max_document_bytes", None)  # the embedded backends know it
 
-    async def retrieve(request: web.Request) -> web.Response:
+    async def retrieve(request: web.Request) -> web.StreamResponse:
         try:
             queries, topk, return_scores = parse_request(await _read_json(request, limits.max_request_bytes),
                                                          default_topk, limits)
@@ -124,17 +219,20 @@ def build_app(retriever: Retriever, *, default_topk: int = 3, limits: Limits = L
                           f" got {got}", status=413)
         except json.JSONDecodeError:
             return _error("the body is not valid JSON")
+        except RecursionError:
+            return _error("the body nests JSON arrays or objects too deeply to parse")
         except ValueError as e:
             return _error(str(e))
-        results = await retriever.search(queries, topk)
-        failed = [r.error for r in results if r.error is not None]
-        if failed:
-            return _error(f"{len(failed)} of {len(queries)} queries failed: {failed[0]}", status=503)
-        try:
-            body = encode_response(results, return_scores, limits.max_response_bytes)
-        except ResponseTooLargeError as e:
-            return _error(str(e))
-        return web.Response(body=body, content_type="application/json")
+        refused = _bound_error(len(queries), topk, return_scores, document_bytes, limits.max_response_bytes)
+        if refused is not None:
+            return refused
+        body = ResponseBody(len(queries), return_scores, limits.max_response_bytes)
+        per_call = max(1, CHUNK_DOCUMENTS // topk)
+        for start in range(0, len(queries), per_call):
+            failure = await _search_into(body, retriever, queries[start:start + per_call], topk, start)
+            if failure is not None:
+                return failure
+        return await _send(request, body)
 
     async def health(request: web.Request) -> web.Response:
         try:

@@ -15,6 +15,11 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
   reports are dropped, `drop_orphaned_read_errors`); once one restores, the unreadable newer steps are moved aside
   to `<step>.unreadable-<unix time>` (so the resumed run can save those step numbers again).
   Each attempt is agreed between hosts (`distributed.any_process`), so all hosts resume from the same step.
+- Every write and read is a bounded storage operation (llds_jax.storage): a failed write (a disk full or
+  read-only, a GCS endpoint gone) raises one StorageError naming the step, the folder and the reason, and the
+  reports orbax's background threads log about it are dropped (the error reaches the caller at the next save,
+  wait or close); a write or read that stops answering ends the process after `timeout_s`. After a failed write,
+  `close` waits for nothing more.
 - On several hosts every process calls `save`, `restore*` and `wait_until_finished` at the same point (each writes
   and reads its own shards; orbax synchronizes them).
 - Restored arrays take the shardings of the targets (`jax.Array`s or `jax.ShapeDtypeStruct`s with a `sharding`),
@@ -23,6 +28,7 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from llds_jax import distributed
+from llds_jax import distributed, storage
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +94,19 @@ def _keeps_asyncio_record(record: logging.LogRecord) -> bool:
     if frames:
         return not any(_in_orbax(frame.filename) for frame in frames)
     return not _TENSORSTORE_READ_ERROR.match(str(error))
+
+
+def _keeps_absl_record(record: logging.LogRecord) -> bool:
+    """False for orbax's own report of a failed background save (an error with its traceback, logged from its
+    threads): the Checkpointer raises that failure as one StorageError."""
+    return not (record.levelno >= logging.ERROR and record.exc_info and _in_orbax(record.pathname))
+
+
+def drop_orbax_save_reports() -> None:
+    """Makes the process drop orbax's reports of failed background saves (see _keeps_absl_record). Idempotent."""
+    absl_logger = logging.getLogger("absl")
+    if _keeps_absl_record not in absl_logger.filters:
+        absl_logger.addFilter(_keeps_absl_record)
 
 
 def drop_orphaned_read_errors() -> None:
@@ -162,9 +181,11 @@ class Checkpointer:
       save_every: `should_save(step)` is true every `save_every` steps.
       keep: how many of the newest steps to keep.
       async_save: write in the background (False: `save` returns when the step is on disk).
+      timeout_s: seconds a save, wait, restore or close may take before the process ends (llds_jax.storage).
     """
 
-    def __init__(self, directory: str, save_every: int, keep: int, async_save: bool = True):
+    def __init__(self, directory: str, save_every: int, keep: int, async_save: bool = True,
+                 timeout_s: float = storage.DEFAULT_TIMEOUT_S):
         if save_every <= 0:
             raise ValueError(f"checkpoint.save_every must be positive, got {save_every}")
         if keep <= 0:
@@ -172,11 +193,26 @@ class Checkpointer:
         # Orbax needs absolute paths (a relative one fails when an async save finalizes).
         self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         self.save_every = save_every
+        self.timeout_s = timeout_s
+        self.failed = False  # a write failed: close() waits for nothing more
+        self._pending: int | None = None  # the step whose background save may still run
+        drop_orbax_save_reports()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        with self._operation("opening the checkpoint folder"):
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    @contextlib.contextmanager
+    def _operation(self, what: str, convert: bool = True):
+        """A storage operation on the folder (llds_jax.storage); a failure marks the checkpointer failed."""
+        try:
+            with storage.operation(what, self.directory, self.timeout_s, convert=convert):
+                yield
+        except storage.StorageError:
+            self.failed = True
+            raise
 
     def should_save(self, step: int) -> bool:
         """True when `step` is a positive multiple of `save_every`."""
@@ -205,11 +241,18 @@ class Checkpointer:
                  "meta": ocp.args.JsonSave({"step": step, "meta": dict(meta)})}
         if jax.tree.leaves(opt_state):  # a stateless optimizer (e.g. optax.sgd) has nothing to save
             items["opt_state"] = ocp.args.StandardSave(opt_state)
-        return self._manager.save(step, args=ocp.args.Composite(**items))
+        self.wait_until_finished()  # a failure of the previous save is reported as that step's
+        with self._operation(f"saving checkpoint step {step} to"):
+            saved = self._manager.save(step, args=ocp.args.Composite(**items))
+        self._pending = step if saved else None
+        return saved
 
     def wait_until_finished(self) -> None:
         """Blocks until the last save is complete on disk (and old steps are deleted)."""
-        self._manager.wait_until_finished()
+        with self._operation(f"saving checkpoint step {self._pending} to" if self._pending is not None
+                             else "writing checkpoints to"):
+            self._manager.wait_until_finished()
+        self._pending = None
 
     def restore(self, step: int, params_target: Any, opt_state_target: Any = None) -> Restored:
         """Restores `step` onto the targets' shardings; `opt_state_target=None` skips the optimizer state.
@@ -255,6 +298,10 @@ class Checkpointer:
         run; nothing is moved), and CheckpointMismatchError at once when the targets do not fit the newest step.
         """
         drop_orphaned_read_errors()  # before any read: a failed read's orphans may report before it raises
+        with self._operation("restoring the newest checkpoint from", convert=False):
+            return self._restore_latest(params_target, opt_state_target)
+
+    def _restore_latest(self, params_target: Any, opt_state_target: Any) -> Restored | None:
         failures = {}
         for step in reversed(self.all_steps()):
             error = None
@@ -289,5 +336,9 @@ class Checkpointer:
         distributed.barrier(f"checkpoint_move_aside_{step}")  # every host sees the rename before listing steps
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager."""
-        self._manager.close()
+        """Waits for pending saves and releases the manager; after a failed write only releases it."""
+        if self.failed:
+            return
+        self.wait_until_finished()
+        with self._operation("closing the checkpoint folder"):
+            self._manager.close()

@@ -35,7 +35,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX import summary
 
-from llds_jax import gcs
+from llds_jax import gcs, storage
 
 # (label, metric name, format) of the console line; format is "num", "pct" or "si".
 CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -182,12 +182,14 @@ class MetricsWriter:
       console_fields: (label, metric name, "num" | "pct" | "si") of the console line.
       flush_secs: how often files are flushed, in seconds (also on `flush` and `close`).
       clock: seconds, monotonic (for the ETA; injectable for tests).
+      timeout_s: seconds a write may take before the process ends (llds_jax.storage); a failed write raises
+        StorageError naming the run folder.
     """
 
     def __init__(self, log_dir: str, total_steps: int | None = None, start_step: int = 0,
                  process_index: int | None = None, console: TextIO | None = sys.stdout,
                  console_fields: Sequence[tuple[str, str, str]] = CONSOLE_FIELDS, flush_secs: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, timeout_s: float = storage.DEFAULT_TIMEOUT_S):
         if process_index is None:
             process_index = jax.process_index()
         for label, name, kind in console_fields:
@@ -200,18 +202,24 @@ class MetricsWriter:
         self.console_fields = tuple(console_fields)
         self.flush_secs = flush_secs
         self.clock = clock
+        self.log_dir, self.timeout_s = log_dir, timeout_s
         self._first: tuple[int, float] | None = None  # (step, clock) of the first write, for the ETA
         self._last_flush = clock()
         if not self.active:
             return
         root = epath.Path(log_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        self._tb_dir = root / "tensorboard"
-        self._staging = tempfile.TemporaryDirectory(prefix="llds_tensorboard_") if gcs.is_gcs(log_dir) else None
-        # The suffix keeps a resumed writer from reusing the file name (unix seconds + host) of the last one.
-        self._tb = EventFile(self._staging.name if self._staging else str(self._tb_dir),
-                             purge_step=start_step or None, suffix=f".from-step-{start_step}")
-        self._jsonl = _JsonlLog(root / "metrics.jsonl", start_step)
+        with self._writing():
+            root.mkdir(parents=True, exist_ok=True)
+            self._tb_dir = root / "tensorboard"
+            self._staging = tempfile.TemporaryDirectory(prefix="llds_tensorboard_") if gcs.is_gcs(log_dir) else None
+            # The suffix keeps a resumed writer from reusing the file name (unix seconds + host) of the last one.
+            self._tb = EventFile(self._staging.name if self._staging else str(self._tb_dir),
+                                 purge_step=start_step or None, suffix=f".from-step-{start_step}")
+        self._jsonl = _JsonlLog(root / "metrics.jsonl", start_step)  # its errors name the bad line
+
+    def _writing(self):
+        """The writes of the metrics as one storage operation on the run folder (llds_jax.storage)."""
+        return storage.operation("writing metrics to", self.log_dir, self.timeout_s)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:
         """Writes scalar metrics of `step` (numbers, numpy or jax scalars) everywhere."""
@@ -222,11 +230,12 @@ class MetricsWriter:
             if name in RESERVED_KEYS:
                 raise ValueError(f"metric name {name!r} is reserved (JSONL record keys {RESERVED_KEYS})")
             values[name] = _scalar(name, value)
-        for name, value in values.items():
-            if math.isfinite(value):
-                self._tb.add_scalar(name, value, step)
-        self._jsonl.append({"step": step, "time": time.time(),
-                            **{k: (v if math.isfinite(v) else None) for k, v in values.items()}})
+        with self._writing():
+            for name, value in values.items():
+                if math.isfinite(value):
+                    self._tb.add_scalar(name, value, step)
+            self._jsonl.append({"step": step, "time": time.time(),
+                                **{k: (v if math.isfinite(v) else None) for k, v in values.items()}})
         now = self.clock()
         if self.console is not None:
             print(console_line(step, values, self.console_fields, self.total_steps, self._eta(step, now)),
@@ -246,15 +255,17 @@ class MetricsWriter:
         """Text summaries (e.g. `{"samples/0": transcript}`), shown verbatim in TensorBoard's text tab."""
         if not self.active:
             return
-        for name, text in texts.items():
-            self._tb.add_text(name, as_preformatted(text), step)
+        with self._writing():
+            for name, text in texts.items():
+                self._tb.add_text(name, as_preformatted(text), step)
 
     def flush(self) -> None:
         if not self.active:
             return
-        self._tb.flush()
-        self._upload_events()
-        self._jsonl.flush()
+        with self._writing():
+            self._tb.flush()
+            self._upload_events()
+            self._jsonl.flush()
         self._last_flush = self.clock()
 
     def _upload_events(self) -> None:
@@ -267,7 +278,8 @@ class MetricsWriter:
         if not self.active:
             return
         self.flush()
-        self._tb.close()
+        with self._writing():
+            self._tb.close()
         if self._staging is not None:
             self._staging.cleanup()
         self.active = False

@@ -1,10 +1,21 @@
 """Graceful stop on SIGTERM (TPU maintenance, spot preemption, `kill`) and SIGINT (Ctrl-C).
 
-The handler only records the signal; the training loop polls `guard.should_stop()` once per step, saves a
-checkpoint and exits 0. A second SIGINT raises KeyboardInterrupt at once, so Ctrl-C twice still aborts a hung run.
+A spot VM gets about 30 s from the notice to the kill, so a stop must end the process within seconds in every
+phase of a run (docs/reliability.md). The guard is installed when the command starts and is in one of two modes:
+
+- **abort** (start-up, loading, the retriever's start-up check, the evaluation of the start, eval and export
+  modes): there is no state worth saving (a rerun repeats the work), so the signal raises `StopRequested` in the
+  main thread at once; the command ends with exit status 0.
+- **defer** (the training loop, `defer()`): the handler only records the signal; the loop polls
+  `guard.should_stop()` between sampler sessions, between updates and at the end of each step, saves a checkpoint
+  and exits 0. Searches in flight are abandoned (`requested`), never retried, once a stop is requested.
+
+A second SIGINT raises KeyboardInterrupt at once, so Ctrl-C twice still aborts a hung run.
 
 Usage:
   with PreemptionGuard() as guard:
+      ... start-up: a signal raises StopRequested ...
+      guard.defer()
       for step in ...:
           ...
           if guard.should_stop():
@@ -17,18 +28,30 @@ import logging
 import signal
 import types
 
-from llds_jax import distributed
+from llds_jax import distributed, storage
 
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class PreemptionGuard:
-    """Context manager that installs the SIGTERM/SIGINT handlers and restores the previous ones on exit."""
+class StopRequested(Exception):
+    """A stop signal arrived while there was nothing to save (`phase`, e.g. "start-up"): the command ends with exit
+    status 0 and the same command starts the work again."""
 
-    def __init__(self):
+    def __init__(self, signal_name: str, phase: str):
+        super().__init__(f"stopped by {signal_name} during {phase}: nothing to save; the same command starts again")
+        self.signal_name, self.phase = signal_name, phase
+
+
+class PreemptionGuard:
+    """Context manager that installs the SIGTERM/SIGINT handlers and restores the previous ones on exit. It starts
+    in abort mode (`phase` names what runs, for the message); `defer()` switches to recording the signal."""
+
+    def __init__(self, phase: str = "start-up"):
         self.signal_name: str | None = None  # name of the first signal received, e.g. "SIGTERM"
+        self.phase = phase
+        self._abort = True
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "PreemptionGuard":
@@ -36,10 +59,28 @@ class PreemptionGuard:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
+    def reinstall(self) -> None:
+        """Installs the handlers again, over those installed since (`jax.distributed.initialize` installs a
+        SIGTERM handler of its own, which would otherwise take the signal); `__exit__` still restores the ones from
+        before `__enter__`."""
+        for signum in SIGNALS:
+            signal.signal(signum, self._handle)
+
     def __exit__(self, *exc_info) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        storage.clear_stop_request()
+
+    def abort_during(self, phase: str) -> None:
+        """Abort mode for `phase` (nothing to save): a signal raises StopRequested, at once if one came already."""
+        self.phase, self._abort = phase, True
+        if self.signal_name is not None:
+            raise StopRequested(self.signal_name, phase)
+
+    def defer(self) -> None:
+        """Defer mode: a signal is recorded for `should_stop()` and `requested`; the caller saves and exits."""
+        self._abort = False
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -47,11 +88,14 @@ class PreemptionGuard:
             raise KeyboardInterrupt(f"second signal ({name}) after {self.signal_name}")
         if self.signal_name is None:
             self.signal_name = name
-            log.warning("received %s: stopping after this step (checkpoint, then exit)", name)
+            storage.stop_requested()  # storage operations get a few seconds more, not their whole timeout
+            if self._abort:
+                raise StopRequested(name, self.phase)
+            log.warning("received %s: stopping (checkpoint, then exit)", name)
 
     @property
     def requested(self) -> bool:
-        """Whether this process received a stop signal."""
+        """Whether this process received a stop signal (no collective: enough to abandon work, e.g. searches)."""
         return self.signal_name is not None
 
     def should_stop(self) -> bool:

@@ -31,6 +31,7 @@ updates use the training params.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -45,7 +46,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from llds_jax import config as config_lib
-from llds_jax import checks, distributed, parallel
+from llds_jax import checks, distributed, parallel, storage
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
 from llds_jax.model import from_hf_config, hf_io
@@ -63,7 +64,7 @@ from llds_jax.train import evaluation
 from llds_jax.train.batching import global_batch, padded_length, rollout_batch, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
-from llds_jax.train.preemption import PreemptionGuard
+from llds_jax.train.preemption import PreemptionGuard, StopRequested
 from llds_jax.train.watchdog import Watchdog, search_counts
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,11 @@ class Trainer:
         # Last: nothing below raises, so an open retriever always reaches `close` (unclosed client sessions are
         # reported at exit).
         self.runner = asyncio.Runner()
-        self.retriever = open_retriever(cfg.retriever, self.runner)
+        try:
+            self.retriever = open_retriever(cfg.retriever, self.runner)
+        except BaseException:  # e.g. StopRequested in the middle of the check: no task of it outlives the runner
+            self.runner.close()
+            raise
         self.base_rng = jax.random.key(cfg.seed)
         self._lengths: set[int] = set()  # training batch lengths used so far
         self.watchdog = Watchdog(search_failure_rate=cfg.rollout.search_failure_rate,
@@ -189,19 +194,22 @@ class Trainer:
         return rollout_params(self.layout, params, self.cfg.rollout.params_dtype)
 
     def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array,
-                between_sessions: Optional[Callable[[], None]] = None) -> agent.Rollout:
+                between_sessions: Optional[Callable[[], None]] = None,
+                stopping: Optional[Callable[[], bool]] = None) -> agent.Rollout:
         """n samples of each of this host's prompts through the agent loop (the samples of prompt i form group
-        i); sequence ids count from this host's first row of the global batch."""
+        i); sequence ids count from this host's first row of the global batch. `between_sessions` and `stopping`:
+        as for `agent.rollout`."""
         n = self.cfg.data.samples_per_prompt
         examples = [ex for ex in prompts for _ in range(n)]
         return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, examples,
                              rng, self.agent_cfg, runner=self.runner,
-                             first_sequence=jax.process_index() * len(examples), between_sessions=between_sessions)
+                             first_sequence=jax.process_index() * len(examples), between_sessions=between_sessions,
+                             stopping=stopping)
 
     def stop_check(self, guard: Optional[PreemptionGuard], phase: str) -> Optional[Callable[[], None]]:
         """A function that raises StepInterrupted(phase) when a stop was requested on any host (a collective), or
         None when stops wait for the end of the step (no guard, or train.stop_within_step off)."""
-        if guard is None or not self.cfg.train.stop_within_step:
+        if not self.stops_within_step(guard):
             return None
 
         def check() -> None:
@@ -209,6 +217,11 @@ class Trainer:
                 raise StepInterrupted(phase)
 
         return check
+
+    def stops_within_step(self, guard: Optional[PreemptionGuard]) -> bool:
+        """Whether a stop request cuts the step short (a guard and train.stop_within_step): its searches in flight
+        are then abandoned."""
+        return guard is not None and self.cfg.train.stop_within_step
 
     def check_searches(self, trajectories: Sequence[Trajectory]) -> None:
         """The watchdog's count of the step's failed searches (over every host; a collective)."""
@@ -226,7 +239,8 @@ class Trainer:
         start = time.perf_counter()
         in_rollout = self.stop_check(guard, "rollout")
         rollout = self.rollout(state.params, next(self.data), jax.random.fold_in(self.base_rng, step),
-                               between_sessions=in_rollout)
+                               between_sessions=in_rollout,
+                               stopping=(lambda: guard.requested) if self.stops_within_step(guard) else None)
         rollout_s = time.perf_counter() - start
         shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
         batch = self.rollout_batch(rollout.trajectories).with_rewards(em_rewards(rollout.trajectories))
@@ -242,12 +256,13 @@ class Trainer:
 
     def after_rollout(self, trajectories: Sequence[Trajectory], step: int, rollout_s: float,
                       in_rollout: Optional[Callable[[], None]]) -> dict[str, float]:
-        """Between the rollout and the updates: the watchdog's count of failed searches, a stop check, and the
-        sampler's shape buckets frozen after the first rollout (`perf/compile_grid_s` when that compiled)."""
-        self.check_searches(trajectories)
-        log.info("step %d: %d trajectories sampled in %.1f s; updates next", step, len(trajectories), rollout_s)
+        """Between the rollout and the updates: a stop check (first: a stopped rollout holds no trajectories), the
+        watchdog's count of failed searches, and the sampler's shape buckets frozen after the first rollout
+        (`perf/compile_grid_s` when that compiled)."""
         if in_rollout is not None:
             in_rollout()
+        self.check_searches(trajectories)
+        log.info("step %d: %d trajectories sampled in %.1f s; updates next", step, len(trajectories), rollout_s)
         if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
             grid_start = time.perf_counter()
             if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):
@@ -288,39 +303,54 @@ class Trainer:
         return evaluation.stratified_subset(self.eval_examples, size, self.cfg.seed)
 
     def evaluate(self, params, examples: Sequence[QAExample], out_dir: Optional[epath.Path] = None,
-                 prefix: str = "eval") -> dict[str, float]:
+                 prefix: str = "eval", stopping: Optional[Callable[[], bool]] = None) -> dict[str, float]:
         """Greedy rollouts with eval.max_turns; EM and searches per question per data_source, and their unweighted
         means (`{prefix}/em_*`, `{prefix}/searches_*`).
 
         On several hosts every host evaluates every example on its own devices (same results; only process 0
-        writes them)."""
+        writes them). `stopping` (this host's stop request, as for `agent.rollout`): once true, the evaluation is
+        abandoned with StepInterrupted("evaluation")."""
         trajectories = []
         size = self.cfg.eval.batch_size
         params = self.rollout_params(params)
         for first in range(0, len(examples), size):
             rollout = agent.rollout(self.eval_sampler, params, self.tokenizer, self.retriever,
                                     list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
-                                    runner=self.runner)
+                                    runner=self.runner, stopping=stopping)
+            if rollout.stopped or (stopping is not None and stopping()):
+                raise StepInterrupted("evaluation")
             trajectories += rollout.trajectories
         if self.cfg.rollout.reuse_buckets:  # evaluations are few: reuse their buckets, compile no grid ahead
             self.eval_sampler.freeze_shapes(grid=False)
         table, searches = evaluation.em_table(trajectories), evaluation.searches_table(trajectories)
         if out_dir is not None and self.is_main:
-            evaluation.write_results(out_dir, trajectories, table, searches, self.tokenizer)
+            with storage.operation("writing evaluation results to", out_dir, self.cfg.train.storage_timeout_s):
+                evaluation.write_results(out_dir, trajectories, table, searches, self.tokenizer)
         return {**{f"{prefix}/em_{source}": value for source, value in table.items()},
                 **{f"{prefix}/searches_{source}": value for source, value in searches.items()}}
 
     # ----- the loop ------------------------------------------------------------------------------------------------
-    def run(self) -> int:
-        """Trains until train.total_steps (or a stop signal); returns the last completed step."""
+    def run(self, guard: Optional[PreemptionGuard] = None) -> int:
+        """Trains until train.total_steps (or a stop signal); returns the last completed step.
+
+        `guard`: the command's PreemptionGuard (in abort mode until the loop starts: a stop while restoring or
+        evaluating the start raises StopRequested); without one the run installs its own."""
+        with contextlib.ExitStack() as stack:
+            if guard is None:
+                guard = stack.enter_context(PreemptionGuard())
+            return self._run(guard)
+
+    def _run(self, guard: PreemptionGuard) -> int:
         cfg = self.cfg
+        timeout_s = cfg.train.storage_timeout_s
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(config_lib.redacted(cfg).to_json_best_effort(indent=2))
+            with storage.operation("writing the run config to", self.run_dir, timeout_s):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.json").write_text(config_lib.redacted(cfg).to_json_best_effort(indent=2))
         state = self.step_fn.init_state()
         ref_params = self.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
         ckpt = Checkpointer(str(self.run_dir / "checkpoints"), save_every=cfg.train.checkpoint_every,
-                            keep=cfg.train.keep_checkpoints)
+                            keep=cfg.train.keep_checkpoints, timeout_s=timeout_s)
         start = 0
         restored = ckpt.restore_latest(state.params, state.opt_state)
         if restored is not None:
@@ -336,52 +366,74 @@ class Trainer:
             log.warning("resumed from step %d of %s", start, self.run_dir)
         # A fresh run that evaluates its start rewrites step 0's record too (the first attempt may have written it).
         first_record = start + 1 if start or not cfg.train.eval_at_start else 0
-        writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=first_record)
-        if start == 0 and cfg.train.eval_at_start and self.eval_examples:
-            writer.write(0, self.evaluate(state.params, self.eval_subset(cfg.eval.max_examples),
-                                          self.run_dir / "eval" / START_EVAL))
+        writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=first_record,
+                               timeout_s=timeout_s)
         step = saved = start
         try:
-            with PreemptionGuard() as guard:
-                for step in range(start + 1, cfg.train.total_steps + 1):
-                    unsaved = step - 1 > saved
-                    pre_step = PreStep(step - 1, self.data.state(), unsaved,
-                                       host_copy(state) if unsaved and cfg.train.stop_within_step else None)
-                    try:
-                        state, metrics, trajectories = self.train_step(state, ref_params, step, guard)
-                    except StepInterrupted as stop:  # between updates `state` is donated already: save the copy
-                        self._save_pre_step(ckpt, writer, pre_step, pre_step.copy if stop.phase == "updates" else state)
-                        log.warning("stop requested during the %s of step %d: saved the state before it, exiting",
-                                    stop.phase, step)
-                        step -= 1
-                        break
-                    except RetrieverUnavailableError as e:  # raised before the updates: `state` is the pre-step one
-                        self._save_pre_step(ckpt, writer, pre_step, state)
-                        raise RetrieverUnavailableError(f"{e}; the run is saved before step {step}: the same "
-                                                        f"command resumes there") from None
-                    del pre_step
-                    if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_examples:
-                        subset = self.eval_subset(cfg.train.eval_max_examples)
-                        metrics.update(self.evaluate(state.params, subset,
-                                                     self.run_dir / "eval" / f"step_{step}"))
-                    writer.write(step, metrics)
-                    if cfg.train.transcripts_every and step % cfg.train.transcripts_every == 0:
-                        writer.write_texts(step, {
-                            f"transcripts/{i}": evaluation.transcript_text(t, self.tokenizer)
-                            for i, t in enumerate(trajectories[:cfg.train.num_transcripts])})
-                    self.watchdog.check_updates(state.params)
-                    stop = guard.should_stop()
-                    if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
-                        self._save(ckpt, writer, step, state, self.data.state())
-                        saved = step
-                    if stop:
-                        log.warning("stop requested: saved step %d, exiting", step)
-                        break
-        finally:
-            ckpt.close()
-            writer.close()
+            guard.defer()
+            if start == 0 and cfg.train.eval_at_start and self.eval_examples:
+                self._evaluate_start(state, writer, guard)
+            for step in range(start + 1, cfg.train.total_steps + 1):
+                unsaved = step - 1 > saved
+                pre_step = PreStep(step - 1, self.data.state(), unsaved,
+                                   host_copy(state) if unsaved and cfg.train.stop_within_step else None)
+                try:
+                    state, metrics, trajectories = self.train_step(state, ref_params, step, guard)
+                except StepInterrupted as stop:  # between updates `state` is donated already: save the copy
+                    self._save_pre_step(ckpt, writer, pre_step, pre_step.copy if stop.phase == "updates" else state)
+                    log.warning("stop requested during the %s of step %d: saved the state before it, exiting",
+                                stop.phase, step)
+                    step -= 1
+                    break
+                except RetrieverUnavailableError as e:  # raised before the updates: `state` is the pre-step one
+                    self._save_pre_step(ckpt, writer, pre_step, state)
+                    raise RetrieverUnavailableError(f"{e}; the run is saved before step {step}: the same "
+                                                    f"command resumes there") from None
+                del pre_step
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_examples:
+                    self._evaluate_step(state, step, metrics, guard)
+                writer.write(step, metrics)
+                if cfg.train.transcripts_every and step % cfg.train.transcripts_every == 0:
+                    writer.write_texts(step, {
+                        f"transcripts/{i}": evaluation.transcript_text(t, self.tokenizer)
+                        for i, t in enumerate(trajectories[:cfg.train.num_transcripts])})
+                self.watchdog.check_updates(state.params)
+                stop = guard.should_stop()
+                if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
+                    self._save(ckpt, writer, step, state, self.data.state())
+                    saved = step
+                if stop:
+                    log.warning("stop requested: saved step %d, exiting", step)
+                    break
+        except BaseException:  # the first error is the one to report: closing must not replace it
+            for close in (ckpt.close, writer.close):
+                with contextlib.suppress(Exception):
+                    close()
+            raise
+        ckpt.close()
+        writer.close()
         self.final_params = state.params
         return step
+
+    def _evaluate_start(self, state: TrainState, writer: MetricsWriter, guard: PreemptionGuard) -> None:
+        """The evaluation of the starting policy (train.eval_at_start) as step 0's record; a stop request abandons
+        it and ends the run with StopRequested (nothing to save: a rerun repeats it)."""
+        try:
+            writer.write(0, self.evaluate(state.params, self.eval_subset(self.cfg.eval.max_examples),
+                                          self.run_dir / "eval" / START_EVAL, stopping=lambda: guard.requested))
+        except StepInterrupted:
+            raise StopRequested(guard.signal_name, "the evaluation of the start") from None
+
+    def _evaluate_step(self, state: TrainState, step: int, metrics: dict[str, float],
+                       guard: PreemptionGuard) -> None:
+        """The periodic evaluation after `step` (train.eval_every), its metrics added to `metrics`; a stop request
+        abandons it (the step is then saved without them)."""
+        stopping = (lambda: guard.requested) if self.stops_within_step(guard) else None
+        try:
+            metrics.update(self.evaluate(state.params, self.eval_subset(self.cfg.train.eval_max_examples),
+                                         self.run_dir / "eval" / f"step_{step}", stopping=stopping))
+        except StepInterrupted:
+            log.warning("stop requested during the evaluation after step %d: abandoned it", step)
 
     def _save(self, ckpt: Checkpointer, writer: MetricsWriter, step: int, state: TrainState,
               data_state: dict) -> None:

@@ -30,15 +30,17 @@ class SearchingRuns:
         return os.path.join(self.root, "runs", name)
 
     def start(self, retriever: dict, name: str, *args: str, launcher: Sequence[str] = ("-m", "llds_jax.launch"),
-              **settings) -> Launched:
-        """Starts a run in run_dir(name) with the `retriever` section and SETTINGS updated by `settings` (keys with
-        "__" for "."); its output goes to a new log file. `launcher`: as for tests.e2e.runs.start."""
+              run_dir: str | None = None, env: dict | None = None, **settings) -> Launched:
+        """Starts a run in `run_dir` (default run_dir(name)) with the `retriever` section and SETTINGS updated by
+        `settings` (keys with "__" for "."); its output goes to a new log file. `launcher`: as for
+        tests.e2e.runs.start; `env`: environment variables to add."""
         self.launches += 1
         stem = os.path.join(self.root, f"{name}_{self.launches}")
         settings = {**SETTINGS, **{key.replace("__", "."): value for key, value in settings.items()}}
         config = self.config_writer(f"{stem}.py", self.assets, retriever=retriever, **settings)
-        return start(config, 1, f"{stem}.log", f"--config.run_dir={self.run_dir(name)}", *args,
-                     env={"JAX_COMPILATION_CACHE_DIR": os.path.join(self.root, "jax_cache")}, launcher=launcher)
+        return start(config, 1, f"{stem}.log", f"--config.run_dir={run_dir or self.run_dir(name)}", *args,
+                     env={"JAX_COMPILATION_CACHE_DIR": os.path.join(self.root, "jax_cache"), **(env or {})},
+                     launcher=launcher)
 
 
 @pytest.fixture(scope="session")

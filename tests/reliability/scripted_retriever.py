@@ -1,6 +1,7 @@
 """A Search-R1 retrieval server on loopback whose behaviour a test scripts while a run uses it: it answers every
-query with one passage, or fails with HTTP 503 (`failing`), and calls `on_request` as each request arrives (before
-answering). Import as `from tests.reliability.scripted_retriever import ScriptedRetriever`."""
+query with one passage, fails with HTTP 503 (`failing`) or never answers (`hanging`: an endpoint that stopped
+responding), and calls `on_request` as each request arrives (before answering). Import as
+`from tests.reliability.scripted_retriever import ScriptedRetriever`."""
 from __future__ import annotations
 
 import json
@@ -16,11 +17,14 @@ PASSAGE = "Nobody\nNobody was born in a city that no question asks about."
 class ScriptedRetriever:
     """`with ScriptedRetriever() as server:` serves `server.url` (the `/retrieve` endpoint) until the block ends.
 
-    Attributes a test may set at any time: `failing` (answer 503), `on_request` (called with the request's queries,
-    on the server's thread). `requests` counts the requests received."""
+    Attributes a test may set at any time: `failing` (answer 503), `hanging` (answer nothing until the server
+    closes), `on_request` (called with the request's queries, on the server's thread). `requests` counts the
+    requests received."""
 
     def __init__(self):
         self.failing = False
+        self.hanging = False
+        self._closed = threading.Event()
         self.on_request: Callable[[list[str]], None] | None = None
         self.requests = 0
         self.port = free_port()
@@ -33,6 +37,9 @@ class ScriptedRetriever:
                 scripted.requests += 1
                 if scripted.on_request is not None:
                     scripted.on_request(body["queries"])
+                if scripted.hanging:
+                    scripted._closed.wait()
+                    return
                 if scripted.failing:
                     self._send(503, {"error": "scripted outage"})
                 else:
@@ -58,6 +65,7 @@ class ScriptedRetriever:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self._closed.set()
         self._server.shutdown()
         self._server.server_close()
 

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from llds_jax.data import qa
 from llds_jax.data.rewards import em_reward, exact_match
-from llds_jax.model import hf_io
+from llds_jax.model import from_hf_config, hf_io
 from llds_jax.search.synthetic import SyntheticCorpus
 from llds_jax.tokenizer import load_tokenizer
 from tests.servers import free_port, http_ok, wait_until
@@ -119,6 +119,30 @@ def test_bad_config_json_names_the_file(checkpoint, text, reason):
     with pytest.raises(ValueError) as error:
         hf_io.read_config(str(checkpoint))
     assert str(error.value) == f"{checkpoint}/config.json: {reason}"
+
+
+@pytest.mark.parametrize("hf_config, reason", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: ('qwen2', 'llama'))"),
+    ({}, "model_type None is not supported (supported: ('qwen2', 'llama'))"),
+    ({"model_type": "llama"}, "missing keys ['vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',"
+                              " 'num_attention_heads']"),
+])
+def test_unsupported_config_json_names_the_file(checkpoint, hf_config, reason):
+    """What the trainer and --mode=compile do: the architecture from the folder's config.json."""
+    (checkpoint / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises((ValueError, KeyError)) as error:
+        from_hf_config(hf_io.read_config(str(checkpoint)))
+    assert error.value.args[0] == f"{checkpoint}/config.json: {reason}"
+
+
+@pytest.mark.parametrize("files", [{}, {"config.json": '{"model_type": "qwen2"}'}])
+def test_model_folder_without_tokenizer_files_is_one_line(tmp_path, files):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(FileNotFoundError) as error:
+        load_tokenizer(str(tmp_path))
+    assert str(error.value) == (f"tokenizer folder {tmp_path}: no tokenizer files in it (tokenizer.json, "
+                                "tokenizer_config.json, vocab.json, ...)")
 
 
 def test_corrupt_safetensors_names_the_file(checkpoint):

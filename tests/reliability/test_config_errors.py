@@ -1,6 +1,6 @@
-"""Bad run configs through the real command `python -m llds_jax.launch`: one stderr line naming the run-config key,
-exit status 2, before anything heavy runs. The config's model.path names a folder that does not exist, so a command
-that got as far as loading the model would end with another message ("tokenizer folder not found")."""
+"""Bad run configs through the real command `python -m llds_jax.launch`: one stderr line naming the run-config key
+or the config file, exit status 2, before anything heavy runs. The config's model.path names a folder that does not
+exist, which the validation checks last ("model.path ...: no such folder"), so any other problem is named first."""
 import os
 import subprocess
 import sys
@@ -25,6 +25,12 @@ def get_config():
     c.model.path = {MISSING_MODEL!r}
     return c
 """
+LAST_LINE = CONFIG_TEXT.count("\n")  # get_config's `return c`
+
+
+def config_text(statement: str) -> str:
+    """CONFIG_TEXT with `statement` in get_config at LAST_LINE, before `return c`."""
+    return CONFIG_TEXT.replace("    return c\n", f"    {statement}\n    return c\n")
 
 
 @pytest.fixture
@@ -71,6 +77,10 @@ def assert_one_line(proc: subprocess.CompletedProcess, message: str) -> None:
     ("--config.sft.batch_size=0", "sft.batch_size must be >= 1, got 0"),
     ("--config.retriever.indexdir=/x", "unknown config key retriever.indexdir (did you mean retriever.index_dir?)"),
     ("--config.optim.lamda=1", "unknown config key optim.lamda"),
+    ("--config.data.train_files=[1,2]", "data.train_files must be a tuple of paths (str), got (1, 2)"),
+    ("--config.optim.learning_rate=inf", "optim.learning_rate must be finite and > 0, got inf"),
+    ("--config.objective.kl_coef=inf", "objective.kl_coef must be finite and >= 0, got inf"),
+    ("--config.optim.learning_rate=0", "optim.learning_rate must be > 0, got 0.0"),
 ])
 def test_bad_value_names_the_run_config_key(config, override, message):
     assert_one_line(launch(config, override), message)
@@ -87,10 +97,52 @@ def test_syntax_error_in_config_file(tmp_path):
     assert_one_line(launch(str(path)), f"config file {path}, line 2: invalid syntax")
 
 
-def test_file_lists_take_comma_separated_paths(config):
-    """The command gets as far as the model load (valid values fail only there) with the overridden lists, shown in
-    the config it prints before loading."""
-    proc = launch(config, "--config.data.train_files=/d/a.parquet,/d/b.parquet", "--config.data.eval_files=")
-    assert_one_line(proc, f"tokenizer folder not found: {MISSING_MODEL}")
+@pytest.mark.parametrize("statement, message", [
+    ('c.optim.mini_batch_size = "two"', "optim.mini_batch_size must be int, got str 'two'"),
+    ("c.objective.llds.lam = [0.1]", "objective.llds.lam must be float, got list [0.1]"),
+    ('raise RuntimeError("no cluster named prod")', "RuntimeError: no cluster named prod"),
+    ('open("/nonexistent/llds-secrets.json")',
+     "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/llds-secrets.json'"),
+])
+def test_error_in_the_config_file_names_its_line_and_the_full_key(tmp_path, statement, message):
+    """get_config() assigns a value of the wrong type (ml_collections refuses it there) or raises."""
+    path = tmp_path / "cfg.py"
+    path.write_text(config_text(statement))
+    assert_one_line(launch(str(path)), f"config file {path}, line {LAST_LINE}: {message}")
+
+
+def test_config_file_argument_that_get_config_does_not_take(config):
+    assert_one_line(launch(f"{config}:e5"),
+                    f"config file {config}: TypeError: get_config() takes 0 positional arguments but 1 was given")
+
+
+def test_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.py"
+    path.write_bytes(config_text('c.run_dir = "runs/caf\xe9"').encode("latin-1"))
+    assert_one_line(launch(str(path)), f"config file {path}, line {LAST_LINE}: (unicode error) 'utf-8' codec can't "
+                                       "decode byte 0xe9 in position 8: unexpected end of data")
+
+
+def test_stray_positional_argument(config):
+    """An argument that is not a flag (here a forgotten `--config.`, its secret value hidden)."""
+    assert_one_line(launch(config, "train", "retriever.password=hunter2"),
+                    "unexpected arguments 'train', 'retriever.password=***' (every option is a flag: --NAME=VALUE)")
+
+
+def test_missing_model_folders_name_the_key(config, tmp_path):
+    assert_one_line(launch(config), f"model.path {MISSING_MODEL}: no such folder")
+    assert_one_line(launch(config, f"--config.model.path={tmp_path}", f"--config.model.tokenizer_path={config}"),
+                    f"model.tokenizer_path {config}: not a folder")
+
+
+def test_file_lists_take_comma_separated_paths(config, tmp_path):
+    """The command gets as far as the model load (valid values fail only there: model.path is an empty folder) with
+    the overridden lists, shown in the config it prints before loading."""
+    empty = tmp_path / "model"
+    empty.mkdir()
+    proc = launch(config, "--config.data.train_files=/d/a.parquet,/d/b.parquet", "--config.data.eval_files=",
+                  f"--config.model.path={empty}")
+    assert_one_line(proc, f"tokenizer folder {empty}: no tokenizer files in it (tokenizer.json, "
+                          "tokenizer_config.json, vocab.json, ...)")
     assert "  eval_files: !!python/tuple []\n" in proc.stdout
     assert "  train_files: !!python/tuple\n  - /d/a.parquet\n  - /d/b.parquet\n" in proc.stdout

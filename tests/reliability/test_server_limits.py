@@ -1,8 +1,13 @@
 """The retrieval server's limits (a real server process on loopback): top-k, queries per request, request and
 response bytes, each refused with a JSON error naming the flag, its value and what the request had; the server
-keeps serving. Start-up failures (missing index, address in use) are one line on stderr and exit status 2."""
+keeps serving. A request at the default limits (4096 queries x top 100) is refused before any search when its answer
+could pass --max-response-bytes, and served in bounded memory when it cannot (RSS <= 150 MB over idle). A body
+nesting JSON too deeply is a 400. Start-up failures (missing index, address in use) are one line on stderr and exit
+status 2."""
+import asyncio
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -10,14 +15,20 @@ import urllib.error
 import urllib.request
 
 import pytest
+from aiohttp import web
 
 from index_builder.__main__ import main as index_builder_main
+from llds_jax.search import Document, Retriever, SearchResult
+from llds_jax.search.docstore import DOCS_FILE, DocStore, DocStoreWriter
+from llds_jax.search.server import Limits, build_app
 from llds_jax.search.synthetic import SyntheticCorpus
 from tests.servers import free_port, http_ok, wait_until
 
 PROG = "python -m llds_jax.search.server"
 LIMITS = {"--max-topk": 5, "--max-queries": 4, "--max-request-bytes": 2000, "--max-response-bytes": 3000}
 EMPTY_RESULT = len('{"result": []}')
+RECORD_BYTES = 150  # every document of `wide_index`: len('{"id": "0042", "contents": "..."}')
+RSS_GROWTH_LIMIT_KB = 150 * 1000  # 150 MB over idle
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +41,31 @@ def corpus_index(tmp_path_factory):
     return corpus, index
 
 
+@pytest.fixture(scope="module")
+def wide_index(tmp_path_factory):
+    """An embedded BM25 index of 400 documents whose records all take RECORD_BYTES bytes, every one holding the
+    word "alpha" (so a search for it fills any top 100): at the default limits, 4096 queries x top 100 fit 64 MiB
+    without scores (62,267,404 bytes at most) and do not with them (82,337,804)."""
+    path = tmp_path_factory.mktemp("wide") / "corpus.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(400):
+            record = {"id": f"{i:04d}", "contents": f'"Doc {i}"\nalpha word{i % 37} word{i % 11} '}
+            record["contents"] += "x" * (RECORD_BYTES - len(json.dumps(record, ensure_ascii=False)))
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    index = str(tmp_path_factory.mktemp("wide_bm25") / "index")
+    assert index_builder_main([str(path), "--to", "bm25", "--out", index, "--no-progress"]) == 0
+    return index
+
+
 def server_command(port, index, *flags):
     return [sys.executable, "-m", "llds_jax.search.server", "--port", str(port), "--set", "backend=bm25",
             "--set", f"index_dir={index}", *flags]
 
 
-@pytest.fixture(scope="module")
-def server(corpus_index):
-    """Base URL of a server over `corpus_index` started with LIMITS."""
+def start_server(index, *flags):
+    """(process, base URL) of a server over `index` started with `flags`, once it answers /health."""
     port = free_port()
-    flags = [str(x) for item in LIMITS.items() for x in item]
-    process = subprocess.Popen(server_command(port, corpus_index[1], *flags), stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(server_command(port, index, *flags), stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -50,15 +75,31 @@ def server(corpus_index):
         return http_ok(f"{url}/health")
 
     wait_until(ready, 60, "llds_jax.search.server")
+    return process, url
+
+
+@pytest.fixture(scope="module")
+def server(corpus_index):
+    """Base URL of a server over `corpus_index` started with LIMITS."""
+    process, url = start_server(corpus_index[1], *(str(x) for item in LIMITS.items() for x in item))
     yield url
     process.terminate()
     process.wait(10)
 
 
-def post(url, data: bytes, chunked=False):
+@pytest.fixture(scope="module")
+def default_server(wide_index):
+    """(process, base URL) of a server over `wide_index` with the default limits."""
+    process, url = start_server(wide_index)
+    yield process, url
+    process.terminate()
+    process.wait(10)
+
+
+def post(url, data: bytes, chunked=False, timeout=30):
     """(status, raw body) of a POST of `data` to url/retrieve (chunked: without a Content-Length)."""
     host, port = url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
         body = iter([data[:len(data) // 2], data[len(data) // 2:]]) if chunked else data
         connection.request("POST", "/retrieve", body=body, headers={"Content-Type": "application/json"},
@@ -97,24 +138,143 @@ def test_body_past_max_request_bytes_gets_413(server, chunked, got):
     assert status == 200
 
 
-def test_response_past_max_response_bytes_gets_400(server, corpus_index):
-    corpus = corpus_index[0]
-    queries = [p.query for p in corpus.planted[:4]]
-    # Each query's result list alone, as the server encodes it (its answer without the envelope).
-    sizes = []
-    for query in queries:
-        status, raw = post(server, json.dumps({"queries": [query], "topk": 5}).encode())
-        assert status == 200 and len(raw) <= LIMITS["--max-response-bytes"]
-        sizes.append(len(raw) - EMPTY_RESULT)
-    total, answered = EMPTY_RESULT, 0
-    while total <= 3000:
-        total += sizes[answered] + (2 if answered else 0)  # ", " between lists
-        answered += 1
+def longest_record(index):
+    """Bytes of the longest `{"id": ..., "contents": ...}` line of an index folder's document store."""
+    with open(os.path.join(index, DOCS_FILE), "rb") as f:
+        return max(len(line) - 1 for line in f)
+
+
+def test_response_that_could_pass_max_response_bytes_gets_400_before_searching(server, corpus_index):
+    longest = longest_record(corpus_index[1])
+    queries = [p.query for p in corpus_index[0].planted[:4]]
+    # '{"result": [' + 4 lists of 5 items, ", " between lists and items + ']}'
+    bound = 12 + 4 * (2 + 5 * longest + 2 * 4) + 2 * 3 + 2
+    assert bound > 3000
     assert post_json(server, {"queries": queries, "topk": 5}) == (400, {"error": (
-        f"the response would pass 3000 bytes (--max-response-bytes): {total} bytes after {answered} of 4 queries;"
-        ' ask for fewer queries or a smaller "topk"')})
+        f"the response could pass 3000 bytes (--max-response-bytes): up to {bound} bytes for 4 queries x topk 5"
+        f' (the longest document takes {longest} bytes); ask for fewer queries or a smaller "topk"')})
+    status, answer = post_json(server, {"queries": queries[:1], "topk": 5})  # its bound fits: served
+    assert status == 200 and len(answer["result"][0]) == 5
     with urllib.request.urlopen(f"{server}/health", timeout=10) as response:
         assert response.status == 200
+
+
+class FixedRetriever(Retriever):
+    """A backend that gives every query the same `docs` and cannot bound a document's size in advance."""
+
+    backend = "fixed"
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    async def search(self, queries, k):
+        return [SearchResult(self.docs[:k]) for _ in queries]
+
+    async def check(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+def serve_in_process(app, requests):
+    """The (status, JSON body) answers of `app` on a free loopback port to `requests`, JSON bodies sent in order."""
+    port = free_port()
+
+    async def run():
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            return [await asyncio.to_thread(post_json, f"http://127.0.0.1:{port}", body) for body in requests]
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(run())
+
+
+def test_without_a_bound_the_response_is_refused_as_soon_as_it_passes_max_response_bytes():
+    docs = [Document(str(i), f'"T{i}"\nthé text {i}', 1.5) for i in range(3)]
+    one_list = len(json.dumps([{"id": d.id, "contents": d.contents} for d in docs], ensure_ascii=False).encode())
+    limits = Limits(max_response_bytes=EMPTY_RESULT + 2 * one_list + 2)  # two lists fit exactly
+    app = build_app(FixedRetriever(docs), limits=limits)
+    answers = serve_in_process(app, [{"queries": ["a", "b"]}, {"queries": ["a", "b", "c"]}])
+    assert answers[0] == (200, {"result": [[{"id": d.id, "contents": d.contents} for d in docs]] * 2})
+    size = EMPTY_RESULT + 3 * one_list + 4
+    assert answers[1] == (400, {"error": (
+        f"the response would pass {limits.max_response_bytes} bytes (--max-response-bytes): {size} bytes after 3 of"
+        ' 3 queries; ask for fewer queries or a smaller "topk"')})
+
+
+def test_max_record_bytes_bounds_every_record_of_a_corpus_and_is_exact_for_an_index(tmp_path):
+    records = [{"id": "1", "contents": '"Café"\nnaïve 東京 😀 \\ "q" \t'}, {"id": "22", "contents": "x" * 40}]
+    writer = DocStoreWriter(str(tmp_path))
+    for record in records:
+        writer.add(record["id"], record["contents"])
+    writer.close()
+    encoded = [len(json.dumps(r, ensure_ascii=False).encode()) for r in records]
+    assert DocStore(str(tmp_path)).max_record_bytes == max(encoded)
+    # Corpus lines as other tools write them: ASCII escapes, compact separators, integer ids, other fields.
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": 1, "contents": records[0]["contents"]}, separators=(",", ":")) + "\n"
+                      + '{"id":22,"contents":"' + "x" * 40 + '"}' + "\n"
+                      + json.dumps({"id": "3", "title": "t", "contents": "\ud800 lone"}) + "\n")
+    store = DocStore.of_corpus(str(corpus))
+    # Each document as the server encodes it: UTF-8, a lone surrogate as its \\u escape.
+    sizes = [len(json.dumps(dict(zip(("id", "contents"), store.get(i))), ensure_ascii=False)
+                 .encode("utf-8", "backslashreplace")) for i in range(len(store))]
+    assert sizes[:2] == encoded and store.max_record_bytes >= max(sizes)
+    longest_line = max(len(line) for line in corpus.read_bytes().splitlines(keepends=True))
+    assert store.max_record_bytes == longest_line + 5
+
+
+@pytest.mark.parametrize("opening, middle, closing", [(b"[", b"", b"]"), (b'{"a":', b"1", b"}")],
+                         ids=["arrays", "objects"])
+def test_deeply_nested_json_gets_400_and_the_server_goes_on(default_server, opening, middle, closing):
+    url = default_server[1]
+    nested = opening * 100_000 + middle + closing * 100_000  # 100,000 levels
+    assert len(nested) <= Limits().max_request_bytes
+    status, raw = post(url, nested)
+    assert (status, json.loads(raw)) == (400, {"error": "the body nests JSON arrays or objects too deeply to parse"})
+    status, answer = post_json(url, {"queries": ["alpha"], "topk": 2})
+    assert status == 200 and len(answer["result"][0]) == 2
+
+
+def status_kb(pid, field):
+    """A "kB" field of /proc/PID/status (VmRSS: resident now, VmHWM: its peak)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
+
+
+def idle_rss_kb(pid):
+    """The resident size of the idle process `pid`, after resetting its peak (VmHWM) to it."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    return status_kb(pid, "VmRSS")
+
+
+def test_4096_queries_top_100_past_max_response_bytes_are_refused_before_searching(default_server):
+    process, url = default_server
+    post_json(url, {"queries": ["alpha"] * 8, "topk": 100})  # warm: threads, accumulators, the bound
+    idle = idle_rss_kb(process.pid)
+    body = {"queries": ["alpha"] * 4096, "topk": 100, "return_scores": True}
+    assert post_json(url, body) == (400, {"error": (
+        "the response could pass 67108864 bytes (--max-response-bytes): up to 82337804 bytes for 4096 queries x"
+        f' topk 100 (the longest document takes {RECORD_BYTES} bytes); ask for fewer queries or a smaller "topk"')})
+    assert status_kb(process.pid, "VmHWM") - idle <= RSS_GROWTH_LIMIT_KB
+
+
+@pytest.mark.slow  # 409,600 documents searched, encoded and sent: ~5 s
+def test_4096_queries_top_100_within_max_response_bytes_are_served_in_bounded_memory(default_server):
+    process, url = default_server
+    post_json(url, {"queries": ["alpha"] * 8, "topk": 100})
+    idle = idle_rss_kb(process.pid)
+    status, raw = post(url, json.dumps({"queries": ["alpha"] * 4096, "topk": 100}).encode(), timeout=120)
+    grown = status_kb(process.pid, "VmHWM") - idle
+    # '{"result": [' + 4096 lists of 100 records, ", " between lists and items + ']}'
+    assert status == 200 and len(raw) == 12 + 4096 * (2 + 100 * RECORD_BYTES + 2 * 99) + 2 * 4095 + 2 == 62_267_404
+    assert raw.count(b'{"id": "') == 4096 * 100
+    assert grown <= RSS_GROWTH_LIMIT_KB, f"RSS grew {grown} kB over idle"
 
 
 def test_missing_index_is_one_line_and_exit_2(tmp_path):

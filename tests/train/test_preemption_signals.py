@@ -1,11 +1,13 @@
-"""PreemptionGuard with real signals sent to this process."""
+"""PreemptionGuard with real signals sent to this process: abort mode (nothing to save yet: StopRequested at
+once, naming the signal and the phase) and defer mode (the flag the training loop polls)."""
 import os
 import signal
 import time
 
 import pytest
 
-from llds_jax.train.preemption import PreemptionGuard
+from llds_jax import storage
+from llds_jax.train.preemption import PreemptionGuard, StopRequested
 
 
 def deliver(signum):
@@ -17,6 +19,7 @@ def deliver(signum):
 def test_signal_sets_the_flag_and_handlers_are_restored(signum):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     with PreemptionGuard() as guard:
+        guard.defer()
         assert not guard.requested and guard.should_stop() is False
         deliver(signum)
         assert guard.requested and guard.should_stop() is True
@@ -28,7 +31,20 @@ def test_signal_sets_the_flag_and_handlers_are_restored(signum):
 
 def test_second_sigint_aborts():
     with PreemptionGuard() as guard:
+        guard.defer()
         deliver(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt, match="second signal \\(SIGINT\\) after SIGTERM"):
             deliver(signal.SIGINT)
         assert guard.signal_name == "SIGTERM"
+
+
+def test_a_signal_in_abort_mode_raises_stop_requested_naming_the_phase():
+    with PreemptionGuard() as guard:
+        with pytest.raises(StopRequested, match="^stopped by SIGTERM during start-up: nothing to save; the same "
+                                                "command starts again$"):
+            deliver(signal.SIGTERM)
+        assert guard.requested
+        with pytest.raises(StopRequested, match="during the warm start"):  # a signal that came already
+            guard.abort_during("the warm start")
+        assert storage._MONITOR.stop_at is not None  # storage operations get STOP_GRACE_S from the signal on
+    assert storage._MONITOR.stop_at is None  # until the guard is gone

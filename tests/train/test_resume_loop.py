@@ -31,6 +31,7 @@ def train(run_dir, examples, mesh, stop_after=None):
         data.restore(restored.meta["data"])
         rng = rng_from_json(restored.meta["rng"])
     with PreemptionGuard() as guard:
+        guard.defer()  # a signal is recorded for should_stop (the training loop's mode)
         for step in range(start + 1, TOTAL_STEPS + 1):
             batch = next(data)
             seen.append([ex.uid for ex in batch])

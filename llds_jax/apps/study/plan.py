@@ -183,9 +183,9 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def load(config: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-    """The run config of a config file with `KEY=VALUE` overrides (llds_jax.launch.load_config); StudyError naming
+    """The run config of a config file with `KEY=VALUE` overrides (llds_jax.config_file.load_config); StudyError naming
     the file, key or value when it cannot be loaded."""
-    from llds_jax.launch import load_config
+    from llds_jax.config_file import load_config
     if not os.path.isfile(config):
         raise StudyError(f"config file not found: {config}")
     try:

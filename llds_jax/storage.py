@@ -1,0 +1,144 @@
+"""The run's writes to storage (checkpoints, metrics, the run folder's lease) as bounded operations with one-line
+failures.
+
+Storage fails in two ways a long run must survive without losing what it saved (docs/reliability.md):
+- **it refuses** (a GCS endpoint that died, a disk that filled up or became read-only): the error of a write, which
+  orbax, gcsfs or tensorstore word in many lines from several threads, becomes one `StorageError` naming the
+  operation, the path, where it lives (the GCS endpoint) and the reason; the command prints it as one line and
+  exits with status 2. Checkpoints are written into a temporary folder and renamed when complete, so the earlier
+  steps stay intact and the same command resumes from the newest complete one.
+- **it stops answering** (a hung GCS endpoint: the clients' own retries and timeouts add up to many minutes): an
+  operation that has not ended after `timeout_s` seconds (the run config's `train.storage_timeout_s`, 120 by
+  default) ends the process from a monitor thread, with one line and exit status 2, since the thread that waits
+  for storage cannot be interrupted. Once a stop signal arrived (`stop_requested`), operations get at most
+  STOP_GRACE_S seconds more: a spot VM gives about 30 s.
+
+Usage:
+  with storage.operation("saving checkpoint step 3", path, timeout_s=120):
+      ...  # any exception becomes StorageError; a hang ends the process after 120 s
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import NamedTuple, Optional
+
+from llds_jax import gcs
+
+DEFAULT_TIMEOUT_S = 120.0
+STOP_GRACE_S = 20.0  # seconds an operation may still take once a stop signal arrived
+EXIT_STATUS = 2  # as the command's other one-line errors
+_POLL_S = 0.25
+
+
+class StorageError(OSError):
+    """A storage operation of the run failed; the message names the operation, the path and its location, and why."""
+
+
+def where(path: str | os.PathLike) -> str:
+    """`path` with where it lives: a gs:// path names the GCS endpoint (the emulator's in tests)."""
+    path = os.fspath(path)
+    return f"{path} (Google Cloud Storage at {gcs.endpoint()})" if gcs.is_gcs(path) else path
+
+
+def reason(error: BaseException) -> str:
+    """The first line of an error with its type; an OSError by its strerror (e.g. "No space left on device")."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+class _Operation(NamedTuple):
+    what: str
+    path: str
+    started: float  # time.monotonic()
+    timeout_s: float
+
+
+class _Monitor:
+    """The operations in progress, and a daemon thread that ends the process when one overruns its deadline."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.operations: dict[int, _Operation] = {}
+        self.ids = itertools.count()
+        self.stop_at: Optional[float] = None  # time.monotonic() of the stop signal
+        self.thread: Optional[threading.Thread] = None
+
+    def begin(self, operation: _Operation) -> int:
+        with self.lock:
+            key = next(self.ids)
+            self.operations[key] = operation
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.watch, name="storage-deadlines", daemon=True)
+                self.thread.start()
+        return key
+
+    def end(self, key: int) -> None:
+        with self.lock:
+            self.operations.pop(key, None)
+
+    def deadline(self, operation: _Operation) -> float:
+        deadline = operation.started + operation.timeout_s
+        if self.stop_at is not None:
+            deadline = min(deadline, max(self.stop_at, operation.started) + STOP_GRACE_S)
+        return deadline
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(_POLL_S)
+            now = time.monotonic()
+            with self.lock:
+                overdue = [op for op in self.operations.values() if now >= self.deadline(op)]
+            if overdue:
+                _expire(overdue[0], now)
+
+
+_MONITOR = _Monitor()
+
+
+def _expire(operation: _Operation, now: float) -> None:
+    """Ends the process: one line naming the operation that stopped answering, exit status 2."""
+    after_stop = "" if _MONITOR.stop_at is None else " (a stop was requested: nothing more can be saved)"
+    print(f"llds_jax: error: {operation.what} {where(operation.path)}: no answer within "
+          f"{now - operation.started:.0f} s{after_stop}; the same command resumes from the newest complete "
+          f"checkpoint", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(EXIT_STATUS)
+
+
+def stop_requested() -> None:
+    """Called when a stop signal arrives: every operation, running or later, gets at most STOP_GRACE_S seconds."""
+    if _MONITOR.stop_at is None:
+        _MONITOR.stop_at = time.monotonic()
+
+
+def clear_stop_request() -> None:
+    """Gives operations their whole timeout again (the signal handlers that called stop_requested are gone)."""
+    _MONITOR.stop_at = None
+
+
+@contextlib.contextmanager
+def operation(what: str, path: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S,
+              convert: bool = True) -> Iterator[None]:
+    """Runs the block as the storage operation `what` on `path`: a block running longer than `timeout_s` ends the
+    process; with `convert`, any exception it raises becomes StorageError ("{what} {where(path)} failed: {reason}"),
+    else it passes unchanged (a reader that judges its errors itself, e.g. Checkpointer.restore_latest)."""
+    key = _MONITOR.begin(_Operation(what, os.fspath(path), time.monotonic(), timeout_s))
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - orbax, gcsfs and tensorstore raise many types for one failed write
+        if not convert:
+            raise
+        raise StorageError(f"{what} {where(path)} failed: {reason(e)}") from e
+    finally:
+        _MONITOR.end(key)

@@ -1,0 +1,100 @@
+"""A gs:// run folder whose GCS endpoint fails in the middle of a run (a fake-gcs-server of the test's own, storing
+its objects on disk so that they outlive it): an endpoint that dies, or one that stops answering (the server
+frozen with SIGSTOP). Either way the run ends with one `llds_jax: error:` line naming the endpoint and the
+operation, exit status 2, within a bounded time (`train.storage_timeout_s`, or a few seconds after a SIGTERM),
+and the same command resumes from the checkpoints saved before once the endpoint is back (llds_jax.storage)."""
+import signal
+import time
+
+import pytest
+
+from tests import gcs_emulator
+from tests.e2e.runs import finish
+from tests.reliability.scripted_retriever import ScriptedRetriever
+from tests.reliability.test_run_folder import assert_one_error_line, wait_for
+from tests.reliability.test_stops import TIMEOUT_S
+
+BUCKET = "llds-faults"
+STORAGE_TIMEOUT_S = 15.0
+SLACK_S = 10.0  # the process's own exit, on a loaded machine
+
+
+@pytest.fixture
+def emulator(tmp_path):
+    """A fake-gcs-server with its objects in tmp_path (bucket BUCKET), resumed if a test left it frozen."""
+    server = gcs_emulator.Emulator(root=str(tmp_path / "objects"))
+    (tmp_path / "objects").mkdir()
+    server.start()
+    server.create_bucket(BUCKET)
+    yield server
+    server.resume()
+    server.stop()
+
+
+def committed_steps(server: gcs_emulator.Emulator, prefix: str) -> list[int]:
+    """The checkpoint steps under gs://BUCKET/prefix/checkpoints whose save completed (orbax wrote their
+    _CHECKPOINT_METADATA in the final step folder)."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    client = storage.Client(project=gcs_emulator.PROJECT, credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": server.url})
+    names = [blob.name for blob in client.list_blobs(BUCKET, prefix=f"{prefix}/checkpoints/")]
+    parts = [name[len(prefix) + len("/checkpoints/"):].split("/") for name in names]
+    return sorted({int(p[0]) for p in parts if p[0].isdigit() and p[-1] == "_CHECKPOINT_METADATA"})
+
+
+def start(searching_runs, server, emulator, name: str, **settings):
+    """Starts `name` on gs://BUCKET/name, a checkpoint after every step."""
+    return searching_runs.start(server.config(), name, run_dir=f"gs://{BUCKET}/{name}",
+                                env=gcs_emulator.environment(emulator.url), train__checkpoint_every=1, **settings)
+
+
+def run_until_step_1_is_saved(searching_runs, server, emulator, name: str, **settings):
+    """Starts `name`; returns it once step 1's checkpoint is complete."""
+    launched = start(searching_runs, server, emulator, name, **settings)
+    wait_for(lambda: 1 in committed_steps(emulator, name), launched, "step 1's checkpoint")
+    return launched
+
+
+def assert_ended_in(launched, since: float, bound_s: float) -> str:
+    launched.process.wait(TIMEOUT_S)
+    seconds = time.monotonic() - since
+    output = launched.output()
+    assert launched.process.returncode == 2, output[-4000:]
+    assert seconds <= bound_s, (seconds, output[-4000:])
+    print(f"ended {seconds:.1f} s after the fault, {len(output.splitlines())} lines of output")
+    return output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, repair", [("kill", "start"), ("pause", "resume")], ids=["dies", "stops_answering"])
+def test_an_endpoint_that_fails_ends_the_run_with_one_line_in_bounded_time_and_it_resumes(searching_runs, emulator,
+                                                                                          fault, repair):
+    name = f"endpoint_{fault}"
+    with ScriptedRetriever() as server:
+        launched = run_until_step_1_is_saved(searching_runs, server, emulator, name,
+                                             train__storage_timeout_s=STORAGE_TIMEOUT_S)
+        getattr(emulator, fault)()
+        output = assert_ended_in(launched, time.monotonic(), STORAGE_TIMEOUT_S + SLACK_S)
+        line = assert_one_error_line(output, f"(Google Cloud Storage at {emulator.url})")
+        assert line.startswith(("llds_jax: error: saving checkpoint step", "llds_jax: error: writing metrics to")), line
+        getattr(emulator, repair)()
+        assert 1 in committed_steps(emulator, name)
+        finish([start(searching_runs, server, emulator, name)], TIMEOUT_S)
+    assert committed_steps(emulator, name)[-1] == 3
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_endpoint_hangs_ends_the_run_within_the_stop_grace(searching_runs, emulator):
+    from llds_jax.storage import STOP_GRACE_S
+
+    with ScriptedRetriever() as server:  # the default storage timeout (120 s): the signal is what ends the wait
+        launched = run_until_step_1_is_saved(searching_runs, server, emulator, "endpoint_hangs_sigterm")
+        emulator.pause()
+        launched.process.send_signal(signal.SIGTERM)
+        output = assert_ended_in(launched, time.monotonic(), STOP_GRACE_S + SLACK_S)
+        assert_one_error_line(output, f"(Google Cloud Storage at {emulator.url}): no answer within",
+                              "a stop was requested")
+        emulator.resume()
+        assert 1 in committed_steps(emulator, "endpoint_hangs_sigterm")
