@@ -21,9 +21,9 @@ SIGTERM_AT_LOAD = "--sigterm-at-load"
 def mark_evaluations() -> None:
     evaluate = Trainer.evaluate
 
-    def marked(self, params, examples, out_dir=None, prefix="eval", stopping=None):
-        print(f"EVALUATION {out_dir.name if out_dir is not None else prefix} STARTS", flush=True)
-        return evaluate(self, params, examples, out_dir, prefix, stopping)
+    def marked(self, params, examples, out_dir=None, *args, **kwargs):
+        print(f"EVALUATION {out_dir.name if out_dir is not None else 'unnamed'} STARTS", flush=True)
+        return evaluate(self, params, examples, out_dir, *args, **kwargs)
 
     Trainer.evaluate = marked
 
