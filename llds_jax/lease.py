@@ -193,7 +193,8 @@ class Lease:
                               f"at once, from another host {self.stale_after_s:g} s after its last heartbeat)")
 
     def _unwritable(self, error: OSError) -> FolderNotWritableError:
-        return FolderNotWritableError(f"{self.what} is not writable: cannot write {self.path}: {_reason(error)}")
+        return FolderNotWritableError(f"{self.what} is not writable: cannot write {self.path}: "
+                                      f"{storage.reason(error)}")
 
 
 def check_writable(folder: str | os.PathLike, what: str) -> None:
@@ -205,9 +206,6 @@ def check_writable(folder: str | os.PathLike, what: str) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise FolderNotWritableError(f"{what} is not writable: cannot write {probe.parent}: {_reason(e)}") from None
+        raise FolderNotWritableError(f"{what} is not writable: cannot write {probe.parent}: "
+                                     f"{storage.reason(e)}") from None
 
-
-def _reason(error: OSError) -> str:
-    """An OSError's reason in words (e.g. "Read-only file system")."""
-    return error.strerror or str(error) or type(error).__name__
