@@ -11,6 +11,7 @@ requests.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import tempfile
@@ -97,9 +98,24 @@ class Emulator:
         return f"gs://{client.create_bucket(name).name}"
 
     def kill(self) -> None:
-        """Kills the server at once (SIGKILL): an endpoint that died; `start` brings it back on the same port."""
+        """Kills the server at once (SIGKILL): an endpoint that died; `start` brings it back on the same port.
+
+        An upload the kill cut short leaves an object file without its metadata (the server writes the bytes,
+        then their metadata as an extended attribute), and the server answers every listing of that bucket with
+        a 404 from then on. Real GCS never shows a half-written object, so those files are removed."""
         self._process.kill()
         self._process.wait()
+        if self.root:
+            self._drop_partial_uploads()
+
+    def _drop_partial_uploads(self) -> None:
+        for folder, _, names in os.walk(self.root):
+            if folder == self.root:
+                continue  # bucket metadata files, not objects
+            for name in names:
+                path = os.path.join(folder, name)
+                if "user.metadata" not in os.listxattr(path):
+                    os.remove(path)
 
     def pause(self) -> None:
         """Freezes the server (SIGSTOP): connections are accepted and never answered, an endpoint that hangs."""
