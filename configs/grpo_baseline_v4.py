@@ -8,9 +8,10 @@ far below .350.
 
 Variants (`--config=configs/grpo_baseline_v4.py:NAME[,NAME]`):
 - a retriever name of qwen7b_v4.py (e5 default, e5_hnsw, e5_es, bm25_es, bm25);
-- search_r1: the setting of the paper's GRPO row: `rollout.max_turns = 4` in training and a periodic evaluation
-  every 50 steps (Search-R1's test_freq; a fixed subset stratified over data sources, `train.eval_max_examples`).
-  Compare the best `eval/em_mean` before the collapse with the row. With 4 turns the training sequences are
+- search_r1: the setting of the paper's GRPO row: `rollout.max_turns = 4` in training (the periodic evaluation
+  every 50 steps, Search-R1's test_freq, is every paper config's: a fixed subset stratified over data sources,
+  `train.eval_max_examples`). Compare the best `eval/em_mean` before the collapse with the row (`report` prints
+  each run's best periodic evaluation). With 4 turns the training sequences are
   longer: its memory per chip was not measured with `--mode=compile`.
 """
 from configs import qwen7b_v4 as base
@@ -30,5 +31,4 @@ def get_config(names: str = "e5"):
     if SEARCH_R1 in chosen:
         c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_grpo_search_r1"
         c.rollout.max_turns = 4
-        c.train.eval_every = 50
     return c

@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections
 
 from llds_jax import redaction
+from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
 from llds_jax.rl import config as rl_config
 from llds_jax.rl.config import REFERENCE_DTYPES, LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
@@ -70,6 +71,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.prompts_per_step = 512       # P
     c.data.samples_per_prompt = 5       # n: GRPO group size
 
+    c.reward = ml_collections.ConfigDict()
+    # an answer that normalizes to nothing ("a", "The."): "search_r1" scores it by exact match, as the paper's code
+    # (1 against a gold answer that normalizes to nothing too; such QA rows are kept); "zero" never rewards it
+    # (and skips those rows)
+    c.reward.empty_answer = DEFAULT_EMPTY_ANSWER
+
     c.retriever = ml_collections.ConfigDict()
     c.retriever.backend = "bm25"
     c.retriever.index_dir = "indexes/wiki18_bm25"
@@ -107,7 +114,10 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.objective = ml_collections.ConfigDict()
     c.objective.clip_ratio = ObjectiveConfig.clip_ratio
+    c.objective.clip_ratio_high = ObjectiveConfig.clip_ratio_high  # upper clip (DAPO clip-higher); 0: clip_ratio
     c.objective.ratio_cap = ObjectiveConfig.ratio_cap
+    # cap of the sampler -> trainer importance weight on the policy loss (verl's TIS); 0: off, else >= 1
+    c.objective.tis_cap = ObjectiveConfig.tis_cap
     c.objective.entropy_coef = ObjectiveConfig.entropy_coef
     c.objective.kl_coef = ObjectiveConfig.kl_coef
     c.objective.kl_estimator = ObjectiveConfig.kl_estimator
@@ -148,7 +158,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 20
     c.train.keep_checkpoints = 3
     c.train.lld_every = 10              # post-update Delta_traj / LLD rate every k steps (one extra forward)
-    c.train.eval_every = 100            # 0: no periodic evaluation
+    c.train.eval_every = 50             # the paper's schedule (its checkpoints chosen by these); 0: none
     c.train.eval_max_examples = 512     # periodic evaluation: a fixed subset, equal shares per data_source; 0: all
     c.train.transcripts_every = 20      # TensorBoard text summaries of a few transcripts
     c.train.num_transcripts = 2
@@ -309,6 +319,8 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "optim.learning_rate", "optim.max_grad_norm", "optim.adam_eps", "sft.learning_rate", "sft.max_grad_norm"),
      lambda v: v > 0, "> 0"),
     (("objective.ratio_cap",), lambda v: v > 1, "> 1"),
+    (("objective.clip_ratio_high",), lambda v: v >= 0, ">= 0 (0: objective.clip_ratio)"),
+    (("objective.tis_cap",), lambda v: v == 0 or v >= 1, "0 (off) or >= 1"),
     (("rollout.top_p",), lambda v: 0 < v <= 1, "in (0, 1]"),
     (("optim.warmup_ratio", "rollout.search_failure_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
     (("optim.adam_b1", "optim.adam_b2"), lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -326,7 +338,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
     "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
     "objective.llds.gate": rl_config.GATES, "objective.llds.answer_weighting": rl_config.ANSWER_WEIGHTINGS,
-    "optim.reference_dtype": REFERENCE_DTYPES, "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES}
+    "optim.reference_dtype": REFERENCE_DTYPES, "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES,
+    "reward.empty_answer": EMPTY_ANSWER_RULES}
 
 
 def check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[str]) -> None:
@@ -404,8 +417,9 @@ def model_overrides(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:
     o = cfg.objective
     return ObjectiveConfig(
-        clip_ratio=o.clip_ratio, ratio_cap=o.ratio_cap, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
-        kl_estimator=o.kl_estimator, kl_clamp=o.kl_clamp, aggregation=o.aggregation,
+        clip_ratio=o.clip_ratio, clip_ratio_high=o.clip_ratio_high, ratio_cap=o.ratio_cap, tis_cap=o.tis_cap,
+        entropy_coef=o.entropy_coef, kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, kl_clamp=o.kl_clamp,
+        aggregation=o.aggregation,
         temperature=cfg.rollout.temperature, llds=LLDSConfig(**o.llds.to_dict()))
 
 

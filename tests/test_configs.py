@@ -12,6 +12,7 @@ from ml_collections import config_flags
 
 from llds_jax import application, checks, topologies
 from llds_jax import config as config_lib
+from llds_jax.data.rewards import em_reward
 from tests.configs import CONFIGS, load
 
 ROOT = os.path.dirname(CONFIGS)
@@ -48,6 +49,15 @@ def test_paper_configs_use_the_papers_retriever(name):
                                        "corpus_path": "/data/wiki18/wiki-18.jsonl",
                                        "encoder_path": "gs://YOUR_BUCKET/models/e5-base-v2"}
     assert cfg.rollout.retrieval_top_k == 3
+
+
+@pytest.mark.parametrize("name", sorted(TPU_DEVICES))
+def test_paper_configs_compute_the_papers_reward(name):
+    """Search-R1's compute_score_em: an answer that normalizes to nothing matches a gold answer that does too."""
+    rule = load(name).reward.empty_answer
+    assert em_reward("<answer>a</answer>", ["a"], rule) == 1.0
+    assert em_reward("<answer></answer>", [""], rule) == 1.0
+    assert em_reward("<answer>a</answer>", ["Tokyo"], rule) == 0.0
 
 
 def test_named_retriever_alternatives():
@@ -88,7 +98,7 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
     changed = {(section, key): (default[section][key], search_r1[section][key]) for section in default
                if isinstance(default[section], dict) for key in default[section]
                if default[section][key] != search_r1[section][key]}
-    assert changed == {("rollout", "max_turns"): (3, 4), ("train", "eval_every"): (100, 50)}
+    assert changed == {("rollout", "max_turns"): (3, 4)}
     assert cfg.run_dir != default["run_dir"] and not cfg.objective.llds.enabled and cfg.eval.max_turns == 4
     bm25 = load("grpo_baseline_v4", "bm25_es,search_r1")
     assert bm25.retriever.backend == "elasticsearch" and bm25.rollout.max_turns == 4
@@ -133,6 +143,7 @@ def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and
                                     r"the training layout\), got -2"),
     ("rollout.extend_chunk", 96, r"rollout\.extend_chunk must be 0 \(one pass\) or a power of two, got 96"),
     ("rollout.cache_block", 384, r"rollout\.cache_block must be 0 \(every slot\) or a power of two, got 384"),
+    ("reward.empty_answer", "strict", r"reward\.empty_answer must be one of 'search_r1', 'zero', got 'strict'"),
 ])
 def test_bad_topology_or_preset_is_named(key, value, message):
     cfg = load("qwen7b_v4")

@@ -2,8 +2,11 @@
 and estimate, and a real tiny study (2 seeds x 2 arms x 2 steps, subprocesses) whose table is checked against the runs'
 own metric and evaluation files."""
 import dataclasses
+import gzip
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,8 +14,8 @@ import numpy as np
 import pytest
 
 from llds_jax.apps import demo_study
-from llds_jax.apps.study import budget, outcomes, plan, plots, runner, stats, table
-from llds_jax.apps.study.outcomes import LIKELIHOOD, LLD_RATE, REWARD, RunResult
+from llds_jax.apps.study import budget, outcomes, paired, plan, plots, runner, stats, steps, table
+from llds_jax.apps.study.outcomes import DELTA_TRAJ, GRAD_NORM, LIKELIHOOD, LLD_RATE, REF_KL, REWARD, RunResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
@@ -45,6 +48,77 @@ def test_bootstrap_interval_is_the_percentile_interval_of_resampled_means_with_a
 def test_bootstrap_interval_rejects_what_is_not_a_list_of_numbers(values):
     with pytest.raises(ValueError, match="non-empty list"):
         stats.bootstrap_interval(values)
+
+
+# The paired statistics, on hand computations and, where scipy is installed, against scipy.stats.
+@pytest.mark.parametrize("differences, expected", [
+    ([1.0, 2.0, 3.0], 2 / 8),       # sums +-1+-2+-3: only +6 and -6 reach |6|
+    ([1.0, -1.0], 1.0),             # observed sum 0: every assignment reaches it
+    ([0.5] * 4, 2 / 16),            # the smallest p of 4 seeds
+    ([0.25], 1.0),
+    # |sum| 0.4; of the 8 values of +-0.1+-0.2+-0.3 added to +0.4, five reach 0.4 (1.0, 0.8, 0.6 and two exact
+    # 0.4s that floating point would put a hair below), and as many mirrored: 10 of 16.
+    ([0.1, 0.2, -0.3, 0.4], 10 / 16),
+])
+def test_sign_flip_p_is_the_share_of_sign_assignments_reaching_the_observed_sum(differences, expected):
+    assert stats.sign_flip_p(differences) == expected
+
+
+def test_sign_flip_p_beyond_16_differences_samples_the_assignments():
+    # Exact p of 17 differences by enumerating all 2^17 assignments here; the sampled p is within its noise.
+    d = np.array([0.3, -0.1, 0.2, 0.05, -0.25, 0.15, 0.1, -0.05, 0.4, -0.3, 0.2, 0.1, -0.15, 0.05, 0.3, -0.2, 0.1])
+    signs = np.array(list(itertools.product([1.0, -1.0], repeat=17)))
+    exact = np.mean(np.abs(signs @ d) >= abs(d.sum()) - 1e-12)
+    sampled = stats.sign_flip_p(d)
+    assert abs(sampled - exact) < 4 * np.sqrt(exact * (1 - exact) / stats.BOOTSTRAP_RESAMPLES)
+    # Only 2 of the 2^17 assignments reach 17: 100 draws miss them, and the observed one counts: p = 1 / 101.
+    assert stats.sign_flip_p(np.ones(17), resamples=100) == 1 / 101
+
+
+def test_t_quantile_and_interval_match_closed_forms_by_hand():
+    # df 1 (Cauchy): P(|T| <= t) = 2 arctan(t) / pi; df 2: P(|T| <= t) = t / sqrt(2 + t^2).
+    assert stats.t_quantile(0.95, 1) == pytest.approx(np.tan(0.95 * np.pi / 2), rel=1e-13)
+    assert stats.t_quantile(0.95, 2) == pytest.approx(0.95 * np.sqrt(2 / (1 - 0.95 ** 2)), rel=1e-13)
+    # [1, 2, 3]: mean 2, sd 1, df 2.
+    half = 0.95 * np.sqrt(2 / (1 - 0.95 ** 2)) / np.sqrt(3)
+    assert stats.t_interval([1.0, 2.0, 3.0]) == pytest.approx((2 - half, 2 + half), rel=1e-13)
+    assert stats.t_interval([0.1, 0.1, 0.1]) == pytest.approx((0.1, 0.1))
+    with pytest.raises(ValueError, match="at least 2 differences"):
+        stats.t_interval([0.1])
+
+
+@pytest.mark.parametrize("p_values, expected", [
+    ([0.01, 0.04, 0.03], [0.03, 0.06, 0.06]),  # 3 x 0.01, then max(0.03, 2 x 0.03), then max(0.06, 1 x 0.04)
+    ([0.5, 0.001], [0.5, 0.002]),
+    ([0.3, 0.4], [0.6, 0.6]),
+    ([0.02, 0.02, 0.9], [0.06, 0.06, 0.9]),
+    ([0.6, 0.7], [1.0, 1.0]),                   # capped at 1
+    ([], []),
+])
+def test_holm_adjusts_step_down_in_the_given_order(p_values, expected):
+    assert stats.holm(p_values) == pytest.approx(expected)
+
+
+def test_holm_rejects_what_is_not_a_p_value():
+    with pytest.raises(ValueError, match="p-values in"):
+        stats.holm([0.5, 1.5])
+
+
+def test_paired_statistics_match_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(3)
+    for n in (2, 4, 7, 9):
+        arm, control = rng.uniform(0, 1, n), rng.uniform(0, 1, n)
+        d = arm - control
+        interval = scipy_stats.ttest_rel(arm, control).confidence_interval(0.95)
+        assert stats.t_interval(d) == pytest.approx((interval.low, interval.high), rel=1e-12)
+        test = scipy_stats.permutation_test((arm, control), lambda x, y: np.mean(x - y), permutation_type="samples",
+                                            n_resamples=np.inf, alternative="two-sided")
+        assert stats.sign_flip_p(d) == pytest.approx(test.pvalue, abs=1e-12)
+    for df in (1, 2, 3, 4, 7, 15, 60):
+        for confidence in (0.8, 0.95, 0.99):
+            assert stats.t_quantile(confidence, df) == pytest.approx(scipy_stats.t.ppf((1 + confidence) / 2, df),
+                                                                     rel=1e-12)
 
 
 @pytest.mark.parametrize("steps, rewards, expected", [
@@ -223,7 +297,7 @@ def test_mean_curve_averages_the_seeds_that_have_each_step():
 
 # ----- table ----------------------------------------------------------------------------------------------------------
 def _result(arm, seed, em, step=None, rate=None):
-    curves = {REWARD: ([1], [0.5]), LIKELIHOOD: ([1], [-0.1]),
+    curves = {**{metric: ([], []) for metric in outcomes.CURVES}, REWARD: ([1], [0.5]), LIKELIHOOD: ([1], [-0.1]),
               LLD_RATE: ([1], [rate]) if rate is not None else ([], [])}
     return RunResult("stress", arm, seed, em, step, stats.collapsed(step, em), rate, curves)
 
@@ -254,6 +328,131 @@ def test_table_rows_aggregate_each_arm_over_its_seeds(tmp_path):
     _, lone = table.rows(results + [_result("llds", 2, 0.9)])
     assert (lone.seeds, lone.vs_grpo_seeds) == ([0, 1, 2], [0, 1])
     assert len(paths) == 4
+
+
+def test_each_control_meets_every_other_arm_and_two_controls_meet_once():
+    arms = ["grpo", "llds", "grpo_low_lr", "grpo_kl10", "llds_token"]
+    assert paired.pairs(arms, ["grpo", "grpo_low_lr", "grpo_kl10"]) == [
+        ("llds", "grpo"), ("grpo_low_lr", "grpo"), ("grpo_kl10", "grpo"), ("llds_token", "grpo"),
+        ("llds", "grpo_low_lr"), ("grpo_kl10", "grpo_low_lr"), ("llds_token", "grpo_low_lr"),
+        ("llds", "grpo_kl10"), ("llds_token", "grpo_kl10")]
+    assert paired.pairs(["llds", "grpo_kl10"], ["grpo", "grpo_kl10"]) == [("llds", "grpo_kl10")]  # no grpo here
+    results = [_result("llds", 0, 0.5), _result("grpo_kl10", 0, 0.5), _result("grpo", 0, 0.5)]
+    assert paired.default_controls(results) == ["grpo_kl10", "grpo"]
+    assert plan.parse_controls("grpo, llds_action") == ["grpo", "llds"]
+    with pytest.raises(plan.StudyError, match="unknown arm 'gpro' in --controls"):
+        plan.parse_controls("gpro")
+
+
+def _paired_results():
+    """grpo on seeds 0-3, llds on seeds 0-2 and 4, grpo_low_lr on seed 1 only; llds seed 2 logged no LLD rate."""
+    return [_result("grpo", 0, 0.50, rate=0.5), _result("grpo", 1, 0.25, rate=0.5), _result("grpo", 2, 0.75, rate=0.25),
+            _result("grpo", 3, 0.5, rate=0.5),
+            _result("llds", 0, 0.75, rate=0.25), _result("llds", 1, 0.75, rate=0.375), _result("llds", 2, 0.5),
+            _result("llds", 4, 1.0, rate=0.0),
+            _result("grpo_low_lr", 1, 0.625, rate=0.125)]
+
+
+def test_paired_comparisons_use_the_seeds_both_arms_have_and_holm_over_all_of_them():
+    found = paired.comparisons(_paired_results())
+    assert [(c.endpoint, c.arm, c.control, c.seeds) for c in found] == [
+        ("final_em", "llds", "grpo", [0, 1, 2]), ("final_em", "grpo_low_lr", "grpo", [1]),
+        ("final_em", "llds", "grpo_low_lr", [1]),
+        ("lld_rate_mean", "llds", "grpo", [0, 1]), ("lld_rate_mean", "grpo_low_lr", "grpo", [1]),
+        ("lld_rate_mean", "llds", "grpo_low_lr", [1])]
+    em = found[0]
+    # 0.75 - 0.5, 0.75 - 0.25, 0.5 - 0.75: mean 1/6; the sums of +-0.25+-0.5+-0.25 are +-1 (2), +-0.5 (4) and 0 (2):
+    # 6 of 8 reach |0.5|.
+    assert em.differences == [0.25, 0.5, -0.25] and em.mean == pytest.approx(0.5 / 3)
+    assert (em.higher, em.lower, em.equal) == (2, 1, 0)
+    assert em.sign_flip_p == 6 / 8
+    assert (em.boot_low, em.boot_high) == stats.bootstrap_interval([0.25, 0.5, -0.25])
+    assert (em.t_low, em.t_high) == stats.t_interval([0.25, 0.5, -0.25])
+    one_seed = found[1]
+    assert (one_seed.differences, one_seed.t_low, one_seed.t_high, one_seed.sign_flip_p) == ([0.375], None, None, 1.0)
+    rate = found[3]
+    assert (rate.differences, rate.lower, rate.sign_flip_p) == ([-0.25, -0.125], 2, 0.5)
+    # Holm over the family of 6: p = 0.75, 1, 1, 0.5, 1, 1 -> 6 x 0.5 = 3 caps at 1, and so does every other.
+    assert [c.holm_p for c in found] == stats.holm([c.sign_flip_p for c in found]) == [1.0] * 6
+    only_grpo = paired.comparisons(_paired_results(), ["grpo"])
+    assert [(c.arm, c.control) for c in only_grpo] == [("llds", "grpo"), ("grpo_low_lr", "grpo")] * 2
+
+
+def test_paired_table_is_written_as_markdown_csv_and_json(tmp_path):
+    found = paired.comparisons(_paired_results())
+    paths = table.write_paired(found, ["grpo", "grpo_low_lr"], str(tmp_path))
+    assert paths == [str(tmp_path / name) for name in ("paired.md", "paired.csv", "paired.json")]
+    text = (tmp_path / "paired.md").read_text()
+    low, high = stats.t_interval([0.25, 0.5, -0.25])
+    boot_low, boot_high = stats.bootstrap_interval([0.25, 0.5, -0.25])
+    assert (f"| stress | llds | grpo | 3 (0,1,2) | +0.167 | [{boot_low:+.3f}, {boot_high:+.3f}] | [{low:+.3f}, "
+            f"{high:+.3f}] | 0.7500 | 1.0000 | 2 / 1 / 0 |") in text
+    assert ("| stress | grpo_low_lr | grpo | 1 (1) | +0.375 | [+0.375, +0.375] | — | 1.0000 | 1.0000 | 1 / 0 / 0 |"
+            in text)
+    assert text.index("final EM: arm minus control") < text.index("mean LLD rate: arm minus control")
+    assert "over all 6 comparisons" in text and "controls: grpo, grpo_low_lr" in text
+    lines = (tmp_path / "paired.csv").read_text().splitlines()
+    assert lines[0].startswith("setting,arm,control,endpoint,n_seeds,seeds,mean_difference,boot_ci_low")
+    assert lines[2] == "stress,grpo_low_lr,grpo,final_em,1,1,0.375,0.375,0.375,,,1.0,1.0,1,0,0,0.375"
+    written = json.loads((tmp_path / "paired.json").read_text())
+    assert written["controls"] == ["grpo", "grpo_low_lr"]
+    assert written["comparisons"][3] == dataclasses.asdict(found[3])
+
+
+# ----- per-step metrics -----------------------------------------------------------------------------------------------
+def _records(seed, arm):
+    """A few steps of every per-step metric, not all on every step, with values that are not short decimals; grpo
+    seed 2 collapses at step 2."""
+    base = seed / 7 + (arm == "llds") / 3
+    return [{"step": k, REWARD: 0.05 if (arm, seed, k > 1) == ("grpo", 2, True) else 0.9 - k * base / 5,
+             LIKELIHOOD: -0.05 * k - base, GRAD_NORM: 1.0 / (k + seed + 1), REF_KL: k * 0.013,
+             LLD_RATE: None if k == 2 else base / (k + 1), DELTA_TRAJ: None if k == 2 else -base / 11}
+            for k in range(1, 5)]
+
+
+def test_steps_file_reads_back_the_curves_and_names_a_bad_value(tmp_path):
+    out = str(tmp_path / "study")
+    runs = [plan.Run("stress", arm, seed, "c.py", (), str(tmp_path / arm / str(seed)), 4)
+            for arm in ("grpo", "llds") for seed in (0, 1)]
+    for run in runs:
+        _write_run(run.run_dir, _records(run.seed, run.arm), final_em=0.5, steps=4)
+    results = [outcomes.read_result(run) for run in runs] + [_result("grpo", 5, 0.5)]
+    results[-1] = dataclasses.replace(results[-1], curves={m: ([], []) for m in outcomes.CURVES})  # no curves
+    path = steps.write(results, out)
+    assert path == os.path.join(out, "steps.csv.gz")
+    lines = gzip.open(path, "rt").read().splitlines()
+    assert lines[0] == ("setting,arm,seed,step,reward/mean,lld/logp_mean_correct,lld/rate,lld/delta_traj_correct,"
+                        "actor/grad_norm,actor/ref_kl_k3")
+    assert len(lines) == 1 + 4 * 4 and lines[2].startswith("stress,grpo,0,2,0.9,-0.1,,,")
+    read = steps.read(path)
+    assert read == {r.name: r.curves for r in results[:4]}
+    assert read["stress/llds/seed_1"][LLD_RATE][0] == [1, 3, 4]
+    first = open(path, "rb").read()
+    assert steps.write(results, out) == path and open(path, "rb").read() == first  # the same bytes again
+
+    bad = str(tmp_path / "bad.csv")
+    header, row = lines[0], lines[1]
+    for text, message in [
+        (f"{header}\n{row}\n{lines[2].replace(',0.9,', ',high,')}\n", r"bad.csv line 3: column reward/mean must be a "
+                                                                   r"number or empty, got 'high'"),
+        (f"{header}\n{row}\n{row}\n", r"bad.csv line 3: stress/grpo/seed_0 step 1 is given twice"),
+        ("setting,arm,seed,step,reward/mean\n", r"bad.csv line 1: .* missing lld/logp_mean_correct, lld/rate"),
+    ]:
+        with open(bad, "w") as f:
+            f.write(text)
+        with pytest.raises(plan.StudyError, match=message):
+            steps.read(bad)
+
+    # Recorded numbers are checked against the ones computed from the steps.
+    recorded = [dataclasses.replace(r, curves={m: ([], []) for m in outcomes.CURVES}) for r in results]
+    assert steps.attach(recorded, read, path) == results
+    recorded[1] = dataclasses.replace(recorded[1], lld_rate_mean=0.5)
+    with pytest.raises(plan.StudyError, match=r"steps.csv.gz: stress/grpo/seed_1: lld_rate_mean from its steps is "
+                                              r"0.0\d+, the runs file says 0.5"):
+        steps.attach(recorded, read, path)
+    with pytest.raises(plan.StudyError, match=r"steps.csv.gz: steps of runs not in the runs file: stress/llds/seed_0, "
+                                              "stress/llds/seed_1"):
+        steps.attach(recorded[:2], read, path)
 
 
 # ----- the command ----------------------------------------------------------------------------------------------------
@@ -302,7 +501,7 @@ def test_runs_csv_reads_back_what_the_table_wrote_and_names_a_bad_value(tmp_path
     table.write(table.rows(results), results, str(tmp_path))
     read = table.read_runs(str(tmp_path / "runs.csv"))
     assert [dataclasses.replace(r, curves={}) for r in read] == [dataclasses.replace(r, curves={}) for r in results]
-    assert all(r.curves == {REWARD: ([], []), LIKELIHOOD: ([], []), LLD_RATE: ([], [])} for r in read)
+    assert all(r.curves == {metric: ([], []) for metric in outcomes.CURVES} for r in read)
     lines = (tmp_path / "runs.csv").read_text().splitlines()
     bad = tmp_path / "bad.csv"
     bad.write_text("\n".join([lines[0], lines[1], lines[2].replace(",17,True,", ",17,yes,")]) + "\n")
@@ -343,6 +542,46 @@ def test_report_takes_the_runs_not_finished_here_from_a_recorded_runs_csv(tmp_pa
         demo_study.main(["--out", out, "--recorded", csv_path])
     assert "--recorded is only read by --report" in capsys.readouterr().err
     assert demo_study.main(["--out", out, "--report", "--recorded", str(tmp_path / "none.csv")]) == 2
+    assert "error: --recorded: " in capsys.readouterr().err
+
+
+def test_one_report_command_recomputes_every_output_from_the_committed_runs_and_steps_files(tmp_path, capsys):
+    # 1 setting x 2 arms x 3 seeds x 4 steps: the report of the run folders, then the report of its runs.csv and
+    # steps.csv.gz alone (another --out, no run folders) must write the same files.
+    here, elsewhere = str(tmp_path / "here"), str(tmp_path / "elsewhere")
+    for arm in ("grpo", "llds"):
+        for seed in range(3):
+            _write_run(os.path.join(here, "runs", "stress", arm, f"seed_{seed}"), _records(seed, arm),
+                       final_em=0.5 + seed / 8 + (arm == "llds") * (seed + 1) / 16, steps=4)
+    plan_args, overrides = ["--seeds", "3"], ["--", "--config.train.total_steps=4"]
+    assert demo_study.main(["--out", here, *plan_args, "--report", *overrides]) == 0
+    printed_here = capsys.readouterr().out
+    assert "final EM: arm minus control, same seeds" in printed_here
+    # llds minus grpo: 1/16, 2/16, 3/16 (sign-flip p 2/8); grpo seed 2 collapsed at step 2.
+    assert "| stress | llds | grpo | 3 (0,1,2) | +0.125 |" in printed_here and "| 0.2500 |" in printed_here
+    committed = str(tmp_path / "committed")
+    os.makedirs(committed)
+    for name in ("runs.csv", "steps.csv.gz"):
+        shutil.copy(os.path.join(here, name), committed)
+
+    recorded = ["--recorded", os.path.join(committed, "runs.csv")]
+    assert demo_study.main(["--out", elsewhere, *plan_args, "--report", *recorded, *overrides]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (f"runs not finished here taken from {committed}/runs.csv, their curves from "
+                        f"{committed}/steps.csv.gz: 6 (6 with curves, in the plots too)")
+    for name in ("table.md", "table.csv", "table.json", "runs.csv", "paired.md", "paired.csv", "paired.json",
+                 "steps.csv.gz", os.path.join("plots", "stress.png")):
+        with open(os.path.join(here, name), "rb") as f, open(os.path.join(elsewhere, name), "rb") as g:
+            assert f.read() == g.read(), name
+    assert "\n".join(lines).count("| stress |") == printed_here.count("| stress |")
+    # grpo seed 2's collapse, recorded and recomputed from the steps' rewards:
+    assert "| 1/3 | 2 (seed 2) |" in (tmp_path / "elsewhere" / "table.md").read_text()
+
+    with pytest.raises(SystemExit):
+        demo_study.main(["--out", elsewhere, "--report", "--recorded-steps", os.path.join(committed, "steps.csv.gz")])
+    assert "--recorded-steps is only read with --recorded" in capsys.readouterr().err
+    assert demo_study.main(["--out", elsewhere, *plan_args, "--report", *recorded, "--recorded-steps",
+                            str(tmp_path / "none.gz"), *overrides]) == 2
     assert "error: --recorded: " in capsys.readouterr().err
 
 

@@ -1,8 +1,8 @@
 """The multi-seed study of the CPU demo (issue 19): arms x settings x seeds, then one table and one figure per setting.
 
     python -m llds_jax.apps.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
-        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--dry-run | --report [--recorded RUNS_CSV]]
-        [-- --config.KEY=VALUE ...]
+        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--controls grpo,grpo_low_lr,...]
+        [--dry-run | --report [--recorded RUNS_CSV [--recorded-steps STEPS_CSV_GZ]]] [-- --config.KEY=VALUE ...]
 
 Every run is `python -m llds_jax.launch` (llds_jax.apps.study.plan: folders and overrides). Each seed has its own
 world, warm start and sampling (`OUT/seeds/seed_K/`), built once by `--mode=sft` before that seed's runs start and
@@ -25,6 +25,12 @@ status 1 then):
 - `OUT/table.md`, `table.csv`, `table.json` (and `runs.csv`): per setting x arm the final greedy test EM (mean over
   seeds, 95% bootstrap interval, per seed), collapse count and steps to collapse, mean LLD rate
   (llds_jax.apps.study.table defines each column);
+- `OUT/paired.md`, `paired.csv`, `paired.json` (also printed): per setting, each arm minus each control arm
+  (`--controls`, default every arm named grpo*) on the seeds both ran, for final EM and mean LLD rate: mean
+  difference, bootstrap and t intervals, exact sign-flip p, its Holm adjustment over the whole table, and how many
+  seeds go each way (llds_jax.apps.study.paired);
+- `OUT/steps.csv.gz`: every run's per-step metrics (llds_jax.apps.study.steps), from which, with `runs.csv`, the
+  tables and plots are recomputed without the run folders;
 - `OUT/plots/SETTING.png`: per-seed curves of train reward, correct trajectories' token-mean log-prob and LLD rate.
 
 Before running, the command prints the runs and an estimated wall time (llds_jax.apps.study.budget: measured rates of
@@ -32,8 +38,10 @@ the study's own finished jobs, else constants from docs/demo.md). `--dry-run` pr
 nothing. `--report` runs nothing either: it writes the outputs of the plan's finished runs (a study run in parts,
 e.g. one setting per session, reported as one table) and names the runs not in them. With `--recorded RUNS_CSV` (the
 `runs.csv` of an earlier report, e.g. docs/evidence/runs.csv) a run not finished here is taken from that record: its
-numbers go into the table, not into the plots (a record has no curves); a run both finished here and recorded is
-reported from here, and the command prints whether its numbers reproduce the record's.
+numbers go into the tables, and into the plots when its curves are in the record's steps file (`--recorded-steps`,
+default the `steps.csv.gz` next to the runs.csv when there is one; the collapse and LLD rate computed from them must
+be the record's); a run both finished here and recorded is reported from here, and the command prints whether its
+numbers reproduce the record's.
 
 Budget (2 cores, about 90 minutes). Measured on 2026-12-02 (OUT/timings.jsonl, two launches at once, nothing else
 running): a 20-step run 145-170 s of the machine (each launch 290-340 s of wall time beside another: stress 289,
@@ -60,7 +68,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from llds_jax.apps.study import budget, outcomes, plots, plan, runner, table
+from llds_jax.apps.study import budget, outcomes, paired, plots, plan, runner, steps, table
 from llds_jax.train.metrics import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
@@ -100,17 +108,24 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seeds", default="8", help="N (0..N-1), A-B or A,B,... (default: 8)")
     parser.add_argument("--out", default="runs/demo_study", help="study folder (default: runs/demo_study)")
     parser.add_argument("--jobs", type=int, default=2, help="launches at once (default: 2, for 2 cores)")
+    parser.add_argument("--controls", help="comma-separated arms the paired table compares every other arm with "
+                        f"(default: every arm whose name starts with {paired.CONTROL_PREFIX})")
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--dry-run", action="store_true", help="print the plan, estimate and commands; run nothing")
     modes.add_argument("--report", action="store_true",
-                       help="write table and plots of the plan's finished runs; run nothing")
+                       help="write the tables, steps file and plots of the plan's finished runs; run nothing")
     parser.add_argument("--recorded", metavar="RUNS_CSV", help="with --report: the runs.csv of an earlier report; "
-                        "the plan's runs not finished here are taken from it (in the table, not the plots)")
+                        "the plan's runs not finished here are taken from it (in the tables; in the plots when its "
+                       "steps file has their curves)")
+    parser.add_argument("--recorded-steps", metavar="STEPS_CSV_GZ", help="with --recorded: the steps.csv.gz of that "
+                        f"report (default: the {steps.FILE} next to RUNS_CSV, when there is one)")
     args = parser.parse_args(own)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.recorded and not args.report:
         parser.error("--recorded is only read by --report")
+    if args.recorded_steps and not args.recorded:
+        parser.error("--recorded-steps is only read with --recorded")
     for override in extra:
         if not override.startswith("--config."):
             parser.error(f"arguments after -- must be --config.KEY=VALUE overrides, got {override!r}")
@@ -168,11 +183,14 @@ def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[
     return runner.run_jobs(job_list, jobs, on_start, on_end)
 
 
-def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] | None = None) -> None:
-    """Writes the table and plots of every finished run of the plan (nothing when none finished), printing each
-    path. A run of the plan not finished here but in `recorded` (run name -> its numbers from a runs.csv) is in the
-    table, not in the plots; a run in both is reported from here, after a line saying whether it reproduces the
-    record (`compare_recorded`)."""
+def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] | None = None,
+                  controls: Sequence[str] | None = None) -> None:
+    """Writes the tables, steps file and plots of every finished run of the plan (nothing when none finished),
+    printing the paired table and each path. A run of the plan not finished here but in `recorded` (run name -> its
+    numbers from a runs.csv, with curves when its steps file had them) is in the tables, and in the plots when it
+    has curves; a run in both is reported from here, after a line saying whether it reproduces the record
+    (`compare_recorded`). `controls`: the paired table's control arms (None: llds_jax.apps.study.paired's
+    default)."""
     recorded = recorded or {}
     here = [outcomes.read_result(run) for run in study.runs if run.finished()]
     for line in compare_recorded(here, recorded):
@@ -181,9 +199,28 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
     results = [finished.get(run.name) or recorded[run.name] for run in study.runs
                if run.name in finished or run.name in recorded]
     if results:
-        paths = table.write(table.rows(results), results, study.out) + (plots.write(here, study.out) if here else [])
+        controls = paired.default_controls(results) if controls is None else controls
+        comparisons = paired.comparisons(results, controls)
+        for line in table.paired_tables(comparisons):
+            print(line, flush=True)
+        curved = [result for result in results if result.has_curves]
+        paths = (table.write(table.rows(results), results, study.out) +
+                 table.write_paired(comparisons, controls, study.out) + [steps.write(results, study.out)] +
+                 (plots.write(curved, study.out) if curved else []))
         for path in paths:
             print(path, flush=True)
+
+
+def read_recorded(runs_csv: str, steps_path: str | None) -> tuple[dict[str, outcomes.RunResult], str | None]:
+    """The runs of an earlier report's runs.csv (run name -> numbers) with their curves from the steps file
+    `steps_path`, else from the steps.csv.gz next to the runs.csv when there is one; and the steps file read
+    (None: none, the runs have no curves). OSError or StudyError naming the file."""
+    results = table.read_runs(runs_csv)
+    next_to = os.path.join(os.path.dirname(runs_csv), steps.FILE)
+    steps_path = steps_path or (next_to if os.path.exists(next_to) else None)
+    if steps_path:
+        results = steps.attach(results, steps.read(steps_path), steps_path)
+    return {result.name: result for result in results}, steps_path
 
 
 def compare_recorded(here: Sequence[outcomes.RunResult], recorded: Mapping[str, outcomes.RunResult]) -> list[str]:
@@ -204,6 +241,7 @@ def compare_recorded(here: Sequence[outcomes.RunResult], recorded: Mapping[str, 
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra = _parse(sys.argv[1:] if argv is None else argv)
     try:
+        controls = plan.parse_controls(args.controls) if args.controls else None
         study = plan.make_plan(os.path.normpath(args.out), plan.parse_settings(args.settings),
                                plan.parse_arms(args.arms), plan.parse_seeds(args.seeds), extra)
     except plan.StudyError as e:
@@ -215,14 +253,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         recorded = {}
         if args.recorded:
             try:
-                recorded = {result.name: result for result in table.read_runs(args.recorded)}
+                recorded, steps_path = read_recorded(args.recorded, args.recorded_steps)
             except (OSError, plan.StudyError) as e:
                 print(f"llds_jax.apps.demo_study: error: --recorded: {e}", file=sys.stderr)
                 return 2
             taken = [run.name for run in pending if run.name in recorded]
-            print(f"runs not finished here taken from {args.recorded} (in the table, not the plots): {len(taken)}",
-                  flush=True)
-        write_outputs(study, recorded)
+            if steps_path is None:
+                print(f"runs not finished here taken from {args.recorded} (in the table, not the plots): "
+                      f"{len(taken)}", flush=True)
+            else:
+                curved = sum(recorded[name].has_curves for name in taken)
+                print(f"runs not finished here taken from {args.recorded}, their curves from {steps_path}: "
+                      f"{len(taken)} ({curved} with curves, in the plots too)", flush=True)
+        write_outputs(study, recorded, controls)
         missing = [run.name for run in pending if run.name not in recorded]
         if missing:
             print(f"not in the outputs (not finished): {', '.join(missing)}", flush=True)
@@ -240,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted = True
         print("llds_jax.apps.demo_study: interrupted; the running launches saved their state; table and plots of the "
               "finished runs follow", file=sys.stderr)
-    write_outputs(study)
+    write_outputs(study, controls=controls)
     if interrupted:
         return 130
     unfinished = [run.name for run in study.runs if not run.finished()]

@@ -5,9 +5,11 @@ extra_info`. We need `question`, `golden_answers` (falling back to `reward_model
 and `data_source`; `id` is kept when present. Search-R1's `extra_info.index` restarts for every
 source, so examples carry their own `uid`, unique within a file, as the GRPO group key.
 
-A row whose golden answers all normalize to nothing (blank, articles or punctuation only: `[""]`, `["The."]`)
-would let an empty answer match; such rows are skipped, with one warning per file that counts them and names the
-first ones. A file that is not parquet/JSONL, or has no usable row, raises ValueError naming it.
+A row whose golden answers all normalize to nothing (blank, articles or punctuation only: `[""]`, `["The."]`) is
+matched by any answer that normalizes to nothing too. With the rule "search_r1" (`reward.empty_answer`, the
+paper's code) such rows are kept, as Search-R1 keeps them; with "zero" no answer can earn reward on them, and
+they are skipped. Either way one warning per file counts them and names the first ones. A file that is not
+parquet/JSONL, or has no usable row, raises ValueError naming it.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 from etils import epath
 
 from llds_jax.data.jsonl import iter_jsonl
-from llds_jax.data.rewards import normalize_answer
+from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, normalize_answer
 from llds_jax.rollout.protocol import make_prompt
 
 log = logging.getLogger(__name__)
@@ -58,13 +60,14 @@ class QAExample:
     id: str | None = None
 
 
-def read_qa(path: str | os.PathLike) -> list[QAExample]:
-    """Reads a Search-R1 QA file (local or gs://); `.parquet` or `.jsonl` decides the format."""
+def read_qa(path: str | os.PathLike, empty_answer: str = DEFAULT_EMPTY_ANSWER) -> list[QAExample]:
+    """Reads a Search-R1 QA file (local or gs://); `.parquet` or `.jsonl` decides the format. `empty_answer`: the
+    reward rule (`reward.empty_answer`), which decides whether rows with only empty gold answers are kept."""
     path = os.fspath(path)
     if path.endswith(".parquet"):
-        return _examples(path, _parquet_rows(path))
+        return _examples(path, _parquet_rows(path), skip_empty_golds=empty_answer == "zero")
     if path.endswith(".jsonl"):
-        return _examples(path, _jsonl_rows(path))
+        return _examples(path, _jsonl_rows(path), skip_empty_golds=empty_answer == "zero")
     raise ValueError(f"{path}: unknown QA file format (expected .parquet or .jsonl)")
 
 
@@ -98,15 +101,16 @@ def _check_columns(where: str, names: Iterable[str]) -> None:
             f"{where}: missing required column '{_ANSWERS}' (and no '{_ANSWERS_FALLBACK}' to fall back on)")
 
 
-def _examples(path: str, rows: Iterator[tuple[str, dict]]) -> list[QAExample]:
-    examples, unanswerable = [], []
+def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: bool) -> list[QAExample]:
+    examples, empty_golds = [], []
     for row, (where, record) in enumerate(rows):
         question = _string(where, "question", record["question"])
         data_source = _string(where, "data_source", record["data_source"])
         golden_answers = _golden_answers(where, record)
         if not any(normalize_answer(answer) for answer in golden_answers):
-            unanswerable.append(where)
-            continue
+            empty_golds.append(where)
+            if skip_empty_golds:
+                continue
         examples.append(QAExample(
             uid=f"{data_source}-{row}",
             question=question,
@@ -114,16 +118,21 @@ def _examples(path: str, rows: Iterator[tuple[str, dict]]) -> list[QAExample]:
             data_source=data_source,
             id=None if record.get("id") is None else str(record["id"]),
         ))
-    skipped = ""
-    if unanswerable:
-        named = "; ".join(unanswerable[:_NAMED_SKIPS]) + ("; ..." if len(unanswerable) > _NAMED_SKIPS else "")
-        rows = f"{len(unanswerable)} row" + ("s" if len(unanswerable) > 1 else "")
-        skipped = (f"skipped {rows} whose golden answers are all empty once normalized"
-                   f" (blank, articles or punctuation only): {named}")
+    counted = ""
+    if empty_golds:
+        named = "; ".join(empty_golds[:_NAMED_SKIPS]) + ("; ..." if len(empty_golds) > _NAMED_SKIPS else "")
+        rows = f"{len(empty_golds)} row" + ("s" if len(empty_golds) > 1 else "")
+        if skip_empty_golds:
+            counted = (f"skipped {rows} whose golden answers are all empty once normalized"
+                       f" (blank, articles or punctuation only): {named}")
+        else:
+            counted = (f"kept {rows} whose golden answers are all empty once normalized (blank, articles or"
+                       f" punctuation only), which an empty answer matches (reward.empty_answer='search_r1', as"
+                       f" Search-R1; 'zero' skips them): {named}")
     if not examples:
-        raise ValueError(f"{path}: no examples" + (f"; {skipped}" if skipped else ""))
-    if skipped:
-        log.warning(skipped)
+        raise ValueError(f"{path}: no examples" + (f"; {counted}" if counted else ""))
+    if counted:
+        log.warning(counted)
     return examples
 
 

@@ -1,4 +1,9 @@
-"""Search-R1's exact-match reward: answer normalization, final-answer extraction and EM."""
+"""Search-R1's exact-match reward: answer normalization, final-answer extraction and EM.
+
+An answer that normalizes to nothing ("", "a", "The.") is scored by the run's rule (`reward.empty_answer`):
+"search_r1" (the default, the paper's code): plain exact match, as Search-R1's `compute_score_em` computes it, so
+it earns 1.0 when one of the gold answers normalizes to nothing too; "zero": it never earns reward.
+"""
 from __future__ import annotations
 
 import re
@@ -8,6 +13,8 @@ from collections.abc import Sequence
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _PUNCTUATION = frozenset(string.punctuation)
+EMPTY_ANSWER_RULES = ("search_r1", "zero")
+DEFAULT_EMPTY_ANSWER = "search_r1"
 
 
 def normalize_answer(s: str) -> str:
@@ -44,10 +51,13 @@ def final_answer_turn(turn_texts: Sequence[str]) -> int | None:
     return None
 
 
-def em_reward(model_text: str, golden_answers: str | Sequence[str]) -> float:
-    """Exact match of the model's final answer against the gold answers; 0.0 when it gave no answer, or one that
-    normalizes to nothing (e.g. "" or "The."), which would otherwise match a gold answer that does too."""
+def em_reward(model_text: str, golden_answers: str | Sequence[str],
+              empty_answer: str = DEFAULT_EMPTY_ANSWER) -> float:
+    """Exact match of the model's final answer against the gold answers; 0.0 when it gave no answer. An answer that
+    normalizes to nothing scores by the rule `empty_answer` (see the module docstring)."""
+    if empty_answer not in EMPTY_ANSWER_RULES:
+        raise ValueError(f"reward.empty_answer must be one of {EMPTY_ANSWER_RULES}; got {empty_answer!r}")
     answer = extract_final_answer(model_text)
-    if answer is None or not normalize_answer(answer):
+    if answer is None or (empty_answer == "zero" and not normalize_answer(answer)):
         return 0.0
     return exact_match(answer, golden_answers)

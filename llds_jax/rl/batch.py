@@ -29,7 +29,7 @@ class RolloutBatch:
       action_ids_bt: int32 [B, L] 0-based model turn (action) of each loss token, -1 elsewhere.
       answer_mask_bt: float32 [B, L] 1 on the final `<answer>...</answer>` span's model tokens.
       sampler_logp_bt: float32 [B, L] the sampler's log-probs of model tokens, 0 elsewhere (for the sampler/trainer
-        gap metric).
+        gap metric and, with objective.tis_cap > 0, the truncated importance weights of the policy loss).
       group_b: int32 [B] the GRPO group (prompt) of each trajectory, unique over the whole batch.
       search_count_b: float32 [B] `<search>` actions per trajectory.
       rewards_b: float32 [B] outcome reward (a trajectory is "correct" when it is > 0); None until `with_rewards`.

@@ -62,7 +62,12 @@ class ObjectiveConfig:
 
     Attributes:
       clip_ratio: PPO clip epsilon (ratio clipped to [1 - eps, 1 + eps]).
+      clip_ratio_high: upper clip epsilon, DAPO's "clip-higher": the ratio is clipped to
+        [1 - clip_ratio, 1 + clip_ratio_high]; 0 (default): clip_ratio, the symmetric clip of the reference code.
       ratio_cap: the ratio exp(logp - old_logp) is capped at this value (100 in the reference code).
+      tis_cap: truncated importance sampling between the rollout's sampler and the trainer (verl's
+        `tis_imp_ratio_cap`): each loss token's clipped policy loss is multiplied by the frozen weight
+        min(exp(old_logp - sampler_logp), tis_cap); 0 (default): off; otherwise >= 1.
       entropy_coef: weight of the entropy bonus (subtracted).
       kl_coef: weight of the KL to the reference model (0 disables the term).
       kl_estimator: "low_var_kl" (k3, default), "k1", "abs" or "mse".
@@ -74,7 +79,9 @@ class ObjectiveConfig:
     """
 
     clip_ratio: float = 0.2
+    clip_ratio_high: float = 0.0
     ratio_cap: float = 100.0
+    tis_cap: float = 0.0
     entropy_coef: float = 0.001
     kl_coef: float = 0.001
     kl_estimator: str = "low_var_kl"
@@ -87,16 +94,23 @@ class ObjectiveConfig:
         _check_choice("objective.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("objective.aggregation", self.aggregation, AGGREGATIONS)
         _check_non_negative("objective.clip_ratio", self.clip_ratio)
+        _check_non_negative("objective.clip_ratio_high", self.clip_ratio_high)
         _check_non_negative("objective.entropy_coef", self.entropy_coef)
         _check_non_negative("objective.kl_coef", self.kl_coef)
         if not self.ratio_cap > 1:
             raise ValueError(f"objective.ratio_cap must be > 1; got {self.ratio_cap!r}")
+        if not (self.tis_cap == 0 or self.tis_cap >= 1):
+            raise ValueError(f"objective.tis_cap must be 0 (off) or >= 1; got {self.tis_cap!r}")
         if not self.kl_clamp > 0:
             raise ValueError(f"objective.kl_clamp must be > 0; got {self.kl_clamp!r}")
         if not self.temperature > 0:
             raise ValueError(f"objective.temperature must be > 0; got {self.temperature!r}")
         if not isinstance(self.llds, LLDSConfig):
             raise TypeError(f"objective.llds must be an LLDSConfig; got {type(self.llds).__name__}")
+
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high) bounds of the clipped ratio: 1 - clip_ratio, 1 + (clip_ratio_high, or clip_ratio when 0)."""
+        return 1.0 - self.clip_ratio, 1.0 + (self.clip_ratio_high or self.clip_ratio)
 
     def weighted_terms(self) -> tuple[tuple[str, float], ...]:
         """(registered term name, coefficient) pairs whose weighted sum is the loss; zero-weight terms are left out."""

@@ -4,19 +4,22 @@ Three moments of a rollout batch:
 - before its updates (`likelihood_metrics`): likelihood of correct vs incorrect trajectories, first vs later actions,
   gap between sampler and trainer log-probs;
 - per micro-batch inside the update (`update_metrics`): gate activation share, mean delta on preserved tokens, entropy,
-  clip fraction, approx KL(old, new), k3 KL to the reference; those that compare logp with old_logp
-  (`DISPLACEMENT_METRICS`, with the LLDS loss) are 0 by construction on a batch's first update;
+  clip fraction, approx KL(old, new), k3 KL to the reference, share of truncated importance weights; those that
+  compare logp with old_logp (`DISPLACEMENT_METRICS`, with the LLDS loss) are 0 by construction on a batch's first
+  update;
 - after its updates (`lld_metrics`): Delta_traj = sum(new - old) over loss tokens, its mean for correct trajectories,
   the LLD rate (share of correct trajectories with Delta_traj < 0) and the tie share (Delta_traj == 0: e.g. updates
   too small to change the log-probs; the caller computes both log-probs in float32).
 A mean over an empty set (e.g. no correct trajectory) is NaN.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 
 from llds_jax.rl.config import ObjectiveConfig
 from llds_jax.rl.llds import action_sums, llds_gate
-from llds_jax.rl.losses import kl_penalty_bt, policy_ratio
+from llds_jax.rl.losses import kl_penalty_bt, policy_ratio, sampler_log_ratio
 from llds_jax.rl.terms import LossInputs, aggregate
 
 
@@ -91,7 +94,9 @@ def update_metrics(inputs: LossInputs, cfg: ObjectiveConfig) -> dict[str, jax.Ar
       `llds/gate_share`: share of preserved actions (A >= 0) whose gate fired on at least one token;
       `llds/preserved_delta`: mean of old_logp - logp over preserved tokens; `actor/entropy`; `actor/clip_frac`
       (tokens where the clipped branch is taken); `actor/approx_kl` = mean(old_logp - logp);
-      `actor/ref_kl_k3`: k3 KL to the reference (when reference log-probs are given).
+      `actor/ref_kl_k3`: k3 KL to the reference (when reference log-probs are given); `actor/tis_truncated`: share
+      of loss tokens whose importance weight exp(old_logp - sampler_logp) exceeds objective.tis_cap, so is truncated
+      (when tis_cap > 0).
     """
     inputs = jax.lax.stop_gradient(inputs)
     mask_bt = inputs.loss_mask_bt.astype(jnp.float32)
@@ -103,8 +108,7 @@ def update_metrics(inputs: LossInputs, cfg: ObjectiveConfig) -> dict[str, jax.Ar
     preserved_actions = jnp.sum(tokens_ba > 0)
     ratio_bt = policy_ratio(inputs.logp_bt, inputs.old_logp_bt, cfg.ratio_cap)
     advantages_b1 = inputs.advantages_b[:, None]
-    clipped_bt = (-advantages_b1 * jnp.clip(ratio_bt, 1 - cfg.clip_ratio, 1 + cfg.clip_ratio)) > (
-        -advantages_b1 * ratio_bt)
+    clipped_bt = (-advantages_b1 * jnp.clip(ratio_bt, *cfg.clip_range())) > (-advantages_b1 * ratio_bt)
     metrics = {
         "llds/gate_share": jnp.sum(fired_ba > 0) / jnp.maximum(preserved_actions, 1),
         "llds/preserved_delta": jnp.sum(delta_bt * preserved_bt) / jnp.maximum(jnp.sum(preserved_bt), 1.0),
@@ -115,6 +119,9 @@ def update_metrics(inputs: LossInputs, cfg: ObjectiveConfig) -> dict[str, jax.Ar
     if inputs.ref_logp_bt is not None:
         k3_bt = kl_penalty_bt(inputs.logp_bt, inputs.ref_logp_bt, "low_var_kl", cfg.kl_clamp)
         metrics["actor/ref_kl_k3"] = aggregate(k3_bt, mask_bt, "token-mean")
+    if cfg.tis_cap:
+        truncated_bt = sampler_log_ratio(inputs.old_logp_bt, inputs.sampler_logp_bt) > math.log(cfg.tis_cap)
+        metrics["actor/tis_truncated"] = aggregate(truncated_bt.astype(jnp.float32), mask_bt, "token-mean")
     return metrics
 
 

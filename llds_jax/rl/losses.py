@@ -22,12 +22,34 @@ def policy_ratio(logp_bt: jax.Array, old_logp_bt: jax.Array, ratio_cap: float) -
     return jnp.exp(jnp.minimum(logp_bt - old_logp_bt, math.log(ratio_cap)))
 
 
+def sampler_log_ratio(old_logp_bt: jax.Array, sampler_logp_bt: jax.Array) -> jax.Array:
+    """`old_logp - sampler_logp`: log of the trainer-over-sampler importance ratio, frozen. [B, T] float32."""
+    return jax.lax.stop_gradient(old_logp_bt - sampler_logp_bt).astype(jnp.float32)
+
+
+def tis_weight(old_logp_bt: jax.Array, sampler_logp_bt: jax.Array, loss_mask_bt: jax.Array,
+               tis_cap: float) -> jax.Array:
+    """Truncated importance weight `min(exp(old_logp - sampler_logp), tis_cap)` on loss tokens, 1 elsewhere.
+
+    Computed on the log scale (never overflows) and frozen (no gradient). [B, T] float32.
+    """
+    log_ratio_bt = sampler_log_ratio(old_logp_bt, sampler_logp_bt)
+    weight_bt = jnp.exp(jnp.minimum(log_ratio_bt, math.log(tis_cap)))
+    return jnp.where(loss_mask_bt > 0, weight_bt, 1.0)
+
+
 def clipped_policy_loss_bt(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
-    """Per-token `max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps))`. [B, T]."""
+    """Per-token `max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps_high))` (`ObjectiveConfig.clip_range`), times the
+    truncated importance weight (`tis_weight`) when objective.tis_cap > 0. [B, T]."""
     advantages_b1 = jax.lax.stop_gradient(inputs.advantages_b)[:, None]
     ratio_bt = policy_ratio(inputs.logp_bt, inputs.old_logp_bt, cfg.ratio_cap)
-    clipped_bt = jnp.clip(ratio_bt, 1.0 - cfg.clip_ratio, 1.0 + cfg.clip_ratio)
-    return jnp.maximum(-advantages_b1 * ratio_bt, -advantages_b1 * clipped_bt)
+    clipped_bt = jnp.clip(ratio_bt, *cfg.clip_range())
+    loss_bt = jnp.maximum(-advantages_b1 * ratio_bt, -advantages_b1 * clipped_bt)
+    if not cfg.tis_cap:
+        return loss_bt
+    if inputs.sampler_logp_bt is None:
+        raise ValueError("objective.tis_cap > 0 needs sampler_logp_bt (the sampler's log-probs)")
+    return loss_bt * tis_weight(inputs.old_logp_bt, inputs.sampler_logp_bt, inputs.loss_mask_bt, cfg.tis_cap)
 
 
 def kl_penalty_bt(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str, clamp: float) -> jax.Array:

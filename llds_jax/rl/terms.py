@@ -32,6 +32,8 @@ class LossInputs(NamedTuple):
       action_ids_bt: [B, T] int, 0-based index of the model turn (action) a loss token belongs to; -1 elsewhere.
       answer_mask_bt: [B, T] 1 on the final <answer>...</answer> span (tags included), else 0.
       batch_stats: name -> scalar statistics of the whole rollout batch from the terms' hooks (`batch_statistics`).
+      sampler_logp_bt: [B, T] float32 log-probs the rollout's sampler reported for the sampled tokens, 0 off model
+        tokens (frozen); None unless objective.tis_cap > 0 (truncated importance sampling).
     """
 
     logp_bt: jax.Array
@@ -43,6 +45,7 @@ class LossInputs(NamedTuple):
     action_ids_bt: jax.Array
     answer_mask_bt: jax.Array
     batch_stats: Mapping[str, jax.Array] = {}
+    sampler_logp_bt: jax.Array | None = None
 
 
 def aggregate(x_bt: jax.Array, mask_bt: jax.Array, mode: str) -> jax.Array:

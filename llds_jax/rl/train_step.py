@@ -326,7 +326,8 @@ class RLTrainStep:
         inputs = LossInputs(
             logp_bt=logp_bt, entropy_bt=entropy_bt, old_logp_bt=old_logp_bt, ref_logp_bt=ref_logp_bt,
             advantages_b=micro.advantages_b, loss_mask_bt=micro.loss_mask_bt, action_ids_bt=micro.action_ids_bt,
-            answer_mask_bt=micro.answer_mask_bt, batch_stats=batch_stats)
+            answer_mask_bt=micro.answer_mask_bt, batch_stats=batch_stats,
+            sampler_logp_bt=micro.sampler_logp_bt if self.objective.tis_cap else None)
         loss, terms = objective_loss(inputs, self.objective)
         metrics = {f"loss/{name}": value for name, value in terms.items()}
         metrics.update(update_metrics(inputs, self.objective))

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from llds_jax.data.qa import QAExample
-from llds_jax.data.rewards import em_reward, extract_final_answer, final_answer_turn
+from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, em_reward, extract_final_answer, final_answer_turn
 from llds_jax.rollout.protocol import Action
 
 # The same pattern as data.rewards.extract_final_answer, whose last match is the final answer.
@@ -181,15 +181,15 @@ def _tokens_reaching(ids: Sequence[int], prefix: str, tokenizer) -> int:
     return hi
 
 
-def em_score(trajectory: Trajectory) -> float:
+def em_score(trajectory: Trajectory, empty_answer: str = DEFAULT_EMPTY_ANSWER) -> float:
     """Exact match (0.0 or 1.0) of the trajectory's final answer (`answer_text`) against its example's gold answers
-    (data.rewards.em_reward)."""
-    return em_reward(trajectory.answer_text, trajectory.example.golden_answers)
+    (data.rewards.em_reward; `empty_answer`: the run's `reward.empty_answer`)."""
+    return em_reward(trajectory.answer_text, trajectory.example.golden_answers, empty_answer)
 
 
-def em_rewards(trajectories: Sequence[Trajectory]) -> np.ndarray:
+def em_rewards(trajectories: Sequence[Trajectory], empty_answer: str = DEFAULT_EMPTY_ANSWER) -> np.ndarray:
     """[B] float32 exact-match rewards (`em_score`) of a batch's trajectories."""
-    return np.asarray([em_score(t) for t in trajectories], np.float32)
+    return np.asarray([em_score(t, empty_answer) for t in trajectories], np.float32)
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from etils import epath
 
+from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER
 from llds_jax.rollout.trajectory import Trajectory, em_score
 
 MEAN_KEY = "mean"
@@ -48,9 +49,10 @@ def source_table(trajectories: Sequence[Trajectory], value: Callable[[Trajectory
     return table
 
 
-def em_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Mean EM per data_source and their unweighted mean under "mean"."""
-    return source_table(trajectories, em_score)
+def em_table(trajectories: Sequence[Trajectory], empty_answer: str = DEFAULT_EMPTY_ANSWER) -> dict[str, float]:
+    """Mean EM per data_source and their unweighted mean under "mean" (`empty_answer`: the run's
+    `reward.empty_answer`)."""
+    return source_table(trajectories, lambda t: em_score(t, empty_answer))
 
 
 def searches_table(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -81,7 +83,7 @@ def read_results(out_dir: epath.Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def transcript_record(t: Trajectory, tokenizer) -> dict[str, Any]:
+def transcript_record(t: Trajectory, tokenizer, empty_answer: str = DEFAULT_EMPTY_ANSWER) -> dict[str, Any]:
     """One trajectory as a JSON-able transcript: prompt, turns with observations, answer, score."""
     return {
         "uid": t.uid, "id": t.example.id, "data_source": t.example.data_source, "question": t.example.question,
@@ -90,28 +92,28 @@ def transcript_record(t: Trajectory, tokenizer) -> dict[str, Any]:
         "turns": [{"text": turn.text, "action": turn.action.kind, "content": turn.action.content,
                    "observation": turn.observation, "observation_truncated": turn.observation_truncated,
                    "search_error": turn.search_error} for turn in t.turns],
-        "final_answer": t.final_answer, "score": em_score(t), "end_reason": t.end_reason,
+        "final_answer": t.final_answer, "score": em_score(t, empty_answer), "end_reason": t.end_reason,
     }
 
 
-def transcript_text(t: Trajectory, tokenizer) -> str:
+def transcript_text(t: Trajectory, tokenizer, empty_answer: str = DEFAULT_EMPTY_ANSWER) -> str:
     """A trajectory as readable text: the question, each turn followed by its observation, the score."""
     parts = [f"question: {t.example.question}", f"gold: {list(t.example.golden_answers)}", ""]
     for turn in t.turns:
         parts.append(turn.text)
         if turn.observation:
             parts.append(turn.observation)
-    parts.append(f"\nanswer: {t.final_answer!r}  score: {em_score(t)}  end: {t.end_reason}")
+    parts.append(f"\nanswer: {t.final_answer!r}  score: {em_score(t, empty_answer)}  end: {t.end_reason}")
     return "\n".join(parts)
 
 
 def write_results(out_dir: epath.Path, trajectories: Sequence[Trajectory], em: Mapping[str, float],
-                  searches: Mapping[str, float], tokenizer) -> None:
+                  searches: Mapping[str, float], tokenizer, empty_answer: str = DEFAULT_EMPTY_ANSWER) -> None:
     """Writes `transcripts.jsonl` (one record per question) and `results.json` (the tables `em` and `searches`
     of the trajectories, and question counts per data_source)."""
     out_dir = epath.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(transcript_record(t, tokenizer), ensure_ascii=False) for t in trajectories]
+    lines = [json.dumps(transcript_record(t, tokenizer, empty_answer), ensure_ascii=False) for t in trajectories]
     (out_dir / "transcripts.jsonl").write_text("\n".join(lines) + "\n")
     counts: dict[str, int] = defaultdict(int)
     for t in trajectories:

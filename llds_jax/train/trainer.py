@@ -100,15 +100,16 @@ def host_copy(tree):
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
 
 
-def read_examples(files: Sequence[str], what: str) -> list[QAExample]:
-    """QA examples of several files, uids made unique across files."""
+def read_examples(files: Sequence[str], what: str, empty_answer: str) -> list[QAExample]:
+    """QA examples of several files, uids made unique across files (`empty_answer`: `reward.empty_answer`, which
+    decides whether rows no non-empty answer can match are kept, data.qa.read_qa)."""
     if not files:
         raise config_lib.ConfigError(f"data.{what} lists no files")
     examples = []
     for index, path in enumerate(files):
         if not epath.Path(path).exists():
             raise FileNotFoundError(f"data.{what}: file not found: {path}")
-        examples += [dataclasses.replace(ex, uid=f"{index}:{ex.uid}") for ex in read_qa(path)]
+        examples += [dataclasses.replace(ex, uid=f"{index}:{ex.uid}") for ex in read_qa(path, empty_answer)]
     return examples
 
 
@@ -166,9 +167,10 @@ class Trainer:
                                     self.layout.mesh)
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
-        self.eval_examples = read_examples(cfg.data.eval_files, "eval_files") if cfg.data.eval_files else []
+        rule = cfg.reward.empty_answer
+        self.eval_examples = read_examples(cfg.data.eval_files, "eval_files", rule) if cfg.data.eval_files else []
         if training:
-            self.data = PromptIterator(read_examples(cfg.data.train_files, "train_files"),
+            self.data = PromptIterator(read_examples(cfg.data.train_files, "train_files", rule),
                                        batch_size=cfg.data.prompts_per_step, seed=cfg.seed,
                                        process_index=jax.process_index(), process_count=jax.process_count())
         # Last: nothing below raises, so an open retriever always reaches `close` (unclosed client sessions are
@@ -243,7 +245,7 @@ class Trainer:
                                stopping=(lambda: guard.requested) if self.stops_within_step(guard) else None)
         rollout_s = time.perf_counter() - start
         shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
-        batch = self.rollout_batch(rollout.trajectories).with_rewards(em_rewards(rollout.trajectories))
+        batch = self.rollout_batch(rollout.trajectories).with_rewards(em_rewards(rollout.trajectories, self.cfg.reward.empty_answer))
         batch = global_batch(batch)  # every host's rows, on every host
         batch = batch.with_advantages(np.asarray(_grpo_advantages(batch.rewards_b, batch.group_b)))
         lld_every = self.cfg.train.lld_every
@@ -322,10 +324,12 @@ class Trainer:
             trajectories += rollout.trajectories
         if self.cfg.rollout.reuse_buckets:  # evaluations are few: reuse their buckets, compile no grid ahead
             self.eval_sampler.freeze_shapes(grid=False)
-        table, searches = evaluation.em_table(trajectories), evaluation.searches_table(trajectories)
+        table = evaluation.em_table(trajectories, self.cfg.reward.empty_answer)
+        searches = evaluation.searches_table(trajectories)
         if out_dir is not None and self.is_main:
             with storage.operation("writing evaluation results to", out_dir, self.cfg.train.storage_timeout_s):
-                evaluation.write_results(out_dir, trajectories, table, searches, self.tokenizer)
+                evaluation.write_results(out_dir, trajectories, table, searches, self.tokenizer,
+                                         self.cfg.reward.empty_answer)
         return {**{f"{prefix}/em_{source}": value for source, value in table.items()},
                 **{f"{prefix}/searches_{source}": value for source, value in searches.items()}}
 
@@ -395,7 +399,7 @@ class Trainer:
                 writer.write(step, metrics)
                 if cfg.train.transcripts_every and step % cfg.train.transcripts_every == 0:
                     writer.write_texts(step, {
-                        f"transcripts/{i}": evaluation.transcript_text(t, self.tokenizer)
+                        f"transcripts/{i}": evaluation.transcript_text(t, self.tokenizer, cfg.reward.empty_answer)
                         for i, t in enumerate(trajectories[:cfg.train.num_transcripts])})
                 self.watchdog.check_updates(state.params)
                 stop = guard.should_stop()

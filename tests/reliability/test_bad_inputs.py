@@ -1,6 +1,6 @@
-"""Bad data, models and indexes: one line naming the file (exit status 2 from the commands), or, for QA rows no
-answer can match, skipped and counted in one warning; an empty answer never earns reward; a run failing after its
-retriever opened leaves no unclosed client session behind."""
+"""Bad data, models and indexes: one line naming the file (exit status 2 from the commands), or, for QA rows only
+an empty answer can match, counted in one warning (and skipped under `reward.empty_answer='zero'`, where an empty
+answer never earns reward); a run failing after its retriever opened leaves no unclosed client session behind."""
 import json
 import logging
 import os
@@ -48,12 +48,23 @@ def test_index_builder_to_unreachable_elasticsearch_is_one_line(tmp_path):
                                  " re-run the same command to resume\n")
 
 
-def test_an_answer_that_normalizes_to_nothing_earns_no_reward():
-    assert em_reward("<answer></answer>", [""]) == 0.0
-    assert em_reward("<answer> The. </answer>", ["the", "Paris"]) == 0.0
-    assert em_reward("<answer>a</answer>", ["A", "Tokyo"]) == 0.0
-    assert em_reward("<answer>The Paris.</answer>", ["paris"]) == 1.0
+@pytest.mark.parametrize("rule, empty_scores", [("search_r1", 1.0), ("zero", 0.0)])
+def test_an_answer_that_normalizes_to_nothing_scores_by_the_rule(rule, empty_scores):
+    # search_r1: Search-R1's compute_score_em (normalize both sides, compare), which an empty answer wins against
+    # an empty gold; zero: an empty answer never earns reward.
+    assert em_reward("<answer>a</answer>", ["a"], rule) == empty_scores
+    assert em_reward("<answer></answer>", [""], rule) == empty_scores
+    assert em_reward("<answer> The. </answer>", ["the", "Paris"], rule) == empty_scores
+    assert em_reward("<answer>a</answer>", ["Tokyo"], rule) == 0.0  # no empty gold: no match under either rule
+    assert em_reward("<answer>The Paris.</answer>", ["paris"], rule) == 1.0
+    assert em_reward("no answer tags", [""], rule) == 0.0
     assert exact_match("", ["the"]) == 1.0  # Search-R1's exact match itself is unchanged
+
+
+def test_the_default_rule_is_search_r1s():
+    assert em_reward("<answer>a</answer>", ["a"]) == 1.0
+    with pytest.raises(ValueError, match="reward.empty_answer must be one of"):
+        em_reward("<answer>a</answer>", ["a"], "strict")
 
 
 def rows(*answer_lists):
@@ -66,10 +77,21 @@ def write_jsonl(path, records):
     return str(path)
 
 
-def test_rows_no_answer_can_match_are_skipped_and_counted_once(tmp_path, caplog):
+def test_rows_only_an_empty_answer_can_match_are_kept_and_counted_by_search_r1s_rule(tmp_path, caplog):
     path = write_jsonl(tmp_path / "qa.jsonl", rows(["Paris"], [""], ["The", "."], ["a", "Tokyo"], ["  "], [" an! "]))
     with caplog.at_level(logging.WARNING, logger="llds_jax.data.qa"):
-        examples = qa.read_qa(path)
+        examples = qa.read_qa(path, "search_r1")
+    assert [ex.uid for ex in examples] == [f"nq-{row}" for row in range(6)]
+    assert caplog.messages == [
+        f"kept 4 rows whose golden answers are all empty once normalized (blank, articles or punctuation only), which"
+        f" an empty answer matches (reward.empty_answer='search_r1', as Search-R1; 'zero' skips them):"
+        f" {path}:2; {path}:3; {path}:5; ..."]
+
+
+def test_rows_no_answer_can_match_are_skipped_and_counted_once_by_the_zero_rule(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "qa.jsonl", rows(["Paris"], [""], ["The", "."], ["a", "Tokyo"], ["  "], [" an! "]))
+    with caplog.at_level(logging.WARNING, logger="llds_jax.data.qa"):
+        examples = qa.read_qa(path, "zero")
     assert [(ex.uid, ex.golden_answers) for ex in examples] == [("nq-0", ("Paris",)), ("nq-3", ("a", "Tokyo"))]
     assert caplog.messages == [
         f"skipped 4 rows whose golden answers are all empty once normalized (blank, articles or punctuation only):"
@@ -77,7 +99,7 @@ def test_rows_no_answer_can_match_are_skipped_and_counted_once(tmp_path, caplog)
     parquet = str(tmp_path / "qa.parquet")
     qa.write_qa_parquet(parquet, [qa.QAExample("nq-0", "q", ("The",), "nq")])
     with pytest.raises(ValueError) as error:
-        qa.read_qa(parquet)
+        qa.read_qa(parquet, "zero")
     assert str(error.value) == (f"{parquet}: no examples; skipped 1 row whose golden answers are all empty once"
                                 f" normalized (blank, articles or punctuation only): {parquet}: row 0")
 

@@ -130,6 +130,8 @@ def test_report_of_one_run(make_run, capsys):
     assert rows["step_10"] == ["10", "0.2", "0.3", "0.25", "10"]
     assert rows["final_step_20"] == ["20", "0.31", "0.42", "0.365", "100"]
     assert "## Final EM" in summary and rows["nq"] == ["0.42"] and rows["mean"] == ["0.365"]
+    # the paper's reading: the periodic evaluation rated best (step 20's 0.35 over step 10's 0.25), next to the final
+    assert rows["llds"] == ["20", "0.35", "0.365"]
     assert "skipped lines (corrupted JSON): 0" in summary
     assert "checkpoints: 10, 20" in summary
     assert "objective: GRPO + LLDS (variant llds, lambda 0.3" in summary

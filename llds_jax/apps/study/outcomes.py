@@ -1,6 +1,6 @@
 """What one finished run of the study shows, read from its own files: the final greedy test EM
 (`eval/final_step_N/results.json`, N = train.total_steps), collapse (llds_jax.apps.study.stats) from the train reward of
-`metrics.jsonl`, the mean LLD rate and the curves the study plots."""
+`metrics.jsonl`, the mean LLD rate and the per-step metrics the study plots and keeps (`CURVES`, in `steps.csv.gz`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,13 +14,19 @@ from llds_jax.apps.study.plan import FINAL_EVAL, Run, StudyError
 REWARD = "reward/mean"              # share of correct trajectories of the step's rollout batch
 LIKELIHOOD = "lld/logp_mean_correct"  # per-trajectory token-mean log-prob of the correct ones, before the updates
 LLD_RATE = "lld/rate"               # share of correct trajectories whose log-likelihood fell over the step's updates
-CURVES = (REWARD, LIKELIHOOD, LLD_RATE)
+DELTA_TRAJ = "lld/delta_traj_correct"  # mean change of the correct trajectories' log-likelihood over the updates
+GRAD_NORM = "actor/grad_norm"       # gradient norm before clipping, mean over the step's updates
+REF_KL = "actor/ref_kl_k3"          # k3 KL to the reference policy
+# The per-step metrics a RunResult holds: the plots read the first three, the collapse rule REWARD.
+CURVES = (REWARD, LIKELIHOOD, LLD_RATE, DELTA_TRAJ, GRAD_NORM, REF_KL)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     """One run's numbers. `lld_rate_mean`: mean of `lld/rate` over the steps that have it (the metric is null on a
-    step without a correct trajectory; None when no step has it). `curves`: metric -> (steps, values)."""
+    step without a correct trajectory; None when no step has it). `curves`: metric -> (steps, values) for every
+    metric of CURVES, steps ascending (both empty when the run did not log it, or when read from a runs.csv without
+    its steps file)."""
     setting: str
     arm: str
     seed: int
@@ -35,6 +41,11 @@ class RunResult:
         """As the run's (llds_jax.apps.study.plan.Run.name): SETTING/ARM/seed_K."""
         return f"{self.setting}/{self.arm}/seed_{self.seed}"
 
+    @property
+    def has_curves(self) -> bool:
+        """Whether any per-step metric has a value (not so for a run read from a runs.csv without its steps)."""
+        return any(steps for steps, _ in self.curves.values())
+
 
 def read_result(run: Run) -> RunResult:
     """The numbers of a finished run (StudyError, naming the folder, when its final evaluation is missing)."""
@@ -46,8 +57,14 @@ def read_result(run: Run) -> RunResult:
     if final_em is None:
         raise StudyError(f"{run.name}: no final evaluation in {run.run_dir}/eval/"
                          f"{FINAL_EVAL.format(steps=run.total_steps)}/results.json")
-    curves = {metric: logged.series(metric) for metric in CURVES}
+    return result_of(run.setting, run.arm, run.seed, final_em, {metric: logged.series(metric) for metric in CURVES})
+
+
+def result_of(setting: str, arm: str, seed: int, final_em: float,
+              curves: dict[str, tuple[list[int], list[float]]]) -> RunResult:
+    """A run's numbers from its final EM and its curves (metric -> (steps, values), every metric of CURVES):
+    collapse from the REWARD curve, the mean LLD rate from the LLD_RATE one."""
     step = stats.collapse_step(*curves[REWARD])
     rates = curves[LLD_RATE][1]
-    return RunResult(run.setting, run.arm, run.seed, final_em, step, stats.collapsed(step, final_em),
+    return RunResult(setting, arm, seed, final_em, step, stats.collapsed(step, final_em),
                      float(np.mean(rates)) if rates else None, curves)

@@ -143,6 +143,23 @@ def parse_arms(text: str) -> list[tuple[str, int | None]]:
     return arms
 
 
+def parse_controls(text: str) -> list[str]:
+    """`grpo,grpo_low_lr` -> the arms the paired table compares every other arm with, in that order; aliases
+    resolved."""
+    controls = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name = ARM_ALIASES.get(part, part)
+        if name not in ARMS:
+            known = sorted([*ARMS, *ARM_ALIASES])
+            raise StudyError(f"unknown arm {part!r} in --controls (known: {', '.join(known)})")
+        if name in controls:
+            raise StudyError(f"--controls names {name!r} twice (llds_action is llds)")
+        controls.append(name)
+    if not controls:
+        raise StudyError("--controls names no arm")
+    return controls
+
+
 def parse_settings(text: str) -> dict[str, str]:
     """`stress,default` -> {name: config file}; `NAME=PATH` adds a setting of your own config file."""
     settings = {}

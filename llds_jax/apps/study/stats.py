@@ -1,4 +1,6 @@
-"""The study's statistics: a bootstrap interval of a mean over seeds, and the collapse rule.
+"""The study's statistics: a bootstrap interval of a mean over seeds; for paired differences (an arm minus a control
+on the same seeds) the exact sign-flip test, a t interval and Holm's adjustment over a family of tests; the collapse
+rule.
 
 Collapse (a definition, not the paper's: the paper reads collapse off its curves): a run collapsed when its training
 reward (`reward/mean`, the share of correct trajectories of a step's rollout batch) is below 0.1 on 3 consecutive
@@ -16,6 +18,8 @@ BOOTSTRAP_RESAMPLES = 10_000
 COLLAPSE_REWARD = 0.1       # train reward/mean below this ...
 COLLAPSE_STEPS = 3          # ... on this many consecutive steps
 COLLAPSE_EM = 0.05          # or a final greedy test EM below this
+SIGN_FLIP_EXACT_N = 16      # sign_flip_p enumerates all 2^n sign assignments up to this many differences
+SIGN_FLIP_TIE_RTOL = 1e-9   # sums within this share of sum(|d|) of the observed one count as reaching it
 
 
 def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -32,6 +36,99 @@ def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, resamp
     means_r = values_n[rng.integers(0, values_n.size, size=(resamples, values_n.size))].mean(axis=1)
     low, high = np.quantile(means_r, [(1 - confidence) / 2, (1 + confidence) / 2])
     return float(low), float(high)
+
+
+def _differences(differences: Sequence[float], name: str) -> np.ndarray:
+    differences_n = np.asarray(differences, dtype=np.float64)
+    if differences_n.ndim != 1 or differences_n.size == 0:
+        raise ValueError(f"{name} needs a non-empty list of numbers, got {differences!r}")
+    return differences_n
+
+
+def sign_flip_p(differences: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
+                seed: int = BOOTSTRAP_SEED) -> float:
+    """Two-sided p-value of the paired permutation (sign-flip) test of "the differences are symmetric about 0":
+    the share of sign assignments s in {-1, +1}^n whose |sum(s * d)| reaches |sum(d)| (a sum within
+    SIGN_FLIP_TIE_RTOL * sum(|d|) of it counts, so rounding does not split ties). `differences`: n paired
+    differences (e.g. an arm's final EM minus a control's, one per seed). Exact for n <= SIGN_FLIP_EXACT_N (all
+    2^n assignments, the observed one among them, so p >= 2 / 2^n); for a larger n, `resamples` random
+    assignments (numpy's default_rng(seed)) and p = (1 + reaching) / (1 + resamples), as scipy.stats.permutation_test
+    does."""
+    d_n = _differences(differences, "sign_flip_p")
+    n = d_n.size
+    if n <= SIGN_FLIP_EXACT_N:
+        bits_an = (np.arange(2 ** n)[:, None] >> np.arange(n)) & 1
+        sums_a = (1 - 2 * bits_an) @ d_n
+        adjust = 0
+    else:
+        signs_rn = np.random.default_rng(seed).choice([-1.0, 1.0], size=(resamples, n))
+        sums_a = signs_rn @ d_n
+        adjust = 1
+    reaching = np.abs(sums_a) >= abs(d_n.sum()) - SIGN_FLIP_TIE_RTOL * np.abs(d_n).sum()
+    return float((reaching.sum() + adjust) / (sums_a.size + adjust))
+
+
+def _t_central_mass(theta: float, df: int) -> float:
+    """P(|T| <= sqrt(df) tan(theta)) for Student's t with `df` (a positive integer) degrees of freedom: the finite
+    series of Abramowitz & Stegun 26.7.3 (df odd) and 26.7.4 (df even) in theta = arctan(t / sqrt(df))."""
+    c, s = np.cos(theta), np.sin(theta)
+    series = 0.0
+    if df % 2:
+        term = c
+        for k in range(1, (df - 1) // 2 + 1):
+            series += term
+            term *= c * c * (2 * k) / (2 * k + 1)
+        return float(2 / np.pi * (theta + s * series))
+    term = 1.0
+    for k in range(1, df // 2 + 1):
+        series += term
+        term *= c * c * (2 * k - 1) / (2 * k)
+    return float(s * series)
+
+
+def t_quantile(confidence: float, df: int) -> float:
+    """The t with P(|T| <= t) = `confidence` for Student's t with `df` degrees of freedom (the (1 + confidence) / 2
+    quantile), by bisection on theta = arctan(t / sqrt(df)) of `_t_central_mass`, to float precision."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if df < 1 or int(df) != df:
+        raise ValueError(f"t_quantile needs a positive integer df, got {df!r}")
+    low, high = 0.0, np.pi / 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        if middle in (low, high):
+            break
+        if _t_central_mass(middle, int(df)) < confidence:
+            low = middle
+        else:
+            high = middle
+    return float(np.sqrt(df) * np.tan((low + high) / 2))
+
+
+def t_interval(differences: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """The paired t interval of the mean of `differences` (n >= 2 paired differences, one per seed): mean
+    -/+ t_quantile(confidence, n - 1) * sd / sqrt(n), sd with n - 1 in the denominator (equal differences give
+    (mean, mean))."""
+    d_n = _differences(differences, "t_interval")
+    if d_n.size < 2:
+        raise ValueError(f"t_interval needs at least 2 differences, got {differences!r}")
+    half = t_quantile(confidence, d_n.size - 1) * d_n.std(ddof=1) / np.sqrt(d_n.size)
+    mean = d_n.mean()
+    return float(mean - half), float(mean + half)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni step-down adjusted p-values of a family of m tests, in the order given: with the p-values
+    sorted ascending p_(1) <= ... <= p_(m), adjusted p_(i) = max over j <= i of min(1, (m - j + 1) p_(j)). A test
+    is rejected at family-wise level alpha when its adjusted p <= alpha."""
+    p_m = np.asarray(p_values, dtype=np.float64)
+    if p_m.ndim != 1 or np.any((p_m < 0) | (p_m > 1)):
+        raise ValueError(f"holm needs a list of p-values in [0, 1], got {p_values!r}")
+    order = np.argsort(p_m, kind="stable")
+    adjusted = np.maximum.accumulate(np.minimum(1.0, (p_m.size - np.arange(p_m.size)) * p_m[order]))
+    result = np.empty_like(p_m)
+    result[order] = adjusted
+    return [float(p) for p in result]
 
 
 def collapse_step(steps: Sequence[int], rewards: Sequence[float], threshold: float = COLLAPSE_REWARD,

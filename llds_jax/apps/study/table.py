@@ -1,5 +1,7 @@
-"""The study's table: one row per setting x arm over its seeds, written as `table.md`, `table.csv` and `table.json`
-(which also holds every run's own numbers, as does `runs.csv`, which `read_runs` reads back)."""
+"""The study's tables: one row per setting x arm over its seeds, written as `table.md`, `table.csv` and `table.json`
+(which also holds every run's own numbers, as does `runs.csv`, which `read_runs` reads back); and the paired table
+(llds_jax.apps.study.paired: each arm minus each control on the same seeds), `paired.md`, `paired.csv`,
+`paired.json`."""
 from __future__ import annotations
 
 import csv
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llds_jax import report
-from llds_jax.apps.study import stats
+from llds_jax.apps.study import paired, stats
 from llds_jax.apps.study.outcomes import CURVES, LLD_RATE, REWARD, RunResult
 from llds_jax.apps.study.plan import ARMS, StudyError
 
@@ -184,3 +186,80 @@ def read_runs(path: str) -> list[RunResult]:
                                      f"{text!r}") from None
             results.append(RunResult(**values, curves={metric: ([], []) for metric in CURVES}))
     return results
+
+
+def _paired_definitions(comparisons: Sequence[paired.Comparison], controls: Sequence[str]) -> dict[str, str]:
+    return {
+        "arm minus control": "per seed both arms ran (same world, warm start and first rollout batch), the arm's "
+                             "value minus the control's: final EM, or the run's mean LLD rate (a run that logged "
+                             f"none is left out); controls: {', '.join(controls) or 'none'} (each against every "
+                             "other arm of its setting; two controls once, the later listed minus the earlier)",
+        "seeds": "how many seeds are paired (and which)",
+        "bootstrap CI": f"95% percentile bootstrap interval of the mean difference ({stats.BOOTSTRAP_RESAMPLES} "
+                        f"resamples, numpy default_rng({stats.BOOTSTRAP_SEED}))",
+        "t CI": "95% paired t interval: mean -/+ t(0.975, n-1) sd / sqrt(n), the t quantile computed exactly "
+                "(Abramowitz & Stegun 26.7.3-4); none with one seed",
+        "sign-flip p": f"exact two-sided paired permutation test: the share of the 2^n sign assignments of the n "
+                       f"differences whose |sum| reaches the observed one, at least 2/2^n: 0.125 with 4 seeds, 0.0078 "
+                       f"with 8 (exact up to n = {stats.SIGN_FLIP_EXACT_N}; beyond, {stats.BOOTSTRAP_RESAMPLES} "
+                       f"random assignments, numpy default_rng({stats.BOOTSTRAP_SEED}))",
+        "Holm p": f"the sign-flip p Holm-Bonferroni adjusted over all {len(comparisons)} comparisons of this table "
+                  "(every setting, pair and endpoint)",
+        "higher / lower / equal": "how many of the paired seeds have the arm above, below, equal to the control",
+    }
+
+
+def _signed(value: float) -> str:
+    return f"{value:+.3f}"
+
+
+def _paired_cells(c: paired.Comparison) -> list[str]:
+    return [c.setting, c.arm, c.control, f"{len(c.seeds)} ({','.join(map(str, c.seeds))})", _signed(c.mean),
+            f"[{_signed(c.boot_low)}, {_signed(c.boot_high)}]",
+            "—" if c.t_low is None else f"[{_signed(c.t_low)}, {_signed(c.t_high)}]", f"{c.sign_flip_p:.4f}",
+            f"{c.holm_p:.4f}", f"{c.higher} / {c.lower} / {c.equal}"]
+
+
+def paired_tables(comparisons: Sequence[paired.Comparison]) -> list[str]:
+    """The paired tables as markdown lines: per endpoint with comparisons, a title line and one row per
+    comparison."""
+    lines = []
+    for endpoint, label in paired.ENDPOINTS.items():
+        chosen = [c for c in comparisons if c.endpoint == endpoint]
+        if chosen:
+            lines += [f"{label}: arm minus control, same seeds", ""]
+            lines += report.markdown_table(
+                ["setting", "arm", "control", "seeds", "mean difference", "95% bootstrap CI", "95% t CI",
+                 "sign-flip p (exact)", "Holm p", "seeds higher / lower / equal"],
+                [_paired_cells(c) for c in chosen])
+            lines.append("")
+    return lines
+
+
+def paired_markdown(comparisons: Sequence[paired.Comparison], controls: Sequence[str]) -> str:
+    """paired.md: the paired tables, then the definitions of their columns."""
+    lines = paired_tables(comparisons) or ["No pair of an arm and a control shares a seed.", ""]
+    lines += [f"- **{name}**: {text}" for name, text in _paired_definitions(comparisons, controls).items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_paired(comparisons: Sequence[paired.Comparison], controls: Sequence[str], out: str) -> list[str]:
+    """Writes paired.md, paired.csv and paired.json into `out`; returns their paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, name) for name in ("paired.md", "paired.csv", "paired.json")]
+    with open(paths[0], "w") as f:
+        f.write(paired_markdown(comparisons, controls))
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["setting", "arm", "control", "endpoint", "n_seeds", "seeds", "mean_difference",
+                         "boot_ci_low", "boot_ci_high", "t_ci_low", "t_ci_high", "sign_flip_p", "holm_p", "higher",
+                         "lower", "equal", "differences_per_seed"])
+        for c in comparisons:
+            writer.writerow([c.setting, c.arm, c.control, c.endpoint, len(c.seeds), _csv_list(c.seeds), c.mean,
+                             c.boot_low, c.boot_high, "" if c.t_low is None else c.t_low,
+                             "" if c.t_high is None else c.t_high, c.sign_flip_p, c.holm_p, c.higher, c.lower,
+                             c.equal, _csv_list(c.differences)])
+    with open(paths[2], "w") as f:
+        json.dump({"definitions": _paired_definitions(comparisons, controls), "controls": list(controls),
+                   "comparisons": [dataclasses.asdict(c) for c in comparisons]}, f, indent=2)
+    return paths

@@ -1,0 +1,97 @@
+"""The study's paired comparisons: in each setting, each arm minus each control arm on the seeds both ran (same
+world, warm start and first rollout batch), for each endpoint (final EM, mean LLD rate), with a bootstrap and a t
+interval of the mean difference, the exact sign-flip p-value and its Holm adjustment over every comparison reported.
+
+Controls: a list of arm names (default: every arm whose name starts with `grpo`, in the order they first appear).
+Each control of a setting is compared with every other arm of it; two controls are compared once, the one later in
+the list minus the earlier (the mirrored pair would be the same test)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from llds_jax.apps.study import stats
+from llds_jax.apps.study.outcomes import RunResult
+
+# RunResult field -> what the report calls it; a run whose field is None (no LLD rate logged) is left out of it.
+ENDPOINTS = {"final_em": "final EM", "lld_rate_mean": "mean LLD rate"}
+CONTROL_PREFIX = "grpo"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """`arm` minus `control` in `setting` on `endpoint` (a key of ENDPOINTS), over `seeds` (those both runs have a
+    value for), ascending. `differences`: one per seed. `boot_*`: 95% percentile bootstrap interval of their mean;
+    `t_*`: 95% paired t interval (None with one seed); `sign_flip_p`: exact two-sided sign-flip p-value;
+    `holm_p`: it Holm-adjusted over every comparison of the report; `higher`, `lower`, `equal`: how many seeds'
+    differences are > 0, < 0, = 0."""
+    setting: str
+    arm: str
+    control: str
+    endpoint: str
+    seeds: list[int]
+    differences: list[float]
+    mean: float
+    boot_low: float
+    boot_high: float
+    t_low: float | None
+    t_high: float | None
+    sign_flip_p: float
+    holm_p: float
+    higher: int
+    lower: int
+    equal: int
+
+
+def default_controls(results: Sequence[RunResult]) -> list[str]:
+    """Every arm of `results` whose name starts with CONTROL_PREFIX, in the order they first appear."""
+    return [arm for arm in dict.fromkeys(r.arm for r in results) if arm.startswith(CONTROL_PREFIX)]
+
+
+def pairs(arms: Sequence[str], controls: Sequence[str]) -> list[tuple[str, str]]:
+    """(arm, control) pairs of one setting's `arms`: for each control among them (in `controls` order), every
+    other arm (in `arms` order) but a control earlier in `controls`."""
+    present = [control for control in controls if control in arms]
+    return [(arm, control) for index, control in enumerate(present) for arm in arms
+            if arm != control and arm not in present[:index]]
+
+
+def _values(results: Sequence[RunResult], setting: str, arm: str, endpoint: str) -> dict[int, float]:
+    return {r.seed: getattr(r, endpoint) for r in results
+            if r.setting == setting and r.arm == arm and getattr(r, endpoint) is not None}
+
+
+def compare(setting: str, arm: str, control: str, endpoint: str, arm_values: dict[int, float],
+            control_values: dict[int, float]) -> Comparison | None:
+    """The comparison of `arm_values` with `control_values` (seed -> value) on the seeds both have (None when they
+    share none); `holm_p` is left at the unadjusted p (`comparisons` adjusts it over the family)."""
+    seeds = sorted(set(arm_values) & set(control_values))
+    if not seeds:
+        return None
+    d_n = np.array([arm_values[seed] - control_values[seed] for seed in seeds])
+    t_low, t_high = stats.t_interval(d_n) if d_n.size > 1 else (None, None)
+    p = stats.sign_flip_p(d_n)
+    return Comparison(setting, arm, control, endpoint, seeds, [float(d) for d in d_n], float(d_n.mean()),
+                      *stats.bootstrap_interval(d_n), t_low, t_high, p, p, int((d_n > 0).sum()),
+                      int((d_n < 0).sum()), int((d_n == 0).sum()))
+
+
+def comparisons(results: Sequence[RunResult], controls: Sequence[str] | None = None) -> list[Comparison]:
+    """Every comparison of `results`, per endpoint, setting (order of appearance), control, then arm (`pairs`),
+    each with `holm_p` adjusted over all of them (one family: every setting, pair and endpoint). `controls`: arm
+    names (None: `default_controls`)."""
+    controls = default_controls(results) if controls is None else list(controls)
+    settings = list(dict.fromkeys(r.setting for r in results))
+    found = []
+    for endpoint in ENDPOINTS:
+        for setting in settings:
+            arms = list(dict.fromkeys(r.arm for r in results if r.setting == setting))
+            for arm, control in pairs(arms, controls):
+                comparison = compare(setting, arm, control, endpoint, _values(results, setting, arm, endpoint),
+                                     _values(results, setting, control, endpoint))
+                if comparison is not None:
+                    found.append(comparison)
+    adjusted = stats.holm([c.sign_flip_p for c in found])
+    return [dataclasses.replace(c, holm_p=p) for c, p in zip(found, adjusted)]
