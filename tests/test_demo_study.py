@@ -378,6 +378,23 @@ def test_paired_comparisons_use_the_seeds_both_arms_have_and_holm_over_all_of_th
     assert [(c.arm, c.control) for c in only_grpo] == [("llds", "grpo"), ("grpo_low_lr", "grpo")] * 2
 
 
+def test_collapse_is_an_endpoint_to_ask_for_whose_sign_flip_test_is_mcnemars():
+    # grpo collapses on seeds 0-4 (step 5), llds on seed 0 only: 4 discordant pairs, all one way, 1 tie
+    results = [_result("grpo", seed, 0.0, step=5) for seed in range(5)] + [_result("llds", 0, 0.0, step=5)]
+    results += [_result("llds", seed, 0.5) for seed in range(1, 5)]
+    found = paired.comparisons(results, ["grpo"], paired.parse_endpoints("collapsed,final_em"))
+    assert [(c.endpoint, c.arm, c.control) for c in found] == [("collapsed", "llds", "grpo"),
+                                                               ("final_em", "llds", "grpo")]
+    collapse = found[0]
+    assert collapse.differences == [0, -1, -1, -1, -1] and (collapse.lower, collapse.equal) == (4, 1)
+    # McNemar's exact test on 4 discordant pairs all one way: 2 x 0.5^4
+    assert collapse.sign_flip_p == 2 * 0.5 ** 4
+    assert paired.parse_endpoints("final_em, collapsed") == ("collapsed", "final_em")  # ENDPOINTS order
+    with pytest.raises(plan.StudyError, match="--endpoints: 'reward'; known: collapsed, final_em, lld_rate_mean"):
+        paired.parse_endpoints("reward,final_em")
+    assert paired.comparisons(results, ["grpo"])[0].endpoint == "final_em"  # the default family: no collapse
+
+
 def test_paired_table_is_written_as_markdown_csv_and_json(tmp_path):
     found = paired.comparisons(_paired_results())
     paths = table.write_paired(found, ["grpo", "grpo_low_lr"], str(tmp_path))

@@ -1,7 +1,7 @@
 """The multi-seed study of the CPU demo (issue 19): arms x settings x seeds, then one table and one figure per setting.
 
     python -m llds_jax.apps.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
-        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--controls grpo,grpo_low_lr,...]
+        [--seeds 8] [--out runs/demo_study] [--jobs 2] [--controls grpo,grpo_low_lr,...] [--endpoints ...]
         [--dry-run | --report [--recorded RUNS_CSV [--recorded-steps STEPS_CSV_GZ]]] [-- --config.KEY=VALUE ...]
 
 Every run is `python -m llds_jax.launch` (llds_jax.apps.study.plan: folders and overrides). Each seed has its own
@@ -11,7 +11,9 @@ logging to `OUT/logs/`. Arguments after `--` go to every launch (e.g. `-- --conf
 
 Arms (`NAME` or `NAME:K`, K = how many of the seeds it runs, the first K): grpo, llds (lambda 0.2, action gate),
 grpo_low_lr (1/2.5 of the setting's learning rate), grpo_kl10 (10x the setting's KL coefficient), llds_token and
-llds_response (the gate ablation; llds_action is llds). Settings: stress (configs/demo_cpu_grpo.py), default
+llds_response (the gate ablation; llds_action is llds), llds_low_lr (LLDS at 1/2.5 of the learning rate), and the
+stability methods peers ship: grpo_clip_higher (DAPO's clip-higher, upper clip 0.28) and grpo_tis (truncated
+importance sampling of the sampler's log-probs, cap 2). Settings: stress (configs/demo_cpu_grpo.py), default
 (configs/demo_cpu.py), paper_shaped (configs/demo_cpu_paper.py), or `NAME=CONFIG_FILE`. Seeds: `N` (0..N-1), `A-B`
 or `A,B,...`.
 
@@ -26,9 +28,13 @@ status 1 then):
   seeds, 95% bootstrap interval, per seed), collapse count and steps to collapse, mean LLD rate
   (llds_jax.apps.study.table defines each column);
 - `OUT/paired.md`, `paired.csv`, `paired.json` (also printed): per setting, each arm minus each control arm
-  (`--controls`, default every arm named grpo*) on the seeds both ran, for final EM and mean LLD rate: mean
+  (`--controls`, default every arm named grpo*) on the seeds both ran, for final EM and mean LLD rate (`--endpoints`;
+  also `collapsed`, on which the exact sign-flip test is McNemar's): mean
   difference, bootstrap and t intervals, exact sign-flip p, its Holm adjustment over the whole table, and how many
   seeds go each way (llds_jax.apps.study.paired);
+- `OUT/early_warning.md`, `.csv`, `.json` (also printed; runs with per-step metrics): per setting and signal (LLD
+  rate, Delta_traj of correct trajectories, grad norm), how often a fixed threshold warned at least 2 steps before
+  a collapse and how often in runs that did not collapse: precision and recall (llds_jax.apps.study.early_warning);
 - `OUT/steps.csv.gz`: every run's per-step metrics (llds_jax.apps.study.steps), from which, with `runs.csv`, the
   tables and plots are recomputed without the run folders;
 - `OUT/plots/SETTING.png`: per-seed curves of train reward, correct trajectories' token-mean log-prob and LLD rate.
@@ -68,7 +74,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from llds_jax.apps.study import budget, outcomes, paired, plots, plan, runner, steps, table
+from llds_jax.apps.study import budget, early_warning, outcomes, paired, plots, plan, runner, steps, table
 from llds_jax.train.metrics import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
@@ -110,6 +116,9 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--jobs", type=int, default=2, help="launches at once (default: 2, for 2 cores)")
     parser.add_argument("--controls", help="comma-separated arms the paired table compares every other arm with "
                         f"(default: every arm whose name starts with {paired.CONTROL_PREFIX})")
+    parser.add_argument("--endpoints", default=",".join(paired.DEFAULT_ENDPOINTS),
+                        help=f"comma-separated endpoints of the paired table, one Holm family: "
+                             f"{', '.join(paired.ENDPOINTS)} (default: {','.join(paired.DEFAULT_ENDPOINTS)})")
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--dry-run", action="store_true", help="print the plan, estimate and commands; run nothing")
     modes.add_argument("--report", action="store_true",
@@ -184,13 +193,14 @@ def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[
 
 
 def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] | None = None,
-                  controls: Sequence[str] | None = None) -> None:
+                  controls: Sequence[str] | None = None,
+                  endpoints: Sequence[str] = paired.DEFAULT_ENDPOINTS) -> None:
     """Writes the tables, steps file and plots of every finished run of the plan (nothing when none finished),
     printing the paired table and each path. A run of the plan not finished here but in `recorded` (run name -> its
     numbers from a runs.csv, with curves when its steps file had them) is in the tables, and in the plots when it
     has curves; a run in both is reported from here, after a line saying whether it reproduces the record
-    (`compare_recorded`). `controls`: the paired table's control arms (None: llds_jax.apps.study.paired's
-    default)."""
+    (`compare_recorded`). `controls`, `endpoints`: the paired table's control arms (None: llds_jax.apps.study.paired's
+    default) and endpoints."""
     recorded = recorded or {}
     here = [outcomes.read_result(run) for run in study.runs if run.finished()]
     for line in compare_recorded(here, recorded):
@@ -200,13 +210,17 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
                if run.name in finished or run.name in recorded]
     if results:
         controls = paired.default_controls(results) if controls is None else controls
-        comparisons = paired.comparisons(results, controls)
+        comparisons = paired.comparisons(results, controls, endpoints)
         for line in table.paired_tables(comparisons):
             print(line, flush=True)
-        curved = [result for result in results if result.has_curves]
+        curved = [result for result in results if result.has_curves]  # the early warning needs the curves
+        if curved:
+            for line in ["early warning of collapse (runs with per-step metrics)", "",
+                         *early_warning.markdown(early_warning.summaries(curved)), ""]:
+                print(line, flush=True)
         paths = (table.write(table.rows(results), results, study.out) +
                  table.write_paired(comparisons, controls, study.out) + [steps.write(results, study.out)] +
-                 (plots.write(curved, study.out) if curved else []))
+                 (early_warning.write(curved, study.out) + plots.write(curved, study.out) if curved else []))
         for path in paths:
             print(path, flush=True)
 
@@ -242,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = _parse(sys.argv[1:] if argv is None else argv)
     try:
         controls = plan.parse_controls(args.controls) if args.controls else None
+        endpoints = paired.parse_endpoints(args.endpoints)
         study = plan.make_plan(os.path.normpath(args.out), plan.parse_settings(args.settings),
                                plan.parse_arms(args.arms), plan.parse_seeds(args.seeds), extra)
     except plan.StudyError as e:
@@ -265,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 curved = sum(recorded[name].has_curves for name in taken)
                 print(f"runs not finished here taken from {args.recorded}, their curves from {steps_path}: "
                       f"{len(taken)} ({curved} with curves, in the plots too)", flush=True)
-        write_outputs(study, recorded, controls)
+        write_outputs(study, recorded, controls, endpoints)
         missing = [run.name for run in pending if run.name not in recorded]
         if missing:
             print(f"not in the outputs (not finished): {', '.join(missing)}", flush=True)
@@ -283,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted = True
         print("llds_jax.apps.demo_study: interrupted; the running launches saved their state; table and plots of the "
               "finished runs follow", file=sys.stderr)
-    write_outputs(study, controls=controls)
+    write_outputs(study, controls=controls, endpoints=endpoints)
     if interrupted:
         return 130
     unfinished = [run.name for run in study.runs if not run.finished()]

@@ -14,9 +14,12 @@ import numpy as np
 
 from llds_jax.apps.study import stats
 from llds_jax.apps.study.outcomes import RunResult
+from llds_jax.apps.study.plan import StudyError
 
 # RunResult field -> what the report calls it; a run whose field is None (no LLD rate logged) is left out of it.
-ENDPOINTS = {"final_em": "final EM", "lld_rate_mean": "mean LLD rate"}
+# On `collapsed` (1 collapsed, 0 not) the exact sign-flip test is McNemar's exact test of the discordant pairs.
+ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "final_em": "final EM", "lld_rate_mean": "mean LLD rate"}
+DEFAULT_ENDPOINTS = ("final_em", "lld_rate_mean")
 CONTROL_PREFIX = "grpo"
 
 
@@ -78,14 +81,25 @@ def compare(setting: str, arm: str, control: str, endpoint: str, arm_values: dic
                       int((d_n < 0).sum()), int((d_n == 0).sum()))
 
 
-def comparisons(results: Sequence[RunResult], controls: Sequence[str] | None = None) -> list[Comparison]:
-    """Every comparison of `results`, per endpoint, setting (order of appearance), control, then arm (`pairs`),
-    each with `holm_p` adjusted over all of them (one family: every setting, pair and endpoint). `controls`: arm
-    names (None: `default_controls`)."""
+def parse_endpoints(text: str) -> tuple[str, ...]:
+    """`collapsed,final_em` -> the endpoints of the paired table (keys of ENDPOINTS), in ENDPOINTS order."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in ENDPOINTS]
+    if unknown or not names:
+        raise StudyError(f"--endpoints: {', '.join(map(repr, unknown)) or 'none given'}; known: "
+                         f"{', '.join(ENDPOINTS)}")
+    return tuple(endpoint for endpoint in ENDPOINTS if endpoint in names)
+
+
+def comparisons(results: Sequence[RunResult], controls: Sequence[str] | None = None,
+                endpoints: Sequence[str] = DEFAULT_ENDPOINTS) -> list[Comparison]:
+    """Every comparison of `results`, per endpoint (of `endpoints`), setting (order of appearance), control, then
+    arm (`pairs`), each with `holm_p` adjusted over all of them (one family: every setting, pair and endpoint).
+    `controls`: arm names (None: `default_controls`)."""
     controls = default_controls(results) if controls is None else list(controls)
     settings = list(dict.fromkeys(r.setting for r in results))
     found = []
-    for endpoint in ENDPOINTS:
+    for endpoint in endpoints:
         for setting in settings:
             arms = list(dict.fromkeys(r.arm for r in results if r.setting == setting))
             for arm, control in pairs(arms, controls):

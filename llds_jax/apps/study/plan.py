@@ -53,6 +53,12 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("grpo_kl10", "GRPO with 10x the setting's KL coefficient", _GRPO, {"objective.kl_coef": 10.0}),
     Arm("llds_token", "GRPO + LLDS, token-level gate", {**_LLDS, "objective.llds.gate": "token"}),
     Arm("llds_response", "GRPO + LLDS, response gate", {**_LLDS, "objective.llds.gate": "response"}),
+    Arm("llds_low_lr", "GRPO + LLDS at 1/2.5 of the setting's learning rate", _LLDS, {"optim.learning_rate": 0.4}),
+    # the stability methods peers ship: DAPO's clip-higher (its upper epsilon 0.28) and truncated importance
+    # sampling of the sampler's log-probs (cap 2, the threshold ms-swift's token-level truncation defaults to)
+    Arm("grpo_clip_higher", "GRPO with DAPO's clip-higher (upper clip 0.28)",
+        {**_GRPO, "objective.clip_ratio_high": 0.28}),
+    Arm("grpo_tis", "GRPO with truncated importance sampling (cap 2)", {**_GRPO, "objective.tis_cap": 2.0}),
 )}
 # The gate ablation's action arm is the llds arm itself (the same overrides): one run folder, not two.
 ARM_ALIASES = {"llds_action": "llds"}

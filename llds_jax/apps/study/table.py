@@ -191,7 +191,8 @@ def read_runs(path: str) -> list[RunResult]:
 def _paired_definitions(comparisons: Sequence[paired.Comparison], controls: Sequence[str]) -> dict[str, str]:
     return {
         "arm minus control": "per seed both arms ran (same world, warm start and first rollout batch), the arm's "
-                             "value minus the control's: final EM, or the run's mean LLD rate (a run that logged "
+                             "value minus the control's: collapse (1: collapsed, 0: not; its sign-flip test is McNemar's "
+                             "exact test), final EM, or the run's mean LLD rate (a run that logged "
                              f"none is left out); controls: {', '.join(controls) or 'none'} (each against every "
                              "other arm of its setting; two controls once, the later listed minus the earlier)",
         "seeds": "how many seeds are paired (and which)",
