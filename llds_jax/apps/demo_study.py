@@ -14,7 +14,8 @@ grpo_low_lr (1/2.5 of the setting's learning rate), grpo_kl10 (10x the setting's
 llds_response (the gate ablation; llds_action is llds), llds_low_lr (LLDS at 1/2.5 of the learning rate), and the
 stability methods peers ship: grpo_clip_higher (DAPO's clip-higher, upper clip 0.28) and grpo_tis (truncated
 importance sampling of the sampler's log-probs, cap 2). Settings: stress (configs/demo_cpu_grpo.py), default
-(configs/demo_cpu.py), paper_shaped (configs/demo_cpu_paper.py), or `NAME=CONFIG_FILE`. Seeds: `N` (0..N-1), `A-B`
+(configs/demo_cpu.py), paper_shaped (configs/demo_cpu_paper.py), collapse (configs/demo_cpu_collapse.py, the
+pre-registered study of docs/evidence.md), or `NAME=CONFIG_FILE`. Seeds: `N` (0..N-1), `A-B`
 or `A,B,...`.
 
 Resumable: a run whose final evaluation (`eval/final_step_N/results.json`) exists is skipped; any other is launched

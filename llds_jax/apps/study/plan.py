@@ -67,6 +67,7 @@ SETTINGS: dict[str, str] = {
     "stress": "configs/demo_cpu_grpo.py",        # lr 5e-4, 8 updates per batch of 64, one group per update
     "default": "configs/demo_cpu.py",            # lr 2e-4, 4 updates per batch of 64
     "paper_shaped": "configs/demo_cpu_paper.py",  # lr 2e-4 after a 28.5% warmup, 10 updates of 2 groups of 4
+    "collapse": "configs/demo_cpu_collapse.py",  # stress at lr 1e-3 for 30 steps: GRPO collapses (issue 33)
 }
 
 
