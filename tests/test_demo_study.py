@@ -655,3 +655,21 @@ def test_a_tiny_study_runs_and_its_table_matches_the_runs_own_files(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 finished (skipped), 0 to run, 0 worlds + warm starts to build" in proc.stdout
     assert "start " not in proc.stdout and (out / "table.md").read_text() == table_md
+
+
+def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_committed_figures(tmp_path, capsys):
+    """docs/evidence.md's calibration figures from its committed runs.csv and steps.csv.gz alone, by the page's
+    own report command: both GRPO runs collapsed (steps 19 and 5), and the committed early-warning table."""
+    committed = os.path.join(ROOT, "docs", "evidence", "collapse", "calibration")
+    out = str(tmp_path / "calibration")
+    argv = ["--settings", f"lr1e3={os.path.join(ROOT, 'configs', 'demo_cpu_grpo.py')}", "--seeds", "0-1", "--arms", "grpo", "--out", out,
+            "--report", "--recorded", os.path.join(committed, "runs.csv"), "--",
+            "--config.optim.learning_rate=1e-3", "--config.train.total_steps=40"]
+    assert demo_study.main(argv) == 0
+    assert "2 (2 with curves, in the plots too)" in capsys.readouterr().out
+    results = {r.seed: r for r in table.read_runs(os.path.join(out, "runs.csv"))}
+    assert {seed: (r.collapsed, r.collapse_step, r.final_em) for seed, r in results.items()} == {
+        0: (True, 19, 0.0), 1: (True, 5, 0.0)}
+    for name in ("runs.csv", "steps.csv.gz", "early_warning.md"):
+        with open(os.path.join(committed, name), "rb") as f, open(os.path.join(out, name), "rb") as g:
+            assert f.read() == g.read(), name
