@@ -673,3 +673,6 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
     for name in ("runs.csv", "steps.csv.gz", "early_warning.md"):
         with open(os.path.join(committed, name), "rb") as f, open(os.path.join(out, name), "rb") as g:
             assert f.read() == g.read(), name
+    for seed in (0, 1):  # each collapse with every diagnostic on one figure
+        figure = os.path.join(out, "plots", "collapses", f"lr1e3_grpo_seed_{seed}.png")
+        assert os.path.getsize(figure) > 50_000, figure
