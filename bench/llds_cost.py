@@ -11,9 +11,13 @@ two train steps that differ only in the LLDS switch. Timed for each side, in int
 - step: `train_on_batch` with `measure_lld=False` (`train.lld_every = 0`, or a step it skips): the batch laid out,
   old and reference log-probs (two forwards), the likelihood metrics, the U updates, the metrics fetched;
 - step + LLD: `train_on_batch` with `measure_lld=True` (a step `train.lld_every` measures): the same plus the LLD
-  measurement, `lld_logp` before and after the updates and `lld_metrics`;
+  measurement: `lld_logp` after the updates (and before them with a bfloat16 model; a float32 model's log-probs
+  before the updates are old_logp itself) and `lld_metrics`;
 - LLD forward: one `lld_logp` over the batch (forward only; identical programs on both sides: a noise gauge);
 - LLD metrics: `lld_metrics` (Delta_traj, LLD rate) of two log-prob arrays.
+
+XLA's cost analysis of each side's compiled update (FLOPs and bytes accessed) is printed too: a count, not a timing,
+so its ratio is free of the machine's noise.
 
 The LLD measurement is a diagnostic (`train.lld_every`), not part of the LLDS loss: both sides pay it alike. The GRPO
 side still computes the LLDS gate diagnostics of `update_metrics` (stop-gradient); what LLDS adds is its loss term
@@ -34,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import Timing, matmul_params, measure, model_config, synthetic_batch  # noqa: E402
+from train_step import matmul_params, measure, model_config, synthetic_batch  # noqa: E402
 
 from llds_jax.model import Transformer  # noqa: E402
 from llds_jax.rl.batch import RolloutBatch  # noqa: E402
@@ -57,7 +61,8 @@ class Side:
         self.old_logp = self.step.sequence_logp(self.state.params, self.prepared)
         self.ref_logp = self.step.sequence_logp(self.ref_params, self.prepared)
         self.index = 0
-        self.metrics: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}  # of the latest train_on_batch
+        self.first_metrics: dict[str, float] = {}  # of the first: trained on again, the batch stops firing the gate
 
     def update(self):
         """The next optimizer update (the jitted mini-batch update on update index % U's mini-batch)."""
@@ -72,7 +77,17 @@ class Side:
         self.state, metrics = self.step.train_on_batch(self.state, self.ref_params, self.batch,
                                                        measure_lld=measure_lld)
         self.metrics = metrics.scalars
+        self.first_metrics = self.first_metrics or metrics.scalars
         return self.state.params
+
+    def update_cost(self) -> dict[str, float]:
+        """XLA's cost analysis of the compiled update program (FLOPs, bytes accessed): not a timing, no noise."""
+        p = self.prepared
+        compiled = self.step._jitted_update(self.state).lower(
+            self.state, p.batch, p.update_rows(0), p.batch_stats, self.old_logp, self.ref_logp, jnp.int32(0)).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return {key: float(cost.get(key, float("nan"))) for key in ("flops", "bytes accessed")}
 
     def lld_forward(self):
         return self.step.lld_logp(self.state.params, self.prepared)
@@ -103,8 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict[str, dict[str, Timing]]:
-    """Prints the table; returns part -> side -> best Timing."""
+def main(argv=None) -> dict:
+    """Prints the table; returns {"timings": part -> side -> best Timing, "update_cost": side -> XLA's cost analysis of
+    the update, "first_metrics": side -> the scalars of its first train_on_batch}."""
     args = parse_args(argv)
     cfg = model_config(args)
     on_cpu = jax.devices()[0].platform == "cpu"
@@ -120,8 +136,9 @@ def main(argv=None) -> dict[str, dict[str, Timing]]:
           f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, heads {cfg.num_heads}/"
           f"{cfg.num_kv_heads}x{cfg.head_dim}, vocab {cfg.vocab_size}, compute {cfg.dtype}, remat {cfg.remat}, "
           f"attention {cfg.attention}")
+    k = args.mini // args.micro
     print(f"batch: {args.batch} trajectories x {args.seq} tokens, {u} updates of {args.mini} "
-          f"({args.mini // args.micro} micro-batches of {args.micro}), log-prob chunk {args.chunk}; LLDS side: "
+          f"({k} micro-batch{'es' * (k > 1)} of {args.micro}), log-prob chunk {args.chunk}; LLDS side: "
           f"lambda {args.lam}, action gate; devices: {jax.devices()[0].platform} x{jax.device_count()}, "
           f"{os.cpu_count()} CPUs; best of {args.repeats} interleaved rounds after a warm-up")
     fns = {}
@@ -133,7 +150,7 @@ def main(argv=None) -> dict[str, dict[str, Timing]]:
     t = measure(fns, args.repeats)
     result = {part: {name: t[(part, name)] for name in SIDES} for part in PARTS}
 
-    head = f"  {'part':<34}{'GRPO s':>9}{'LLDS s':>9}{'ratio':>8}"
+    head = f"  {'part':<37}{'GRPO s':>9}{'LLDS s':>9}{'ratio':>8}"
     head += f"{'GRPO CPU s':>12}{'LLDS CPU s':>12}{'ratio CPU':>11}" if on_cpu else ""
     print(head)
     labels = {"update": "update (1 jitted mini-batch update)", "step": f"step (train_on_batch, {u} updates)",
@@ -141,22 +158,29 @@ def main(argv=None) -> dict[str, dict[str, Timing]]:
               "LLD metrics": "  LLD metrics (lld_metrics)"}
     for part in PARTS:
         g, l = result[part]["GRPO"], result[part]["LLDS"]
-        line = f"  {labels[part]:<34}{g.wall:>9.3f}{l.wall:>9.3f}{l.wall / g.wall:>8.3f}"
-        line += f"{g.cpu:>12.3f}{l.cpu:>12.3f}{l.cpu / g.cpu:>11.3f}" if on_cpu else ""
+        line = f"  {labels[part]:<37}{g.wall:>9.4f}{l.wall:>9.4f}{l.wall / g.wall:>8.3f}"
+        line += f"{g.cpu:>12.4f}{l.cpu:>12.4f}{l.cpu / g.cpu:>11.3f}" if on_cpu else ""
         print(line)
     for name in SIDES:
-        base, lld = result["step"][name], result["step + LLD"][name]
-        forward = result["LLD forward"][name]
-        print(f"[{name}] the LLD measurement adds {lld.wall - base.wall:.3f} s wall ({lld.cpu - base.cpu:.3f} CPU s) "
-              f"to a step: {(lld.wall - base.wall) / base.wall:.1%} ({(lld.cpu - base.cpu) / base.cpu:.1%} CPU); "
-              f"train_on_batch runs lld_logp twice (before and after the updates), 2 forwards = "
-              f"{2 * forward.wall / base.wall:.1%} of the step ({2 * forward.cpu / base.cpu:.1%} CPU)")
-    llds_metrics = sides["LLDS"].metrics
-    print(f"[check] LLDS side, last step: loss/llds {llds_metrics.get('loss/llds', float('nan')):.3e}, "
+        base, lld, forward = result["step"][name], result["step + LLD"][name], result["LLD forward"][name]
+        n = 2 if sides[name].step._lld_in_float32 else 1  # a float32 model reuses old_logp before the updates
+        print(f"[{name}] the LLD measurement adds {lld.wall - base.wall:.3f} s ({lld.cpu - base.cpu:.3f} CPU s) to a "
+              f"step: {(lld.wall - base.wall) / base.wall:+.1%} ({(lld.cpu - base.cpu) / base.cpu:+.1%} CPU); its {n} "
+              f"lld_logp forward(s) alone {n * forward.wall / base.wall:.1%} ({n * forward.cpu / base.cpu:.1%} CPU)")
+    costs = {name: side.update_cost() for name, side in sides.items()}
+    g, l = costs["GRPO"], costs["LLDS"]
+    print(f"[xla] compiled update, XLA's cost analysis, GRPO vs LLDS: GFLOP {g['flops'] / 1e9:.4f} vs "
+          f"{l['flops'] / 1e9:.4f} ({l['flops'] / g['flops'] - 1:+.3%}), GB accessed {g['bytes accessed'] / 1e9:.4f} "
+          f"vs {l['bytes accessed'] / 1e9:.4f} ({l['bytes accessed'] / g['bytes accessed'] - 1:+.3%})")
+    llds_metrics = sides["LLDS"].first_metrics
+    updates = f"updates 2-{u}" if u > 2 else f"update {u}"
+    print(f"[check] LLDS side, first step on the batch ({updates}): loss/llds "
+          f"{llds_metrics.get('loss/llds', float('nan')):.3e}, "
           f"llds/gate_share {llds_metrics.get('llds/gate_share', float('nan')):.3f}; GRPO side has loss/llds: "
           f"{'loss/llds' in sides['GRPO'].metrics}; finite losses: "
           f"{all(np.isfinite(s.metrics['actor/loss']) for s in sides.values())}")
-    return result
+    return {"timings": result, "update_cost": costs,
+            "first_metrics": {name: side.first_metrics for name, side in sides.items()}}
 
 
 if __name__ == "__main__":

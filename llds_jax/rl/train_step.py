@@ -477,7 +477,11 @@ class RLTrainStep:
         jax.block_until_ready((old_logp, ref_logp))  # once per batch: times the frozen log-probs apart
         logp_s = time.perf_counter() - start
         before = self._likelihood(old_logp, prepared.batch)
-        lld_old_logp = self.lld_logp(state.params, prepared) if measure_lld else None  # before the updates donate
+        # The float32 log-probs before the updates (taken before the updates donate the state): old_logp itself when
+        # the model computes in float32 (the same program on the same parameters), else one float32 forward.
+        lld_old_logp = None
+        if measure_lld:
+            lld_old_logp = self.lld_logp(state.params, prepared) if self._lld_in_float32 else old_logp
         update = self._jitted_update(state)
         per_update = []
         with self._mesh_context():

@@ -160,6 +160,21 @@ def test_lld_measurement_runs_in_float32_with_a_bfloat16_model(plain_step, step_
 
 
 @pytest.mark.slow
+def test_a_float32_model_measures_lld_with_one_extra_forward(plain_step, step_batch, monkeypatch):
+    """In float32 the log-probs before the updates are old_logp itself (the same program on the same params): the
+    measurement's one extra forward is the one after the updates."""
+    assert not plain_step._lld_in_float32  # a float32 model
+    calls = []
+    measure = plain_step.lld_logp
+    monkeypatch.setattr(plain_step, "lld_logp", lambda *args: calls.append(args) or measure(*args))
+    state = plain_step.init_state()
+    _, metrics = plain_step.train_on_batch(state, plain_step.reference_params(state.params), step_batch,
+                                           measure_lld=True)
+    assert len(calls) == 1
+    assert np.isfinite(metrics.delta_traj_b).all() and "lld/rate" in metrics.scalars
+
+
+@pytest.mark.slow
 def test_sharded_step_equals_unsharded(sharded_step, plain_step_result, step_batch, mesh8):
     _, plain_state, plain_metrics = plain_step_result
     state = sharded_step.init_state()
