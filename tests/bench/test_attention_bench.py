@@ -1,20 +1,13 @@
 """bench/attention.py runs end to end at small shapes on CPU: the blockwise path agrees with the dense one and its
 compiled temporaries shrink once T spans several blocks."""
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "attention.py"
+from tests.bench.loading import load_bench
 
 
 @pytest.mark.slow
 def test_attention_bench_runs_small_on_cpu(capsys):
-    spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("attention")
     results = module.main(["--seqs", "64,256", "--batch", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
                            "--query-block", "32", "--key-block", "32", "--repeats", "1", "--update-layers", "1",
                            "--update-vocab", "64"])

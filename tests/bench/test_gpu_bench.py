@@ -1,25 +1,14 @@
 """bench/gpu.py, the prepared accelerator benchmark, runs end to end with tiny shapes on CPU and reports sane ratios."""
-import importlib.util
 import math
-import pathlib
-import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
-
-
-def load_gpu_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.loading import load_bench
 
 
 @pytest.mark.slow
 def test_gpu_bench_runs_tiny_on_cpu_and_its_ratios_are_in_range(capsys):
-    result = load_gpu_bench().main(["--tiny", "--no-remat"])
+    result = load_bench("gpu").main(["--tiny", "--no-remat"])
     out = capsys.readouterr().out
     ratios = {key: value for key, value in result.items() if "mfu" in key or "roofline" in key}
     assert "train_mfu" in ratios

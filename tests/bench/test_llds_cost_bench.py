@@ -1,20 +1,14 @@
 """bench/llds_cost.py runs end to end at tiny shapes on CPU: both sides timed, and only the LLDS side has the term."""
-import importlib.util
 import math
-import pathlib
-import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "llds_cost.py"
+from tests.bench.loading import load_bench
 
 
 @pytest.mark.slow
 def test_llds_cost_bench_runs_tiny_on_cpu(capsys):
-    spec = importlib.util.spec_from_file_location("bench_llds_cost", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("llds_cost")
     result = module.main(["--vocab", "64", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--heads", "2",
                           "--kv-heads", "1", "--head-dim", "16", "--seq", "32", "--batch", "8", "--mini", "4",
                           "--micro", "2", "--chunk", "32", "--repeats", "1"])

@@ -1,5 +1,4 @@
 """bench/step_profile.py end to end on the tiny config: phase shares that add up, and no compilation after step 1."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -8,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.bench.loading import load_bench
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "step_profile.py"
 TINY = ROOT / "configs" / "tiny_test.py"
@@ -15,15 +16,8 @@ PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieva
           "batch", "compile_rows", "logp", "updates", "checkpoint", "other")
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_step_profile", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_overrides_take_the_type_of_the_key_and_name_unknown_keys():
-    bench = load_bench()
+    bench = load_bench("step_profile")
     args = bench.parse_args(["--config", str(TINY), "--override", "rollout.top_p=1", "--config.train.lld_every=0",
                              "--override", "data.train_files=a.parquet,b.parquet", "--config.model.remat=true"])
     cfg = bench.load_config(args.config, args.override)  # llds_jax.config_file.load_config: as the launch command reads
@@ -37,7 +31,7 @@ def test_overrides_take_the_type_of_the_key_and_name_unknown_keys():
 
 
 def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_otherwise():
-    bench = load_bench()
+    bench = load_bench("step_profile")
     calls = []
 
     class Session:
