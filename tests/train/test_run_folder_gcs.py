@@ -49,7 +49,9 @@ def test_checkpoints_keep_restore_and_fall_back(gcs_dir, gcs_fs, make_train_stat
         restored = fresh.restore_latest(*targets)
     assert (restored.step, restored.meta) == (2, {"n": 2})
     assert_trees_equal((restored.params, restored.opt_state), expected[2])
-    assert caplog.records[0].getMessage().startswith(f"checkpoint step 3 in {folder} is unreadable")
+    # Only the checkpointer's own records: orbax may add its own (e.g. a slow previous save on a busy machine).
+    ours = [r.getMessage() for r in caplog.records if r.name == "llds_jax.train.checkpoint"]
+    assert ours[0].startswith(f"checkpoint step 3 in {folder} is unreadable")
     [moved] = [name for name in step_folders(gcs_fs, folder) if name != "2"]
     assert moved.startswith("3.unreadable-") and fresh.all_steps() == [2]
     fresh.close()
