@@ -97,7 +97,9 @@ def sample_tokens(logits_bv: jax.Array, key_b: jax.Array, cfg: SamplingConfig) -
     The log-prob is log_softmax(logits / temperature) over the full vocabulary at the drawn token (temperature 1
     when greedy); top-k and top-p only restrict the candidates.
     """
-    logits_bv = logits_bv.astype(jnp.float32)
+    # Each row's whole vocabulary on every device of its rows: left split over the vocabulary, XLA's CPU compiler
+    # partitions the CDF's cumsum into a reduce-window over the whole vocabulary per output (O(V^2) per row).
+    logits_bv = parallel.constrain_spec(logits_bv.astype(jnp.float32), _rows_spec(2))
     if cfg.greedy:
         tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
         return tokens_b, _logp_of(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b)
