@@ -121,9 +121,20 @@ class Emulator:
         """Freezes the server (SIGSTOP): connections are accepted and never answered, an endpoint that hangs."""
         self._process.send_signal(signal.SIGSTOP)
 
-    def resume(self) -> None:
-        """Unfreezes a paused server (SIGCONT)."""
+    def resume(self, timeout_s: float = 10.0) -> None:
+        """Unfreezes a paused server (SIGCONT) and waits (at most `timeout_s` seconds) until it answers.
+
+        An upload whose client gave up while the server was frozen can end, once it runs again, as bytes without
+        their metadata (see `kill`); with the client gone (the tests resume only after the run ended), those files
+        are removed as `kill` removes them."""
         self._process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + timeout_s
+        while not self._answers():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fake-gcs-server on {self.url} did not answer within {timeout_s} s of SIGCONT")
+            time.sleep(0.05)
+        if self.root:
+            self._drop_partial_uploads()
 
     def stop(self) -> None:
         """Ends the server process (its objects are gone)."""

@@ -86,6 +86,20 @@ def test_a_killed_endpoint_comes_back_without_the_upload_it_cut_short(emulator):
     assert committed_steps(emulator, "run") == [1]
 
 
+def test_a_resumed_endpoint_answers_without_the_upload_its_client_gave_up(emulator):
+    """The stand-in itself: bytes without metadata left while the server was frozen (an upload whose client gave
+    up) are removed by `resume`, as by `kill`; otherwise every listing of the bucket answers 404."""
+    import os
+
+    emulator.pause()
+    folder = os.path.join(emulator.root, BUCKET, "paused", "checkpoints")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "2.orbax-checkpoint-tmp"), "wb") as f:
+        f.write(b"bytes of an upload whose metadata was never written")
+    emulator.resume()
+    assert committed_steps(emulator, "paused") == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, repair", [("kill", "start"), ("pause", "resume")], ids=["dies", "stops_answering"])
 def test_an_endpoint_that_fails_ends_the_run_with_one_line_in_bounded_time_and_it_resumes(searching_runs, emulator,
