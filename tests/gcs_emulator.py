@@ -72,14 +72,20 @@ class Emulator:
             [binary(), "-scheme", "http", *backend, "-host", "127.0.0.1", "-port", str(self.port),
              "-external-url", self.url, "-log-level", "warn"],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+        if not self._await_answer(timeout_s):
+            with open(self._log.name, errors="replace") as f:
+                output = f.read()[-2000:]
+            self.stop()
+            raise RuntimeError(f"fake-gcs-server did not start on {self.url}: {output}")
+
+    def _await_answer(self, timeout_s: float) -> bool:
+        """Polls until the server answers (True), or its process ended or `timeout_s` seconds passed (False)."""
         deadline = time.monotonic() + timeout_s
         while not self._answers():
             if self._process.poll() is not None or time.monotonic() > deadline:
-                with open(self._log.name, errors="replace") as f:
-                    output = f.read()[-2000:]
-                self.stop()
-                raise RuntimeError(f"fake-gcs-server did not start on {self.url}: {output}")
+                return False
             time.sleep(0.05)
+        return True
 
     def _answers(self) -> bool:
         try:
@@ -128,11 +134,8 @@ class Emulator:
         their metadata (see `kill`); with the client gone (the tests resume only after the run ended), those files
         are removed as `kill` removes them."""
         self._process.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + timeout_s
-        while not self._answers():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fake-gcs-server on {self.url} did not answer within {timeout_s} s of SIGCONT")
-            time.sleep(0.05)
+        if not self._await_answer(timeout_s):
+            raise RuntimeError(f"fake-gcs-server on {self.url} did not answer within {timeout_s} s of SIGCONT")
         if self.root:
             self._drop_partial_uploads()
 
