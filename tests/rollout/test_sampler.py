@@ -247,7 +247,7 @@ def test_sharded_session_matches_unsharded(tiny, sampler):
 def test_sampling_on_a_mesh_sees_each_rows_whole_vocabulary(tiny):
     """The decode chunk on a mesh samples from logits gathered over the vocabulary (split by rows only): left split
     over the tensor axis, XLA's CPU compiler turned the inverse-CDF draw's cumsum into a reduce-window over the whole
-    vocabulary per output element (O(V^2) per row: 18 s instead of 0.1 s per 4-step chunk at Qwen's 151,936)."""
+    vocabulary per output element (O(V^2) per row: 143x slower at Qwen's 151,936, bench/mesh_decode.py)."""
     _, graphdef, params = tiny
     mesh = parallel.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
     sampler = Sampler(graphdef, dataclasses.replace(CONFIG, greedy=False, top_p=1.0, temperature=1.0), mesh=mesh)
