@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout import best_time, model_config, never_finished  # noqa: E402
+from rollout import add_model_args, best_time, model_config, never_finished  # noqa: E402
 
 from llds_jax import parallel  # noqa: E402
 from llds_jax.model import Transformer  # noqa: E402
@@ -36,13 +36,7 @@ from llds_jax.rollout.sampler import Sampler  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=8, help="rows (a multiple of --data)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32, help="sampled tokens per row")

@@ -37,8 +37,8 @@ from llds_jax.rollout.sampler import Sampler
 from llds_jax.search.types import Retriever
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The random model's shape (`model_config`): a 42.8M-parameter Qwen2 with its 151,936-token vocabulary."""
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=1024)
@@ -46,6 +46,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
