@@ -305,16 +305,20 @@ def _result(arm, seed, em, step=None, rate=None):
 def test_table_rows_aggregate_each_arm_over_its_seeds(tmp_path):
     results = [_result("grpo", 1, 0.0, step=17, rate=0.6), _result("grpo", 0, 0.5, rate=0.4),
                _result("llds", 0, 0.7, rate=0.3), _result("llds", 1, 0.03)]
-    grpo, llds = table.rows(results)
+    grpo, llds = table.rows(results, {f"stress/{arm}/seed_{seed}": 20 for arm in ("grpo", "llds") for seed in (0, 1)})
     assert (grpo.arm, grpo.seeds, grpo.final_em, grpo.em_mean) == ("grpo", [0, 1], [0.5, 0.0], 0.25)
+    # Time to collapse: seed 1's step 17 and seed 0's 21 (not collapsed: its last step + 1), median 19; llds seed 1
+    # collapsed by its final EM only, which counts as 21 too.
+    assert (grpo.time_to_collapse, llds.time_to_collapse) == (19.0, 21.0)
+    assert table.rows(results)[0].time_to_collapse is None  # steps unknown
     assert (grpo.em_low, grpo.em_high) == (0.0, 0.5)
     assert (grpo.collapsed, grpo.collapse_steps, grpo.lld_rate_mean) == (1, [None, 17], 0.5)
     assert (llds.collapsed, llds.collapse_steps, llds.lld_rates, llds.lld_rate_mean) == (1, [None, None],
                                                                                           [0.3, None], 0.3)
     paths = table.write([grpo, llds], results, str(tmp_path))
     text = (tmp_path / "table.md").read_text()
-    assert ("| stress | grpo: GRPO (LLDS off) | 2 | 0.250 [0.000, 0.500] | 0.500 0.000 | 1/2 | 17 (seed 1) | 0.500 "
-            "| — |") in text
+    assert ("| stress | grpo: GRPO (LLDS off) | 2 | 0.250 [0.000, 0.500] | 0.500 0.000 | 1/2 | 17 (seed 1) | 19 "
+            "| 0.500 | — |") in text
     # llds - grpo on seeds 0 and 1: 0.7 - 0.5 and 0.03 - 0.0.
     assert (llds.vs_grpo, llds.vs_grpo_seeds) == (pytest.approx([0.2, 0.03]), [0, 1])
     assert llds.vs_grpo_mean == pytest.approx(0.115)
@@ -323,7 +327,7 @@ def test_table_rows_aggregate_each_arm_over_its_seeds(tmp_path):
     assert "3 consecutive steps" in text
     assert json.loads((tmp_path / "table.json").read_text())["rows"][1]["final_em"] == [0.7, 0.03]
     assert (tmp_path / "table.csv").read_text().splitlines()[1] == ("stress,grpo,2,0;1,0.25,0.0,0.5,0.5;0.0,1,;17,0.5"
-                                                                    ",,,,")
+                                                                    ",,,,,19.0")
     # A seed GRPO does not have is left out of the paired comparison.
     _, lone = table.rows(results + [_result("llds", 2, 0.9)])
     assert (lone.seeds, lone.vs_grpo_seeds) == ([0, 1, 2], [0, 1])

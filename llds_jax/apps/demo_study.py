@@ -219,7 +219,8 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
             for line in ["early warning of collapse (runs with per-step metrics)", "",
                          *early_warning.markdown(early_warning.summaries(curved)), ""]:
                 print(line, flush=True)
-        paths = (table.write(table.rows(results), results, study.out) +
+        total_steps = {run.name: run.total_steps for run in study.runs}
+        paths = (table.write(table.rows(results, total_steps), results, study.out) +
                  table.write_paired(comparisons, controls, study.out) + [steps.write(results, study.out)] +
                  (early_warning.write(curved, study.out) + plots.write(curved, study.out) if curved else []))
         for path in paths:

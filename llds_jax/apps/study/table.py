@@ -8,7 +8,7 @@ import csv
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -27,6 +27,8 @@ DEFINITIONS = {
                      f"{stats.COLLAPSE_REWARD} (none when only the final EM says collapsed)",
     "vs_grpo": "the arm's final EM minus GRPO's on the same seeds (same world, warm start and first rollout batch), "
                "mean over those seeds with its 95% percentile bootstrap interval (as for em_interval)",
+    "time_to_collapse": "median over seeds of each run's step of collapse, a run without one (not collapsed, or "
+                        "collapsed by the final-EM rule only) counted as its last step + 1",
     "lld_rate_mean": f"mean over seeds of each run's mean {LLD_RATE} over its steps (share of correct "
                      "trajectories whose log-likelihood fell over the step's updates)",
 }
@@ -47,6 +49,7 @@ class Row:
     collapse_steps: list[int | None]
     lld_rates: list[float | None]
     lld_rate_mean: float | None
+    time_to_collapse: float | None = None
     vs_grpo: list[float] = dataclasses.field(default_factory=list)
     vs_grpo_seeds: list[int] = dataclasses.field(default_factory=list)
     vs_grpo_mean: float | None = None
@@ -54,9 +57,11 @@ class Row:
     vs_grpo_high: float | None = None
 
 
-def rows(results: Sequence[RunResult]) -> list[Row]:
+def rows(results: Sequence[RunResult], total_steps: Mapping[str, int] | None = None) -> list[Row]:
     """One row per (setting, arm), in the order they first appear in `results`; an arm other than grpo is also
-    compared with grpo seed by seed in its setting (`vs_grpo`, over the seeds both have)."""
+    compared with grpo seed by seed in its setting (`vs_grpo`, over the seeds both have). `total_steps`: run name ->
+    its number of steps, for the median time to collapse (None when a run of the row is not in it)."""
+    total_steps = total_steps or {}
     groups: dict[tuple[str, str], list[RunResult]] = {}
     for result in results:
         groups.setdefault((result.setting, result.arm), []).append(result)
@@ -69,9 +74,15 @@ def rows(results: Sequence[RunResult]) -> list[Row]:
         known = [rate for rate in rates if rate is not None]
         table.append(Row(setting, arm, [r.seed for r in group], em, float(np.mean(em)), low, high,
                          sum(r.collapsed for r in group), [r.collapse_step for r in group], rates,
-                         float(np.mean(known)) if known else None))
+                         float(np.mean(known)) if known else None, _time_to_collapse(group, total_steps)))
     by_key = {(row.setting, row.arm): row for row in table}
     return [_paired(row, by_key.get((row.setting, "grpo"))) for row in table]
+
+
+def _time_to_collapse(group: Sequence[RunResult], total_steps: Mapping[str, int]) -> float | None:
+    if any(r.name not in total_steps for r in group):
+        return None
+    return float(np.median([total_steps[r.name] + 1 if r.collapse_step is None else r.collapse_step for r in group]))
 
 
 def _paired(row: Row, grpo: Row | None) -> Row:
@@ -106,11 +117,11 @@ def markdown(table: Sequence[Row]) -> str:
     """table.md: the rows, then the definitions of the columns."""
     lines = report.markdown_table(
         ["setting", "arm", "seeds", "final EM mean [95% CI]", "final EM per seed", "collapsed", "steps to collapse",
-         "mean LLD rate", "EM minus grpo, same seeds [95% CI]"],
+         "time to collapse, median", "mean LLD rate", "EM minus grpo, same seeds [95% CI]"],
         [[row.setting, f"{row.arm}: {ARMS[row.arm].description}" if row.arm in ARMS else row.arm,
           str(len(row.seeds)), f"{row.em_mean:.3f} [{row.em_low:.3f}, {row.em_high:.3f}]",
           " ".join(f"{em:.3f}" for em in row.final_em), f"{row.collapsed}/{len(row.seeds)}", _steps(row),
-          _num(row.lld_rate_mean), _vs_grpo(row)] for row in table])
+          "—" if row.time_to_collapse is None else f"{row.time_to_collapse:g}", _num(row.lld_rate_mean), _vs_grpo(row)] for row in table])
     lines += ["", "Seeds in each row: " + "; ".join(f"{row.setting}/{row.arm}: {', '.join(map(str, row.seeds))}"
                                                     for row in table), ""]
     lines += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
@@ -135,13 +146,14 @@ def write(table: Sequence[Row], results: Sequence[RunResult], out: str) -> list[
         writer = csv.writer(f)
         writer.writerow(["setting", "arm", "n_seeds", "seeds", "em_mean", "em_ci_low", "em_ci_high", "em_per_seed",
                          "collapsed", "collapse_steps", "lld_rate_mean", "vs_grpo_mean", "vs_grpo_ci_low",
-                         "vs_grpo_ci_high", "vs_grpo_per_seed"])
+                         "vs_grpo_ci_high", "vs_grpo_per_seed", "time_to_collapse"])
         for row in table:
             writer.writerow([row.setting, row.arm, len(row.seeds), _csv_list(row.seeds), row.em_mean, row.em_low,
                              row.em_high, _csv_list(row.final_em), row.collapsed, _csv_list(row.collapse_steps),
                              "" if row.lld_rate_mean is None else row.lld_rate_mean,
                              *("" if v is None else v for v in (row.vs_grpo_mean, row.vs_grpo_low,
-                                                                 row.vs_grpo_high)), _csv_list(row.vs_grpo)])
+                                                                 row.vs_grpo_high)), _csv_list(row.vs_grpo),
+                             "" if row.time_to_collapse is None else row.time_to_collapse])
     runs = [{field: getattr(result, field) for field in RUN_FIELDS} for result in results]
     with open(paths[2], "w") as f:
         json.dump({"definitions": DEFINITIONS, "rows": [dataclasses.asdict(row) for row in table], "runs": runs}, f,
