@@ -324,6 +324,7 @@ def test_table_rows_aggregate_each_arm_over_its_seeds(tmp_path):
     assert llds.vs_grpo_mean == pytest.approx(0.115)
     assert (llds.vs_grpo_low, llds.vs_grpo_high) == stats.bootstrap_interval(llds.vs_grpo)
     assert "| +0.115 [+0.030, +0.200] (2 seeds) |" in text
+    assert "| stress | llds | +0.200 +0.030 (seeds 0,1) | 2 of 2 |" in text
     assert "3 consecutive steps" in text
     assert json.loads((tmp_path / "table.json").read_text())["rows"][1]["final_em"] == [0.7, 0.03]
     assert (tmp_path / "table.csv").read_text().splitlines()[1] == ("stress,grpo,2,0;1,0.25,0.0,0.5,0.5;0.0,1,;17,0.5"
@@ -680,3 +681,4 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
     for seed in (0, 1):  # each collapse with every diagnostic on one figure
         figure = os.path.join(out, "plots", "collapses", f"lr1e3_grpo_seed_{seed}.png")
         assert os.path.getsize(figure) > 50_000, figure
+

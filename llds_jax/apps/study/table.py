@@ -122,6 +122,14 @@ def markdown(table: Sequence[Row]) -> str:
           str(len(row.seeds)), f"{row.em_mean:.3f} [{row.em_low:.3f}, {row.em_high:.3f}]",
           " ".join(f"{em:.3f}" for em in row.final_em), f"{row.collapsed}/{len(row.seeds)}", _steps(row),
           "—" if row.time_to_collapse is None else f"{row.time_to_collapse:g}", _num(row.lld_rate_mean), _vs_grpo(row)] for row in table])
+    paired_rows = [row for row in table if row.vs_grpo]
+    if paired_rows:
+        lines += ["", "Each arm minus grpo, seed by seed (the paired differences of the last column):", ""]
+        lines += report.markdown_table(
+            ["setting", "arm", "minus grpo, per seed", "above grpo"],
+            [[row.setting, row.arm, " ".join(_signed(d) for d in row.vs_grpo) +
+              f" (seeds {','.join(map(str, row.vs_grpo_seeds))})",
+              f"{sum(d > 0 for d in row.vs_grpo)} of {len(row.vs_grpo)}"] for row in paired_rows])
     lines += ["", "Seeds in each row: " + "; ".join(f"{row.setting}/{row.arm}: {', '.join(map(str, row.seeds))}"
                                                     for row in table), ""]
     lines += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
