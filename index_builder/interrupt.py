@@ -8,12 +8,14 @@ generator finalizers) is handed to `sys.unraisablehook`, which prints it ("Excep
 it; JAX, which `index_builder` imports for the e5 encoder, registers a gc callback, so a signal that came during a
 garbage collection could be lost.
 
-`sigint_interrupts` installs, for the block, a handler for SIGINT and SIGALRM that raises KeyboardInterrupt, and an
-unraisable hook that, for a dropped KeyboardInterrupt, prints nothing and sets a timer of `RETRY_S` instead: its
-SIGALRM raises the interrupt again, by then out of the frame that dropped it. (Sending SIGINT again would not do:
-`signal.raise_signal` and `os.kill` run the handler at once, inside the same frame.) Once a KeyboardInterrupt is
-being handled (the build's clean-up in `except`/`finally` blocks) the handler does nothing, so a second Ctrl-C
-never cuts the clean-up short.
+`sigint_interrupts` installs, for the block, a handler for SIGINT and SIGALRM that raises KeyboardInterrupt and, from
+the first SIGINT on, keeps an interval timer of `RETRY_S` running until the block ends: each SIGALRM raises the
+interrupt again, so one that was dropped (handed to the unraisable hook, which for a KeyboardInterrupt prints
+nothing inside the block) or swallowed (a finalizer's `except BaseException: pass`, run by the same garbage
+collection) is raised again moments later, by then out of the frame that lost it. (Sending SIGINT again would not
+do: `signal.raise_signal` and `os.kill` run the handler at once, inside the same frame.) Once a KeyboardInterrupt is
+being handled (the build's clean-up in `except`/`finally` blocks) the handler does nothing, so neither the timer nor
+a second Ctrl-C cuts the clean-up short.
 """
 from __future__ import annotations
 
@@ -24,24 +26,24 @@ import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-RETRY_S = 0.001  # seconds from a dropped KeyboardInterrupt to raising it again
+RETRY_S = 0.005  # seconds between raisings of a pending KeyboardInterrupt (until the block ends)
 _SIGNALS = (signal.SIGINT, signal.SIGALRM)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """SIGINT's and SIGALRM's handler: KeyboardInterrupt, unless one is being handled already (the clean-up)."""
+    """SIGINT's and SIGALRM's handler: KeyboardInterrupt, with the timer that raises it again started, unless one is
+    being handled already (the clean-up)."""
     if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        signal.setitimer(signal.ITIMER_REAL, RETRY_S, RETRY_S)
         raise KeyboardInterrupt
 
 
-def _retrying(previous: Callable) -> Callable:
-    """An unraisable hook that raises a dropped KeyboardInterrupt again after RETRY_S and passes anything else to
-    `previous`."""
+def _quiet(previous: Callable) -> Callable:
+    """An unraisable hook that drops a KeyboardInterrupt silently (the timer raises it again) and passes anything
+    else to `previous`."""
 
     def hook(unraisable) -> None:
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            signal.setitimer(signal.ITIMER_REAL, RETRY_S)
-        else:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
             previous(unraisable)
 
     return hook
@@ -56,7 +58,7 @@ def sigint_interrupts() -> Iterator[None]:
         yield
         return
     handlers = {signum: signal.signal(signum, _interrupt) for signum in _SIGNALS}
-    hook, sys.unraisablehook = sys.unraisablehook, _retrying(sys.unraisablehook)
+    hook, sys.unraisablehook = sys.unraisablehook, _quiet(sys.unraisablehook)
     try:
         yield
     finally:

@@ -3,7 +3,8 @@ exit status 130, and never a folder at --out (bm25 removes OUT.partial; faiss ke
 a manifest, so nothing reads it as an index). The signal is sent once the build has written passages (OUT.partial's
 files), to a process started as a shell starts it: normally, or with SIGINT ignored (`trap "" INT`, as a
 non-interactive shell starts `cmd &`), which Python keeps unless the builder installs its own handler. A SIGINT that
-arrives inside a gc callback (JAX registers one) interrupts the code after it instead of being printed and dropped."""
+arrives inside a gc callback (JAX registers one) interrupts the code after it instead of being printed and dropped,
+also when finalizers run by the same collection swallow it."""
 import gc
 import json
 import os
@@ -98,7 +99,27 @@ def test_sigint_stops_a_faiss_build_and_keeps_its_complete_shards(corpus, tmp_pa
         index_file(partial)
 
 
-def test_sigint_inside_a_gc_callback_interrupts_the_code_after_it(monkeypatch):
+class SwallowsInterrupts:
+    """Garbage (a reference cycle) whose finalizer runs for FINALIZER_S and swallows any exception in it, as some
+    libraries' finalizers do with a bare `except`."""
+
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        end = time.monotonic() + FINALIZER_S
+        try:
+            while time.monotonic() < end:
+                pass
+        except BaseException:
+            pass
+
+
+FINALIZER_S = 0.05  # longer than interrupt.RETRY_S: the interrupt raised again lands inside the finalizer
+
+
+@pytest.mark.parametrize("swallowing_finalizers", [0, 3], ids=["plain_collection", "finalizers_swallow_it"])
+def test_sigint_inside_a_gc_callback_interrupts_the_code_after_it(monkeypatch, swallowing_finalizers):
     from index_builder.interrupt import sigint_interrupts  # here: the process tests above run on any version
 
     printed = []  # what Python would print as "Exception ignored in: ..."
@@ -110,6 +131,8 @@ def test_sigint_inside_a_gc_callback_interrupts_the_code_after_it(monkeypatch):
             calls.append(phase)
             os.kill(os.getpid(), signal.SIGINT)
 
+    for _ in range(swallowing_finalizers):
+        SwallowsInterrupts()
     gc.callbacks.append(send_sigint_once)
     deadline = time.monotonic() + EXIT_WITHIN_S
     try:
