@@ -682,3 +682,31 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
         figure = os.path.join(out, "plots", "collapses", f"lr1e3_grpo_seed_{seed}.png")
         assert os.path.getsize(figure) > 50_000, figure
 
+
+# What the evidence page's tables are rows of: the settings of its three studies.
+EVIDENCE_SETTINGS = {"stress", "default", "paper_shaped", "lr1e3", "collapse"}
+
+
+@pytest.mark.slow
+def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_records(tmp_path):
+    """`sh docs/evidence/recompute.sh OUT` (the page's one command) rebuilds the committed records byte for byte
+    from themselves, the collapse study's committed tables too, and every table row of docs/evidence.md that
+    reports a run, an arm or a comparison is a row of one of its outputs."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(["sh", os.path.join("docs", "evidence", "recompute.sh"), str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    evidence = os.path.join(ROOT, "docs", "evidence")
+    same = [(os.path.join(evidence, "runs.csv"), tmp_path / "study_2026_12_02" / "runs.csv")]
+    same += [(os.path.join(evidence, "collapse", "study", name), tmp_path / "collapse_study" / name)
+             for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "early_warning.md")]
+    for committed, produced in same:
+        with open(committed, "rb") as f:
+            assert f.read() == produced.read_bytes(), committed
+
+    outputs = "".join(path.read_text() for path in sorted(tmp_path.glob("*/*.md")))
+    with open(os.path.join(ROOT, "docs", "evidence.md")) as f:
+        rows = [line.strip() for line in f if line.strip().startswith("| ")
+                and line.strip().split("|")[1].strip() in EVIDENCE_SETTINGS]
+    assert len(rows) > 100, "the page's tables are not where this test looks"
+    assert [row for row in rows if row + "\n" not in outputs] == []
