@@ -13,7 +13,8 @@ The programs, at the config's largest shapes (the worst case a long run can reac
   rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
   observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
   (`rollout_shapes`; with `rollout.continuous_batching`, the empty batch and extends of every row by a prompt
-  and by an observation in place of the prefill and the extend); the same for evaluation (greedy,
+  and by an observation in place of the prefill and the extend; with `rollout.shared_prompt_prefill`, a prefill
+  of the most distinct prompts a session's GRPO groups hold); the same for evaluation (greedy,
   `eval.batch_size` rows); their params in `rollout.params_dtype`, as the trainer casts them (with bfloat16 on
   float32 master weights, half the bytes);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
@@ -114,33 +115,44 @@ def parse_required_bytes(message: str) -> Optional[float]:
 @dataclasses.dataclass(frozen=True)
 class RolloutShapes:
     """The largest buckets of one sampler: rows of a session, prompt slots, the cache capacity of the prefill
-    (room for a first turn) and the largest capacity a conversation can reach, observation slots of an extend."""
+    (room for a first turn) and the largest capacity a conversation can reach, observation slots of an extend, and
+    with `rollout.shared_prompt_prefill` the rows its prefill encodes (0: every row)."""
 
     rows: int
     prompt: int
     prefill_capacity: int
     capacity: int
     observation: int
+    distinct: int = 0
 
 
-def rollout_shapes(cfg, sequences: int, batch_multiple: int) -> RolloutShapes:
+def rollout_shapes(cfg, sequences: int, batch_multiple: int, groups: bool = True) -> RolloutShapes:
     """The sampler's worst-case buckets for sessions over `sequences` sequences (split into sessions of
     `rollout.max_batch_size`), as `llds_jax.rollout.sampler` rounds them.
 
     Capacity: an upper bound on the slots a row can use: its prompt bucket (left padding and prompt), at most
     `max_context_tokens` tokens after it (the cap counts the prompt too), and one observation bucket for the
-    padding of an extend and the slot a finished row writes per decode step."""
+    padding of an extend and the slot a finished row writes per decode step.
+
+    Distinct prompts (`rollout.shared_prompt_prefill`, with `groups`: the sequences are GRPO groups of
+    `data.samples_per_prompt` consecutive samples of one prompt): the most a session's consecutive sequences can
+    hold, a group cut at each end, at their row bucket."""
     from llds_jax.rollout import buckets
 
     r = cfg.rollout
     s = sampling_config(cfg)
-    rows = buckets.batch_bucket(min(sequences, r.max_batch_size or sequences), batch_multiple, s.min_batch_bucket)
+    per_session = min(sequences, r.max_batch_size or sequences)
+    rows = buckets.batch_bucket(per_session, batch_multiple, s.min_batch_bucket)
+    distinct = 0
+    if r.shared_prompt_prefill and groups:
+        most = -(-(per_session - 1) // cfg.data.samples_per_prompt) + 1
+        distinct = buckets.batch_bucket(min(most, per_session), batch_multiple, s.min_batch_bucket)
     prompt = buckets.pow2_bucket(r.max_prompt_tokens, s.min_prompt_bucket)
     observation = buckets.pow2_bucket(r.max_observation_tokens, s.min_observation_bucket)
     prefill_capacity = buckets.pow2_bucket(prompt + r.max_turn_tokens + 1, s.min_capacity_bucket)
     capacity = buckets.pow2_bucket(prompt + r.max_context_tokens + observation, s.min_capacity_bucket)
     return RolloutShapes(rows=rows, prompt=prompt, prefill_capacity=prefill_capacity, capacity=max(
-        capacity, prefill_capacity), observation=observation)
+        capacity, prefill_capacity), observation=observation, distinct=distinct if distinct < rows else 0)
 
 
 def sampling_config(cfg, evaluation: bool = False):
@@ -415,7 +427,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     batch = config_lib.rollout_batch_size(cfg)
     for label, evaluation, sequences in (("", False, batch // len(hosts)), ("eval ", True, cfg.eval.batch_size)):
         sampler = Sampler(graphdef, sampling_config(cfg, evaluation), layout.mesh)
-        s = rollout_shapes(cfg, sequences, sampler.batch_multiple)
+        s = rollout_shapes(cfg, sequences, sampler.batch_multiple, groups=not evaluation)
         calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, s.rows)
         decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)
         loop_runs = {"decode chunk": (cfg.rollout.decode_chunk, decode_blocks), "extend": (extend_blocks,),

@@ -103,6 +103,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.continuous_batching = AgentConfig.continuous_batching
     # ... appending to at most this many rows per extend call (0: any)
     c.rollout.max_extend_rows = SamplingConfig.max_extend_rows
+    # a session's prefill encodes each distinct prompt once (a GRPO group's samples share it), copied to its rows
+    c.rollout.shared_prompt_prefill = SamplingConfig.shared_prompt_prefill
     c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
     c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
     # smallest KV-cache capacity (slots) of a sampler session
@@ -447,4 +449,5 @@ def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, greedy=evaluation,
                           stop_ids=stop_ids, decode_chunk=r.decode_chunk,
                           min_capacity_bucket=r.min_capacity_bucket,
-                          min_observation_bucket=r.min_observation_bucket, max_extend_rows=r.max_extend_rows)
+                          min_observation_bucket=r.min_observation_bucket, max_extend_rows=r.max_extend_rows,
+                          shared_prompt_prefill=r.shared_prompt_prefill)

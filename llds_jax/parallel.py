@@ -34,6 +34,8 @@ MeshAxes = Optional[Union[str, tuple[str, ...]]]  # a PartitionSpec entry: a mes
 # size, the hidden size of activations and norms) are written None where a spec is built.
 LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp"),    # rows of activations, token batches and the KV cache
+    # rows of the logits a token is sampled from: each row's whole vocabulary on one chip, every chip a share of rows
+    "sampled_rows": ("data", "fsdp", "tensor"),
     "vocab": ("fsdp", "tensor"),  # V of the embedding table, the output projection and the logits
     "embed": "fsdp",              # D of the weight matrices (FSDP); activations keep D whole
     "heads": "tensor",            # N query heads

@@ -83,13 +83,22 @@ def test_xla_resource_exhausted_message_is_read():
 
 def test_rollout_shapes_are_the_largest_buckets(tiny_model_dir):
     """Worst case of a session: all its rows at the capacity bound, the prompt and observation buckets full."""
-    cfg = flagship(tiny_model_dir, **{"rollout.max_prompt_tokens": 100, "rollout.max_observation_tokens": 40})
+    cfg = flagship(tiny_model_dir, **{"rollout.max_prompt_tokens": 100, "rollout.max_observation_tokens": 40,
+                                      "rollout.shared_prompt_prefill": False})
     shapes = compile_check.rollout_shapes(cfg, sequences=40, batch_multiple=4)
     # rows: sessions of 16; prompt pow2(100) = 128; observation pow2(40) = 64; prefill: 128 + 16 + 1 -> 256
     # (the smallest capacity bucket is 128); capacity: 128 + 256 + 64 = 448 -> 512.
     assert shapes == compile_check.RolloutShapes(rows=16, prompt=128, prefill_capacity=256, capacity=512,
                                                  observation=64)
     assert compile_check.rollout_shapes(cfg, sequences=6, batch_multiple=4).rows == 8
+    # A shared prefill: 16 consecutive samples of groups of 4 hold at most 5 prompts (1 + 4 + 4 + 4 + 3), a row
+    # bucket of 8 (a multiple of 4); none for evaluation's ungrouped rows.
+    cfg.rollout.shared_prompt_prefill = True  # as configs/qwen7b_v4.py sets it
+    assert cfg.data.samples_per_prompt == 4
+    shared = compile_check.rollout_shapes(cfg, sequences=40, batch_multiple=4)
+    assert shared == compile_check.RolloutShapes(rows=16, prompt=128, prefill_capacity=256, capacity=512,
+                                                 observation=64, distinct=8)
+    assert compile_check.rollout_shapes(cfg, sequences=40, batch_multiple=4, groups=False).distinct == 0
 
 
 @pytest.mark.slow
@@ -131,7 +140,7 @@ def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys)
 def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tensor_parallel):
     """The decode chunk read from the TPU compiler's HLO: under the training (fsdp) layout every layer's q / k / v
     / o projections and MLP slices are all-gathered, which the check names; split over the host's chips by
-    heads and MLP width (rollout.tensor_parallel) only the logits of the rows are gathered."""
+    heads and MLP width (rollout.tensor_parallel) only arrays of rows are gathered."""
     cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": tensor_parallel})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     decode = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "decode chunk")
@@ -139,7 +148,9 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
     layout = compile_check.rollout_layout(cfg, devices)
     found = compile_check.weight_gathers([row], layout.model_cfg, layout.tensor)
     if tensor_parallel:
-        assert found == [] and {dims for _, dims in row.gathers} == {(4, 160, 16)}  # f32 logits: 4 x 160 of V
+        # The rows' f32 logits, sampled on 4 rows per chip ([4 chips, 4 rows, V 640]), the rows' valid slots
+        # ([4, 4, 512 slots]) and the cache write's indices ([16 rows, 1, 3]): rows, never a weight.
+        assert found == [] and {dims for _, dims in row.gathers} == {(4, 4, 640), (4, 4, 512), (16, 1, 3)}
     else:
         # q [D, N, H], k and v [D, K, H], o [N, H, D] of one layer; gate / up [D, F / 4] and down [F / 4, D] of
         # one of the 4 MLP slices (configs/qwen7b_v4.py slices the MLP for the update).

@@ -72,6 +72,9 @@ class SamplingConfig:
       max_extend_rows: continuous batching: the most rows one extend call appends to (prompts or observations;
         more go in several calls), a power of two; 0: any number. Such a call holds its rows' cache beside the
         batch's (a pod's 128-row batch cannot hold a second copy: docs/tpu.md).
+      shared_prompt_prefill: a session's prefill encodes each distinct prompt once and copies its cache to every
+        row that holds it (a GRPO group's samples share their prompt: n times less prefill compute); the rows
+        sample as they would otherwise. Sessions only: continuous batching appends prompts row by row, without it.
     """
 
     temperature: float = 1.0
@@ -86,6 +89,7 @@ class SamplingConfig:
     min_batch_bucket: int = 1
     compact: bool = True
     max_extend_rows: int = 0
+    shared_prompt_prefill: bool = False
 
     def __post_init__(self):
         if not self.temperature > 0:

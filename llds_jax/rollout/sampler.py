@@ -15,6 +15,11 @@ A `Sampler` holds the jitted programs of one model architecture; `Sampler.start(
                                        observation tokens with `model.extend` (no re-encoding of the
                                        conversation). A row given no observation is finished and leaves the batch.
 
+With `SamplingConfig.shared_prompt_prefill` a session's prefill encodes each distinct prompt once (at the row
+bucket of the distinct prompts, letter U) and copies its cache and next-token logits to every row holding it: a
+GRPO group's samples share their prompt, so the prefill's forward runs at 1/n of the rows. Each row keeps its own
+PRNG stream, so the rows sample as they would from a prefill of every row.
+
 For continuous batching (`llds_jax.rollout.continuous`), `Sampler.start_rows` opens a `RowSession` instead: a
 device batch of rows that sequences enter and leave between any two decode chunks, each row on its own turn.
 Its `extend` rolls back and extends just some rows (observations), or empties them and encodes new prompts there,
@@ -42,7 +47,8 @@ per turn), `decode_s` (decode chunk calls and the wait for their tokens) and `ho
 chunks). No wait is added inside the decode loop: it fetches each chunk's tokens anyway. `Session.decode_counts`
 counts the sampled tokens and the decode steps x batch rows (their ratio: the decode occupancy).
 
-Dimension letters: B rows, T new tokens, C decode steps of one chunk, S cache slots, V vocabulary, D hidden.
+Dimension letters: B rows, U distinct prompts, T new tokens, C decode steps of one chunk, S cache slots, V
+vocabulary, D hidden.
 """
 from __future__ import annotations
 
@@ -97,12 +103,14 @@ def sample_tokens(logits_bv: jax.Array, key_b: jax.Array, cfg: SamplingConfig) -
     The log-prob is log_softmax(logits / temperature) over the full vocabulary at the drawn token (temperature 1
     when greedy); top-k and top-p only restrict the candidates.
     """
-    # Each row's whole vocabulary on every device of its rows: left split over the vocabulary, XLA's CPU compiler
-    # partitions the CDF's cumsum into a reduce-window over the whole vocabulary per output (O(V^2) per row).
-    logits_bv = parallel.constrain_spec(logits_bv.astype(jnp.float32), _rows_spec(2))
+    # Each row's whole vocabulary on one device: left split over the vocabulary, XLA's CPU compiler partitions the
+    # CDF's cumsum into a reduce-window over the whole vocabulary per output (O(V^2) per row). The rows are split
+    # over every mesh axis, so that the chips of a tensor-parallel rollout each sort and draw a share of them
+    # rather than all of them.
+    logits_bv = parallel.constrain(logits_bv.astype(jnp.float32), "sampled_rows", None)
     if cfg.greedy:
         tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-        return tokens_b, _logp_of(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b)
+        return _back_to_rows(tokens_b, _logp_of(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b))
     scaled_bv = logits_bv / cfg.temperature
     logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
     candidates_bk, index_bk = scaled_bv, None
@@ -115,7 +123,13 @@ def sample_tokens(logits_bv: jax.Array, key_b: jax.Array, cfg: SamplingConfig) -
         candidates_bk = jnp.where(mass_before_bk < cfg.top_p, candidates_bk, -jnp.inf)
     choice_b = _inverse_cdf_draw(key_b, candidates_bk)
     tokens_b = choice_b if index_bk is None else jnp.take_along_axis(index_bk, choice_b[:, None], axis=1)[:, 0]
-    return tokens_b, _logp_of(logp_bv, tokens_b)
+    return _back_to_rows(tokens_b, _logp_of(logp_bv, tokens_b))
+
+
+def _back_to_rows(tokens_b: jax.Array, logp_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The drawn tokens and their log-probs laid out as the decode state's rows (gathering B numbers), so that the
+    sampling's layout does not spread to the rest of the decode step."""
+    return parallel.constrain(tokens_b, "batch"), parallel.constrain(logp_b, "batch")
 
 
 def _inverse_cdf_draw(key_b: jax.Array, logits_bk: jax.Array) -> jax.Array:
@@ -178,17 +192,36 @@ def _last_logits(model, hidden_btd: jax.Array, valid_bt: jax.Array) -> jax.Array
     return parallel.constrain(model.logits(hidden_b1d)[:, 0], "batch", None)
 
 
-def _prefill(graphdef, params, tokens_bt, valid_bt, rng, seq_ids_b, capacity: int) -> DecodeState:
-    """Encodes left-padded prompts into an empty cache of `capacity` slots."""
-    model = nnx.merge(graphdef, params)
+def _encode(model, tokens_bt, valid_bt, capacity: int) -> tuple[KVCache, jax.Array]:
+    """Left-padded prompts [B, T] encoded into an empty cache of `capacity` slots: (cache, float32 logits [B, V]
+    of each row's next token)."""
     cache = _constrain_cache(init_cache(model.cfg, tokens_bt.shape[0], capacity))
     hidden_btd, cache = model.extend(tokens_bt, valid_bt, cache, prefill=True)
-    batch = tokens_bt.shape[0]
-    zeros_b = jnp.zeros((batch,), jnp.int32)
+    return cache, _last_logits(model, hidden_btd, valid_bt)
+
+
+def _prefilled(cache: KVCache, logits_bv: jax.Array, rng, seq_ids_b) -> DecodeState:
+    """The decode state of prompts encoded into `cache`, before the first turn; row b samples from the stream
+    fold_in(rng, seq_ids_b[b])."""
+    zeros_b = jnp.zeros(seq_ids_b.shape, jnp.int32)
     return _constrain_state(DecodeState(
-        cache=cache, logits_bv=_last_logits(model, hidden_btd, valid_bt),
-        key_b=jax.vmap(lambda i: jax.random.fold_in(rng, i))(seq_ids_b), count_b=zeros_b, remaining_b=zeros_b,
-        done_b=jnp.ones((batch,), bool)))
+        cache=cache, logits_bv=logits_bv, key_b=jax.vmap(lambda i: jax.random.fold_in(rng, i))(seq_ids_b),
+        count_b=zeros_b, remaining_b=zeros_b, done_b=jnp.ones(seq_ids_b.shape, bool)))
+
+
+def _prefill(graphdef, params, tokens_bt, valid_bt, rng, seq_ids_b, capacity: int) -> DecodeState:
+    """Encodes left-padded prompts into an empty cache of `capacity` slots."""
+    cache, logits_bv = _encode(nnx.merge(graphdef, params), tokens_bt, valid_bt, capacity)
+    return _prefilled(cache, logits_bv, rng, seq_ids_b)
+
+
+def _shared_prefill(graphdef, params, tokens_ut, valid_ut, rng, seq_ids_b, source_b, capacity: int) -> DecodeState:
+    """`_prefill` of a batch whose row b holds distinct prompt source_b[b] (int32 [B] into the U left-padded
+    prompts [U, T]): each distinct prompt is encoded once, then its cache and logits copied to its rows (one layer
+    at a time: `_take_rows`)."""
+    cache_u, logits_uv = _encode(nnx.merge(graphdef, params), tokens_ut, valid_ut, capacity)
+    return _prefilled(_constrain_cache(_take_rows(cache_u, source_b)), jnp.take(logits_uv, source_b, axis=0), rng,
+                      seq_ids_b)
 
 
 def _decode_chunk(graphdef, cfg: SamplingConfig, params, state: DecodeState, stop_b):
@@ -297,18 +330,22 @@ def _spec(array: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding if array.committed else None)
 
 
-def _select_rows(state: DecodeState, rows_b) -> DecodeState:
-    """The state of rows `rows_b` (a smaller batch). The cache is taken one layer at a time (a loop over L), so the
-    program holds one layer's rows beside its output rather than a copy of the whole cache."""
-    take = lambda a, axis=0: jnp.take(a, rows_b, axis=axis)
+def _take_rows(cache: KVCache, rows_b) -> KVCache:
+    """The cache of rows `rows_b` (int32 [B'], any rows, repeated or not). Keys and values are taken one layer at a
+    time (a loop over L), so the program holds one layer's rows beside its output rather than a copy of the whole
+    cache."""
+    take = lambda a: jnp.take(a, rows_b, axis=0)  # noqa: E731
     take_layers = lambda a_l: jax.lax.map(take, a_l)  # noqa: E731
-    cache = state.cache
-    cache = KVCache(k_lbskh=take_layers(cache.k_lbskh), v_lbskh=take_layers(cache.v_lbskh),
-                    valid_bs=take(cache.valid_bs),
-                    end_b=take(cache.end_b), next_pos_b=take(cache.next_pos_b))
-    return _constrain_state(DecodeState(cache=cache, logits_bv=take(state.logits_bv), key_b=take(state.key_b),
-                                        count_b=take(state.count_b), remaining_b=take(state.remaining_b),
-                                        done_b=take(state.done_b)))
+    return KVCache(k_lbskh=take_layers(cache.k_lbskh), v_lbskh=take_layers(cache.v_lbskh),
+                   valid_bs=take(cache.valid_bs), end_b=take(cache.end_b), next_pos_b=take(cache.next_pos_b))
+
+
+def _select_rows(state: DecodeState, rows_b) -> DecodeState:
+    """The state of rows `rows_b` (a smaller batch), the cache taken as `_take_rows` takes it."""
+    take = lambda a: jnp.take(a, rows_b, axis=0)  # noqa: E731
+    return _constrain_state(DecodeState(cache=_take_rows(state.cache, rows_b), logits_bv=take(state.logits_bv),
+                                        key_b=take(state.key_b), count_b=take(state.count_b),
+                                        remaining_b=take(state.remaining_b), done_b=take(state.done_b)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +360,8 @@ class SessionShapes:
       capacity: cache slots of the decode chunk, the extend, the growth (to) and the compaction.
       observation: observation slots of an extend.
       continuous: a continuous-batching `RowSession`'s programs rather than a `Session`'s.
+      distinct: a prefill that encodes each distinct prompt once, at this many rows (0: every row;
+        `SamplingConfig.shared_prompt_prefill`).
     """
 
     params: object
@@ -332,6 +371,19 @@ class SessionShapes:
     capacity: int
     observation: int
     continuous: bool = False
+    distinct: int = 0
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], rows: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts left-padded into int32 tokens and bool valid [rows, slots]; rows past the prompts hold one token, so
+    that attention never sees an empty row."""
+    tokens_bt = np.zeros((rows, slots), np.int32)
+    valid_bt = np.zeros((rows, slots), bool)
+    valid_bt[len(prompts):, -1] = True
+    for i, prompt in enumerate(prompts):
+        tokens_bt[i, slots - len(prompt):] = prompt
+        valid_bt[i, slots - len(prompt):] = True
+    return tokens_bt, valid_bt
 
 
 class Sampler:
@@ -352,6 +404,7 @@ class Sampler:
         self.batch_multiple = 1 if mesh is None else parallel.axis_size(mesh, "batch")
         self.plan = ShapePlan(config, self.batch_multiple)
         self._prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames="capacity")
+        self._shared_prefill = jax.jit(functools.partial(_shared_prefill, graphdef), static_argnames="capacity")
         self._decode = jax.jit(functools.partial(_decode_chunk, graphdef, config), donate_argnums=1)
         self._end_turn = jax.jit(functools.partial(_end_turn, graphdef), donate_argnums=1)
         self._grow = jax.jit(_grow, static_argnums=1)
@@ -406,8 +459,9 @@ class Sampler:
             extend = ("row extend", f"{k} of {rows} rows x {observation} tokens, {capacity} slots",
                       ExtendRowsShape(rows, capacity, k, observation, False))
         else:
-            start = [("prefill", f"{rows} x {prompt} tokens, {prefill_capacity} slots",
-                      PrefillShape(rows, prompt, prefill_capacity))]
+            distinct = f" ({at.distinct} distinct prompts)" if at.distinct else ""
+            start = [("prefill", f"{rows} x {prompt} tokens{distinct}, {prefill_capacity} slots",
+                      PrefillShape(rows, prompt, prefill_capacity, at.distinct))]
             extend = ("extend", f"{rows} x {observation} tokens, {capacity} slots",
                       EndTurnShape(rows, capacity, observation))
         programs = start + [
@@ -429,12 +483,17 @@ class Sampler:
     # -- the programs, each run at the shape of its arguments (recorded in `plan`) -----------------------------------
 
     def prefill(self, params, tokens_bt: np.ndarray, valid_bt: np.ndarray, rng: jax.Array, seq_ids_b: np.ndarray,
-                capacity: int) -> DecodeState:
+                capacity: int, source_b: Optional[np.ndarray] = None) -> DecodeState:
         """Encodes left-padded prompts (int32 tokens and bool valid [B, T], uint32 sequence ids [B] whose PRNG
-        streams are fold_in(rng, id)) into an empty cache of `capacity` slots."""
-        self.plan.record(PrefillShape(*tokens_bt.shape, capacity))
-        return self._prefill(params, self.put(tokens_bt), self.put(valid_bt), rng, self.put(seq_ids_b),
-                             capacity=capacity)
+        streams are fold_in(rng, id)) into an empty cache of `capacity` slots. With `source_b` (int32 [B]) the
+        prompts are [U, T] distinct ones, encoded once each, and row b holds prompt source_b[b]."""
+        if source_b is None:
+            self.plan.record(PrefillShape(*tokens_bt.shape, capacity))
+            return self._prefill(params, self.put(tokens_bt), self.put(valid_bt), rng, self.put(seq_ids_b),
+                                 capacity=capacity)
+        self.plan.record(PrefillShape(len(source_b), tokens_bt.shape[1], capacity, tokens_bt.shape[0]))
+        return self._shared_prefill(params, self.put(tokens_bt), self.put(valid_bt), rng, self.put(seq_ids_b),
+                                    self.put(source_b), capacity=capacity)
 
     def decode_chunk(self, params, state: DecodeState, stop_b: np.ndarray
                      ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
@@ -505,6 +564,10 @@ class Sampler:
         a session passes them."""
         host, r = self._host_spec, shape.rows
         key = jax.eval_shape(lambda: jax.random.key(0))
+        if isinstance(shape, PrefillShape) and shape.distinct:
+            u, t = shape.distinct, shape.prompt
+            return (self._shared_prefill, (params, host(u, t), host(u, t, dtype=bool), key, host(r, dtype=np.uint32),
+                                           host(r)), dict(capacity=shape.capacity))
         if isinstance(shape, PrefillShape):
             t = shape.prompt
             return (self._prefill, (params, host(r, t), host(r, t, dtype=bool), key, host(r, dtype=np.uint32)),
@@ -736,17 +799,22 @@ class Session(_DeviceBatch):
         if self._state is not None:
             return
         n = self.num_sequences
-        shape = self._sampler.plan.prefill(n, max(len(x) for x in self._prompts), max_budget)
+        distinct: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
+        if self._cfg.shared_prompt_prefill:
+            source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in self._prompts]
+        shape = self._sampler.plan.prefill(n, max(len(x) for x in self._prompts), max_budget, len(distinct))
         rows, p = shape.rows, shape.prompt
-        tokens_bt = np.zeros((rows, p), np.int32)
-        valid_bt = np.zeros((rows, p), bool)
-        valid_bt[n:, -1] = True  # padding rows hold one token so that attention never sees an empty row
-        for i, prompt in enumerate(self._prompts):
-            tokens_bt[i, p - len(prompt):] = prompt
-            valid_bt[i, p - len(prompt):] = True
         seq_ids_b = np.arange(self._first_sequence, self._first_sequence + rows, dtype=np.uint32)
+        if shape.distinct:  # padding rows take the first prompt
+            tokens_bt, valid_bt = _left_padded(list(distinct), shape.distinct, p)
+            source_b = np.zeros(rows, np.int32)
+            source_b[:n] = source
+        else:
+            tokens_bt, valid_bt = _left_padded(self._prompts, rows, p)
+            source_b = None
         start = time.perf_counter()
-        self._state = self._sampler.prefill(self._params, tokens_bt, valid_bt, self._rng, seq_ids_b, shape.capacity)
+        self._state = self._sampler.prefill(self._params, tokens_bt, valid_bt, self._rng, seq_ids_b, shape.capacity,
+                                            source_b)
         self._state.logits_bv.block_until_ready()  # once per session: times the prefill apart from decoding
         self.timing["prefill_s"] += time.perf_counter() - start
         self._seq_of = np.concatenate([np.arange(n), np.full(rows - n, -1)])

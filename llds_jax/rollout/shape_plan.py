@@ -30,11 +30,14 @@ class PrefillShape(NamedTuple):
       rows: batch rows.
       prompt: token slots per row (prompts are left-padded).
       capacity: cache slots per row of the new cache.
+      distinct: rows the forward runs at when it encodes each distinct prompt once (a row bucket below `rows`);
+        0: every row is encoded.
     """
 
     rows: int
     prompt: int
     capacity: int
+    distinct: int = 0
 
 
 class DecodeShape(NamedTuple):
@@ -162,19 +165,26 @@ class ShapePlan:
         mesh's batch shards, `buckets.compact_bucket`), so that they fill more than 2/3 of it."""
         return buckets.compact_bucket(live, self.batch_multiple, self.config.min_batch_bucket)
 
-    def prefill(self, sequences: int, longest_prompt: int, first_turn: int) -> PrefillShape:
+    def prefill(self, sequences: int, longest_prompt: int, first_turn: int, distinct: int = 0) -> PrefillShape:
         """The prefill of `sequences` prompts of at most `longest_prompt` tokens into a cache with room for a first
-        turn of `first_turn` tokens (and the slot a finished row writes per decode step).
+        turn of `first_turn` tokens (and the slot a finished row writes per decode step); with `distinct` (> 0)
+        distinct prompts among them, encoded once each at their row bucket when that is below the batch's.
 
         Frozen: the smallest prompt bucket run at these rows that holds the longest prompt, then the smallest
-        capacity run with that prompt bucket that holds the turn."""
+        capacity run with that prompt bucket that holds the turn, then the smallest distinct-prompt bucket run
+        there that holds them (or, where none has, the prefill of every row, if that has run)."""
         rows = self.batch_rows(sequences)
         prompt = (self._smallest_run(PrefillShape, "prompt", longest_prompt, rows=rows)
                   or buckets.pow2_bucket(longest_prompt, self.config.min_prompt_bucket))
         needed = prompt + first_turn + 1
         capacity = (self._smallest_run(PrefillShape, "capacity", needed, rows=rows, prompt=prompt)
                     or buckets.pow2_bucket(needed, self.config.min_capacity_bucket))
-        return PrefillShape(rows, prompt, capacity)
+        if distinct:
+            run = self._smallest_run(PrefillShape, "distinct", distinct, below=rows, rows=rows, prompt=prompt,
+                                     capacity=capacity)
+            plain_run = self.frozen and self.has_run(PrefillShape(rows, prompt, capacity))
+            distinct = run or (rows if plain_run else self.batch_rows(distinct))  # frozen: compile nothing new
+        return PrefillShape(rows, prompt, capacity, distinct if distinct < rows else 0)
 
     def compaction(self, rows: int, capacity: int, live: int, continuous: bool = False) -> Optional[SelectShape]:
         """The move of `live` unfinished sequences out of a batch of `rows` rows into a smaller row bucket

@@ -13,6 +13,7 @@ from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import buckets
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.sampler import Sampler, SessionShapes, sample_tokens
+from llds_jax.rollout.shape_plan import PrefillShape
 
 TEMPERATURE = 0.7
 
@@ -343,3 +344,34 @@ def test_abstract_programs_are_a_sessions_at_one_set_of_buckets(tiny, sampler):
                                             "cache growth", "compaction"]
     grown = programs[3].lower().out_info
     assert grown.cache.valid_bs.shape == (4, 64) and programs[3].args[0].cache.valid_bs.shape == (4, 32)
+
+
+def test_shared_prompt_prefill_encodes_each_prompt_once_and_samples_what_every_row_encoded_would(tiny, sampler):
+    """`shared_prompt_prefill`: a batch of GRPO groups (each prompt repeated, a group cut by the batch's end)
+    encodes its 4 distinct prompts at a 4-row bucket instead of 16 rows, and over two turns with observations its
+    rows sample the tokens, with the log-probs, that a prefill of every row gives."""
+    model, graphdef, params = tiny
+    prompts = [p for p in prompts_of([5, 9, 3, 7]) for _ in range(3)][:11]  # 4 groups of 3, the last cut to 2
+    obs = lambda t, i: [20 + i, 30 + t]
+    keep = lambda t, i, out: len(out.token_ids) - 1
+    ref = converse(sampler.start(params, prompts, jax.random.key(4)), prompts, 2, lambda t: [6] * 11, keep, obs)
+    shared = Sampler(graphdef, dataclasses.replace(CONFIG, shared_prompt_prefill=True))
+    got = converse(shared.start(params, prompts, jax.random.key(4)), prompts, 2, lambda t: [6] * 11, keep, obs)
+    assert shared.plan.has_run(PrefillShape(16, 16, 32, 4))  # 11 rows bucketed to 16, their 4 prompts to 4
+    assert not shared.plan.has_run(PrefillShape(16, 16, 32))
+    assert got[0] == ref[0]
+    np.testing.assert_allclose(np.concatenate(got[2]), np.concatenate(ref[2]), atol=1e-5)
+    check_logps(model, *got[:3])
+    flops = [p.lower().compile().cost_analysis()["flops"] for p in (
+        sampler.abstract_programs(SessionShapes(params, 16, 16, 32, 64, 8))[0],
+        shared.abstract_programs(SessionShapes(params, 16, 16, 32, 64, 8, distinct=4))[0])]
+    assert flops[1] < 0.3 * flops[0]  # the forward at 4 rows instead of 16
+
+
+def test_shared_prompt_prefill_of_distinct_prompts_is_the_plain_prefill(tiny):
+    """Where no prompt repeats (evaluation, n = 1), the shared prefill's bucket is the batch's: the plain program
+    runs."""
+    _, graphdef, params = tiny
+    shared = Sampler(graphdef, dataclasses.replace(CONFIG, shared_prompt_prefill=True))
+    shared.start(params, prompts_of([4, 6, 5]), jax.random.key(0)).decode_turn([3] * 3, lambda t: [False] * len(t))
+    assert shared.plan.has_run(PrefillShape(4, 16, 32))

@@ -139,3 +139,16 @@ def test_continuous_batching_compacts_to_powers_of_two_and_the_1_5x_buckets_betw
     sessions.freeze()
     assert sessions.compaction(64, 128, live=47) is None
     assert sessions.compaction(64, 128, live=20) == SelectShape(64, 128, 32)
+
+
+def test_a_shared_prefill_takes_the_row_bucket_of_the_distinct_prompts_and_frozen_compiles_nothing_new():
+    plan = ShapePlan(CONFIG, batch_multiple=1)
+    assert plan.prefill(16, 20, 10, distinct=5) == PrefillShape(16, 32, 64, 8)  # 5 distinct prompts: 8 rows
+    assert plan.prefill(7, 20, 10, distinct=5) == PrefillShape(8, 32, 64, 0)  # 8 rows either way: every row
+    plan.record(PrefillShape(16, 32, 64, 8))
+    plan.record(PrefillShape(8, 32, 64))
+    plan.freeze()
+    assert plan.prefill(16, 20, 10, distinct=3) == PrefillShape(16, 32, 64, 8)  # the smallest run that holds 3
+    assert plan.prefill(16, 20, 10, distinct=9) == PrefillShape(16, 32, 64, 0)  # none run holds 9: 16 rows
+    assert plan.prefill(8, 20, 10, distinct=2) == PrefillShape(8, 32, 64, 0)  # the plain prefill has run here
+    assert plan.prefill(4, 20, 10, distinct=2) == PrefillShape(4, 32, 64, 2)  # nothing has run at 4 rows
