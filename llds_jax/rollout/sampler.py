@@ -220,8 +220,7 @@ def _shared_prefill(graphdef, params, tokens_ut, valid_ut, rng, seq_ids_b, sourc
     prompts [U, T]): each distinct prompt is encoded once, then its cache and logits copied to its rows (one layer
     at a time: `_take_rows`)."""
     cache_u, logits_uv = _encode(nnx.merge(graphdef, params), tokens_ut, valid_ut, capacity)
-    return _prefilled(_constrain_cache(_take_rows(cache_u, source_b)), jnp.take(logits_uv, source_b, axis=0), rng,
-                      seq_ids_b)
+    return _prefilled(_constrain_cache(_take_rows(cache_u, source_b)), _take(logits_uv, source_b), rng, seq_ids_b)
 
 
 def _decode_chunk(graphdef, cfg: SamplingConfig, params, state: DecodeState, stop_b):
@@ -334,15 +333,20 @@ def _take_rows(cache: KVCache, rows_b) -> KVCache:
     """The cache of rows `rows_b` (int32 [B'], any rows, repeated or not). Keys and values are taken one layer at a
     time (a loop over L), so the program holds one layer's rows beside its output rather than a copy of the whole
     cache."""
-    take = lambda a: jnp.take(a, rows_b, axis=0)  # noqa: E731
+    take = functools.partial(_take, rows_b=rows_b)
     take_layers = lambda a_l: jax.lax.map(take, a_l)  # noqa: E731
     return KVCache(k_lbskh=take_layers(cache.k_lbskh), v_lbskh=take_layers(cache.v_lbskh),
                    valid_bs=take(cache.valid_bs), end_b=take(cache.end_b), next_pos_b=take(cache.next_pos_b))
 
 
+def _take(a: jax.Array, rows_b) -> jax.Array:
+    """Rows `rows_b` of `a` (its first axis)."""
+    return jnp.take(a, rows_b, axis=0)
+
+
 def _select_rows(state: DecodeState, rows_b) -> DecodeState:
     """The state of rows `rows_b` (a smaller batch), the cache taken as `_take_rows` takes it."""
-    take = lambda a: jnp.take(a, rows_b, axis=0)  # noqa: E731
+    take = functools.partial(_take, rows_b=rows_b)
     return _constrain_state(DecodeState(cache=_take_rows(state.cache, rows_b), logits_bv=take(state.logits_bv),
                                         key_b=take(state.key_b), count_b=take(state.count_b),
                                         remaining_b=take(state.remaining_b), done_b=take(state.done_b)))
@@ -800,8 +804,8 @@ class Session(_DeviceBatch):
             return
         n = self.num_sequences
         distinct: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
-        if self._cfg.shared_prompt_prefill:
-            source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in self._prompts]
+        source = ([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in self._prompts]
+                  if self._cfg.shared_prompt_prefill else [])
         shape = self._sampler.plan.prefill(n, max(len(x) for x in self._prompts), max_budget, len(distinct))
         rows, p = shape.rows, shape.prompt
         seq_ids_b = np.arange(self._first_sequence, self._first_sequence + rows, dtype=np.uint32)
