@@ -5,7 +5,9 @@ phase of a run (docs/reliability.md). The guard is installed when the command st
 
 - **abort** (start-up, loading, the retriever's start-up check, the evaluation of the start, eval and export
   modes): there is no state worth saving (a rerun repeats the work), so the signal raises `StopRequested` in the
-  main thread at once; the command ends with exit status 0.
+  main thread at once; the command ends with exit status 0. Library code may catch it where it lands and raise
+  an error of its own (asyncio's socket transports fail the connection with it, and the retriever's check then
+  reports an unusable backend): any error that leaves the guard after such a signal ends as `StopRequested`.
 - **defer** (the training loop, `defer()`): the handler only records the signal; the loop polls
   `guard.should_stop()` between sampler sessions, between updates and at the end of each step, saves a checkpoint
   and exits 0. Searches in flight are abandoned (`requested`), never retried, once a stop is requested.
@@ -52,6 +54,7 @@ class PreemptionGuard:
         self.signal_name: str | None = None  # name of the first signal received, e.g. "SIGTERM"
         self.phase = phase
         self._abort = True
+        self._aborted_phase: str | None = None  # the phase a signal in abort mode interrupted
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "PreemptionGuard":
@@ -66,16 +69,20 @@ class PreemptionGuard:
         for signum in SIGNALS:
             signal.signal(signum, self._handle)
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
         storage.clear_stop_request()
+        if (self._aborted_phase is not None and isinstance(exc, Exception)
+                and not isinstance(exc, StopRequested)):  # the stop, turned into another error where it landed
+            raise StopRequested(self.signal_name, self._aborted_phase) from exc
 
     def abort_during(self, phase: str) -> None:
         """Abort mode for `phase` (nothing to save): a signal raises StopRequested, at once if one came already."""
         self.phase, self._abort = phase, True
         if self.signal_name is not None:
+            self._aborted_phase = phase
             raise StopRequested(self.signal_name, phase)
 
     def defer(self) -> None:
@@ -90,6 +97,7 @@ class PreemptionGuard:
             self.signal_name = name
             storage.stop_requested()  # storage operations get a few seconds more, not their whole timeout
             if self._abort:
+                self._aborted_phase = self.phase
                 raise StopRequested(name, self.phase)
             log.warning("received %s: stopping (checkpoint, then exit)", name)
 

@@ -48,3 +48,26 @@ def test_a_signal_in_abort_mode_raises_stop_requested_naming_the_phase():
             guard.abort_during("the warm start")
         assert storage._MONITOR.stop_at is not None  # storage operations get STOP_GRACE_S from the signal on
     assert storage._MONITOR.stop_at is None  # until the guard is gone
+
+
+def test_an_error_that_library_code_made_of_the_stop_still_ends_as_the_stop():
+    """asyncio's socket transports catch the StopRequested raised in a send and fail the connection with it; the
+    retriever's check then raises an error of its own. The guard ends with the stop (exit 0), not that error."""
+    with pytest.raises(StopRequested, match="^stopped by SIGTERM during the retriever check") as raised:
+        with PreemptionGuard("the retriever check"):
+            try:
+                deliver(signal.SIGTERM)
+            except BaseException as e:  # what asyncio's transport does, then the backend's check
+                raise RuntimeError("http backend cannot serve searches") from e
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+def test_errors_in_defer_mode_and_without_a_signal_pass_through():
+    with pytest.raises(RuntimeError, match="disk full"):
+        with PreemptionGuard() as guard:
+            guard.defer()
+            deliver(signal.SIGTERM)  # recorded: the loop saves, and saving may fail for its own reason
+            raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError, match="bad config"):
+        with PreemptionGuard():
+            raise RuntimeError("bad config")
