@@ -86,7 +86,10 @@ class PreemptionGuard:
             raise StopRequested(self.signal_name, phase)
 
     def defer(self) -> None:
-        """Defer mode: a signal is recorded for `should_stop()` and `requested`; the caller saves and exits."""
+        """Defer mode: a signal is recorded for `should_stop()` and `requested`; the caller saves and exits.
+        Raises StopRequested if a signal came in abort mode and the code it landed in swallowed the exception."""
+        if self._aborted_phase is not None:
+            raise StopRequested(self.signal_name, self._aborted_phase)
         self._abort = False
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:

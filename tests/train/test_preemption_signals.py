@@ -71,3 +71,13 @@ def test_errors_in_defer_mode_and_without_a_signal_pass_through():
     with pytest.raises(RuntimeError, match="bad config"):
         with PreemptionGuard():
             raise RuntimeError("bad config")
+
+
+def test_a_stop_that_code_swallowed_in_abort_mode_is_raised_again_before_the_loop_starts():
+    with PreemptionGuard() as guard:
+        try:
+            deliver(signal.SIGTERM)
+        except StopRequested:  # e.g. a finalizer or a library's bare `except`
+            pass
+        with pytest.raises(StopRequested, match="during start-up"):
+            guard.defer()
