@@ -36,6 +36,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.run_dir = "runs/default"          # local folder or gs://bucket/path: checkpoints, events, metrics, config
     c.seed = 0
     c.app = ""                          # an application's module (llds_jax.application; e.g. llds_jax.apps.demo)
+    c.compilation_cache_dir = ""        # JAX's persistent compilation cache (local or gs://): a resumed or later run
+    #                                     reads its programs back instead of compiling them; "" leaves JAX's own
+    #                                     setting (the JAX_COMPILATION_CACHE_DIR environment variable)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""                   # Hugging Face checkpoint folder (local or gs://)

@@ -63,7 +63,8 @@ def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:
     from llds_jax import application
 
     named = {"run_dir": cfg.run_dir, "model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
-             "sft.output_dir": cfg.sft.output_dir, "--export_dir": export_dir}
+             "sft.output_dir": cfg.sft.output_dir, "compilation_cache_dir": cfg.compilation_cache_dir,
+             "--export_dir": export_dir}
     app = application.load(cfg)
     if app is not None:  # the application's own paths (the demo: demo.assets_dir)
         named.update(app.paths(cfg))
@@ -117,10 +118,22 @@ def _run(cfg, mode: str, export_dir: str, guard) -> int:
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
                                  d.process_id if d.process_id >= 0 else None)
     guard.reinstall()  # over the SIGTERM handler of jax.distributed's preemption notifier
+    if cfg.compilation_cache_dir:  # before the first program compiles
+        _use_compilation_cache(cfg.compilation_cache_dir)
     with contextlib.ExitStack() as stack:
         if distributed.is_main_process():  # before anything heavy: one writer per run folder, and writable
             _claim_outputs(stack, cfg, mode, export_dir)
         return _load_and_run(cfg, mode, export_dir, guard)
+
+
+def _use_compilation_cache(path: str) -> None:
+    """Makes JAX read and write compiled programs at `path` (local or gs://, through etils.epath; process 0 writes),
+    in place of any cache set before. A program is kept when it took at least
+    `jax_persistent_cache_min_compile_time_secs` (1 s by default) to compile."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
+    compilation_cache.set_cache_dir(path)
 
 
 def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str) -> None:

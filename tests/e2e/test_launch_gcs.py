@@ -40,13 +40,16 @@ def read_jsonl(gcs_fs, path):
 
 @pytest.mark.slow
 def test_train_resume_and_export_in_a_bucket(tmp_path, gcs_assets, gcs_dir, gcs_fs, gcs_env, config_writer, launch):
-    run_dir = f"{gcs_dir}/run"
-    config = config_writer(tmp_path / "cfg.py", gcs_assets, run_dir=run_dir, **{"train.eval_every": 0})
-    # The later runs read the first one's XLA executables from a compilation cache (test time only).
-    gcs_env = {**gcs_env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    run_dir, cache_dir = f"{gcs_dir}/run", f"{gcs_dir}/compilation_cache"
+    config = config_writer(tmp_path / "cfg.py", gcs_assets, run_dir=run_dir, compilation_cache_dir=cache_dir,
+                           **{"train.eval_every": 0})
+    # The later runs read the first one's XLA executables from the bucket's compilation cache (JAX keeps only
+    # programs that took >= 1 s to compile unless told otherwise: the tiny model's take less).
+    gcs_env = {**gcs_env, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     code, out, err = launch(config, env=gcs_env)
     assert code == 0, err[-3000:]
+    assert len(gcs_fs.ls(cache_dir, refresh=True)) >= 10  # the rollout's and the update's programs, at least
     assert "training stopped after step 2 of 2" in out and "exact match" in out
     assert names(gcs_fs, f"{run_dir}/checkpoints") == ["1", "2"]
     assert names(gcs_fs, f"{run_dir}/eval") == ["final_step_2"]
@@ -56,9 +59,11 @@ def test_train_resume_and_export_in_a_bucket(tmp_path, gcs_assets, gcs_dir, gcs_
     assert results["counts"] == Counter(r["data_source"] for r in transcripts)
     assert json.loads(gcs_fs.cat(f"{run_dir}/config.json"))["model"]["path"] == gcs_assets["model"]
 
-    code, out, err = launch(config, "--config.train.total_steps=3", "--config.train.final_eval=False", env=gcs_env)
+    code, out, err = launch(config, "--config.train.total_steps=3", "--config.train.final_eval=False",
+                            env={**gcs_env, "JAX_LOG_COMPILES": "1"})
     assert code == 0, err[-3000:]
     assert f"resumed from step 2 of {run_dir}" in err and "training stopped after step 3 of 3" in out
+    assert "Persistent compilation cache hit for 'jit__update_impl'" in err  # the update, read back from gs://
     assert names(gcs_fs, f"{run_dir}/checkpoints") == ["1", "2", "3"]
     records = read_jsonl(gcs_fs, f"{run_dir}/metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
