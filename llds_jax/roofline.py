@@ -342,7 +342,9 @@ def group_size(replica_groups: Optional[str], devices: int) -> int:
 
 def _replica_groups(ins: Instruction) -> Optional[str]:
     """replica_groups of a collective; a mesh-axes value runs to its axis list ("mesh[...] {...}")."""
-    match = re.search(r"replica_groups=(mesh\[[^\]]*\](?:, device_ids=\([^)]*\))? \{[^}]*\})", ins.attrs)
+    # device_ids: a list "([[0,2],[1,3]])" or an iota "([2,2]T(1,0))" (parentheses one level deep)
+    match = re.search(r"replica_groups=(mesh\[[^\]]*\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))? \{[^}]*\})",
+                      ins.attrs)
     return match.group(1) if match else ins.attr("replica_groups")
 
 

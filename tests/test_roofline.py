@@ -276,6 +276,17 @@ source_target_pairs={{0,1},{1,0}}
     assert cost.flops == 0
 
 
+def test_mesh_groups_with_iota_device_ids_are_read_whole():
+    """A rollout mesh of one host's chips (data 2 x tensor 2) numbers its devices by an iota with a transpose,
+    whose parentheses nest inside device_ids (seen in the prefill of qwen3b_v4 at rollout.tensor_parallel=2)."""
+    entry = """  %v = f32[16]{0} parameter(0)
+  %a2a = f32[16]{0} all-to-all(%v), channel_id=40, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=1,\
+'axis_3'=2], device_ids=([2,2]T(1,0)) {'axis_0'}, dimensions={0}
+  %r = f32[8,32]{1,0} copy(%x)"""
+    text = module(entry=entry).replace("HloModule test,", "HloModule test, num_partitions=4,")
+    assert roofline.hlo_costs(text).collective_bytes == {"all-to-all": 64 / 2}
+
+
 def test_shapes_of_every_element_type_tuples_and_memory_spaces_parse():
     text = ("((pred[3]{0}, s8[2,2]{1,0}, u8[4]), s32[]{:T(128)}, u32[2], f32[16,4096,3584]{2,1,0:T(8,128)}, "
             "bf16[16,4096,3584]{2,1,0:T(8,128)(2,1)S(3)}, f16[2], s64[2], f64[2], s4[6], f8e4m3fn[4], c64[1], "
