@@ -1,9 +1,10 @@
 """Qwen2.5-3B-Instruct, GRPO + LLDS (lambda 0.2, action gate) on a TPU v4-16 slice (8 chips, 2 hosts); data,
 retrieval and mesh as qwen7b_v4.py.
 
-Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-03): rollout sessions of 64
-sequences on each host's 4 chips, split over them by heads (its 2 key/value heads held twice each); the largest
-program is the rollout's compaction, 18.75 GiB of 30.75 (39% headroom); the update 12.23 GiB.
+Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-04): rollout sessions of 128
+sequences on each host's 4 chips as two tensor-parallel pairs (heads split over a pair, rows over the pairs: split
+over all 4 chips, its 2 key/value heads would be held twice each); the largest program is the rollout's compaction,
+18.75 GiB of 30.75 (39% headroom); the update 12.23 GiB.
 """
 from configs import qwen7b_v4 as base
 
@@ -15,5 +16,6 @@ def get_config(retriever_name: str = "e5"):
     c.model.chat_template = "instruct"
     c.model.preset = "qwen2.5-3b"
     c.mesh.topology = "v4:2x2x2"
-    c.rollout.max_batch_size = 64       # 128 rows do not fit: cache growth and compaction hold two caches (docs/tpu.md)
+    c.rollout.tensor_parallel = 2       # pairs of chips: 2 key/value heads split, not repeated (docs/tpu.md)
+    c.rollout.max_batch_size = 128      # 64 rows per pair; 256 do not fit (cache growth and compaction)
     return c
