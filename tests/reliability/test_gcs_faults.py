@@ -32,8 +32,10 @@ def emulator(tmp_path):
 
 
 def committed_steps(server: gcs_emulator.Emulator, prefix: str) -> list[int]:
-    """The checkpoint steps under gs://BUCKET/prefix/checkpoints whose save completed (orbax wrote their
-    _CHECKPOINT_METADATA in the final step folder)."""
+    """The checkpoint steps under gs://BUCKET/prefix/checkpoints whose save completed: on GCS orbax writes each step
+    straight into its final folder and commits it by writing commit_success.txt there last (its
+    _CHECKPOINT_METADATA is there from the start: a fault after it alone leaves an unfinished step, which the
+    resumed run's checkpointer deletes)."""
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
@@ -41,7 +43,7 @@ def committed_steps(server: gcs_emulator.Emulator, prefix: str) -> list[int]:
                             client_options={"api_endpoint": server.url})
     names = [blob.name for blob in client.list_blobs(BUCKET, prefix=f"{prefix}/checkpoints/")]
     parts = [name[len(prefix) + len("/checkpoints/"):].split("/") for name in names]
-    return sorted({int(p[0]) for p in parts if p[0].isdigit() and p[-1] == "_CHECKPOINT_METADATA"})
+    return sorted({int(p[0]) for p in parts if p[0].isdigit() and p[1:] == ["commit_success.txt"]})
 
 
 def start(searching_runs, server, emulator, name: str, **settings):
@@ -78,7 +80,7 @@ def test_a_killed_endpoint_comes_back_without_the_upload_it_cut_short(emulator):
 
     client = storage.Client(project=gcs_emulator.PROJECT, credentials=AnonymousCredentials(),
                             client_options={"api_endpoint": emulator.url})
-    client.bucket(BUCKET).blob("run/checkpoints/1/_CHECKPOINT_METADATA").upload_from_string(b"{}")
+    client.bucket(BUCKET).blob("run/checkpoints/1/commit_success.txt").upload_from_string(b"committed")
     with open(os.path.join(emulator.root, BUCKET, "run", "checkpoints", "2.orbax-checkpoint-tmp"), "wb") as f:
         f.write(b"bytes of an upload whose metadata was never written")
     emulator.kill()
