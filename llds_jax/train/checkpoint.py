@@ -6,8 +6,10 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
 
 - Saving is asynchronous: `save` returns once the arrays are copied to host memory (they may be donated or deleted
   right after) and the files are written in the background; `wait_until_finished()` blocks until the last save is
-  complete on disk. Orbax writes into a temporary folder and renames it when complete, so a crash mid-save never
-  leaves a step that looks complete.
+  complete on disk. Orbax writes into a temporary folder and renames it when complete (on GCS: into the final
+  folder, committed by a `commit_success.txt` written last), so a crash mid-save never leaves a step that looks
+  complete. Opening the folder deletes the unfinished steps an earlier run left, before anything else
+  (`_open_manager`).
 - The newest `keep` steps are kept, older ones deleted.
 - `restore_latest` tries the newest step first. A step whose files cannot be read (a file deleted, truncated or
   corrupted after it was written) is reported with a one-line warning naming the step and the error (`describe`),
@@ -33,6 +35,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 import traceback
@@ -44,7 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from llds_jax import distributed, storage
+from llds_jax import distributed, gcs, storage
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +205,28 @@ class Checkpointer:
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         with self._operation("opening the checkpoint folder"):
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+            self._manager = self._open_manager(options, handlers)
+
+    def _open_manager(self, options: ocp.CheckpointManagerOptions, handlers: dict) -> ocp.CheckpointManager:
+        """Orbax's manager of the folder, with its clean-up of unfinished steps done.
+
+        Orbax deletes the unfinished steps in a thread while it lists the folder, and waits for that only at the
+        first save. On GCS a folder exists only while it holds an object: when every step is unfinished (the
+        first save was cut), the deletion could empty the folder between orbax's check that it exists and its
+        listing (FileNotFoundError). A placeholder object of this process keeps the folder while it opens, and the
+        clean-up is awaited here (through orbax's private `_maybe_await_cleanup_tmp_directory`; constraints.txt
+        pins orbax), so that no later listing races it either."""
+        placeholder = None
+        if gcs.is_gcs(str(self.directory)):
+            placeholder = self.directory / f".opening-{socket.gethostname()}-{os.getpid()}"
+            placeholder.write_text("a run is opening this checkpoint folder\n")
+        try:
+            manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+            manager._maybe_await_cleanup_tmp_directory()
+        finally:
+            if placeholder is not None:
+                placeholder.unlink(missing_ok=True)
+        return manager
 
     @contextlib.contextmanager
     def _operation(self, what: str, convert: bool = True):

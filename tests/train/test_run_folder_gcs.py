@@ -57,6 +57,24 @@ def test_checkpoints_keep_restore_and_fall_back(gcs_dir, gcs_fs, make_train_stat
     fresh.close()
 
 
+def test_opening_deletes_an_unfinished_only_step_before_anything_lists_the_folder(gcs_dir, gcs_fs, make_train_state):
+    """A save cut before orbax committed it (on GCS: no commit_success.txt) leaves the folder's only step unfinished;
+    the next run's checkpointer deletes it while it opens (orbax does that in a thread, awaited only at its first
+    save: the folder could vanish under its own listing) and leaves nothing of its own behind."""
+    folder = f"{gcs_dir}/checkpoints"
+    ckpt = Checkpointer(folder, save_every=1, keep=3)
+    assert ckpt.save(1, *make_train_state(1), {"n": 1})
+    ckpt.close()
+    gcs_fs.rm(f"{folder}/1/commit_success.txt")
+    assert len(gcs_fs.find(folder)) > 10
+    fresh = Checkpointer(folder, save_every=1, keep=3)
+    assert gcs_fs.find(folder) == []  # step 1 deleted, and no placeholder left
+    assert fresh.restore_latest(*make_train_state(2)) is None and fresh.all_steps() == []
+    assert fresh.save(1, *make_train_state(3), {"n": 3})  # the step number is free again
+    fresh.close()
+    assert step_folders(gcs_fs, folder) == ["1"]
+
+
 def test_metrics_tensorboard_and_jsonl_resume(gcs_dir, gcs_fs):
     writer = MetricsWriter(gcs_dir, console=None)
     for step in range(1, 5):
