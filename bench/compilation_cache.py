@@ -15,13 +15,16 @@ compile; the bench keeps that default, so it measures what a run gets.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+
+from etils import epath
+
+from llds_jax import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OVERRIDES = ("sft.enabled=False",)  # the demo's warm start takes minutes and compiles nothing of the RL run
@@ -43,8 +46,9 @@ def launch(config: str, overrides: list[str], run_dir: str, steps: int, cache_di
 
 
 def last_record(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return json.loads(f.read().splitlines()[-1])
+    """The run's metrics record of its last step."""
+    records, _ = report.read_metrics(epath.Path(run_dir) / report.METRICS_FILE)
+    return records[-1]
 
 
 def computed(record: dict) -> dict:
