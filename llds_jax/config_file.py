@@ -34,13 +34,18 @@ class PathListParser(tuple_parser.TupleParser):
 config_flags.register_flag_parser_for_type(tuple, PathListParser())
 
 
+def file_of(spec: str) -> str:
+    """The file of a config spec `PATH[:ARGS]` (ml_collections hands ARGS to the file's `get_config`)."""
+    return spec.split(":", 1)[0]
+
+
 def config_path(argv: list[str]) -> str | None:
     """The file of `--config=PATH[:ARGS]` (or `--config PATH`) in argv, if given."""
     for i, arg in enumerate(argv):
         if arg.startswith(("--config=", "-config=")):
-            return arg.split("=", 1)[1].split(":", 1)[0]
+            return file_of(arg.split("=", 1)[1])
         if arg in ("--config", "-config") and i + 1 < len(argv):
-            return argv[i + 1].split(":", 1)[0]
+            return file_of(argv[i + 1])
     return None
 
 
@@ -182,14 +187,15 @@ def import_config_package(path: str) -> None:
     spec.loader.exec_module(package)
 
 
-def load_config(path: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-    """The run config of a config file with `KEY=VALUE` overrides, read as `--config=PATH --config.KEY=VALUE ...`
-    is read on this command's line (the same parsers: a value takes the type of its key, a file list takes
-    comma-separated paths), for tools that load a run config without running it (bench/step_profile.py). An unknown
+def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """The run config of a config file (`PATH[:ARGS]`) with `KEY=VALUE` overrides, read as `--config=PATH[:ARGS]
+    --config.KEY=VALUE ...` is read on this command's line (the same parsers: a value takes the type of its key, a
+    file list takes comma-separated paths), for tools that load a run config without running it (bench/step_profile.py). An unknown
     key raises KeyError, a value of the wrong type or an error of the config file's code ValueError, each with
     the one-line message of `parse_error`."""
+    path = file_of(spec)
     import_config_package(path)
-    argv = ["load_config", f"--config={path}", *(f"--config.{override}" for override in overrides)]
+    argv = ["load_config", f"--config={spec}", *(f"--config.{override}" for override in overrides)]
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True, sys_argv=argv)
     try:

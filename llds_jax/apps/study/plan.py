@@ -168,7 +168,8 @@ def parse_controls(text: str) -> list[str]:
 
 
 def parse_settings(text: str) -> dict[str, str]:
-    """`stress,default` -> {name: config file}; `NAME=PATH` adds a setting of your own config file."""
+    """`stress,default` -> {name: config file}; `NAME=PATH[:ARGS]` adds a setting of your own config file (ARGS goes
+    to its `get_config`, e.g. `lr7e4=configs/demo_cpu_late_collapse.py:7e-4`)."""
     settings = {}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         name, _, path = part.partition("=")
@@ -207,11 +208,11 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def load(config: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-    """The run config of a config file with `KEY=VALUE` overrides (llds_jax.config_file.load_config); StudyError naming
-    the file, key or value when it cannot be loaded."""
-    from llds_jax.config_file import load_config
-    if not os.path.isfile(config):
-        raise StudyError(f"config file not found: {config}")
+    """The run config of a config file (`PATH[:ARGS]`) with `KEY=VALUE` overrides (llds_jax.config_file.load_config);
+    StudyError naming the file, key or value when it cannot be loaded."""
+    from llds_jax.config_file import file_of, load_config
+    if not os.path.isfile(file_of(config)):
+        raise StudyError(f"config file not found: {file_of(config)}")
     try:
         return load_config(config, overrides)
     except (KeyError, ValueError) as e:
