@@ -687,12 +687,36 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
 EVIDENCE_SETTINGS = {"stress", "default", "paper_shaped", "lr1e3", "collapse"}
 
 
+def _decoy_pythons(folder) -> dict[str, str]:
+    """An environment whose PATH finds, first, a `python3` and a `python` of another environment (one without the
+    project: each fails as such an interpreter fails), as a shell does where a virtual environment is not
+    activated."""
+    folder.mkdir()
+    for name in ("python3", "python"):
+        decoy = folder / name
+        decoy.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'ml_collections'\" >&2\nexit 1\n")
+        decoy.chmod(0o755)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHON", None)
+    return env
+
+
+def test_recompute_names_the_interpreter_to_set_when_none_on_path_has_the_project(tmp_path):
+    env = _decoy_pythons(tmp_path / "bin")
+    proc = subprocess.run(["sh", os.path.join("docs", "evidence", "recompute.sh"), str(tmp_path / "out")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("recompute.sh: no python3 or python on PATH cannot import llds_jax; set PYTHON")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_records(tmp_path):
     """`sh docs/evidence/recompute.sh OUT` (the page's one command) rebuilds the committed records byte for byte
     from themselves, the collapse study's committed tables too, and every table row of docs/evidence.md that
-    reports a run, an arm or a comparison is a row of one of its outputs."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    reports a run, an arm or a comparison is a row of one of its outputs. Run with this interpreter as `PYTHON`
+    while PATH finds other pythons first (an environment that is not activated)."""
+    env = {**_decoy_pythons(tmp_path / "bin"), "PYTHON": sys.executable}
     proc = subprocess.run(["sh", os.path.join("docs", "evidence", "recompute.sh"), str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,20 +5,35 @@
 # study of issue 33. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files
 # there are the committed ones byte for byte, and every table row of docs/evidence.md is a row of one of them
 # (tests/test_demo_study.py checks both). Run from the repository root: sh docs/evidence/recompute.sh [OUT]
+# The interpreter is $PYTHON when set (a virtual environment that is not activated:
+# PYTHON=/path/to/venv/bin/python sh docs/evidence/recompute.sh), else the first of python3 and python on PATH that
+# imports llds_jax.
 set -eu
 OUT=${1:-/tmp/llds_jax_evidence}
+if [ -z "${PYTHON:-}" ]; then
+    for candidate in python3 python; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import llds_jax" >/dev/null 2>&1; then
+            PYTHON=$candidate
+            break
+        fi
+    done
+fi
+if [ -z "${PYTHON:-}" ] || ! "$PYTHON" -c "import llds_jax" >/dev/null 2>&1; then
+    echo "recompute.sh: ${PYTHON:-no python3 or python on PATH} cannot import llds_jax; set PYTHON to the interpreter of the environment it is installed in (PYTHON=/path/to/venv/bin/python sh $0)" >&2
+    exit 2
+fi
 EVIDENCE=docs/evidence
 STUDY_ARMS=grpo,llds,llds_low_lr,grpo_low_lr,grpo_clip_higher,grpo_tis
 
-python -m llds_jax.apps.demo_study --settings stress,default,paper_shaped --seeds 8 \
+"$PYTHON" -m llds_jax.apps.demo_study --settings stress,default,paper_shaped --seeds 8 \
     --arms grpo,llds,grpo_low_lr:4,grpo_kl10:4,llds_token:4,llds_response:4 --out "$OUT/study_2026_12_02" \
     --report --recorded "$EVIDENCE/runs.csv"
-python -m llds_jax.apps.demo_study --settings stress,default,paper_shaped --seeds 4 \
+"$PYTHON" -m llds_jax.apps.demo_study --settings stress,default,paper_shaped --seeds 4 \
     --arms grpo,llds,llds_token,llds_response --out "$OUT/gates_seeds_0_3" --controls grpo \
     --report --recorded "$EVIDENCE/runs.csv"
-python -m llds_jax.apps.demo_study --settings lr1e3=configs/demo_cpu_grpo.py --seeds 0-1 --arms grpo \
+"$PYTHON" -m llds_jax.apps.demo_study --settings lr1e3=configs/demo_cpu_grpo.py --seeds 0-1 --arms grpo \
     --out "$OUT/collapse_calibration" --report --recorded "$EVIDENCE/collapse/calibration/runs.csv" \
     -- --config.optim.learning_rate=1e-3 --config.train.total_steps=40
-python -m llds_jax.apps.demo_study --settings collapse --seeds 2-9 --arms "$STUDY_ARMS" \
+"$PYTHON" -m llds_jax.apps.demo_study --settings collapse --seeds 2-9 --arms "$STUDY_ARMS" \
     --out "$OUT/collapse_study" --report --recorded "$EVIDENCE/collapse/study/runs.csv" \
     --controls grpo --endpoints collapsed,final_em,lld_rate_mean

@@ -36,6 +36,13 @@ status 1 then):
 - `OUT/early_warning.md`, `.csv`, `.json` (also printed; runs with per-step metrics): per setting and signal (LLD
   rate, Delta_traj of correct trajectories, grad norm), how often a fixed threshold warned at least 2 steps before
   a collapse and how often in runs that did not collapse: precision and recall (llds_jax.apps.study.early_warning);
+- `OUT/survival.md`, `.csv`, `.json` (also printed): time to collapse censored at the last step: per arm every seed's
+  time and the Kaplan-Meier median, and each arm against each control on the same seeds (lasted longer, shorter,
+  tied; exact sign test, Holm) (llds_jax.apps.study.survival);
+- `OUT/auc.md`, `.csv`, `.json` (also printed; runs with per-step metrics): per setting and diagnostic, the
+  step-matched AUC of its 3-step trailing mean 3, 4 and 5 steps before each collapse against the runs that did not
+  collapse at the same step, pooled with a seed-resampling interval and against the reward-drop and KL baselines
+  (llds_jax.apps.study.auc);
 - `OUT/steps.csv.gz`: every run's per-step metrics (llds_jax.apps.study.steps), from which, with `runs.csv`, the
   tables and plots are recomputed without the run folders;
 - `OUT/plots/SETTING.png`: per-seed curves of train reward, correct trajectories' token-mean log-prob and LLD rate.
@@ -75,7 +82,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from llds_jax.apps.study import budget, early_warning, outcomes, paired, plots, plan, runner, steps, table
+from llds_jax.apps.study import (auc, budget, early_warning, outcomes, paired, plots, plan, runner, steps, survival,
+                                 table)
 from llds_jax.train.metrics import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
@@ -214,15 +222,21 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
         comparisons = paired.comparisons(results, controls, endpoints)
         for line in table.paired_tables(comparisons):
             print(line, flush=True)
+        total_steps = {run.name: run.total_steps for run in study.runs}
+        for line in ["time to collapse, censored at the last step", "",
+                     *survival.markdown(*survival.tables(results, total_steps, controls)), ""]:
+            print(line, flush=True)
         curved = [result for result in results if result.has_curves]  # the early warning needs the curves
         if curved:
             for line in ["early warning of collapse (runs with per-step metrics)", "",
-                         *early_warning.markdown(early_warning.summaries(curved)), ""]:
+                         *early_warning.markdown(early_warning.summaries(curved)), "",
+                         "early warning by step-matched AUC", "", *auc.markdown(auc.rows(curved)), ""]:
                 print(line, flush=True)
-        total_steps = {run.name: run.total_steps for run in study.runs}
         paths = (table.write(table.rows(results, total_steps), results, study.out) +
                  table.write_paired(comparisons, controls, study.out) + [steps.write(results, study.out)] +
-                 (early_warning.write(curved, study.out) + plots.write(curved, study.out) if curved else []))
+                 survival.write(results, total_steps, study.out, controls) +
+                 (early_warning.write(curved, study.out) + auc.write(curved, study.out) +
+                  plots.write(curved, study.out) if curved else []))
         for path in paths:
             print(path, flush=True)
 
