@@ -1,14 +1,16 @@
-"""The study's step-matched AUC (llds_jax.apps.study.auc) and censored time to collapse
-(llds_jax.apps.study.survival): exact values on hand-built runs, a brute-force oracle of the seed resampling, and the
+"""The study's step-matched AUC (llds_jax.apps.study.auc), censored time to collapse (llds_jax.apps.study.survival)
+and the endpoints of issue 40's study (peak EM, LLD rate on common steps): exact values on hand-built runs, a brute-force oracle of the seed resampling, and the
 collapse study's committed records against an independent recomputation (issue 40's figures)."""
+import dataclasses
+import gzip
 import os
 
 import numpy as np
 import pytest
 
 from llds_jax.apps import demo_study
-from llds_jax.apps.study import auc, survival
-from llds_jax.apps.study.outcomes import CURVES, LLD_RATE, REF_KL, REWARD, RunResult
+from llds_jax.apps.study import auc, paired, steps, survival
+from llds_jax.apps.study.outcomes import CURVES, EVAL_EM, LLD_RATE, REF_KL, REWARD, RunResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLAPSE_STUDY = os.path.join(ROOT, "docs", "evidence", "collapse", "study")
@@ -16,7 +18,7 @@ COLLAPSE_STUDY = os.path.join(ROOT, "docs", "evidence", "collapse", "study")
 
 def _run(arm: str, seed: int, collapse_step: int | None, collapsed: bool, **series) -> RunResult:
     """A run with the given curves (metric -> values at steps 1, 2, ...; None skips a step), the others empty."""
-    curves = {metric: ([], []) for metric in CURVES}
+    curves = {metric: ([], []) for metric in CURVES if metric not in series}
     for metric, values in series.items():
         kept = [(step, v) for step, v in enumerate(values, start=1) if v is not None]
         curves[metric] = ([s for s, _ in kept], [v for _, v in kept])
@@ -114,3 +116,34 @@ def test_the_collapse_study_paired_times_to_collapse():
     assert (rows["llds"].longer, rows["llds"].shorter, rows["llds"].ties) == (5, 2, 1)
     assert rows["llds"].p == pytest.approx(2 * (1 + 7 + 21) / 128)  # two-sided binomial, 2 of 7
     assert rows["grpo_low_lr"].p == pytest.approx(2 / 256) and rows["grpo_low_lr"].holm_p == pytest.approx(5 * 2 / 256)
+
+
+def test_lld_rate_on_common_steps_averages_only_the_steps_both_runs_logged():
+    # grpo logged steps 1-4, llds steps 2, 4, 5: common steps 2 and 4.
+    grpo = _run("grpo", 0, None, False, **{LLD_RATE: [0.9, 0.6, 0.8, 0.4]})
+    llds = _run("llds", 0, None, False, **{LLD_RATE: [None, 0.2, None, 0.3, 0.0]})
+    lonely = _run("llds", 1, None, False, **{LLD_RATE: [0.5]})  # its seed has no grpo run: left out
+    (comparison,) = paired.comparisons([grpo, llds, lonely], ["grpo"], ["lld_rate_common"])
+    assert comparison.seeds == [0]
+    assert comparison.differences == [pytest.approx((0.2 + 0.3) / 2 - (0.6 + 0.4) / 2)]
+    # the plain means average different steps: 0.5/3 - 2.7/4
+    plain_means = [dataclasses.replace(r, lld_rate_mean=float(np.mean(r.curves[LLD_RATE][1]))) for r in (grpo, llds)]
+    (plain,) = paired.comparisons(plain_means, ["grpo"], ["lld_rate_mean"])
+    assert plain.differences == [pytest.approx(0.5 / 3 - 2.7 / 4)]
+
+
+def test_peak_em_and_its_curve_round_trip_through_the_steps_file(tmp_path):
+    with_evals = _run("grpo", 0, None, False, **{REWARD: [0.5, 0.6], EVAL_EM: [None, 0.7]})
+    with_evals = dataclasses.replace(with_evals, curves={**with_evals.curves, EVAL_EM: ([0, 2], [0.1, 0.7])})
+    assert with_evals.peak_em == 0.7  # step 0 (before training) is not a peak; the final EM 0.5 is below
+    assert dataclasses.replace(with_evals, final_em=0.8).peak_em == 0.8
+    without = _run("llds", 0, None, False, **{REWARD: [0.5, 0.6]})
+    assert without.peak_em is None and EVAL_EM not in without.curves
+    path = steps.write([with_evals, without], str(tmp_path))
+    read = steps.read(path)
+    assert read["s/grpo/seed_0"][EVAL_EM] == ([0, 2], [0.1, 0.7])
+    assert EVAL_EM not in read["s/llds/seed_0"]
+    # A study without evaluations during training keeps the columns of CURVES alone (its committed files unchanged).
+    steps.write([without], str(tmp_path / "plain"))
+    with gzip.open(tmp_path / "plain" / steps.FILE, "rt") as f:
+        assert f.readline().strip().split(",") == [*steps.KEY_FIELDS, *CURVES]

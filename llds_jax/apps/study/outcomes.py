@@ -17,8 +17,12 @@ LLD_RATE = "lld/rate"               # share of correct trajectories whose log-li
 DELTA_TRAJ = "lld/delta_traj_correct"  # mean change of the correct trajectories' log-likelihood over the updates
 GRAD_NORM = "actor/grad_norm"       # gradient norm before clipping, mean over the step's updates
 REF_KL = "actor/ref_kl_k3"          # k3 KL to the reference policy
+EVAL_EM = "eval/em_mean"            # greedy test EM of the evaluations during training (train.eval_every)
 # The per-step metrics a RunResult holds: the plots read the first three, the collapse rule REWARD.
 CURVES = (REWARD, LIKELIHOOD, LLD_RATE, DELTA_TRAJ, GRAD_NORM, REF_KL)
+# Held (and kept in steps.csv.gz) only by runs that logged them: a study without evaluations during training keeps
+# the files of CURVES alone.
+OPTIONAL_CURVES = (EVAL_EM,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +30,7 @@ class RunResult:
     """One run's numbers. `lld_rate_mean`: mean of `lld/rate` over the steps that have it (the metric is null on a
     step without a correct trajectory; None when no step has it). `curves`: metric -> (steps, values) for every
     metric of CURVES, steps ascending (both empty when the run did not log it, or when read from a runs.csv without
-    its steps file)."""
+    its steps file); a metric of OPTIONAL_CURVES only when the run logged it."""
     setting: str
     arm: str
     seed: int
@@ -40,6 +44,13 @@ class RunResult:
     def name(self) -> str:
         """As the run's (llds_jax.apps.study.plan.Run.name): SETTING/ARM/seed_K."""
         return f"{self.setting}/{self.arm}/seed_{self.seed}"
+
+    @property
+    def peak_em(self) -> float | None:
+        """The highest greedy test EM of the evaluations during training (step > 0) and the final one; None for a
+        run without evaluations during training."""
+        periodic = [em for step, em in zip(*self.curves.get(EVAL_EM, ([], []))) if step > 0]
+        return max([*periodic, self.final_em]) if periodic else None
 
     @property
     def has_curves(self) -> bool:
@@ -57,12 +68,15 @@ def read_result(run: Run) -> RunResult:
     if final_em is None:
         raise StudyError(f"{run.name}: no final evaluation in {run.run_dir}/eval/"
                          f"{FINAL_EVAL.format(steps=run.total_steps)}/results.json")
-    return result_of(run.setting, run.arm, run.seed, final_em, {metric: logged.series(metric) for metric in CURVES})
+    curves = {metric: logged.series(metric) for metric in CURVES}
+    curves.update({metric: logged.series(metric) for metric in OPTIONAL_CURVES if logged.series(metric)[0]})
+    return result_of(run.setting, run.arm, run.seed, final_em, curves)
 
 
 def result_of(setting: str, arm: str, seed: int, final_em: float,
               curves: dict[str, tuple[list[int], list[float]]]) -> RunResult:
-    """A run's numbers from its final EM and its curves (metric -> (steps, values), every metric of CURVES):
+    """A run's numbers from its final EM and its curves (metric -> (steps, values), every metric of CURVES and those
+    of OPTIONAL_CURVES it logged):
     collapse from the REWARD curve, the mean LLD rate from the LLD_RATE one."""
     step = stats.collapse_step(*curves[REWARD])
     rates = curves[LLD_RATE][1]

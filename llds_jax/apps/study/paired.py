@@ -13,12 +13,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from llds_jax.apps.study import stats
-from llds_jax.apps.study.outcomes import RunResult
+from llds_jax.apps.study.outcomes import LLD_RATE, RunResult
 from llds_jax.apps.study.plan import StudyError
 
 # RunResult field -> what the report calls it; a run whose field is None (no LLD rate logged) is left out of it.
 # On `collapsed` (1 collapsed, 0 not) the exact sign-flip test is McNemar's exact test of the discordant pairs.
-ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "final_em": "final EM", "lld_rate_mean": "mean LLD rate"}
+# `lld_rate_common` is read off each pair of runs: each run's mean LLD rate over the steps where both have one (the
+# LLD rate exists only on steps with a correct trajectory, so two runs' plain means average different steps).
+ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "final_em": "final EM", "peak_em": "peak greedy EM",
+             "lld_rate_mean": "mean LLD rate", "lld_rate_common": "mean LLD rate on common steps"}
 DEFAULT_ENDPOINTS = ("final_em", "lld_rate_mean")
 CONTROL_PREFIX = "grpo"
 
@@ -66,6 +69,23 @@ def _values(results: Sequence[RunResult], setting: str, arm: str, endpoint: str)
             if r.setting == setting and r.arm == arm and getattr(r, endpoint) is not None}
 
 
+def _common_step_lld_rates(results: Sequence[RunResult], setting: str, arm: str,
+                           control: str) -> tuple[dict[int, float], dict[int, float]]:
+    """Per seed both ran with a step both logged an LLD rate on: each one's mean LLD rate over those steps."""
+    runs = {(r.arm, r.seed): r for r in results if r.setting == setting and r.arm in (arm, control)}
+    arm_values, control_values = {}, {}
+    for (name, seed), run in runs.items():
+        other = runs.get((control, seed))
+        if name != arm or other is None:
+            continue
+        mine, theirs = dict(zip(*run.curves[LLD_RATE])), dict(zip(*other.curves[LLD_RATE]))
+        common = sorted(set(mine) & set(theirs))
+        if common:
+            arm_values[seed] = float(np.mean([mine[s] for s in common]))
+            control_values[seed] = float(np.mean([theirs[s] for s in common]))
+    return arm_values, control_values
+
+
 def compare(setting: str, arm: str, control: str, endpoint: str, arm_values: dict[int, float],
             control_values: dict[int, float]) -> Comparison | None:
     """The comparison of `arm_values` with `control_values` (seed -> value) on the seeds both have (None when they
@@ -103,8 +123,11 @@ def comparisons(results: Sequence[RunResult], controls: Sequence[str] | None = N
         for setting in settings:
             arms = list(dict.fromkeys(r.arm for r in results if r.setting == setting))
             for arm, control in pairs(arms, controls):
-                comparison = compare(setting, arm, control, endpoint, _values(results, setting, arm, endpoint),
-                                     _values(results, setting, control, endpoint))
+                if endpoint == "lld_rate_common":
+                    values = _common_step_lld_rates(results, setting, arm, control)
+                else:
+                    values = _values(results, setting, arm, endpoint), _values(results, setting, control, endpoint)
+                comparison = compare(setting, arm, control, endpoint, *values)
                 if comparison is not None:
                     found.append(comparison)
     adjusted = stats.holm([c.sign_flip_p for c in found])

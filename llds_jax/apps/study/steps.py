@@ -1,6 +1,6 @@
 """The per-step metrics of the study's runs in one file, `OUT/steps.csv.gz`: one row per run x step (columns
-setting, arm, seed, step and each metric of llds_jax.apps.study.outcomes.CURVES, empty where the run logged none at
-that step). With the runs' numbers (`runs.csv`) it is what the plots and every table are computed from, so a report
+setting, arm, seed, step and each metric of llds_jax.apps.study.outcomes.CURVES, then those of OPTIONAL_CURVES some
+run logged; empty where the run logged none at that step). With the runs' numbers (`runs.csv`) it is what the plots and every table are computed from, so a report
 can be recomputed from these two committed files without the run folders (`--report --recorded RUNS_CSV`).
 
 Values are written as Python's shortest round-tripping text of the float: read back, they are the same floats. The
@@ -14,7 +14,7 @@ import io
 import os
 from collections.abc import Mapping, Sequence
 
-from llds_jax.apps.study.outcomes import CURVES, RunResult, result_of
+from llds_jax.apps.study.outcomes import CURVES, OPTIONAL_CURVES, RunResult, result_of
 from llds_jax.apps.study.plan import StudyError
 
 FILE = "steps.csv.gz"
@@ -23,12 +23,17 @@ KEY_FIELDS = ("setting", "arm", "seed", "step")
 Curves = dict[str, tuple[list[int], list[float]]]
 
 
-def _rows(result: RunResult) -> list[list]:
-    """One run's rows: per step any metric has, [setting, arm, seed, step, value per metric of CURVES or '']."""
-    by_metric = {metric: dict(zip(*result.curves[metric])) for metric in CURVES}
+def _columns(results: Sequence[RunResult]) -> tuple[str, ...]:
+    """The metrics of the file: every one of CURVES, then those of OPTIONAL_CURVES that some run logged."""
+    return (*CURVES, *(m for m in OPTIONAL_CURVES if any(r.curves.get(m, ([], []))[0] for r in results)))
+
+
+def _rows(result: RunResult, metrics: Sequence[str]) -> list[list]:
+    """One run's rows: per step any metric has, [setting, arm, seed, step, value per metric of `metrics` or '']."""
+    by_metric = {metric: dict(zip(*result.curves.get(metric, ([], [])))) for metric in metrics}
     steps = sorted(set().union(*by_metric.values()))
     return [[result.setting, result.arm, result.seed, step,
-             *(repr(by_metric[metric][step]) if step in by_metric[metric] else "" for metric in CURVES)]
+             *(repr(by_metric[metric][step]) if step in by_metric[metric] else "" for metric in metrics)]
             for step in steps]
 
 
@@ -37,12 +42,13 @@ def write(results: Sequence[RunResult], out: str) -> str:
     curves, e.g. one read from a runs.csv alone); returns its path."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, FILE)
+    metrics = _columns(results)
     with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed, \
             io.TextIOWrapper(packed, encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([*KEY_FIELDS, *CURVES])
+        writer.writerow([*KEY_FIELDS, *metrics])
         for result in results:
-            writer.writerows(_rows(result))
+            writer.writerows(_rows(result, metrics))
     return path
 
 
@@ -66,6 +72,7 @@ def read(path: str) -> dict[str, Curves]:
         if missing:
             raise StudyError(f"{path} line 1: a steps file needs the columns {', '.join((*KEY_FIELDS, *CURVES))}; "
                              f"missing {', '.join(missing)}")
+        metrics = (*CURVES, *(m for m in OPTIONAL_CURVES if m in reader.fieldnames))
         for record in reader:
             where = f"{path} line {reader.line_num}"
             seed = _parse(record["seed"] or "", int, "an integer", where, "seed")
@@ -74,13 +81,14 @@ def read(path: str) -> dict[str, Curves]:
             if (name, step) in seen:
                 raise StudyError(f"{where}: {name} step {step} is given twice")
             seen.add((name, step))
-            run = curves.setdefault(name, {metric: ([], []) for metric in CURVES})
-            for metric in CURVES:
+            run = curves.setdefault(name, {metric: ([], []) for metric in metrics})
+            for metric in metrics:
                 text = record[metric] or ""
                 if text:
                     run[metric][0].append(step)
                     run[metric][1].append(_parse(text, float, "a number or empty", where, metric))
-    return {name: {metric: _ascending(*series) for metric, series in run.items()} for name, run in curves.items()}
+    return {name: {metric: _ascending(*series) for metric, series in run.items() if metric in CURVES or series[0]}
+            for name, run in curves.items()}
 
 
 def _ascending(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:

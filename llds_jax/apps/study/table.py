@@ -208,7 +208,22 @@ def read_runs(path: str) -> list[RunResult]:
     return results
 
 
+# Definitions of the endpoints a study reports only when asked (`--endpoints`): older reports keep their text.
+_OPTIONAL_ENDPOINT_DEFINITIONS = {
+    "peak_em": "the highest greedy test EM of a run's evaluations during training (`train.eval_every`) and its "
+               "final one; a run without evaluations during training is left out",
+    "lld_rate_common": "each run's mean LLD rate over the steps where both runs of the pair logged one (a step with "
+                       "no correct trajectory has none), so both means average the same steps",
+}
+
+
 def _paired_definitions(comparisons: Sequence[paired.Comparison], controls: Sequence[str]) -> dict[str, str]:
+    asked = {c.endpoint for c in comparisons}
+    return {**_base_paired_definitions(comparisons, controls),
+            **{paired.ENDPOINTS[e]: text for e, text in _OPTIONAL_ENDPOINT_DEFINITIONS.items() if e in asked}}
+
+
+def _base_paired_definitions(comparisons: Sequence[paired.Comparison], controls: Sequence[str]) -> dict[str, str]:
     return {
         "arm minus control": "per seed both arms ran (same world, warm start and first rollout batch), the arm's "
                              "value minus the control's: collapse (1: collapsed, 0: not; its sign-flip test is McNemar's "
