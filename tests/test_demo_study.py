@@ -723,7 +723,10 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     evidence = os.path.join(ROOT, "docs", "evidence")
     same = [(os.path.join(evidence, "runs.csv"), tmp_path / "study_2026_12_02" / "runs.csv")]
     same += [(os.path.join(evidence, "collapse", "study", name), tmp_path / "collapse_study" / name)
-             for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "early_warning.md")]
+             for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "early_warning.md", "auc.md",
+                          "survival.md")]
+    same.append((os.path.join(evidence, "collapse", "reread", "paired_common_steps.md"),
+                 tmp_path / "collapse_study_common_steps" / "paired.md"))
     for committed, produced in same:
         with open(committed, "rb") as f:
             assert f.read() == produced.read_bytes(), committed

@@ -1,8 +1,8 @@
 #!/bin/sh
 # Recomputes every table of docs/evidence.md from the records committed under docs/evidence/ (runs.csv and,
 # where the study kept them, per-step metrics in steps.csv.gz), without a run folder: the 96-run study of
-# 2026-12-02, its gate ablation on seeds 0-3 alone, the calibration of the collapse regime and the 48-run collapse
-# study of issue 33. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files
+# 2026-12-02, its gate ablation on seeds 0-3 alone, the calibration of the collapse regime, the 48-run collapse
+# study of issue 33 and issue 40's re-reading of it (LLD rate on common steps). Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files
 # there are the committed ones byte for byte, and every table row of docs/evidence.md is a row of one of them
 # (tests/test_demo_study.py checks both). Run from the repository root: sh docs/evidence/recompute.sh [OUT]
 # The interpreter is $PYTHON when set (a virtual environment that is not activated:
@@ -37,3 +37,8 @@ STUDY_ARMS=grpo,llds,llds_low_lr,grpo_low_lr,grpo_clip_higher,grpo_tis
 "$PYTHON" -m llds_jax.apps.demo_study --settings collapse --seeds 2-9 --arms "$STUDY_ARMS" \
     --out "$OUT/collapse_study" --report --recorded "$EVIDENCE/collapse/study/runs.csv" \
     --controls grpo --endpoints collapsed,final_em,lld_rate_mean
+# Issue 40's re-reading of the collapse study (not pre-registered): each run's mean LLD rate over the steps both
+# runs of a pair logged one, a family of its own.
+"$PYTHON" -m llds_jax.apps.demo_study --settings collapse --seeds 2-9 --arms "$STUDY_ARMS" \
+    --out "$OUT/collapse_study_common_steps" --report --recorded "$EVIDENCE/collapse/study/runs.csv" \
+    --controls grpo --endpoints lld_rate_common
