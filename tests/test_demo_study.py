@@ -171,6 +171,19 @@ def test_controls_scale_the_settings_own_values_and_llds_arms_set_the_gate():
                                                    "objective.llds.gate=action"]
     for gate in ("token", "response"):
         assert f"objective.llds.gate={gate}" in plan.ARMS[f"llds_{gate}"].overrides(stress)
+    assert plan.load(STRESS, plan.ARMS["llds_lam1"].overrides(stress)).objective.llds.lam == 1.0
+
+
+def test_a_setting_hands_its_argument_to_the_config_files_get_config(tmp_path):
+    late = os.path.join(ROOT, "configs", "demo_cpu_late_collapse.py")
+    settings = plan.parse_settings(f"lr7e4={late}:7e-4,plain={late}")
+    study = plan.make_plan(str(tmp_path), settings, [("grpo", None)], [0])
+    by_setting = {run.setting: run for run in study.runs}
+    assert f"--config={late}:7e-4" in by_setting["lr7e4"].command()
+    assert plan.load(settings["lr7e4"], []).optim.learning_rate == 7e-4
+    assert plan.load(settings["plain"], []).optim.learning_rate == 6e-4  # the file's default
+    with pytest.raises(plan.StudyError, match="config file not found: .*missing.py$"):
+        plan.load(str(tmp_path / "missing.py:7e-4"), [])
 
 
 def test_plan_gives_each_seed_its_world_and_warm_start_and_each_run_its_folder(tmp_path):

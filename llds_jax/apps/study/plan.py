@@ -49,6 +49,7 @@ _LLDS = {"objective.llds.enabled": True, "objective.llds.lam": 0.2, "objective.l
 ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("grpo", "GRPO (LLDS off)", _GRPO),
     Arm("llds", "GRPO + LLDS (lambda 0.2, action gate)", _LLDS),
+    Arm("llds_lam1", "GRPO + LLDS at lambda 1.0 (action gate)", {**_LLDS, "objective.llds.lam": 1.0}),
     Arm("grpo_low_lr", "GRPO at 1/2.5 of the setting's learning rate", _GRPO, {"optim.learning_rate": 0.4}),
     Arm("grpo_kl10", "GRPO with 10x the setting's KL coefficient", _GRPO, {"objective.kl_coef": 10.0}),
     Arm("llds_token", "GRPO + LLDS, token-level gate", {**_LLDS, "objective.llds.gate": "token"}),
