@@ -191,6 +191,10 @@ class SerialSession:
     def timing(self) -> dict[str, float]:
         return self.inner.timing
 
+    @property
+    def decode_counts(self) -> dict[str, int]:
+        return self.inner.decode_counts
+
     def decode_turn(self, budgets, turn_finished, on_finished=None):
         return self.inner.decode_turn(budgets, turn_finished)
 

@@ -28,11 +28,12 @@ class SamplerSession(Protocol):
     Attributes:
       timing: seconds spent so far on the device: "prefill_s" (prompts and observation extends) and "decode_s"
         (decode chunks, and their dispatch).
-      decode_counts (optional): "sampled_tokens" and "row_steps" (decode steps x batch rows) so far, for the
-        rollout's decode occupancy (0 without them).
+      decode_counts: "sampled_tokens" and "row_steps" (decode steps x batch rows) so far, for the rollout's
+        decode occupancy (a session without a device batch keeps both at 0).
     """
 
     timing: dict[str, float]
+    decode_counts: dict[str, int]
 
     def decode_turn(self, budgets: Sequence[int], turn_finished: Callable[[list[list[int]]], list[bool]],
                     on_finished: Optional[Callable[[list[int], list[SampledTurn]], None]] = None

@@ -179,6 +179,6 @@ class AgentSteps:
 
 
 def add_decode_counts(timing: dict[str, float], session) -> None:
-    """Adds a session's decode_counts (sampled tokens, decode steps x rows) to `timing`, when it keeps them."""
-    for key, value in getattr(session, "decode_counts", {}).items():
+    """Adds a session's decode_counts (sampled tokens, decode steps x rows) to `timing`."""
+    for key, value in session.decode_counts.items():
         timing[f"decode_{key}"] += value

@@ -36,6 +36,7 @@ def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_othe
 
     class Session:
         timing = {"prefill_s": 1.0, "decode_s": 2.0}
+        decode_counts = {"sampled_tokens": 3, "row_steps": 4}
 
         def decode_turn(self, budgets, turn_finished, on_finished=None):
             calls.append(on_finished)

@@ -46,6 +46,7 @@ class ScriptedSession:
     end_calls: list = dataclasses.field(default_factory=list)      # (keep, observations) of each end_turn
     emitted: list = dataclasses.field(default_factory=list)        # SampledTurns of the last decode_turn
     timing: dict = dataclasses.field(default_factory=lambda: {"prefill_s": 0.0, "decode_s": 0.0})  # no device
+    decode_counts: dict = dataclasses.field(default_factory=lambda: {"sampled_tokens": 0, "row_steps": 0})
 
     def _tokens(self, seq: int) -> list[int]:
         turn = self.sampler.scripts[seq][self.turn_index]

@@ -491,6 +491,10 @@ class ClockedSession:
     def timing(self):
         return self.inner.timing
 
+    @property
+    def decode_counts(self):
+        return self.inner.decode_counts
+
     def decode_turn(self, budgets, turn_finished, on_finished=None):
         start = time.perf_counter()
         out = self.inner.decode_turn(budgets, turn_finished, on_finished if self.clock.early else None)
