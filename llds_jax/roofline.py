@@ -13,25 +13,16 @@ Pallas kernels such as splash attention: `HloCost.kernel_calls` counts those ker
 assumes all of a chip's ICI bandwidth serves it. They compare programs and configs, and say which resource bounds
 each.
 
-The HLO text this reads (TPU programs from libtpu 0.0.42, Dec 2026):
-- Layouts carry a memory space, `bf16[256,512]{1,0:T(8,128)(2,1)S(3)}`: S(0) (no S) is HBM; the others are not
-  (the on-chip memory XLA's memory-space assignment moves arrays into: S(1) on v5e, S(3) on v4; S(2) sync flags,
-  S(6) scalars), so their bytes are no HBM traffic.
-- Compiled while loops carry no `known_trip_count`: the count is inferred from the loop (`_trip_count`).
-- Matrix products are mostly `convolution`s (`dim_labels=bf_io->bf`); a batched one is a base-dilated
-  convolution over the batch (`window={size=4 stride=3 lhs_dilate=4}, dim_labels=0bf_0io->0bf`) or a padded one
-  (`window={size=4 pad=3_3 rhs_reversal=1}`), where only the window taps that hit real input elements are
-  multiply-adds.
-- replica_groups come as explicit lists `{{0,2},{1,3}}`, iota lists `[2,2]<=[4]` or mesh axes
-  `mesh['axis_0'=4,'axis_1'=1] {'axis_0'}`.
-- A Pallas kernel's attributes (kernel_metadata) span several lines.
+The HLO text is parsed by `llds_jax.hlo_text`, which says what it reads.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
+
+from llds_jax.hlo_text import Computation, Instruction, Module, array_bytes, hbm_bytes, parse_module
 
 # ----- chips ---------------------------------------------------------------------------------------------------------
 
@@ -66,186 +57,6 @@ PEAKS: dict[str, ChipPeaks] = {
     "v6e": ChipPeaks(918e12, 1638e9, 800e9, f"{_DOCS}v6e (918 TFLOP/s bf16, HBM 1638 GBps, bidirectional ICI "
                      "800 GBps per chip)"),
 }
-
-# ----- shapes --------------------------------------------------------------------------------------------------------
-# One array of a shape: element type, dims (bounded dynamic dims "<=8" read as their bound), optional layout.
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^{}]*)\})?")
-_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Array:
-    """One array of an HLO shape: element type ("bf16"), dims, memory space (0: HBM)."""
-
-    dtype: str
-    dims: tuple[int, ...]
-    memory_space: int = 0
-
-    @property
-    def elements(self) -> int:
-        return math.prod(self.dims)
-
-    @property
-    def nbytes(self) -> float:
-        """Logical bytes (elements x element size; no tiling padding): a type's bits are the first number in its
-        name (bf16: 16, s4: 4, f8e4m3fn: 8, c64: 64), pred is 1 byte, token and opaque are none."""
-        if self.dtype == "pred":
-            return float(self.elements)
-        bits = re.search(r"\d+", self.dtype)
-        return self.elements * int(bits.group()) / 8 if bits else 0.0
-
-    @property
-    def hbm_bytes(self) -> float:
-        """`nbytes` when the array lives in HBM (memory space 0), else 0."""
-        return self.nbytes if self.memory_space == 0 else 0.0
-
-
-def parse_shape(text: str) -> list[Array]:
-    """The arrays of an HLO shape, tuples flattened in order: "(s32[], bf16[8,512]{1,0:T(8,128)(2,1)S(3)})" ->
-    [Array("s32", ()), Array("bf16", (8, 512), 3)]."""
-    arrays = []
-    for dtype, dims, layout in _ARRAY.findall(text):
-        space = _MEMORY_SPACE.search(layout or "")
-        arrays.append(Array(dtype, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d),
-                            int(space.group(1)) if space else 0))
-    return arrays
-
-
-def _bytes(arrays: Iterable[Array]) -> float:
-    return sum(a.nbytes for a in arrays)
-
-
-def _hbm(arrays: Iterable[Array]) -> float:
-    return sum(a.hbm_bytes for a in arrays)
-
-# ----- HLO text ------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One HLO instruction: `%name = SHAPE opcode(ARGS), ATTRS`. `operands`: names of the instructions in ARGS;
-    `args`: ARGS verbatim (a parameter's number, a constant's value)."""
-
-    name: str
-    shape: tuple[Array, ...]
-    opcode: str
-    operands: tuple[str, ...]
-    args: str
-    attrs: str
-
-    def attr(self, key: str) -> Optional[str]:
-        """The value of `key=VALUE` among the attributes (a bracketed value whole), None when absent."""
-        match = re.search(r"(?:^|[\s,])" + re.escape(key) + r"=", self.attrs)
-        if match is None:
-            return None
-        return _balanced(self.attrs, match.end())[0]
-
-    def called(self, key: str) -> Optional[str]:
-        """The computation named by `key=%comp` (calls, body, condition, to_apply), None when absent."""
-        value = self.attr(key)
-        return value.lstrip("%") if value else None
-
-
-@dataclasses.dataclass
-class Computation:
-    """The instructions of one computation in text order, by name; `root` names its ROOT."""
-
-    name: str
-    instructions: dict[str, Instruction]
-    root: str = ""
-
-    def users(self, name: str) -> list[tuple[Instruction, int]]:
-        """(instruction, operand position) of every use of `name` in this computation."""
-        return [(ins, i) for ins in self.instructions.values() for i, op in enumerate(ins.operands) if op == name]
-
-    def parameter(self, number: int) -> Instruction:
-        return next(ins for ins in self.instructions.values()
-                    if ins.opcode == "parameter" and int(ins.args) == number)
-
-
-@dataclasses.dataclass
-class Module:
-    """A parsed HLO module: its computations by name, the entry's name, and its devices (num_partitions x
-    replica_count), the group of a collective without replica_groups."""
-
-    computations: dict[str, Computation]
-    entry: str
-    devices: int
-
-
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$", re.S)
-_OPENERS = {"(": ")", "{": "}", "[": "]"}
-_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
-
-
-def _balanced(text: str, start: int) -> tuple[str, int]:
-    """The token of `text` from `start` up to a space or comma outside brackets (or to the bracket closing one
-    that opened at `start`): ("{{0,1},{2,3}}", end)."""
-    depth, i = 0, start
-    while i < len(text):
-        c = text[i]
-        if c in _OPENERS:
-            depth += 1
-        elif c in ")}]":
-            if depth == 0:
-                break
-            depth -= 1
-            if depth == 0 and text[start] in _OPENERS:
-                return text[start:i + 1], i + 1
-        elif c in " ," and depth == 0:
-            break
-        elif c == '"':  # a quoted string: skip to its end
-            i = _QUOTED.match(text, i).end() - 1
-        i += 1
-    return text[start:i], i
-
-
-def _depth(text: str) -> int:
-    """Brackets opened and not closed in `text`, quoted strings skipped: an instruction whose attributes run over
-    several lines (a Pallas kernel's kernel_metadata) is unbalanced until its last line."""
-    unquoted = _QUOTED.sub("", text)
-    return sum(unquoted.count(c) for c in _OPENERS) - sum(unquoted.count(c) for c in _OPENERS.values())
-
-
-def _parse_instruction(name: str, rest: str) -> Instruction:
-    shape, i = _balanced(rest, 0)
-    opcode = re.match(r"\s*([\w\-]+)\(", rest[i:])
-    args_start = i + opcode.end() - 1
-    args, end = _balanced(rest, args_start)
-    return Instruction(name=name, shape=tuple(parse_shape(shape)), opcode=opcode.group(1),
-                       operands=tuple(re.findall(r"%([^\s,()]+)", args)), args=args[1:-1],
-                       attrs=rest[end:].lstrip(", "))
-
-
-def parse_module(hlo_text: str) -> Module:
-    """Computations of HLO text (`compiled.as_text()`); lines outside computations (the header, stack frame
-    tables) are skipped."""
-    computations: dict[str, Computation] = {}
-    entry, current, pending = "", None, ""
-    for line in hlo_text.splitlines():
-        if current is None:
-            match = _COMPUTATION.match(line)
-            if match:
-                current = Computation(match.group(2), {})
-                computations[current.name] = current
-                entry = current.name if match.group(1) else entry
-            continue
-        if not pending and line.strip() == "}":
-            current = None
-            continue
-        pending = f"{pending}\n{line}" if pending else line
-        if _depth(pending) > 0:
-            continue
-        match = _INSTRUCTION.match(pending)
-        if match:
-            ins = _parse_instruction(match.group(2), match.group(3))
-            current.instructions[ins.name] = ins
-            current.root = ins.name if match.group(1) else current.root
-        pending = ""
-    header = hlo_text.split("\n", 1)[0]
-    devices = math.prod(int(n) for n in re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header))
-    return Module(computations, entry, devices)
 
 # ----- FLOPs ---------------------------------------------------------------------------------------------------------
 
@@ -357,7 +168,7 @@ def collective_bytes(ins: Instruction, comp: Computation, devices: int) -> tuple
         return "", 0.0
     start = comp.instructions[ins.operands[0]] if ins.opcode.endswith("-done") else ins
     n = group_size(_replica_groups(start), devices)
-    return kind, _bytes(ins.shape) * _ICI_PER_RESULT_BYTE[kind](n)
+    return kind, array_bytes(ins.shape) * _ICI_PER_RESULT_BYTE[kind](n)
 
 # ----- HBM traffic ---------------------------------------------------------------------------------------------------
 
@@ -383,7 +194,7 @@ def _fused_read(module: Module, comp: Computation, name: str, full: float, escap
     read = escape() if name == comp.root else 0.0
     for user, position in comp.users(name):
         if user.opcode in _SLICES and position == 0:
-            read += _bytes(user.shape)
+            read += array_bytes(user.shape)
         elif user.opcode in _IN_PLACE and position == 0:
             continue
         elif user.opcode == "bitcast":
@@ -410,13 +221,13 @@ def _written(module: Module, ins: Instruction, comp: Computation) -> float:
         root = root_comp.instructions[root_comp.root]
         roots = [root_comp.instructions[r] for r in root.operands] if root.opcode == "tuple" else [root]
     if len(roots) != len(ins.shape):
-        return _hbm(ins.shape)
+        return hbm_bytes(ins.shape)
     written = 0.0
     for array, root in zip(ins.shape, roots):
         root = _through_bitcasts(root_comp, root.name)
         if root.opcode in _IN_PLACE and array.memory_space == 0:  # the update: a DUS's operand 1, a scatter's last
             update = root.operands[1] if root.opcode == "dynamic-update-slice" else root.operands[-1]
-            written += _bytes(root_comp.instructions[update].shape)
+            written += array_bytes(root_comp.instructions[update].shape)
         else:
             written += array.hbm_bytes
     return written
@@ -437,15 +248,15 @@ def kernel_hbm_bytes(module: Module, ins: Instruction, comp: Computation) -> flo
         operand = comp.instructions[name].shape
         if ins.opcode in _SLICES | {"slice-start"} and position == 0:
             taken = ins.shape[1:2] if ins.opcode == "slice-start" else ins.shape
-            read += _bytes(taken) if _hbm(operand) else 0.0
+            read += array_bytes(taken) if hbm_bytes(operand) else 0.0
         elif ins.opcode in _IN_PLACE and position == 0:
             continue
         elif ins.opcode == "fusion":
             inner = module.computations[ins.called("calls")]
-            full = _hbm(operand)
+            full = hbm_bytes(operand)
             read += _fused_read(module, inner, inner.parameter(position).name, full, lambda: full) if full else 0.0
         else:
-            read += _hbm(operand)
+            read += hbm_bytes(operand)
     return read + written
 
 # ----- loops ---------------------------------------------------------------------------------------------------------

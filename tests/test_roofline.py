@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llds_jax import roofline
-from llds_jax.roofline import Array, HloCost
+from llds_jax import hlo_text, roofline
+from llds_jax.hlo_text import Array
+from llds_jax.roofline import HloCost
 
 # ----- hand-written HLO ----------------------------------------------------------------------------------------------
 # A [8, 32] x [32, 32] float32 product in a fusion: 2 * 8 * 32 * 32 FLOPs; it reads 1 KiB + 4 KiB, writes 1 KiB.
@@ -291,7 +292,7 @@ def test_shapes_of_every_element_type_tuples_and_memory_spaces_parse():
     text = ("((pred[3]{0}, s8[2,2]{1,0}, u8[4]), s32[]{:T(128)}, u32[2], f32[16,4096,3584]{2,1,0:T(8,128)}, "
             "bf16[16,4096,3584]{2,1,0:T(8,128)(2,1)S(3)}, f16[2], s64[2], f64[2], s4[6], f8e4m3fn[4], c64[1], "
             "token[], s32[<=8])")
-    arrays = roofline.parse_shape(text)
+    arrays = hlo_text.parse_shape(text)
     assert [a.dtype for a in arrays] == ["pred", "s8", "u8", "s32", "u32", "f32", "bf16", "f16", "s64", "f64", "s4",
                                          "f8e4m3fn", "c64", "token", "s32"]
     assert [a.nbytes for a in arrays] == [3, 4, 4, 4, 8, 16 * 4096 * 3584 * 4, 16 * 4096 * 3584 * 2, 4, 16, 16, 3,

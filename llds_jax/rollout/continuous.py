@@ -2,7 +2,7 @@
 
 The session path (`agent._BatchLoop`) runs a batch turn-synchronously: rows that ended their turn or their
 trajectory idle until the batch's longest turn ends, and the next batch waits for the longest trajectory. Here one
-device batch (`sampler.RowSession`) of R rows (`max_batch_size`, or all sequences when 0) serves every sequence of
+device batch (`row_session.RowSession`) of R rows (`max_batch_size`, or all sequences when 0) serves every sequence of
 the rollout from a queue, and after every decode chunk the host:
 
   1. cuts and parses the turns that ended in the chunk (`steps.AgentSteps.close_turn`) and starts their searches, one

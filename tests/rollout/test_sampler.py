@@ -12,7 +12,8 @@ from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout import buckets
 from llds_jax.rollout.config import SamplingConfig
-from llds_jax.rollout.sampler import Sampler, SessionShapes, sample_tokens
+from llds_jax.rollout.kernels import sample_tokens
+from llds_jax.rollout.sampler import Sampler, SessionShapes
 from llds_jax.rollout.shape_plan import PrefillShape
 
 TEMPERATURE = 0.7
