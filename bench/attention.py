@@ -23,6 +23,7 @@ from flax import nnx
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.model.attention import attention
+from llds_jax.programs import Role
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.train_step import RLTrainStep, TrainShapes
 
@@ -66,7 +67,7 @@ def update_temp_bytes(args, implementation: str, t: int) -> float:
     step = RLTrainStep(model, ObjectiveConfig(), UpdateConfig(mini_batch_size=args.batch,
                                                               micro_batch_size=args.batch), mesh)
     programs = step.abstract_programs(TrainShapes(args.batch, t, measure_lld=False))
-    update = next(program for program in programs if program.name.startswith("update"))
+    update = next(program for program in programs if program.role is Role.UPDATE)
     return update.lower().compile().memory_analysis().temp_size_in_bytes
 
 

@@ -37,9 +37,10 @@ import jax
 
 from llds_jax import checks, compile_check, roofline, topologies
 from llds_jax.config_file import load_config
+from llds_jax.programs import Role
 
 SIDES = {"GRPO": False, "LLDS": True}  # objective.llds.enabled of each side
-STATE_PROGRAMS = ("optimizer init", "reference copy")  # their outputs and arguments size the resident arrays
+STATE_PROGRAMS = (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)  # their outputs and arguments size the resident arrays
 MIB = 1 << 20
 
 
@@ -68,17 +69,17 @@ def compile_update(programs: Sequence[compile_check.Program], hbm_bytes: float, 
     """The update among a run's `programs` (`compile_check.build_programs`: at the run's largest training batch)
     compiled, with the resident arrays added as `compile_check.run` adds them. Raises SystemExit naming the program
     when one does not compile or its temporaries do not fit the `hbm_bytes` per chip."""
-    programs = [p for p in programs if p.name in STATE_PROGRAMS or p.name.startswith("update")]
-    rows = {}
+    programs = [p for p in programs if p.role in (*STATE_PROGRAMS, Role.UPDATE)]
+    rows = []
     for program in programs:
         print(f"[{label}] compiling {program.name}: {program.shapes}", flush=True)
-        rows[program.name] = compile_check.compile_row(program)
-    failed = compile_check.overflows([row for row in rows.values() if row.error], hbm_bytes)
+        rows.append(compile_check.compile_row(program))
+    failed = compile_check.overflows([row for row in rows if row.error], hbm_bytes)
     if failed:
         raise SystemExit(f"llds_cost_pod: error: [{label}] " + "; ".join(failed))
-    sizes = compile_check.long_lived_bytes(rows)
-    update = next(p for p in programs if p.name.startswith("update"))
-    row = rows[update.name].with_resident(sum(sizes[name] for name in update.resident))
+    sizes = compile_check.long_lived_bytes(rows, programs)
+    update, row = next((p, r) for p, r in zip(programs, rows) if p.role is Role.UPDATE)
+    row = row.with_resident(sum(sizes[name] for name in update.resident))
     return UpdateCost(row, update.calls, roofline.roofline_seconds(row.cost, peaks))
 
 

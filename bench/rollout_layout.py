@@ -18,13 +18,14 @@ import jax
 
 from llds_jax import compile_check, roofline, topologies
 from llds_jax.config_file import load_config
+from llds_jax.programs import Role
 
 
 def decode_chunk(config: str, overrides: list[str]):
     """(program, cost) of the config's decode chunk compiled for its topology."""
     cfg = load_config(config, overrides)
     devices, _ = compile_check.topology_devices(cfg.mesh.topology)
-    program = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "decode chunk")
+    program = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
     row = compile_check.compile_row(program)
     if row.error:
         raise SystemExit(f"{program.name} ({program.shapes}) does not compile: {row.error}")

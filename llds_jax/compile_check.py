@@ -42,6 +42,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from llds_jax import roofline, step_estimate, topologies
+from llds_jax.programs import Role
 
 GIB = 1 << 30
 EXIT_DOES_NOT_FIT = 1
@@ -166,6 +167,12 @@ def sampling_config(cfg, evaluation: bool = False):
 # reference parameters. Their bytes per chip are read off the programs that make them (XLA's own layout, padding
 # included): "reference copy" reads the params and writes the reference, "optimizer init" writes the state.
 PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
+# What stays in HBM beside each training program without being its argument (the update: the reference, REFERENCE
+# by default); a rollout program keeps OPT_STATE and REFERENCE, and PARAMS too when the rollout has its own copy.
+TRAINING_RESIDENT = {
+    Role.OPTIMIZER_INIT: (), Role.REFERENCE_COPY: (OPT_STATE,), Role.REFERENCE_LOGP: (PARAMS, OPT_STATE),
+    Role.POLICY_LOGP: (OPT_STATE, REFERENCE), Role.LIKELIHOOD_METRICS: (PARAMS, OPT_STATE, REFERENCE),
+    Role.LLD_LOGP: (OPT_STATE, REFERENCE), Role.LLD_METRICS: (PARAMS, OPT_STATE, REFERENCE)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +185,7 @@ class Program:
     shapes: str
     lowered: Any
     resident: tuple[str, ...]
+    role: Optional[Role] = None  # what it does (`llds_jax.programs.Role`); None: a program of no run
     rollout: bool = False
     # Iterations of the while loops whose trip count the program does not fix, by nesting (`roofline.hlo_costs`):
     # a decode chunk's steps, then the filled cache blocks each step reads (`step_estimate.filled_blocks`).
@@ -216,11 +224,13 @@ class Row:
         return dataclasses.replace(self, resident=resident, total=self.total + resident)
 
 
-def long_lived_bytes(rows: dict[str, Row]) -> dict[str, float]:
-    """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows` by name).
-    Without a reference (no KL term) the params are half the AdamW state (m and v are laid out like them)."""
-    opt_state = rows["optimizer init"].outputs
-    copy = rows.get("reference copy")
+def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[str, float]:
+    """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows[i]` the compiled
+    `programs[i]`). Without a reference (no KL term) the params are half the AdamW state (m and v are laid out like
+    them)."""
+    by_role = {program.role: row for row, program in zip(rows, programs)}
+    opt_state = by_role[Role.OPTIMIZER_INIT].outputs
+    copy = by_role.get(Role.REFERENCE_COPY)
     params = copy.arguments if copy is not None else opt_state / 2
     return {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
 
@@ -430,27 +440,25 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         s = rollout_shapes(cfg, sequences, sampler.batch_multiple, groups=not evaluation)
         calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, s.rows)
         decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)
-        loop_runs = {"decode chunk": (cfg.rollout.decode_chunk, decode_blocks), "extend": (extend_blocks,),
-                     "row extend": (extend_blocks,)}
+        loop_runs = {Role.DECODE_CHUNK: (cfg.rollout.decode_chunk, decode_blocks), Role.EXTEND: (extend_blocks,),
+                     Role.ROW_EXTEND: (extend_blocks,)}
         at = SessionShapes(rollout_params, **dataclasses.asdict(s), continuous=cfg.rollout.continuous_batching)
         for program in sampler.abstract_programs(at):
-            name = program.name
-            if (name, program.shapes) in shapes_seen and name != "decode chunk":
+            role = program.role
+            if (role, program.shapes) in shapes_seen and role is not Role.DECODE_CHUNK:
                 continue  # the evaluation sampler runs the very same program
-            shapes_seen.add((name, program.shapes))
-            decode = name == "decode chunk"
-            rollout.append(Program(f"{label}{name}", program.shapes + _layout_label(layout, len(hosts)),
-                                   program.lower(), everything if own_copy else (OPT_STATE, REFERENCE), rollout=True,
-                                   loop_runs=loop_runs.get(name, (1,)), calls=calls.get(name, 0.0),
+            shapes_seen.add((role, program.shapes))
+            decode = role is Role.DECODE_CHUNK
+            rollout.append(Program(f"{label}{program.name}", program.shapes + _layout_label(layout, len(hosts)),
+                                   program.lower(), everything if own_copy else (OPT_STATE, REFERENCE), role=role,
+                                   rollout=True, loop_runs=loop_runs.get(role, (1,)), calls=calls.get(role, 0.0),
                                    sampled_per_call=s.rows * cfg.rollout.decode_chunk if decode else 0))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
-    resident = {"optimizer init": (), "reference copy": (OPT_STATE,), "logp (reference)": (PARAMS, OPT_STATE),
-                "logp (policy)": (OPT_STATE, REFERENCE), "likelihood metrics": everything,
-                "logp (float32, LLD)": (OPT_STATE, REFERENCE), "lld metrics": everything}
     calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
-    training = [Program(p.name, p.shapes, p.lower(), resident.get(p.name, (REFERENCE,)), calls=calls.get(p.name, 0.0))
+    training = [Program(p.name, p.shapes, p.lower(), TRAINING_RESIDENT.get(p.role, (REFERENCE,)), role=p.role,
+                        calls=calls.get(p.role, 0.0))
                 for p in step.abstract_programs(TrainShapes(batch, length, measure_lld=bool(cfg.train.lld_every)))]
-    setup = [p for p in training if p.name in ("optimizer init", "reference copy")]
+    setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     return setup + rollout + training[len(setup):]
 
 
@@ -460,9 +468,9 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     from llds_jax import config as config_lib
 
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls,
-                                       step_estimate.ROLLOUT if p.rollout else step_estimate.UPDATES)
+                                       step_estimate.ROLLOUT if p.rollout else step_estimate.UPDATES, p.role)
              for r, p in zip(rows, programs)]
-    decode = next(p for p in programs if p.name == "decode chunk")
+    decode = next(p for p in programs if p.role is Role.DECODE_CHUNK and p.calls)  # the training sampler's
     sequences = config_lib.rollout_batch_size(cfg) // hosts
     return "\n".join([step_estimate.format_estimate(costs, roofline.PEAKS[generation], generation,
                                                      decode.sampled_per_call),
@@ -488,7 +496,7 @@ def run(cfg, topology: str) -> int:
     for i, program in enumerate(programs):
         print(f"[{i + 1}/{len(programs)}] {program.name}: {program.shapes}", flush=True)
         rows.append(compile_row(program))
-    sizes = long_lived_bytes({row.name: row for row in rows})
+    sizes = long_lived_bytes(rows, programs)
     rows = [row.with_resident(sum(sizes[name] for name in program.resident))
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))

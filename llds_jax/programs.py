@@ -10,10 +10,37 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from typing import Any, Optional, Protocol, TypeVar
 
 import jax
 from jax.sharding import Mesh
+
+
+class Role(enum.Enum):
+    """What a program does in a run: how `--mode=compile` (what stays resident beside it) and the step estimate
+    (how many times a step calls it, `llds_jax.step_estimate`) read it. The value is its name in their tables."""
+
+    # the training state, built once
+    OPTIMIZER_INIT = "optimizer init"
+    REFERENCE_COPY = "reference copy"
+    # a turn-synchronous rollout session (`rollout.session.Session`)
+    PREFILL = "prefill"
+    DECODE_CHUNK = "decode chunk"
+    EXTEND = "extend"
+    CACHE_GROWTH = "cache growth"
+    COMPACTION = "compaction"
+    # a continuous batch (`rollout.row_session.RowSession`): its decode chunk, growth and compaction as above
+    EMPTY_BATCH = "empty batch"
+    PROMPT_EXTEND = "prompt extend"
+    ROW_EXTEND = "row extend"
+    # a training step
+    REFERENCE_LOGP = "logp (reference)"
+    POLICY_LOGP = "logp (policy)"
+    LIKELIHOOD_METRICS = "likelihood metrics"
+    LLD_LOGP = "logp (float32, LLD)"
+    UPDATE = "update"
+    LLD_METRICS = "lld metrics"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,20 +48,27 @@ class AbstractProgram:
     """One jitted program of a run at abstract arguments.
 
     Attributes:
-      name: what it is, e.g. "decode chunk", "update (2 per step)" (a row of `--mode=compile`'s table).
+      role: what it is (`Role`).
       shapes: the shapes it runs at, in words, e.g. "16 rows x 32 steps, 512 slots".
       fn: the jitted function (`jax.jit(...)`).
       args: its positional arguments: pytrees of ShapeDtypeStructs with shardings (or of arrays).
       kwargs: its keyword arguments, static ones included.
       mesh: the mesh it is traced under (`jax.set_mesh`); None: none.
+      detail: said after its role in its name, e.g. "10 per step" for an update.
     """
 
-    name: str
+    role: Role
     shapes: str
     fn: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     mesh: Optional[Mesh] = None
+    detail: str = ""
+
+    @property
+    def name(self) -> str:
+        """Its name in `--mode=compile`'s table, e.g. "decode chunk", "update (10 per step)": a label, never a key."""
+        return f"{self.role.value} ({self.detail})" if self.detail else self.role.value
 
     def lower(self) -> jax.stages.Lowered:
         """The program lowered (not compiled) at its arguments."""

@@ -27,6 +27,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from llds_jax.programs import Role
 from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
 
 ROLLOUT, UPDATES = "rollout", "updates"
@@ -35,28 +36,30 @@ ROLLOUT, UPDATES = "rollout", "updates"
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
     """One compiled program in the estimate: its name and shapes, its cost per call on one chip, its calls per
-    training step and which part of the step it belongs to (ROLLOUT, UPDATES or "" for neither)."""
+    training step, which part of the step it belongs to (ROLLOUT, UPDATES or "" for neither) and its role (None:
+    a program of no run)."""
 
     name: str
     shapes: str
     cost: HloCost
     calls: float
     part: str
+    role: Role | None = None
 
 
-def rollout_calls(cfg, sequences: int, rows: int) -> dict[str, float]:
+def rollout_calls(cfg, sequences: int, rows: int) -> dict[Role, float]:
     """Calls per training step of each rollout program (module docstring) for one host's `sequences` sequences in
     sessions of `rows` rows."""
     r = cfg.rollout
     sessions = math.ceil(sequences / rows)
     turns = r.max_turns + 1
-    calls = {"decode chunk": sessions * turns * r.max_turn_tokens / r.decode_chunk, "cache growth": sessions,
-             "compaction": sessions}
+    calls = {Role.DECODE_CHUNK: sessions * turns * r.max_turn_tokens / r.decode_chunk, Role.CACHE_GROWTH: sessions,
+             Role.COMPACTION: sessions}
     if r.continuous_batching:  # one batch; each row's sequences at the worst case run in lockstep, as sessions
         per_batch = rows / min(rows, r.max_extend_rows or rows)  # extend calls for every row of the batch
-        return {"empty batch": 1, "prompt extend": sessions * per_batch,
-                "row extend": sessions * r.max_turns * per_batch, **calls}
-    return {"prefill": sessions, "extend": sessions * r.max_turns, **calls}
+        return {Role.EMPTY_BATCH: 1, Role.PROMPT_EXTEND: sessions * per_batch,
+                Role.ROW_EXTEND: sessions * r.max_turns * per_batch, **calls}
+    return {Role.PREFILL: sessions, Role.EXTEND: sessions * r.max_turns, **calls}
 
 
 def filled_blocks(cfg, prompt: int, observation: int, capacity: int) -> tuple[float, float]:
@@ -76,11 +79,11 @@ def filled_blocks(cfg, prompt: int, observation: int, capacity: int) -> tuple[fl
     return sum(decode) / len(decode), (sum(extend) / len(extend) if extend else float(cap))
 
 
-def update_calls(cfg, updates: int) -> dict[str, float]:
+def update_calls(cfg, updates: int) -> dict[Role, float]:
     """Calls per training step of each training program (module docstring) with `updates` optimizer updates."""
     lld = 1 / cfg.train.lld_every if cfg.train.lld_every else 0.0
-    return {"logp (reference)": updates, "logp (policy)": updates, "likelihood metrics": 1,
-            "logp (float32, LLD)": 2 * updates * lld, "lld metrics": lld, f"update ({updates} per step)": updates}
+    return {Role.REFERENCE_LOGP: updates, Role.POLICY_LOGP: updates, Role.LIKELIHOOD_METRICS: 1,
+            Role.LLD_LOGP: 2 * updates * lld, Role.LLD_METRICS: lld, Role.UPDATE: updates}
 
 
 def assumptions(cfg, sequences: int, rows: int) -> str:
@@ -113,7 +116,7 @@ def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generatio
         lines.append(f"{p.name:<{width}}  {p.cost.flops / 1e9:9.1f} {p.cost.hbm_bytes / 1e9:8.2f} "
                      f"{p.cost.ici_bytes / 1e9:8.3f} {estimate.bound:>10} {estimate.seconds * 1e3:7.2f}ms "
                      f"{p.calls:7.1f} {per_step:8.2f}s")
-    decode = next((p for p in programs if p.name == "decode chunk"), None)
+    decode = next((p for p in programs if p.role is Role.DECODE_CHUNK and p.calls), None)
     if decode is not None:
         lines.append(f"decode: {decode_tokens_per_call / roofline_seconds(decode.cost, peaks).seconds:,.0f} "
                      "tokens/s per host with every row sampling")

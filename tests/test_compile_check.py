@@ -14,6 +14,7 @@ import pytest
 
 from llds_jax import compile_check, roofline, step_estimate, topologies
 from llds_jax.model import ModelConfig, to_hf_config
+from llds_jax.programs import Role
 from tests.configs import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,21 +110,31 @@ def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys)
     devices, nominal = compile_check.topology_devices("v4:2x2x2")
     assert (len(devices), nominal) == (8, 32 * GIB)
     assert len({d.process_index for d in devices}) == 2
-    programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
+    built = compile_check.build_programs(cfg, devices)
+    programs = {p.name: p for p in built}
     assert list(programs) == PROGRAMS[6:8] + PROGRAMS[:5] + ["eval prefill", "eval decode chunk", "eval extend",
                                                              "eval cache growth", "eval compaction"] + PROGRAMS[8:]
+    # The paper config's programs by role, with the calls per step and the resident arrays read off the role (a
+    # session's programs twice: the evaluation's, called by no training step).
+    session = [Role.PREFILL, Role.DECODE_CHUNK, Role.EXTEND, Role.CACHE_GROWTH, Role.COMPACTION]
+    assert [p.role for p in built] == [Role.OPTIMIZER_INIT, Role.REFERENCE_COPY, *session, *session,
+                                       Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LIKELIHOOD_METRICS, Role.LLD_LOGP,
+                                       Role.UPDATE, Role.LLD_METRICS]
+    assert [p.calls for p in built[2:12]] == [1, 1 * 4 * 16 / 32, 3, 1, 1] + [0] * 5  # 32 sequences, 16-row sessions
+    assert {p.role: p.calls for p in built[12:]} == step_estimate.update_calls(cfg, 2)
+    assert all(p.resident == compile_check.TRAINING_RESIDENT.get(p.role, ("reference",)) for p in built[12:])
     # Tensor parallelism over the host's 4 chips; the 2 key/value heads held twice each.
     assert programs["decode chunk"].shapes == ("16 rows x 32 steps, 512 slots (host-local, tensor 4, key/value "
                                                "heads x2)")
     assert programs["decode chunk"].resident == ("params", "optimizer state", "reference")  # rollout's own copy
-    rows = {name: compile_check.compile_row(programs[name]) for name in ("optimizer init", "reference copy")}
-    init, copy = rows["optimizer init"], rows["reference copy"]
+    state_programs = [programs["optimizer init"], programs["reference copy"]]
+    init, copy = rows = [compile_check.compile_row(program) for program in state_programs]
     # The reference copy reads the float32 params and writes their bfloat16 copy (TPU layouts pad the tiny
     # shapes, so bytes are XLA's, not shape arithmetic); the optimizer state is AdamW's m and v, laid out like
     # the params, plus its scalars (count, learning rate).
     assert copy.temporaries == 0 and copy.outputs < copy.arguments
     assert 2 * copy.arguments <= init.outputs < 2 * copy.arguments + 64 * 1024
-    sizes = compile_check.long_lived_bytes(rows)
+    sizes = compile_check.long_lived_bytes(rows, state_programs)
     assert sizes == {"params": copy.arguments, "optimizer state": init.outputs, "reference": copy.outputs}
     assert copy.with_resident(init.outputs).total == copy.total + init.outputs
     assert compile_check.run(cfg, "v4:2x2x2") == 0
@@ -143,7 +154,7 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
     heads and MLP width (rollout.tensor_parallel) only arrays of rows are gathered."""
     cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": tensor_parallel})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "decode chunk")
+    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
     row = compile_check.compile_row(decode)
     layout = compile_check.rollout_layout(cfg, devices)
     found = compile_check.weight_gathers([row], layout.model_cfg, layout.tensor)
@@ -167,7 +178,7 @@ def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
     keys and values per layer and step). The dense decode has one such loop."""
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     cfg = flagship(tiny_model_dir, **{"rollout.cache_block": 64})
-    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "decode chunk")
+    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
     s = compile_check.rollout_shapes(cfg, 16, 1)
     assert decode.loop_runs == (32, step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)[0])
     text = decode.lowered.compile().as_text()
@@ -176,7 +187,7 @@ def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
     assert costs[1].hbm_bytes - costs[0].hbm_bytes == pytest.approx(costs[2].hbm_bytes - costs[1].hbm_bytes)
     assert costs[1].hbm_bytes > costs[0].hbm_bytes
     dense = next(p for p in compile_check.build_programs(flagship(tiny_model_dir, **{"rollout.cache_block": 0}),
-                                                          devices) if p.name == "decode chunk")
+                                                          devices) if p.role is Role.DECODE_CHUNK and p.calls)
     assert roofline.hlo_costs(dense.lowered.compile().as_text(), (32, 5)).dynamic_loops == 1
 
 
@@ -228,9 +239,9 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     copy is a copy of its own, so the float32 params stay resident beside it."""
     def decode_and_update(topology, dtype, tensor_parallel=-1):
         devices, _ = compile_check.topology_devices(topology)
-        programs = {p.name: p for p in compile_check.build_programs(flagship(tiny_model_dir, **{
+        programs = {(p.role, p.calls > 0): p for p in compile_check.build_programs(flagship(tiny_model_dir, **{
             "rollout.params_dtype": dtype, "rollout.tensor_parallel": tensor_parallel}), devices)}
-        return programs["decode chunk"], programs["update (2 per step)"]
+        return programs[Role.DECODE_CHUNK, True], programs[Role.UPDATE, True]
 
     def dtypes(args):
         return {str(arg.dtype) for arg in jax.tree.leaves(args)}

@@ -1,5 +1,6 @@
 """The step-time estimate of --mode=compile: call counts per step from the config, and times from HLO costs."""
 from llds_jax import step_estimate
+from llds_jax.programs import Role
 from llds_jax.roofline import PEAKS, HloCost
 from tests.configs import load
 
@@ -10,20 +11,21 @@ def test_calls_per_step_of_the_flagship_config():
     worth of steps); 10 updates, LLD measured every step."""
     cfg = load("qwen7b_v4")
     assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
-        "prefill": 5, "decode chunk": 5 * 4 * 500 / 32, "extend": 5 * 3, "cache growth": 5, "compaction": 5}
+        Role.PREFILL: 5, Role.DECODE_CHUNK: 5 * 4 * 500 / 32, Role.EXTEND: 5 * 3, Role.CACHE_GROWTH: 5,
+        Role.COMPACTION: 5}
     cfg.rollout.continuous_batching = True  # extends of at most 16 rows: 8 calls for every row of a 128-row batch
     assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
-        "empty batch": 1, "prompt extend": 5 * 8, "row extend": 5 * 3 * 8, "decode chunk": 5 * 4 * 500 / 32,
-        "cache growth": 5, "compaction": 5}
+        Role.EMPTY_BATCH: 1, Role.PROMPT_EXTEND: 5 * 8, Role.ROW_EXTEND: 5 * 3 * 8,
+        Role.DECODE_CHUNK: 5 * 4 * 500 / 32, Role.CACHE_GROWTH: 5, Role.COMPACTION: 5}
     cfg.rollout.max_extend_rows = 0  # one call for every row
     calls = step_estimate.rollout_calls(cfg, sequences=640, rows=128)
-    assert (calls["prompt extend"], calls["row extend"]) == (5, 5 * 3)
+    assert (calls[Role.PROMPT_EXTEND], calls[Role.ROW_EXTEND]) == (5, 5 * 3)
     cfg.train.lld_every = 4
     assert step_estimate.update_calls(cfg, updates=10) == {
-        "logp (reference)": 10, "logp (policy)": 10, "likelihood metrics": 1, "logp (float32, LLD)": 5.0,
-        "lld metrics": 0.25, "update (10 per step)": 10}
+        Role.REFERENCE_LOGP: 10, Role.POLICY_LOGP: 10, Role.LIKELIHOOD_METRICS: 1, Role.LLD_LOGP: 5.0,
+        Role.LLD_METRICS: 0.25, Role.UPDATE: 10}
     cfg.train.lld_every = 0
-    assert step_estimate.update_calls(cfg, updates=10)["logp (float32, LLD)"] == 0
+    assert step_estimate.update_calls(cfg, updates=10)[Role.LLD_LOGP] == 0
     assert step_estimate.assumptions(cfg, 640, 128) == (
         "assumed per host and step: 640 trajectories in 5 session(s) of 128 rows, each 4 turns of 500 decode steps "
         "(the longest row) in chunks of 32, 3 extends of 500 tokens, reading the filled cache in blocks of 512 "
@@ -53,8 +55,9 @@ def test_step_time_adds_each_programs_roofline_time_per_call_times_its_calls():
     collectives (2 s + 1 ms) called 10 times and an uncalled program make the updates."""
     v4 = PEAKS["v4"]
     programs = [
-        step_estimate.ProgramCost("prefill", "", HloCost(flops=275e12), 1, step_estimate.ROLLOUT),
-        step_estimate.ProgramCost("decode chunk", "", HloCost(flops=1e9, hbm_bytes=1.2e9), 100, step_estimate.ROLLOUT),
+        step_estimate.ProgramCost("prefill", "", HloCost(flops=275e12), 1, step_estimate.ROLLOUT, Role.PREFILL),
+        step_estimate.ProgramCost("decode chunk", "", HloCost(flops=1e9, hbm_bytes=1.2e9), 100, step_estimate.ROLLOUT,
+                                  Role.DECODE_CHUNK),
         step_estimate.ProgramCost("update (10 per step)", "", HloCost(flops=550e12, collective_bytes={
             "all-reduce": 0.3e9}), 10, step_estimate.UPDATES),
         step_estimate.ProgramCost("optimizer init", "", HloCost(flops=1e15), 0, step_estimate.UPDATES),

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax.model.transformer import compute_weights
-from llds_jax.programs import AbstractProgram
+from llds_jax.programs import AbstractProgram, CompilablePrograms, Role
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.batch_layout import BatchLayout, LaidOutBatch, PreparedBatch
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
@@ -165,7 +165,7 @@ def _update_means(per_update: dict[str, np.ndarray]) -> dict[str, float]:
             for key, values in per_update.items() if key not in DISPLACEMENT_METRICS or len(values) > 1}
 
 
-class RLTrainStep:
+class RLTrainStep(CompilablePrograms[TrainShapes]):
     """GRPO + KL + entropy + LLDS updates of a model on rollout batches (jitted; sharded when given a mesh); its
     programs at abstract arguments: `abstract_programs` (`programs.CompilablePrograms`).
 
@@ -397,8 +397,8 @@ class RLTrainStep:
     def _programs(self, state: TrainState, ref_params: nnx.State | None, prepared: PreparedBatch,
                   measure_lld: bool) -> list[AbstractProgram]:
         """The programs of `abstract_programs` at `state`, `ref_params` (None: no reference) and `prepared` (arrays
-        or abstract values), named as `train_on_batch` uses them, in the order a run first runs them (the log-probs:
-        one update's mini-batch, as each call computes it)."""
+        or abstract values), each with its role in `train_on_batch`, in the order a run first runs them (the
+        log-probs: one update's mini-batch, as each call computes it)."""
         batch = prepared.batch
         rows = prepared.update_rows(0)
         # The log-probs come out of a jitted program: committed to a device also without a mesh.
@@ -408,21 +408,22 @@ class RLTrainStep:
         shapes = f"{batch.num_trajectories} x {batch.length} tokens, micro-batch {batch.micro_batch_size}"
         program = functools.partial(AbstractProgram, shapes=shapes, mesh=self.mesh)
         tokens_mask = (batch.tokens_ukmt, batch.mask_ukmt)
-        programs = [program("optimizer init", fn=self._init_optimizer(state.params), args=(state.params,))]
+        programs = [program(Role.OPTIMIZER_INIT, fn=self._init_optimizer(state.params), args=(state.params,))]
         if ref_params is not None:
-            programs += [program("reference copy", fn=self._reference_copier(state.params), args=(state.params,)),
-                         program("logp (reference)", fn=self._logp, args=(ref_params, *tokens_mask, rows, index))]
+            programs += [program(Role.REFERENCE_COPY, fn=self._reference_copier(state.params), args=(state.params,)),
+                         program(Role.REFERENCE_LOGP, fn=self._logp, args=(ref_params, *tokens_mask, rows, index))]
         programs += [
-            program("logp (policy)", fn=self._logp, args=(state.params, *tokens_mask, rows, index)),
-            program("likelihood metrics", fn=self._likelihood, args=(logp, batch)),
+            program(Role.POLICY_LOGP, fn=self._logp, args=(state.params, *tokens_mask, rows, index)),
+            program(Role.LIKELIHOOD_METRICS, fn=self._likelihood, args=(logp, batch)),
         ]
         if measure_lld and self._lld_in_float32:
-            programs.append(program("logp (float32, LLD)", fn=self._logp_float32,
+            programs.append(program(Role.LLD_LOGP, fn=self._logp_float32,
                                     args=(state.params, *tokens_mask, rows, index)))
-        programs.append(program(f"update ({prepared.num_updates} per step)", fn=self._jitted_update(state), args=(
-            state, batch, rows, prepared.batch_stats, logp, None if ref_params is None else logp, index)))
+        programs.append(program(Role.UPDATE, fn=self._jitted_update(state), detail=f"{prepared.num_updates} per step",
+                                args=(state, batch, rows, prepared.batch_stats, logp,
+                                      None if ref_params is None else logp, index)))
         if measure_lld:
-            programs.append(program("lld metrics", fn=self._lld, args=(logp, logp, batch)))
+            programs.append(program(Role.LLD_METRICS, fn=self._lld, args=(logp, logp, batch)))
         return programs
 
     def compile_row_counts(self, state: TrainState, ref_params: nnx.State | None, num: int, length: int,
@@ -433,7 +434,7 @@ class RLTrainStep:
         modules = set()  # the reference's log-probs are the policy's program when both have the same dtypes
         for num_rows in self.layout.row_counts(length):
             for program in self._programs(state, ref_params, self.batch_spec(num, length, num_rows), measure_lld):
-                if program.name.startswith(("logp", "update")):
+                if program.role in (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE):
                     lowered = program.lower()
                     module = lowered.as_text()
                     if module not in modules:

@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from llds_jax import parallel
-from llds_jax.programs import AbstractProgram
+from llds_jax.programs import AbstractProgram, CompilablePrograms, Role
 from llds_jax.rollout import kernels
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.kernels import DecodeState
@@ -91,7 +91,7 @@ class SessionShapes:
     distinct: int = 0
 
 
-class Sampler:
+class Sampler(CompilablePrograms[SessionShapes]):
     """The jitted prefill / decode / extend programs of one model architecture and sampling config, and the plan of
     their shapes (`plan`, a `ShapePlan`).
 
@@ -158,32 +158,32 @@ class Sampler:
             at.rows, at.prompt, at.prefill_capacity, at.capacity, at.observation)
         if at.continuous:
             k = min(rows, self.config.max_extend_rows or rows)
-            start = [("empty batch", f"{rows} rows, {prefill_capacity} slots", EmptyShape(rows, prefill_capacity)),
-                     ("prompt extend", f"{k} of {rows} rows x {prompt} tokens, {prefill_capacity} slots",
+            start = [(Role.EMPTY_BATCH, f"{rows} rows, {prefill_capacity} slots", EmptyShape(rows, prefill_capacity)),
+                     (Role.PROMPT_EXTEND, f"{k} of {rows} rows x {prompt} tokens, {prefill_capacity} slots",
                       ExtendRowsShape(rows, prefill_capacity, k, prompt, True))]
-            extend = ("row extend", f"{k} of {rows} rows x {observation} tokens, {capacity} slots",
+            extend = (Role.ROW_EXTEND, f"{k} of {rows} rows x {observation} tokens, {capacity} slots",
                       ExtendRowsShape(rows, capacity, k, observation, False))
         else:
             distinct = f" ({at.distinct} distinct prompts)" if at.distinct else ""
-            start = [("prefill", f"{rows} x {prompt} tokens{distinct}, {prefill_capacity} slots",
+            start = [(Role.PREFILL, f"{rows} x {prompt} tokens{distinct}, {prefill_capacity} slots",
                       PrefillShape(rows, prompt, prefill_capacity, at.distinct))]
-            extend = ("extend", f"{rows} x {observation} tokens, {capacity} slots",
+            extend = (Role.EXTEND, f"{rows} x {observation} tokens, {capacity} slots",
                       EndTurnShape(rows, capacity, observation))
         programs = start + [
-            ("decode chunk", f"{rows} rows x {self.config.decode_chunk} steps, {capacity} slots",
+            (Role.DECODE_CHUNK, f"{rows} rows x {self.config.decode_chunk} steps, {capacity} slots",
              DecodeShape(rows, capacity)),
             extend,
-            ("cache growth", f"{rows} rows, {capacity // 2} -> {capacity} slots",
+            (Role.CACHE_GROWTH, f"{rows} rows, {capacity // 2} -> {capacity} slots",
              GrowShape(rows, capacity // 2, capacity)),
         ]
         if rows > 1:
             smaller = self.plan.batch_rows(rows // 2)
             if smaller < rows:
-                programs.append(("compaction", f"{rows} -> {smaller} rows, {capacity} slots",
+                programs.append((Role.COMPACTION, f"{rows} -> {smaller} rows, {capacity} slots",
                                  SelectShape(rows, capacity, smaller)))
         with self.mesh_context():
-            return [AbstractProgram(name, shapes, *self._abstract_call(at.params, shape), mesh=self.mesh)
-                    for name, shapes, shape in programs]
+            return [AbstractProgram(role, shapes, *self._abstract_call(at.params, shape), mesh=self.mesh)
+                    for role, shapes, shape in programs]
 
     # -- the programs, each run at the shape of its arguments (recorded in `plan`) -----------------------------------
 

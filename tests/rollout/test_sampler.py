@@ -10,6 +10,7 @@ from flax import nnx
 
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
+from llds_jax.programs import Role
 from llds_jax.rollout import buckets
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.kernels import sample_tokens
@@ -255,7 +256,7 @@ def test_sampling_on_a_mesh_sees_each_rows_whole_vocabulary(tiny):
     sampler = Sampler(graphdef, dataclasses.replace(CONFIG, greedy=False, top_p=1.0, temperature=1.0), mesh=mesh)
     at = SessionShapes(parallel.abstract_params(params, mesh), rows=4, prompt=8, prefill_capacity=16, capacity=16,
                        observation=8)
-    [decode] = [p for p in sampler.abstract_programs(at) if p.name == "decode chunk"]
+    [decode] = [p for p in sampler.abstract_programs(at) if p.role is Role.DECODE_CHUNK]
     hlo = decode.lower().compile().as_text()
     windows = [[int(n) for n in w.split("x")] for w in re.findall(r"reduce-window\(.*window=\{size=([0-9x]+)", hlo)]
     assert windows, "no reduce-window at all: the check below cannot bite"
