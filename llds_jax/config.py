@@ -4,8 +4,9 @@
 which `llds_jax.search.factory` validates per backend, and the sections of the application its `app` key names,
 llds_jax.application) or change a value's type.
 
-On the lowest floor of the package: it imports only the typed views' plain dataclasses (llds_jax.rl.config,
-llds_jax.rollout.config, llds_jax.sft.config), whose defaults are the schema's, so importing it loads no JAX.
+On the lowest floors of the package: it imports only leaves and the typed views' plain dataclasses
+(llds_jax.rl.config, llds_jax.rollout.config, llds_jax.sft.config, which import only the leaf llds_jax.bounds), whose
+defaults are the schema's and whose fields declare their keys' ranges and choices, so importing it loads no JAX.
 `check` covers what this module knows; `llds_jax.checks` (above the components) validates a whole run config
 against them.
 """
@@ -18,10 +19,9 @@ from typing import Any
 
 import ml_collections
 
-from llds_jax import redaction
+from llds_jax import bounds, redaction
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
-from llds_jax.rl import config as rl_config
-from llds_jax.rl.config import REFERENCE_DTYPES, LLDSConfig, ObjectiveConfig, UpdateConfig
+from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
 
@@ -302,49 +302,46 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # to a tokenizer with Qwen2.5's chat markers (llds_jax.tokenizer.load_tokenizer).
 CHAT_TEMPLATES = ("base", "instruct", "")
 
-# (keys, test, what the value must be): the bounds a run would otherwise crash on (or fail late) without naming the key.
-# Every bounded number must also be finite.
+# The typed views whose fields declare their own run keys' ranges and choices (llds_jax.bounds); `check` reads those
+# declarations, so each bounded key is declared once: there, or below for the keys of no view.
+VIEWS = (AgentConfig, SamplingConfig, ObjectiveConfig, LLDSConfig, UpdateConfig, SFTConfig)
+
+# (keys, test, what the value must be): the bounds of the keys of no view, which a run would otherwise crash on (or
+# fail late) without naming the key. Every bounded number must also be finite.
 _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
-    (("data.prompts_per_step", "data.samples_per_prompt", "rollout.max_turn_tokens", "rollout.max_observation_tokens",
-      "rollout.max_prompt_tokens", "rollout.max_context_tokens", "rollout.max_response_tokens",
-      "rollout.retrieval_top_k", "rollout.decode_chunk", "rollout.min_capacity_bucket",
-      "rollout.min_observation_bucket", "optim.mini_batch_size", "optim.micro_batch_size", "optim.logp_time_chunk",
-      "model.attention_query_block", "model.attention_key_block", "model.mlp_chunks", "train.total_steps",
-      "train.checkpoint_every", "train.keep_checkpoints", "train.sequence_bucket",
-      "eval.batch_size", "sft.steps", "sft.batch_size", "sft.max_length", "sft.sequence_bucket", "sft.log_every"),
+    (("data.prompts_per_step", "data.samples_per_prompt", "model.attention_query_block", "model.attention_key_block",
+      "model.mlp_chunks", "train.total_steps", "train.checkpoint_every", "train.keep_checkpoints",
+      "train.sequence_bucket", "eval.batch_size"),
      lambda v: v >= 1, ">= 1"),
-    (("rollout.max_turns", "rollout.max_batch_size", "rollout.top_k", "objective.clip_ratio", "objective.entropy_coef",
-      "objective.kl_coef", "objective.llds.lam", "objective.llds.answer_beta", "objective.llds.adaptive_c",
-      "optim.weight_decay", "train.lld_every", "train.eval_every", "train.eval_max_examples",
-      "train.transcripts_every", "train.num_transcripts", "eval.max_turns", "eval.max_examples",
-      "sft.curriculum_steps", "sft.warmup_steps", "sft.weight_decay", "distributed.num_processes",
-      "rollout.max_failed_search_steps", "optim.max_skipped_updates", "optim.pack_row_tokens"),
+    (("train.lld_every", "train.eval_every", "train.eval_max_examples", "train.transcripts_every",
+      "train.num_transcripts", "eval.max_turns", "eval.max_examples", "distributed.num_processes",
+      "rollout.max_failed_search_steps", "optim.max_skipped_updates"),
      lambda v: v >= 0, ">= 0"),
-    (("rollout.temperature", "rollout.search_timeout_s", "train.storage_timeout_s", "objective.kl_clamp",
-      "optim.learning_rate", "optim.max_grad_norm", "optim.adam_eps", "sft.learning_rate", "sft.max_grad_norm"),
-     lambda v: v > 0, "> 0"),
-    (("objective.ratio_cap",), lambda v: v > 1, "> 1"),
-    (("objective.clip_ratio_high",), lambda v: v >= 0, ">= 0 (0: objective.clip_ratio)"),
-    (("objective.tis_cap",), lambda v: v == 0 or v >= 1, "0 (off) or >= 1"),
-    (("rollout.top_p",), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("train.storage_timeout_s",), lambda v: v > 0, "> 0"),
     (("optim.warmup_ratio", "rollout.search_failure_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
-    (("optim.adam_b1", "optim.adam_b2"), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("distributed.process_id",), lambda v: v >= -1, ">= 0 (or -1: detected)"),
     (("rollout.tensor_parallel",), lambda v: v >= -1, ">= 1 (or -1: all of a host's chips, 0: the training layout)"),
     (("rollout.extend_chunk",), lambda v: v >= 0 and not v & (v - 1), "0 (one pass) or a power of two"),
     (("rollout.cache_block",), lambda v: v >= 0 and not v & (v - 1), "0 (every slot) or a power of two"),
-    (("rollout.max_extend_rows",), lambda v: v >= 0 and not v & (v - 1), "0 (any) or a power of two"),
 )
 
 
-# The keys that name one of a fixed set of values this module knows, and those values (the choices that components
-# register, loss terms and attention kernels, are checked by llds_jax.checks).
+# The keys of no view that name one of a fixed set of values this module knows, and those values (the choices that
+# components register, loss terms and attention kernels, are checked by llds_jax.checks).
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
-    "objective.kl_estimator": rl_config.KL_ESTIMATORS, "objective.aggregation": rl_config.AGGREGATIONS,
-    "objective.llds.gate": rl_config.GATES, "objective.llds.answer_weighting": rl_config.ANSWER_WEIGHTINGS,
-    "optim.reference_dtype": REFERENCE_DTYPES, "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES,
-    "reward.empty_answer": EMPTY_ANSWER_RULES}
+    "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES, "reward.empty_answer": EMPTY_ANSWER_RULES}
+
+
+def check_views(cfg: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError naming the key of the first run-config value out of the range or choices a view declares
+    for it (llds_jax.bounds)."""
+    for view in VIEWS:
+        for key, _, rule in bounds.declared(view):
+            if has(cfg, key):
+                message = bounds.problem(key, value(cfg, key), rule)
+                if message:
+                    raise ConfigError(message)
 
 
 def check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[str]) -> None:
@@ -358,6 +355,15 @@ def value(cfg: ml_collections.ConfigDict, key: str) -> Any:
     for part in key.split("."):
         cfg = cfg[part]
     return cfg
+
+
+def has(cfg: ml_collections.ConfigDict, key: str) -> bool:
+    """Whether the dotted key is one of the run config's."""
+    for part in key.split("."):
+        if not isinstance(cfg, ml_collections.ConfigDict) or part not in cfg:
+            return False
+        cfg = cfg[part]
+    return True
 
 
 def check_bounds(cfg: ml_collections.ConfigDict, bounds: Sequence[tuple[Sequence[str], Any, str]]) -> None:
@@ -382,6 +388,7 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     if cfg.get("app", "") and app is None:
         raise ConfigError(f"app {cfg.app!r} is set: check the config with llds_jax.checks.validate, which loads it")
     check_schema(cfg, schema(app))
+    check_views(cfg)
     check_bounds(cfg, _BOUNDS)
     for key, choices in _CHOICES.items():
         check_choice(cfg, key, choices)

@@ -27,7 +27,7 @@ PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_
 def test_every_config_file_is_covered():
     names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))} - {"__init__"}
     assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "demo_cpu_paper",
-                                                 "demo_cpu_collapse", "tiny_test"}
+                                                 "demo_cpu_collapse", "demo_cpu_late_collapse", "tiny_test"}
 
 
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
@@ -106,7 +106,8 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
         load("grpo_baseline_v4", "e5,bm25")
 
 
-@pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "demo_cpu_collapse", "tiny_test"])
+@pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "demo_cpu_collapse",
+                                  "demo_cpu_late_collapse", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
     assert cfg.app == "llds_jax.apps.demo" and cfg.demo.enabled  # the demo application prepares the run
@@ -133,6 +134,18 @@ def test_collapse_regime_is_the_stress_setting_at_twice_its_learning_rate_for_30
                if stress[section][key] != collapse[section][key]}
     assert changed == {("optim", "learning_rate"): (5e-4, 1e-3), ("train", "total_steps"): (20, 30)}
     assert collapse["seed"] == stress["seed"]  # the same world and warm start per seed (the study sets the seed)
+
+
+@pytest.mark.parametrize("argument, learning_rate", [((), 6e-4), (("7e-4",), 7e-4)])
+def test_late_collapse_calibration_is_the_stress_setting_for_60_steps_at_the_learning_rate_given(argument,
+                                                                                               learning_rate):
+    stress, late = load("demo_cpu_grpo").to_dict(), load("demo_cpu_late_collapse", *argument).to_dict()
+    changed = {(section, key): (stress[section][key], late[section][key]) for section in stress
+               if isinstance(stress[section], dict) for key in stress[section]
+               if stress[section][key] != late[section][key]}
+    assert changed == {("optim", "learning_rate"): (5e-4, learning_rate), ("train", "total_steps"): (20, 60),
+                       ("train", "eval_every"): (0, 10)}
+    assert late["seed"] == stress["seed"]
 
 
 def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and_warm_start():

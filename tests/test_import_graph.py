@@ -92,7 +92,10 @@ def test_no_import_circle_in_the_package(graph):
 
 
 def test_config_is_on_the_lowest_floors(graph):
-    """llds_jax.config imports only leaves (modules that import nothing of the package), as does the topology
-    catalogue it is checked against."""
-    assert graph["llds_jax.topologies"] == set()
-    assert {m: graph[m] for m in graph["llds_jax.config"] if graph[m]} == {}
+    """llds_jax.config imports only leaves (modules that import nothing of the package) and modules that import
+    only leaves (the typed views, which declare their keys' bounds with the leaf llds_jax.bounds); the topology
+    catalogue it is checked against and llds_jax.bounds are leaves."""
+    assert graph["llds_jax.topologies"] == set() and graph["llds_jax.bounds"] == set()
+    above_leaves = {m: graph[m] for m in graph["llds_jax.config"] if graph[m]}
+    assert {m: {i for i in imports if graph[i]} for m, imports in above_leaves.items()} == {
+        m: set() for m in above_leaves}

@@ -1,10 +1,14 @@
 """Coefficients of the per-micro-batch objective (GRPO + KL + entropy + LLDS) and how a rollout batch becomes
 optimizer updates; defaults = the reference code.
 
-See docs llds-method.md. Every field is validated at construction with an error naming the key. Plain Python (no
-JAX): `llds_jax.config` builds these from a run config without loading JAX.
+See docs llds-method.md. Every field is validated at construction with an error naming the run key; a field's range
+or choices are declared with it (llds_jax.bounds). Plain Python (no JAX): `llds_jax.config` builds these from a run
+config without loading JAX.
 """
 import dataclasses
+
+from llds_jax import bounds
+from llds_jax.bounds import AT_LEAST_1, MOMENTUM, NON_NEGATIVE, POSITIVE, Range, field
 
 GATES = ("action", "response", "token")
 ANSWER_WEIGHTINGS = ("none", "fixed", "adaptive", "adaptive_paper")
@@ -12,16 +16,6 @@ KL_ESTIMATORS = ("k1", "abs", "mse", "low_var_kl")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 REFERENCE_DTYPES = ("float32", "bfloat16")
 DEFAULT_TIME_CHUNK = 256  # time steps per log-prob chunk (llds_jax.rl.logprobs)
-
-
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{key} must be one of {choices}; got {value!r}")
-
-
-def _check_non_negative(key: str, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{key} must be >= 0; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +34,18 @@ class LLDSConfig:
       adaptive_c: c of "adaptive".
     """
 
+    SECTION = "objective.llds"  # the run-config section of its fields (llds_jax.bounds)
+
     enabled: bool = True
     variant: str = "llds"
-    lam: float = 0.2
-    gate: str = "action"
-    answer_weighting: str = "none"
-    answer_beta: float = 0.05
-    adaptive_c: float = 0.2
+    lam: float = field(0.2, NON_NEGATIVE)
+    gate: str = field("action", choices=GATES)
+    answer_weighting: str = field("none", choices=ANSWER_WEIGHTINGS)
+    answer_beta: float = field(0.05, NON_NEGATIVE)
+    adaptive_c: float = field(0.2, NON_NEGATIVE)
 
     def __post_init__(self):
-        _check_choice("objective.llds.gate", self.gate, GATES)
-        _check_choice("objective.llds.answer_weighting", self.answer_weighting, ANSWER_WEIGHTINGS)
-        _check_non_negative("objective.llds.lam", self.lam)
-        _check_non_negative("objective.llds.answer_beta", self.answer_beta)
-        _check_non_negative("objective.llds.adaptive_c", self.adaptive_c)
+        bounds.check(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,33 +70,23 @@ class ObjectiveConfig:
       llds: the LLDS sub-config.
     """
 
-    clip_ratio: float = 0.2
-    clip_ratio_high: float = 0.0
-    ratio_cap: float = 100.0
-    tis_cap: float = 0.0
-    entropy_coef: float = 0.001
-    kl_coef: float = 0.001
-    kl_estimator: str = "low_var_kl"
-    kl_clamp: float = 10.0
-    aggregation: str = "token-mean"
-    temperature: float = 1.0
+    SECTION = "objective"  # the run-config section of its fields (llds_jax.bounds; temperature comes from
+    # rollout.temperature)
+
+    clip_ratio: float = field(0.2, NON_NEGATIVE)
+    clip_ratio_high: float = field(0.0, Range(lambda v: v >= 0, ">= 0 (0: objective.clip_ratio)"))
+    ratio_cap: float = field(100.0, Range(lambda v: v > 1, "> 1"))
+    tis_cap: float = field(0.0, Range(lambda v: v == 0 or v >= 1, "0 (off) or >= 1"))
+    entropy_coef: float = field(0.001, NON_NEGATIVE)
+    kl_coef: float = field(0.001, NON_NEGATIVE)
+    kl_estimator: str = field("low_var_kl", choices=KL_ESTIMATORS)
+    kl_clamp: float = field(10.0, POSITIVE)
+    aggregation: str = field("token-mean", choices=AGGREGATIONS)
+    temperature: float = field(1.0, POSITIVE)
     llds: LLDSConfig = dataclasses.field(default_factory=LLDSConfig)
 
     def __post_init__(self):
-        _check_choice("objective.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_choice("objective.aggregation", self.aggregation, AGGREGATIONS)
-        _check_non_negative("objective.clip_ratio", self.clip_ratio)
-        _check_non_negative("objective.clip_ratio_high", self.clip_ratio_high)
-        _check_non_negative("objective.entropy_coef", self.entropy_coef)
-        _check_non_negative("objective.kl_coef", self.kl_coef)
-        if not self.ratio_cap > 1:
-            raise ValueError(f"objective.ratio_cap must be > 1; got {self.ratio_cap!r}")
-        if not (self.tis_cap == 0 or self.tis_cap >= 1):
-            raise ValueError(f"objective.tis_cap must be 0 (off) or >= 1; got {self.tis_cap!r}")
-        if not self.kl_clamp > 0:
-            raise ValueError(f"objective.kl_clamp must be > 0; got {self.kl_clamp!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"objective.temperature must be > 0; got {self.temperature!r}")
+        bounds.check(self)
         if not isinstance(self.llds, LLDSConfig):
             raise TypeError(f"objective.llds must be an LLDSConfig; got {type(self.llds).__name__}")
 
@@ -147,32 +129,26 @@ class UpdateConfig:
         an update can need (`BatchLayout.row_counts`) before it runs, so later batches do not stop to compile.
     """
 
-    mini_batch_size: int = 256
-    micro_batch_size: int = 16
-    learning_rate: float = 1e-6
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.01
-    logp_time_chunk: int = DEFAULT_TIME_CHUNK
-    reference_dtype: str = "bfloat16"
+    SECTION = "optim"  # the run-config section of its fields (llds_jax.bounds; warmup_steps comes from
+    # optim.warmup_ratio)
+
+    mini_batch_size: int = field(256, AT_LEAST_1)
+    micro_batch_size: int = field(16, AT_LEAST_1)
+    learning_rate: float = field(1e-6, POSITIVE)
+    warmup_steps: int = field(0, NON_NEGATIVE)
+    max_grad_norm: float = field(1.0, POSITIVE)
+    adam_b1: float = field(0.9, MOMENTUM)
+    adam_b2: float = field(0.999, MOMENTUM)
+    adam_eps: float = field(1e-8, POSITIVE)
+    weight_decay: float = field(0.01, NON_NEGATIVE)
+    logp_time_chunk: int = field(DEFAULT_TIME_CHUNK, AT_LEAST_1)
+    reference_dtype: str = field("bfloat16", choices=REFERENCE_DTYPES)
     pack_trajectories: bool = True
-    pack_row_tokens: int = 0
+    pack_row_tokens: int = field(0, NON_NEGATIVE)
     precompile_row_counts: bool = True
 
     def __post_init__(self):
-        for key in ("mini_batch_size", "micro_batch_size", "logp_time_chunk"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"optim.{key} must be >= 1; got {getattr(self, key)!r}")
+        bounds.check(self)
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
                              f"optim.micro_batch_size ({self.micro_batch_size})")
-        for key in ("learning_rate", "warmup_steps", "weight_decay", "pack_row_tokens"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"optim.{key} must be >= 0; got {getattr(self, key)!r}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"optim.max_grad_norm must be > 0; got {self.max_grad_norm!r}")
-        if self.reference_dtype not in REFERENCE_DTYPES:
-            raise ValueError(f"optim.reference_dtype must be one of {REFERENCE_DTYPES}; got {self.reference_dtype!r}")

@@ -66,7 +66,8 @@ _GATE_TESTS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] =
 
 
 def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) -> jax.Array:
-    """The gate g_t in {0, 1}: `m_t * 1[A >= 0] * test`, test per `gate` ("action", "response" or "token").
+    """The gate g_t in {0, 1}: `m_t * 1[A >= 0] * test`, test per `gate` ("action", "response" or "token": one of
+    `rl.config.GATES`, which `LLDSConfig` checks).
 
     Args:
       delta_bt: [B, T] old_logp - logp (treated as a constant).
@@ -77,8 +78,6 @@ def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) ->
     Returns:
       [B, T] float32 gate, a stop-gradient.
     """
-    if gate not in _GATE_TESTS:
-        raise ValueError(f"objective.llds.gate must be one of {sorted(_GATE_TESTS)}; got {gate!r}")
     delta_bt = jax.lax.stop_gradient(delta_bt)
     mask_bt = loss_mask_bt.astype(jnp.float32)
     preserve_b1 = (jax.lax.stop_gradient(advantages_b) >= 0)[:, None]

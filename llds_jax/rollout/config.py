@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from llds_jax import bounds
+from llds_jax.bounds import AT_LEAST_1, NON_NEGATIVE, POSITIVE, PROBABILITY_MASS, field
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
@@ -27,32 +30,24 @@ class AgentConfig:
         row on its own turn (`llds_jax.rollout.continuous`); needs `sampler.Sampler`. The same tokens are sampled.
     """
 
-    max_turns: int = 3
-    max_turn_tokens: int = 500
-    max_observation_tokens: int = 500
-    max_prompt_tokens: int = 2048
-    max_context_tokens: int = 4096
-    max_response_tokens: int = 4096
-    retrieval_top_k: int = 3
-    search_timeout_s: float = 60.0
-    max_batch_size: int = 0
+    SECTION = "rollout"  # the run-config section of its fields (llds_jax.bounds)
+
+    max_turns: int = field(3, NON_NEGATIVE)
+    max_turn_tokens: int = field(500, AT_LEAST_1)
+    max_observation_tokens: int = field(500, AT_LEAST_1)
+    max_prompt_tokens: int = field(2048, AT_LEAST_1)
+    max_context_tokens: int = field(4096, AT_LEAST_1)
+    max_response_tokens: int = field(4096, AT_LEAST_1)
+    retrieval_top_k: int = field(3, AT_LEAST_1)
+    search_timeout_s: float = field(60.0, POSITIVE)
+    max_batch_size: int = field(0, NON_NEGATIVE)
     continuous_batching: bool = False
 
     def __post_init__(self):
-        positive = ("max_turn_tokens", "max_observation_tokens", "max_prompt_tokens", "max_context_tokens",
-                    "max_response_tokens", "retrieval_top_k")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_turns < 0:
-            raise ValueError(f"agent.max_turns must be >= 0, got {self.max_turns}")
-        if self.max_batch_size < 0:
-            raise ValueError(f"agent.max_batch_size must be >= 0 (0: all), got {self.max_batch_size}")
-        if not self.search_timeout_s > 0:
-            raise ValueError(f"agent.search_timeout_s must be > 0, got {self.search_timeout_s}")
+        bounds.check(self)
         if self.max_prompt_tokens >= self.max_context_tokens:
-            raise ValueError(f"agent.max_prompt_tokens ({self.max_prompt_tokens}) must be below "
-                             f"agent.max_context_tokens ({self.max_context_tokens})")
+            raise ValueError(f"rollout.max_prompt_tokens ({self.max_prompt_tokens}) must be below "
+                             f"rollout.max_context_tokens ({self.max_context_tokens})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,33 +72,23 @@ class SamplingConfig:
         sample as they would otherwise. Sessions only: continuous batching appends prompts row by row, without it.
     """
 
-    temperature: float = 1.0
-    top_p: float = 0.95
-    top_k: int = 0
+    SECTION = "rollout"  # the run-config section of its fields (llds_jax.bounds; min_prompt_bucket and
+    # min_batch_bucket are no run keys)
+
+    temperature: float = field(1.0, POSITIVE)
+    top_p: float = field(0.95, PROBABILITY_MASS)
+    top_k: int = field(0, NON_NEGATIVE)
     greedy: bool = False
     stop_ids: tuple[int, ...] = ()
-    decode_chunk: int = 32
-    min_prompt_bucket: int = 16
-    min_capacity_bucket: int = 128
-    min_observation_bucket: int = 16
-    min_batch_bucket: int = 1
+    decode_chunk: int = field(32, AT_LEAST_1)
+    min_prompt_bucket: int = field(16, AT_LEAST_1)
+    min_capacity_bucket: int = field(128, AT_LEAST_1)
+    min_observation_bucket: int = field(16, AT_LEAST_1)
+    min_batch_bucket: int = field(1, AT_LEAST_1)
     compact: bool = True
-    max_extend_rows: int = 0
+    max_extend_rows: int = field(0, bounds.power_of_two_or_0("any"))
     shared_prompt_prefill: bool = False
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature must be > 0 (use sampling.greedy for argmax), got "
-                             f"{self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.decode_chunk < 1:
-            raise ValueError(f"sampling.decode_chunk must be >= 1, got {self.decode_chunk}")
-        for name in ("min_prompt_bucket", "min_capacity_bucket", "min_observation_bucket", "min_batch_bucket"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sampling.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_extend_rows < 0 or self.max_extend_rows & (self.max_extend_rows - 1):
-            raise ValueError(f"rollout.max_extend_rows must be 0 (any) or a power of two, got {self.max_extend_rows}")
+        bounds.check(self)
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))

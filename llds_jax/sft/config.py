@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from llds_jax import bounds
+from llds_jax.bounds import AT_LEAST_1, NON_NEGATIVE, POSITIVE, field
+
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
@@ -31,22 +34,24 @@ class SFTConfig:
       seed: data order.
     """
 
+    SECTION = "sft"  # the run-config section of its fields (llds_jax.bounds)
+
     data_files: tuple[str, ...]
     output_dir: str
     curriculum_files: tuple[str, ...] = ()
-    curriculum_steps: int = 0
-    steps: int = 200
-    batch_size: int = 32
-    learning_rate: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_length: int = 1024
-    max_prompt_tokens: int = 2048
-    sequence_bucket: int = 64
+    curriculum_steps: int = field(0, NON_NEGATIVE)
+    steps: int = field(200, AT_LEAST_1)
+    batch_size: int = field(32, AT_LEAST_1)
+    learning_rate: float = field(1e-3, POSITIVE)
+    warmup_steps: int = field(10, NON_NEGATIVE)
+    weight_decay: float = field(0.0, NON_NEGATIVE)
+    max_grad_norm: float = field(1.0, POSITIVE)
+    max_length: int = field(1024, AT_LEAST_1)
+    max_prompt_tokens: int = field(2048, AT_LEAST_1)
+    sequence_bucket: int = field(64, AT_LEAST_1)
     min_score: float = -1.0
-    logp_time_chunk: int = 256
-    log_every: int = 20
+    logp_time_chunk: int = field(256, AT_LEAST_1)
+    log_every: int = field(20, AT_LEAST_1)
     seed: int = 0
 
     def __post_init__(self):
@@ -54,15 +59,9 @@ class SFTConfig:
             raise ValueError("sft.data_files lists no demonstration files")
         if not self.output_dir:
             raise ValueError("sft.output_dir must be set")
-        for name in ("steps", "batch_size", "max_length", "max_prompt_tokens", "sequence_bucket",
-                     "logp_time_chunk", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"sft.warmup_steps must be in [0, sft.steps], got {self.warmup_steps}")
-        if not 0 <= self.curriculum_steps <= self.steps:
-            raise ValueError(f"sft.curriculum_steps must be in [0, sft.steps], got {self.curriculum_steps}")
+        bounds.check(self)
+        for key in ("warmup_steps", "curriculum_steps"):
+            if getattr(self, key) > self.steps:
+                raise ValueError(f"sft.{key} ({getattr(self, key)}) must be at most sft.steps ({self.steps})")
         if self.curriculum_steps and not self.curriculum_files:
             raise ValueError(f"sft.curriculum_steps={self.curriculum_steps} but sft.curriculum_files is empty")

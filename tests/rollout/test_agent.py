@@ -274,9 +274,9 @@ def test_max_batch_size_splits_into_sessions_in_order(qwen_tokenizer, doubles):
 
 
 def test_agent_config_errors_name_the_key():
-    with pytest.raises(ValueError, match="agent.max_turn_tokens"):
+    with pytest.raises(ValueError, match="rollout.max_turn_tokens"):
         AgentConfig(max_turn_tokens=0)
-    with pytest.raises(ValueError, match="agent.max_prompt_tokens"):
+    with pytest.raises(ValueError, match="rollout.max_prompt_tokens"):
         AgentConfig(max_prompt_tokens=4096, max_context_tokens=4096)
 
 

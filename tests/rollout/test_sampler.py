@@ -68,11 +68,11 @@ def test_greedy_takes_argmax_with_temperature_one_logp():
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(ValueError, match="sampling.temperature"):
+    with pytest.raises(ValueError, match="rollout.temperature"):
         SamplingConfig(temperature=0.0)
-    with pytest.raises(ValueError, match="sampling.top_p"):
+    with pytest.raises(ValueError, match="rollout.top_p"):
         SamplingConfig(top_p=1.5)
-    with pytest.raises(ValueError, match="sampling.decode_chunk"):
+    with pytest.raises(ValueError, match="rollout.decode_chunk"):
         SamplingConfig(decode_chunk=0)
 
 
