@@ -737,7 +737,7 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     same = [(os.path.join(evidence, "runs.csv"), tmp_path / "study_2026_12_02" / "runs.csv")]
     same += [(os.path.join(evidence, "collapse", "study", name), tmp_path / "collapse_study" / name)
              for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "early_warning.md", "auc.md",
-                          "survival.md")]
+                          "survival.md", "sequence.md")]
     same.append((os.path.join(evidence, "collapse", "reread", "paired_common_steps.md"),
                  tmp_path / "collapse_study_common_steps" / "paired.md"))
     for committed, produced in same:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from llds_jax.apps import demo_study
-from llds_jax.apps.study import auc, paired, steps, survival
-from llds_jax.apps.study.outcomes import CURVES, EVAL_EM, LLD_RATE, REF_KL, REWARD, RunResult
+from llds_jax.apps.study import auc, paired, sequence, steps, survival
+from llds_jax.apps.study.outcomes import CURVES, EVAL_EM, LIKELIHOOD, LLD_RATE, REF_KL, REWARD, RunResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLAPSE_STUDY = os.path.join(ROOT, "docs", "evidence", "collapse", "study")
@@ -147,3 +147,22 @@ def test_peak_em_and_its_curve_round_trip_through_the_steps_file(tmp_path):
     steps.write([without], str(tmp_path / "plain"))
     with gzip.open(tmp_path / "plain" / steps.FILE, "rt") as f:
         assert f.readline().strip().split(",") == [*steps.KEY_FIELDS, *CURVES]
+
+
+def test_the_order_of_events_of_hand_built_runs():
+    # Rewards rise to a 3-step peak of 0.9 (steps 3-5), then halve (trailing mean < 0.45 from step 8);
+    # the correct trajectories' log-prob falls below -0.15 (trailing) at step 7: the likelihood first.
+    rewards = [0.5, 0.8, 0.9, 0.9, 0.9, 0.6, 0.3, 0.2, 0.1, 0.0]
+    logp = [-0.05, -0.02, -0.01, -0.01, -0.05, -0.2, -0.3, -0.4, None, None]
+    first = sequence.of(_run("grpo", 0, 9, True, **{REWARD: rewards, LIKELIHOOD: logp}))
+    assert (first.peak, first.peak_step, first.halved_step, first.likelihood_step) == (
+        pytest.approx(0.9), 5, 8, 7)
+    assert first.order == "likelihood first" and first.learned
+    # The same rewards with a likelihood that never falls: the reward first; a flat run never halves.
+    second = sequence.of(_run("grpo", 1, 9, True, **{REWARD: rewards, LIKELIHOOD: [-0.01] * 10}))
+    assert second.likelihood_step is None and second.order == "reward first"
+    flat = sequence.of(_run("grpo", 2, None, False, **{REWARD: [0.5] * 6}))
+    assert (flat.halved_step, flat.order, flat.learned) == (None, "—", False)
+    assert sequence.of(_run("grpo", 3, None, False)) is None  # no curves
+    lines = sequence.markdown([_run("grpo", 0, 9, True, **{REWARD: rewards, LIKELIHOOD: logp})])
+    assert "| s | grpo | 0 | 0.90 at 5 | 8 | 7 | 9 | likelihood first |" in lines

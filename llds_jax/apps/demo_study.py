@@ -43,6 +43,8 @@ status 1 then):
   step-matched AUC of its 3-step trailing mean 3, 4 and 5 steps before each collapse against the runs that did not
   collapse at the same step, pooled with a seed-resampling interval and against the reward-drop and KL baselines
   (llds_jax.apps.study.auc);
+- `OUT/sequence.md` (runs with per-step metrics): per run, the order of events: its peak train reward, the step the
+  reward halved, the step the correct trajectories' likelihood fell, its collapse step (llds_jax.apps.study.sequence);
 - `OUT/steps.csv.gz`: every run's per-step metrics (llds_jax.apps.study.steps), from which, with `runs.csv`, the
   tables and plots are recomputed without the run folders;
 - `OUT/plots/SETTING.png`: per-seed curves of train reward, correct trajectories' token-mean log-prob and LLD rate.
@@ -82,8 +84,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from llds_jax.apps.study import (auc, budget, early_warning, outcomes, paired, plots, plan, runner, steps, survival,
-                                 table)
+from llds_jax.apps.study import (auc, budget, early_warning, outcomes, paired, plots, plan, runner, sequence, steps,
+                                 survival, table)
 from llds_jax.train.metrics import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
@@ -236,7 +238,7 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
                  table.write_paired(comparisons, controls, study.out) + [steps.write(results, study.out)] +
                  survival.write(results, total_steps, study.out, controls) +
                  (early_warning.write(curved, study.out) + auc.write(curved, study.out) +
-                  plots.write(curved, study.out) if curved else []))
+                  sequence.write(curved, study.out) + plots.write(curved, study.out) if curved else []))
         for path in paths:
             print(path, flush=True)
 
