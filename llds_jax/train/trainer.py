@@ -345,29 +345,16 @@ class Trainer:
             return self._run(guard)
 
     def _run(self, guard: PreemptionGuard) -> int:
+        """The step loop: restore, the start's evaluation, then each step with its hooks (`_after_step`) and its
+        save, until the last step or a stop; returns the last step run."""
         cfg = self.cfg
         timeout_s = cfg.train.storage_timeout_s
-        if self.is_main:
-            with storage.operation("writing the run config to", self.run_dir, timeout_s):
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / "config.json").write_text(config_lib.redacted(cfg).to_json_best_effort(indent=2))
+        self._write_run_config()
         state = self.step_fn.init_state()
         ref_params = self.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
         ckpt = Checkpointer(str(self.run_dir / "checkpoints"), save_every=cfg.train.checkpoint_every,
                             keep=cfg.train.keep_checkpoints, timeout_s=timeout_s)
-        start = 0
-        restored = ckpt.restore_latest(state.params, state.opt_state)
-        if restored is not None:
-            start = restored.step
-            self.data.restore(restored.meta["data"])
-            self.base_rng = rng_from_json(restored.meta["rng"])
-            self._lengths = set(restored.meta.get("lengths", ()))  # the resumed steps pad as the first attempt did
-            state = state._replace(
-                params=restored.params, opt_state=restored.opt_state,
-                step=jax.device_put(np.int32(start), state.step.sharding),
-                nonfinite_count=jax.device_put(np.int32(restored.meta["nonfinite_count"]),
-                                               state.nonfinite_count.sharding))
-            log.warning("resumed from step %d of %s", start, self.run_dir)
+        state, start = self._restore(ckpt, state)
         # A fresh run that evaluates its start rewrites step 0's record too (the first attempt may have written it).
         first_record = start + 1 if start or not cfg.train.eval_at_start else 0
         writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=first_record,
@@ -394,14 +381,7 @@ class Trainer:
                     raise RetrieverUnavailableError(f"{e}; the run is saved before step {step}: the same "
                                                     f"command resumes there") from None
                 del pre_step
-                if cfg.train.eval_every and step % cfg.train.eval_every == 0 and self.eval_examples:
-                    self._evaluate_step(state, step, metrics, guard)
-                writer.write(step, metrics)
-                if cfg.train.transcripts_every and step % cfg.train.transcripts_every == 0:
-                    writer.write_texts(step, {
-                        f"transcripts/{i}": evaluation.transcript_text(t, self.tokenizer, cfg.reward.empty_answer)
-                        for i, t in enumerate(trajectories[:cfg.train.num_transcripts])})
-                self.watchdog.check_updates(state.params)
+                self._after_step(step, state, metrics, trajectories, writer, guard)
                 stop = guard.should_stop()
                 if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
                     self._save(ckpt, writer, step, state, self.data.state())
@@ -418,6 +398,45 @@ class Trainer:
         writer.close()
         self.final_params = state.params
         return step
+
+    def _write_run_config(self) -> None:
+        """The run config, secrets redacted, as `config.json` of the run folder (by the main process)."""
+        if self.is_main:
+            with storage.operation("writing the run config to", self.run_dir, self.cfg.train.storage_timeout_s):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.json").write_text(
+                    config_lib.redacted(self.cfg).to_json_best_effort(indent=2))
+
+    def _restore(self, ckpt: Checkpointer, state: TrainState) -> tuple[TrainState, int]:
+        """`state` from the run folder's latest checkpoint, with the data order, the random stream and the
+        training lengths it saved, and its step; `(state, 0)` unchanged when there is none."""
+        restored = ckpt.restore_latest(state.params, state.opt_state)
+        if restored is None:
+            return state, 0
+        start = restored.step
+        self.data.restore(restored.meta["data"])
+        self.base_rng = rng_from_json(restored.meta["rng"])
+        self._lengths = set(restored.meta.get("lengths", ()))  # the resumed steps pad as the first attempt did
+        state = state._replace(
+            params=restored.params, opt_state=restored.opt_state,
+            step=jax.device_put(np.int32(start), state.step.sharding),
+            nonfinite_count=jax.device_put(np.int32(restored.meta["nonfinite_count"]), state.nonfinite_count.sharding))
+        log.warning("resumed from step %d of %s", start, self.run_dir)
+        return state, start
+
+    def _after_step(self, step: int, state: TrainState, metrics: dict[str, float], trajectories,
+                    writer: MetricsWriter, guard: PreemptionGuard) -> None:
+        """The hooks of a finished step, in order: the periodic evaluation (its metrics join the step's), the
+        step's metrics record, the transcripts and the watchdog's check of the updated params."""
+        t = self.cfg.train
+        if t.eval_every and step % t.eval_every == 0 and self.eval_examples:
+            self._evaluate_step(state, step, metrics, guard)
+        writer.write(step, metrics)
+        if t.transcripts_every and step % t.transcripts_every == 0:
+            writer.write_texts(step, {
+                f"transcripts/{i}": evaluation.transcript_text(traj, self.tokenizer, self.cfg.reward.empty_answer)
+                for i, traj in enumerate(trajectories[:t.num_transcripts])})
+        self.watchdog.check_updates(state.params)
 
     def _evaluate_start(self, state: TrainState, writer: MetricsWriter, guard: PreemptionGuard) -> None:
         """The evaluation of the starting policy (train.eval_at_start) as step 0's record; a stop request abandons
