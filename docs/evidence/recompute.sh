@@ -2,7 +2,7 @@
 # Recomputes every table of docs/evidence.md from the records committed under docs/evidence/ (runs.csv and,
 # where the study kept them, per-step metrics in steps.csv.gz), without a run folder: the 96-run study of
 # 2026-12-02, its gate ablation on seeds 0-3 alone, the calibration of the collapse regime, the 48-run collapse
-# study of issue 33 and issue 40's re-reading of it (LLD rate on common steps). Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files
+# study of issue 33, issue 40's re-reading of it (LLD rate on common steps) and issue 40's calibration. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files
 # there are the committed ones byte for byte, and every table row of docs/evidence.md is a row of one of them
 # (tests/test_demo_study.py checks both). Run from the repository root: sh docs/evidence/recompute.sh [OUT]
 # The interpreter is $PYTHON when set (a virtual environment that is not activated:
@@ -42,3 +42,8 @@ STUDY_ARMS=grpo,llds,llds_low_lr,grpo_low_lr,grpo_clip_higher,grpo_tis
 "$PYTHON" -m llds_jax.apps.demo_study --settings collapse --seeds 2-9 --arms "$STUDY_ARMS" \
     --out "$OUT/collapse_study_common_steps" --report --recorded "$EVIDENCE/collapse/study/runs.csv" \
     --controls grpo --endpoints lld_rate_common
+# Issue 40's calibration of a learn-then-collapse regime (GRPO, four learning rates, 60 steps, seeds 0-3).
+S=configs/demo_cpu_late_collapse.py
+"$PYTHON" -m llds_jax.apps.demo_study --settings "lr5e4=$S:5e-4,lr6e4=$S:6e-4,lr7e4=$S:7e-4,lr8e4=$S:8e-4" \
+    --seeds 0-3 --arms grpo --out "$OUT/late_collapse_calibration" --report \
+    --recorded "$EVIDENCE/late_collapse/calibration/runs.csv"
