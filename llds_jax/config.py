@@ -366,16 +366,14 @@ def has(cfg: ml_collections.ConfigDict, key: str) -> bool:
     return True
 
 
-def check_bounds(cfg: ml_collections.ConfigDict, bounds: Sequence[tuple[Sequence[str], Any, str]]) -> None:
-    """Raises ConfigError naming the key unless every number of `bounds` ((keys, test, what it must be), ...) is
-    finite and passes its test."""
-    for keys, test, what in bounds:
+def check_bounds(cfg: ml_collections.ConfigDict, rules: Sequence[tuple[Sequence[str], Any, str]]) -> None:
+    """Raises ConfigError naming the key unless every number of `rules` ((keys, test, what it must be), ...) is
+    finite and passes its test (the views' checker, `bounds.problem`)."""
+    for keys, test, what in rules:
         for key in keys:
-            number = value(cfg, key)
-            if not math.isfinite(number):  # inf passes `> 0`; the first update would make the weights NaN
-                raise ConfigError(f"{key} must be finite and {what}, got {number!r}")
-            if not test(number):
-                raise ConfigError(f"{key} must be {what}, got {number!r}")
+            message = bounds.problem(key, value(cfg, key), bounds.Range(test, what))
+            if message:
+                raise ConfigError(message)
 
 
 def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
