@@ -27,7 +27,8 @@ PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_
 def test_every_config_file_is_covered():
     names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))} - {"__init__"}
     assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "demo_cpu_paper",
-                                                 "demo_cpu_collapse", "demo_cpu_late_collapse", "tiny_test"}
+                                                 "demo_cpu_collapse", "demo_cpu_late_collapse", "demo_cpu_late_study",
+                                                 "tiny_test"}
 
 
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
@@ -107,7 +108,7 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
 
 
 @pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "demo_cpu_collapse",
-                                  "demo_cpu_late_collapse", "tiny_test"])
+                                  "demo_cpu_late_collapse", "demo_cpu_late_study", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
     assert cfg.app == "llds_jax.apps.demo" and cfg.demo.enabled  # the demo application prepares the run
@@ -146,6 +147,15 @@ def test_late_collapse_calibration_is_the_stress_setting_for_60_steps_at_the_lea
     assert changed == {("optim", "learning_rate"): (5e-4, learning_rate), ("train", "total_steps"): (20, 60),
                        ("train", "eval_every"): (0, 10)}
     assert late["seed"] == stress["seed"]
+
+
+def test_late_collapse_study_is_the_calibrations_lr_5e4_for_80_steps():
+    calibration, study = load("demo_cpu_late_collapse", "5e-4").to_dict(), load("demo_cpu_late_study").to_dict()
+    changed = {(section, key): (calibration[section][key], study[section][key]) for section in calibration
+               if isinstance(calibration[section], dict) for key in calibration[section]
+               if calibration[section][key] != study[section][key]}
+    assert changed == {("train", "total_steps"): (60, 80)}
+    assert study["optim"]["learning_rate"] == 5e-4 and study["seed"] == calibration["seed"]
 
 
 def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and_warm_start():

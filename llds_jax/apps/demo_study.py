@@ -11,12 +11,12 @@ logging to `OUT/logs/`. Arguments after `--` go to every launch (e.g. `-- --conf
 
 Arms (`NAME` or `NAME:K`, K = how many of the seeds it runs, the first K): grpo, llds (lambda 0.2, action gate),
 grpo_low_lr (1/2.5 of the setting's learning rate), grpo_kl10 (10x the setting's KL coefficient), llds_token and
-llds_response (the gate ablation; llds_action is llds), llds_low_lr (LLDS at 1/2.5 of the learning rate),
-llds_lam1 (LLDS at lambda 1.0), and the stability methods peers ship: grpo_clip_higher (DAPO's clip-higher, upper clip 0.28) and grpo_tis (truncated
-importance sampling of the sampler's log-probs, cap 2). Settings: stress (configs/demo_cpu_grpo.py), default
-(configs/demo_cpu.py), paper_shaped (configs/demo_cpu_paper.py), collapse (configs/demo_cpu_collapse.py, the
-pre-registered study of docs/evidence.md), or `NAME=CONFIG_FILE`. Seeds: `N` (0..N-1), `A-B`
-or `A,B,...`.
+llds_response (the gate ablation; llds_action is llds), llds_low_lr (LLDS at 1/2.5 of the learning rate), llds_lam1
+(LLDS at lambda 1.0), and the stability methods peers ship: grpo_clip_higher (DAPO's clip-higher, upper clip 0.28) and
+grpo_tis (truncated importance sampling of the sampler's log-probs, cap 2). Settings: stress
+(configs/demo_cpu_grpo.py), default (configs/demo_cpu.py), paper_shaped (configs/demo_cpu_paper.py), collapse
+(configs/demo_cpu_collapse.py, the pre-registered study of issue 33), late_collapse (configs/demo_cpu_late_study.py,
+issue 40's), or `NAME=CONFIG_FILE`. Seeds: `N` (0..N-1), `A-B` or `A,B,...`.
 
 Resumable: a run whose final evaluation (`eval/final_step_N/results.json`) exists is skipped; any other is launched
 again and resumes from its latest checkpoint (the trainer does that by itself). Ctrl-C (or `timeout -s INT 90m ...`)

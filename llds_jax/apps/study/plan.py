@@ -69,6 +69,7 @@ SETTINGS: dict[str, str] = {
     "default": "configs/demo_cpu.py",            # lr 2e-4, 4 updates per batch of 64
     "paper_shaped": "configs/demo_cpu_paper.py",  # lr 2e-4 after a 28.5% warmup, 10 updates of 2 groups of 4
     "collapse": "configs/demo_cpu_collapse.py",  # stress at lr 1e-3 for 30 steps: GRPO collapses (issue 33)
+    "late_collapse": "configs/demo_cpu_late_study.py",  # stress for 80 steps: GRPO learns, then declines (issue 40)
 }
 
 
