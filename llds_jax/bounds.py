@@ -8,7 +8,7 @@ declarations (`declared`) against the run config before any view is built (both 
 be in (0, 1], got 1.5". Keys of no view (`train.*`, `eval.*`, `data.*`, ...) keep their bounds in
 `llds_jax.config`, each in one place too (tests/test_bounds.py checks that no key is bounded twice).
 
-A leaf: no import of the package.
+A leaf: no import of the package, so that every module can raise `ConfigError` without importing the schema.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A run config problem; the message names the key."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +71,9 @@ def problem(key: str, value: Any, rule: Range | tuple) -> str | None:
 
 
 def check(view: Any) -> None:
-    """Raises ValueError naming the run key of the first bounded field of the typed view instance `view` whose
+    """Raises ConfigError naming the run key of the first bounded field of the typed view instance `view` whose
     value is out of its range or choices."""
     for key, name, rule in declared(type(view)):
         message = problem(key, getattr(view, name), rule)
         if message:
-            raise ValueError(message)
+            raise ConfigError(message)

@@ -19,7 +19,8 @@ from llds_jax.config import ConfigError
 from llds_jax.model.config import ATTENTION_CHOICES, PRESETS
 from llds_jax.rl import losses  # noqa: F401  (registers the built-in loss terms, "llds" among them)
 from llds_jax.rl.terms import registered_loss_terms
-from llds_jax.search.factory import resolve_config
+from llds_jax.search.factory import request_policy, resolve_config
+from llds_jax.search.retry import RequestPolicy
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -34,9 +35,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     config_lib.check_choice(cfg, "objective.llds.variant", registered_loss_terms())
     config_lib.check_choice(cfg, "model.attention", ATTENTION_CHOICES)
     try:
-        resolve_config(cfg.retriever)  # keys and types of the chosen backend
+        retriever = resolve_config(cfg.retriever)  # keys and types of the chosen backend
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if "max_retries" in retriever:
+        _check_retry_budget(request_policy(retriever), cfg.rollout.search_timeout_s)
     if cfg.model.preset and cfg.model.preset.lower() not in PRESETS:
         raise ConfigError(f"model.preset {cfg.model.preset!r} is not one of {sorted(PRESETS)}")
     if cfg.mesh.topology:
@@ -60,6 +63,18 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     config_lib.update_config(cfg)
     config_lib.agent_config(cfg)
     config_lib.agent_config(cfg, evaluation=True)
+
+
+def _check_retry_budget(policy: RequestPolicy, search_timeout_s: float) -> None:
+    """A failing request must be able to give up (`RequestPolicy.worst_case_s`) before the rollout abandons the
+    search (`rollout.search_timeout_s`); else every retry past that point is wasted and the error the rollout
+    records is a bare timeout instead of the retriever's last error."""
+    if policy.worst_case_s > search_timeout_s:
+        raise ConfigError(f"retriever: a failing request retries for up to {policy.worst_case_s:g} s (timeout_s "
+                          f"{policy.timeout_s:g} x {1 + policy.max_retries} attempts + backoff), longer than "
+                          f"rollout.search_timeout_s = {search_timeout_s:g} s, when the rollout abandons the "
+                          "search: raise rollout.search_timeout_s or lower retriever.timeout_s / "
+                          "retriever.max_retries")
 
 
 def _check_model_folders(cfg: ml_collections.ConfigDict, provided: tuple[str, ...]) -> None:

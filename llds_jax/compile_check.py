@@ -12,9 +12,9 @@ The programs, at the config's largest shapes (the worst case a long run can reac
 - rollout (each host's own chips with several hosts, as the trainer runs it): prefill of `rollout.max_batch_size`
   rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
   observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
-  (`rollout_shapes`; with `rollout.continuous_batching`, the empty batch and extends of every row by a prompt
-  and by an observation in place of the prefill and the extend; with `rollout.shared_prompt_prefill`, a prefill
-  of the most distinct prompts a session's GRPO groups hold); the same for evaluation (greedy,
+  (`run_builder.session_shapes`; with `rollout.continuous_batching`, the empty batch and extends of every row by a
+  prompt and by an observation in place of the prefill and the extend; with `rollout.shared_prompt_prefill`, a
+  prefill of the most distinct prompts a session's GRPO groups hold); the same for evaluation (greedy,
   `eval.batch_size` rows); their params in `rollout.params_dtype`, as the trainer casts them (with bfloat16 on
   float32 master weights, half the bytes);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
@@ -41,10 +41,19 @@ import re
 import time
 from typing import Any, Optional, Sequence
 
-from llds_jax import roofline, step_estimate, topologies
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from llds_jax import checks, roofline, run_builder, step_estimate, topologies
+from llds_jax import config as config_lib
 from llds_jax.programs import Role
+from llds_jax.rl.train_step import TrainShapes
+from llds_jax.rollout.buckets import round_up
+from llds_jax.rollout.layout import abstract_rollout_params
 
 GIB = 1 << 30
+PLACEHOLDER_STOP_IDS = (0, 1)  # the samplers' turn stops: the tokenizer's do not change a program's shapes
 EXIT_DOES_NOT_FIT = 1
 
 
@@ -76,10 +85,6 @@ def topology_devices(name: str) -> tuple[list[Any], float]:
 def usable_hbm_bytes(device: Any) -> Optional[float]:
     """The HBM per chip XLA lets a program use (what it names when a program does not fit), measured by compiling
     a program that cannot fit; None when the compiler does not say."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
-
     too_big = jax.ShapeDtypeStruct((1 << 38,), jnp.float32, sharding=SingleDeviceSharding(device))
     try:
         jax.jit(lambda x: x * 2).lower(too_big).compile()
@@ -113,56 +118,6 @@ def parse_required_bytes(message: str) -> Optional[float]:
 
 
 # ----- what runs -----------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class RolloutShapes:
-    """The largest buckets of one sampler: rows of a session, prompt slots, the cache capacity of the prefill
-    (room for a first turn) and the largest capacity a conversation can reach, observation slots of an extend, and
-    with `rollout.shared_prompt_prefill` the rows its prefill encodes (0: every row)."""
-
-    rows: int
-    prompt: int
-    prefill_capacity: int
-    capacity: int
-    observation: int
-    distinct: int = 0
-
-
-def rollout_shapes(cfg, sequences: int, batch_multiple: int, groups: bool = True) -> RolloutShapes:
-    """The sampler's worst-case buckets for sessions over `sequences` sequences (split into sessions of
-    `rollout.max_batch_size`), as `llds_jax.rollout.sampler` rounds them.
-
-    Capacity: an upper bound on the slots a row can use: its prompt bucket (left padding and prompt), at most
-    `max_context_tokens` tokens after it (the cap counts the prompt too), and one observation bucket for the
-    padding of an extend and the slot a finished row writes per decode step.
-
-    Distinct prompts (`rollout.shared_prompt_prefill`, with `groups`: the sequences are GRPO groups of
-    `data.samples_per_prompt` consecutive samples of one prompt): the most a session's consecutive sequences can
-    hold, a group cut at each end, at their row bucket."""
-    from llds_jax.rollout import buckets
-
-    r = cfg.rollout
-    s = sampling_config(cfg)
-    per_session = min(sequences, r.max_batch_size or sequences)
-    rows = buckets.batch_bucket(per_session, batch_multiple, s.min_batch_bucket)
-    distinct = 0
-    if r.shared_prompt_prefill and groups:
-        most = -(-(per_session - 1) // cfg.data.samples_per_prompt) + 1
-        distinct = buckets.batch_bucket(min(most, per_session), batch_multiple, s.min_batch_bucket)
-    prompt = buckets.pow2_bucket(r.max_prompt_tokens, s.min_prompt_bucket)
-    observation = buckets.pow2_bucket(r.max_observation_tokens, s.min_observation_bucket)
-    prefill_capacity = buckets.pow2_bucket(prompt + r.max_turn_tokens + 1, s.min_capacity_bucket)
-    capacity = buckets.pow2_bucket(prompt + r.max_context_tokens + observation, s.min_capacity_bucket)
-    return RolloutShapes(rows=rows, prompt=prompt, prefill_capacity=prefill_capacity, capacity=max(
-        capacity, prefill_capacity), observation=observation, distinct=distinct if distinct < rows else 0)
-
-
-def sampling_config(cfg, evaluation: bool = False):
-    """The run's SamplingConfig with two placeholder stop ids (the tokenizer's do not change a program's shapes)."""
-    from llds_jax import config as config_lib
-
-    return config_lib.sampling_config(cfg, stop_ids=(0, 1), evaluation=evaluation)
-
-
 # Long-lived arrays of a run: the policy parameters, the optimizer state (with the step counters), the frozen
 # reference parameters. Their bytes per chip are read off the programs that make them (XLA's own layout, padding
 # included): "reference copy" reads the params and writes the reference, "optimizer init" writes the state.
@@ -363,36 +318,6 @@ def weight_gathers(rows: Sequence[Row], model_cfg, tensor: int) -> list[str]:
     return lines
 
 
-def model_config(cfg, platform: str = "tpu"):
-    """The run's architecture without its weights: `model.preset`, else `config.json` in `model.path`; attention
-    decided for `platform` (the compiled-for devices', not JAX's CPU backend)."""
-    from llds_jax import config as config_lib
-    from llds_jax.model import from_hf_config, hf_io, preset
-
-    m = cfg.model
-    overrides = dict(config_lib.model_overrides(cfg), attention_platform=platform)
-    if m.preset:
-        return preset(m.preset, **overrides)
-    try:
-        return from_hf_config(hf_io.read_config(m.path), **overrides)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"model.path: {e} (set model.preset to compile without the checkpoint)") from None
-
-
-def rollout_layout(cfg, devices: Sequence[Any], train_mesh=None):
-    """The rollout layout (`llds_jax.rollout.layout`) of the first host of `devices` (every host's is alike);
-    `train_mesh` defaults to the run's training mesh over `devices`."""
-    from llds_jax import parallel
-    from llds_jax.rollout.layout import make_layout
-
-    if train_mesh is None:
-        train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-    first_host = min(d.process_index for d in devices)
-    return make_layout(cfg.rollout.tensor_parallel, model_config(cfg, devices[0].platform), train_mesh,
-                       [d for d in devices if d.process_index == first_host], cfg.mesh.tensor, cfg.rollout.extend_chunk,
-                       cfg.rollout.cache_block)
-
-
 def _layout_label(layout, hosts: int) -> str:
     """How a rollout program's shapes say where it runs: " (host-local)" on several hosts, the tensor-parallel
     group when there is one."""
@@ -406,58 +331,47 @@ def _layout_label(layout, hosts: int) -> str:
 def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered at
     the run's largest shapes with abstract arrays (compiling is what takes time); in the order a run first runs
-    them. The samplers and the train step name their programs at abstract arguments (`abstract_programs`,
+    them. The run is built as the trainer builds it (`llds_jax.run_builder`), on an abstract model; the samplers
+    and the train step name their programs at abstract arguments (`abstract_programs`,
     `llds_jax.programs.CompilablePrograms`); what stays resident and the calls per step are added here."""
-    from flax import nnx
-
-    from llds_jax import config as config_lib
-    from llds_jax import parallel
-    from llds_jax.model import Transformer
-    from llds_jax.rl.train_step import RLTrainStep, TrainShapes
-    from llds_jax.rollout.buckets import round_up
-    from llds_jax.rollout.layout import abstract_rollout_params
-    from llds_jax.rollout.sampler import Sampler, SessionShapes
-
     hosts = sorted({d.process_index for d in devices})
-    train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-    model_cfg = model_config(cfg, devices[0].platform)
-    layout = rollout_layout(cfg, devices, train_mesh)
-    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    abstract = nnx.state(model, nnx.Param)
-    nnx.update(model, parallel.abstract_params(abstract, train_mesh))
-    step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), train_mesh)
-    graphdef = layout.graphdef(nnx.split(model)[0])
-    rollout_params = abstract_rollout_params(layout, step.abstract_state().params, cfg.rollout.params_dtype)
+    layout = run_builder.run_layout(cfg, devices)
+    parts = run_builder.build(cfg, layout, run_builder.abstract_model(layout), PLACEHOLDER_STOP_IDS)
+    rollout_params = abstract_rollout_params(layout.rollout, parts.step.abstract_state().params,
+                                             cfg.rollout.params_dtype)
     # The rollout's params are a copy of their own (the training params stay resident) on another mesh or in
     # another dtype; else they are the training params themselves.
-    own_copy = layout.resharded or layout.kv_repeat > 1 or cfg.rollout.params_dtype != cfg.model.param_dtype
+    own_copy = (layout.rollout.resharded or layout.rollout.kv_repeat > 1
+                or cfg.rollout.params_dtype != cfg.model.param_dtype)
     everything = (PARAMS, OPT_STATE, REFERENCE)
     rollout = []
     shapes_seen = set()
     batch = config_lib.rollout_batch_size(cfg)
-    for label, evaluation, sequences in (("", False, batch // len(hosts)), ("eval ", True, cfg.eval.batch_size)):
-        sampler = Sampler(graphdef, sampling_config(cfg, evaluation), layout.mesh)
-        s = rollout_shapes(cfg, sequences, sampler.batch_multiple, groups=not evaluation)
-        calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, s.rows)
-        decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)
+    for label, sampler, sequences in (("", parts.sampler, batch // len(hosts)),
+                                      ("eval ", parts.eval_sampler, cfg.eval.batch_size)):
+        evaluation = sampler is parts.eval_sampler
+        at = run_builder.session_shapes(cfg, sampler.config, sampler.batch_multiple, rollout_params, sequences,
+                                        groups=not evaluation)
+        calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, at.rows)
+        decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, at.prompt, at.observation, at.capacity)
         loop_runs = {Role.DECODE_CHUNK: (cfg.rollout.decode_chunk, decode_blocks), Role.EXTEND: (extend_blocks,),
                      Role.ROW_EXTEND: (extend_blocks,)}
-        at = SessionShapes(rollout_params, **dataclasses.asdict(s), continuous=cfg.rollout.continuous_batching)
         for program in sampler.abstract_programs(at):
             role = program.role
             if (role, program.shapes) in shapes_seen and role is not Role.DECODE_CHUNK:
                 continue  # the evaluation sampler runs the very same program
             shapes_seen.add((role, program.shapes))
             decode = role is Role.DECODE_CHUNK
-            rollout.append(Program(f"{label}{program.name}", program.shapes + _layout_label(layout, len(hosts)),
+            rollout.append(Program(f"{label}{program.name}", program.shapes + _layout_label(layout.rollout, len(hosts)),
                                    program.lower(), everything if own_copy else (OPT_STATE, REFERENCE), role=role,
                                    rollout=True, loop_runs=loop_runs.get(role, (1,)), calls=calls.get(role, 0.0),
-                                   sampled_per_call=s.rows * cfg.rollout.decode_chunk if decode else 0))
+                                   sampled_per_call=at.rows * cfg.rollout.decode_chunk if decode else 0))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
     training = [Program(p.name, p.shapes, p.lower(), TRAINING_RESIDENT.get(p.role, (REFERENCE,)), role=p.role,
                         calls=calls.get(p.role, 0.0))
-                for p in step.abstract_programs(TrainShapes(batch, length, measure_lld=bool(cfg.train.lld_every)))]
+                for p in parts.step.abstract_programs(TrainShapes(batch, length,
+                                                                  measure_lld=bool(cfg.train.lld_every)))]
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     return setup + rollout + training[len(setup):]
 
@@ -465,8 +379,6 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
 def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int) -> str:
     """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks, with its
     assumptions."""
-    from llds_jax import config as config_lib
-
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls,
                                        step_estimate.ROLLOUT if p.rollout else step_estimate.UPDATES, p.role)
              for r, p in zip(rows, programs)]
@@ -480,10 +392,6 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
 def run(cfg, topology: str) -> int:
     """Compiles every program of `cfg` for `topology` and prints the table; returns the exit status (0: every
     program fits, `EXIT_DOES_NOT_FIT`: one does not)."""
-    import jax
-
-    from llds_jax import checks
-
     jax.config.update("jax_platforms", "cpu")  # the host's own backend; TPU programs are compiled, never run
     devices, nominal = topology_devices(topology)
     checks.validate(cfg, len(devices))
@@ -500,10 +408,10 @@ def run(cfg, topology: str) -> int:
     rows = [row.with_resident(sum(sizes[name] for name in program.resident))
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))
-    model = model_config(cfg)
-    layout = rollout_layout(cfg, devices)
+    layout = run_builder.run_layout(cfg, devices)
+    model, rollout = layout.model_cfg, layout.rollout
     problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
-                + weight_gathers([r for r, p in zip(rows, programs) if p.rollout], layout.model_cfg, layout.tensor))
+                + weight_gathers([r for r, p in zip(rows, programs) if p.rollout], rollout.model_cfg, rollout.tensor))
     for line in problems:
         print(f"llds_jax: error: {line}")
     if problems:

@@ -20,14 +20,11 @@ from typing import Any
 import ml_collections
 
 from llds_jax import bounds, redaction
+from llds_jax.bounds import ConfigError
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
-
-
-class ConfigError(ValueError):
-    """A run config problem; the message names the key."""
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -414,14 +411,6 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     for key in ("warmup_steps", "curriculum_steps"):
         if cfg.sft[key] > cfg.sft.steps:
             raise ConfigError(f"sft.{key} ({cfg.sft[key]}) must be at most sft.steps ({cfg.sft.steps})")
-
-
-def model_overrides(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The ModelConfig fields a run sets on top of the checkpoint's architecture (numerics and execution)."""
-    m = cfg.model
-    return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat,
-                attention=m.attention, attention_query_block=m.attention_query_block,
-                attention_key_block=m.attention_key_block, mlp_chunks=m.mlp_chunks)
 
 
 def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:

@@ -165,13 +165,6 @@ def abstract_params(state: nnx.State, mesh: Mesh) -> nnx.State:
                         param_shardings(state, mesh))
 
 
-def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-    """Places a model's parameters on their shards (in place) and returns it."""
-    state = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.device_put(state, param_shardings(state, mesh)))
-    return model
-
-
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Sharding of a batch-major array: the leading ("batch") axis split, the rest replicated."""
     return NamedSharding(mesh, spec("batch", *([None] * (ndim - 1))))

@@ -1,5 +1,7 @@
 """The package's shape, read from the source: small modules (issue 41), and sessions used through their declared
 interface, never probed for attributes."""
+import ast
+import collections
 import os
 import re
 
@@ -29,3 +31,21 @@ def test_no_module_is_longer_than_600_lines_and_the_sampler_keeps_to_its_job():
 def test_no_code_probes_a_session_for_an_attribute():
     probe = re.compile(r"\b(getattr|hasattr)\(\s*session\b")
     assert [path for path, text in _sources().items() if probe.search(text)] == []
+
+
+def test_every_public_function_is_used_outside_the_tests():
+    """A public function or method of the package whose name appears nowhere else in the shipped code (the package,
+    bench/, index_builder/, launch/, configs/) serves only tests: such helpers live in tests/ (issue 41). Functions
+    with a decorator other than `property` (registered loss terms) are called through their registry."""
+    shipped = dict(_sources())
+    for folder in ("bench", "index_builder", "launch", "configs"):
+        for sub, _, files in os.walk(os.path.join(ROOT, folder)):
+            shipped.update({os.path.join(sub, name): open(os.path.join(sub, name), encoding="utf-8").read()
+                            for name in files if name.endswith(".py")})
+    words = collections.Counter(re.findall(r"\w+", "\n".join(shipped.values())))
+    registered = lambda node: any(not (isinstance(d, ast.Name) and d.id == "property")  # noqa: E731
+                                  for d in node.decorator_list)
+    unused = [f"{path}: {node.name}" for path, text in _sources().items() for node in ast.walk(ast.parse(text))
+              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
+              and not registered(node) and words[node.name] == 1]
+    assert unused == []

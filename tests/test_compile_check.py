@@ -12,7 +12,8 @@ import sys
 import jax
 import pytest
 
-from llds_jax import compile_check, roofline, step_estimate, topologies
+from llds_jax import compile_check, roofline, run_builder, step_estimate, topologies
+from llds_jax import config as config_lib
 from llds_jax.model import ModelConfig, to_hf_config
 from llds_jax.programs import Role
 from tests.configs import load
@@ -82,68 +83,27 @@ def test_xla_resource_exhausted_message_is_read():
     assert compile_check.parse_available_hbm("INTERNAL: something else") is None
 
 
-def test_rollout_shapes_are_the_largest_buckets(tiny_model_dir):
+def _largest(cfg, sequences: int, batch_multiple: int, groups: bool = True) -> tuple[int, ...]:
+    """(rows, prompt, prefill capacity, capacity, observation, distinct) of run_builder.session_shapes."""
+    s = run_builder.session_shapes(cfg, config_lib.sampling_config(cfg, (0, 1), evaluation=not groups),
+                                   batch_multiple, None, sequences, groups)
+    return s.rows, s.prompt, s.prefill_capacity, s.capacity, s.observation, s.distinct
+
+
+def test_session_shapes_are_the_largest_buckets(tiny_model_dir):
     """Worst case of a session: all its rows at the capacity bound, the prompt and observation buckets full."""
     cfg = flagship(tiny_model_dir, **{"rollout.max_prompt_tokens": 100, "rollout.max_observation_tokens": 40,
                                       "rollout.shared_prompt_prefill": False})
-    shapes = compile_check.rollout_shapes(cfg, sequences=40, batch_multiple=4)
     # rows: sessions of 16; prompt pow2(100) = 128; observation pow2(40) = 64; prefill: 128 + 16 + 1 -> 256
     # (the smallest capacity bucket is 128); capacity: 128 + 256 + 64 = 448 -> 512.
-    assert shapes == compile_check.RolloutShapes(rows=16, prompt=128, prefill_capacity=256, capacity=512,
-                                                 observation=64)
-    assert compile_check.rollout_shapes(cfg, sequences=6, batch_multiple=4).rows == 8
+    assert _largest(cfg, sequences=40, batch_multiple=4) == (16, 128, 256, 512, 64, 0)
+    assert _largest(cfg, sequences=6, batch_multiple=4)[0] == 8
     # A shared prefill: 16 consecutive samples of groups of 4 hold at most 5 prompts (1 + 4 + 4 + 4 + 3), a row
     # bucket of 8 (a multiple of 4); none for evaluation's ungrouped rows.
     cfg.rollout.shared_prompt_prefill = True  # as configs/qwen7b_v4.py sets it
     assert cfg.data.samples_per_prompt == 4
-    shared = compile_check.rollout_shapes(cfg, sequences=40, batch_multiple=4)
-    assert shared == compile_check.RolloutShapes(rows=16, prompt=128, prefill_capacity=256, capacity=512,
-                                                 observation=64, distinct=8)
-    assert compile_check.rollout_shapes(cfg, sequences=40, batch_multiple=4, groups=False).distinct == 0
-
-
-@pytest.mark.slow
-def test_programs_compile_for_a_v4_pod_with_exact_memory(tiny_model_dir, capsys):
-    """Two hosts of 4 chips (v4:2x2x2): rollouts on one host's chips, training on all 8. XLA's argument sizes
-    per chip equal the shards of the abstract arrays (what the resident column adds up)."""
-    cfg = flagship(tiny_model_dir)
-    devices, nominal = compile_check.topology_devices("v4:2x2x2")
-    assert (len(devices), nominal) == (8, 32 * GIB)
-    assert len({d.process_index for d in devices}) == 2
-    built = compile_check.build_programs(cfg, devices)
-    programs = {p.name: p for p in built}
-    assert list(programs) == PROGRAMS[6:8] + PROGRAMS[:5] + ["eval prefill", "eval decode chunk", "eval extend",
-                                                             "eval cache growth", "eval compaction"] + PROGRAMS[8:]
-    # The paper config's programs by role, with the calls per step and the resident arrays read off the role (a
-    # session's programs twice: the evaluation's, called by no training step).
-    session = [Role.PREFILL, Role.DECODE_CHUNK, Role.EXTEND, Role.CACHE_GROWTH, Role.COMPACTION]
-    assert [p.role for p in built] == [Role.OPTIMIZER_INIT, Role.REFERENCE_COPY, *session, *session,
-                                       Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LIKELIHOOD_METRICS, Role.LLD_LOGP,
-                                       Role.UPDATE, Role.LLD_METRICS]
-    assert [p.calls for p in built[2:12]] == [1, 1 * 4 * 16 / 32, 3, 1, 1] + [0] * 5  # 32 sequences, 16-row sessions
-    assert {p.role: p.calls for p in built[12:]} == step_estimate.update_calls(cfg, 2)
-    assert all(p.resident == compile_check.TRAINING_RESIDENT.get(p.role, ("reference",)) for p in built[12:])
-    # Tensor parallelism over the host's 4 chips; the 2 key/value heads held twice each.
-    assert programs["decode chunk"].shapes == ("16 rows x 32 steps, 512 slots (host-local, tensor 4, key/value "
-                                               "heads x2)")
-    assert programs["decode chunk"].resident == ("params", "optimizer state", "reference")  # rollout's own copy
-    state_programs = [programs["optimizer init"], programs["reference copy"]]
-    init, copy = rows = [compile_check.compile_row(program) for program in state_programs]
-    # The reference copy reads the float32 params and writes their bfloat16 copy (TPU layouts pad the tiny
-    # shapes, so bytes are XLA's, not shape arithmetic); the optimizer state is AdamW's m and v, laid out like
-    # the params, plus its scalars (count, learning rate).
-    assert copy.temporaries == 0 and copy.outputs < copy.arguments
-    assert 2 * copy.arguments <= init.outputs < 2 * copy.arguments + 64 * 1024
-    sizes = compile_check.long_lived_bytes(rows, state_programs)
-    assert sizes == {"params": copy.arguments, "optimizer state": init.outputs, "reference": copy.outputs}
-    assert copy.with_resident(init.outputs).total == copy.total + init.outputs
-    assert compile_check.run(cfg, "v4:2x2x2") == 0
-    out = capsys.readouterr().out
-    assert "compiling for v4:2x2x2: 8 chips, 2 host(s), TPU v4" in out
-    for name in PROGRAMS:
-        assert f"\n{name} " in out
-    assert "every program fits" in out and "none all-gathers a whole [640, 64] vocabulary table" in out
-    assert "no rollout program a layer's weights" in out
+    assert _largest(cfg, sequences=40, batch_multiple=4) == (16, 128, 256, 512, 64, 8)
+    assert _largest(cfg, sequences=40, batch_multiple=4, groups=False)[5] == 0
 
 
 @pytest.mark.slow
@@ -156,7 +116,7 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
     row = compile_check.compile_row(decode)
-    layout = compile_check.rollout_layout(cfg, devices)
+    layout = run_builder.run_layout(cfg, devices).rollout
     found = compile_check.weight_gathers([row], layout.model_cfg, layout.tensor)
     if tensor_parallel:
         # The rows' f32 logits, sampled on 4 rows per chip ([4 chips, 4 rows, V 640]), the rows' valid slots
@@ -179,7 +139,7 @@ def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     cfg = flagship(tiny_model_dir, **{"rollout.cache_block": 64})
     decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
-    s = compile_check.rollout_shapes(cfg, 16, 1)
+    s = run_builder.session_shapes(cfg, config_lib.sampling_config(cfg, (0, 1)), 1, None, 16)
     assert decode.loop_runs == (32, step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)[0])
     text = decode.lowered.compile().as_text()
     costs = [roofline.hlo_costs(text, (32, blocks)) for blocks in (1, 2, 3)]

@@ -10,7 +10,7 @@ from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
 
 # (typed view, its run-config section). ModelConfig is not among them: it is the checkpoint's architecture, and a
-# run sets every one of its numerics fields from the `model` section (config.model_overrides).
+# run sets every one of its numerics fields from the `model` section (llds_jax.model.run_overrides).
 VIEWS = ((ObjectiveConfig, "objective"), (LLDSConfig, "objective.llds"), (UpdateConfig, "optim"),
          (AgentConfig, "rollout"), (SamplingConfig, "rollout"), (SFTConfig, "sft"))
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import ml_collections
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -79,6 +80,20 @@ def test_retriever_keys_are_validated_with_the_config():
     cfg.retriever.encoder_dtype = "fp8"
     with pytest.raises(config_lib.ConfigError, match="retriever config key 'encoder_dtype' must be one of"):
         checks.validate(cfg)
+
+
+def test_a_retry_budget_longer_than_the_rollouts_search_timeout_is_named():
+    """With the http backend's defaults a failing request gives up after 4 attempts of 10 s and pauses of 0.5, 1
+    and 2 s: 43.5 s, within rollout.search_timeout_s = 60; 6 retries take 7 x 10 + 0.5 x 63 = 101.5 s."""
+    cfg = load("qwen7b_v4")
+    cfg.retriever = ml_collections.ConfigDict({"backend": "http", "url": "http://127.0.0.1:8000/retrieve"})
+    checks.validate(cfg)
+    cfg.retriever.max_retries = 6
+    with pytest.raises(config_lib.ConfigError, match=r"^retriever: a failing request retries for up to 101\.5 s "
+                       r"\(timeout_s 10 x 7 attempts \+ backoff\), longer than rollout\.search_timeout_s = 60 s"):
+        checks.validate(cfg)
+    cfg.rollout.search_timeout_s = 120.0
+    checks.validate(cfg)
 
 
 def test_paper_variants():

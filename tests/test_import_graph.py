@@ -99,3 +99,14 @@ def test_config_is_on_the_lowest_floors(graph):
     above_leaves = {m: graph[m] for m in graph["llds_jax.config"] if graph[m]}
     assert {m: {i for i in imports if graph[i]} for m, imports in above_leaves.items()} == {
         m: set() for m in above_leaves}
+
+
+def test_no_package_imports_upward(graph):
+    """Read with each package of llds_jax (rollout, data, sft, ...) and each top-level module as one node, the
+    graph has no circle either: no module imports a package that imports, directly or not, its own package (the
+    shared leaves, protocol.py and bounds.py, sit at the top level)."""
+    node = lambda module: ".".join(module.split(".")[:2])  # noqa: E731
+    packages = {node(m): set() for m in graph}
+    for module, imports in graph.items():
+        packages[node(module)] |= {node(i) for i in imports} - {node(module)}
+    assert _circles(packages) == []

@@ -35,7 +35,7 @@ def test_chat_templates_ship_in_package(qwen_tokenizer, qwen_instruct_tokenizer)
 
 def test_trained_tokenizer_round_trips_and_keeps_protocol_tags_whole(tmp_path):
     from llds_jax.data import synthetic
-    from llds_jax.rollout import protocol
+    from llds_jax import protocol
     from llds_jax.tokenizer import PROTOCOL_TAGS, load_tokenizer, train_tokenizer
 
     world = synthetic.make_world(num_people=30, seed=0)
@@ -86,7 +86,7 @@ def test_a_base_model_tokenizer_without_chat_template_gets_the_raw_search_r1_pro
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from llds_jax.rollout import protocol
+    from llds_jax import protocol
 
     question = "who wrote the book the origin of species"
     bpe = Tokenizer(models.BPE())

@@ -14,7 +14,6 @@ parquet/JSONL, or has no usable row, raises ValueError naming it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -26,7 +25,7 @@ from etils import epath
 
 from llds_jax.data.jsonl import iter_jsonl
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, normalize_answer
-from llds_jax.rollout.protocol import make_prompt
+from llds_jax.protocol import make_prompt
 
 log = logging.getLogger(__name__)
 _NAMED_SKIPS = 3  # skipped rows the warning names
@@ -182,10 +181,3 @@ def search_r1_records(examples: Iterable[QAExample], split: str) -> list[dict]:
 def write_qa_parquet(path: str | os.PathLike, examples: Iterable[QAExample], split: str = "test") -> None:
     """Writes `examples` as a Search-R1 parquet file."""
     pq.write_table(pa.Table.from_pylist(search_r1_records(examples, split), schema=_PARQUET_SCHEMA), path)
-
-
-def write_qa_jsonl(path: str | os.PathLike, examples: Iterable[QAExample], split: str = "test") -> None:
-    """Writes `examples` as JSONL, one Search-R1 row per line."""
-    with open(path, "w", encoding="utf-8") as f:
-        for record in search_r1_records(examples, split):
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")

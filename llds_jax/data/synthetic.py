@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from llds_jax.data.qa import QAExample, write_qa_parquet
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"

@@ -169,6 +169,17 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# The ModelConfig fields a run's `model` section sets on top of the checkpoint's architecture (numerics and
+# execution), under the same names.
+RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention", "attention_query_block",
+              "attention_key_block", "mlp_chunks")
+
+
+def run_overrides(model_section: Mapping[str, Any]) -> dict[str, Any]:
+    """The RUN_FIELDS of a run config's `model` section, as ModelConfig overrides."""
+    return {name: model_section[name] for name in RUN_FIELDS}
+
+
 def preset(name: str, **overrides: Any) -> ModelConfig:
     """A named preset (see PRESETS), with optional field overrides (e.g. dtype="bfloat16")."""
     key = name.lower()

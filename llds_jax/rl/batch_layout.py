@@ -64,11 +64,6 @@ class LaidOutBatch:
         return self.tokens_ukmt.shape[0]
 
     @property
-    def num_micro_batches(self) -> int:
-        """K, the micro-batches of an update."""
-        return self.tokens_ukmt.shape[1]
-
-    @property
     def micro_batch_size(self) -> int:
         """m, the trajectories of a micro-batch."""
         return self.tokens_ukmt.shape[2]

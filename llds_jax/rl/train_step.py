@@ -178,7 +178,7 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
 
     Args:
       model: a llds_jax.model.Transformer (`hidden(tokens, mask)`, `unembedding()`, `cfg.dtype`), its parameters
-        already placed (e.g. `parallel.shard_model(model, mesh)`); its nnx.Param variables are trained.
+        already placed (e.g. by `hf_io.load_model(path, mesh=mesh)`); its nnx.Param variables are trained.
       objective: loss coefficients.
       update: mini/micro-batching and optimizer.
       mesh: optional (data, fsdp, tensor) mesh: batches are split over (data, fsdp), the vocabulary of the log-probs

@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from llds_jax import parallel
-from llds_jax.config import ConfigError
+from llds_jax.bounds import ConfigError
 from llds_jax.model import ModelConfig, Transformer
 
 TRAINING_LAYOUT = 0  # rollout.tensor_parallel: the training mesh's layout

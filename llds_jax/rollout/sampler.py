@@ -100,7 +100,7 @@ class Sampler(CompilablePrograms[SessionShapes]):
         serves every training step without recompiling.
       config: a SamplingConfig.
       mesh: optional (data, fsdp, tensor) mesh; rows are split over data x fsdp. Parameters must already be
-        placed on it (`parallel.shard_model`).
+        placed on it (as `hf_io.load_model(path, mesh=mesh)` places them).
     """
 
     def __init__(self, graphdef, config: SamplingConfig, mesh: Optional[Mesh] = None):

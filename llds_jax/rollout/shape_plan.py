@@ -186,6 +186,16 @@ class ShapePlan:
             distinct = run or (rows if plain_run else self.batch_rows(distinct))  # frozen: compile nothing new
         return PrefillShape(rows, prompt, capacity, distinct if distinct < rows else 0)
 
+    def largest(self, sequences: int, longest_prompt: int, first_turn: int, context: int, longest_observation: int,
+                distinct: int = 0) -> tuple[PrefillShape, EndTurnShape]:
+        """The largest buckets a session of `sequences` sequences can reach (not frozen): its prefill (`prefill`)
+        and an extend of the longest observation when a row has used all of its `context` tokens after the
+        prompt bucket, whose capacity is the largest the cache can grow to (an upper bound: a row takes at most
+        `context` tokens after its prompt slots, then one observation bucket for an extend's padding and the slot
+        a finished row writes per decode step)."""
+        prefill = self.prefill(sequences, longest_prompt, first_turn, distinct)
+        return prefill, self.end_turn(prefill.rows, prefill.capacity, longest_observation, prefill.prompt + context)
+
     def compaction(self, rows: int, capacity: int, live: int, continuous: bool = False) -> Optional[SelectShape]:
         """The move of `live` unfinished sequences out of a batch of `rows` rows into a smaller row bucket
         (`batch_rows`; with `continuous`, a continuous batch's: `compacted_rows`); None when the batch stays

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Optional, TypeVar
 
 from llds_jax.data.qa import QAExample
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.interfaces import SampledTurn
 from llds_jax.rollout.trajectory import END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Trajectory, Turn, build_trajectory

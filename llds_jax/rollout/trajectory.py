@@ -25,7 +25,7 @@ import numpy as np
 
 from llds_jax.data.qa import QAExample
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, em_reward, extract_final_answer, final_answer_turn
-from llds_jax.rollout.protocol import Action
+from llds_jax.protocol import Action
 
 # The same pattern as data.rewards.extract_final_answer, whose last match is the final answer.
 _ANSWER_SPAN_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -124,6 +124,12 @@ def resolve_config(cfg: Any) -> dict:
     return resolved
 
 
+def request_policy(resolved: dict[str, Any]) -> RequestPolicy:
+    """The requests' policy of a resolved (`resolve_config`) elasticsearch or http retriever config."""
+    return RequestPolicy(timeout_s=float(resolved["timeout_s"]), max_retries=resolved["max_retries"],
+                         backoff_s=float(resolved["backoff_s"]), max_concurrency=resolved["max_concurrency"])
+
+
 def make_retriever(cfg: Any) -> Retriever:
     """The retriever `cfg` describes (keys in the module docstring). Call `await retriever.check()` before use."""
     c = resolve_config(cfg)
@@ -139,8 +145,7 @@ def make_retriever(cfg: Any) -> Retriever:
         return FaissRetriever(c["index_path"], c["encoder_path"], corpus_path=c["corpus_path"],
                               max_length=c["max_length"], batch_size=c["encoder_batch_size"],
                               dtype=c["encoder_dtype"], mmap=c["mmap"], hnsw_ef_search=c["hnsw_ef_search"])
-    policy = RequestPolicy(timeout_s=float(c["timeout_s"]), max_retries=c["max_retries"],
-                           backoff_s=float(c["backoff_s"]), max_concurrency=c["max_concurrency"])
+    policy = request_policy(c)
     if backend == "elasticsearch":
         from llds_jax.search.elastic import ElasticsearchRetriever
 

@@ -26,7 +26,7 @@ import numpy as np
 from etils import epath
 
 from llds_jax.data.jsonl import iter_jsonl
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,8 @@ import optax
 from etils import epath
 from flax import nnx
 
-from llds_jax import config as config_lib
 from llds_jax import parallel
-from llds_jax.model import hf_io
+from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rollout.buckets import round_up
 from llds_jax.sft.config import SFTConfig
@@ -218,7 +217,7 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
                          f"data x fsdp = {batch_shards}")
     # The attention implementation and model.mlp_chunks are left out of the fingerprint: each computes the same
     # function.
-    model = hf_io.load_model(m.path, mesh=mesh, **config_lib.model_overrides(cfg))
+    model = hf_io.load_model(m.path, mesh=mesh, **run_overrides(m))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if first:
         print(f"warm start: {s.curriculum_steps} steps of {s.batch_size} on {len(first)} demonstrations from "

@@ -46,16 +46,14 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from llds_jax import config as config_lib
-from llds_jax import checks, distributed, parallel, storage
+from llds_jax import checks, distributed, run_builder, storage
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
-from llds_jax.model import from_hf_config, hf_io
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.batch import RolloutBatch
-from llds_jax.rl.train_step import BatchMetrics, RLTrainStep, TrainState, learning_rate
+from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
-from llds_jax.rollout.layout import make_layout, rollout_params
-from llds_jax.rollout.sampler import Sampler
+from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
@@ -146,25 +144,17 @@ class Trainer:
     def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True):
         self.cfg = cfg
         checks.validate(cfg, jax.device_count())
-        self.mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         self.run_dir = epath.Path(cfg.run_dir)
         self.is_main = distributed.is_main_process()
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                         fallback_chat_template=cfg.model.chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        m = cfg.model
-        overrides = dict(config_lib.model_overrides(cfg), attention_platform=self.mesh.devices.flat[0].platform)
-        # From the checkpoint's config.json, before any weight is read: a layout the model cannot take fails fast.
-        self.layout = make_layout(cfg.rollout.tensor_parallel, from_hf_config(hf_io.read_config(m.path), **overrides),
-                                  self.mesh, jax.local_devices(), cfg.mesh.tensor, cfg.rollout.extend_chunk,
-                                  cfg.rollout.cache_block)
-        model = hf_io.load_model(m.path, mesh=self.mesh, preset=m.preset, **overrides)
-        self.step_fn = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), self.mesh)
-        graphdef = self.layout.graphdef(nnx.split(model)[0])
-        stop_ids = agent.turn_stop_ids(self.tokenizer)
-        self.sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids), self.layout.mesh)
-        self.eval_sampler = Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=True),
-                                    self.layout.mesh)
+        # From the config alone, before any weight is read: a layout the model cannot take fails fast.
+        layout = run_builder.run_layout(cfg)
+        self.mesh, self.layout = layout.mesh, layout.rollout
+        parts = run_builder.build(cfg, layout, run_builder.load_model(cfg, layout),
+                                  agent.turn_stop_ids(self.tokenizer))
+        self.step_fn, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
         rule = cfg.reward.empty_answer

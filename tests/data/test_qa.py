@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from llds_jax.data import qa
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 from llds_jax.train.trainer import read_examples
 
 EXAMPLES = [
@@ -17,9 +17,16 @@ EXAMPLES = [
 ]
 
 
+def write_qa_jsonl(path, examples, split="test"):
+    """`examples` as JSONL, one Search-R1 row per line (the format read_qa reads besides parquet)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in qa.search_r1_records(examples, split):
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
 @pytest.mark.parametrize("suffix,writer", [
     (".parquet", qa.write_qa_parquet),
-    (".jsonl", qa.write_qa_jsonl),
+    (".jsonl", write_qa_jsonl),
 ])
 def test_round_trip(tmp_path, suffix, writer):
     path = tmp_path / f"test{suffix}"
@@ -31,7 +38,7 @@ def test_round_trip(tmp_path, suffix, writer):
 
 
 def test_gcs_files_read_like_local_ones(tmp_path, gcs_dir, gcs_fs):
-    for suffix, writer in ((".parquet", qa.write_qa_parquet), (".jsonl", qa.write_qa_jsonl)):
+    for suffix, writer in ((".parquet", qa.write_qa_parquet), (".jsonl", write_qa_jsonl)):
         writer(tmp_path / f"test{suffix}", EXAMPLES)
         gcs_fs.put(str(tmp_path / f"test{suffix}"), f"{gcs_dir}/test{suffix}")
         assert qa.read_qa(f"{gcs_dir}/test{suffix}") == qa.read_qa(tmp_path / f"test{suffix}")

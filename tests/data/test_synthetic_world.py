@@ -3,7 +3,7 @@ demonstrator's transcripts (searches, observations, guesses, scores)."""
 import pytest
 
 from llds_jax.data import synthetic
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 from llds_jax.sft.demonstrations import parse_record
 
 

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.model import hf_io
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 from llds_jax.search import make_retriever
 from llds_jax.train.trainer import read_examples
 from tests.e2e.runs import (ROOT, finish, latest_checkpoint, read_metrics, start_hosts, steps_saved,

@@ -12,6 +12,7 @@ from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, init_cache
 from llds_jax.model import attention as attention_lib
 from llds_jax.model.attention import blockwise_attention, dense_attention
+from tests.placement import shard_model
 
 # Worst absolute difference allowed, relative to the largest magnitude of the compared array. Float32: rounding
 # only (measured at most 4.3e-7). Bfloat16: both paths round the probabilities and the products to 8 mantissa bits
@@ -238,7 +239,7 @@ def test_sharded_blockwise_update_equals_unsharded_dense():
     tokens, mask = _batch()
     tokens, mask = jnp.concatenate([tokens, tokens[:1]]), jnp.concatenate([mask, mask[1:2]])  # 4 rows
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
-    blockwise = parallel.shard_model(blockwise, mesh)
+    blockwise = shard_model(blockwise, mesh)
 
     def loss(model, tokens, mask):
         logp = jax.nn.log_softmax(model(tokens, mask)[:, :-1], axis=-1)
@@ -533,13 +534,13 @@ def test_auto_routes_by_the_configured_platform_not_the_backend(monkeypatch):
     assert calls == [9, 6]
 
 
-def test_compile_check_model_config_carries_the_devices_platform():
-    from llds_jax import compile_check
+def test_run_builder_model_config_carries_the_devices_platform():
+    from llds_jax import run_builder
     from llds_jax.config import default_config
 
     cfg = default_config()
     cfg.model.preset = "qwen2.5-0.5b"
-    assert compile_check.model_config(cfg, "tpu").attention_platform == "tpu"
+    assert run_builder.model_config(cfg, "tpu").attention_platform == "tpu"
 
 
 @pytest.mark.slow
@@ -599,7 +600,7 @@ def test_sharded_splash_update_equals_unsharded_dense():
     tokens, mask = _batch()
     tokens, mask = jnp.concatenate([tokens, tokens[:1]]), jnp.concatenate([mask, mask[1:2]])  # 4 rows
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
-    splash = parallel.shard_model(splash, mesh)
+    splash = shard_model(splash, mesh)
 
     def loss(model, tokens, mask):  # tokens predicted from a real one (see the test above)
         logp = jax.nn.log_softmax(model(tokens, mask)[:, :-1], axis=-1)

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from llds_jax import compile_check, parallel
 from llds_jax.model import ModelConfig, Transformer, hf_io, kv_cache, preset, vocab
 from llds_jax.rl.logprobs import model_token_logp
+from tests.placement import shard_model
 
 
 def test_eight_devices_present():
@@ -47,7 +48,7 @@ def test_sharded_forward_equals_unsharded(hf_checkpoint, left_padded_batch, axes
 
 def test_shard_model_places_random_init():
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
-    model = parallel.shard_model(Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0)), mesh)
+    model = shard_model(Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0)), mesh)
     assert model.lm_head.get_value().sharding.spec == P(None, ("fsdp", "tensor"))
     assert model.embed.get_value().sharding.spec == P(("fsdp", "tensor"), None)
 
@@ -68,7 +69,7 @@ def test_no_program_gathers_the_vocabulary(axes, tied):
     mesh = parallel.make_mesh(**axes)
     plain = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, plain_state = nnx.split(plain)
-    sharded_state = nnx.state(parallel.shard_model(Transformer(cfg, rngs=nnx.Rngs(0)), mesh))
+    sharded_state = nnx.state(shard_model(Transformer(cfg, rngs=nnx.Rngs(0)), mesh))
     tokens_bt = jax.random.randint(jax.random.key(1), (8, 16), 0, cfg.vocab_size)
     mask_bt = jnp.ones((8, 16), jnp.int32).at[:3, :5].set(0)
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from llds_jax.data.qa import QAExample
 from llds_jax.data.rewards import em_reward
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 from llds_jax.rollout.trajectory import Turn, build_trajectory, em_score
 
 HAMLET = QAExample(uid="nq-0", question="who wrote hamlet", golden_answers=("William Shakespeare",), data_source="nq")

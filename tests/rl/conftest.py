@@ -11,6 +11,7 @@ from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.train_step import RLTrainStep
+from tests.placement import shard_model
 
 TINY_MODEL = dict(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
                   head_dim=8)
@@ -89,7 +90,7 @@ def step_batch(tiny_model_cfg):
 def _make_step(cfg, mesh):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     if mesh is not None:
-        parallel.shard_model(model, mesh)
+        shard_model(model, mesh)
     return RLTrainStep(model, ObjectiveConfig(), STEP_UPDATE, mesh=mesh)
 
 

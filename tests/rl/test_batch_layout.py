@@ -32,7 +32,7 @@ def test_counts_and_placement_of_the_trajectories(step_batch):
     """Trajectory b goes to update b // (K m), micro-batch (b // m) % K, place b % m; the counts are the laid-out
     batch's own (a RolloutBatch of the same arrays would count U trajectories)."""
     laid_out = LaidOutBatch.of(step_batch.checked(), (2, 4, 4))
-    assert (laid_out.num_updates, laid_out.num_micro_batches, laid_out.micro_batch_size) == (2, 4, 4)
+    assert (laid_out.num_updates, laid_out.tokens_ukmt.shape[1], laid_out.micro_batch_size) == (2, 4, 4)
     assert (laid_out.num_trajectories, laid_out.length) == (32, 24)
     assert laid_out.tokens_ukmt.shape == (2, 4, 4, 24) and laid_out.advantages_ukm.shape == (2, 4, 4)
     for b in (0, 5, 17, 31):

@@ -14,6 +14,7 @@ from llds_jax.rl.config import ObjectiveConfig
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.packing import first_fit_rows, pack, rows_needed, unpack
 from llds_jax.rl.train_step import RLTrainStep
+from tests.placement import shard_model
 
 
 def test_first_fit_by_decreasing_length():
@@ -104,7 +105,7 @@ def test_packed_forward_equals_unpacked_values_and_gradients(make_rollout, imple
 def _packed_step(cfg, mesh=None, update=dataclasses.replace(STEP_UPDATE, pack_trajectories=True), seed=0):
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     if mesh is not None:
-        parallel.shard_model(model, mesh)
+        shard_model(model, mesh)
     return RLTrainStep(model, ObjectiveConfig(), update, mesh=mesh)
 
 

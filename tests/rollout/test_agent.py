@@ -10,7 +10,8 @@ from flax import nnx
 
 from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer
-from llds_jax.rollout import agent, protocol
+from llds_jax import protocol
+from llds_jax.rollout import agent
 from llds_jax.rollout.buckets import round_up
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.sampler import Sampler

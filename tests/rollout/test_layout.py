@@ -11,6 +11,7 @@ from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, make_layout, rollout_params
 from llds_jax.rollout.sampler import Sampler
+from tests.placement import shard_model
 
 # 4 query heads, 2 key/value heads, MLP in 2 slices (as the paper configs slice theirs for the update).
 MODEL = ModelConfig.tiny(mlp_chunks=2)
@@ -22,7 +23,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [3], [40, 41, 42]]
 def trained():
     """The tiny model on the training mesh (fsdp over the 8 CPU devices): (mesh, graphdef, params)."""
     mesh = parallel.make_mesh(1, -1, 1)
-    model = parallel.shard_model(Transformer(MODEL, rngs=nnx.Rngs(0)), mesh)
+    model = shard_model(Transformer(MODEL, rngs=nnx.Rngs(0)), mesh)
     graphdef, params = nnx.split(model)
     return mesh, graphdef, params
 

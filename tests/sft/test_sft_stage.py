@@ -9,7 +9,7 @@ from flax import nnx
 
 from llds_jax.apps import demo
 from llds_jax.model import ModelConfig, Transformer, hf_io
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 from llds_jax.sft import demonstrations as demos_lib
 from llds_jax.sft import stage
 from llds_jax.sft.demonstrations import read_demonstrations

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from llds_jax.rollout import protocol
+from llds_jax import protocol
 
 PROMPT_PARIS = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
