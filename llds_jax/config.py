@@ -22,7 +22,7 @@ import ml_collections
 from llds_jax import bounds, redaction
 from llds_jax.bounds import ConfigError
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
+from llds_jax.rl.config import ADVANTAGE_ESTIMATORS, LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
 
@@ -115,6 +115,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.max_failed_search_steps = 3  # ... and this many in a row end the run (saved; 0: never)
 
     c.objective = ml_collections.ConfigDict()
+    # "grpo": rewards normalized within each prompt's group; "tree_grpo": plus within each tree of a tree rollout
+    # (Tree-GRPO; llds_jax.rl.advantages). Chains are trees of one leaf, for which both are the same.
+    c.objective.advantages = "grpo"
     c.objective.clip_ratio = ObjectiveConfig.clip_ratio
     c.objective.clip_ratio_high = ObjectiveConfig.clip_ratio_high  # upper clip (DAPO clip-higher); 0: clip_ratio
     c.objective.ratio_cap = ObjectiveConfig.ratio_cap
@@ -327,7 +330,8 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
 # components register, loss terms and attention kernels, are checked by llds_jax.checks).
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
-    "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES, "reward.empty_answer": EMPTY_ANSWER_RULES}
+    "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES, "reward.empty_answer": EMPTY_ANSWER_RULES,
+    "objective.advantages": ADVANTAGE_ESTIMATORS}
 
 
 def check_views(cfg: ml_collections.ConfigDict) -> None:

@@ -1,12 +1,52 @@
-"""GRPO outcome advantages: rewards normalized within each prompt's group of samples.
+"""Outcome advantages: rewards normalized within groups of trajectories (`objective.advantages`).
 
-`A_i = (r_i - mean(r)) / (std(r) + eps)` per group, with the unbiased std (ddof = 1, like `torch.std`); a group of one
-sample gets mean 0 and std 1. Vectorized with segment sums, so it runs inside `jit` on any group-id values.
+GRPO (`grpo_advantages`): `A_i = (r_i - mean(r)) / (std(r) + eps)` over the group of prompt i's samples, with the
+unbiased std (ddof = 1, like `torch.std`); a group of one sample gets mean 0 and std 1 (the reference code's rule).
+
+Tree-GRPO (`tree_grpo_advantages`, Ji et al., arXiv 2509.21240; docs/tree-rollouts.md): the leaves of a prompt's
+trees are its group; each leaf gets the GRPO advantage over all of the prompt's leaves (inter-tree) plus the
+same normalization over the leaves of its own tree (intra-tree), as the released code's `tree` estimator adds them
+(verl/trainer/ppo/ray_trainer_ts.py at AMAP-ML/Tree-GRPO 90b1709). One rule differs, for trees of a single leaf
+(chains): their intra-tree advantage is 0 here, where the released code's group-of-one rule gives r / (1 + eps). A
+tree of one leaf compares nothing with nothing, and with this rule chains (every trajectory its own tree) get GRPO's
+advantages exactly; every tree of a tree rollout with at least one expansion has two or more leaves, where the two
+agree.
+
+Vectorized with segment sums, so they run inside `jit` on any id values.
 """
 import jax
 import jax.numpy as jnp
 
+from llds_jax.rl.config import ADVANTAGE_ESTIMATORS
+
 GRPO_EPS = 1e-6
+
+
+def _normalized(rewards_b: jax.Array, ids_b: jax.Array, eps: float, singleton: str) -> jax.Array:
+    """`(r - mean) / (std + eps)` within each id's group (unbiased std). A group of one: `singleton` "unit" (mean 0,
+    std 1: r / (1 + eps)) or "zero" (0)."""
+    num = rewards_b.shape[0]
+    # Dense group index in [0, B): valid inside jit because the number of distinct ids is at most B.
+    _, group_b = jnp.unique(ids_b, size=num, return_inverse=True)
+    group_b = group_b.reshape(num)
+    count_g = jax.ops.segment_sum(jnp.ones_like(rewards_b), group_b, num_segments=num)
+    mean_g = jax.ops.segment_sum(rewards_b, group_b, num_segments=num) / jnp.maximum(count_g, 1.0)
+    sq_dev_b = (rewards_b - mean_g[group_b]) ** 2
+    var_g = jax.ops.segment_sum(sq_dev_b, group_b, num_segments=num) / jnp.maximum(count_g - 1.0, 1.0)
+    singleton_b = count_g[group_b] < 2
+    mean_b = jnp.where(singleton_b, 0.0, mean_g[group_b])
+    std_b = jnp.where(singleton_b, 1.0, jnp.sqrt(var_g[group_b]))
+    normalized_b = (rewards_b - mean_b) / (std_b + eps)
+    return jnp.where(singleton_b, 0.0, normalized_b) if singleton == "zero" else normalized_b
+
+
+def _checked(rewards_b, *ids_b) -> tuple[jax.Array, ...]:
+    rewards_b = jnp.asarray(rewards_b, jnp.float32)
+    ids_b = tuple(jnp.asarray(ids) for ids in ids_b)
+    if rewards_b.ndim != 1 or any(ids.shape != rewards_b.shape for ids in ids_b):
+        raise ValueError(f"rewards and ids must all be [B]; got {rewards_b.shape} and "
+                         f"{', '.join(str(ids.shape) for ids in ids_b)}")
+    return (rewards_b, *ids_b)
 
 
 def grpo_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, eps: float = GRPO_EPS) -> jax.Array:
@@ -20,20 +60,31 @@ def grpo_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, eps: float = G
     Returns:
       [B] float32 advantages; broadcast them to every token of their trajectory.
     """
-    rewards_b = jnp.asarray(rewards_b, jnp.float32)
-    group_ids_b = jnp.asarray(group_ids_b)
-    if rewards_b.ndim != 1 or rewards_b.shape != group_ids_b.shape:
-        raise ValueError(
-            f"rewards_b and group_ids_b must both be [B]; got {rewards_b.shape} and {group_ids_b.shape}")
-    num = rewards_b.shape[0]
-    # Dense group index in [0, B): valid inside jit because the number of distinct ids is at most B.
-    _, group_b = jnp.unique(group_ids_b, size=num, return_inverse=True)
-    group_b = group_b.reshape(num)
-    count_g = jax.ops.segment_sum(jnp.ones_like(rewards_b), group_b, num_segments=num)
-    mean_g = jax.ops.segment_sum(rewards_b, group_b, num_segments=num) / jnp.maximum(count_g, 1.0)
-    sq_dev_b = (rewards_b - mean_g[group_b]) ** 2
-    var_g = jax.ops.segment_sum(sq_dev_b, group_b, num_segments=num) / jnp.maximum(count_g - 1.0, 1.0)
-    singleton_b = count_g[group_b] < 2
-    mean_b = jnp.where(singleton_b, 0.0, mean_g[group_b])
-    std_b = jnp.where(singleton_b, 1.0, jnp.sqrt(var_g[group_b]))
-    return (rewards_b - mean_b) / (std_b + eps)
+    rewards_b, group_ids_b = _checked(rewards_b, group_ids_b)
+    return _normalized(rewards_b, group_ids_b, eps, "unit")
+
+
+def tree_grpo_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, tree_ids_b: jax.Array,
+                         eps: float = GRPO_EPS) -> jax.Array:
+    """Tree-GRPO's advantages (module docstring): inter-tree (GRPO over the prompt's group) plus intra-tree (over
+    the leaves of each tree; 0 for a tree of one leaf).
+
+    Args:
+      rewards_b: [B] outcome rewards of the leaves.
+      group_ids_b: [B] the prompt of each leaf.
+      tree_ids_b: [B] the tree of each leaf, unique over the batch (not only within a prompt).
+      eps: added to both stds.
+
+    Returns:
+      [B] float32 advantages.
+    """
+    rewards_b, group_ids_b, tree_ids_b = _checked(rewards_b, group_ids_b, tree_ids_b)
+    return (_normalized(rewards_b, group_ids_b, eps, "unit") + _normalized(rewards_b, tree_ids_b, eps, "zero"))
+
+
+# objective.advantages -> f(rewards_b, group_ids_b, tree_ids_b) -> advantages_b
+ADVANTAGES = {
+    "grpo": lambda rewards_b, group_ids_b, tree_ids_b: grpo_advantages(rewards_b, group_ids_b),
+    "tree_grpo": tree_grpo_advantages,
+}
+assert tuple(ADVANTAGES) == ADVANTAGE_ESTIMATORS

@@ -15,6 +15,8 @@ ANSWER_WEIGHTINGS = ("none", "fixed", "adaptive", "adaptive_paper")
 KL_ESTIMATORS = ("k1", "abs", "mse", "low_var_kl")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 REFERENCE_DTYPES = ("float32", "bfloat16")
+# How outcome rewards become advantages (`objective.advantages`; llds_jax.rl.advantages.ADVANTAGES implements them).
+ADVANTAGE_ESTIMATORS = ("grpo", "tree_grpo")
 DEFAULT_TIME_CHUNK = 256  # time steps per log-prob chunk (llds_jax.rl.logprobs)
 
 

@@ -61,6 +61,11 @@ class Rollout:
     durations, most of them hidden behind decoding. `decode_occupancy`: sampled tokens / (decode steps x device
     batch rows), the share of decode rows doing real work (0 for sessions that do not count them).
 
+    The budget (counts): `sampled_tokens` (tokens generated, rolled-back ones included), `prompt_tokens` (the
+    conversations' prompts, each encoded once per conversation; `rollout.shared_prompt_prefill` encodes each distinct
+    prompt once on device), `observation_tokens` (appended to the cache), `searches` (queries sent) and
+    `trajectories`.
+
     `stopped`: the rollout was abandoned on a stop request (`rollout(stopping=...)`): no trajectories, no metrics.
     """
 
@@ -135,7 +140,8 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     size = config.max_batch_size or len(examples)
     trajectories: list[Trajectory] = []
     timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0,
-              "decode_sampled_tokens": 0.0, "decode_row_steps": 0.0}
+              "prompt_tokens": 0.0, "observation_tokens": 0.0, "searches": 0.0, "decode_sampled_tokens": 0.0,
+              "decode_row_steps": 0.0}
     steps = AgentSteps(tokenizer, retriever, config, timing, stopping)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
@@ -159,7 +165,7 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     metrics = rollout_metrics(trajectories)
     host_s = elapsed - timing["prefill_s"] - timing["decode_s"] - timing["search_s"]
     decode_sampled, row_steps = timing.pop("decode_sampled_tokens"), timing.pop("decode_row_steps")
-    metrics.update(timing, rollout_s=elapsed, host_s=max(host_s, 0.0),
+    metrics.update(timing, rollout_s=elapsed, host_s=max(host_s, 0.0), trajectories=float(len(trajectories)),
                    sampled_tokens_per_s=timing["sampled_tokens"] / max(timing["decode_s"], 1e-9),
                    decode_occupancy=decode_sampled / row_steps if row_steps else 0.0)
     return Rollout(trajectories, metrics)

@@ -55,7 +55,9 @@ class Conversation:
 class AgentSteps:
     """The steps of the protocol both engines share (the sessions' turn loop here, continuous batching in
     `continuous`): turn budgets, the turn-end check, cutting and parsing a turn, appending its observation to the
-    conversation, and the batched searches (their seconds go to timing["search_calls_s"]).
+    conversation, and the batched searches (their seconds go to timing["search_calls_s"]); and the rollout's budget
+    in `timing`: "prompt_tokens" (of the conversations started), "observation_tokens" (appended to them) and
+    "searches" (queries sent).
 
     `stopping`: whether a stop was requested (the trainer's PreemptionGuard): a search in flight is then abandoned
     (its queries get the observation of a failed search, SEARCH_ABANDONED) and the engines start no new turn; the
@@ -71,7 +73,10 @@ class AgentSteps:
         return self._stopping is not None and self._stopping()
 
     def conversation(self, example: QAExample) -> Conversation:
-        return Conversation(protocol.chat_prompt_ids(self.tokenizer, example.question, self.config.max_prompt_tokens))
+        """A new conversation of `example`; its prompt's tokens count in timing["prompt_tokens"]."""
+        prompt_ids = protocol.chat_prompt_ids(self.tokenizer, example.question, self.config.max_prompt_tokens)
+        self.timing["prompt_tokens"] += len(prompt_ids)
+        return Conversation(prompt_ids)
 
     def budget(self, conv: Conversation) -> int:
         """Tokens the conversation's next turn may sample (0: it is full)."""
@@ -119,6 +124,7 @@ class AgentSteps:
             if self.fits(conv, len(ids)):
                 obs_ids = ids
                 conv.response_len += len(ids)
+                self.timing["observation_tokens"] += len(ids)
                 turn = dataclasses.replace(turn, observation=observation, observation_ids=tuple(ids),
                                            observation_truncated=truncated)
             else:
@@ -143,8 +149,10 @@ class AgentSteps:
                 for ex, c in zip(examples, convs)]
 
     async def search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:
-        """One batched retriever call; (observation, error message or None) per query."""
+        """One batched retriever call; (observation, error message or None) per query (counted in
+        timing["searches"])."""
         start = time.perf_counter()
+        self.timing["searches"] += len(queries)
         results: Sequence[SearchResult]
         try:
             results = await self._unless_stopping(asyncio.wait_for(

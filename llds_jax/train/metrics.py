@@ -46,6 +46,14 @@ CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("tok/s", "perf/tokens_per_s", "si"),
 )
 RESERVED_KEYS = ("step", "time")
+# (words, metric name) of the rollout budget's console line (llds_jax.rollout.agent.Rollout's counts).
+BUDGET_FIELDS: tuple[tuple[str, str], ...] = (
+    ("tokens generated", "rollout/sampled_tokens"),
+    ("prompt tokens", "rollout/prompt_tokens"),
+    ("observation tokens", "rollout/observation_tokens"),
+    ("searches", "rollout/searches"),
+    ("trajectories", "rollout/trajectories"),
+)
 
 
 def format_number(x: float) -> str:
@@ -94,6 +102,15 @@ def console_line(step: int, scalars: Mapping[str, float], fields: Sequence[tuple
     if eta_seconds is not None:
         parts.append(f"ETA {format_duration(eta_seconds)}")
     return "  ".join(parts)
+
+
+def budget_line(step: int, scalars: Mapping[str, float]) -> str | None:
+    """`step 12 budget: 18,304 tokens generated, 2,048 prompt tokens, ...` from the rollout's counts (None when
+    the step has none: e.g. a record without a rollout)."""
+    if BUDGET_FIELDS[0][1] not in scalars:
+        return None
+    counts = [f"{scalars[name]:,.0f} {words}" for words, name in BUDGET_FIELDS if name in scalars]
+    return f"step {step} budget: {', '.join(counts)}"
 
 
 def as_preformatted(text: str) -> str:
@@ -240,6 +257,9 @@ class MetricsWriter:
         if self.console is not None:
             print(console_line(step, values, self.console_fields, self.total_steps, self._eta(step, now)),
                   file=self.console, flush=True)
+            budget = budget_line(step, values)
+            if budget is not None:
+                print(budget, file=self.console, flush=True)
         if now - self._last_flush >= self.flush_secs:
             self.flush()
 

@@ -49,7 +49,7 @@ from llds_jax import config as config_lib
 from llds_jax import checks, distributed, run_builder, storage
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
-from llds_jax.rl.advantages import grpo_advantages
+from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
@@ -66,7 +66,6 @@ from llds_jax.train.preemption import PreemptionGuard, StopRequested
 from llds_jax.train.watchdog import Watchdog, search_counts
 
 log = logging.getLogger(__name__)
-_grpo_advantages = jax.jit(grpo_advantages)
 START_EVAL = "start"  # eval/<this>/ holds the evaluation of the starting policy (train.eval_at_start)
 
 
@@ -111,7 +110,9 @@ def read_examples(files: Sequence[str], what: str, empty_answer: str) -> list[QA
     return examples
 
 
-HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s")  # rollout metrics that add up over hosts
+# Rollout metrics that add up over hosts: the decode rate and the budget's counts (agent.Rollout).
+HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens", "observation_tokens", "searches",
+                       "trajectories")
 
 
 def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HOST_SUMMED_METRICS
@@ -155,6 +156,7 @@ class Trainer:
         parts = run_builder.build(cfg, layout, run_builder.load_model(cfg, layout),
                                   agent.turn_stop_ids(self.tokenizer))
         self.step_fn, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
+        self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
         rule = cfg.reward.empty_answer
@@ -235,9 +237,11 @@ class Trainer:
                                stopping=(lambda: guard.requested) if self.stops_within_step(guard) else None)
         rollout_s = time.perf_counter() - start
         shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
-        batch = self.rollout_batch(rollout.trajectories).with_rewards(em_rewards(rollout.trajectories, self.cfg.reward.empty_answer))
+        rewards_b = em_rewards(rollout.trajectories, self.cfg.reward.empty_answer)
+        batch = self.rollout_batch(rollout.trajectories).with_rewards(rewards_b)
         batch = global_batch(batch)  # every host's rows, on every host
-        batch = batch.with_advantages(np.asarray(_grpo_advantages(batch.rewards_b, batch.group_b)))
+        advantages_b = self._advantages(batch.rewards_b, batch.group_b, self.tree_b(batch))
+        batch = batch.with_advantages(np.asarray(advantages_b))
         lld_every = self.cfg.train.lld_every
         state, batch_metrics = self.step_fn.train_on_batch(state, ref_params, batch,
                                                            measure_lld=bool(lld_every) and step % lld_every == 0,
@@ -260,6 +264,12 @@ class Trainer:
             if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):
                 return {"perf/compile_grid_s": time.perf_counter() - grid_start}
         return {}
+
+    @staticmethod
+    def tree_b(batch: RolloutBatch) -> np.ndarray:
+        """[B] the tree of each trajectory of the global batch, for `objective.advantages`: the rollout samples
+        chains, each its own tree."""
+        return np.arange(batch.num_trajectories, dtype=np.int32)
 
     def rollout_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
         """This host's trajectories packed to the step's length (the same on every host: a collective; remembered

@@ -105,6 +105,11 @@ def test_search_then_answer(qwen_tokenizer, doubles):
     assert (traj.num_turns, traj.num_valid_actions, traj.num_valid_searches, traj.num_truncated_observations) == \
         (2, 2, 1, 0)
     assert result.metrics["valid_searches"] == 1.0
+    # The budget: the prompt, the one observation appended, the one query, every sampled token (cut ones too).
+    budget = {k: result.metrics[k] for k in ("prompt_tokens", "observation_tokens", "searches", "trajectories",
+                                             "sampled_tokens")}
+    assert budget == {"prompt_tokens": len(traj.prompt_ids), "observation_tokens": len(obs), "searches": 1,
+                      "trajectories": 1, "sampled_tokens": sum(t.num_sampled for t in traj.turns)}
 
 
 def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):

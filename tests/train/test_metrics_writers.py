@@ -90,11 +90,15 @@ def test_console_line_with_eta(tmp_path):
     writer.write(10, {"reward/mean": 0.41234, "lld/rate": 0.031, "actor/grad_norm": 0.8231,
                       "perf/tokens_per_s": 12345.0, "other": 1.0})
     clock.now = 30.0  # 2 steps in 30 s: 15 s per step, 88 steps left
-    writer.write(12, {"reward/mean": 0.5, "eval/em_mean": 0.398})
+    writer.write(12, {"reward/mean": 0.5, "eval/em_mean": 0.398, "rollout/sampled_tokens": 18304.0,
+                      "rollout/prompt_tokens": 2048.0, "rollout/observation_tokens": 1536.0, "rollout/searches": 37.0,
+                      "rollout/trajectories": 64.0})
     writer.close()
     assert out.getvalue().splitlines() == [
         "step 10/100  reward 0.412  LLD 3.1%  gnorm 0.823  tok/s 12.3k",
         "step 12/100  reward 0.5  EM 0.398  ETA 22m00s",
+        "step 12 budget: 18,304 tokens generated, 2,048 prompt tokens, 1,536 observation tokens, 37 searches, "
+        "64 trajectories",
     ]
 
 
