@@ -286,6 +286,25 @@ def redacted_argument(arg: str) -> str:
     return redaction.redact(arg)
 
 
+def summary(cfg: ml_collections.ConfigDict) -> str:
+    """A few lines on what a run of `cfg` trains (secrets redacted): where, the model, the data and the step, the
+    objective, the retriever. The whole config goes to the run folder's config.json."""
+    c = redacted(cfg)
+    llds = c.objective.llds
+    objective = (f"GRPO + LLDS (lambda {llds.lam:g}, {llds.gate} gate)" if llds.enabled else "GRPO (LLDS off)")
+    retriever = ", ".join(f"{k} {v}" for k, v in c.retriever.items() if k != "backend" and v not in ("", None, ()))
+    return "\n".join([
+        f"run {c.run_dir} (seed {c.seed}{', app ' + c.app if c.app else ''}); the whole config: "
+        "<run_dir>/config.json, or --print_config",
+        f"  model {c.model.preset or c.model.path} in {c.model.param_dtype} (compute {c.model.dtype})",
+        f"  step: {c.data.prompts_per_step} prompts x {c.data.samples_per_prompt} samples, "
+        f"{updates_per_step(cfg)} update(s) of {c.optim.mini_batch_size} at lr {c.optim.learning_rate:g}; "
+        f"{c.train.total_steps} steps",
+        f"  objective {objective}, KL {c.objective.kl_coef:g}, advantages {c.objective.advantages}",
+        f"  retriever {c.retriever.backend}{' (' + retriever + ')' if retriever else ''}",
+    ])
+
+
 def rollout_batch_size(cfg: ml_collections.ConfigDict) -> int:
     """Trajectories per training step: prompts_per_step x samples_per_prompt."""
     return cfg.data.prompts_per_step * cfg.data.samples_per_prompt

@@ -9,6 +9,7 @@ unknown key (with a suggestion), an argument that is not a flag.
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import re
@@ -39,14 +40,37 @@ def file_of(spec: str) -> str:
     return spec.split(":", 1)[0]
 
 
-def config_path(argv: list[str]) -> str | None:
-    """The file of `--config=PATH[:ARGS]` (or `--config PATH`) in argv, if given."""
+def config_spec(argv: list[str]) -> str | None:
+    """`PATH[:ARGS]` of `--config=PATH[:ARGS]` (or `--config PATH`) in argv, if given."""
     for i, arg in enumerate(argv):
         if arg.startswith(("--config=", "-config=")):
-            return file_of(arg.split("=", 1)[1])
+            return arg.split("=", 1)[1]
         if arg in ("--config", "-config") and i + 1 < len(argv):
-            return file_of(argv[i + 1])
+            return argv[i + 1]
     return None
+
+
+def config_path(argv: list[str]) -> str | None:
+    """The file of `--config=PATH[:ARGS]` (or `--config PATH`) in argv, if given."""
+    spec = config_spec(argv)
+    return None if spec is None else file_of(spec)
+
+
+def nearest_keys(key: str, spec: str) -> list[str]:
+    """Up to 3 keys of the config `spec` (`PATH[:ARGS]`) beside the unknown dotted `key` whose names are close to
+    its last part (difflib's ratio >= 0.6, or one name holding the other), closest first; [] when none is or
+    the file cannot be read."""
+    parent, _, name = key.rpartition(".")
+    try:
+        section = load_config(spec)
+        for part in filter(None, parent.split(".")):
+            section = section[part]
+        names = [k for k in section.keys()]
+    except Exception:  # noqa: BLE001 - a suggestion is optional; the error itself is reported either way
+        return []
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    close += sorted(k for k in names if k not in close and (name in k or k in name))
+    return [f"{parent}.{k}" if parent else k for k in close[:3]]
 
 
 def file_problem(path: str) -> str | None:
@@ -75,11 +99,11 @@ def _unknown_key(error: BaseException, argv: list[str], path: str | None) -> str
     named = [k for k in keys if missing in k.split(".")]
     if not named:  # not an override's key: the config file itself failed (e.g. it has no get_config)
         return f"config file {path}: {text.splitlines()[0] if text else type(cause).__name__}"
-    hint = re.search(r'Did you mean "([^"]+)"', text)
-    if not hint:
+    spec = config_spec(argv)
+    near = nearest_keys(named[0], spec) if spec else []
+    if not near:
         return f"unknown config key {named[0]}"
-    parent = named[0].rpartition(".")[0]
-    return f"unknown config key {named[0]} (did you mean {parent + '.' if parent else ''}{hint[1]}?)"
+    return f"unknown config key {named[0]} (did you mean {' or '.join(near)}?)"
 
 
 def parse_error(error: Exception, argv: list[str], path: str | None) -> str:

@@ -1,6 +1,10 @@
-"""The product command.
+"""Trains a search agent with GRPO + LLDS (or evaluates, exports or compiles one) from a run config.
 
-    python -m llds_jax.launch --config=configs/qwen7b_v4.py [--config.objective.llds.lam=0.1 ...] [--mode=train]
+    python -m llds_jax.launch --config=configs/demo_cpu.py                   # the whole pipeline on this CPU
+    python -m llds_jax.launch --config=configs/qwen7b_v4.py                  # the paper's run, on a TPU pod
+    python -m llds_jax.launch --config=configs/qwen7b_v4.py --mode=compile   # check it fits the pod, on this machine
+
+Any config key can be set on the command line: `--config.objective.llds.lam=0.1`, `--config.run_dir=gs://b/run`.
 
 Modes: `train` (default; resumes from the run folder's latest checkpoint), `eval` (greedy, eval.max_turns, over
 data.eval_files with the latest checkpoint or the initial weights: EM per data_source), `export` (the latest
@@ -39,10 +43,13 @@ from llds_jax import config_file, gcs  # config_file first: it registers the fil
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft", "compile"], "What to run.")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", "", "Output folder of --mode=export (local or gs://).")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the whole run config (secrets redacted) before the "
+                                  "run; else a summary (the whole config is the run folder's config.json).")
 _TOPOLOGY = flags.DEFINE_string("topology", "", "TPU topology of --mode=compile (default: the config's "
                                 "mesh.topology), e.g. v4:2x2x4 or v4-32.")
 
 EXIT_BAD_INPUT = 2
+HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull")
 LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.lease)
 
 
@@ -90,8 +97,9 @@ def _params_for_eval(trainer):
     return restored.params, restored.step
 
 
-def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
-    """Runs one mode; returns the process exit status."""
+def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: bool = False) -> int:
+    """Runs one mode; returns the process exit status. `print_config`: print the whole config (redacted) before
+    the run, not its summary."""
     from llds_jax import checks
 
     if mode != "compile":  # compile_check validates against the topology's device count
@@ -105,10 +113,10 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "") -> int:
     from llds_jax.train.preemption import PreemptionGuard
 
     with PreemptionGuard() as guard:  # a stop before the training loop ends the command at once (status 0)
-        return _run(cfg, mode, export_dir, guard)
+        return _run(cfg, mode, export_dir, guard, print_config)
 
 
-def _run(cfg, mode: str, export_dir: str, guard) -> int:
+def _run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """`run` for the modes that load the model, under the command's PreemptionGuard."""
     from llds_jax import distributed
 
@@ -123,7 +131,7 @@ def _run(cfg, mode: str, export_dir: str, guard) -> int:
     with contextlib.ExitStack() as stack:
         if distributed.is_main_process():  # before anything heavy: one writer per run folder, and writable
             _claim_outputs(stack, cfg, mode, export_dir)
-        return _load_and_run(cfg, mode, export_dir, guard)
+        return _load_and_run(cfg, mode, export_dir, guard, print_config)
 
 
 def _use_compilation_cache(path: str) -> None:
@@ -150,7 +158,7 @@ def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str)
         lease.check_writable(export_dir, f"--export_dir {export_dir}")
 
 
-def _load_and_run(cfg, mode: str, export_dir: str, guard) -> int:
+def _load_and_run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """Builds the trainer (after the application's preparation and the warm start) and runs `mode`."""
     from llds_jax import application, distributed
     from llds_jax import config as config_lib
@@ -168,7 +176,7 @@ def _load_and_run(cfg, mode: str, export_dir: str, guard) -> int:
             return 0
         guard.abort_during("start-up")
     if distributed.is_main_process():
-        print(config_lib.redacted(cfg), flush=True)
+        print(config_lib.redacted(cfg) if print_config else config_lib.summary(cfg), flush=True)
     trainer = Trainer(cfg, training=mode == "train")
     try:
         if mode == "train":
@@ -244,11 +252,16 @@ def main(argv) -> None:
     absl_logging.set_verbosity(absl_converter.standard_to_absl(level))
     # The Elasticsearch client warns of every failed request; the retriever reports failures (with retries) itself.
     logging.getLogger("elastic_transport.node_pool").setLevel(logging.ERROR)
+    # transformers (imported later, for the tokenizer) advises installing PyTorch on every run of the base install,
+    # which needs only its tokenizers; its errors still show.
+    if not verbosity.present:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from llds_jax.storage import StorageError
     from llds_jax.train.preemption import StopRequested
 
     try:
-        sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value))
+        sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value, _PRINT_CONFIG.value))
     except StopRequested as e:
         print(f"llds_jax: {e}", file=sys.stderr)
         sys.exit(0)
@@ -267,6 +280,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors (llds_jax.config_file): a config file that is missing, has a syntax
     error or is not UTF-8, or whose code raises (a value of the wrong type assigned to a key names the key in full);
     an override key that does not exist or a value of the wrong type; an argument that is not a flag."""
+    if any(arg in HELP_FLAGS for arg in argv[1:]):
+        print(__doc__.strip())
+        print(f"\nFlags:\n{flags.FLAGS.module_help(sys.modules[__name__])}")
+        sys.exit(0)
     path = config_file.config_path(argv)
     message = config_file.file_problem(path) if path else None
     if message is None:

@@ -2,15 +2,20 @@
 (set before gcsfs, fsspec and google.auth are imported), a GCS emulator for the gs:// tests (started when a test first
 needs it) and shared fixtures."""
 import contextlib
+import hashlib
 import os
 import re
+import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent compilation cache for the suite and the launches it runs as subprocesses: a program one test compiled
-# is read back by the next test (or pytest-xdist worker) that builds it, and by the next run of the suite.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "llds_jax_test_jax_cache"))
+# is read back by the next test (or pytest-xdist worker) that builds it, and by the next run of the suite. One per
+# checkout and interpreter (another clone, user or virtual environment keeps its own, so no foreign entry is read).
+_CHECKOUT = hashlib.sha256(f"{os.path.dirname(os.path.abspath(__file__))}|{sys.prefix}".encode()).hexdigest()[:12]
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"llds_jax_test_jax_cache_{_CHECKOUT}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 from tests import gcs_emulator  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from llds_jax import application, checks, topologies
+from llds_jax import application, checks, config_file, topologies
 from llds_jax import config as config_lib
 from llds_jax.data.rewards import em_reward
 from tests.configs import CONFIGS, load
@@ -313,3 +313,30 @@ def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["7", "llama-3.2-3b", "adaptive", str(copy / "__init__.py")]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=3", "unknown config key train.steps (did you mean train.total_steps?)"),
+    ("rollout.max_turn=3", "unknown config key rollout.max_turn (did you mean rollout.max_turns or "
+                           "rollout.max_turn_tokens?)"),
+    ("objective.llds.lamda=0.1", "unknown config key objective.llds.lamda (did you mean objective.llds.lam?)"),
+    ("demo.num_persons=3", "unknown config key demo.num_persons (did you mean demo.num_people or demo.num_layers or "
+                           "demo.num_heads?)"),  # a key of the config's application
+    ("optim.lamda=1", "unknown config key optim.lamda"),  # nothing near
+])
+def test_an_unknown_key_suggests_the_nearest(override, message):
+    with pytest.raises(KeyError) as raised:
+        config_file.load_config(os.path.join(CONFIGS, "demo_cpu.py"), [override])
+    assert raised.value.args[0] == message
+
+
+def test_the_printed_summary_says_what_trains_and_redacts_secrets():
+    cfg = load("qwen7b_v4")
+    cfg.retriever = ml_collections.ConfigDict({"backend": "http", "url": "https://u:s3cret@h:8000/retrieve"})
+    text = config_lib.summary(cfg)
+    assert "s3cret" not in text and "url https://***@h:8000/retrieve" in text
+    assert text.splitlines()[1:4] == [
+        "  model qwen2.5-7b in float32 (compute bfloat16)",
+        "  step: 512 prompts x 5 samples, 10 update(s) of 256 at lr 1e-06; 1005 steps",
+        "  objective GRPO + LLDS (lambda 0.2, action gate), KL 0.001, advantages grpo"]
+    assert len(text.splitlines()) == 5

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Optional, Sequence
@@ -58,7 +59,7 @@ from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
 from llds_jax.tokenizer import load_tokenizer
-from llds_jax.train import evaluation
+from llds_jax.train import evaluation, run_config
 from llds_jax.train.batching import global_batch, padded_length, rollout_batch, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
@@ -349,11 +350,15 @@ class Trainer:
         save, until the last step or a stop; returns the last step run."""
         cfg = self.cfg
         timeout_s = cfg.train.storage_timeout_s
-        self._write_run_config()
-        state = self.step_fn.init_state()
-        ref_params = self.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
         ckpt = Checkpointer(str(self.run_dir / "checkpoints"), save_every=cfg.train.checkpoint_every,
                             keep=cfg.train.keep_checkpoints, timeout_s=timeout_s)
+        try:
+            self._write_run_config(ckpt.latest_step() or 0)
+        except BaseException:
+            ckpt.close()
+            raise
+        state = self.step_fn.init_state()
+        ref_params = self.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
         state, start = self._restore(ckpt, state)
         # A fresh run that evaluates its start rewrites step 0's record too (the first attempt may have written it).
         first_record = start + 1 if start or not cfg.train.eval_at_start else 0
@@ -399,13 +404,21 @@ class Trainer:
         self.final_params = state.params
         return step
 
-    def _write_run_config(self) -> None:
-        """The run config, secrets redacted, as `config.json` of the run folder (by the main process)."""
+    def _write_run_config(self, latest: int) -> None:
+        """The run config, secrets redacted, as `config.json` of the run folder (by the main process; a resume from
+        step `latest` with changed keys keeps the earlier config and says so: llds_jax.train.run_config). A folder
+        whose latest checkpoint is past `train.total_steps` is a ConfigError: nothing would train."""
+        total = self.cfg.train.total_steps
+        if latest > total:
+            raise config_lib.ConfigError(
+                f"run folder {self.run_dir} holds a checkpoint of step {latest}, past train.total_steps = {total}: "
+                "raise train.total_steps to train on, or start a new run with another --config.run_dir")
         if self.is_main:
             with storage.operation("writing the run config to", self.run_dir, self.cfg.train.storage_timeout_s):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / "config.json").write_text(
-                    config_lib.redacted(self.cfg).to_json_best_effort(indent=2))
+                changed = run_config.record(self.run_dir, self.cfg, latest)
+            if changed:
+                print(run_config.notice(self.run_dir, latest, changed), file=sys.stderr, flush=True)
 
     def _restore(self, ckpt: Checkpointer, state: TrainState) -> tuple[TrainState, int]:
         """`state` from the run folder's latest checkpoint, with the data order, the random stream and the
@@ -421,7 +434,7 @@ class Trainer:
             params=restored.params, opt_state=restored.opt_state,
             step=jax.device_put(np.int32(start), state.step.sharding),
             nonfinite_count=jax.device_put(np.int32(restored.meta["nonfinite_count"]), state.nonfinite_count.sharding))
-        log.warning("resumed from step %d of %s", start, self.run_dir)
+        print(f"llds_jax: resumed from step {start} of {self.run_dir}", file=sys.stderr, flush=True)
         return state, start
 
     def _after_step(self, step: int, state: TrainState, metrics: dict[str, float], trajectories,

@@ -92,6 +92,21 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path):
     resumed, reference = read_metrics(stopped), read_metrics(straight)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [comparable(r) for r in resumed] == [comparable(r) for r in reference]
+    # The resume dropped --config.train.checkpoint_every=1: it says so and keeps the config it replaced.
+    assert (f"llds_jax: resuming {stopped} from step {stopped_at} with 1 changed config key(s): "
+            f"train.checkpoint_every: 1 -> 100 (the earlier config is kept as config.before-step-{stopped_at}.json;")\
+        in err
+    with open(os.path.join(stopped, f"config.before-step-{stopped_at}.json")) as f:
+        assert json.load(f)["train"]["checkpoint_every"] == 1
+    with open(os.path.join(stopped, "config.json")) as f:
+        assert json.load(f)["train"]["checkpoint_every"] == 100
+    # A total below the folder's last step trains nothing: one line, exit 2, the record untouched.
+    code, out, err = launch(stopped, *args[1:], "--config.train.total_steps=2")
+    assert (code, err.splitlines()[-1]) == (2, f"llds_jax: error: run folder {stopped} holds a checkpoint of step 4, "
+                                               "past train.total_steps = 2: raise train.total_steps to train on, or "
+                                               "start a new run with another --config.run_dir")
+    with open(os.path.join(stopped, "config.json")) as f:
+        assert json.load(f)["train"]["total_steps"] == 4
 
 
 @pytest.mark.parametrize("override,message", [

@@ -141,8 +141,19 @@ def test_file_lists_take_comma_separated_paths(config, tmp_path):
     empty = tmp_path / "model"
     empty.mkdir()
     proc = launch(config, "--config.data.train_files=/d/a.parquet,/d/b.parquet", "--config.data.eval_files=",
-                  f"--config.model.path={empty}")
+                  f"--config.model.path={empty}", "--print_config")
     assert_one_line(proc, f"tokenizer folder {empty}: no tokenizer files in it (tokenizer.json, "
                           "tokenizer_config.json, vocab.json, ...)")
     assert "  eval_files: !!python/tuple []\n" in proc.stdout
     assert "  train_files: !!python/tuple\n  - /d/a.parquet\n  - /d/b.parquet\n" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_exits_0_and_opens_with_what_the_command_does(flag):
+    proc = subprocess.run([sys.executable, "-m", "llds_jax.launch", flag], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("Trains a search agent with GRPO + LLDS")
+    assert [line.split()[:3] for line in lines[2:5]] == [["python", "-m", "llds_jax.launch"]] * 3
+    assert "--mode: <train|eval|export|sft|compile>: What to run." in proc.stdout

@@ -98,7 +98,7 @@ def test_password_in_es_host_url_is_in_no_output_or_file_of_a_run(tmp_path, tiny
     config = config_writer(tmp_path / "cfg.py", tiny_assets, run_dir=run_dir, retriever={
         "backend": "elasticsearch", "hosts": with_password(es_url), "index": es_index},
         **{"data.eval_files": (), "train.total_steps": 1, "train.eval_every": 0, "train.final_eval": False})
-    code, out, err = launch(config)
+    code, out, err = launch(config, "--print_config")
     assert code == 0, err[-3000:]
     assert "training stopped after step 1 of 1" in out
     assert leaked(out) == [] and leaked(err) == []
@@ -128,7 +128,7 @@ def test_password_in_http_retriever_url_is_in_no_output_or_file_of_a_run_whose_s
         # The start-up check (the first request) is answered; every search after it fails with HTTP 503.
         server.on_request = lambda queries: setattr(server, "failing", server.requests > 1)
         retriever = {**server.config(), "url": with_password(server.url), "max_retries": 1, "backoff_s": 0.0}
-        launched = searching_runs.start(retriever, "secrets_http", **FAILING_RUN)
+        launched = searching_runs.start(retriever, "secrets_http", "--print_config", **FAILING_RUN)
         launched.process.wait(TIMEOUT_S)
     output = launched.output()
     shown = server.url.replace("://", "://***@")
