@@ -88,6 +88,7 @@ class Lease:
                        "heartbeat": time.time(), "token": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._overwrite = False  # the last `holder()` found an unreadable or impossible lease file
 
     def __enter__(self) -> "Lease":
         self.acquire()
@@ -97,15 +98,40 @@ class Lease:
         self.release()
 
     def holder(self) -> Optional[dict]:
-        """The record of the lease file, or None when there is none (or it is unreadable: a write cut short)."""
+        """The record of the lease file; None when there is none, and also when it is unreadable or impossible (a
+        write cut short by a full disk, a heartbeat that is not a number or lies in the future): such a lease
+        holds nothing, and the caller overwrites it (with one warning line)."""
         try:
-            record = json.loads(self.path.read_text())
+            text = self.path.read_text()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
-            log.warning("%s: unreadable lease file %s (%s): taking it over", self.what, self.path, e)
-            return None
-        return record if isinstance(record, dict) else None
+        except OSError as e:
+            return self._impossible(str(e))
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return self._impossible("empty" if not text.strip() else "not JSON")
+        problem = self._problem(record)
+        return record if problem is None else self._impossible(problem)
+
+    def _problem(self, record: object) -> Optional[str]:
+        """What makes a lease record impossible (None: nothing)."""
+        if not isinstance(record, dict):
+            return f"not a record: {str(record)[:60]}"
+        for key in ("started", "heartbeat"):
+            value = record.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                return f"{key} is not a time: {str(value)[:60]!r}"
+        if not isinstance(record.get("pid"), int) or not isinstance(record.get("host"), str):
+            return f"no pid and host: {str(record)[:100]}"
+        if record["heartbeat"] - time.time() > self.stale_after_s:
+            return f"its heartbeat is {record['heartbeat'] - time.time():.0f} s in the future"
+        return None
+
+    def _impossible(self, problem: str) -> None:
+        self._overwrite = True
+        log.warning("%s: unreadable lease file %s (%s): taking it over", self.what, self.path, problem)
+        return None
 
     def is_live(self, record: dict) -> bool:
         """Whether the holder of `record` still runs (see the module docstring)."""
@@ -132,6 +158,7 @@ class Lease:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise self._unwritable(e) from None
+        self._overwrite = False
         current = self.holder()
         if current is not None and current.get("token") != self.record["token"]:
             if self.is_live(current):
@@ -139,7 +166,7 @@ class Lease:
             log.warning("%s: taking over the lease of %s: that process is gone", self.what, self.describe(current))
             self._write(exclusive=False)
         else:
-            self._write(exclusive=True)
+            self._write(exclusive=not self._overwrite)  # an unreadable file is there: written over
         written = self.holder()
         if written is None or written.get("token") != self.record["token"]:  # another writer came in between
             raise self._held(written or {})

@@ -161,15 +161,28 @@ def load_tokenizer(path: str, fallback_chat_template: str | None = "base"):
     return tok
 
 
+# Text every tokenizer a run can use encodes to tokens (checked at load: an empty vocabulary fails at once, naming
+# the folder, not in the rollout's first observation).
+PROBE_TEXT = "Who founded the company?"
+
+
 def _load_local(folder: str, fallback_chat_template: str | None, source: str):
     """The tokenizer of local `folder` (a copy of `source`); raises ValueError naming `source`, in one line, when
     transformers cannot load it (e.g. its config.json is not valid JSON, or no file of it makes a tokenizer)."""
     from transformers import AutoTokenizer  # deferred: heavy import
 
+    files = ", ".join(sorted(set(os.listdir(folder)) - set(_MODEL_FILES)))
     try:
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer folder {source}: {' '.join(str(e).split())}") from None  # one line
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception ("Model missing") for a bad file
+        raise ValueError(f"tokenizer folder {source}: its files ({files}) do not make a tokenizer "
+                         f"({type(e).__name__}: {e}); a tokenizer folder holds a valid tokenizer.json, or vocab.json "
+                         "and merges.txt") from None
+    if not tok.encode(PROBE_TEXT, add_special_tokens=False):
+        raise ValueError(f"tokenizer folder {source}: its files ({files}) make a tokenizer that encodes text to no "
+                         "token; a tokenizer folder holds a valid tokenizer.json, or vocab.json and merges.txt")
     if not tok.chat_template and fallback_chat_template and _has_qwen_chat_markers(tok):
         tok.chat_template = chat_template(fallback_chat_template)
     return tok

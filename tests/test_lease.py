@@ -60,6 +60,26 @@ def test_the_lease_of_a_holder_that_is_gone_is_taken_over(tmp_path, caplog, fiel
     assert "run_dir X: taking over the lease of pid" in caplog.text
 
 
+@pytest.mark.parametrize("content, problem", [
+    pytest.param("", "empty", id="empty"),  # a run started on a full disk: the create succeeded, the write did not
+    pytest.param('{"host": "h", "pid"', "not JSON", id="cut_short"),
+    pytest.param(json.dumps({"host": "another-host", "pid": 7, "started": 0, "heartbeat": "soon", "token": "t"}),
+                 "heartbeat is not a time: 'soon'", id="heartbeat_not_a_number"),
+    pytest.param(json.dumps({"host": "another-host", "pid": 7, "started": 0, "heartbeat": time.time() + 31536000,
+                             "token": "t"}), "s in the future", id="heartbeat_in_a_year"),
+    pytest.param(json.dumps([1, 2]), "not a record: [1, 2]", id="not_a_record"),
+])
+def test_an_unreadable_or_impossible_lease_is_taken_over_with_one_warning(tmp_path, caplog, content, problem):
+    path = tmp_path / "lease.json"
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING), lease.Lease(path, "run_dir X") as held:
+        assert json.loads(path.read_text())["token"] == held.record["token"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"run_dir X: unreadable lease file {path} (")
+    assert problem in warnings[0] and warnings[0].endswith("): taking it over")
+    assert not path.exists()  # released at the end like any lease
+
+
 def test_another_hosts_lease_with_a_recent_heartbeat_is_refused(tmp_path):
     path = tmp_path / "lease.json"
     write_record(path, host="another-host", pid=1, heartbeat=time.time() - 60)

@@ -1,5 +1,6 @@
 """The offline Qwen2.5 tokenizer, the shipped chat templates, tokenizer folders on gs://."""
 import os
+import shutil
 
 import pytest
 
@@ -103,3 +104,24 @@ def test_a_base_model_tokenizer_without_chat_template_gets_the_raw_search_r1_pro
         assert not tok.chat_template, fallback
         prompt = tok.decode(protocol.chat_prompt_ids(tok, question))
         assert prompt == protocol.make_prompt(question) and "You are Qwen" not in prompt
+
+
+@pytest.mark.parametrize("files, content, message", [
+    (("tokenizer_config.json",), None, r"its files \(tokenizer_config\.json\) make a tokenizer that encodes text to "
+                                       r"no token; a tokenizer folder holds a valid tokenizer\.json, or vocab\.json "
+                                       r"and merges\.txt"),
+    (("tokenizer_config.json",), "{}", r"its files \(tokenizer\.json, tokenizer_config\.json\) do not make a "
+                                       r"tokenizer \(Exception: Model missing"),
+])
+def test_a_folder_without_a_working_tokenizer_is_named_at_load(qwen_tokenizer_dir, tmp_path, files, content,
+                                                               message):
+    """Before (issue 44): only tokenizer_config.json loaded a tokenizer of no vocabulary, and the run failed in its
+    first rollout naming no file; a tokenizer.json of `{}` gave "error: added_tokens"."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in files:
+        shutil.copy(os.path.join(qwen_tokenizer_dir, name), folder / name)
+    if content is not None:
+        (folder / "tokenizer.json").write_text(content)
+    with pytest.raises(ValueError, match=rf"^tokenizer folder {folder}: {message}"):
+        tokenizer_lib.load_tokenizer(str(folder))

@@ -140,8 +140,8 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     size = config.max_batch_size or len(examples)
     trajectories: list[Trajectory] = []
     timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0,
-              "prompt_tokens": 0.0, "observation_tokens": 0.0, "searches": 0.0, "decode_sampled_tokens": 0.0,
-              "decode_row_steps": 0.0}
+              "prompt_tokens": 0.0, "observation_tokens": 0.0, "searches": 0.0, "bad_documents": 0.0,
+              "decode_sampled_tokens": 0.0, "decode_row_steps": 0.0}
     steps = AgentSteps(tokenizer, retriever, config, timing, stopping)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:

@@ -23,6 +23,10 @@ T = TypeVar("T")
 
 SEARCH_ERROR_OBSERVATION = "\n\n<information>Search failed: {error}</information>\n\n"
 MAX_ERROR_CHARS = 200
+# Characters of an observation tokenized per token of rollout.max_observation_tokens: the longest token of the
+# Qwen2.5 vocabulary (128 characters). The tokens kept are those of the whole text unless one word (a run without a
+# space or punctuation) crosses the cut; the work is bounded however long the text.
+MAX_CHARS_PER_TOKEN = 128
 SEARCH_ABANDONED = "abandoned: the run is stopping"  # the error of a search cut off by a stop request
 STOP_POLL_S = 0.1  # how often a search in flight checks for a stop request (seconds)
 
@@ -56,8 +60,8 @@ class AgentSteps:
     """The steps of the protocol both engines share (the sessions' turn loop here, continuous batching in
     `continuous`): turn budgets, the turn-end check, cutting and parsing a turn, appending its observation to the
     conversation, and the batched searches (their seconds go to timing["search_calls_s"]); and the rollout's budget
-    in `timing`: "prompt_tokens" (of the conversations started), "observation_tokens" (appended to them) and
-    "searches" (queries sent).
+    in `timing`: "prompt_tokens" (of the conversations started), "observation_tokens" (appended to them),
+    "searches" (queries sent) and "bad_documents" (hits the retriever dropped: `search.types.received`).
 
     `stopping`: whether a stop was requested (the trainer's PreemptionGuard): a search in flight is then abandoned
     (its queries get the observation of a failed search, SEARCH_ABANDONED) and the engines start no new turn; the
@@ -118,8 +122,11 @@ class AgentSteps:
         conv.response_len += len(turn.token_ids)
         obs_ids, truncated = None, False
         if observation is not None:
-            ids = self.tokenizer.encode(observation, add_special_tokens=False)
-            truncated = len(ids) > self.config.max_observation_tokens
+            # Tokenized from a prefix long enough for the token budget (MAX_CHARS_PER_TOKEN), never the whole text:
+            # a document may be huge.
+            chars = self.config.max_observation_tokens * MAX_CHARS_PER_TOKEN
+            ids = self.tokenizer.encode(observation[:chars], add_special_tokens=False)
+            truncated = len(ids) > self.config.max_observation_tokens or len(observation) > chars
             ids = ids[:self.config.max_observation_tokens]
             if self.fits(conv, len(ids)):
                 obs_ids = ids
@@ -160,6 +167,7 @@ class AgentSteps:
             if len(results) != len(queries):
                 raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
             failures = [r.error for r in results]
+            self.timing["bad_documents"] += sum(r.bad_documents for r in results)
         except asyncio.TimeoutError:
             results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
         except SearchAbandoned:

@@ -36,8 +36,7 @@ import elasticsearch
 
 from llds_jax import redaction
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
-from llds_jax.search.types import (BatchedRetriever, Document, RetrieverUnavailableError, SearchResult,
-                                   check_k)
+from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, check_k, received
 
 if TYPE_CHECKING:  # the encoder (and JAX) is imported only by a dense retriever
     from llds_jax.search.e5 import E5Embedder
@@ -219,9 +218,8 @@ class ElasticsearchRetriever(BatchedRetriever):
             reason = f"{error.get('type')}: {error.get('reason')}" if isinstance(error, dict) else str(error)
             return SearchResult([], f"{self._where}: {redaction.redact(reason)}")
         try:
-            return SearchResult([Document(id=str(hit["_source"].get("id", hit["_id"])),
-                                          contents=hit["_source"]["contents"], score=self._score(hit["_score"]))
-                                 for hit in item["hits"]["hits"]])
+            return received([(hit["_source"].get("id", hit["_id"]), hit["_source"]["contents"],
+                              self._score(hit["_score"])) for hit in item["hits"]["hits"]])
         except (KeyError, TypeError, ValueError) as e:
             return SearchResult([], f"{self._where}: a hit lacks _source.contents or _score ({describe(e)})")
 

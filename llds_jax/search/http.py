@@ -19,7 +19,7 @@ import aiohttp
 
 from llds_jax import redaction
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
-from llds_jax.search.types import BatchedRetriever, Document, RetrieverUnavailableError, SearchResult
+from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, received
 
 
 class HttpStatusError(Exception):
@@ -52,16 +52,17 @@ def request_target(url: str) -> tuple[str, dict[str, str]]:
     return bare, {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
-def parse_response(payload: object, num_queries: int) -> list[list[Document]]:
-    """Documents per query from a `return_scores: true` response; raises ResponseShapeError on any mismatch."""
+def parse_response(payload: object, num_queries: int) -> list[SearchResult]:
+    """The result of each query of a `return_scores: true` response (`types.received`: a document whose contents
+    is not a string is dropped and counted); raises ResponseShapeError on any other mismatch."""
     if not isinstance(payload, dict) or not isinstance(payload.get("result"), list):
         raise ResponseShapeError(f'expected {{"result": [...]}}, got {str(payload)[:200]}')
     result = payload["result"]
     if len(result) != num_queries:
         raise ResponseShapeError(f"{len(result)} result lists for {num_queries} queries")
     try:
-        return [[Document(id=str(item["document"]["id"]), contents=item["document"]["contents"],
-                          score=float(item["score"])) for item in hits] for hits in result]
+        return [received([(item["document"]["id"], item["document"]["contents"], float(item["score"]))
+                          for item in hits]) for hits in result]
     except (KeyError, TypeError, ValueError) as e:
         raise ResponseShapeError(f"result item without document id/contents or score: {describe(e)}") from e
 
@@ -89,7 +90,7 @@ class HttpRetriever(BatchedRetriever):
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
-    async def _post(self, session: aiohttp.ClientSession, queries: list[str], k: int) -> list[list[Document]]:
+    async def _post(self, session: aiohttp.ClientSession, queries: list[str], k: int) -> list[SearchResult]:
         body = {"queries": queries, "topk": k, "return_scores": True}
         async with session.post(self._endpoint, json=body, headers=self._headers) as response:
             text = await response.text()
@@ -100,11 +101,10 @@ class HttpRetriever(BatchedRetriever):
     async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
         async with self._slots:
             try:
-                docs = await call_with_retries(lambda: self._post(self._client(), queries, k), self.policy,
+                return await call_with_retries(lambda: self._post(self._client(), queries, k), self.policy,
                                                what=f"http backend at {self.url}", is_permanent=is_permanent)
             except GiveUpError as e:
                 return [SearchResult([], str(e)) for _ in queries]
-        return [SearchResult(d) for d in docs]
 
     async def check(self) -> None:
         """Raises RetrieverUnavailableError unless the server answers a one-query search. The check has its own

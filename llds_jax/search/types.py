@@ -33,10 +33,26 @@ class Document:
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
-    """The answer to one query: up to k documents, best first, or `error` (a message) and no documents."""
+    """The answer to one query: up to k documents, best first, or `error` (a message) and no documents.
+    `bad_documents`: hits the backend returned that were dropped (`received`)."""
 
     docs: list[Document]
     error: str | None = None
+    bad_documents: int = 0
+
+
+# A wiki-18 passage is ~100 words; an observation keeps at most rollout.max_observation_tokens of it. A document
+# longer than this is cut where it enters the process, so that no text of any size is held or tokenized whole.
+MAX_DOCUMENT_CHARS = 1 << 16
+
+
+def received(hits: Sequence[tuple[object, object, float]]) -> SearchResult:
+    """The result of one query from a remote backend's (id, contents, score) hits, as they enter the process: a
+    hit whose contents is not a string (null, an object) is dropped and counted in `bad_documents`, never an error
+    of the run; contents longer than MAX_DOCUMENT_CHARS is cut to that many characters."""
+    docs = [Document(id=str(doc_id), contents=contents[:MAX_DOCUMENT_CHARS], score=score)
+            for doc_id, contents, score in hits if isinstance(contents, str)]
+    return SearchResult(docs, bad_documents=len(hits) - len(docs))
 
 
 class RetrieverUnavailableError(RuntimeError):

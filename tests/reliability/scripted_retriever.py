@@ -1,6 +1,7 @@
 """A Search-R1 retrieval server on loopback whose behaviour a test scripts while a run uses it: it answers every
 query with one passage, fails with HTTP 503 (`failing`) or never answers (`hanging`: an endpoint that stopped
-responding), and calls `on_request` as each request arrives (before answering). Import as
+responding), and calls `on_request` as each request arrives (before answering). `documents`, when set, are the
+`contents` of the hits it serves per query (anything JSON holds); by default `topk` copies of one passage. Import as
 `from tests.reliability.scripted_retriever import ScriptedRetriever`."""
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class ScriptedRetriever:
     def __init__(self):
         self.failing = False
         self.hanging = False
+        self.documents: list[object] | None = None
         self._closed = threading.Event()
         self.on_request: Callable[[list[str]], None] | None = None
         self.requests = 0
@@ -43,7 +45,9 @@ class ScriptedRetriever:
                 if scripted.failing:
                     self._send(503, {"error": "scripted outage"})
                 else:
-                    hits = [{"document": {"id": "0", "contents": PASSAGE}, "score": 1.0}] * body["topk"]
+                    served = scripted.documents or [PASSAGE] * body["topk"]
+                    hits = [{"document": {"id": str(i), "contents": contents}, "score": 1.0}
+                            for i, contents in enumerate(served)]
                     self._send(200, {"result": [hits for _ in body["queries"]]})
 
             def _send(self, status: int, payload: dict) -> None:

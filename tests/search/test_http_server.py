@@ -180,4 +180,4 @@ def test_client_rejects_answers_not_in_the_protocol_shape(payload, message):
         parse_response(payload, 2)
     assert str(error.value) == message
     assert parse_response({"result": [[{"document": {"id": 5, "contents": "c"}, "score": 1}], []]}, 2) == [
-        [Document("5", "c", 1.0)], []]
+        SearchResult([Document("5", "c", 1.0)]), SearchResult([])]
