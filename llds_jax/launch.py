@@ -30,15 +30,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 
-from absl import app, flags
-from absl import logging as absl_logging
-from absl.logging import converter as absl_converter
-from etils import epath
-from ml_collections import config_flags
 
-from llds_jax import config_file, gcs  # config_file first: it registers the file-list parser the flag below uses
+def _stopped_before_the_handlers(signum: int, frame) -> None:
+    """A stop signal in the command's first second, before `run` installs its PreemptionGuard: nothing is loaded,
+    so the command ends at once, as a stop during start-up does (exit status 0, one line; before, SIGTERM killed it
+    with status -15 and no output)."""
+    print(f"llds_jax: stopped by {signal.Signals(signum).name} during start-up: nothing to save; the same command "
+          "starts again", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":  # the command, not an import of this module: before the heavy imports below
+    for _signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_signal, _stopped_before_the_handlers)
+
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from absl.logging import converter as absl_converter  # noqa: E402
+from etils import epath  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from llds_jax import config_file, gcs  # noqa: E402 (config_file first: it registers the file-list parser)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft", "compile"], "What to run.")

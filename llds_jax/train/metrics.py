@@ -132,7 +132,12 @@ class _JsonlLog:
         self.path = path
         self.lines: list[str] = []
         if path.exists():
-            for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): not a metrics file of JSON lines; move it "
+                                 "aside to resume without the earlier steps' metrics") from None
+            for lineno, line in enumerate(text.splitlines(), start=1):
                 if not line.strip():
                     continue
                 try:

@@ -5,8 +5,11 @@ abandoned, not retried: with the default policy a search would take 43.5 s to gi
 tests/reliability/test_stops.py). The moment of
 the signal is chosen from inside: by the scripted retriever as the phase's first search arrives, or by the launched
 process itself (tests/reliability/phase_marks.py)."""
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -87,3 +90,23 @@ def test_sigterm_during_the_evaluation_after_a_step_saves_that_step(searching_ru
     assert steps_saved(run_dir) == [1]
     assert [r["step"] for r in read_metrics(run_dir)] == [1]
     assert not any(key.startswith("eval/") for key in read_metrics(run_dir)[0])
+
+
+def test_sigterm_in_the_first_second_exits_0_with_one_line(tmp_path):
+    """A signal while the command still reads its config (before `run` installs its handlers), made certain by a
+    config file that waits: before issue 44 the process died with status -15 and printed nothing."""
+    marker = tmp_path / "reading_the_config"
+    config = tmp_path / "waiting_config.py"
+    config.write_text(f"import pathlib\nimport time\n\n\ndef get_config():\n    pathlib.Path({str(marker)!r}).touch()\n"
+                      "    time.sleep(120)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    process = subprocess.Popen([sys.executable, "-m", "llds_jax.launch", f"--config={config}"], cwd=root,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    assert (process.returncode, err.strip().splitlines()[-1]) == (
+        0, "llds_jax: stopped by SIGTERM during start-up: nothing to save; the same command starts again")

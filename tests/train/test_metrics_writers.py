@@ -133,3 +133,6 @@ def test_bad_metrics_are_errors_naming_the_key(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2: not a metrics record"):
         MetricsWriter(str(tmp_path), console=None)
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\x00garbage\n')  # issue 44: named no file
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'metrics.jsonl'}: not UTF-8 text \(byte 12\)"):
+        MetricsWriter(str(tmp_path), console=None)
