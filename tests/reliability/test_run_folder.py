@@ -72,11 +72,12 @@ def test_a_second_run_on_a_live_run_folder_is_refused_and_a_dead_holders_lease_i
     with ScriptedRetriever() as server:
         server.hanging = True  # each run waits in its retriever check, holding the lease
         retriever = {**server.config(), "timeout_s": 600.0}
-        first = searching_runs.start(retriever, "leased")
+        waits = {"rollout__search_timeout_s": 600.0}  # within the rollout's timeout too (llds_jax.checks)
+        first = searching_runs.start(retriever, "leased", **waits)
         wait_for(lambda: server.requests == 1, first, "retriever check")
         holder = json.loads(open(lease_file).read())
         assert holder["pid"] == first.process.pid
-        second = searching_runs.start(retriever, "leased")
+        second = searching_runs.start(retriever, "leased", **waits)
         start = time.monotonic()
         second.process.wait(TIMEOUT_S)
         print(f"the second run: exit status {second.process.returncode} after {time.monotonic() - start:.1f} s")
@@ -86,7 +87,7 @@ def test_a_second_run_on_a_live_run_folder_is_refused_and_a_dead_holders_lease_i
         assert "lease file" in line
         first.process.send_signal(signal.SIGKILL)  # its lease stays behind, its process is gone
         first.process.wait(TIMEOUT_S)
-        third = searching_runs.start(retriever, "leased")
+        third = searching_runs.start(retriever, "leased", **waits)
         wait_for(lambda: server.requests == 2, third, "the third run's retriever check")
         assert f"taking over the lease of pid {first.process.pid}" in third.output()
         assert json.loads(open(lease_file).read())["pid"] == third.process.pid
