@@ -113,6 +113,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.min_observation_bucket = SamplingConfig.min_observation_bucket
     c.rollout.search_failure_rate = 0.5  # a step whose searches failed more often than this is a failing step ...
     c.rollout.max_failed_search_steps = 3  # ... and this many in a row end the run (saved; 0: never)
+    # Tree rollouts (Tree-GRPO; rollout/tree.py, docs/tree-rollouts.md): each prompt's group grows as `trees` trees
+    # (0: chains), each forked at `tree_forks` agent-step boundaries in each of `tree_rounds` rounds, the forks
+    # copied in the KV cache: data.samples_per_prompt must be trees x (1 + tree_rounds x tree_forks).
+    c.rollout.trees = AgentConfig.trees
+    c.rollout.tree_rounds = AgentConfig.tree_rounds
+    c.rollout.tree_forks = AgentConfig.tree_forks
+    c.rollout.tree_select = AgentConfig.tree_select  # "uniform" (Tree-GRPO) or "entropy" (ARPO-like)
+    c.rollout.tree_entropy_tokens = AgentConfig.tree_entropy_tokens  # first tokens after a node that score it
 
     c.objective = ml_collections.ConfigDict()
     # "grpo": rewards normalized within each prompt's group; "tree_grpo": plus within each tree of a tree rollout
@@ -424,6 +432,10 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     if r.max_prompt_tokens >= r.max_context_tokens:
         raise ConfigError(f"rollout.max_prompt_tokens ({r.max_prompt_tokens}) must be below "
                           f"rollout.max_context_tokens ({r.max_context_tokens})")
+    if r.trees and cfg.data.samples_per_prompt != r.trees * (1 + r.tree_rounds * r.tree_forks):
+        raise ConfigError(f"data.samples_per_prompt ({cfg.data.samples_per_prompt}) must equal the leaves of a "
+                          f"prompt's trees, rollout.trees x (1 + rollout.tree_rounds x rollout.tree_forks) = "
+                          f"{r.trees * (1 + r.tree_rounds * r.tree_forks)}")
     batch = rollout_batch_size(cfg)
     if batch % o.mini_batch_size:
         raise ConfigError(f"optim.mini_batch_size ({o.mini_batch_size}) must divide the rollout batch "
@@ -431,6 +443,10 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     if o.mini_batch_size % o.micro_batch_size:
         raise ConfigError(f"optim.micro_batch_size ({o.micro_batch_size}) must divide optim.mini_batch_size "
                           f"({o.mini_batch_size})")
+    try:  # the rollout view's combinations (tree rollouts), named by their run keys
+        agent_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for key in ("warmup_steps", "curriculum_steps"):
         if cfg.sft[key] > cfg.sft.steps:
             raise ConfigError(f"sft.{key} ({cfg.sft[key]}) must be at most sft.steps ({cfg.sft.steps})")
@@ -459,7 +475,8 @@ def agent_config(cfg: ml_collections.ConfigDict, evaluation: bool = False) -> Ag
         max_observation_tokens=r.max_observation_tokens, max_prompt_tokens=r.max_prompt_tokens,
         max_context_tokens=r.max_context_tokens, max_response_tokens=r.max_response_tokens,
         retrieval_top_k=r.retrieval_top_k, search_timeout_s=r.search_timeout_s, max_batch_size=r.max_batch_size,
-        continuous_batching=r.continuous_batching)
+        continuous_batching=r.continuous_batching, trees=0 if evaluation else r.trees, tree_rounds=r.tree_rounds,
+        tree_forks=r.tree_forks, tree_select=r.tree_select, tree_entropy_tokens=r.tree_entropy_tokens)
 
 
 def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],

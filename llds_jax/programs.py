@@ -30,6 +30,7 @@ class Role(enum.Enum):
     EXTEND = "extend"
     CACHE_GROWTH = "cache growth"
     COMPACTION = "compaction"
+    FORK = "fork"  # tree rollouts (`rollout.tree`): rows copied at agent-step boundaries
     # a continuous batch (`rollout.row_session.RowSession`): its decode chunk, growth and compaction as above
     EMPTY_BATCH = "empty batch"
     PROMPT_EXTEND = "prompt extend"

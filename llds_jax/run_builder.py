@@ -25,6 +25,7 @@ from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, from_hf_config, hf_io, preset, run_overrides
 from llds_jax.rl.train_step import RLTrainStep
 from llds_jax.rollout.layout import RolloutLayout, make_layout
+from llds_jax.rollout import tree
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.sampler import Sampler, SessionShapes
 from llds_jax.rollout.shape_plan import ShapePlan
@@ -120,7 +121,13 @@ def session_shapes(cfg: ml_collections.ConfigDict, sampling: SamplingConfig, bat
     distinct = 0
     if sampling.shared_prompt_prefill and groups:
         distinct = min(-(-(per_session - 1) // cfg.data.samples_per_prompt) + 1, per_session)
-    prefill, turn = ShapePlan(sampling, batch_multiple).largest(
-        per_session, a.max_prompt_tokens, a.max_turn_tokens, a.max_context_tokens, a.max_observation_tokens, distinct)
+    plan = ShapePlan(sampling, batch_multiple)
+    fork_source = 0
+    if a.trees and groups:  # the largest round's batch, and the fork into it from the largest batch before it
+        rounds = tree.round_sequences(a, per_session)
+        per_session, fork_source = max(rounds), plan.batch_rows(max(rounds[:-1]))
+    prefill, turn = plan.largest(per_session, a.max_prompt_tokens, a.max_turn_tokens, a.max_context_tokens,
+                                 a.max_observation_tokens, distinct)
     return SessionShapes(params, prefill.rows, prefill.prompt, prefill.capacity, turn.capacity, turn.observation,
-                         continuous=a.continuous_batching, distinct=prefill.distinct)
+                         continuous=a.continuous_batching, distinct=prefill.distinct, fork_source=fork_source)
+

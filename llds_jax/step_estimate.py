@@ -16,6 +16,9 @@ the config allows:
 - continuous batching (`rollout.continuous_batching`): at the worst case every row's sequences run in lockstep,
   so its calls are the sessions' (one empty batch, prompt extends of every row in place of prefills, observation
   extends of every row; `rollout.max_extend_rows` rows per call);
+- tree rollouts (`rollout.trees`): each session's chains and its `rollout.tree_rounds` forked rounds each run as
+  a session at the largest round's rows (an upper bound: a forked round starts from the fork's turn), with one fork
+  per round;
 - hosts sample their sessions at the same time (a step's rollout is one host's); evaluation is left out (it runs
   every `train.eval_every` steps);
 - the updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
@@ -53,6 +56,13 @@ def rollout_calls(cfg, sequences: int, rows: int) -> dict[Role, float]:
     r = cfg.rollout
     sessions = math.ceil(sequences / rows)
     turns = r.max_turns + 1
+    if r.trees:  # every round of a session at the largest round's rows, each forked round from its first turn
+        sessions = math.ceil(sequences / (r.max_batch_size or sequences))
+        rounds = 1 + r.tree_rounds
+        return {Role.PREFILL: sessions, Role.EXTEND: sessions * rounds * r.max_turns,
+                Role.FORK: sessions * r.tree_rounds,
+                Role.DECODE_CHUNK: sessions * rounds * turns * r.max_turn_tokens / r.decode_chunk,
+                Role.CACHE_GROWTH: sessions * rounds, Role.COMPACTION: sessions}
     calls = {Role.DECODE_CHUNK: sessions * turns * r.max_turn_tokens / r.decode_chunk, Role.CACHE_GROWTH: sessions,
              Role.COMPACTION: sessions}
     if r.continuous_batching:  # one batch; each row's sequences at the worst case run in lockstep, as sessions

@@ -258,3 +258,21 @@ def test_missing_tpu_compiler_says_how_to_install_it(monkeypatch):
                         else real_find_spec(name, *a))
     with pytest.raises(compile_check.CompilerUnavailableError, match=r"the libtpu wheel: pip install -e '\.\[tpu\]'"):
         compile_check.topology_devices("v4:2x2x1")
+
+
+@pytest.mark.slow
+def test_tree_rollouts_compile_their_fork_without_gathering_a_weight(tiny_model_dir, capsys):
+    """rollout.trees: 1 tree of 1 + 3 leaves per prompt (the group of 4). A session of 16 samples runs the 4 chains,
+    then forks 12 rows from them: the fork program (4 -> 16 rows at the largest capacity) compiles, fits, moves no
+    weight, and the estimate counts one fork and two rounds per session (one session per host: 2 hosts)."""
+    cfg = flagship(tiny_model_dir, **{"rollout.trees": 1, "rollout.tree_forks": 3})
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
+    fork = programs["fork"]
+    assert fork.shapes.startswith("4 -> 16 rows, 512 slots") and fork.calls == 1
+    r = cfg.rollout  # rounds x turns x decode chunks per turn
+    assert programs["decode chunk"].calls == 2 * (r.max_turns + 1) * r.max_turn_tokens / r.decode_chunk
+    layout = run_builder.run_layout(cfg, devices).rollout
+    assert compile_check.weight_gathers([compile_check.compile_row(fork)], layout.model_cfg, layout.tensor) == []
+    assert compile_check.run(cfg, "v4:2x2x2") == 0
+    assert "\nfork " in capsys.readouterr().out

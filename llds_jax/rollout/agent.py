@@ -24,6 +24,9 @@ A failed search (an error result for that query, an exception or a timeout of th
 sequence the observation `steps.SEARCH_ERROR_OBSERVATION` (an information block holding one "Search failed: ..." line)
 and records the error; the other sequences are unaffected.
 
+A session's turns run in `turn_loop.TurnLoop`; tree rollouts (`rollout.trees`, `llds_jax.rollout.tree`) run it
+over the chains, then over each round of forks.
+
 Context caps differ from Search-R1 in one way: Search-R1 left-truncates the rolling context to 4096 tokens; with a
 KV cache we instead end a sequence cleanly (end reason "context_full") when its next turn or observation would
 take prompt + response past `max_context_tokens` or the response past `max_response_tokens`. A turn's budget is
@@ -42,11 +45,12 @@ import jax
 import jax.numpy as jnp
 
 from llds_jax.data.qa import QAExample
-from llds_jax.rollout import continuous
+from llds_jax.rollout import continuous, tree
 from llds_jax.rollout.config import AgentConfig
-from llds_jax.rollout.interfaces import SampledTurn, SamplerSession, TurnSampler
-from llds_jax.rollout.steps import AgentSteps, add_decode_counts
-from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Trajectory, Turn, rollout_metrics
+from llds_jax.rollout.interfaces import TurnSampler
+from llds_jax.rollout.steps import AgentSteps
+from llds_jax.rollout.trajectory import Trajectory, rollout_metrics
+from llds_jax.rollout.turn_loop import TurnLoop
 from llds_jax.search.types import Retriever
 
 
@@ -122,7 +126,8 @@ def rollout(sampler: TurnSampler, params, tokenizer, retriever: Retriever, examp
         in flight are abandoned, no new turn or session starts, and the Rollout comes back `stopped` (the caller
         agrees on the stop with the other hosts: this one returns at once, they finish theirs).
     With `config.continuous_batching` the examples run in one continuous batch (`continuous`; the sampler must be a
-    `sampler.Sampler`), each sampling from the stream it has here.
+    `sampler.Sampler`), each sampling from the stream it has here. With `config.trees` each session's examples (whole
+    groups of `config.tree_group` samples of one question) grow as trees (`tree`; a `sampler.Sampler`).
     Returns a Rollout with one trajectory per example, in order.
     """
     coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config, first_sequence,
@@ -157,8 +162,16 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
                     between_sessions()
                 if steps.stopping():
                     break
-                loop = _BatchLoop(sampler, params, steps, examples[first:first + size], decode_thread)
-                trajectories += await loop.run(*_session_stream(rng, first_sequence + first, config.max_batch_size))
+                batch = examples[first:first + size]
+                stream = _session_stream(rng, first_sequence + first, config.max_batch_size)
+                if config.trees:
+                    trajectories += await tree.run(sampler, params, steps, batch, decode_thread, *stream)
+                    continue
+                convs = [steps.conversation(ex) for ex in batch]
+                session = sampler.start(params, [c.prompt_ids for c in convs], *stream)
+                await TurnLoop(steps, convs, decode_thread).run(session)
+                if not steps.stopping():  # unfinished conversations: the rollout is abandoned
+                    trajectories += steps.trajectories(batch, convs)
     if steps.stopping():
         return Rollout([], {}, stopped=True)
     elapsed = time.perf_counter() - start
@@ -181,89 +194,3 @@ def _session_stream(rng: jax.Array, first_sequence: int, max_batch_size: int) ->
     if not max_batch_size:
         return rng, first_sequence
     return jax.random.fold_in(rng, first_sequence // max_batch_size), first_sequence % max_batch_size
-
-
-class _BatchLoop:
-    """The turn loop of one sampler session."""
-
-    def __init__(self, sampler: TurnSampler, params, steps: AgentSteps, examples: Sequence[QAExample],
-                 decode_thread: concurrent.futures.Executor):
-        self.sampler, self.params, self.steps = sampler, params, steps
-        self.examples, self.config, self.timing = list(examples), steps.config, steps.timing
-        self.decode_thread = decode_thread
-        self.convs = [steps.conversation(ex) for ex in self.examples]
-
-    async def run(self, rng: jax.Array, first_sequence: int) -> list[Trajectory]:
-        session = self.sampler.start(self.params, [c.prompt_ids for c in self.convs], rng,
-                                     first_sequence=first_sequence)
-        for turn_index in range(self.config.max_turns + 1):
-            if all(c.end_reason is not None for c in self.convs) or self.steps.stopping():
-                break
-            await self._turn(session, final=turn_index == self.config.max_turns)
-        for key in ("prefill_s", "decode_s"):
-            self.timing[key] += session.timing[key]
-        add_decode_counts(self.timing, session)
-        if self.steps.stopping():  # unfinished conversations: the rollout is abandoned
-            return []
-        return self.steps.trajectories(self.examples, self.convs)
-
-    def _close_turn(self, i: int, sample: SampledTurn, final: bool, turns: dict[int, Turn], keep: list[int],
-                    observations: list[Optional[str]]) -> bool:
-        """Cuts and parses sequence i's sampled turn; returns whether it searches. Runs on the decode thread for
-        sequences the session reports early (they are not touched elsewhere until decoding is over)."""
-        turns[i], searches, observations[i] = self.steps.close_turn(self.convs[i], sample, final)
-        keep[i] = len(turns[i].token_ids)
-        return searches
-
-    async def _turn(self, session: SamplerSession, final: bool) -> None:
-        n = len(self.convs)
-        active = [c.end_reason is None for c in self.convs]
-        budgets = [self.steps.budget(c) if active[i] else 0 for i, c in enumerate(self.convs)]
-        keep = [0] * n
-        observations: list[Optional[str]] = [None] * n
-        turns: dict[int, Turn] = {}
-        in_flight: list[tuple[list[int], concurrent.futures.Future]] = []  # (sequences, their batched search)
-        loop = asyncio.get_running_loop()
-
-        def on_finished(seqs: list[int], samples: list[SampledTurn]) -> None:  # on the decode thread, between chunks
-            searching = [i for i, sample in zip(seqs, samples)
-                         if self._close_turn(i, sample, final, turns, keep, observations)]
-            if searching:
-                queries = [turns[i].action.content for i in searching]
-                in_flight.append((searching, asyncio.run_coroutine_threadsafe(self.steps.search(queries), loop)))
-
-        try:
-            samples = await loop.run_in_executor(self.decode_thread, session.decode_turn, budgets,
-                                                 self.steps.turn_finished, on_finished)
-        except BaseException:
-            for _, future in in_flight:
-                future.cancel()
-            raise
-        self.timing["sampled_tokens"] += sum(len(s.token_ids) for s in samples)
-        late: list[int] = []  # searching sequences the session did not report early
-        for i, (conv, sample) in enumerate(zip(self.convs, samples)):
-            if not active[i] or i in turns:
-                continue
-            if budgets[i] == 0:
-                conv.end_reason = END_CONTEXT_FULL
-            elif self._close_turn(i, sample, final, turns, keep, observations):
-                late.append(i)
-        wait_start = time.perf_counter()
-        outcomes: dict[int, tuple[str, Optional[str]]] = {}
-        for seqs, future in in_flight:
-            outcomes.update(zip(seqs, await asyncio.wrap_future(future)))
-        if late:
-            outcomes.update(zip(late, await self.steps.search([turns[i].action.content for i in late])))
-        self.timing["search_s"] += time.perf_counter() - wait_start
-        errors = {}
-        for i, (observation, error) in outcomes.items():
-            observations[i] = observation
-            if error is not None:
-                errors[i] = error
-        obs_ids: list[Optional[list[int]]] = [None] * n
-        truncations = 0
-        for i in sorted(turns):
-            obs_ids[i], truncated = self.steps.append_turn(self.convs[i], turns[i], observations[i], errors.get(i))
-            truncations += truncated
-        self.steps.warn_truncations(truncations)
-        session.end_turn(keep, obs_ids)

@@ -11,6 +11,9 @@ from llds_jax import bounds
 from llds_jax.bounds import AT_LEAST_1, NON_NEGATIVE, POSITIVE, PROBABILITY_MASS, field
 
 
+TREE_SELECTIONS = ("uniform", "entropy")
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
     """The multi-turn protocol's limits (Search-R1 defaults).
@@ -28,6 +31,15 @@ class AgentConfig:
       continuous_batching: instead of sessions that run their rows turn by turn, one device batch of
         max_batch_size rows (0: all sequences) that sequences enter and leave between any two decode chunks, each
         row on its own turn (`llds_jax.rollout.continuous`); needs `sampler.Sampler`. The same tokens are sampled.
+      trees: tree rollouts (`llds_jax.rollout.tree`, Tree-GRPO): each prompt's group grows as this many trees (M);
+        0: chains, each sample its own conversation.
+      tree_rounds: expansion rounds of each tree (L).
+      tree_forks: nodes each tree forks per round (N); a tree ends with 1 + L x N leaves, a group with
+        M x (1 + L x N).
+      tree_select: how a round picks its nodes among a tree's agent-step boundaries: "uniform" (Tree-GRPO) or
+        "entropy" (ARPO-like: the nodes whose following turn began with the highest mean surprisal over its first
+        `tree_entropy_tokens` sampled tokens).
+      tree_entropy_tokens: the tokens that score a node for "entropy".
     """
 
     SECTION = "rollout"  # the run-config section of its fields (llds_jax.bounds)
@@ -42,9 +54,30 @@ class AgentConfig:
     search_timeout_s: float = field(60.0, POSITIVE)
     max_batch_size: int = field(0, NON_NEGATIVE)
     continuous_batching: bool = False
+    trees: int = field(0, NON_NEGATIVE)
+    tree_rounds: int = field(1, AT_LEAST_1)
+    tree_forks: int = field(1, AT_LEAST_1)
+    tree_select: str = field("uniform", choices=TREE_SELECTIONS)
+    tree_entropy_tokens: int = field(8, AT_LEAST_1)
+
+    @property
+    def leaves_per_tree(self) -> int:
+        """Trajectories of one tree: its chain and one per fork (1 + L x N)."""
+        return 1 + self.tree_rounds * self.tree_forks
+
+    @property
+    def tree_group(self) -> int:
+        """Trajectories a prompt's trees give (M x (1 + L x N)); 0 without trees."""
+        return self.trees * self.leaves_per_tree
 
     def __post_init__(self):
         bounds.check(self)
+        if self.trees and self.continuous_batching:
+            raise ValueError("rollout.trees needs turn-synchronous sessions: set rollout.continuous_batching False")
+        if self.trees and self.max_batch_size % self.tree_group:
+            raise ValueError(f"rollout.max_batch_size ({self.max_batch_size}) must be a multiple of a prompt's tree "
+                             f"leaves rollout.trees x (1 + rollout.tree_rounds x rollout.tree_forks) = "
+                             f"{self.tree_group}: a session holds whole trees")
         if self.max_prompt_tokens >= self.max_context_tokens:
             raise ValueError(f"rollout.max_prompt_tokens ({self.max_prompt_tokens}) must be below "
                              f"rollout.max_context_tokens ({self.max_context_tokens})")

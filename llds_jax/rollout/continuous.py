@@ -1,6 +1,6 @@
 """Continuous batching of the agent loop (`AgentConfig.continuous_batching`).
 
-The session path (`agent._BatchLoop`) runs a batch turn-synchronously: rows that ended their turn or their
+The session path (`turn_loop.TurnLoop`) runs a batch turn-synchronously: rows that ended their turn or their
 trajectory idle until the batch's longest turn ends, and the next batch waits for the longest trajectory. Here one
 device batch (`row_session.RowSession`) of R rows (`max_batch_size`, or all sequences when 0) serves every sequence of
 the rollout from a queue, and after every decode chunk the host:

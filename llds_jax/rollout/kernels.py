@@ -7,6 +7,8 @@ host arrays) that `llds_jax.rollout.sampler.Sampler` jits, and the layout every 
   end_turn                   every row rolled back to its kept tokens, then an observation appended
   empty / extend_rows        continuous batching: an empty batch, and the extend of some rows only
   grow / select_rows         more cache slots; a batch of some rows (compaction)
+  fork_rows                  tree rollouts: a new batch of copies of some rows, each rolled back to an agent-step
+                             boundary and re-extended by the token before it (its next-token logits), fresh PRNG keys
 
 Log-probs are those of the sampling distribution over the full vocabulary: log_softmax(logits / temperature) in
 float32, what the learner recomputes. Top-k / top-p only restrict which tokens can be drawn; the log-probs are not
@@ -266,6 +268,31 @@ def extend_rows(graphdef, params, state: DecodeState, rows_k, end_k, next_pos_k,
         state = state.replace(key_b=jax.random.wrap_key_data(key_data_b, impl=jax.random.key_impl(state.key_b)),
                               count_b=put(state.count_b, jnp.zeros_like(end_k)))
     return _constrain_state(state)
+
+
+def fork_rows(graphdef, params, state: DecodeState, source_k, end_k, next_pos_k, tokens_k, valid_k,
+              key_data_k) -> DecodeState:
+    """A new batch of K rows: row k a copy of row source_k[k] of `state` (not donated) rolled back to the cache
+    slots before end_k[k] - 1 (next RoPE position next_pos_k[k] - 1), then extended by tokens_k[k] (int32 [K]: the
+    token that was at slot end_k[k] - 1), so that it holds that row's cache up to end_k[k] and the logits of the
+    token that follows: never a re-encode. Every row samples anew: PRNG key data key_data_k (uint32 [K, ...]),
+    sampled-token count 0, done.
+
+    A row with valid_k[k] False (bool [K]) is carried as it is (its end and position are end_k[k], next_pos_k[k]: the
+    source row's; nothing is appended; its logits are meaningless): a finished row kept for later forks, or padding.
+    """
+    model = nnx.merge(graphdef, params)
+    rows = _take_rows(state.cache, source_k)
+    back_k = (end_k - valid_k).astype(jnp.int32)
+    slots_s = jnp.arange(rows.capacity, dtype=jnp.int32)
+    rows = rows.replace(valid_bs=rows.valid_bs & (slots_s[None, :] < back_k[:, None]), end_b=back_k,
+                        next_pos_b=(next_pos_k - valid_k).astype(jnp.int32))
+    hidden_k1d, rows = model.extend(tokens_k[:, None], valid_k[:, None], _constrain_cache(rows))
+    zeros_k = jnp.zeros(end_k.shape, jnp.int32)
+    return _constrain_state(DecodeState(
+        cache=rows, logits_bv=_last_logits(model, hidden_k1d, valid_k[:, None]),
+        key_b=jax.random.wrap_key_data(key_data_k, impl=jax.random.key_impl(state.key_b)), count_b=zeros_k,
+        remaining_b=zeros_k, done_b=jnp.ones(end_k.shape, bool)))
 
 
 def grow(state: DecodeState, capacity: int) -> DecodeState:

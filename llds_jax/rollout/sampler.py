@@ -61,8 +61,8 @@ from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.kernels import DecodeState
 from llds_jax.rollout.row_session import RowSession
 from llds_jax.rollout.session import Session
-from llds_jax.rollout.shape_plan import (DecodeShape, EmptyShape, EndTurnShape, ExtendRowsShape, GrowShape,
-                                          PrefillShape, SelectShape, Shape, ShapePlan)
+from llds_jax.rollout.shape_plan import (DecodeShape, EmptyShape, EndTurnShape, ExtendRowsShape, ForkShape,
+                                          GrowShape, PrefillShape, SelectShape, Shape, ShapePlan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,7 @@ class SessionShapes:
       continuous: a continuous-batching `RowSession`'s programs rather than a `Session`'s.
       distinct: a prefill that encodes each distinct prompt once, at this many rows (0: every row;
         `SamplingConfig.shared_prompt_prefill`).
+      fork_source: tree rollouts: rows of the batch a fork copies from, into a batch of `rows` rows (0: no fork).
     """
 
     params: object
@@ -89,6 +90,7 @@ class SessionShapes:
     observation: int
     continuous: bool = False
     distinct: int = 0
+    fork_source: int = 0
 
 
 class Sampler(CompilablePrograms[SessionShapes]):
@@ -114,6 +116,7 @@ class Sampler(CompilablePrograms[SessionShapes]):
         self._end_turn = jax.jit(functools.partial(kernels.end_turn, graphdef), donate_argnums=1)
         self._grow = jax.jit(kernels.grow, static_argnums=1)
         self._select = jax.jit(kernels.select_rows)
+        self._fork = jax.jit(functools.partial(kernels.fork_rows, graphdef))
         self._empty = jax.jit(functools.partial(kernels.empty, graphdef), static_argnames=("rows", "capacity"))
         self._extend_rows = jax.jit(functools.partial(kernels.extend_rows, graphdef), donate_argnums=1,
                                     static_argnames="prefill")
@@ -147,7 +150,7 @@ class Sampler(CompilablePrograms[SessionShapes]):
         ahead-of-time compilation without devices: prefill of `at.prompt`-token prompts into a cache of
         `at.prefill_capacity` slots, then at `at.capacity` slots: a decode chunk, the extend of an
         `at.observation`-slot observation, the growth from capacity / 2 and the compaction to rows / 2 (when
-        rows > 1).
+        rows > 1); with `at.fork_source`, the fork of a tree rollout from that many rows into `at.rows`.
 
         With `at.continuous`, those of a continuous-batching `RowSession` instead: the empty batch and the extend of
         every row by a prompt (at `prefill_capacity` slots) in place of the prefill, the extend of every row by an
@@ -176,6 +179,9 @@ class Sampler(CompilablePrograms[SessionShapes]):
             (Role.CACHE_GROWTH, f"{rows} rows, {capacity // 2} -> {capacity} slots",
              GrowShape(rows, capacity // 2, capacity)),
         ]
+        if at.fork_source:
+            programs.append((Role.FORK, f"{at.fork_source} -> {rows} rows, {capacity} slots",
+                             ForkShape(at.fork_source, capacity, rows)))
         if rows > 1:
             smaller = self.plan.batch_rows(rows // 2)
             if smaller < rows:
@@ -233,13 +239,27 @@ class Sampler(CompilablePrograms[SessionShapes]):
         return self._extend_rows(params, state, put(rows_k), put(end_k), put(next_pos_k), put(tokens_kt),
                                  put(valid_kt), put(key_data_k), prefill=prefill)
 
+    def fork(self, params, state: DecodeState, source_k: np.ndarray, end_k: np.ndarray, next_pos_k: np.ndarray,
+             tokens_k: np.ndarray, valid_k: np.ndarray, key_data_k: np.ndarray) -> DecodeState:
+        """A new batch of K rows, row k a copy of row source_k[k] (int32 [K]) of `state` (kept) rolled back to the
+        cache end end_k[k] - 1 and re-extended by tokens_k[k]; rows with valid_k False (bool [K]) carried as they
+        are. Each samples with PRNG key data key_data_k[k] from count 0. See `kernels.fork_rows`."""
+        self.plan.record(ForkShape(*state.cache.valid_bs.shape, len(source_k)))
+        put = self.put
+        return self._fork(params, state, put(source_k), put(end_k), put(next_pos_k), put(tokens_k), put(valid_k),
+                          put(key_data_k))
+
     def sequence_keys(self, rng: jax.Array, first_sequence: int, n: int) -> jax.Array:
         """The PRNG keys [n] of sequences first_sequence .. first_sequence + n - 1 of `rng`: fold_in(rng, id), the
         keys `prefill` gives them (a session's sequence i has id first_sequence + i, see `start`)."""
+        return self.keys_of(rng, np.arange(first_sequence, first_sequence + n, dtype=np.uint32))
+
+    @staticmethod
+    def keys_of(rng: jax.Array, ids_n: np.ndarray) -> jax.Array:
+        """The PRNG keys [n] of the sequences with global ids ids_n (uint32 [n]): fold_in(rng, id)."""
         if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)
-        ids_n = np.arange(first_sequence, first_sequence + n, dtype=np.uint32)
-        return jax.vmap(lambda i: jax.random.fold_in(rng, i))(ids_n)
+        return jax.vmap(lambda i: jax.random.fold_in(rng, i))(np.asarray(ids_n, np.uint32))
 
     def start_rows(self, params, prompts: Sequence[Sequence[int]], keys_n: jax.Array, rows: int,
                    first_turn: int) -> "RowSession":
@@ -291,6 +311,10 @@ class Sampler(CompilablePrograms[SessionShapes]):
             k, t, key_shape = shape.rows_in, shape.tokens, jax.eval_shape(jax.random.key_data, state.key_b).shape[1:]
             return (self._extend_rows, (params, state, host(k), host(k), host(k), host(k, t), host(k, t, dtype=bool),
                                         host(k, *key_shape, dtype=np.uint32)), dict(prefill=shape.prefill))
+        if isinstance(shape, ForkShape):
+            k, key_shape = shape.rows_out, jax.eval_shape(jax.random.key_data, state.key_b).shape[1:]
+            return (self._fork, (params, state, host(k), host(k), host(k), host(k), host(k, dtype=bool),
+                                 host(k, *key_shape, dtype=np.uint32)), {})
         return self._select, (state, host(shape.rows_out)), {}
 
     def _abstract_state(self, params, rows: int, capacity: int) -> DecodeState:
@@ -322,14 +346,16 @@ class Sampler(CompilablePrograms[SessionShapes]):
             return jnp.asarray(array)
         return jax.device_put(array, parallel.batch_sharding(self.mesh, array.ndim))
 
-    def start(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
-              first_sequence: int = 0) -> "Session":
+    def start(self, params, prompts: Sequence[Sequence[int]], rng: jax.Array, first_sequence: int = 0,
+              sequence_ids: Optional[Sequence[int]] = None, compact: bool = True) -> "Session":
         """Opens a session over `prompts` (token ids each). The prompts are encoded at the first decode_turn.
 
         rng: a PRNG key; sequence i samples from the stream fold_in(rng, first_sequence + i), so its tokens do not
         depend on which other sequences share the batch or how the batch is split over devices or sessions.
         first_sequence: the global index of the first prompt (e.g. this host's first row of a global batch, or
           a session's first row of a larger rollout), so that a split batch samples what the whole one would.
+        sequence_ids: the global id of each prompt instead (uint32 [n]; a tree rollout's chains, `rollout.tree`).
+        compact: False keeps every sequence's rows until the session ends, for `Session.fork`.
         """
-        return Session(self, params, prompts, rng, first_sequence)
+        return Session(self, params, prompts, rng, first_sequence, sequence_ids, compact)
 

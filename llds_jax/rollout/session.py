@@ -55,6 +55,9 @@ class SessionPrograms(Protocol):
 
     def select_rows(self, state: DecodeState, rows_b: np.ndarray) -> DecodeState: ...
 
+    def fork(self, params, state: DecodeState, source_k: np.ndarray, end_k: np.ndarray, next_pos_k: np.ndarray,
+             tokens_k: np.ndarray, valid_k: np.ndarray, key_data_k: np.ndarray) -> DecodeState: ...
+
 
 def left_padded(prompts: Sequence[Sequence[int]], rows: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
     """Prompts left-padded into int32 tokens and bool valid [rows, slots]; rows past the prompts hold one token, so
@@ -125,18 +128,29 @@ class DeviceBatch:
 
 class Session(DeviceBatch):
     """One batch of conversations in the KV cache. Sequences are indexed 0..n-1 in `prompts` order; sequence i
-    samples with the global id first_sequence + i (see `Sampler.start`)."""
+    samples with the global id first_sequence + i, or sequence_ids[i] when given (see `Sampler.start`).
+
+    `compact` False keeps every sequence in its row until the session ends (no compaction), so that `fork` can copy
+    any of them. `turn_starts[i]` lists, for each turn sequence i sampled, (cache end, next position, last token) at
+    its start: the agent-step boundaries a tree rollout forks from (`fork`).
+    """
 
     def __init__(self, sampler: SessionPrograms, params, prompts: Sequence[Sequence[int]], rng: jax.Array,
-                 first_sequence: int = 0):
+                 first_sequence: int = 0, sequence_ids: Optional[Sequence[int]] = None, compact: bool = True):
         super().__init__(sampler, params, prompts)
         if first_sequence < 0:
             raise ValueError(f"Session: first_sequence must be >= 0, got {first_sequence}")
         if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)
         self._rng = rng
-        self._first_sequence = first_sequence
         n = len(prompts)
+        self._ids = (np.arange(first_sequence, first_sequence + n, dtype=np.uint32) if sequence_ids is None
+                     else np.asarray(sequence_ids, np.uint32))
+        if self._ids.shape != (n,):
+            raise ValueError(f"Session: need {n} sequence ids, got {len(self._ids)}")
+        self._compact_rows = compact
+        self.turn_starts: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        self._last_token = np.array([p[-1] for p in self._prompts], np.int64)  # the token before each one's end
         self._alive = np.ones(n, bool)
         # Host mirrors, per sequence: the cache slot the sequence writes to next and its next RoPE position.
         self._end = np.zeros(n, np.int64)
@@ -178,6 +192,8 @@ class Session(DeviceBatch):
                 # + 1: a row that is done still writes one (invalid) slot per decode step at its end.
                 self._ensure_capacity(int(np.max(self._end + budgets_n + 1)))
             self._turn_start_end, self._turn_start_pos = self._end.copy(), self._pos.copy()
+            for seq in np.flatnonzero(budgets_n):
+                self.turn_starts[seq].append((int(self._end[seq]), int(self._pos[seq]), int(self._last_token[seq])))
             if budgets_n.any():
                 self._run_turn(budgets_n, turn_finished, on_finished, turns)
         return turns
@@ -231,6 +247,60 @@ class Session(DeviceBatch):
             self.timing["prefill_s"] += time.perf_counter() - start
         self._end += obs_len
         self._pos += obs_len
+        for seq in np.flatnonzero(obs_len):
+            self._last_token[seq] = observations[seq][-1]
+
+    def fork(self, nodes: Sequence[tuple[int, int]], keys_k: jax.Array, carry: bool = False,
+             compact: bool = True) -> "Session":
+        """A session of new sequences, one per node (s, k): a copy of sequence s as it stood at the start of its
+        turn k (k < len(turn_starts[s])), taken from its cache rows on device (`kernels.fork_rows`: never a
+        re-encode), which samples turn k afresh from the PRNG key keys_k[j] (its count from 0).
+
+        With `carry`, this session's sequences come first in the new one, as they are (every one must be finished):
+        a tree rollout keeps them for later forks. The sequences forked must still hold their rows: open the
+        session with compact=False. `compact`: the new session's (see the class docstring).
+        """
+        if self._state is None:
+            raise ValueError("fork: the session has not started")
+        if carry and self._alive.any():
+            raise ValueError(f"fork: sequences {np.flatnonzero(self._alive).tolist()} are unfinished and cannot be "
+                             "carried")
+        for s, k in nodes:
+            if not 0 <= k < len(self.turn_starts[s]):
+                raise ValueError(f"fork: sequence {s} sampled {len(self.turn_starts[s])} turns; no turn {k} to fork")
+            if self._slot_of[s] < 0:
+                raise ValueError(f"fork: sequence {s} left the batch (compaction): open the session with "
+                                 "compact=False")
+        carried = list(range(self.num_sequences)) if carry else []
+        seqs = carried + [s for s, _ in nodes]
+        n, rows = len(seqs), self._sampler.plan.batch_rows(len(seqs))
+        source_k = np.full(rows, self._slot_of[seqs[0]], np.int32)
+        end_k = np.full(rows, self._end[seqs[0]], np.int32)
+        pos_k = np.full(rows, self._pos[seqs[0]], np.int32)
+        tokens_k, valid_k = np.zeros(rows, np.int32), np.zeros(rows, bool)
+        source_k[:n] = self._slot_of[seqs]
+        end_k[:len(carried)], pos_k[:len(carried)] = self._end[carried], self._pos[carried]
+        for j, (s, k) in enumerate(nodes, start=len(carried)):
+            end_k[j], pos_k[j], tokens_k[j] = self.turn_starts[s][k]
+            valid_k[j] = True
+        key_data = np.asarray(jax.random.key_data(keys_k))
+        key_data_k = np.zeros((rows, *key_data.shape[1:]), key_data.dtype)
+        key_data_k[len(carried):n] = key_data
+        child = Session(self._sampler, self._params, [self._prompts[s] for s in seqs], self._rng, compact=compact)
+        with self._sampler.mesh_context():
+            start = time.perf_counter()
+            child._state = self._sampler.fork(self._params, self._state, source_k, end_k, pos_k, tokens_k, valid_k,
+                                              key_data_k)
+            child._state.logits_bv.block_until_ready()  # once per fork: times it apart from decoding
+            child.timing["prefill_s"] += time.perf_counter() - start
+        child._seq_of = np.concatenate([np.arange(n), np.full(rows - n, -1)])
+        child._slot_of = np.arange(n)
+        child._end, child._pos = end_k[:n].astype(np.int64), pos_k[:n].astype(np.int64)
+        child._alive[:len(carried)] = False
+        child.turn_starts = ([list(self.turn_starts[s]) for s in carried]
+                             + [self.turn_starts[s][:k] for s, k in nodes])
+        child._last_token = np.concatenate([self._last_token[carried], tokens_k[len(carried):n]]).astype(np.int64)
+        return child
 
     # -- internals -------------------------------------------------------------------------------------------
 
@@ -244,7 +314,8 @@ class Session(DeviceBatch):
                   if self._cfg.shared_prompt_prefill else [])
         shape = self._sampler.plan.prefill(n, max(len(x) for x in self._prompts), max_budget, len(distinct))
         rows, p = shape.rows, shape.prompt
-        seq_ids_b = np.arange(self._first_sequence, self._first_sequence + rows, dtype=np.uint32)
+        # padding rows: ids past the largest (their samples are never read)
+        seq_ids_b = np.concatenate([self._ids, self._ids.max() + 1 + np.arange(rows - n, dtype=np.uint32)])
         if shape.distinct:  # padding rows take the first prompt
             tokens_bt, valid_bt = left_padded(list(distinct), shape.distinct, p)
             source_b = np.zeros(rows, np.int32)
@@ -264,7 +335,8 @@ class Session(DeviceBatch):
     def _compact(self) -> None:
         """Moves the unfinished sequences into a smaller batch bucket when the plan has one for them."""
         live = np.flatnonzero(self._alive)
-        compaction = self._sampler.plan.compaction(self.batch_rows, self.capacity, len(live))
+        compaction = (self._sampler.plan.compaction(self.batch_rows, self.capacity, len(live)) if self._compact_rows
+                      else None)
         if compaction is None:
             return
         rows = compaction.rows_out

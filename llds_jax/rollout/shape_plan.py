@@ -4,7 +4,8 @@ and which shapes to compile ahead of time once the shapes are frozen.
 Each program of `sampler` has its own shape type (a NamedTuple of sizes in rows or cache / token slots):
 `PrefillShape`, `DecodeShape`, `EndTurnShape` (roll back and observation extend), `GrowShape` (a larger cache) and
 `SelectShape` (compaction to fewer rows); continuous batching adds `EmptyShape` (an empty batch of rows) and
-`ExtendRowsShape` (tokens appended to some rows of a batch). Before `ShapePlan.freeze`, a call takes the buckets
+`ExtendRowsShape` (tokens appended to some rows of a batch); tree rollouts add `ForkShape` (a new batch of copies
+of some rows, each rolled back to an agent-step boundary). Before `ShapePlan.freeze`, a call takes the buckets
 of what it needs (`buckets`): rows the power of two of its sequences (a multiple of the mesh's batch shards;
 continuous batching compacts to finer row buckets, powers of two and 1.5x them: `buckets.compact_bucket`),
 prompt, cache and observation slots powers of two. After it, a call takes the smallest bucket already run that
@@ -124,8 +125,24 @@ class ExtendRowsShape(NamedTuple):
     prefill: bool
 
 
-Shape = Union[PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape, EmptyShape, ExtendRowsShape]
-_KINDS = (PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape, EmptyShape, ExtendRowsShape)
+class ForkShape(NamedTuple):
+    """Tree rollouts: a new batch whose rows are copies of some rows of a batch, each rolled back to an agent-step
+    boundary and re-extended by one token (`kernels.fork_rows`).
+
+    Attributes:
+      rows: batch rows of the source.
+      capacity: cache slots per row (source and new batch).
+      rows_out: batch rows of the new batch.
+    """
+
+    rows: int
+    capacity: int
+    rows_out: int
+
+
+Shape = Union[PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape, EmptyShape, ExtendRowsShape,
+              ForkShape]
+_KINDS = (PrefillShape, DecodeShape, EndTurnShape, GrowShape, SelectShape, EmptyShape, ExtendRowsShape, ForkShape)
 
 
 class ShapePlan:
@@ -333,8 +350,8 @@ class ShapePlan:
         return out
 
     def _states(self) -> set[tuple[int, int]]:
-        """(rows, capacity) of the decode states run: made by a prefill, an empty batch or compaction, or taken by a
-        decode chunk, an extend or a growth."""
-        kinds = (PrefillShape, EmptyShape, DecodeShape, EndTurnShape, ExtendRowsShape, GrowShape)
+        """(rows, capacity) of the decode states run: made by a prefill, an empty batch, compaction or a fork, or taken
+        by a decode chunk, an extend, a growth or a fork."""
+        kinds = (PrefillShape, EmptyShape, DecodeShape, EndTurnShape, ExtendRowsShape, GrowShape, ForkShape)
         return ({(s.rows, s.capacity) for kind in kinds for s in self._run[kind]}
-                | {(s.rows_out, s.capacity) for s in self._run[SelectShape]})
+                | {(s.rows_out, s.capacity) for kind in (SelectShape, ForkShape) for s in self._run[kind]})

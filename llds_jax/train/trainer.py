@@ -53,7 +53,7 @@ from llds_jax.data.qa import QAExample, read_qa
 from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
-from llds_jax.rollout import agent
+from llds_jax.rollout import agent, tree
 from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
@@ -266,11 +266,10 @@ class Trainer:
                 return {"perf/compile_grid_s": time.perf_counter() - grid_start}
         return {}
 
-    @staticmethod
-    def tree_b(batch: RolloutBatch) -> np.ndarray:
-        """[B] the tree of each trajectory of the global batch, for `objective.advantages`: the rollout samples
-        chains, each its own tree."""
-        return np.arange(batch.num_trajectories, dtype=np.int32)
+    def tree_b(self, batch: RolloutBatch) -> np.ndarray:
+        """[B] the tree of each trajectory of the global batch, for `objective.advantages` (`rollout.tree.tree_ids`:
+        chains are each their own tree)."""
+        return tree.tree_ids(self.agent_cfg, batch.num_trajectories)
 
     def rollout_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
         """This host's trajectories packed to the step's length (the same on every host: a collective; remembered
