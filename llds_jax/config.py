@@ -301,11 +301,14 @@ def summary(cfg: ml_collections.ConfigDict) -> str:
     llds = c.objective.llds
     objective = (f"GRPO + LLDS (lambda {llds.lam:g}, {llds.gate} gate)" if llds.enabled else "GRPO (LLDS off)")
     retriever = ", ".join(f"{k} {v}" for k, v in c.retriever.items() if k != "backend" and v not in ("", None, ()))
+    r = c.rollout
+    trees = (f" ({r.trees} tree(s) x (1 + {r.tree_rounds} x {r.tree_forks}) leaves, {r.tree_select} forks)"
+             if r.trees else "")
     return "\n".join([
         f"run {c.run_dir} (seed {c.seed}{', app ' + c.app if c.app else ''}); the whole config: "
         "<run_dir>/config.json, or --print_config",
         f"  model {c.model.preset or c.model.path} in {c.model.param_dtype} (compute {c.model.dtype})",
-        f"  step: {c.data.prompts_per_step} prompts x {c.data.samples_per_prompt} samples, "
+        f"  step: {c.data.prompts_per_step} prompts x {c.data.samples_per_prompt} samples{trees}, "
         f"{updates_per_step(cfg)} update(s) of {c.optim.mini_batch_size} at lr {c.optim.learning_rate:g}; "
         f"{c.train.total_steps} steps",
         f"  objective {objective}, KL {c.objective.kl_coef:g}, advantages {c.objective.advantages}",

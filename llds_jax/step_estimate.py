@@ -102,8 +102,12 @@ def assumptions(cfg, sequences: int, rows: int) -> str:
     sessions = math.ceil(sequences / rows)
     read = (f"reading the filled cache in blocks of {r.cache_block} slots" if r.cache_block
             else "attending over every slot of the largest cache capacity")
+    rounds = ""
+    if r.trees:
+        sessions = math.ceil(sequences / (r.max_batch_size or sequences))
+        rounds = f" in each of 1 + {r.tree_rounds} tree round(s) (chains, then forks)"
     return (f"assumed per host and step: {sequences} trajectories in {sessions} session(s) of {rows} rows, each "
-            f"{r.max_turns + 1} turns of {r.max_turn_tokens} decode steps (the longest row) in chunks of "
+            f"{r.max_turns + 1} turns of {r.max_turn_tokens} decode steps (the longest row){rounds} in chunks of "
             f"{r.decode_chunk}, {r.max_turns} extends of {r.max_observation_tokens} tokens, {read}")
 
 

@@ -340,3 +340,7 @@ def test_the_printed_summary_says_what_trains_and_redacts_secrets():
         "  step: 512 prompts x 5 samples, 10 update(s) of 256 at lr 1e-06; 1005 steps",
         "  objective GRPO + LLDS (lambda 0.2, action gate), KL 0.001, advantages grpo"]
     assert len(text.splitlines()) == 5
+    cfg.rollout.trees, cfg.rollout.tree_forks = 1, 4
+    assert config_lib.summary(cfg).splitlines()[2] == (
+        "  step: 512 prompts x 5 samples (1 tree(s) x (1 + 1 x 4) leaves, uniform forks), 10 update(s) of 256 at "
+        "lr 1e-06; 1005 steps")
