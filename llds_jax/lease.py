@@ -97,22 +97,29 @@ class Lease:
     def __exit__(self, *exc_info) -> None:
         self.release()
 
-    def holder(self) -> Optional[dict]:
+    def holder(self, take_over: bool = True) -> Optional[dict]:
         """The record of the lease file; None when there is none, and also when it is unreadable or impossible (a
         write cut short by a full disk, a heartbeat that is not a number or lies in the future): such a lease
-        holds nothing, and the caller overwrites it (with one warning line)."""
+        holds nothing, and the caller overwrites it (with one warning line).
+
+        take_over False (the release): a file that cannot be read raises its OSError (storage that stopped
+        answering), and an impossible record is None without a warning."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return None
         except OSError as e:
+            if not take_over:
+                raise
             return self._impossible(str(e))
         try:
             record = json.loads(text)
         except ValueError:
-            return self._impossible("empty" if not text.strip() else "not JSON")
+            return self._impossible("empty" if not text.strip() else "not JSON") if take_over else None
         problem = self._problem(record)
-        return record if problem is None else self._impossible(problem)
+        if problem is None:
+            return record
+        return self._impossible(problem) if take_over else None
 
     def _problem(self, record: object) -> Optional[str]:
         """What makes a lease record impossible (None: nothing)."""
@@ -180,7 +187,7 @@ class Lease:
         self._thread = None
         try:
             with storage.operation("releasing the lease", self.path, self.timeout_s, convert=False):
-                current = self.holder()
+                current = self.holder(take_over=False)
                 if current is not None and current.get("token") == self.record["token"]:
                     self.path.unlink()
         except OSError as e:  # the folder became unreachable: the lease goes stale instead

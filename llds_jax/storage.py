@@ -3,7 +3,8 @@ failures.
 
 Storage fails in two ways a long run must survive without losing what it saved (docs/reliability.md):
 - **it refuses** (a GCS endpoint that died, a disk that filled up or became read-only): the error of a write, which
-  orbax, gcsfs or tensorstore word in many lines from several threads, becomes one `StorageError` naming the
+  orbax, gcsfs or tensorstore word in many lines from several threads (gcsfs's own log of each failed request is
+  dropped: `_ReraisedRequestErrors`), becomes one `StorageError` naming the
   operation, the path, where it lives (the GCS endpoint) and the reason; the command prints it as one line and
   exits with status 2. Checkpoints are written into a temporary folder and renamed when complete, so the earlier
   steps stay intact and the same command resumes from the newest complete one.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -38,6 +40,20 @@ _POLL_S = 0.25
 
 class StorageError(OSError):
     """A storage operation of the run failed; the message names the operation, the path and its location, and why."""
+
+
+class _ReraisedRequestErrors(logging.Filter):
+    """Drops gcsfs's record of a request error that it raises anyway (its retry loop logs "<request> out of retries
+    on exception" or "non-retriable exception" with the traceback, then raises): the storage operation that made
+    the request reports the error once (`operation`), while these records repeated it with a traceback per request
+    for as long as the clients retried a dead endpoint (about 100 s at the default `train.storage_timeout_s`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("out of retries on exception" in message or "non-retriable exception" in message)
+
+
+logging.getLogger("gcsfs").addFilter(_ReraisedRequestErrors())
 
 
 def where(path: str | os.PathLike) -> str:

@@ -117,3 +117,16 @@ def test_a_lease_on_gcs(gcs_dir, gcs_fs):
             lease.Lease(path, "run_dir G").acquire()
     gcs_fs.invalidate_cache()
     assert not gcs_fs.exists(path)
+
+
+def test_a_lease_that_cannot_be_read_at_release_is_left_with_one_warning_not_taken_over(tmp_path, caplog):
+    """Storage that stops answering at the end of a run (here: the file became a folder, so reading it fails) leaves
+    the lease to go stale: one warning that it could not be deleted, none that it is being taken over."""
+    path = tmp_path / "lease.json"
+    with caplog.at_level(logging.WARNING):
+        with lease.Lease(path, "run_dir X"):
+            path.unlink()
+            path.mkdir()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"run_dir X: could not delete the lease file {path} ("), \
+        warnings

@@ -103,15 +103,22 @@ def test_a_resumed_endpoint_answers_without_the_upload_its_client_gave_up(emulat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, repair", [("kill", "start"), ("pause", "resume")], ids=["dies", "stops_answering"])
+@pytest.mark.parametrize("fault, repair, timeout_s", [("kill", "start", STORAGE_TIMEOUT_S),
+                                                      ("pause", "resume", STORAGE_TIMEOUT_S),
+                                                      ("kill", "start", None)],
+                         ids=["dies", "stops_answering", "dies_at_the_default_timeout"])
 def test_an_endpoint_that_fails_ends_the_run_with_one_line_in_bounded_time_and_it_resumes(searching_runs, emulator,
-                                                                                          fault, repair):
-    name = f"endpoint_{fault}"
+                                                                                          fault, repair, timeout_s):
+    """At the default `train.storage_timeout_s` (None: 120 s) the clients retry a dead endpoint for longer (about
+    100 s) before the error: still one line, no retry's traceback."""
+    from llds_jax.storage import DEFAULT_TIMEOUT_S
+
+    name = f"endpoint_{fault}_{timeout_s or 'default'}"
+    settings = {} if timeout_s is None else {"train__storage_timeout_s": timeout_s}
     with ScriptedRetriever() as server:
-        launched = run_until_step_1_is_saved(searching_runs, server, emulator, name,
-                                             train__storage_timeout_s=STORAGE_TIMEOUT_S)
+        launched = run_until_step_1_is_saved(searching_runs, server, emulator, name, **settings)
         getattr(emulator, fault)()
-        output = assert_ended_in(launched, time.monotonic(), STORAGE_TIMEOUT_S + SLACK_S)
+        output = assert_ended_in(launched, time.monotonic(), (timeout_s or DEFAULT_TIMEOUT_S) + SLACK_S)
         line = assert_one_error_line(output, f"(Google Cloud Storage at {emulator.url})")
         assert line.startswith(("llds_jax: error: saving checkpoint step", "llds_jax: error: writing metrics to")), line
         getattr(emulator, repair)()
