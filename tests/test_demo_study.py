@@ -174,6 +174,22 @@ def test_controls_scale_the_settings_own_values_and_llds_arms_set_the_gate():
     assert plan.load(STRESS, plan.ARMS["llds_lam1"].overrides(stress)).objective.llds.lam == 1.0
 
 
+@pytest.mark.parametrize("arm, group, trees, mini, micro", [("llds_trees", 8, 2, 16, 16),
+                                                          ("llds_trees_wide", 16, 2, 32, 16),
+                                                          ("llds_trees_quarter", 4, 1, 8, 8)])
+def test_tree_arms_make_valid_runs_with_the_settings_number_of_updates(arm, group, trees, mini, micro):
+    from llds_jax import application
+    from llds_jax import config as config_lib
+
+    default = os.path.join(ROOT, "configs", "demo_cpu.py")
+    cfg = plan.load(default, plan.ARMS[arm].overrides(plan.load(default, [])))
+    config_lib.check(cfg, application.load(cfg))
+    r = cfg.rollout
+    assert (cfg.data.samples_per_prompt, r.trees, r.trees * (1 + r.tree_rounds * r.tree_forks)) == (group, trees, group)
+    assert (cfg.optim.mini_batch_size, cfg.optim.micro_batch_size, config_lib.updates_per_step(cfg)) == (mini, micro, 4)
+    assert cfg.objective.advantages == "tree_grpo" and cfg.objective.llds.enabled
+
+
 def test_a_setting_hands_its_argument_to_the_config_files_get_config(tmp_path):
     late = os.path.join(ROOT, "configs", "demo_cpu_late_collapse.py")
     settings = plan.parse_settings(f"lr7e4={late}:7e-4,plain={late}")
@@ -408,9 +424,27 @@ def test_collapse_is_an_endpoint_to_ask_for_whose_sign_flip_test_is_mcnemars():
     # McNemar's exact test on 4 discordant pairs all one way: 2 x 0.5^4
     assert collapse.sign_flip_p == 2 * 0.5 ** 4
     assert paired.parse_endpoints("final_em, collapsed") == ("collapsed", "final_em")  # ENDPOINTS order
-    with pytest.raises(plan.StudyError, match="--endpoints: 'reward'; known: collapsed, final_em, peak_em, lld_rate_mean, lld_rate_common"):
+    known = ("collapsed, final_em, peak_em, lld_rate_mean, lld_rate_common, tokens_generated, searches_per_trajectory, "
+             "step_s")
+    with pytest.raises(plan.StudyError, match=f"--endpoints: 'reward'; known: {known}"):
         paired.parse_endpoints("reward,final_em")
     assert paired.comparisons(results, ["grpo"])[0].endpoint == "final_em"  # the default family: no collapse
+
+
+def test_the_budget_endpoints_are_read_off_the_runs_logged_rollout_counts():
+    """Tokens generated (summed over steps), searches per trajectory (over all steps) and seconds per step (from step
+    2 on): the comparison of chains and trees (docs/tree-rollouts.md); None for runs that did not log them."""
+    curves = {outcomes.SAMPLED_TOKENS: ([1, 2, 3], [1552.0, 1960.0, 2456.0]),
+              outcomes.SEARCHES: ([1, 2, 3], [22.0, 39.0, 60.0]), outcomes.TRAJECTORIES: ([1, 2, 3], [64.0] * 3),
+              outcomes.STEP_S: ([1, 2, 3], [90.0, 20.0, 24.0])}
+    run = dataclasses.replace(_result("llds", 0, 0.5), curves={**_result("llds", 0, 0.5).curves, **curves})
+    assert (run.tokens_generated, run.searches_per_trajectory, run.step_s) == (5968.0, 121 / 192, 22.0)
+    bare = _result("grpo", 0, 0.5)
+    assert (bare.tokens_generated, bare.searches_per_trajectory, bare.step_s) == (None, None, None)
+    found = paired.comparisons([run, dataclasses.replace(bare, curves={**bare.curves, **{
+        m: (steps, [v / 2 for v in values]) for m, (steps, values) in curves.items()}})], ["grpo"],
+        paired.parse_endpoints("tokens_generated,step_s"))
+    assert [(c.endpoint, c.differences) for c in found] == [("tokens_generated", [2984.0]), ("step_s", [11.0])]
 
 
 def test_paired_table_is_written_as_markdown_csv_and_json(tmp_path):

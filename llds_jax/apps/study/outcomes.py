@@ -18,11 +18,15 @@ DELTA_TRAJ = "lld/delta_traj_correct"  # mean change of the correct trajectories
 GRAD_NORM = "actor/grad_norm"       # gradient norm before clipping, mean over the step's updates
 REF_KL = "actor/ref_kl_k3"          # k3 KL to the reference policy
 EVAL_EM = "eval/em_mean"            # greedy test EM of the evaluations during training (train.eval_every)
+SAMPLED_TOKENS = "rollout/sampled_tokens"  # tokens the step's rollout generated (the budget; docs/tree-rollouts.md)
+SEARCHES = "rollout/searches"       # queries the step's rollout sent
+TRAJECTORIES = "rollout/trajectories"  # trajectories the step's rollout obtained
+STEP_S = "perf/step_s"              # the step's wall seconds
 # The per-step metrics a RunResult holds: the plots read the first three, the collapse rule REWARD.
 CURVES = (REWARD, LIKELIHOOD, LLD_RATE, DELTA_TRAJ, GRAD_NORM, REF_KL)
 # Held (and kept in steps.csv.gz) only by runs that logged them: a study without evaluations during training keeps
 # the files of CURVES alone.
-OPTIONAL_CURVES = (EVAL_EM,)
+OPTIONAL_CURVES = (EVAL_EM, SAMPLED_TOKENS, SEARCHES, TRAJECTORIES, STEP_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,25 @@ class RunResult:
         run without evaluations during training."""
         periodic = [em for step, em in zip(*self.curves.get(EVAL_EM, ([], []))) if step > 0]
         return max([*periodic, self.final_em]) if periodic else None
+
+    @property
+    def tokens_generated(self) -> float | None:
+        """Tokens the run's rollouts generated over all its steps; None for a run that did not log them."""
+        tokens = self.curves.get(SAMPLED_TOKENS, ([], []))[1]
+        return float(sum(tokens)) if tokens else None
+
+    @property
+    def searches_per_trajectory(self) -> float | None:
+        """Searches the run's rollouts sent per trajectory obtained, over all its steps (training rollouts, not the
+        greedy evaluation); None for a run that did not log them."""
+        searches, trajectories = (self.curves.get(m, ([], []))[1] for m in (SEARCHES, TRAJECTORIES))
+        return float(sum(searches) / sum(trajectories)) if searches and trajectories else None
+
+    @property
+    def step_s(self) -> float | None:
+        """Mean wall seconds per step from step 2 on (step 1 compiles); None for a run that did not log them."""
+        seconds = [s for step, s in zip(*self.curves.get(STEP_S, ([], []))) if step > 1]
+        return float(np.mean(seconds)) if seconds else None
 
     @property
     def has_curves(self) -> bool:

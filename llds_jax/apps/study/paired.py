@@ -21,7 +21,9 @@ from llds_jax.apps.study.plan import StudyError
 # `lld_rate_common` is read off each pair of runs: each run's mean LLD rate over the steps where both have one (the
 # LLD rate exists only on steps with a correct trajectory, so two runs' plain means average different steps).
 ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "final_em": "final EM", "peak_em": "peak greedy EM",
-             "lld_rate_mean": "mean LLD rate", "lld_rate_common": "mean LLD rate on common steps"}
+             "lld_rate_mean": "mean LLD rate", "lld_rate_common": "mean LLD rate on common steps",
+             "tokens_generated": "tokens generated", "searches_per_trajectory": "searches per trajectory",
+             "step_s": "seconds per step"}
 DEFAULT_ENDPOINTS = ("final_em", "lld_rate_mean")
 CONTROL_PREFIX = "grpo"
 

@@ -46,6 +46,8 @@ class Arm:
 
 _GRPO = {"objective.llds.enabled": False}
 _LLDS = {"objective.llds.enabled": True, "objective.llds.lam": 0.2, "objective.llds.gate": "action"}
+_TREES = {"rollout.trees": 2, "rollout.tree_forks": 3, "data.samples_per_prompt": 8,
+          "objective.advantages": "tree_grpo"}
 ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("grpo", "GRPO (LLDS off)", _GRPO),
     Arm("llds", "GRPO + LLDS (lambda 0.2, action gate)", _LLDS),
@@ -60,6 +62,15 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("grpo_clip_higher", "GRPO with DAPO's clip-higher (upper clip 0.28)",
         {**_GRPO, "objective.clip_ratio_high": 0.28}),
     Arm("grpo_tis", "GRPO with truncated importance sampling (cap 2)", {**_GRPO, "objective.tis_cap": 2.0}),
+    # tree rollouts (docs/tree-rollouts.md) with LLDS and Tree-GRPO's advantages: the setting's group of 8 as 2 trees
+    # of a chain and 3 forks; 16 leaves (2 x (1 + 7)) with twice the mini-batch, so a step still makes the setting's
+    # number of updates; 4 leaves (1 x (1 + 3)) with half of it
+    Arm("llds_trees", "GRPO + LLDS on tree rollouts, 2 trees x (1 + 3) leaves", {**_LLDS, **_TREES}),
+    Arm("llds_trees_wide", "GRPO + LLDS on tree rollouts, 2 trees x (1 + 7) leaves",
+        {**_LLDS, **_TREES, "rollout.tree_forks": 7, "data.samples_per_prompt": 16}, {"optim.mini_batch_size": 2.0}),
+    Arm("llds_trees_quarter", "GRPO + LLDS on tree rollouts, 1 tree x (1 + 3) leaves",
+        {**_LLDS, **_TREES, "rollout.trees": 1, "data.samples_per_prompt": 4},
+        {"optim.mini_batch_size": 0.5, "optim.micro_batch_size": 0.5}),
 )}
 # The gate ablation's action arm is the llds arm itself (the same overrides): one run folder, not two.
 ARM_ALIASES = {"llds_action": "llds"}

@@ -214,6 +214,9 @@ _OPTIONAL_ENDPOINT_DEFINITIONS = {
                "final one; a run without evaluations during training is left out",
     "lld_rate_common": "each run's mean LLD rate over the steps where both runs of the pair logged one (a step with "
                        "no correct trajectory has none), so both means average the same steps",
+    "tokens_generated": "tokens a run's training rollouts generated over all its steps (`rollout/sampled_tokens`)",
+    "searches_per_trajectory": "searches a run's training rollouts sent per trajectory obtained, over all its steps",
+    "step_s": "a run's mean wall seconds per step from step 2 on (`perf/step_s`; step 1 compiles)",
 }
 
 
