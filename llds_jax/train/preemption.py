@@ -14,6 +14,12 @@ phase of a run (docs/reliability.md). The guard is installed when the command st
 
 A second SIGINT raises KeyboardInterrupt at once, so Ctrl-C twice still aborts a hung run.
 
+A StopRequested raised where Python calls back into Python code from C (JAX's garbage-collection callback
+`_xla_gc_callback`, a `__del__`, a weakref callback) cannot propagate: Python hands it to `sys.unraisablehook`, which
+printed "Exception ignored in ..." with a traceback, and drops it. While the guard is active its hook drops that
+report and, RERAISE_S later, has a helper thread deliver SIGTERM to the main thread again (`_thread.interrupt_main`:
+no signal leaves the process), whose handler raises the StopRequested again, by then outside the callback.
+
 Usage:
   with PreemptionGuard() as guard:
       ... start-up: a signal raises StopRequested ...
@@ -26,8 +32,11 @@ Usage:
 """
 from __future__ import annotations
 
+import _thread
 import logging
 import signal
+import sys
+import threading
 import types
 
 from llds_jax import distributed, storage
@@ -35,6 +44,7 @@ from llds_jax import distributed, storage
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+RERAISE_S = 0.005  # seconds until a StopRequested that a callback dropped is raised again
 
 
 class StopRequested(Exception):
@@ -56,10 +66,15 @@ class PreemptionGuard:
         self._abort = True
         self._aborted_phase: str | None = None  # the phase a signal in abort mode interrupted
         self._previous: dict[int, object] = {}
+        self._previous_hook = sys.unraisablehook
+        self._active = False
+        self._dropped = False  # a StopRequested was dropped by a callback: the next SIGTERM raises it again
 
     def __enter__(self) -> "PreemptionGuard":
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self._previous_hook, self._active = sys.unraisablehook, True
+        sys.unraisablehook = self._unraisable
         return self
 
     def reinstall(self) -> None:
@@ -70,6 +85,9 @@ class PreemptionGuard:
             signal.signal(signum, self._handle)
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        self._active = False
+        if sys.unraisablehook == self._unraisable:  # else a hook installed since forwards to ours, which forwards
+            sys.unraisablehook = self._previous_hook
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -94,6 +112,11 @@ class PreemptionGuard:
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if self._dropped and signum == signal.SIGTERM:  # the guard's own delivery (`_unraisable`)
+            self._dropped = False
+            if self._active and not isinstance(sys.exc_info()[1], StopRequested):
+                raise StopRequested(self.signal_name, self._aborted_phase)
+            return
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt(f"second signal ({name}) after {self.signal_name}")
         if self.signal_name is None:
@@ -103,6 +126,15 @@ class PreemptionGuard:
                 self._aborted_phase = self.phase
                 raise StopRequested(name, self.phase)
             log.warning("received %s: stopping (checkpoint, then exit)", name)
+
+    def _unraisable(self, unraisable) -> None:
+        """sys.unraisablehook while the guard is active: a StopRequested a callback could not raise is raised again
+        moments later (the module docstring), without a report; anything else goes to the previous hook."""
+        if self._active and isinstance(unraisable.exc_value, StopRequested):
+            self._dropped = True
+            threading.Timer(RERAISE_S, _thread.interrupt_main, (signal.SIGTERM,)).start()
+            return
+        self._previous_hook(unraisable)
 
     @property
     def requested(self) -> bool:

@@ -81,3 +81,30 @@ def test_a_stop_that_code_swallowed_in_abort_mode_is_raised_again_before_the_loo
             pass
         with pytest.raises(StopRequested, match="during start-up"):
             guard.defer()
+
+
+def test_a_stop_that_lands_in_a_gc_callback_is_raised_again_without_a_report(capsys):
+    """A signal whose handler runs inside a garbage-collection callback (as JAX's `_xla_gc_callback`): Python cannot
+    raise the StopRequested there and used to print "Exception ignored in ..." with its traceback; the guard drops
+    that report and raises the stop again moments later, in the code that runs."""
+    import gc
+
+    fired = []
+
+    def callback(phase, info):
+        if phase == "start" and not fired:
+            fired.append(True)
+            deliver(signal.SIGTERM)  # the handler runs here, inside the callback
+
+    gc.callbacks.append(callback)
+    try:
+        with PreemptionGuard() as guard:
+            with pytest.raises(StopRequested, match="during start-up"):
+                gc.collect()
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    time.sleep(0.001)
+    finally:
+        gc.callbacks.remove(callback)
+    assert fired and guard.signal_name == "SIGTERM"
+    assert "Exception ignored" not in capsys.readouterr().err
