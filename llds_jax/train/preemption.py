@@ -18,7 +18,9 @@ A StopRequested raised where Python calls back into Python code from C (JAX's ga
 `_xla_gc_callback`, a `__del__`, a weakref callback) cannot propagate: Python hands it to `sys.unraisablehook`, which
 printed "Exception ignored in ..." with a traceback, and drops it. While the guard is active its hook drops that
 report and, RERAISE_S later, has a helper thread deliver SIGTERM to the main thread again (`_thread.interrupt_main`:
-no signal leaves the process), whose handler raises the StopRequested again, by then outside the callback.
+no signal leaves the process), whose handler raises the StopRequested again, by then outside the callback. Likewise
+asyncio's report of a StopRequested that landed in its socket transport ("Fatal write error on socket transport",
+a stop during the retriever's start-up check, which then fails as the stop) is dropped while the guard is active.
 
 Usage:
   with PreemptionGuard() as guard:
@@ -56,6 +58,11 @@ class StopRequested(Exception):
         self.signal_name, self.phase = signal_name, phase
 
 
+def _reports_no_stop(record: logging.LogRecord) -> bool:
+    """False for a log record about a StopRequested (asyncio's report of the stop landing in its transport)."""
+    return not (record.exc_info and isinstance(record.exc_info[1], StopRequested))
+
+
 class PreemptionGuard:
     """Context manager that installs the SIGTERM/SIGINT handlers and restores the previous ones on exit. It starts
     in abort mode (`phase` names what runs, for the message); `defer()` switches to recording the signal."""
@@ -75,6 +82,7 @@ class PreemptionGuard:
             self._previous[signum] = signal.signal(signum, self._handle)
         self._previous_hook, self._active = sys.unraisablehook, True
         sys.unraisablehook = self._unraisable
+        logging.getLogger("asyncio").addFilter(_reports_no_stop)
         return self
 
     def reinstall(self) -> None:
@@ -86,6 +94,7 @@ class PreemptionGuard:
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         self._active = False
+        logging.getLogger("asyncio").removeFilter(_reports_no_stop)
         if sys.unraisablehook == self._unraisable:  # else a hook installed since forwards to ours, which forwards
             sys.unraisablehook = self._previous_hook
         for signum, handler in self._previous.items():

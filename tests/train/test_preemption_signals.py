@@ -108,3 +108,23 @@ def test_a_stop_that_lands_in_a_gc_callback_is_raised_again_without_a_report(cap
         gc.callbacks.remove(callback)
     assert fired and guard.signal_name == "SIGTERM"
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+def test_asyncios_report_of_the_stop_in_its_transport_is_dropped_while_the_guard_is_active(caplog):
+    """A stop during the retriever's start-up check can land in asyncio's socket transport, which logged "Fatal write
+    error on socket transport" with the StopRequested's traceback before the check failed as the stop."""
+    import logging
+
+    def report():
+        try:
+            raise StopRequested("SIGTERM", "the retriever's start-up check")
+        except StopRequested:
+            logging.getLogger("asyncio").error("Fatal write error on socket transport", exc_info=True)
+        logging.getLogger("asyncio").error("another error", exc_info=(ValueError, ValueError("x"), None))
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        with PreemptionGuard():
+            report()
+        assert [r.getMessage() for r in caplog.records] == ["another error"]
+        report()  # the guard is gone: reported as before
+        assert [r.getMessage() for r in caplog.records][1:] == ["Fatal write error on socket transport", "another error"]
