@@ -25,8 +25,9 @@ Memory per chip of a program = its arguments + outputs - aliased (donated) + tem
 run keeps alive meanwhile that are not its arguments ("resident": train state, reference parameters). A program
 over the chip's HBM (as XLA reports it usable: a little under the nominal size) is an error: the command prints
 the table and exits with status 1, naming the program and the GiB over. So is a program that all-gathers a whole
-[V, D] vocabulary table, or a rollout program that all-gathers a layer's weights (`weight_gathers`: the rollout
-copy is not split over the chips, `rollout.tensor_parallel`).
+[V, D] vocabulary table, or a rollout program whose collectives move a layer's weights (`weight_collectives`: an
+all-gather, all-to-all, collective-permute or reduce-scatter with a weight-shaped operand or result, one layer's or
+the stacked layers'; the rollout copy is not split over the chips, `rollout.tensor_parallel`).
 
 When every program fits, the command also prints an estimated step time: each program's roofline time read from
 its HLO (`llds_jax.roofline`) times its calls per step (`llds_jax.step_estimate`, with its assumptions).
@@ -96,6 +97,10 @@ def usable_hbm_bytes(device: Any) -> Optional[float]:
 # An all-gather's outputs in HLO text: "%x = bf16[16,4096,3584]{...} all-gather(...)", a tuple of them for a
 # combined all-gather; an asynchronous one's are those of its all-gather-done.
 _ALL_GATHER = re.compile(r"=\s*(.*?)\s\ball-gather(?:-done)?\(")
+# A collective that can move an array between chips, with its result shape(s) and its operands (an all-reduce sums
+# partial results, which a weight never is in a rollout program).
+_COLLECTIVE = re.compile(r"=\s*(.*?)\s\b(all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start|-done)?"
+                         r"\(([^)]*)\)")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -153,7 +158,8 @@ class Program:
 class Row:
     """One compiled program's memory per chip (bytes; `total` without the resident arrays until
     `with_resident`) and compile time; `error` when it did not compile. `gathers`: (element type, dims) of every
-    all-gather's output (`all_gather_shapes`)."""
+    all-gather's output (`all_gather_shapes`); `collectives`: (kind, dims) of every result and operand of the
+    collectives that move arrays (`collective_shapes`)."""
 
     name: str
     shapes: str
@@ -165,6 +171,7 @@ class Row:
     compile_s: float = 0.0
     error: str = ""
     gathers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    collectives: tuple[tuple[str, tuple[int, ...]], ...] = ()
     cost: Any = None  # llds_jax.roofline.HloCost of one call
 
     @property
@@ -201,6 +208,20 @@ def all_gather_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def collective_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, dims) of every result and operand shape of every all-gather, all-to-all, collective-permute and
+    reduce-scatter in compiled HLO text (their async -start / -done forms included), e.g.
+    [("all-to-all", (28, 64, 96)), ...]."""
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match:
+            result, kind, operands = match.groups()
+            shapes += [(kind, tuple(int(d) for d in dims.split(",") if d))
+                       for _, dims in _SHAPE.findall(result) + _SHAPE.findall(operands)]
+    return shapes
+
+
 def compile_row(program: Program) -> Row:
     """Compiles one program; its memory per chip from XLA's analysis (or the compiler's error)."""
     start = time.perf_counter()
@@ -216,7 +237,7 @@ def compile_row(program: Program) -> Row:
     text = compiled.as_text()
     return Row(program.name, program.shapes, arguments=float(m.argument_size_in_bytes),
                outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
-               compile_s=seconds, gathers=tuple(all_gather_shapes(text)),
+               compile_s=seconds, gathers=tuple(all_gather_shapes(text)), collectives=tuple(collective_shapes(text)),
                cost=roofline.hlo_costs(text, program.loop_runs))
 
 
@@ -283,8 +304,13 @@ def whole_table_gathers(rows: Sequence[Row], vocab_size: int, hidden_size: int) 
     return lines
 
 
-def _strip_layer_axis(dims: tuple[int, ...]) -> tuple[int, ...]:
-    """dims without leading 1s (one layer's slice of the stacked [L, ...] weights)."""
+def _strip_layer_axis(dims: tuple[int, ...], layers: int) -> tuple[int, ...]:
+    """dims without leading 1s and a leading `layers` axis (one layer's slice of the stacked [L, ...] weights, or
+    the stacked weights themselves)."""
+    while dims and dims[0] == 1:
+        dims = dims[1:]
+    if dims and dims[0] == layers:
+        dims = dims[1:]
     while dims and dims[0] == 1:
         dims = dims[1:]
     return dims
@@ -303,17 +329,19 @@ def weight_shapes(model_cfg, tensor: int) -> set[tuple[int, ...]]:
             | {(n * h, d) for n in heads} | {(d, w) for w in widths} | {(w, d) for w in widths})
 
 
-def weight_gathers(rows: Sequence[Row], model_cfg, tensor: int) -> list[str]:
-    """One line per program of `rows` (rollout programs) that all-gathers a layer's weight matrix
-    (`weight_shapes`, after dropping leading 1s): the rollout copy is not laid out so that each chip multiplies by
-    its own slice."""
+def weight_collectives(rows: Sequence[Row], model_cfg, tensor: int) -> list[str]:
+    """One line per program of `rows` (rollout programs) one of whose collectives (`collective_shapes`: all-gather,
+    all-to-all, collective-permute, reduce-scatter) has a result or operand shaped as a layer's weight matrix
+    (`weight_shapes`), one layer's slice or the stacked [L, ...] weights (`_strip_layer_axis`): the rollout copy is
+    not laid out so that each chip multiplies by its own slice."""
     shapes = weight_shapes(model_cfg, tensor)
     lines = []
     for r in rows:
-        found = sorted({dims for _, dims in r.gathers if _strip_layer_axis(dims) in shapes})
+        found = sorted({(kind, dims) for kind, dims in r.collectives
+                        if _strip_layer_axis(dims, model_cfg.num_layers) in shapes})
         if found:
-            shapes_text = ", ".join(str(list(dims)) for dims in found)
-            lines.append(f"{r.name} ({r.shapes}) all-gathers a layer's weights ({shapes_text}): set "
+            shapes_text = ", ".join(f"{kind} {list(dims)}" for kind, dims in found)
+            lines.append(f"{r.name} ({r.shapes}) moves a layer's weights between chips ({shapes_text}): set "
                          "rollout.tensor_parallel so that each chip keeps its own slice (docs/tpu.md)")
     return lines
 
@@ -411,7 +439,8 @@ def run(cfg, topology: str) -> int:
     layout = run_builder.run_layout(cfg, devices)
     model, rollout = layout.model_cfg, layout.rollout
     problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
-                + weight_gathers([r for r, p in zip(rows, programs) if p.rollout], rollout.model_cfg, rollout.tensor))
+                + weight_collectives([r for r, p in zip(rows, programs) if p.rollout], rollout.model_cfg,
+                                     rollout.tensor))
     for line in problems:
         print(f"llds_jax: error: {line}")
     if problems:
@@ -420,6 +449,6 @@ def run(cfg, topology: str) -> int:
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "
-          f"all-gathers a whole [{model.vocab_size}, {model.hidden_size}] vocabulary table, no rollout program a "
+          f"all-gathers a whole [{model.vocab_size}, {model.hidden_size}] vocabulary table, no rollout program moves a "
           "layer's weights")
     return 0

@@ -117,7 +117,7 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
     decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
     row = compile_check.compile_row(decode)
     layout = run_builder.run_layout(cfg, devices).rollout
-    found = compile_check.weight_gathers([row], layout.model_cfg, layout.tensor)
+    found = compile_check.weight_collectives([row], layout.model_cfg, layout.tensor)
     if tensor_parallel:
         # The rows' f32 logits, sampled on 4 rows per chip ([4 chips, 4 rows, V 640]), the rows' valid slots
         # ([4, 4, 512 slots]) and the cache write's indices ([16 rows, 1, 3]): rows, never a weight.
@@ -125,9 +125,10 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
     else:
         # q [D, N, H], k and v [D, K, H], o [N, H, D] of one layer; gate / up [D, F / 4] and down [F / 4, D] of
         # one of the 4 MLP slices (configs/qwen7b_v4.py slices the MLP for the update).
-        assert found == [f"decode chunk ({decode.shapes}) all-gathers a layer's weights ([1, 4, 16, 64], "
-                         "[1, 64, 2, 16], [1, 64, 4, 16], [24, 64], [64, 24]): set rollout.tensor_parallel so that "
-                         "each chip keeps its own slice (docs/tpu.md)"]
+        assert found == [f"decode chunk ({decode.shapes}) moves a layer's weights between chips (all-gather "
+                         "[1, 4, 16, 64], all-gather [1, 64, 2, 16], all-gather [1, 64, 4, 16], all-gather [24, 64], "
+                         "all-gather [64, 24]): set rollout.tensor_parallel so that each chip keeps its own slice "
+                         "(docs/tpu.md)"]
 
 
 @pytest.mark.slow
@@ -167,6 +168,34 @@ def test_continuous_batching_compiles_its_own_rollout_programs(tiny_model_dir, c
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     out = capsys.readouterr().out
     assert "\nrow extend " in out and "every program fits" in out
+
+
+def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
+    """HLO lines built on purpose (the shapes of the tiny architecture below: D 64, F 96, 4 heads of 16, 2 key/value
+    heads, 2 layers, one chip's tensor slice of 4): a stacked [L, D, F] gate moved by all-to-all, a layer's down
+    projection by collective-permute (async), an o projection slice by reduce-scatter's operand, a q slice
+    all-gathered; rows of activations and an all-reduce of a weight's shape (a partial sum, never a weight in a
+    rollout program) are not named."""
+    text = "\n".join([
+        "  %a2a = bf16[2,64,96]{2,1,0} all-to-all(bf16[2,64,96]{2,1,0} %p.1), channel_id=1, dimensions={1}",
+        "  %cp = (bf16[96,64]{1,0}, bf16[96,64]{1,0}) collective-permute-start(bf16[96,64]{1,0} %p.2), channel_id=2",
+        "  %rs = bf16[4,16,16]{2,1,0} reduce-scatter(bf16[1,4,16,64]{3,2,1,0} %p.3), channel_id=3, dimensions={1}",
+        "  %ag = bf16[1,64,4,16]{3,2,1,0} all-gather(bf16[1,64,1,16]{3,2,1,0} %p.4), channel_id=4, dimensions={2}",
+        "  %rows = f32[16,1,3]{2,1,0} all-gather(f32[4,1,3]{2,1,0} %x), channel_id=5, dimensions={0}",
+        "  %sum = bf16[64,96]{1,0} all-reduce(bf16[64,96]{1,0} %y), channel_id=6, to_apply=%add",
+    ])
+    shapes = compile_check.collective_shapes(text)
+    assert ("all-to-all", (2, 64, 96)) in shapes and ("collective-permute", (96, 64)) in shapes
+    assert not any(kind == "all-reduce" for kind, _ in shapes)
+    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                           head_dim=16, num_layers=2)
+    row = compile_check.Row("decode chunk", "16 rows", collectives=tuple(shapes))
+    [line] = compile_check.weight_collectives([row], cfg, tensor=4)
+    assert line.startswith("decode chunk (16 rows) moves a layer's weights between chips (")
+    for moved in ("all-to-all [2, 64, 96]", "collective-permute [96, 64]", "reduce-scatter [1, 4, 16, 64]",
+                  "all-gather [1, 64, 4, 16]", "all-gather [1, 64, 1, 16]"):
+        assert moved in line
+    assert "[16, 1, 3]" not in line and "[4, 1, 3]" not in line
 
 
 def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
@@ -273,6 +302,6 @@ def test_tree_rollouts_compile_their_fork_without_gathering_a_weight(tiny_model_
     r = cfg.rollout  # rounds x turns x decode chunks per turn
     assert programs["decode chunk"].calls == 2 * (r.max_turns + 1) * r.max_turn_tokens / r.decode_chunk
     layout = run_builder.run_layout(cfg, devices).rollout
-    assert compile_check.weight_gathers([compile_check.compile_row(fork)], layout.model_cfg, layout.tensor) == []
+    assert compile_check.weight_collectives([compile_check.compile_row(fork)], layout.model_cfg, layout.tensor) == []
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     assert "\nfork " in capsys.readouterr().out
