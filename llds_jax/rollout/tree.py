@@ -9,8 +9,9 @@ Per session (whole groups of G = M x (1 + L x N) samples of one prompt each):
   (1 .. L)     observation: a think -> search -> observation step is a node; a tree with none forks its root, the
                prompt), by `rollout.tree_select`: "uniform" draws them (without replacement when the tree has N or
                more; Tree-GRPO's choice), "entropy" takes the nodes whose following turn began with the highest mean
-               surprisal -log p over its first `rollout.tree_entropy_tokens` sampled tokens (an unbiased estimate of
-               the entropy there; ARPO branches where the entropy after a tool result is high). Each node is forked
+               surprisal -log p over its first `rollout.tree_entropy_tokens` sampled tokens (an estimate of the
+               entropy there, unbiased for untruncated sampling; ARPO branches where the entropy after a tool
+               result is high). Each node is forked
                in the KV cache (`Session.fork`: the parent's rows copied on device, rolled back to the node and
                re-extended by its last token: never a re-encode) and the fork samples its own continuation to the
                end, from its own PRNG stream. Rounds before the last carry the finished rows for later forks.
