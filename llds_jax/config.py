@@ -435,10 +435,11 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     if r.max_prompt_tokens >= r.max_context_tokens:
         raise ConfigError(f"rollout.max_prompt_tokens ({r.max_prompt_tokens}) must be below "
                           f"rollout.max_context_tokens ({r.max_context_tokens})")
-    if r.trees and cfg.data.samples_per_prompt != r.trees * (1 + r.tree_rounds * r.tree_forks):
+    tree_leaves = r.trees * (1 + r.tree_rounds * r.tree_forks)
+    if r.trees and cfg.data.samples_per_prompt != tree_leaves:
         raise ConfigError(f"data.samples_per_prompt ({cfg.data.samples_per_prompt}) must equal the leaves of a "
                           f"prompt's trees, rollout.trees x (1 + rollout.tree_rounds x rollout.tree_forks) = "
-                          f"{r.trees * (1 + r.tree_rounds * r.tree_forks)}")
+                          f"{tree_leaves}")
     batch = rollout_batch_size(cfg)
     if batch % o.mini_batch_size:
         raise ConfigError(f"optim.mini_batch_size ({o.mini_batch_size}) must divide the rollout batch "

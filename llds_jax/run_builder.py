@@ -24,8 +24,8 @@ from llds_jax import config as config_lib
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, from_hf_config, hf_io, preset, run_overrides
 from llds_jax.rl.train_step import RLTrainStep
-from llds_jax.rollout.layout import RolloutLayout, make_layout
 from llds_jax.rollout import tree
+from llds_jax.rollout.layout import RolloutLayout, make_layout
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.sampler import Sampler, SessionShapes
 from llds_jax.rollout.shape_plan import ShapePlan

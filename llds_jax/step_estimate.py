@@ -54,10 +54,9 @@ def rollout_calls(cfg, sequences: int, rows: int) -> dict[Role, float]:
     """Calls per training step of each rollout program (module docstring) for one host's `sequences` sequences in
     sessions of `rows` rows."""
     r = cfg.rollout
-    sessions = math.ceil(sequences / rows)
+    sessions = _sessions(cfg, sequences, rows)
     turns = r.max_turns + 1
     if r.trees:  # every round of a session at the largest round's rows, each forked round from its first turn
-        sessions = math.ceil(sequences / (r.max_batch_size or sequences))
         rounds = 1 + r.tree_rounds
         return {Role.PREFILL: sessions, Role.EXTEND: sessions * rounds * r.max_turns,
                 Role.FORK: sessions * r.tree_rounds,
@@ -70,6 +69,14 @@ def rollout_calls(cfg, sequences: int, rows: int) -> dict[Role, float]:
         return {Role.EMPTY_BATCH: 1, Role.PROMPT_EXTEND: sessions * per_batch,
                 Role.ROW_EXTEND: sessions * r.max_turns * per_batch, **calls}
     return {Role.PREFILL: sessions, Role.EXTEND: sessions * r.max_turns, **calls}
+
+
+def _sessions(cfg, sequences: int, rows: int) -> int:
+    """Sampler sessions of one host's `sequences` sequences in sessions of `rows` rows; a tree rollout's sessions
+    hold `rollout.max_batch_size` samples each (its rows are those of its largest round)."""
+    if cfg.rollout.trees:
+        return math.ceil(sequences / (cfg.rollout.max_batch_size or sequences))
+    return math.ceil(sequences / rows)
 
 
 def filled_blocks(cfg, prompt: int, observation: int, capacity: int) -> tuple[float, float]:
@@ -99,14 +106,11 @@ def update_calls(cfg, updates: int) -> dict[Role, float]:
 def assumptions(cfg, sequences: int, rows: int) -> str:
     """The call counts' assumptions in one line."""
     r = cfg.rollout
-    sessions = math.ceil(sequences / rows)
     read = (f"reading the filled cache in blocks of {r.cache_block} slots" if r.cache_block
             else "attending over every slot of the largest cache capacity")
-    rounds = ""
-    if r.trees:
-        sessions = math.ceil(sequences / (r.max_batch_size or sequences))
-        rounds = f" in each of 1 + {r.tree_rounds} tree round(s) (chains, then forks)"
-    return (f"assumed per host and step: {sequences} trajectories in {sessions} session(s) of {rows} rows, each "
+    rounds = f" in each of 1 + {r.tree_rounds} tree round(s) (chains, then forks)" if r.trees else ""
+    return (f"assumed per host and step: {sequences} trajectories in {_sessions(cfg, sequences, rows)} session(s) "
+            f"of {rows} rows, each "
             f"{r.max_turns + 1} turns of {r.max_turn_tokens} decode steps (the longest row){rounds} in chunks of "
             f"{r.decode_chunk}, {r.max_turns} extends of {r.max_observation_tokens} tokens, {read}")
 

@@ -11,10 +11,10 @@ Per session (whole groups of G = M x (1 + L x N) samples of one prompt each):
                more; Tree-GRPO's choice), "entropy" takes the nodes whose following turn began with the highest mean
                surprisal -log p over its first `rollout.tree_entropy_tokens` sampled tokens (an estimate of the
                entropy there, unbiased for untruncated sampling; ARPO branches where the entropy after a tool
-               result is high). Each node is forked
-               in the KV cache (`Session.fork`: the parent's rows copied on device, rolled back to the node and
-               re-extended by its last token: never a re-encode) and the fork samples its own continuation to the
-               end, from its own PRNG stream. Rounds before the last carry the finished rows for later forks.
+               result is high). Each node is forked in the KV cache (`Session.fork`: the parent's rows copied on
+               device, rolled back to the node and re-extended by its last token: never a re-encode) and the fork
+               samples its own continuation to the end, from its own PRNG stream. Rounds before the last carry the
+               finished rows for later forks.
 
 A tree ends with 1 + L x N leaves; the leaves are the group's trajectories, so shapes stay static. Leaf j of tree t
 of the session's group b sits at position p = b x G + t x (1 + L x N) + j (j = 0: the chain; then the forks of round
@@ -135,8 +135,11 @@ async def run(sampler, params, steps: AgentSteps, examples: Sequence[QAExample],
         _record_nodes(leaves, session)
         last = round_index == config.tree_rounds - 1
         nodes, new_leaves = [], []
+        by_tree: dict[int, list[tuple[int, Leaf]]] = {}  # tree -> (session sequence, leaf) of its leaves
+        for seq, leaf in enumerate(leaves):
+            by_tree.setdefault(leaf.tree, []).append((seq, leaf))
         for tree in range(groups * config.trees):
-            in_tree = [(seq, leaf) for seq, leaf in enumerate(leaves) if leaf.tree == tree]
+            in_tree = by_tree[tree]
             chosen = choose_nodes([leaf for _, leaf in in_tree], config, np.random.default_rng(
                 seed + [first_sequence + int(chains[tree]), round_index]))
             holder = {node: (seq, leaf) for seq, leaf in in_tree for node in leaf.nodes}
