@@ -319,6 +319,31 @@ def test_each_setting_gets_a_figure_with_one_line_per_seed_and_one_colour_per_ar
     assert (tmp_path / "plots" / "stress.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_em_is_drawn_against_the_tokens_generated_by_each_evaluation(tmp_path):
+    """Evaluations at steps 0, 2 and 4 and the final one after step 4 (the same step: the final one wins), tokens
+    summed up to each; a run without evaluations during training has no points and no figure of its own."""
+    def run(arm, seed, tokens, ems, final_em):
+        curves = {**{metric: ([], []) for metric in outcomes.CURVES}, REWARD: ([1, 2, 3, 4], [0.5] * 4),
+                  outcomes.SAMPLED_TOKENS: ([1, 2, 3, 4], tokens), outcomes.EVAL_EM: ([0, 2, 4], ems)}
+        return RunResult("tree_study", arm, seed, final_em, None, False, None, curves)
+
+    chains = run("llds", 1, [100.0, 200.0, 300.0, 400.0], [0.1, 0.5, 0.7], 0.75)
+    trees = run("llds_trees", 1, [50.0, 50.0, 60.0, 40.0], [0.1, 0.4, 0.6], 0.6)
+    assert plots.em_by_tokens(chains, 4) == ([0.0, 300.0, 1000.0], [0.1, 0.5, 0.75])
+    assert plots.em_by_tokens(trees, 4) == ([0.0, 100.0, 200.0], [0.1, 0.4, 0.6])
+    fig = plots.budget_figure("tree_study", [chains, trees], 4)
+    (ax,) = fig.axes
+    assert [list(line.get_xdata()) for line in ax.lines] == [[0.0, 300.0, 1000.0], [0.0, 100.0, 200.0]]
+    assert ax.lines[0].get_color() != ax.lines[1].get_color()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["llds", "llds_trees"]
+    assert plots.write([chains, trees], str(tmp_path), {"tree_study": 4})[1] == str(
+        tmp_path / "plots" / "tree_study_em_vs_tokens.png")
+    bare = dataclasses.replace(chains, curves={**chains.curves, outcomes.EVAL_EM: ([], [])})
+    assert plots.em_by_tokens(bare, 4) == ([], [])
+    assert plots.write([bare], str(tmp_path / "bare"), {"tree_study": 4}) == [str(tmp_path / "bare" / "plots" /
+                                                                                  "tree_study.png")]
+
+
 def test_mean_curve_averages_the_seeds_that_have_each_step():
     steps, values = plots.mean_curve([([1, 2, 3], [0.2, 0.4, 0.6]), ([1, 3], [0.0, 1.0]), ([4], [0.5])])
     assert steps == [1, 2, 3, 4] and values == pytest.approx([0.1, 0.4, 0.8, 0.5])
@@ -585,8 +610,8 @@ def test_report_takes_the_runs_not_finished_here_from_a_recorded_runs_csv(tmp_pa
     out = str(tmp_path / "study")
     plotted = []
     write_plots = plots.write
-    monkeypatch.setattr(plots, "write", lambda results, folder: plotted.append([r.name for r in results]) or
-                        write_plots(results, folder))
+    monkeypatch.setattr(plots, "write", lambda results, folder, final_steps: plotted.append(
+        [r.name for r in results]) or write_plots(results, folder, final_steps))
     records = [{"step": k, REWARD: 0.5, LLD_RATE: 0.25, LIKELIHOOD: -0.1} for k in range(1, 21)]
     _write_run(os.path.join(out, "runs", "stress", "grpo", "seed_1"), records, final_em=0.375, steps=20)
     recorded = [_result("grpo", 1, 0.375, rate=0.25), _result("llds", 0, 0.5, rate=0.125)]

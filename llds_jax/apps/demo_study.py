@@ -225,6 +225,7 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
         for line in table.paired_tables(comparisons):
             print(line, flush=True)
         total_steps = {run.name: run.total_steps for run in study.runs}
+        final_steps = {run.setting: run.total_steps for run in study.runs}
         for line in ["time to collapse, censored at the last step", "",
                      *survival.markdown(*survival.tables(results, total_steps, controls)), ""]:
             print(line, flush=True)
@@ -238,7 +239,7 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
                  table.write_paired(comparisons, controls, study.out) + [steps.write(results, study.out)] +
                  survival.write(results, total_steps, study.out, controls) +
                  (early_warning.write(curved, study.out) + auc.write(curved, study.out) +
-                  sequence.write(curved, study.out) + plots.write(curved, study.out) if curved else []))
+                  sequence.write(curved, study.out) + plots.write(curved, study.out, final_steps) if curved else []))
         for path in paths:
             print(path, flush=True)
 

@@ -81,6 +81,7 @@ SETTINGS: dict[str, str] = {
     "paper_shaped": "configs/demo_cpu_paper.py",  # lr 2e-4 after a 28.5% warmup, 10 updates of 2 groups of 4
     "collapse": "configs/demo_cpu_collapse.py",  # stress at lr 1e-3 for 30 steps: GRPO collapses (issue 33)
     "late_collapse": "configs/demo_cpu_late_study.py",  # stress for 80 steps: GRPO learns, then declines (issue 40)
+    "tree_study": "configs/demo_cpu_tree_study.py",  # default, greedy EM every 5 steps: chains vs trees (issue 42)
 }
 
 
