@@ -1,7 +1,8 @@
 """A Search-R1 retrieval server on loopback whose behaviour a test scripts while a run uses it: it answers every
 query with one passage, fails with HTTP 503 (`failing`) or never answers (`hanging`: an endpoint that stopped
-responding), and calls `on_request` as each request arrives (before answering). `documents`, when set, are the
-`contents` of the hits it serves per query (anything JSON holds); by default `topk` copies of one passage. Import as
+responding), and calls `on_request` as each request arrives (before answering) and `on_answered` once an answer is
+written (the client is still reading it). `documents`, when set, are the `contents` of the hits it serves per query
+(anything JSON holds); by default `topk` copies of one passage. Import as
 `from tests.reliability.scripted_retriever import ScriptedRetriever`."""
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ class ScriptedRetriever:
     """`with ScriptedRetriever() as server:` serves `server.url` (the `/retrieve` endpoint) until the block ends.
 
     Attributes a test may set at any time: `failing` (answer 503), `hanging` (answer nothing until the server
-    closes), `on_request` (called with the request's queries, on the server's thread). `requests` counts the
-    requests received."""
+    closes), `on_request` (called with the request's queries, on the server's thread), `on_answered` (the same,
+    after a 200 answer's last byte was handed to the socket). `requests` counts the requests received."""
 
     def __init__(self):
         self.failing = False
@@ -28,6 +29,7 @@ class ScriptedRetriever:
         self.documents: list[object] | None = None
         self._closed = threading.Event()
         self.on_request: Callable[[list[str]], None] | None = None
+        self.on_answered: Callable[[list[str]], None] | None = None
         self.requests = 0
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/retrieve"
@@ -49,6 +51,8 @@ class ScriptedRetriever:
                     hits = [{"document": {"id": str(i), "contents": contents}, "score": 1.0}
                             for i, contents in enumerate(served)]
                     self._send(200, {"result": [hits for _ in body["queries"]]})
+                    if scripted.on_answered is not None:
+                        scripted.on_answered(body["queries"])
 
             def _send(self, status: int, payload: dict) -> None:
                 data = json.dumps(payload).encode()
