@@ -9,6 +9,9 @@ before the pod is rented, the way MaxText's train_compile does. No weights are r
 `config.json` in `model.path`.
 
 The programs, at the config's largest shapes (the worst case a long run can reach):
+- the rollout's copy of the params, when it has a layout of its own (`rollout.tensor_parallel`, or several hosts):
+  the reshard program that builds it from the training params over the chips' links (every host's copy at once on
+  several hosts; `rollout.layout.reshard_program`), once per step;
 - rollout (each host's own chips with several hosts, as the trainer runs it): prefill of `rollout.max_batch_size`
   rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
   observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
@@ -51,7 +54,7 @@ from llds_jax import config as config_lib
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
-from llds_jax.rollout.layout import abstract_rollout_params
+from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
 
 GIB = 1 << 30
 PLACEHOLDER_STOP_IDS = (0, 1)  # the samplers' turn stops: the tokenizer's do not change a program's shapes
@@ -373,6 +376,11 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                 or cfg.rollout.params_dtype != cfg.model.param_dtype)
     everything = (PARAMS, OPT_STATE, REFERENCE)
     rollout = []
+    reshard = reshard_program(layout.rollout, parts.step.abstract_state().params, cfg.rollout.params_dtype)
+    if reshard is not None:  # its argument is the cast copy, or the training params themselves
+        cast = cfg.rollout.params_dtype != cfg.model.param_dtype or layout.rollout.kv_repeat > 1
+        rollout.append(Program(reshard.name, reshard.shapes, reshard.lower(),
+                               everything if cast else (OPT_STATE, REFERENCE), role=Role.RESHARD, calls=1.0))
     shapes_seen = set()
     batch = config_lib.rollout_batch_size(cfg)
     for label, sampler, sequences in (("", parts.sampler, batch // len(hosts)),
@@ -407,8 +415,8 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
 def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int) -> str:
     """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks, with its
     assumptions."""
-    costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls,
-                                       step_estimate.ROLLOUT if p.rollout else step_estimate.UPDATES, p.role)
+    costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
+                                       p.role)
              for r, p in zip(rows, programs)]
     decode = next(p for p in programs if p.role is Role.DECODE_CHUNK and p.calls)  # the training sampler's
     sequences = config_lib.rollout_batch_size(cfg) // hosts

@@ -24,6 +24,8 @@ class Role(enum.Enum):
     # the training state, built once
     OPTIMIZER_INIT = "optimizer init"
     REFERENCE_COPY = "reference copy"
+    # the rollout's copy of the params (`rollout.layout.rollout_params`), made once per rollout
+    RESHARD = "rollout reshard"
     # a turn-synchronous rollout session (`rollout.session.Session`)
     PREFILL = "prefill"
     DECODE_CHUNK = "decode chunk"

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from llds_jax.programs import Role
 from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
 
-ROLLOUT, UPDATES = "rollout", "updates"
+ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,14 @@ class ProgramCost:
     calls: float
     part: str
     role: Role | None = None
+
+
+def part(role: Role | None, rollout: bool) -> str:
+    """The part of the step a program of `role` belongs to (`rollout`: it runs on the rollout's copy of the
+    params)."""
+    if role is Role.RESHARD:
+        return RESHARD
+    return ROLLOUT if rollout else UPDATES
 
 
 def rollout_calls(cfg, sequences: int, rows: int) -> dict[Role, float]:
@@ -125,7 +133,7 @@ def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generatio
               f"{'calls':>7} {'per step':>9}")
     lines = [f"estimated time per chip (roofline from each program's HLO at {generation} peaks; an estimate, not a "
              "measurement)", header, "-" * len(header)]
-    totals = {ROLLOUT: 0.0, UPDATES: 0.0}
+    totals = {ROLLOUT: 0.0, UPDATES: 0.0, RESHARD: 0.0}
     for p in programs:
         estimate = roofline_seconds(p.cost, peaks)
         per_step = estimate.seconds * p.calls
@@ -138,7 +146,11 @@ def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generatio
     if decode is not None:
         lines.append(f"decode: {decode_tokens_per_call / roofline_seconds(decode.cost, peaks).seconds:,.0f} "
                      "tokens/s per host with every row sampling")
-    step = totals[ROLLOUT] + totals[UPDATES]
-    lines.append(f"estimated step: rollout {totals[ROLLOUT]:.1f} s + updates {totals[UPDATES]:.1f} s = {step:.1f} s; "
-                 f"rollout {totals[ROLLOUT] / step:.1%} of the step" if step else "estimated step: no program runs")
+    rollout = totals[ROLLOUT] + totals[RESHARD]
+    step = rollout + totals[UPDATES]
+    if any(p.part == RESHARD for p in programs):
+        lines.append(f"weight reshard (the rollout's copy of the params, on the chips, once per step; in the "
+                     f"rollout): {totals[RESHARD]:.2f} s")
+    lines.append(f"estimated step: rollout {rollout:.1f} s + updates {totals[UPDATES]:.1f} s = {step:.1f} s; "
+                 f"rollout {rollout / step:.1%} of the step" if step else "estimated step: no program runs")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from llds_jax import compile_check, roofline, run_builder, step_estimate, topolo
 from llds_jax import config as config_lib
 from llds_jax.model import ModelConfig, to_hf_config
 from llds_jax.programs import Role
+from llds_jax.rollout.layout import abstract_rollout_params
 from tests.configs import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,7 @@ SHRINK = {
     "rollout.max_turn_tokens": 16, "rollout.max_observation_tokens": 32, "rollout.max_context_tokens": 256,
     "rollout.max_response_tokens": 256, "train.sequence_bucket": 64, "eval.batch_size": 8,
 }
-PROGRAMS = ["prefill", "decode chunk", "extend", "cache growth", "compaction", "eval decode chunk",
+PROGRAMS = ["rollout reshard", "prefill", "decode chunk", "extend", "cache growth", "compaction", "eval decode chunk",
             "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",
             "logp (float32, LLD)", "update (2 per step)", "lld metrics"]
 
@@ -129,6 +130,40 @@ def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tens
                          "[1, 4, 16, 64], all-gather [1, 64, 2, 16], all-gather [1, 64, 4, 16], all-gather [24, 64], "
                          "all-gather [64, 24]): set rollout.tensor_parallel so that each chip keeps its own slice "
                          "(docs/tpu.md)"]
+
+
+@pytest.mark.slow
+def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(tiny_model_dir):
+    """Two hosts (v4:2x2x2), the rollout split over each host's 4 chips by heads: one compiled program per step
+    takes the bfloat16 params split over all 8 chips as training splits them and leaves on every chip exactly the
+    slice of the rollout copy the decode chunk takes there (so a host's shards are its rollout copy as they are),
+    moving the weights over the chips' links; in the rollout's part of the estimate, never checked as a rollout
+    program that gathers weights."""
+    cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": -1, "rollout.params_dtype": "bfloat16"})
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    programs = compile_check.build_programs(cfg, devices)
+    reshard = next(p for p in programs if p.role is Role.RESHARD)
+    assert (reshard.calls, reshard.rollout, reshard.resident) == (1.0, False, ("params", "optimizer state",
+                                                                                "reference"))
+    assert reshard.shapes == "every host's at once over 2 hosts, bfloat16"
+    layout = run_builder.run_layout(cfg, devices)
+    params = run_builder.build(cfg, layout, run_builder.abstract_model(layout), (0, 1)).step.abstract_state().params
+    compiled = reshard.lowered.compile()
+    (args,), _ = compiled.input_shardings
+    assert [a.spec for a in jax.tree.leaves(args)] == [x.sharding.spec for x in jax.tree.leaves(params)]
+    assert {str(a.dtype) for a in jax.tree.leaves(reshard.lowered.args_info)} == {"bfloat16"}
+    decode_params = abstract_rollout_params(layout.rollout, params, "bfloat16")  # what the decode chunk takes
+    hosts = [[d for d in devices if d.process_index == p] for p in (0, 1)]
+    for o, want in zip(jax.tree.leaves(compiled.output_shardings), jax.tree.leaves(decode_params), strict=True):
+        got = o.devices_indices_map(want.shape)
+        assert {d: got[d] for d in hosts[0]} == want.sharding.devices_indices_map(want.shape)
+        assert [got[d] for d in hosts[1]] == [got[d] for d in hosts[0]]  # every host its own whole copy
+    row = compile_check.compile_row(reshard)
+    assert not row.error and row.cost.ici_bytes > 0 and row.outputs > row.arguments
+    costs = [step_estimate.ProgramCost(reshard.name, reshard.shapes, row.cost, 1.0, step_estimate.RESHARD,
+                                       Role.RESHARD)]
+    text = step_estimate.format_estimate(costs, roofline.PEAKS["v4"], "v4", 0)
+    assert "weight reshard (the rollout's copy of the params, on the chips, once per step; in the rollout)" in text
 
 
 @pytest.mark.slow

@@ -22,7 +22,12 @@ Two changes to the architecture make the split exact:
 over fsdp and `mesh.tensor` kept (each host still samples its own prompts, and gathers weights every step).
 
 The copy is made once per rollout (`rollout_params`): cast to `rollout.params_dtype`, heads repeated, then
-resharded (with several hosts every host gathers the whole cast params and places them on its own chips).
+resharded by a compiled program over the chips' links, never through host memory. With several hosts the program's
+output is one array per weight on `hosts_mesh` (every host's rollout mesh stacked along HOSTS): replicated over the
+hosts, split over each host's chips as that host's rollout mesh splits it, so a host's shards of it are its rollout
+copy as they are (`_host_part`, no copy). The program is `jax.device_put` to those shardings, which compiles one
+reshard per array (the training mesh orders chips along its torus rings, not by host, so the two meshes order the
+same chips differently); `reshard_program` is the same program over the whole tree, for `--mode=compile`.
 """
 from __future__ import annotations
 
@@ -32,17 +37,19 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from llds_jax import parallel
 from llds_jax.bounds import ConfigError
 from llds_jax.model import ModelConfig, Transformer
+from llds_jax.programs import AbstractProgram, Role
 
 TRAINING_LAYOUT = 0  # rollout.tensor_parallel: the training mesh's layout
 ALL_CHIPS = -1  # rollout.tensor_parallel: tensor parallelism over every chip of a host
 _KV_PARAMS = {"k_proj": 2, "v_proj": 2, "k_bias": 1, "v_bias": 1}  # layer parameter -> its key/value-head axis
+HOSTS = "hosts"  # `RolloutLayout.hosts_mesh`'s leading axis: one host's rollout mesh per index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +62,9 @@ class RolloutLayout:
       kv_repeat: copies of each key/value head in the rollout copy (1: none).
       resharded: the rollout copy lives on `mesh` in a layout of its own (else: the training params' layout).
       own_architecture: `model_cfg` differs from the training model's.
+      hosts_mesh: with several hosts, every host's rollout mesh stacked along a leading HOSTS axis (host by
+        process index; this host's row is `mesh`): where the reshard program leaves the rollout copy. None on one
+        host.
     """
 
     mesh: Mesh
@@ -62,6 +72,7 @@ class RolloutLayout:
     kv_repeat: int = 1
     resharded: bool = False
     own_architecture: bool = False
+    hosts_mesh: Mesh | None = None
 
     def graphdef(self, training_graphdef: nnx.GraphDef) -> nnx.GraphDef:
         """The graph the sampler merges the rollout params into: the trainer's own unless the architecture
@@ -107,13 +118,30 @@ def make_layout(setting: int, model_cfg: ModelConfig, train_mesh: Mesh, local_de
         own = base_cfg != model_cfg
         if len(local) == train_mesh.devices.size:
             return RolloutLayout(train_mesh, base_cfg, own_architecture=own)
-        return RolloutLayout(parallel.make_mesh(1, -1, mesh_tensor, devices=local), base_cfg, resharded=True,
-                             own_architecture=own)
+        host_mesh = functools.partial(parallel.make_mesh, 1, -1, mesh_tensor)
+        return RolloutLayout(host_mesh(devices=_by_id(local)), base_cfg, resharded=True, own_architecture=own,
+                             hosts_mesh=_hosts_mesh(train_mesh, host_mesh))
     t = tensor_size(setting, len(local), model_cfg)
     kv_repeat = t // model_cfg.num_kv_heads if model_cfg.num_kv_heads < t else 1
     rollout_cfg = base_cfg.replace(num_kv_heads=model_cfg.num_kv_heads * kv_repeat, mlp_chunks=1)
-    mesh = parallel.make_mesh(len(local) // t, 1, t, devices=local)
-    return RolloutLayout(mesh, rollout_cfg, kv_repeat, resharded=True, own_architecture=rollout_cfg != model_cfg)
+    host_mesh = functools.partial(parallel.make_mesh, len(local) // t, 1, t)
+    return RolloutLayout(host_mesh(devices=_by_id(local)), rollout_cfg, kv_repeat, resharded=True,
+                         own_architecture=rollout_cfg != model_cfg, hosts_mesh=_hosts_mesh(train_mesh, host_mesh))
+
+
+def _by_id(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    """`devices` in id order: every host builds every host's rollout mesh from the same list."""
+    return sorted(devices, key=lambda d: d.id)
+
+
+def _hosts_mesh(train_mesh: Mesh, host_mesh) -> Mesh | None:
+    """Every host's rollout mesh (`host_mesh(devices=...)` of its chips of `train_mesh`) stacked along HOSTS, hosts
+    by process index; None when `train_mesh` is one host's."""
+    hosts = sorted({d.process_index for d in train_mesh.devices.flat})
+    if len(hosts) == 1:
+        return None
+    meshes = [host_mesh(devices=_by_id([d for d in train_mesh.devices.flat if d.process_index == p])) for p in hosts]
+    return Mesh(np.stack([m.devices for m in meshes]), (HOSTS, *meshes[0].axis_names))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -152,9 +180,18 @@ def rollout_params(layout: RolloutLayout, params: nnx.State, dtype: str) -> nnx.
     if not layout.resharded:
         return params
     shardings = parallel.param_shardings(params, layout.mesh)
-    if jax.process_count() > 1:
-        params = multihost_utils.process_allgather(params, tiled=True)
-    return jax.device_put(params, shardings)
+    if layout.hosts_mesh is None:
+        return jax.device_put(params, shardings)
+    everywhere = jax.device_put(params, parallel.param_shardings(params, layout.hosts_mesh))
+    return jax.tree.map(_host_part, everywhere, shardings)
+
+
+def _host_part(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """This host's shards of `x` (on `hosts_mesh`, replicated over HOSTS) as an array of its own rollout mesh
+    (`sharding`): the same device buffers, nothing copied."""
+    shards = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(x.shape)])
 
 
 def abstract_rollout_params(layout: RolloutLayout, params: nnx.State, dtype: str) -> nnx.State:
@@ -164,3 +201,24 @@ def abstract_rollout_params(layout: RolloutLayout, params: nnx.State, dtype: str
     shardings = (parallel.param_shardings(shapes, layout.mesh) if layout.resharded
                  else jax.tree.map(lambda x: x.sharding, params))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=s), shapes, shardings)
+
+
+def reshard_program(layout: RolloutLayout, params: nnx.State, dtype: str) -> AbstractProgram | None:
+    """The program that reshards the cast training `params` (abstract, with the training shardings) onto the
+    rollout mesh, every host's at once with several hosts (module docstring); None when the rollout keeps the
+    training layout. Lowered with the training layout's specs over the target mesh's chip order, as `jax.device_put`
+    relabels them before its reshard: the same program up to which chip holds which shard."""
+    if not layout.resharded:
+        return None
+    target = layout.mesh if layout.hosts_mesh is None else layout.hosts_mesh
+    shapes = jax.eval_shape(lambda p: _repeat_kv_heads(p, layout.kv_repeat), params)
+
+    def relabelled(x, spec_of):
+        train_mesh = spec_of.sharding.mesh
+        mesh = Mesh(target.devices.reshape(train_mesh.devices.shape), train_mesh.axis_names)
+        return jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec_of.sharding.spec))
+
+    args = jax.tree.map(relabelled, shapes, params)
+    hosts = "" if layout.hosts_mesh is None else f"every host's at once over {target.shape[HOSTS]} hosts, "
+    return AbstractProgram(Role.RESHARD, f"{hosts}{dtype}", jax.jit(lambda p: p, out_shardings=parallel.param_shardings(
+        shapes, target)), (args,))
