@@ -16,8 +16,14 @@ Prints, for top-3 retrieval:
    no model download is possible here, and speed does not depend on the weights): passages/s of
    `index_builder --to faiss --encoder e5`'s embedding (our jit encoder, length-sorted buckets) extrapolated to
    wiki-18's 21M passages; queries/s of our batched encoder + faiss Flat vs transformers' BertModel (PyTorch,
-   Search-R1's recipe: a padded batch, mean pooling) + the same faiss search, same process, same queries; and the
-   memory of loading a Flat index memory-mapped (our default) vs read into memory.
+   Search-R1's recipe: a padded batch, mean pooling) + the same faiss search, same process, same queries; the
+   search alone over faiss Flat (exact) and HNSW64 (Search-R1's `e5_HNSW64.index`: M 64, efSearch 16, faiss's
+   default) built over the same rows, same query vectors: queries/s, seconds per query, Flat's seconds per query
+   per million rows extrapolated to wiki-18's 21,015,324 rows, HNSW's recall@3 against Flat's exact top-3, faiss's
+   thread count; and the memory of loading a Flat index memory-mapped (our default) vs read into memory.
+   `--search-only` runs only the search measurements, on random unit query vectors, without the encoders:
+
+    python bench/retrieval.py --search-only --dense-rows 200000 --dense-queries 256 --dense-batch 64
 Queries are 3-6 filler words drawn like passage words (so they hit long posting lists: a pessimistic load).
 """
 from __future__ import annotations
@@ -43,6 +49,7 @@ sys.path.insert(0, REPO_ROOT)
 from index_builder.corpus import CorpusReader  # noqa: E402
 from index_builder.to_bm25 import build_bm25  # noqa: E402
 from llds_jax.search.synthetic import SyntheticCorpus  # noqa: E402
+from llds_jax.step_estimate import WIKI18_ROWS  # noqa: E402  (the estimate's retrieval line reads these figures)
 
 TOP_K = 3
 
@@ -313,6 +320,7 @@ def server_throughput(index_dir: str, queries: list[str], clients: int, seconds:
         server.wait(30)
 
 
+HNSW_M, HNSW_EF_SEARCH = 64, 16  # Search-R1's e5_HNSW64.index; efSearch 16 is faiss's default
 E5_BASE_SHAPE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072,
                  "max_positions": 512}
 
@@ -330,19 +338,96 @@ def embed_passages_per_s(encoder: str, passages: list[str], batch: int) -> float
     return len(passages) / (time.perf_counter() - start)
 
 
-def dense_query_qps(encoder: str, index_rows: int, queries: list[str], batch: int, dim: int) -> dict:
-    """Queries/s of (our jit encoder | transformers BertModel) + one faiss Flat search, in batches of `batch`."""
+def random_unit_rows(rows: int, dim: int, seed: int, chunk: int = 100_000):
+    """Yields `rows` random float32 unit vectors of `dim` dimensions, in arrays of at most `chunk` rows."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, rows, chunk):
+        x = rng.standard_normal((min(chunk, rows - start), dim), dtype=np.float32)
+        yield x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def dense_indexes(rows: int, dim: int) -> tuple:
+    """(faiss Flat, faiss HNSW64, HNSW build seconds) over the same `rows` random unit vectors, inner product.
+
+    HNSW64 is Search-R1's `e5_HNSW64.index`: `IndexHNSWFlat(dim, 64, METRIC_INNER_PRODUCT)`, efConstruction and
+    efSearch at faiss's defaults (40 and 16)."""
     import faiss
+
+    flat = faiss.IndexFlatIP(dim)
+    hnsw = faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+    hnsw.hnsw.efSearch = HNSW_EF_SEARCH
+    build_s = 0.0
+    for x in random_unit_rows(rows, dim, seed=0):
+        flat.add(x)
+        start = time.perf_counter()
+        hnsw.add(x)
+        build_s += time.perf_counter() - start
+    return flat, hnsw, build_s
+
+
+def search_seconds(index, query_qd: np.ndarray, batch: int) -> tuple[float, np.ndarray]:
+    """(seconds, top-TOP_K row ids [queries, TOP_K]) of `index.search` over `query_qd` in batches of `batch`
+    (after one warm-up batch)."""
+    index.search(query_qd[:batch], TOP_K)
+    ids, seconds = [], 0.0
+    for i in range(0, len(query_qd), batch):
+        start = time.perf_counter()
+        ids.append(index.search(query_qd[i:i + batch], TOP_K)[1])
+        seconds += time.perf_counter() - start
+    return seconds, np.concatenate(ids)
+
+
+def recall_at_k(found_qk: np.ndarray, exact_qk: np.ndarray) -> float:
+    """Mean over queries of |found top-k ∩ exact top-k| / k (row ids; -1, faiss's "no result", never counts)."""
+    return float(np.mean([len(set(f[f >= 0].tolist()) & set(e.tolist())) / exact_qk.shape[1]
+                          for f, e in zip(found_qk, exact_qk)]))
+
+
+def search_alone(flat, hnsw, query_qd: np.ndarray, batch: int) -> dict:
+    """The search alone, Flat vs HNSW over the same rows and queries: per index {"qps": queries/s, "s_per_query":
+    seconds}; Flat's "s_per_query_per_m_rows" (seconds per query per million rows: its cost is linear in the rows)
+    and "wiki18_s_per_query" (that at wiki-18's rows); HNSW's "recall" (recall@TOP_K against Flat's exact top-k);
+    "threads": faiss's OpenMP threads; "queries", "rows"."""
+    import faiss
+
+    numbers = {"threads": faiss.omp_get_max_threads(), "queries": len(query_qd), "rows": flat.ntotal}
+    flat_s, exact_qk = search_seconds(flat, query_qd, batch)
+    hnsw_s, hnsw_qk = search_seconds(hnsw, query_qd, batch)
+    for name, seconds in (("flat", flat_s), ("hnsw", hnsw_s)):
+        numbers[name] = {"qps": len(query_qd) / seconds, "s_per_query": seconds / len(query_qd)}
+    numbers["hnsw"]["recall"] = recall_at_k(hnsw_qk, exact_qk)
+    per_m = numbers["flat"]["s_per_query"] / (flat.ntotal / 1e6)
+    numbers["flat"]["s_per_query_per_m_rows"] = per_m
+    numbers["flat"]["wiki18_s_per_query"] = per_m * WIKI18_ROWS / 1e6
+    return numbers
+
+
+def print_search_alone(n: dict, batch: int, hnsw_build_s: float, query_kind: str) -> None:
+    """Prints `search_alone`'s numbers: a header with the sizes and faiss's threads, one line per index, the
+    caveats."""
+    rows, dim = n["rows"], E5_BASE_SHAPE["hidden_size"]
+    print(f"search alone ({n['queries']} {query_kind} in batches of {batch}, top-{TOP_K}, {rows:,} random unit rows"
+          f" of {dim} floats, faiss threads {n['threads']} (omp_get_max_threads)):")
+    flat, hnsw = n["flat"], n["hnsw"]
+    print(f"faiss Flat search alone: {flat['qps']:,.0f} queries/s, {flat['s_per_query']:.3e} s/query,"
+          f" {flat['s_per_query_per_m_rows']:.3e} s/query per million rows -> {flat['wiki18_s_per_query']:.3e}"
+          f" s/query at wiki-18's {WIKI18_ROWS:,} rows ({WIKI18_ROWS * dim * 4 / 1e9:,.1f} GB of vectors)")
+    print(f"faiss HNSW{HNSW_M} search alone (efSearch {HNSW_EF_SEARCH}): {hnsw['qps']:,.0f} queries/s,"
+          f" {hnsw['s_per_query']:.3e} s/query, recall@{TOP_K} {hnsw['recall']:.3f} of Flat's exact top-{TOP_K}"
+          f" (built in {hnsw_build_s:,.1f} s)")
+    print("(random vectors are a hard case for HNSW: their nearest neighbours are barely nearer than any other"
+          " row, so expect higher recall on real e5 embeddings, whose neighbours are clustered; its cost grows"
+          " about with log(rows), not linearly, so it is not extrapolated)", flush=True)
+
+
+def dense_query_qps(encoder: str, index, queries: list[str], batch: int) -> dict:
+    """Queries/s of (our jit encoder | transformers BertModel) + one faiss search of `index`, in batches of
+    `batch`; "query_qd": our encoder's query vectors [queries, dim] float32."""
     import torch
     from transformers import AutoTokenizer, BertModel
 
     from llds_jax.search.e5 import E5Embedder
 
-    rng = np.random.default_rng(0)
-    index = faiss.IndexFlatIP(dim)
-    for start in range(0, index_rows, 100_000):
-        x = rng.standard_normal((min(100_000, index_rows - start), dim), dtype=np.float32)
-        index.add(x / np.linalg.norm(x, axis=1, keepdims=True))
     ours = E5Embedder(encoder, batch_size=batch)
     tokenizer, model = AutoTokenizer.from_pretrained(encoder), BertModel.from_pretrained(encoder).eval()
 
@@ -358,6 +443,7 @@ def dense_query_qps(encoder: str, index_rows: int, queries: list[str], batch: in
     for name, embed in (("ours", ours.embed_queries), ("transformers", transformers_embed)):
         embed(queries[:batch])  # warm-up (compiles our buckets)
         encode_s = search_s = 0.0
+        vectors = []
         for i in range(0, len(queries), batch):
             start = time.perf_counter()
             query_qd = embed(queries[i:i + batch])
@@ -365,8 +451,10 @@ def dense_query_qps(encoder: str, index_rows: int, queries: list[str], batch: in
             start = time.perf_counter()
             index.search(query_qd, TOP_K)
             search_s += time.perf_counter() - start
+            vectors.append(np.asarray(query_qd, np.float32))
         numbers[name] = (len(queries) / (encode_s + search_s), len(queries) / encode_s)
-    numbers["search_qps"] = len(queries) / search_s
+        if name == "ours":
+            numbers["query_qd"] = np.concatenate(vectors)
     return numbers
 
 
@@ -390,6 +478,25 @@ def write_flat_index(path: str, rows: int, dim: int) -> str:
     return path
 
 
+def search_only_section(args: argparse.Namespace) -> None:
+    """Section 5's search measurements alone: Flat vs HNSW64 over `--dense-rows` random unit rows, searched with
+    `--dense-queries` random unit vectors in batches of `--dense-batch` (no encoder)."""
+    dim = E5_BASE_SHAPE["hidden_size"]
+    print(f"\n5. dense retrieval, search only, {os.cpu_count()} CPUs, load average"
+          f" {' '.join(load_average())}", flush=True)
+    flat, hnsw, build_s = dense_indexes(args.dense_rows, dim)
+    query_qd = np.concatenate(list(random_unit_rows(args.dense_queries, dim, seed=3)))
+    print_search_alone(search_alone(flat, hnsw, query_qd, args.dense_batch), args.dense_batch, build_s,
+                       "random unit query vectors")
+    print(f"load average after: {' '.join(load_average())}")
+
+
+def load_average() -> list[str]:
+    """The 1, 5 and 15 minute load averages, from /proc/loadavg."""
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
 def dense_section(args: argparse.Namespace, work: str) -> None:
     from llds_jax.search.synthetic import write_random_bert
 
@@ -404,14 +511,17 @@ def dense_section(args: argparse.Namespace, work: str) -> None:
     rate = embed_passages_per_s(encoder, passages, args.dense_batch)
     print(f"index build embedding ({args.dense_docs:,} passages of 90-110 words, batches of {args.dense_batch}):"
           f" {rate:,.1f} passages/s -> {21_000_000 / rate / 3600:,.1f} h for wiki-18's 21M passages", flush=True)
-    n = dense_query_qps(encoder, args.dense_rows, queries, args.dense_batch, E5_BASE_SHAPE["hidden_size"])
+    flat_index, hnsw_index, hnsw_build_s = dense_indexes(args.dense_rows, E5_BASE_SHAPE["hidden_size"])
+    n = dense_query_qps(encoder, flat_index, queries, args.dense_batch)
     print(f"queries ({len(queries)} in batches of {args.dense_batch}, faiss Flat over {args.dense_rows:,} rows,"
           f" top-{TOP_K}):")
     print(f"{'encoder':<38} {'q/s end to end':>15} {'q/s encoding':>13}")
     for name, label in (("ours", "ours: Flax BERT under jit, bucketed"), ("transformers", "transformers BertModel"
                                                                                               " (PyTorch)")):
         print(f"{label:<38} {n[name][0]:>15,.1f} {n[name][1]:>13,.1f}")
-    print(f"faiss Flat search alone: {n['search_qps']:,.0f} queries/s", flush=True)
+    print_search_alone(search_alone(flat_index, hnsw_index, n["query_qd"], args.dense_batch), args.dense_batch,
+                       hnsw_build_s, "queries (our encoder's vectors)")
+    del flat_index, hnsw_index
     flat = write_flat_index(os.path.join(work, "flat.index"), args.dense_rows, E5_BASE_SHAPE["hidden_size"])
     size = os.path.getsize(flat) / 2**20
     mapped, loaded = (measure_in_child("dense_index_memory", flat, m) for m in (True, False))
@@ -419,7 +529,7 @@ def dense_section(args: argparse.Namespace, work: str) -> None:
           f" read into memory +{loaded['loaded_mib']:,.0f} MiB RSS")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n-docs", type=int, default=100_000, help="passages to generate (default 100000)")
     parser.add_argument("--queries", type=int, default=1000, help="queries per measurement (default 1000)")
@@ -431,12 +541,18 @@ def main() -> None:
                         help="documents of the query evaluation measurement (default 21000000; 0 skips it)")
     parser.add_argument("--work-dir", help="where to write corpus and indexes (default: a temporary folder)")
     parser.add_argument("--dense-only", action="store_true", help="only section 5 (dense retrieval)")
+    parser.add_argument("--search-only", action="store_true",
+                        help="only section 5's search alone (faiss Flat vs HNSW64 on random query vectors, no"
+                             " encoder): --dense-rows, --dense-queries, --dense-batch")
     parser.add_argument("--dense-docs", type=int, default=2048, help="passages embedded in section 5 (default 2048)")
     parser.add_argument("--dense-queries", type=int, default=1024, help="queries of section 5 (default 1024)")
     parser.add_argument("--dense-batch", type=int, default=256, help="texts per encoder call (default 256)")
     parser.add_argument("--dense-rows", type=int, default=500_000,
                         help="rows of section 5's faiss Flat index of random vectors (default 500000)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.search_only:
+        search_only_section(args)
+        return
     work = args.work_dir or tempfile.mkdtemp(prefix="llds_bench_")
     os.makedirs(work, exist_ok=True)
     if args.dense_only:

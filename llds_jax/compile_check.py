@@ -32,8 +32,10 @@ the table and exits with status 1, naming the program and the GiB over. So is a 
 all-gather, all-to-all, collective-permute or reduce-scatter with a weight-shaped operand or result, one layer's or
 the stacked layers'; the rollout copy is not split over the chips, `rollout.tensor_parallel`).
 
-When every program fits, the command also prints an estimated step time: each program's roofline time read from
-its HLO (`llds_jax.roofline`) times its calls per step (`llds_jax.step_estimate`, with its assumptions).
+When every program fits, the command also prints estimated step times: each program's roofline time read from
+its HLO (`llds_jax.roofline`) times its calls per step (`llds_jax.step_estimate`), at the worst case (with its
+assumptions) and at expected lengths (`llds_jax.step_lengths`: a run's logged ones with `--estimate_from=RUN_DIR`,
+else stated defaults), with retrieval and the weight reshard on lines of their own.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from llds_jax import checks, roofline, run_builder, step_estimate, topologies
+from llds_jax import checks, roofline, run_builder, step_estimate, step_lengths, topologies
 from llds_jax import config as config_lib
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
@@ -412,25 +414,30 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     return setup + rollout + training[len(setup):]
 
 
-def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int) -> str:
-    """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks, with its
-    assumptions."""
+def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int,
+             lengths: step_lengths.Lengths) -> str:
+    """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks: the worst case
+    with its assumptions, then the expected step at `lengths`."""
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
                                        p.role)
              for r, p in zip(rows, programs)]
     decode = next(p for p in programs if p.role is Role.DECODE_CHUNK and p.calls)  # the training sampler's
     sequences = config_lib.rollout_batch_size(cfg) // hosts
-    return "\n".join([step_estimate.format_estimate(costs, roofline.PEAKS[generation], generation,
-                                                     decode.sampled_per_call),
-                      step_estimate.assumptions(cfg, sequences, decode.sampled_per_call // cfg.rollout.decode_chunk)])
+    session_rows = decode.sampled_per_call // cfg.rollout.decode_chunk
+    peaks = roofline.PEAKS[generation]
+    return "\n".join([step_estimate.format_estimate(costs, peaks, generation, decode.sampled_per_call),
+                      step_estimate.assumptions(cfg, sequences, session_rows),
+                      step_estimate.expected(costs, peaks, generation, cfg, lengths, sequences, session_rows)])
 
 
-def run(cfg, topology: str) -> int:
+def run(cfg, topology: str, estimate_from: str = "") -> int:
     """Compiles every program of `cfg` for `topology` and prints the table; returns the exit status (0: every
-    program fits, `EXIT_DOES_NOT_FIT`: one does not)."""
+    program fits, `EXIT_DOES_NOT_FIT`: one does not). The expected step takes its lengths from the run folder
+    `estimate_from` (its metrics.jsonl), else from `llds_jax.step_lengths`' defaults."""
     jax.config.update("jax_platforms", "cpu")  # the host's own backend; TPU programs are compiled, never run
     devices, nominal = topology_devices(topology)
     checks.validate(cfg, len(devices))
+    lengths = step_lengths.from_run(estimate_from) if estimate_from else step_lengths.defaults(cfg)
     hbm = usable_hbm_bytes(devices[0]) or nominal
     hosts = len({d.process_index for d in devices})
     print(f"compiling for {topology}: {len(devices)} chips, {hosts} host(s), {devices[0].device_kind}, "
@@ -453,7 +460,7 @@ def run(cfg, topology: str) -> int:
         print(f"llds_jax: error: {line}")
     if problems:
         return EXIT_DOES_NOT_FIT
-    print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts))
+    print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts, lengths))
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "

@@ -62,6 +62,8 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the whole run co
                                   "run; else a summary (the whole config is the run folder's config.json).")
 _TOPOLOGY = flags.DEFINE_string("topology", "", "TPU topology of --mode=compile (default: the config's "
                                 "mesh.topology), e.g. v4:2x2x4 or v4-32.")
+_ESTIMATE_FROM = flags.DEFINE_string("estimate_from", "", "Run folder whose logged lengths (metrics.jsonl) the "
+                                     "expected step of --mode=compile uses (default: stated defaults).")
 
 EXIT_BAD_INPUT = 2
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull")
@@ -112,11 +114,14 @@ def _params_for_eval(trainer):
     return restored.params, restored.step
 
 
-def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: bool = False) -> int:
+def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: bool = False,
+        estimate_from: str = "") -> int:
     """Runs one mode; returns the process exit status. `print_config`: print the whole config (redacted) before
-    the run, not its summary."""
+    the run, not its summary; `estimate_from`: --mode=compile's run folder of expected lengths."""
     from llds_jax import checks
 
+    if estimate_from and mode != "compile":
+        raise ValueError(f"--estimate_from is a flag of --mode=compile, not of --mode={mode}")
     if mode != "compile":  # compile_check validates against the topology's device count
         checks.validate(cfg)
     if mode == "compile":
@@ -124,7 +129,7 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: 
 
         if not (topology or cfg.mesh.topology):
             raise ValueError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
-        return compile_check.run(cfg, topology or cfg.mesh.topology)
+        return compile_check.run(cfg, topology or cfg.mesh.topology, estimate_from)
     from llds_jax.train.preemption import PreemptionGuard
 
     with PreemptionGuard() as guard:  # a stop before the training loop ends the command at once (status 0)
@@ -276,7 +281,8 @@ def main(argv) -> None:
     from llds_jax.train.preemption import StopRequested
 
     try:
-        sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value, _PRINT_CONFIG.value))
+        sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value, _PRINT_CONFIG.value,
+                     _ESTIMATE_FROM.value))
     except StopRequested as e:
         print(f"llds_jax: {e}", file=sys.stderr)
         sys.exit(0)

@@ -28,12 +28,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
+from llds_jax import step_lengths
 from llds_jax.programs import Role
 from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
 
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
+FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on
+# Retrieval's cost per query, measured on this project's 2-vCPU machine with faiss on both
+# (`python bench/retrieval.py --search-only --dense-rows 200000`, docs/benchmarks.md, 2026-12-05): a Flat index
+# reads every row per query (seconds per query per million rows), HNSW64 at efSearch 16 a few hundred (seconds per
+# query at 200,000 rows; its cost grows with about the log of the rows: a lower bound at wiki-18's size).
+FLAT_S_PER_QUERY_PER_MROW = 0.1642  # 3.45 s per query over 21M rows on 2 vCPUs (load 5-6)
+HNSW_S_PER_QUERY = 7.03e-4  # over 200,000 rows, 2 vCPUs
+MEASURED_VCPUS = 2
+WIKI18_ROWS = 21_015_324  # Search-R1's e5_Flat.index
+HOST_VCPUS = {"v4": 240}  # a Cloud TPU v4 VM host (ct4p-hightpu-4t); other generations: the measured rate as is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +163,52 @@ def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generatio
     if any(p.part == RESHARD for p in programs):
         lines.append(f"weight reshard (the rollout's copy of the params, on the chips, once per step; in the "
                      f"rollout): {totals[RESHARD]:.2f} s")
-    lines.append(f"estimated step: rollout {rollout:.1f} s + updates {totals[UPDATES]:.1f} s = {step:.1f} s; "
-                 f"rollout {rollout / step:.1%} of the step" if step else "estimated step: no program runs")
+    lines.append(f"worst-case step: rollout {rollout:.1f} s + updates {totals[UPDATES]:.1f} s = {step:.1f} s; "
+                 f"rollout {rollout / step:.1%} of the step" if step else "worst-case step: no program runs")
     return "\n".join(lines)
+
+
+def retrieval_seconds(cfg, queries: float, generation: str) -> tuple[float, str]:
+    """Seconds a host spends searching `queries` queries with `cfg`'s retriever, and how, in words: the measured
+    cost per query (module constants) of an e5 faiss Flat index over wiki-18's rows or an HNSW64 index, divided by
+    the host's vCPUs over the measuring machine's (faiss searches a batch on every core); (0, why) for a retriever
+    without a measured cost."""
+    ret = cfg.retriever
+    index = str(ret.get("index_path", "")) if ret.get("backend") == "faiss" else ""
+    if "Flat" in os.path.basename(index):
+        per_query, kind = FLAT_S_PER_QUERY_PER_MROW * WIKI18_ROWS / 1e6, f"e5 Flat over {WIKI18_ROWS:,} rows"
+    elif "HNSW" in os.path.basename(index):
+        per_query, kind = HNSW_S_PER_QUERY, "e5 HNSW64 (efSearch 16)"
+    else:
+        return 0.0, f"no measured cost per query for retriever {ret.get('backend')!r} (not counted)"
+    vcpus = HOST_VCPUS.get(generation, MEASURED_VCPUS)
+    per_host = per_query * MEASURED_VCPUS / vcpus
+    return queries * per_host, (f"{per_host * 1e3:.2f} ms per query ({kind}: {per_query * 1e3:.1f} ms measured on "
+                                f"{MEASURED_VCPUS} vCPUs, spread over a host's {vcpus})")
+
+
+def expected(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str, cfg, lengths: step_lengths.Lengths,
+             sequences: int, rows: int) -> str:
+    """The expected step at `lengths` (`llds_jax.step_lengths`) for one host's `sequences` in sessions of `rows`:
+    each program's worst-case time per step scaled by its share (the decode chunk by `decode_share`, the forwards
+    and updates by `update_share`, every other program as in the worst case), plus retrieval
+    (`retrieval_seconds`), with the lengths' source."""
+    decode = step_lengths.decode_share(cfg, lengths, sequences, rows)
+    update = step_lengths.update_share(cfg, lengths)
+    scale = {Role.DECODE_CHUNK: decode, **dict.fromkeys(FORWARDS, update)}
+    totals = {ROLLOUT: 0.0, UPDATES: 0.0, RESHARD: 0.0}
+    for p in programs:
+        if p.part:
+            totals[p.part] += roofline_seconds(p.cost, peaks).seconds * p.calls * scale.get(p.role, 1.0)
+    searches = sequences * lengths.searches
+    retrieval, how = retrieval_seconds(cfg, searches, generation)
+    rollout = totals[ROLLOUT] + totals[RESHARD] + retrieval
+    step = rollout + totals[UPDATES]
+    return "\n".join([
+        f"expected lengths from {lengths.source}: per trajectory {lengths.sampled_tokens:,.0f} sampled tokens, "
+        f"{lengths.trajectory_tokens:,.0f} trained, {lengths.searches:.2f} searches; the decode at {decode:.1%} of the "
+        f"worst case's calls, the forwards and updates at {update:.1%}, other programs as in the worst case",
+        f"retrieval (in the rollout): {searches:,.0f} searches per host and step x {how} = {retrieval:.1f} s",
+        f"expected step: rollout {rollout:.1f} s (of which retrieval {retrieval:.1f} s, weight reshard "
+        f"{totals[RESHARD]:.2f} s) + updates {totals[UPDATES]:.1f} s = {step:.1f} s; rollout {rollout / step:.1%} of "
+        "the step (an estimate, not a measurement)"])

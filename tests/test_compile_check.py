@@ -286,13 +286,28 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir):
-    result = launch(tiny_model_dir, "--topology=v5e:2x2")
+def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir, tmp_path):
+    """Every program compiled and in the table; the worst-case step, then the expected one at the lengths a run
+    logged (`--estimate_from`): 12 sampled tokens per trajectory at occupancy 0.5 against the shrunk config's 4
+    turns of 16 tokens, 64 trained tokens of 256, one search each (32 per host)."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({
+        "step": 1, "rollout/response_length": 12.0, "rollout/valid_searches": 1.0, "rollout/decode_occupancy": 0.5,
+        "perf/tokens_per_s": 2048.0, "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0}) + "\n")
+    result = launch(tiny_model_dir, "--topology=v5e:2x2", f"--estimate_from={tmp_path}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "compiling for v5e:2x2: 4 chips, 1 host(s), TPU v5 lite, 16 GiB HBM per chip" in result.stdout
     for name in PROGRAMS:
         assert f"\n{name} " in result.stdout
     assert "(host-local)" not in result.stdout  # one host: rollouts on the training mesh
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("worst-case step: rollout ") for line in lines)
+    assert (f"expected lengths from the run {tmp_path}: means over its 1 steps: per trajectory 12 sampled tokens, 64 "
+            "trained, 1.00 searches; the decode at 37.5% of the worst case's calls, the forwards and updates at 25.0%, "
+            "other programs as in the worst case") in lines
+    assert any(line.startswith("retrieval (in the rollout): 32 searches per host and step x ") for line in lines)
+    assert any(line.startswith("expected step: rollout ") for line in lines)
+    wrong = launch(tiny_model_dir, "--mode=train", f"--estimate_from={tmp_path}")
+    assert wrong.returncode == 2 and "--estimate_from is a flag of --mode=compile, not of --mode=train" in wrong.stderr
 
 
 @pytest.mark.slow

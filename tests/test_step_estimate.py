@@ -1,5 +1,7 @@
 """The step-time estimate of --mode=compile: call counts per step from the config, and times from HLO costs."""
-from llds_jax import step_estimate
+import pytest
+
+from llds_jax import step_estimate, step_lengths
 from llds_jax.programs import Role
 from llds_jax.roofline import PEAKS, HloCost
 from tests.configs import load
@@ -69,7 +71,52 @@ def test_step_time_adds_each_programs_roofline_time_per_call_times_its_calls():
     assert decode.split() == ["decode", "chunk", "1.0", "1.20", "0.000", "memory", "1.00ms", "100.0", "0.10s"]
     assert "decode: 4,096,000 tokens/s per host with every row sampling" in lines
     rollout_s, updates_s = 1.0 + 0.1, 10 * (2.0 + 0.001)
-    assert lines[-1] == (f"estimated step: rollout {rollout_s:.1f} s + updates {updates_s:.1f} s = "
+    assert lines[-1] == (f"worst-case step: rollout {rollout_s:.1f} s + updates {updates_s:.1f} s = "
                          f"{rollout_s + updates_s:.1f} s; rollout {rollout_s / (rollout_s + updates_s):.1%} of the "
                          "step")
 
+
+
+def test_retrieval_costs_the_measured_rate_per_query_spread_over_a_hosts_cores(monkeypatch):
+    """1 ms per query per million rows measured on 2 vCPUs: a Flat index over wiki-18's 21,015,324 rows costs
+    21.0 ms per query there, 0.175 ms on a v4 host's 240 vCPUs; HNSW its own measured cost; BM25 none measured."""
+    monkeypatch.setattr(step_estimate, "FLAT_S_PER_QUERY_PER_MROW", 1e-3)
+    monkeypatch.setattr(step_estimate, "HNSW_S_PER_QUERY", 2e-3)
+    cfg = load("qwen7b_v4")  # e5: Search-R1's e5_Flat.index
+    seconds, how = step_estimate.retrieval_seconds(cfg, 960, "v4")
+    assert seconds == pytest.approx(960 * 21.015324e-3 * 2 / 240)
+    assert how == "0.18 ms per query (e5 Flat over 21,015,324 rows: 21.0 ms measured on 2 vCPUs, spread over a host's 240)"
+    assert step_estimate.retrieval_seconds(cfg, 960, "v5e")[0] == pytest.approx(960 * 21.015324e-3)
+    cfg = load("qwen7b_v4", "e5_hnsw")
+    assert step_estimate.retrieval_seconds(cfg, 960, "v4")[0] == pytest.approx(960 * 2e-3 / 120)
+    cfg = load("qwen7b_v4", "bm25")
+    assert step_estimate.retrieval_seconds(cfg, 960, "v4") == (0.0, "no measured cost per query for retriever 'bm25' "
+                                                                     "(not counted)")
+
+
+def test_the_expected_step_scales_the_decode_and_the_updates_and_adds_retrieval(monkeypatch):
+    """Worst case: 100 decode chunks of 1 ms and 10 updates of 1 s (memory-bound at 1.2 TB/s), a 2 ms reshard.
+    Expected: the decode at 375 / 0.25 = 1500 of 2000 steps (75 ms), the updates at 1024 of 4096 tokens (2.5 s),
+    960 searches (640 trajectories x 1.5) at 1 ms each on a 240-vCPU host (120 ms per query measured on 2) added to
+    the rollout."""
+    monkeypatch.setattr(step_estimate, "FLAT_S_PER_QUERY_PER_MROW", 120e-3 / step_estimate.WIKI18_ROWS * 1e6)
+    cfg = load("qwen7b_v4")
+    v4 = PEAKS["v4"]
+    programs = [
+        step_estimate.ProgramCost("decode chunk", "", HloCost(hbm_bytes=1.2e9), 100, step_estimate.ROLLOUT,
+                                  Role.DECODE_CHUNK),
+        step_estimate.ProgramCost("rollout reshard", "", HloCost(hbm_bytes=2.4e9), 1, step_estimate.RESHARD,
+                                  Role.RESHARD),
+        step_estimate.ProgramCost("update", "", HloCost(hbm_bytes=1.2e12), 10, step_estimate.UPDATES, Role.UPDATE),
+    ]
+    lengths = step_lengths.Lengths(375.0, 1024.0, 1.5, 0.25, 0.0, "the run r")
+    lines = step_estimate.expected(programs, v4, "v4", cfg, lengths, sequences=640, rows=128).splitlines()
+    assert lines[0] == ("expected lengths from the run r: per trajectory 375 sampled tokens, 1,024 trained, 1.50 "
+                        "searches; the decode at 75.0% of the worst case's calls, the forwards and updates at 25.0%, "
+                        "other programs as in the worst case")
+    assert lines[1] == ("retrieval (in the rollout): 960 searches per host and step x 1.00 ms per query (e5 Flat over "
+                        "21,015,324 rows: 120.0 ms measured on 2 vCPUs, spread over a host's 240) = 1.0 s")
+    rollout = 0.075 + 0.002 + 0.96
+    assert lines[2] == (f"expected step: rollout {rollout:.1f} s (of which retrieval 1.0 s, weight reshard 0.00 s) + "
+                        f"updates 2.5 s = {rollout + 2.5:.1f} s; rollout {rollout / (rollout + 2.5):.1%} of the step (an "
+                        "estimate, not a measurement)")
