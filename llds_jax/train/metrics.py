@@ -46,13 +46,14 @@ CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("tok/s", "perf/tokens_per_s", "si"),
 )
 RESERVED_KEYS = ("step", "time")
-# (words, metric name) of the rollout budget's console line (llds_jax.rollout.agent.Rollout's counts).
-BUDGET_FIELDS: tuple[tuple[str, str], ...] = (
-    ("tokens generated", "rollout/sampled_tokens"),
-    ("prompt tokens", "rollout/prompt_tokens"),
-    ("observation tokens", "rollout/observation_tokens"),
-    ("searches", "rollout/searches"),
-    ("trajectories", "rollout/trajectories"),
+# (words for one, words for several, metric name) of the rollout budget's console line
+# (llds_jax.rollout.agent.Rollout's counts).
+BUDGET_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("token generated", "tokens generated", "rollout/sampled_tokens"),
+    ("prompt token", "prompt tokens", "rollout/prompt_tokens"),
+    ("observation token", "observation tokens", "rollout/observation_tokens"),
+    ("search", "searches", "rollout/searches"),
+    ("trajectory", "trajectories", "rollout/trajectories"),
 )
 
 
@@ -107,9 +108,10 @@ def console_line(step: int, scalars: Mapping[str, float], fields: Sequence[tuple
 def budget_line(step: int, scalars: Mapping[str, float]) -> str | None:
     """`step 12 budget: 18,304 tokens generated, 2,048 prompt tokens, ...` from the rollout's counts (None when
     the step has none: e.g. a record without a rollout)."""
-    if BUDGET_FIELDS[0][1] not in scalars:
+    if BUDGET_FIELDS[0][2] not in scalars:
         return None
-    counts = [f"{scalars[name]:,.0f} {words}" for words, name in BUDGET_FIELDS if name in scalars]
+    counts = [f"{scalars[name]:,.0f} {one if round(scalars[name]) == 1 else several}"
+              for one, several, name in BUDGET_FIELDS if name in scalars]
     return f"step {step} budget: {', '.join(counts)}"
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from llds_jax.train.metrics import (MetricsWriter, as_preformatted, console_line, format_duration, format_number,
-                                    format_percent, format_si)
+from llds_jax.train.metrics import (MetricsWriter, as_preformatted, budget_line, console_line, format_duration,
+                                    format_number, format_percent, format_si)
 
 
 class FakeClock:
@@ -100,6 +100,15 @@ def test_console_line_with_eta(tmp_path):
         "step 12 budget: 18,304 tokens generated, 2,048 prompt tokens, 1,536 observation tokens, 37 searches, "
         "64 trajectories",
     ]
+
+
+def test_budget_line_says_one_search_and_several_searches():
+    one = {"rollout/sampled_tokens": 1.0, "rollout/prompt_tokens": 1.0, "rollout/observation_tokens": 0.0,
+           "rollout/searches": 1.0, "rollout/trajectories": 1.0}
+    assert budget_line(3, one) == ("step 3 budget: 1 token generated, 1 prompt token, 0 observation tokens, 1 search, "
+                                   "1 trajectory")
+    assert budget_line(3, {**one, "rollout/searches": 2.0}).split(", ")[3] == "2 searches"
+    assert budget_line(3, {"reward/mean": 0.5}) is None
 
 
 def test_formatters():
