@@ -171,26 +171,35 @@ class EventFile:
     """One TensorBoard event file, written synchronously: `flush` returns once every event is in the file
     (tensorboardX's SummaryWriter queues events for a thread and its flush leaves the queue as it is, so a kill right
     after a flush lost them). The file is `<log_dir>/events.out.tfevents.<unix time>.<host><suffix>`; with
-    `purge_step`, TensorBoard drops the events of earlier files from that step on (a resumed run's)."""
+    `purge_step`, TensorBoard drops the events of earlier files from that step on (a resumed run's). The file is
+    made by the first event: a process that writes none (a rerun of a finished run) leaves no empty file."""
 
     def __init__(self, log_dir: str, purge_step: int | None, suffix: str):
-        os.makedirs(log_dir, exist_ok=True)
-        self._writer = EventsWriter(os.path.join(log_dir, "events"), suffix)
-        if purge_step is not None:
-            self._writer.write_event(Event(step=purge_step, wall_time=time.time(),
-                                           session_log=SessionLog(status=SessionLog.START)))
+        self._log_dir, self._purge_step, self._suffix = log_dir, purge_step, suffix
+        self._writer: EventsWriter | None = None
+
+    def _write(self, event: Event) -> None:
+        if self._writer is None:
+            os.makedirs(self._log_dir, exist_ok=True)
+            self._writer = EventsWriter(os.path.join(self._log_dir, "events"), self._suffix)
+            if self._purge_step is not None:
+                self._writer.write_event(Event(step=self._purge_step, wall_time=time.time(),
+                                               session_log=SessionLog(status=SessionLog.START)))
+        self._writer.write_event(event)
 
     def add_scalar(self, name: str, value: float, step: int) -> None:
-        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=summary.scalar(name, value)))
+        self._write(Event(step=step, wall_time=time.time(), summary=summary.scalar(name, value)))
 
     def add_text(self, name: str, value: str, step: int) -> None:
-        self._writer.write_event(Event(step=step, wall_time=time.time(), summary=summary.text(name, value)))
+        self._write(Event(step=step, wall_time=time.time(), summary=summary.text(name, value)))
 
     def flush(self) -> None:
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class MetricsWriter:

@@ -2,6 +2,7 @@
 import io
 import json
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +101,22 @@ def test_console_line_with_eta(tmp_path):
         "step 12 budget: 18,304 tokens generated, 2,048 prompt tokens, 1,536 observation tokens, 37 searches, "
         "64 trajectories",
     ]
+
+
+def test_a_writer_that_writes_nothing_leaves_no_event_file(tmp_path):
+    """A rerun of a finished run opens the writer at its next step and writes nothing: no empty event file beside
+    the run's (a resumed writer that writes makes its own)."""
+    first = MetricsWriter(str(tmp_path), start_step=1)
+    first.write(1, {"reward/mean": 0.5})
+    first.close()
+    rerun = MetricsWriter(str(tmp_path), start_step=2)
+    rerun.flush()
+    rerun.close()
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1
+    resumed = MetricsWriter(str(tmp_path), start_step=2)
+    resumed.write(2, {"reward/mean": 0.7})
+    resumed.close()
+    assert len(os.listdir(tmp_path / "tensorboard")) == 2
 
 
 def test_budget_line_says_one_search_and_several_searches():
