@@ -756,7 +756,8 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
 
 
 # What the evidence page's tables are rows of: the settings of its three studies.
-EVIDENCE_SETTINGS = {"stress", "default", "paper_shaped", "lr1e3", "collapse", "lr5e4", "lr6e4", "lr7e4", "lr8e4"}
+EVIDENCE_SETTINGS = {"stress", "default", "paper_shaped", "lr1e3", "collapse", "lr5e4", "lr6e4", "lr7e4", "lr8e4",
+                     "late_collapse"}
 
 
 def _decoy_pythons(folder) -> dict[str, str]:
@@ -802,6 +803,10 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     calibration = os.path.join(evidence, "late_collapse", "calibration")
     same += [(os.path.join(calibration, name), tmp_path / "late_collapse_calibration" / name)
              for name in ("runs.csv", "steps.csv.gz", "table.md", "sequence.md", "survival.md")]
+    late = os.path.join(evidence, "late_collapse", "study")
+    same += [(os.path.join(late, name), tmp_path / "late_collapse_study" / name)
+             for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "early_warning.md", "auc.md",
+                          "survival.md", "sequence.md")]
     for committed, produced in same:
         with open(committed, "rb") as f:
             assert f.read() == produced.read_bytes(), committed

@@ -2,7 +2,8 @@
 # Recomputes every table of docs/evidence.md from the records committed under docs/evidence/ (runs.csv and,
 # where the study kept them, per-step metrics in steps.csv.gz), without a run folder: the 96-run study of
 # 2026-12-02, its gate ablation on seeds 0-3 alone, the calibration of the collapse regime, the 48-run collapse
-# study of issue 33, issue 40's re-reading of it (LLD rate on common steps) and issue 40's calibration. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files
+# study of issue 33, issue 40's re-reading of it (LLD rate on common steps), issue 40's calibration and its
+# late-collapse study. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files
 # there are the committed ones byte for byte, and every table row of docs/evidence.md is a row of one of them
 # (tests/test_demo_study.py checks both). Run from the repository root: sh docs/evidence/recompute.sh [OUT]
 # The interpreter is $PYTHON when set (a virtual environment that is not activated:
@@ -47,3 +48,8 @@ S=configs/demo_cpu_late_collapse.py
 "$PYTHON" -m llds_jax.apps.demo_study --settings "lr5e4=$S:5e-4,lr6e4=$S:6e-4,lr7e4=$S:7e-4,lr8e4=$S:8e-4" \
     --seeds 0-3 --arms grpo --out "$OUT/late_collapse_calibration" --report \
     --recorded "$EVIDENCE/late_collapse/calibration/runs.csv"
+# Issue 40's pre-registered late-collapse study (80 steps, seeds 4-11, five arms).
+"$PYTHON" -m llds_jax.apps.demo_study --settings late_collapse --seeds 4-11 \
+    --arms grpo,llds,llds_lam1,grpo_low_lr,grpo_clip_higher --out "$OUT/late_collapse_study" --report \
+    --recorded "$EVIDENCE/late_collapse/study/runs.csv" --controls grpo \
+    --endpoints collapsed,final_em,peak_em,lld_rate_common
