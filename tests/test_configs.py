@@ -29,7 +29,7 @@ def test_every_config_file_is_covered():
     names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))} - {"__init__"}
     assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "demo_cpu_paper",
                                                  "demo_cpu_collapse", "demo_cpu_late_collapse", "demo_cpu_late_study",
-                                                 "tiny_test"}
+                                                 "demo_cpu_tree_study", "tiny_test"}
 
 
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
@@ -123,7 +123,7 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
 
 
 @pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "demo_cpu_collapse",
-                                  "demo_cpu_late_collapse", "demo_cpu_late_study", "tiny_test"])
+                                  "demo_cpu_late_collapse", "demo_cpu_late_study", "demo_cpu_tree_study", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
     assert cfg.app == "llds_jax.apps.demo" and cfg.demo.enabled  # the demo application prepares the run
@@ -171,6 +171,14 @@ def test_late_collapse_study_is_the_calibrations_lr_5e4_for_80_steps():
                if calibration[section][key] != study[section][key]}
     assert changed == {("train", "total_steps"): (60, 80)}
     assert study["optim"]["learning_rate"] == 5e-4 and study["seed"] == calibration["seed"]
+
+
+def test_tree_study_is_the_demo_with_an_evaluation_every_5_steps():
+    demo, study = load("demo_cpu").to_dict(), load("demo_cpu_tree_study").to_dict()
+    changed = {(section, key): (demo[section][key], study[section][key]) for section in demo
+               if isinstance(demo[section], dict) for key in demo[section] if demo[section][key] != study[section][key]}
+    assert changed == {("train", "eval_every"): (0, 5)} and study["seed"] == demo["seed"]
+    assert study["run_dir"] != demo["run_dir"]
 
 
 def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and_warm_start():
