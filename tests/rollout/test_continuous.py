@@ -215,3 +215,30 @@ def test_frozen_row_session_compacts_to_a_row_bucket_its_first_rollout_skipped(g
     # 8 rows x 4 steps, then 5 of 6 rows x 4 steps: 52 tokens in 56 row-steps (64 in 8 rows).
     assert counts == {"sampled_tokens": 52, "row_steps": 56}
     assert all(turns[seq][:4] == first[seq] for seq in (3, 4, 5)) and all(turns[seq] == first[seq] for seq in (0, 6, 7))
+
+
+@pytest.mark.slow
+def test_a_stop_request_ends_a_continuous_batch_between_decode_chunks(qwen_tokenizer, greedy):
+    """The engine asks `stopping` before every decode chunk: a rollout whose stop comes at the 6th question ends
+    there (stopped, no trajectories; asked twice more: the engine's loop, the rollout's end), where the whole
+    rollout asks it more than twice as often."""
+    _, params, _, sampler = greedy
+    config = AgentConfig(**CONFIG, continuous_batching=True)
+    asked = []
+
+    def never():
+        asked.append(None)
+        return False
+
+    agent.rollout(sampler, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(0), config, stopping=never)
+    whole = len(asked)
+    asked.clear()
+
+    def at_the_sixth():
+        asked.append(None)
+        return len(asked) >= 6
+
+    stopped = agent.rollout(sampler, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(0), config,
+                            stopping=at_the_sixth)
+    assert stopped.stopped and stopped.trajectories == []
+    assert len(asked) <= 6 + 2 and whole > 2 * len(asked), (len(asked), whole)
