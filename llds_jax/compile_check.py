@@ -39,6 +39,7 @@ else stated defaults), with retrieval and the weight reshard on lines of their o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -88,12 +89,27 @@ def topology_devices(name: str) -> tuple[list[Any], float]:
     return list(topology.devices), g.hbm_gib * GIB
 
 
+@contextlib.contextmanager
+def no_persistent_cache_writes():
+    """No program compiled in the block is written to JAX's persistent compilation cache: a TPU program compiled
+    here for a deviceless topology is never run, and an entry of it would be read back by this machine's CPU backend
+    (a warning per entry). Its minimum compile time is raised for the block (JAX decides once per process whether
+    the cache is on at all, so the cache itself is left on)."""
+    seconds = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", seconds)
+
+
 def usable_hbm_bytes(device: Any) -> Optional[float]:
     """The HBM per chip XLA lets a program use (what it names when a program does not fit), measured by compiling
     a program that cannot fit; None when the compiler does not say."""
     too_big = jax.ShapeDtypeStruct((1 << 38,), jnp.float32, sharding=SingleDeviceSharding(device))
     try:
-        jax.jit(lambda x: x * 2).lower(too_big).compile()
+        with no_persistent_cache_writes():
+            jax.jit(lambda x: x * 2).lower(too_big).compile()
     except Exception as e:  # noqa: BLE001 - the message is what we read
         return parse_available_hbm(str(e))
     return None
@@ -231,7 +247,8 @@ def compile_row(program: Program) -> Row:
     """Compiles one program; its memory per chip from XLA's analysis (or the compiler's error)."""
     start = time.perf_counter()
     try:
-        compiled = program.lowered.compile()
+        with no_persistent_cache_writes():
+            compiled = program.lowered.compile()
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError / XlaRuntimeError; report any
         message = " ".join(str(e).split())
         return Row(program.name, program.shapes, compile_s=time.perf_counter() - start, error=message[:500])

@@ -33,6 +33,14 @@ PROGRAMS = ["rollout reshard", "prefill", "decode chunk", "extend", "cache growt
             "logp (float32, LLD)", "update (2 per step)", "lld metrics"]
 
 
+@pytest.fixture(autouse=True)
+def _tpu_programs_out_of_the_persistent_cache():
+    """The suite's persistent compilation cache holds programs this machine runs: TPU programs compiled here for a
+    deviceless topology stay out of it (`compile_check.no_persistent_cache_writes`)."""
+    with compile_check.no_persistent_cache_writes():
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A checkpoint folder holding only config.json: compile mode reads the architecture, never the weights."""
@@ -323,6 +331,34 @@ def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir):
                                "heads x2)) does not fit: ")
                and "GiB over the 15.75 GiB of HBM" in line for line in errors), errors
     assert all(line.startswith("llds_jax: error: eval ") for line in errors), errors
+
+
+@pytest.mark.slow
+def test_tpu_programs_stay_out_of_the_persistent_compilation_cache(tmp_path):
+    """In a process whose persistent cache is on (any compile time), a program compiled for a TPU topology by
+    `compile_row` leaves no entry, CPU programs compiled after it do (the cache stays on)."""
+    script = """
+import jax, jax.numpy as jnp, os, sys
+from jax.sharding import SingleDeviceSharding
+from llds_jax import compile_check
+from llds_jax.programs import Role
+jax.config.update("jax_platforms", "cpu")
+cache = sys.argv[1]
+chip = compile_check.topology_devices("v4:2x2x1")[0][0]
+x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=SingleDeviceSharding(chip))
+program = compile_check.Program("square", "", jax.jit(lambda a: a @ a).lower(x), (), Role.UPDATE)
+assert not compile_check.compile_row(program).error
+print("tpu", len(os.listdir(cache)) if os.path.isdir(cache) else 0)
+jax.jit(lambda a: a @ a + 1).lower(jnp.ones((128, 128))).compile()
+print("cpu", len(os.listdir(cache)))
+"""
+    cache = str(tmp_path / "cache")
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    result = subprocess.run([sys.executable, "-c", script, cache], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tpu, entries, cpu, after = result.stdout.split()
+    assert (tpu, entries, cpu) == ("tpu", "0", "cpu") and int(after) > 0
 
 
 def test_unknown_topology_is_one_line_and_exit_2(tiny_model_dir):

@@ -325,12 +325,14 @@ def test_peaks_of_every_generation_with_their_sources():
 
 @pytest.fixture(scope="module")
 def chips():
-    """The 4 abstract chips of a v4:2x2x1 slice (XLA's TPU compiler runs here; nothing runs on a TPU)."""
+    """The 4 abstract chips of a v4:2x2x1 slice (XLA's TPU compiler runs here; nothing runs on a TPU), with the
+    persistent compilation cache off while the module's TPU programs compile (this machine never runs them)."""
     pytest.importorskip("libtpu")
-    from llds_jax.compile_check import topology_devices
+    from llds_jax.compile_check import no_persistent_cache_writes, topology_devices
 
     jax.config.update("jax_platforms", "cpu")
-    return topology_devices("v4:2x2x1")[0]
+    with no_persistent_cache_writes():
+        yield topology_devices("v4:2x2x1")[0]
 
 
 M, K = 256, 512
