@@ -135,6 +135,17 @@ def assumptions(cfg, sequences: int, rows: int) -> str:
             f"{r.decode_chunk}, {r.max_turns} extends of {r.max_observation_tokens} tokens, {read}")
 
 
+def part_seconds(programs: Sequence[ProgramCost], peaks: ChipPeaks,
+                 scale: dict[Role, float] | None = None) -> dict[str, float]:
+    """Seconds per step of each part (ROLLOUT, UPDATES, RESHARD): every program's roofline time per call times its
+    calls, times `scale[role]` (1 for a role it does not name)."""
+    totals = {ROLLOUT: 0.0, UPDATES: 0.0, RESHARD: 0.0}
+    for p in programs:
+        if p.part:
+            totals[p.part] += roofline_seconds(p.cost, peaks).seconds * p.calls * (scale or {}).get(p.role, 1.0)
+    return totals
+
+
 def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str,
                     decode_tokens_per_call: int) -> str:
     """The table of each program's estimated time per call and per step, the decode chunk's tokens/s (with every
@@ -145,12 +156,9 @@ def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generatio
               f"{'calls':>7} {'per step':>9}")
     lines = [f"estimated time per chip (roofline from each program's HLO at {generation} peaks; an estimate, not a "
              "measurement)", header, "-" * len(header)]
-    totals = {ROLLOUT: 0.0, UPDATES: 0.0, RESHARD: 0.0}
     for p in programs:
         estimate = roofline_seconds(p.cost, peaks)
         per_step = estimate.seconds * p.calls
-        if p.part:
-            totals[p.part] += per_step
         lines.append(f"{p.name:<{width}}  {p.cost.flops / 1e9:9.1f} {p.cost.hbm_bytes / 1e9:8.2f} "
                      f"{p.cost.ici_bytes / 1e9:8.3f} {estimate.bound:>10} {estimate.seconds * 1e3:7.2f}ms "
                      f"{p.calls:7.1f} {per_step:8.2f}s")
@@ -158,6 +166,7 @@ def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generatio
     if decode is not None:
         lines.append(f"decode: {decode_tokens_per_call / roofline_seconds(decode.cost, peaks).seconds:,.0f} "
                      "tokens/s per host with every row sampling")
+    totals = part_seconds(programs, peaks)
     rollout = totals[ROLLOUT] + totals[RESHARD]
     step = rollout + totals[UPDATES]
     if any(p.part == RESHARD for p in programs):
@@ -174,10 +183,10 @@ def retrieval_seconds(cfg, queries: float, generation: str) -> tuple[float, str]
     the host's vCPUs over the measuring machine's (faiss searches a batch on every core); (0, why) for a retriever
     without a measured cost."""
     ret = cfg.retriever
-    index = str(ret.get("index_path", "")) if ret.get("backend") == "faiss" else ""
-    if "Flat" in os.path.basename(index):
+    index = os.path.basename(str(ret.get("index_path", ""))) if ret.get("backend") == "faiss" else ""
+    if "Flat" in index:
         per_query, kind = FLAT_S_PER_QUERY_PER_MROW * WIKI18_ROWS / 1e6, f"e5 Flat over {WIKI18_ROWS:,} rows"
-    elif "HNSW" in os.path.basename(index):
+    elif "HNSW" in index:
         per_query, kind = HNSW_S_PER_QUERY, "e5 HNSW64 (efSearch 16)"
     else:
         return 0.0, f"no measured cost per query for retriever {ret.get('backend')!r} (not counted)"
@@ -195,11 +204,7 @@ def expected(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str,
     (`retrieval_seconds`), with the lengths' source."""
     decode = step_lengths.decode_share(cfg, lengths, sequences, rows)
     update = step_lengths.update_share(cfg, lengths)
-    scale = {Role.DECODE_CHUNK: decode, **dict.fromkeys(FORWARDS, update)}
-    totals = {ROLLOUT: 0.0, UPDATES: 0.0, RESHARD: 0.0}
-    for p in programs:
-        if p.part:
-            totals[p.part] += roofline_seconds(p.cost, peaks).seconds * p.calls * scale.get(p.role, 1.0)
+    totals = part_seconds(programs, peaks, {Role.DECODE_CHUNK: decode, **dict.fromkeys(FORWARDS, update)})
     searches = sequences * lengths.searches
     retrieval, how = retrieval_seconds(cfg, searches, generation)
     rollout = totals[ROLLOUT] + totals[RESHARD] + retrieval

@@ -1,5 +1,5 @@
 """The lengths a training step runs at, for the step estimate (`llds_jax.step_estimate`): the worst case the
-programs are compiled for, and expected lengths read from a run's logged metrics (`--estimate-from RUN_DIR`) or,
+programs are compiled for, and expected lengths read from a run's logged metrics (`--estimate_from=RUN_DIR`) or,
 without a run, this module's defaults, each saying where it comes from.
 
 What the lengths change in the estimate:
