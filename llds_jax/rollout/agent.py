@@ -68,7 +68,8 @@ class Rollout:
     The budget (counts): `sampled_tokens` (tokens generated, rolled-back ones included), `prompt_tokens` (the
     conversations' prompts, each encoded once per conversation; `rollout.shared_prompt_prefill` encodes each distinct
     prompt once on device), `observation_tokens` (appended to the cache), `searches` (queries sent) and
-    `trajectories`.
+    `trajectories`; with `config.trees`, `forked_prefix_tokens` (the turn and observation tokens each fork shares
+    with its parent up to its node: sampled once, trained again in every leaf that holds them).
 
     `stopped`: the rollout was abandoned on a stop request (`rollout(stopping=...)`): no trajectories, no metrics.
     """
@@ -147,6 +148,8 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0,
               "prompt_tokens": 0.0, "observation_tokens": 0.0, "searches": 0.0, "bad_documents": 0.0,
               "decode_sampled_tokens": 0.0, "decode_row_steps": 0.0}
+    if config.trees:
+        timing["forked_prefix_tokens"] = 0.0
     steps = AgentSteps(tokenizer, retriever, config, timing, stopping)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:

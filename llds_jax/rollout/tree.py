@@ -148,7 +148,9 @@ async def run(sampler, params, steps: AgentSteps, examples: Sequence[QAExample],
                 turn = node[1]
                 nodes.append((seq, turn))
                 position = int(forks[round_index][len(new_leaves)])
-                new_leaves.append(Leaf(position, tree, _fork_conversation(leaf, turn), leaf.nodes[:turn + 1]))
+                conv = _fork_conversation(leaf, turn)
+                steps.timing["forked_prefix_tokens"] += conv.response_len
+                new_leaves.append(Leaf(position, tree, conv, leaf.nodes[:turn + 1]))
         keys = sampler.keys_of(rng, first_sequence + forks[round_index])
         session = session.fork(nodes, keys, carry=not last, compact=last)
         running = new_leaves if last else leaves + new_leaves

@@ -54,6 +54,7 @@ BUDGET_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("observation token", "observation tokens", "rollout/observation_tokens"),
     ("search", "searches", "rollout/searches"),
     ("trajectory", "trajectories", "rollout/trajectories"),
+    ("forked-prefix token trained again", "forked-prefix tokens trained again", "rollout/forked_prefix_tokens"),
 )
 
 

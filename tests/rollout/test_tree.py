@@ -102,6 +102,12 @@ def test_a_tree_rollout_encodes_each_chains_prompt_only_and_is_deterministic(qwe
     assert m["trajectories"] == 12
     forked_observations = sum(len(turn.observation_ids) for t in tree_result.trajectories for turn in t.turns)
     assert 0 < m["observation_tokens"] < forked_observations  # shared observations were appended once
+    # What the update trains again: each fork's turns and observations up to its node (the turns it shares with
+    # its tree's chain, the only leaf it can fork from with one round).
+    shared = [(chains[i // 3], t) for i, t in enumerate(tree_result.trajectories) if i % 3]
+    assert m["forked_prefix_tokens"] == sum(len(turn.token_ids) + len(turn.observation_ids)
+                                            for chain, fork in shared for turn in fork.turns[:shared_turns(chain, fork)])
+    assert m["forked_prefix_tokens"] > 0
     again = tree_rollout(qwen_tokenizer, real)
     second_host = tree_rollout(qwen_tokenizer, real, first=6)  # the second prompt's group, as a second host has it
     for a, b in zip(tree_result.trajectories, again.trajectories):

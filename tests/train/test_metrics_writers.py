@@ -126,6 +126,8 @@ def test_budget_line_says_one_search_and_several_searches():
                                    "1 trajectory")
     assert budget_line(3, {**one, "rollout/searches": 2.0}).split(", ")[3] == "2 searches"
     assert budget_line(3, {"reward/mean": 0.5}) is None
+    trees = {**one, "rollout/forked_prefix_tokens": 1234.0}  # tree rollouts only
+    assert budget_line(3, trees).endswith("1 trajectory, 1,234 forked-prefix tokens trained again")
 
 
 def test_formatters():
