@@ -306,7 +306,9 @@ class ShapePlan:
         continuous batching, every compacted row bucket between the smallest run and its batch: `_continuous_rows`):
         at every (rows, capacity), a decode chunk, an extend of each observation bucket run (continuous batching:
         row extends of each row and token bucket run of their kind, of at most `rows` rows), growth to each larger
-        capacity and compaction to each smaller row bucket. Ordered by rows, then capacity."""
+        capacity, compaction to each smaller row bucket and (tree rollouts) each fork run from these rows: the
+        capacity a fork copies is wherever its source session ended, which changes from step to step. Ordered by
+        rows, then capacity."""
         states = self._states()
         rows = sorted({r for r, _ in states} | self._continuous_rows({r for r, _ in states}))
         capacities = sorted({c for _, c in states})
@@ -314,13 +316,15 @@ class ShapePlan:
         row_extends = {(s.rows_in, s.prefill) for s in self._run[ExtendRowsShape]}  # with each token bucket of its kind
         tokens = {prefill: sorted({s.tokens for s in self._run[ExtendRowsShape] if s.prefill == prefill})
                   for prefill in (False, True)}
+        forks = sorted({(s.rows, s.rows_out) for s in self._run[ForkShape]})
         grid = []
         for r in rows:
             for c in capacities:
                 grid += [DecodeShape(r, c), *(EndTurnShape(r, c, t) for t in observations),
                          *(ExtendRowsShape(r, c, k, t, p) for k, p in sorted(row_extends) for t in tokens[p] if k <= r),
                          *(GrowShape(r, c, g) for g in capacities if g > c),
-                         *(SelectShape(r, c, k) for k in rows if k < r)]
+                         *(SelectShape(r, c, k) for k in rows if k < r),
+                         *(ForkShape(r, c, k) for source, k in forks if source == r)]
         return [shape for shape in grid if not self.has_run(shape)]
 
     def compile_grid(self, lower: Callable[[Shape], jax.stages.Lowered]) -> int:

@@ -100,3 +100,32 @@ def test_fork_errors_name_the_problem(tiny):
         compacting.fork([(0, 1)], keys, carry=True)
     with pytest.raises(ValueError, match="sequence 1 left the batch"):
         compacting.fork([(1, 0)], keys)
+
+
+def test_a_frozen_sampler_forks_at_a_capacity_it_never_forked_at_without_compiling(tiny, backend_compiles):
+    """Tree rollouts fork wherever the chains' session ended, a capacity that changes from step to step: the grid
+    that `freeze_shapes` compiles holds the fork at every capacity run, and the fork samples what a fresh sampler's
+    does."""
+    _, graphdef, params = tiny
+    prompts = prompts_of([4, 9, 6], seed=5)
+    nodes = [(0, 1), (1, 2), (2, 0), (0, 2)]
+
+    def first_step(sampler):  # shorter chains fork from a smaller cache; the forks grow it by a long turn
+        parent, _ = run_parent(sampler, params, prompts, turns=2)
+        child = parent.fork([(0, 1), (1, 0), (2, 1), (0, 0)], sampler.keys_of(jax.random.key(9), np.arange(4)))
+        one_turn(child, 4, budget=40)
+        return parent.capacity, child.capacity
+
+    def later_step(sampler):
+        parent, _ = run_parent(sampler, params, prompts)
+        return parent.capacity, one_turn(parent.fork(nodes, sampler.keys_of(jax.random.key(9), np.arange(4))), 4)
+
+    sampler = Sampler(graphdef, GREEDY)
+    small, large = first_step(sampler)
+    sampler.freeze_shapes()
+    with backend_compiles() as compiles:
+        capacity, forked = later_step(sampler)
+    assert (small, capacity, large) == (32, 64, 64)  # forked at 32 slots, then at 64 (reached by the forks)
+    assert compiles == []
+    fresh = Sampler(graphdef, GREEDY)
+    assert later_step(fresh) == (capacity, forked)

@@ -1,7 +1,7 @@
 """The shape plan: which bucket each sampler call takes before and after freezing, and the grid compiled ahead."""
 from llds_jax.rollout.config import SamplingConfig
-from llds_jax.rollout.shape_plan import (DecodeShape, EmptyShape, EndTurnShape, ExtendRowsShape, GrowShape,
-                                         PrefillShape, SelectShape, ShapePlan)
+from llds_jax.rollout.shape_plan import (DecodeShape, EmptyShape, EndTurnShape, ExtendRowsShape, ForkShape,
+                                         GrowShape, PrefillShape, SelectShape, ShapePlan)
 
 CONFIG = SamplingConfig(min_prompt_bucket=16, min_capacity_bucket=16, min_observation_bucket=4)
 
@@ -65,6 +65,19 @@ def test_grid_lists_the_programs_not_run_on_the_buckets_run_and_compile_grid_rec
     assert plan.compile_grid(lambda shape: lowered.append(shape) or Lowered()) == 4
     assert lowered == expected
     assert all(plan.has_run(shape) for shape in expected) and plan.grid() == []
+
+
+def test_grid_holds_each_fork_run_at_every_capacity_its_source_rows_reach():
+    """A tree rollout's first step: 4 chains end at 64 slots and fork into 8 rows; a later step's chains may end at
+    32 (or 64) slots, so the fork from 4 rows is compiled at both; none from the 8-row batch, which never forked."""
+    plan = ShapePlan(CONFIG, batch_multiple=1)
+    for shape in (PrefillShape(4, 16, 32), DecodeShape(4, 32), GrowShape(4, 32, 64), DecodeShape(4, 64),
+                  ForkShape(4, 64, 8), DecodeShape(8, 64)):
+        plan.record(shape)
+    forks = [shape for shape in plan.grid() if isinstance(shape, ForkShape)]
+    assert forks == [ForkShape(4, 32, 8)]
+    plan.compile_grid(lambda shape: Lowered())
+    assert plan.grid() == []
 
 
 def test_continuous_batching_grid_holds_every_row_bucket_below_its_batch():
