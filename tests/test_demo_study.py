@@ -786,9 +786,9 @@ def test_recompute_names_the_interpreter_to_set_when_none_on_path_has_the_projec
 @pytest.mark.slow
 def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_records(tmp_path):
     """`sh docs/evidence/recompute.sh OUT` (the page's one command) rebuilds the committed records byte for byte
-    from themselves, the collapse study's committed tables too, and every table row of docs/evidence.md that
-    reports a run, an arm or a comparison is a row of one of its outputs. Run with this interpreter as `PYTHON`
-    while PATH finds other pythons first (an environment that is not activated)."""
+    from themselves, the studies' committed tables too, and every table row of docs/evidence.md that reports a
+    run, an arm or a comparison (and of the tree study in docs/tree-rollouts.md) is a row of one of its outputs. Run
+    with this interpreter as `PYTHON` while PATH finds other pythons first (an environment that is not activated)."""
     env = {**_decoy_pythons(tmp_path / "bin"), "PYTHON": sys.executable}
     proc = subprocess.run(["sh", os.path.join("docs", "evidence", "recompute.sh"), str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
@@ -807,13 +807,23 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     same += [(os.path.join(late, name), tmp_path / "late_collapse_study" / name)
              for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "early_warning.md", "auc.md",
                           "survival.md", "sequence.md")]
+    trees = os.path.join(evidence, "tree_study")
+    same += [(os.path.join(trees, name), tmp_path / "tree_study" / name)
+             for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "survival.md", "sequence.md")]
     for committed, produced in same:
         with open(committed, "rb") as f:
             assert f.read() == produced.read_bytes(), committed
 
     outputs = "".join(path.read_text() for path in sorted(tmp_path.glob("*/*.md")))
-    with open(os.path.join(ROOT, "docs", "evidence.md")) as f:
-        rows = [line.strip() for line in f if line.strip().startswith("| ")
-                and line.strip().split("|")[1].strip() in EVIDENCE_SETTINGS]
+    rows = _table_rows("evidence.md", EVIDENCE_SETTINGS)
     assert len(rows) > 100, "the page's tables are not where this test looks"
-    assert [row for row in rows if row + "\n" not in outputs] == []
+    tree_rows = _table_rows("tree-rollouts.md", {"tree_study"})
+    assert len(tree_rows) >= 12, "the tree study's tables are not where this test looks"
+    assert [row for row in rows + tree_rows if row + "\n" not in outputs] == []
+
+
+def _table_rows(page: str, settings: set[str]) -> list[str]:
+    """The table rows of docs/PAGE whose first column is one of `settings`."""
+    with open(os.path.join(ROOT, "docs", page)) as f:
+        return [line.strip() for line in f if line.strip().startswith("| ")
+                and line.strip().split("|")[1].strip() in settings]
