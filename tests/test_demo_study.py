@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from llds_jax.apps import demo_study
-from llds_jax.apps.study import budget, outcomes, paired, plan, plots, runner, stats, steps, table
+from llds_jax.apps.study import arms, budget, outcomes, paired, plan, plots, runner, stats, steps, table
 from llds_jax.apps.study.outcomes import DELTA_TRAJ, GRAD_NORM, LIKELIHOOD, LLD_RATE, REF_KL, REWARD, RunResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -437,6 +437,34 @@ def test_paired_comparisons_use_the_seeds_both_arms_have_and_holm_over_all_of_th
     assert [(c.arm, c.control) for c in only_grpo] == [("llds", "grpo"), ("grpo_low_lr", "grpo")] * 2
 
 
+def test_each_arms_endpoints_are_its_mean_over_its_seeds_with_a_t_interval(tmp_path):
+    from scipy import stats as scipy_stats  # an independent t quantile
+    found = arms.rows(_paired_results(), ["final_em", "lld_rate_common", "lld_rate_mean", "collapsed"])
+    assert [(r.arm, r.endpoint, r.seeds) for r in found] == [  # pairwise lld_rate_common has no per-arm value
+        ("grpo", "final_em", [0, 1, 2, 3]), ("grpo", "lld_rate_mean", [0, 1, 2, 3]), ("grpo", "collapsed", [0, 1, 2, 3]),
+        ("llds", "final_em", [0, 1, 2, 4]), ("llds", "lld_rate_mean", [0, 1, 4]), ("llds", "collapsed", [0, 1, 2, 4]),
+        ("grpo_low_lr", "final_em", [1]), ("grpo_low_lr", "lld_rate_mean", [1]), ("grpo_low_lr", "collapsed", [1])]
+    llds_em = found[3]
+    values = [0.75, 0.75, 0.5, 1.0]
+    half = scipy_stats.t.ppf(0.975, 3) * np.std(values, ddof=1) / 2
+    assert llds_em.values == values and llds_em.mean == 0.75
+    assert (llds_em.t_low, llds_em.t_high) == pytest.approx((0.75 - half, 0.75 + half), rel=1e-12)
+    assert (found[6].mean, found[6].t_low, found[6].t_high) == (0.625, None, None)  # one seed: no interval
+    assert found[2].values == [0.0] * 4  # collapsed as 0 / 1: the mean is the share collapsed
+    rate = found[4]
+    assert rate.values == [0.25, 0.375, 0.0]
+    lines = arms.markdown(found)
+    assert lines[0] == "| setting | arm | seeds | final EM | mean LLD rate | collapse (1: collapsed) |"
+    assert lines[3] == (f"| stress | llds | 4 | 0.750 [{0.75 - half:.3f}, {0.75 + half:.3f}] | 0.208 "
+                        f"[{rate.t_low:.3f}, {rate.t_high:.3f}] | 0.000 [0.000, 0.000] |")
+    assert lines[4] == "| stress | grpo_low_lr | 1 | 0.625 | 0.125 | 0.000 |"
+    big = arms.ArmEndpoint("s", "a", "tokens_generated", [1, 2], [52000.0, 54000.0], 53000.0, 40293.5, 65706.5)
+    assert arms.markdown([big])[2] == "| s | a | 2 | 53,000 [40,294, 65,706] |"
+    md, js = arms.write(found, str(tmp_path))
+    assert open(md).read() == "\n".join(lines) + "\n"
+    assert json.load(open(js))[3]["values"] == values
+
+
 def test_collapse_is_an_endpoint_to_ask_for_whose_sign_flip_test_is_mcnemars():
     # grpo collapses on seeds 0-4 (step 5), llds on seed 0 only: 4 discordant pairs, all one way, 1 tie
     results = [_result("grpo", seed, 0.0, step=5) for seed in range(5)] + [_result("llds", 0, 0.0, step=5)]
@@ -809,7 +837,7 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
                           "survival.md", "sequence.md")]
     trees = os.path.join(evidence, "tree_study")
     same += [(os.path.join(trees, name), tmp_path / "tree_study" / name)
-             for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "survival.md", "sequence.md")]
+             for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "arms.md", "survival.md", "sequence.md")]
     for committed, produced in same:
         with open(committed, "rb") as f:
             assert f.read() == produced.read_bytes(), committed

@@ -33,6 +33,8 @@ status 1 then):
   also `collapsed`, on which the exact sign-flip test is McNemar's): mean
   difference, bootstrap and t intervals, exact sign-flip p, its Holm adjustment over the whole table, and how many
   seeds go each way (llds_jax.apps.study.paired);
+- `OUT/arms.md`, `arms.json` (also printed): each arm's own value of each endpoint but the pairwise ones, its mean
+  over seeds with a 95% t interval (llds_jax.apps.study.arms);
 - `OUT/early_warning.md`, `.csv`, `.json` (also printed; runs with per-step metrics): per setting and signal (LLD
   rate, Delta_traj of correct trajectories, grad norm), how often a fixed threshold warned at least 2 steps before
   a collapse and how often in runs that did not collapse: precision and recall (llds_jax.apps.study.early_warning);
@@ -84,8 +86,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from llds_jax.apps.study import (auc, budget, early_warning, outcomes, paired, plots, plan, runner, sequence, steps,
-                                 survival, table)
+from llds_jax.apps.study import (arms, auc, budget, early_warning, outcomes, paired, plots, plan, runner, sequence,
+                                 steps, survival, table)
 from llds_jax.train.metrics import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
@@ -224,6 +226,9 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
         comparisons = paired.comparisons(results, controls, endpoints)
         for line in table.paired_tables(comparisons):
             print(line, flush=True)
+        own = arms.rows(results, endpoints)
+        for line in ["each arm's endpoints", "", *arms.markdown(own), ""]:
+            print(line, flush=True)
         total_steps = {run.name: run.total_steps for run in study.runs}
         final_steps = {run.setting: run.total_steps for run in study.runs}
         for line in ["time to collapse, censored at the last step", "",
@@ -236,7 +241,8 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
                          "early warning by step-matched AUC", "", *auc.markdown(auc.rows(curved)), ""]:
                 print(line, flush=True)
         paths = (table.write(table.rows(results, total_steps), results, study.out) +
-                 table.write_paired(comparisons, controls, study.out) + [steps.write(results, study.out)] +
+                 table.write_paired(comparisons, controls, study.out) + arms.write(own, study.out) +
+                 [steps.write(results, study.out)] +
                  survival.write(results, total_steps, study.out, controls) +
                  (early_warning.write(curved, study.out) + auc.write(curved, study.out) +
                   sequence.write(curved, study.out) + plots.write(curved, study.out, final_steps) if curved else []))
