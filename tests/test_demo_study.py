@@ -441,7 +441,8 @@ def test_each_arms_endpoints_are_its_mean_over_its_seeds_with_a_t_interval(tmp_p
     from scipy import stats as scipy_stats  # an independent t quantile
     found = arms.rows(_paired_results(), ["final_em", "lld_rate_common", "lld_rate_mean", "collapsed"])
     assert [(r.arm, r.endpoint, r.seeds) for r in found] == [  # pairwise lld_rate_common has no per-arm value
-        ("grpo", "final_em", [0, 1, 2, 3]), ("grpo", "lld_rate_mean", [0, 1, 2, 3]), ("grpo", "collapsed", [0, 1, 2, 3]),
+        ("grpo", "final_em", [0, 1, 2, 3]), ("grpo", "lld_rate_mean", [0, 1, 2, 3]),
+        ("grpo", "collapsed", [0, 1, 2, 3]),
         ("llds", "final_em", [0, 1, 2, 4]), ("llds", "lld_rate_mean", [0, 1, 4]), ("llds", "collapsed", [0, 1, 2, 4]),
         ("grpo_low_lr", "final_em", [1]), ("grpo_low_lr", "lld_rate_mean", [1]), ("grpo_low_lr", "collapsed", [1])]
     llds_em = found[3]
