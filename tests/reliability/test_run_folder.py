@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 
@@ -116,12 +117,17 @@ def test_a_read_only_run_folder_is_refused_before_anything_is_loaded(searching_r
 def fault_mid_run(searching_runs, tmpfs, name: str, fault, repair, reason: str) -> None:
     """Runs `name` (3 steps, a checkpoint after each) on a tmpfs run folder; `fault(run_dir)` once step 1 is saved;
     asserts one error line naming `reason` and exit status 2; then `repair(run_dir)`, and the same command resumes
-    and runs to the end."""
+    and runs to the end. Once step 1 is saved the retriever holds every request until the fault is in place: the
+    demo's later steps take a fraction of a second, and one that saved before the fault would let the run end
+    without meeting it."""
     run_dir = tmpfs(searching_runs.run_dir(name), "256m")
+    injected = threading.Event()
     with ScriptedRetriever() as server:
+        server.on_request = lambda queries: 1 in steps_saved(run_dir) and injected.wait(TIMEOUT_S)
         launched = searching_runs.start(server.config(), name, train__checkpoint_every=1)
         wait_for(lambda: 1 in steps_saved(run_dir) and "step 1/3" in launched.output(), launched, "step 1's save")
         fault(run_dir)
+        injected.set()
         launched.process.wait(TIMEOUT_S)
         output = launched.output()
         assert launched.process.returncode == 2, output[-4000:]
