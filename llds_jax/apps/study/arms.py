@@ -15,8 +15,6 @@ from llds_jax import report
 from llds_jax.apps.study import paired, stats
 from llds_jax.apps.study.outcomes import RunResult
 
-PAIRWISE = ("lld_rate_common",)  # endpoints that exist only for a pair of runs
-
 
 @dataclasses.dataclass(frozen=True)
 class ArmEndpoint:
@@ -37,14 +35,12 @@ def rows(results: Sequence[RunResult], endpoints: Sequence[str]) -> list[ArmEndp
     pairwise and has a value in at least one of its runs."""
     out = []
     for setting, arm in dict.fromkeys((r.setting, r.arm) for r in results):
-        runs = sorted((r for r in results if (r.setting, r.arm) == (setting, arm)), key=lambda r: r.seed)
         for endpoint in endpoints:
-            if endpoint in PAIRWISE:
+            by_seed = {} if endpoint in paired.PAIRWISE else paired.values(results, setting, arm, endpoint)
+            if not by_seed:
                 continue
-            valued = [(r.seed, float(getattr(r, endpoint))) for r in runs if getattr(r, endpoint) is not None]
-            if not valued:
-                continue
-            seeds, values = [seed for seed, _ in valued], [value for _, value in valued]
+            seeds = sorted(by_seed)
+            values = [float(by_seed[seed]) for seed in seeds]
             low, high = stats.t_interval(values) if len(values) > 1 else (None, None)
             out.append(ArmEndpoint(setting, arm, endpoint, seeds, values, float(np.mean(values)), low, high))
     return out

@@ -25,6 +25,7 @@ ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "final_em": "final EM", "pe
              "tokens_generated": "tokens generated", "searches_per_trajectory": "searches per trajectory",
              "step_s": "seconds per step"}
 DEFAULT_ENDPOINTS = ("final_em", "lld_rate_mean")
+PAIRWISE = ("lld_rate_common",)  # endpoints that exist only for a pair of runs
 CONTROL_PREFIX = "grpo"
 
 
@@ -66,7 +67,8 @@ def pairs(arms: Sequence[str], controls: Sequence[str]) -> list[tuple[str, str]]
             if arm != control and arm not in present[:index]]
 
 
-def _values(results: Sequence[RunResult], setting: str, arm: str, endpoint: str) -> dict[int, float]:
+def values(results: Sequence[RunResult], setting: str, arm: str, endpoint: str) -> dict[int, float]:
+    """seed -> `endpoint` of each run of `arm` in `setting` that has a value for it (not a PAIRWISE one)."""
     return {r.seed: getattr(r, endpoint) for r in results
             if r.setting == setting and r.arm == arm and getattr(r, endpoint) is not None}
 
@@ -125,11 +127,11 @@ def comparisons(results: Sequence[RunResult], controls: Sequence[str] | None = N
         for setting in settings:
             arms = list(dict.fromkeys(r.arm for r in results if r.setting == setting))
             for arm, control in pairs(arms, controls):
-                if endpoint == "lld_rate_common":
-                    values = _common_step_lld_rates(results, setting, arm, control)
+                if endpoint in PAIRWISE:
+                    both = _common_step_lld_rates(results, setting, arm, control)
                 else:
-                    values = _values(results, setting, arm, endpoint), _values(results, setting, control, endpoint)
-                comparison = compare(setting, arm, control, endpoint, *values)
+                    both = values(results, setting, arm, endpoint), values(results, setting, control, endpoint)
+                comparison = compare(setting, arm, control, endpoint, *both)
                 if comparison is not None:
                     found.append(comparison)
     adjusted = stats.holm([c.sign_flip_p for c in found])
