@@ -29,7 +29,7 @@ def test_every_config_file_is_covered():
     names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))} - {"__init__"}
     assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "demo_cpu_paper",
                                                  "demo_cpu_collapse", "demo_cpu_late_collapse", "demo_cpu_late_study",
-                                                 "demo_cpu_tree_study", "tiny_test"}
+                                                 "demo_cpu_long_horizon", "demo_cpu_tree_study", "tiny_test"}
 
 
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
@@ -123,7 +123,8 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
 
 
 @pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "demo_cpu_collapse",
-                                  "demo_cpu_late_collapse", "demo_cpu_late_study", "demo_cpu_tree_study", "tiny_test"])
+                                  "demo_cpu_late_collapse", "demo_cpu_late_study", "demo_cpu_long_horizon",
+                                  "demo_cpu_tree_study", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
     assert cfg.app == "llds_jax.apps.demo" and cfg.demo.enabled  # the demo application prepares the run
@@ -171,6 +172,17 @@ def test_late_collapse_study_is_the_calibrations_lr_5e4_for_80_steps():
                if calibration[section][key] != study[section][key]}
     assert changed == {("train", "total_steps"): (60, 80)}
     assert study["optim"]["learning_rate"] == 5e-4 and study["seed"] == calibration["seed"]
+
+
+@pytest.mark.parametrize("argument, learning_rate", [((), 2e-4), (("1e-4",), 1e-4)])
+def test_long_horizon_calibration_is_the_late_collapse_setting_for_200_steps(argument, learning_rate):
+    late, long = load("demo_cpu_late_collapse", str(learning_rate)).to_dict(), \
+        load("demo_cpu_long_horizon", *argument).to_dict()
+    changed = {(section, key): (late[section][key], long[section][key]) for section in late
+               if isinstance(late[section], dict) for key in late[section]
+               if late[section][key] != long[section][key]}
+    assert changed == {("train", "total_steps"): (60, 200)}
+    assert long["optim"]["learning_rate"] == learning_rate and long["seed"] == late["seed"]
 
 
 def test_tree_study_is_the_demo_with_an_evaluation_every_5_steps():
