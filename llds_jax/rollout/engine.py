@@ -1,0 +1,427 @@
+"""The rollout engine over a paged KV cache: sequences enter, take turns, are extended, forked and leave; every
+`step()` is one device call of a ragged batch at a token budget.
+
+  add_request(seq, prompt_ids, key, budget)   a new conversation; its first turn may sample `budget` tokens.
+                                              A prompt another sequence in flight has already encoded is not
+                                              encoded again: the new sequence shares its pages (a GRPO group).
+  step()                                      one device call (`StepRunner.run`): the pending tokens of the
+                                              sequences in flight (a decoding sequence's last sampled token,
+                                              prompt and observation chunks up to the token budget), then up to
+                                              `decode_chunk` samples of every sequence whose input is all in.
+                                              Returns the turns that ended: on a stop id, at the turn's budget, or
+                                              once the turn's text holds a stop string (`StopMatcher`, fed only the
+                                              new tokens).
+  extend(seq, keep, observation_ids, budget)  after an ended turn: keeps the turn's first `keep` tokens (the rest is
+                                              rolled back), appends the observation, starts the next turn.
+  fork(seq, source, at_turn, key, budget)     a new sequence whose context is `source`'s at the start of its turn
+                                              `at_turn` (a tree's node): a page table, at most one page copied.
+  finish(seq)                                 the sequence leaves; its pages go back to the pool.
+  update_params(params)                       the policy for the next steps.
+
+Exactness. Sequence s samples its n-th token (n counting every token it sampled, rolled-back ones included) with
+the PRNG key fold_in(key_s, n), and each turn is sampled in calls of `decode_chunk` tokens from its own start, the
+stop strings checked after each call: the tokens a sequence samples do not depend on which other sequences share
+its steps, nor on the scheduling policy. A sequence's K/V written in pages equal a dense cache's, so the logits
+are those of a full forward up to float rounding.
+
+The device side is a `StepRunner`: `llds_jax.rollout.runner` runs the model; tests run scripted ones.
+Dimension letters: S sequence slots of a step, T tokens of a step's ragged batch, C samples of one call, P pages
+per sequence.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from llds_jax.rollout.interfaces import SampledTurn
+from llds_jax.rollout.pages import PageCopy, PageTable
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """The host arrays of one step (padding: token slot -1, sequence rows past `num_seqs`).
+
+    Attributes:
+      tokens_t: int32 [T] the ragged batch's tokens, sequence by sequence.
+      positions_t: int32 [T] each token's position in its sequence (its RoPE position and its slot).
+      slots_t: int32 [T] the pool slot each token's K/V is written to (page x page_size + offset); -1 padding.
+      cu_q_lens_s: int32 [S + 1] where each sequence's tokens start in the batch (and end: cu_q_lens[S]).
+      kv_lens_s: int32 [S] each sequence's length once its tokens are written.
+      page_table_sp: int32 [S, P] each sequence's pages.
+      num_seqs: sequences in the batch (the rest of the S rows is padding).
+      samples_s: int32 [S] tokens each sequence samples in this call (0: its input is not all in, or padding);
+        at most C, the first from the logits of its last batch token, the others each from the logits of the
+        token sampled before it.
+      key_data_s: uint32 [S, 2] each sequence's PRNG key data.
+      count_s: int32 [S] tokens each sequence sampled before this call (the n of fold_in(key, n)).
+      copies_c: int32 [K, 2] (source, target) pages to copy before the batch is written ([0, 0]: none).
+      decode_chunk: C.
+    """
+
+    tokens_t: np.ndarray
+    positions_t: np.ndarray
+    slots_t: np.ndarray
+    cu_q_lens_s: np.ndarray
+    kv_lens_s: np.ndarray
+    page_table_sp: np.ndarray
+    num_seqs: int
+    samples_s: np.ndarray
+    key_data_s: np.ndarray
+    count_s: np.ndarray
+    copies_c: np.ndarray
+    decode_chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one step sampled: tokens_sc int32 [S, C] and logps_sc float32 [S, C] (the first n_s[s] of row s are
+    real), n_s int32 [S] (fewer than samples_s where a stop id was sampled: it is the last one)."""
+
+    tokens_sc: np.ndarray
+    logps_sc: np.ndarray
+    n_s: np.ndarray
+
+
+class StepRunner(Protocol):
+    """The device side of the engine."""
+
+    def run(self, params: Any, batch: StepBatch) -> StepResult:
+        """Writes the batch's K/V into the pool, attends over each sequence's pages and samples."""
+        ...
+
+
+class StopMatcher(Protocol):
+    """Whether a turn's text holds a stop string, fed each turn's new tokens only."""
+
+    def reset(self, seq: int) -> None: ...
+
+    def push(self, seq: int, token_ids: Sequence[int]) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's static shapes and decoding rules.
+
+    Attributes:
+      max_seqs: sequence slots of a step (S): the most sequences in flight.
+      token_budgets: the token buckets of a step's ragged batch (T), ascending; the largest bounds a step, and is
+        at least max_seqs (every decoding sequence's pending token fits).
+      decode_chunk: samples per call of a decoding sequence (C).
+      page_size: token slots per page.
+      num_pages: pages in the pool.
+      max_context: the most tokens one sequence holds (its page table's P = max_context / page_size).
+      stop_ids: token ids that end a turn (sampled, returned with the turn, never written to the cache).
+    """
+
+    max_seqs: int
+    token_budgets: tuple[int, ...]
+    decode_chunk: int
+    page_size: int
+    num_pages: int
+    max_context: int
+    stop_ids: tuple[int, ...] = ()
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_context // self.page_size)
+
+    @property
+    def max_copies(self) -> int:
+        """Page copies one step can make: one per sequence (the page its write starts in)."""
+        return self.max_seqs
+
+    def __post_init__(self):
+        if list(self.token_budgets) != sorted(set(self.token_budgets)) or self.token_budgets[-1] < self.max_seqs:
+            raise ValueError(f"EngineConfig: token_budgets {self.token_budgets} must ascend and reach max_seqs "
+                             f"{self.max_seqs}")
+
+
+class _State(enum.Enum):
+    INPUT = "input"      # tokens to write before the next sample (prompt, observation, a re-fed token)
+    DECODE = "decode"    # sampling; its last sampled token is the only pending one
+    ENDED = "ended"      # its turn ended; waits for extend or finish
+
+
+@dataclasses.dataclass
+class _Sequence:
+    tokens: list[int]         # the context: prompt, kept turns and observations, the current turn's samples
+    key_data: np.ndarray      # uint32 [2]
+    budget: int               # tokens the current turn may still sample
+    state: _State = _State.INPUT
+    cached: int = 0           # tokens whose K/V are in the pool
+    sampled: int = 0          # tokens sampled so far, every turn (the n of fold_in)
+    turn_starts: list[int] = dataclasses.field(default_factory=list)  # context length at each turn's start
+    turn_logps: list[float] = dataclasses.field(default_factory=list)
+    prompt: Optional[tuple[int, ...]] = None  # set while it may give its prompt's pages to a new sequence
+
+    @property
+    def turn_start(self) -> int:
+        return self.turn_starts[-1]
+
+
+@dataclasses.dataclass
+class EngineCounts:
+    """What the engine ran, per step program and in all (for the rollout's stats and the estimate's check).
+
+    Attributes:
+      calls: device calls per token bucket.
+      batch_tokens: real (unpadded) tokens of the ragged batches, per token bucket.
+      sampled_tokens: tokens sampled.
+      sample_slots: sequence slots x samples of every call (the decode occupancy's denominator).
+      page_copies: pages copied on write.
+      shared_prompt_tokens: prompt tokens a sequence took from another's pages instead of encoding them.
+    """
+
+    calls: dict[int, int] = dataclasses.field(default_factory=dict)
+    batch_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    sampled_tokens: int = 0
+    sample_slots: int = 0
+    page_copies: int = 0
+    shared_prompt_tokens: int = 0
+
+
+class Engine:
+    """The host side of the rollout engine (see the module docstring).
+
+    Args:
+      runner: the device side.
+      params: the policy's parameters, handed to the runner.
+      config: the static shapes.
+      stop_matcher: the stop-string check of turn text (None: stop ids and budgets only).
+    """
+
+    def __init__(self, runner: StepRunner, params: Any, config: EngineConfig,
+                 stop_matcher: Optional[StopMatcher] = None):
+        self.runner, self.params, self.config, self.stop_matcher = runner, params, config, stop_matcher
+        self.pages = PageTable(config.num_pages, config.page_size)
+        self.counts = EngineCounts()
+        self._seqs: dict[int, _Sequence] = {}
+        self._stop_ids = frozenset(config.stop_ids)
+
+    # The protocol (rollout.interfaces.Engine).
+
+    @property
+    def running(self) -> int:
+        """Sequences in flight (not ended)."""
+        return sum(s.state is not _State.ENDED for s in self._seqs.values())
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences holding a slot (ended ones included, until extended or finished)."""
+        return len(self._seqs)
+
+    def can_admit(self) -> bool:
+        """Whether one more sequence fits: a free slot and its worst-case pages beside every other sequence's."""
+        worst = self.pages.pages_for(self.config.max_context)
+        return len(self._seqs) < self.config.max_seqs and (len(self._seqs) + 1) * worst <= self.config.num_pages - 1
+
+    def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: np.ndarray, budget: int) -> None:
+        self._check_new(seq, budget, len(prompt_ids))
+        state = _Sequence(list(prompt_ids), np.asarray(key_data, np.uint32).reshape(2), budget,
+                          prompt=tuple(prompt_ids))
+        state.turn_starts.append(len(state.tokens))
+        self._seqs[seq] = state
+        self.pages.add(seq)
+        self._reset_matcher(seq)
+
+    def extend(self, seq: int, keep: int, observation_ids: Sequence[int], budget: int) -> None:
+        s = self._seqs[seq]
+        if s.state is not _State.ENDED:
+            raise ValueError(f"Engine.extend: sequence {seq}'s turn has not ended")
+        sampled = len(s.tokens) - s.turn_start
+        if not 0 <= keep <= sampled:
+            raise ValueError(f"Engine.extend: keep {keep} of sequence {seq}'s {sampled} sampled tokens")
+        context = s.turn_start + keep + len(observation_ids)
+        if budget < 1 or context + budget > self.config.max_context:
+            raise ValueError(f"Engine.extend: sequence {seq}: a turn of {budget} tokens after {context} exceeds the "
+                             f"engine's {self.config.max_context}")
+        del s.tokens[s.turn_start + keep:]
+        s.tokens += list(observation_ids)
+        self._roll_back(seq, min(s.cached, s.turn_start + keep))
+        s.turn_starts.append(len(s.tokens))
+        s.budget, s.state, s.turn_logps = budget, _State.INPUT, []
+        self._reset_matcher(seq)
+
+    def fork(self, seq: int, source: int, at_turn: int, key_data: np.ndarray, budget: int) -> None:
+        parent = self._seqs[source]
+        length = parent.turn_starts[at_turn]
+        self._check_new(seq, budget, length)
+        if parent.cached < length - 1:
+            raise ValueError(f"Engine.fork: sequence {source} has encoded {parent.cached} tokens, not the "
+                             f"{length - 1} before its turn {at_turn}")
+        state = _Sequence(parent.tokens[:length], np.asarray(key_data, np.uint32).reshape(2), budget,
+                          turn_starts=parent.turn_starts[:at_turn + 1])
+        self._seqs[seq] = state
+        self._share(seq, source, length - 1)
+        self._reset_matcher(seq)
+
+    def finish(self, seq: int) -> None:
+        del self._seqs[seq]
+        self.pages.free(seq)
+
+    def update_params(self, params: Any) -> None:
+        self.params = params
+
+    def context(self, seq: int) -> list[int]:
+        """The sequence's context so far (a copy)."""
+        return list(self._seqs[seq].tokens)
+
+    def step(self) -> list[tuple[int, SampledTurn]]:
+        """One device call; returns (sequence, its turn) for the turns that ended in it, in sequence order."""
+        self._take_shared_prompts()
+        chosen = self._schedule()
+        if not chosen:
+            return []
+        batch = self._batch(chosen)
+        result = self.runner.run(self.params, batch)
+        return self._absorb(chosen, batch, result)
+
+    # Scheduling.
+
+    def _schedule(self) -> list[tuple[int, int, int]]:
+        """(sequence, tokens written, samples) of the next step: every decoding sequence's pending token, then
+        input chunks in sequence order while the token budget, the slots and the pool allow."""
+        cfg = self.config
+        budget, chosen, pages_left = cfg.token_budgets[-1], [], self.pages.free_pages
+        order = sorted(self._seqs.items(), key=lambda item: (item[1].state is not _State.DECODE, item[0]))
+        for seq, s in order:
+            if s.state is _State.ENDED or len(chosen) == cfg.max_seqs or budget == 0:
+                continue
+            if s.state is _State.INPUT and self._shares_later(seq, s):
+                continue
+            pending = len(s.tokens) - s.cached
+            chunk = min(pending, budget) if s.state is _State.INPUT else pending
+            samples = min(cfg.decode_chunk, s.budget) if chunk == pending else 0
+            end = s.cached + chunk + max(samples - 1, 0)
+            needed = self.pages.pages_to_write(seq, end)
+            if needed > pages_left:
+                if s.state is _State.DECODE:
+                    raise RuntimeError(f"Engine: the pool ({cfg.num_pages} pages) cannot hold sequence {seq}'s "
+                                       "next tokens: admit fewer sequences")
+                continue
+            pages_left -= needed
+            budget -= chunk
+            chosen.append((seq, chunk, samples))
+        return chosen
+
+    def _shares_later(self, seq: int, s: _Sequence) -> bool:
+        """Whether an unencoded sequence waits for one added before it with the same prompt that has not encoded
+        it yet: it then takes that one's pages instead of encoding the prompt itself."""
+        if s.cached or s.prompt is None or len(s.prompt) < 2:
+            return False
+        for key, other in self._seqs.items():
+            if key == seq:
+                return False
+            if other.prompt == s.prompt and other.cached < len(s.prompt) - 1:
+                return True
+        return False
+
+    def _take_shared_prompts(self) -> None:
+        """Unencoded sequences whose prompt another sequence has encoded take its pages (all but the last prompt
+        token, which each encodes itself for its own first logits)."""
+        for seq, s in self._seqs.items():
+            if s.state is not _State.INPUT or s.cached or s.prompt is None or len(s.prompt) < 2:
+                continue
+            donor = next((key for key, other in self._seqs.items() if key != seq and other.prompt == s.prompt
+                          and other.cached >= len(s.prompt) - 1), None)
+            if donor is not None:
+                self._share(seq, donor, len(s.prompt) - 1)
+                self.counts.shared_prompt_tokens += len(s.prompt) - 1
+
+    def _batch(self, chosen: list[tuple[int, int, int]]) -> StepBatch:
+        cfg = self.config
+        total = sum(chunk for _, chunk, _ in chosen)
+        bucket = next(b for b in cfg.token_budgets if b >= total)
+        tokens_t = np.zeros(bucket, np.int32)
+        positions_t = np.zeros(bucket, np.int32)
+        slots_t = np.full(bucket, -1, np.int32)
+        cu_q_lens_s = np.full(cfg.max_seqs + 1, total, np.int32)
+        kv_lens_s = np.zeros(cfg.max_seqs, np.int32)
+        samples_s = np.zeros(cfg.max_seqs, np.int32)
+        key_data_s = np.zeros((cfg.max_seqs, 2), np.uint32)
+        count_s = np.zeros(cfg.max_seqs, np.int32)
+        copies: list[PageCopy] = []
+        at = 0
+        for row, (seq, chunk, samples) in enumerate(chosen):
+            s = self._seqs[seq]
+            copies += self.pages.write(seq, s.cached + chunk + max(samples - 1, 0))
+            pages = self.pages.pages(seq)
+            positions = np.arange(s.cached, s.cached + chunk)
+            tokens_t[at:at + chunk] = s.tokens[s.cached:s.cached + chunk]
+            positions_t[at:at + chunk] = positions
+            slots_t[at:at + chunk] = (np.asarray(pages)[positions // cfg.page_size] * cfg.page_size
+                                      + positions % cfg.page_size)
+            cu_q_lens_s[row] = at
+            kv_lens_s[row] = s.cached + chunk
+            samples_s[row], key_data_s[row], count_s[row] = samples, s.key_data, s.sampled
+            at += chunk
+        copies_c = np.zeros((cfg.max_copies, 2), np.int32)
+        for i, copy in enumerate(copies):
+            copies_c[i] = copy.source, copy.target
+        self.counts.page_copies += len(copies)
+        self.counts.calls[bucket] = self.counts.calls.get(bucket, 0) + 1
+        self.counts.batch_tokens[bucket] = self.counts.batch_tokens.get(bucket, 0) + total
+        page_table_sp = np.zeros((cfg.max_seqs, cfg.pages_per_seq), np.int32)
+        page_table_sp[:len(chosen)] = self.pages.table_array([seq for seq, _, _ in chosen], cfg.pages_per_seq)
+        return StepBatch(tokens_t, positions_t, slots_t, cu_q_lens_s, kv_lens_s, page_table_sp, len(chosen),
+                         samples_s, key_data_s, count_s, copies_c, cfg.decode_chunk)
+
+    def _absorb(self, chosen, batch: StepBatch, result: StepResult) -> list[tuple[int, SampledTurn]]:
+        """Takes a step's samples into the sequences; returns the turns that ended."""
+        ended = []
+        self.counts.sample_slots += self.config.max_seqs * int(np.max(result.n_s, initial=0))
+        for row, (seq, chunk, samples) in enumerate(chosen):
+            s = self._seqs[seq]
+            s.cached += chunk
+            if not samples:
+                self.pages.truncate(seq, s.cached)
+                continue
+            n = int(result.n_s[row])
+            new = [int(t) for t in result.tokens_sc[row, :n]]
+            s.tokens += new
+            s.turn_logps += [float(x) for x in result.logps_sc[row, :n]]
+            s.sampled += n
+            s.budget -= n
+            s.cached += n - 1  # every sample but the last was written by the call's decode steps
+            self.pages.truncate(seq, s.cached)
+            self.counts.sampled_tokens += n
+            hit_stop = bool(new) and new[-1] in self._stop_ids
+            text_stop = self.stop_matcher is not None and self.stop_matcher.push(seq, new)
+            s.state = _State.DECODE
+            if hit_stop or text_stop or s.budget == 0:
+                s.state = _State.ENDED
+                turn = s.tokens[s.turn_start:]
+                ended.append((seq, SampledTurn(turn, list(s.turn_logps), hit_stop)))
+        return ended
+
+    # Helpers.
+
+    def _check_new(self, seq: int, budget: int, length: int) -> None:
+        if seq in self._seqs:
+            raise ValueError(f"Engine: sequence {seq} is already in flight")
+        if len(self._seqs) == self.config.max_seqs:
+            raise ValueError(f"Engine: all {self.config.max_seqs} sequence slots are taken")
+        if length < 1 or budget < 1 or length + budget > self.config.max_context:
+            raise ValueError(f"Engine: sequence {seq}: {length} context tokens + a turn of {budget} exceed the "
+                             f"engine's {self.config.max_context}")
+
+    def _share(self, seq: int, source: int, length: int) -> None:
+        if seq in self.pages:
+            self.pages.free(seq)
+        self.pages.share(seq, source, length)
+        self._seqs[seq].cached = length
+
+    def _roll_back(self, seq: int, cached: int) -> None:
+        """Keeps `cached` tokens' K/V, at most all but the last context token (whose logits the next sample
+        needs: it is written again)."""
+        s = self._seqs[seq]
+        s.cached = min(cached, len(s.tokens) - 1)
+        self.pages.truncate(seq, s.cached)
+
+    def _reset_matcher(self, seq: int) -> None:
+        if self.stop_matcher is not None:
+            self.stop_matcher.reset(seq)
