@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional, Protocol
 
 import numpy as np

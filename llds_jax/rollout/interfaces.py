@@ -1,4 +1,7 @@
-"""What the agent loop needs from a sampler: `TurnSampler.start` opens a `SamplerSession` over a batch of prompts,
+"""What the agent loop needs from the device side.
+
+`Engine` (`llds_jax.rollout.engine.Engine` over a paged KV cache; scripted ones in tests) is what
+`llds_jax.rollout.driver` schedules conversations on. The older sampler protocol: `TurnSampler.start` opens a `SamplerSession` over a batch of prompts,
 which samples one turn of every unfinished sequence at a time (`decode_turn`) and appends what the agent decided
 (`end_turn`). `llds_jax.rollout.sampler.Sampler` implements them with a KV cache under jit; test doubles and
 benchmark wrappers implement them in full.
@@ -60,3 +63,37 @@ class TurnSampler(Protocol):
         """A session over `prompts` (token ids each) with the policy `params`; sequence i samples from the random
         stream of global sequence id first_sequence + i (a PRNG key `rng`)."""
         ...
+
+
+class Engine(Protocol):
+    """Conversations in flight on a device (`llds_jax.rollout.engine` documents each call).
+
+    Sequences are named by the caller (ints); key_data is a sequence's PRNG key data (its n-th sampled token draws
+    with fold_in(key, n)); budget is how many tokens the sequence's next turn may sample (>= 1)."""
+
+    @property
+    def running(self) -> int:
+        """Sequences whose turn has not ended."""
+        ...
+
+    def can_admit(self) -> bool:
+        """Whether one more sequence fits now."""
+        ...
+
+    def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: Any, budget: int) -> None: ...
+
+    def extend(self, seq: int, keep: int, observation_ids: Sequence[int], budget: int) -> None:
+        """After seq's turn ended: keep its first `keep` tokens, append the observation, start the next turn."""
+        ...
+
+    def fork(self, seq: int, source: int, at_turn: int, key_data: Any, budget: int) -> None:
+        """A new sequence whose context is `source`'s at the start of its turn `at_turn`."""
+        ...
+
+    def finish(self, seq: int) -> None: ...
+
+    def step(self) -> list[tuple[int, SampledTurn]]:
+        """One device call; the (sequence, turn) of every turn that ended in it."""
+        ...
+
+    def update_params(self, params: Any) -> None: ...

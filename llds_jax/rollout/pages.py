@@ -72,10 +72,6 @@ class PageTable:
         """Slots the sequence holds (written, or readied by `write`)."""
         return self._lengths[seq]
 
-    def shared_pages(self, seq: int) -> int:
-        """Pages of the sequence that another sequence holds too."""
-        return int(np.sum(self._refs[self._pages[seq]] > 1))
-
     def add(self, seq: int) -> None:
         """A new, empty sequence."""
         if seq in self._pages:

@@ -102,10 +102,10 @@ def choose_nodes(leaves: Sequence[Leaf], config: AgentConfig, rng: np.random.Gen
     return [ranked[i % len(ranked)] for i in range(n)]
 
 
-def _fork_conversation(leaf: Leaf, turns: int) -> Conversation:
-    """A copy of the leaf's conversation as it stood at the start of turn `turns`."""
-    kept = leaf.conv.turns[:turns]
-    return Conversation(list(leaf.conv.prompt_ids), list(kept),
+def fork_conversation(conv: Conversation, turns: int) -> Conversation:
+    """A copy of a conversation as it stood at the start of turn `turns`."""
+    kept = conv.turns[:turns]
+    return Conversation(list(conv.prompt_ids), list(kept),
                         sum(len(t.token_ids) + len(t.observation_ids) for t in kept))
 
 
@@ -148,7 +148,7 @@ async def run(sampler, params, steps: AgentSteps, examples: Sequence[QAExample],
                 turn = node[1]
                 nodes.append((seq, turn))
                 position = int(forks[round_index][len(new_leaves)])
-                conv = _fork_conversation(leaf, turn)
+                conv = fork_conversation(leaf.conv, turn)
                 steps.timing["forked_prefix_tokens"] += conv.response_len
                 new_leaves.append(Leaf(position, tree, conv, leaf.nodes[:turn + 1]))
         keys = sampler.keys_of(rng, first_sequence + forks[round_index])

@@ -1,0 +1,305 @@
+"""The Search-R1 agent loop over the rollout engine (`rollout.interfaces.Engine`), under one of three scheduling
+policies that share one driver:
+
+  barrier      turn-synchronous sessions of `max_batch_size` conversations (all at once when 0): every
+               conversation of a session samples its turn, the searches are awaited, then every observation is
+               appended and the next turn starts; the next session starts when the last conversation has ended.
+  continuous   one stream: a conversation enters as soon as the engine has a slot and pages for it, and each
+               conversation's observation is appended as soon as its search is back, while the others decode.
+  tree         barrier sessions of whole trees (`rollout.trees`, Tree-GRPO): the chains, then each round's forks
+               from the nodes `tree.choose_nodes` picks (an engine fork shares its parent's pages).
+
+A turn that ends is cut and parsed at once (`steps.AgentSteps.close_turn`) and its search queued; the queries that
+are ready go to the retriever in one call while the engine decodes (`SearchQueue`: one call in flight at a time, so a
+host index scans its rows once per call, not once per decode chunk). A query's result does not depend on the call
+that carried it, and a conversation samples from its own PRNG stream in calls aligned to its turn's start, so the
+policies give the same trajectories; only the waiting differs.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import jax
+import numpy as np
+
+from llds_jax.data.qa import QAExample
+from llds_jax.rollout import tree as tree_lib
+from llds_jax.rollout.interfaces import Engine, SampledTurn
+from llds_jax.rollout.steps import AgentSteps, Conversation
+from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Trajectory, Turn
+
+POLICIES = ("barrier", "continuous", "tree")
+
+
+
+def sequence_keys(rng: jax.Array, ids: Sequence[int]) -> np.ndarray:
+    """uint32 [n, 2] the key data of fold_in(rng, id) for each global sequence id: a sequence's PRNG stream."""
+    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(np.asarray(ids, np.uint32))
+    return np.asarray(jax.random.key_data(keys))
+
+
+def session_stream(rng: jax.Array, first_sequence: int, max_batch_size: int) -> tuple[jax.Array, int]:
+    """The (rng, first row) of the session whose first sequence has global id `first_sequence`.
+
+    Without sessions (max_batch_size 0) that is (rng, first_sequence). With sessions of max_batch_size sequences,
+    global session k = first_sequence // max_batch_size samples with fold_in(rng, k) from row
+    first_sequence % max_batch_size on, so hosts whose share of a global batch is a multiple of max_batch_size
+    sample what one process would.
+    """
+    if not max_batch_size:
+        return rng, first_sequence
+    return jax.random.fold_in(rng, first_sequence // max_batch_size), first_sequence % max_batch_size
+
+
+class SearchQueue:
+    """Searches of closed turns, sent in as few retriever calls as the engine's pace allows: at most one call in
+    flight; the queries queued meanwhile go out together when it is back."""
+
+    def __init__(self, steps: AgentSteps):
+        self.steps = steps
+        self._queued: list[tuple[int, str]] = []
+        self._call: Optional[tuple[list[int], asyncio.Future]] = None
+
+    @property
+    def busy(self) -> bool:
+        return self._call is not None or bool(self._queued)
+
+    def submit(self, seq: int, query: str) -> None:
+        self._queued.append((seq, query))
+        self._send()
+
+    def collect(self) -> dict[int, tuple[str, Optional[str]]]:
+        """The finished call's results, sequence -> (observation, error); sends what queued meanwhile."""
+        results = {}
+        if self._call is not None and self._call[1].done():
+            seqs, future = self._call
+            self._call = None
+            results = dict(zip(seqs, future.result()))
+        self._send()
+        return results
+
+    async def wait(self) -> dict[int, tuple[str, Optional[str]]]:
+        """Waits for the call in flight (seconds counted in the rollout's search_s), then collects."""
+        if self._call is not None:
+            start = time.perf_counter()
+            await asyncio.wait({self._call[1]})
+            self.steps.timing["search_s"] += time.perf_counter() - start
+        return self.collect()
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call[1].cancel()
+
+    def _send(self) -> None:
+        if self._call is None and self._queued:
+            seqs, queries = [s for s, _ in self._queued], [q for _, q in self._queued]
+            self._queued = []
+            self._call = (seqs, asyncio.ensure_future(self.steps.search(queries)))
+
+
+class Driver:
+    """One rollout's conversations over an engine (see the module docstring).
+
+    Args:
+      engine: the rollout engine.
+      steps: the protocol's steps and the rollout's timing.
+      examples: one conversation each; sequence i is examples[i].
+      decode_thread: the worker that runs `engine.step`, so that searches go out on the event loop meanwhile.
+    """
+
+    def __init__(self, engine: Engine, steps: AgentSteps, examples: Sequence[QAExample],
+                 decode_thread: concurrent.futures.Executor):
+        self.engine, self.steps, self.examples, self.decode_thread = engine, steps, list(examples), decode_thread
+        self.config = steps.config
+        self.convs: dict[int, Conversation] = {}
+        self.searches = SearchQueue(steps)
+        self._searching: dict[int, Turn] = {}  # closed turns waiting for their search
+        self._ready: dict[int, tuple[Turn, Optional[str], Optional[str]]] = {}  # turn, observation, error
+        self._truncations = 0
+        self._in_engine: set[int] = set()  # sequences holding a slot in the engine
+
+    async def run(self, policy: str, rng: jax.Array, first_sequence: int = 0,
+                  between_sessions: Optional[Callable[[], None]] = None) -> list[Trajectory]:
+        """The trajectories of every example, in order ([] once a stop is requested).
+
+        Example i is global sequence first_sequence + i: it samples from the stream its session gives it
+        (`session_stream`; the sessions are those of `max_batch_size`, whatever the policy). `between_sessions` is
+        called before every session but the first (barrier and tree); what it raises ends the rollout."""
+        size = self.config.max_batch_size or len(self.examples)
+        sessions = [(first, *session_stream(rng, first_sequence + first, self.config.max_batch_size))
+                    for first in range(0, len(self.examples), size)]
+        try:
+            if policy == "continuous":
+                await self._continuous(sessions)
+            else:
+                await self._sessions(policy, sessions, between_sessions)
+        finally:
+            self.searches.cancel()
+        self.steps.warn_truncations(self._truncations)
+        if self.steps.stopping():
+            return []
+        return self.steps.trajectories(self.examples, [self.convs[i] for i in range(len(self.examples))])
+
+    # Policies.
+
+    async def _sessions(self, policy: str, sessions, between_sessions) -> None:
+        size = self.config.max_batch_size or len(self.examples)
+        for first, rng, row in sessions:
+            if first and between_sessions is not None:
+                between_sessions()
+            if self.steps.stopping():
+                return
+            seqs = list(range(first, min(first + size, len(self.examples))))
+            if policy == "tree":
+                await self._trees(seqs, rng, row)
+                continue
+            for seq, key in zip(seqs, sequence_keys(rng, [row + seq - first for seq in seqs])):
+                self._admit(seq, key)
+            await self._barrier_turns(release=True)
+
+    async def _continuous(self, sessions) -> None:
+        size = self.config.max_batch_size or len(self.examples)
+        keys = np.concatenate([sequence_keys(rng, range(row, row + min(size, len(self.examples) - first)))
+                               for first, rng, row in sessions])
+        queue = deque(range(len(self.examples)))
+        while not self.steps.stopping():
+            self._searched(self.searches.collect())
+            self._apply_ready(release=True)
+            while queue and self.engine.can_admit():
+                seq = queue.popleft()
+                self._admit(seq, keys[seq])
+            if self.engine.running:
+                await self._step()
+            elif self.searches.busy:
+                self._searched(await self.searches.wait())
+            elif not self._ready and not queue:
+                return
+
+    async def _trees(self, seqs: list[int], rng: jax.Array, row: int) -> None:
+        """One session's trees: seqs are whole groups; leaf positions as `tree` lays them out (local position p is
+        sequence seqs[0] + p and samples from fold_in(rng, row + p))."""
+        config = self.config
+        group = config.tree_group
+        if len(seqs) % group:
+            raise ValueError(f"tree rollout: {len(seqs)} samples are not whole groups of {group}")
+        groups = len(seqs) // group
+        for g in range(groups):
+            if len({self.examples[s].uid for s in seqs[g * group:(g + 1) * group]}) != 1:
+                raise ValueError(f"tree rollout: samples {seqs[g * group]}..{seqs[g * group] + group - 1} are not "
+                                 "one question's group")
+        chains, forks = tree_lib.positions(config, groups)
+        first = seqs[0]
+        leaves = []
+        for t, (p, key) in enumerate(zip(chains, sequence_keys(rng, row + chains))):
+            self._admit(first + int(p), key)
+            leaves.append(tree_lib.Leaf(first + int(p), t, self.convs[first + int(p)]))
+        await self._barrier_turns(release=False)
+        key_data = jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+        seed = [int(x) for x in np.asarray(key_data).ravel()]
+        for round_index in range(config.tree_rounds):
+            if self.steps.stopping():
+                return
+            for leaf in leaves:
+                leaf.nodes += [(leaf.position, turn) for turn in range(len(leaf.nodes), len(leaf.conv.turns))]
+            local = forks[round_index]
+            leaves += self._fork_round(leaves, groups, first + local, sequence_keys(rng, row + local),
+                                       [seed + [row + int(c), round_index] for c in chains])
+            await self._barrier_turns(release=False)
+        for leaf in leaves:
+            if leaf.position in self._in_engine:
+                self.engine.finish(leaf.position)
+                self._in_engine.discard(leaf.position)
+
+    def _fork_round(self, leaves, groups: int, positions: np.ndarray, keys: np.ndarray, seeds: list[list[int]]
+                    ) -> list:
+        """Forks each tree's chosen nodes (tree t's choice drawn from a generator seeded by seeds[t]); the forks
+        are sequences `positions` with PRNG keys `keys`, in order. Returns their leaves."""
+        config, new_leaves = self.config, []
+        by_tree: dict[int, list] = {}
+        for leaf in leaves:
+            by_tree.setdefault(leaf.tree, []).append(leaf)
+        for tree in range(groups * config.trees):
+            in_tree = by_tree[tree]
+            holder = {node: leaf for leaf in in_tree for node in leaf.nodes}
+            for node in tree_lib.choose_nodes(in_tree, config, np.random.default_rng(seeds[tree])):
+                parent, turn = holder[node], node[1]
+                position, key = int(positions[len(new_leaves)]), keys[len(new_leaves)]
+                conv = tree_lib.fork_conversation(parent.conv, turn)
+                self.steps.timing["forked_prefix_tokens"] += conv.response_len
+                self.convs[position] = conv
+                new_leaves.append(tree_lib.Leaf(position, tree, conv, parent.nodes[:turn + 1]))
+                budget = self.steps.budget(conv)
+                if budget:
+                    self.engine.fork(position, parent.position, turn, key, budget)
+                    self._in_engine.add(position)
+                else:
+                    conv.end_reason = END_CONTEXT_FULL
+        return new_leaves
+
+    # The steps every policy shares.
+
+    async def _barrier_turns(self, release: bool) -> None:
+        """Turns of every conversation in the engine until all have ended: each turn waits for all."""
+        while not self.steps.stopping():
+            while self.engine.running and not self.steps.stopping():
+                await self._step()
+            while self.searches.busy:
+                self._searched(await self.searches.wait())
+            if not self._ready:
+                return
+            self._apply_ready(release)
+
+    def _admit(self, seq: int, key_data: np.ndarray) -> None:
+        conv = self.steps.conversation(self.examples[seq])
+        self.convs[seq] = conv
+        budget = self.steps.budget(conv)
+        if budget:
+            self.engine.add_request(seq, conv.prompt_ids, key_data, budget)
+            self._in_engine.add(seq)
+        else:
+            conv.end_reason = END_CONTEXT_FULL
+
+    async def _step(self) -> None:
+        loop = asyncio.get_running_loop()
+        ended = await loop.run_in_executor(self.decode_thread, self.engine.step)
+        for seq, sample in ended:
+            self._close(seq, sample)
+        self._searched(self.searches.collect())
+
+    def _searched(self, results: dict[int, tuple[str, Optional[str]]]) -> None:
+        for seq, (observation, error) in results.items():
+            self._ready[seq] = (self._searching.pop(seq), observation, error)
+
+    def _close(self, seq: int, sample: SampledTurn) -> None:
+        conv = self.convs[seq]
+        self.steps.timing["sampled_tokens"] += len(sample.token_ids)
+        turn, searches, observation = self.steps.close_turn(conv, sample, len(conv.turns) >= self.config.max_turns)
+        if searches:
+            self._searching[seq] = turn
+            self.searches.submit(seq, turn.action.content)
+        else:
+            self._ready[seq] = (turn, observation, None)
+
+    def _apply_ready(self, release: bool) -> None:
+        """Appends the closed turns whose observation is known, then extends their conversations or ends them
+        (`release`: an ended conversation leaves the engine; else it stays for forks)."""
+        for seq, (turn, observation, error) in sorted(self._ready.items()):
+            conv = self.convs[seq]
+            ids, truncated = self.steps.append_turn(conv, turn, observation, error)
+            self._truncations += truncated
+            budget = self.steps.budget(conv) if ids is not None else 0
+            if ids is not None and not budget:
+                conv.end_reason = END_CONTEXT_FULL
+            if conv.end_reason is None:
+                self.engine.extend(seq, len(turn.token_ids), ids, budget)
+            elif release:
+                self.engine.finish(seq)
+                self._in_engine.discard(seq)
+        self._ready.clear()
