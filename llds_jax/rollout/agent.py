@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout import continuous, tree
 from llds_jax.rollout.config import AgentConfig
+from llds_jax.rollout.driver import Driver
+from llds_jax.rollout.paged_sampler import PagedSampler
 from llds_jax.rollout.interfaces import TurnSampler
 from llds_jax.rollout.steps import AgentSteps
 from llds_jax.rollout.trajectory import Trajectory, rollout_metrics
@@ -153,7 +155,15 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     steps = AgentSteps(tokenizer, retriever, config, timing, stopping)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
-        if config.continuous_batching:
+        if isinstance(sampler, PagedSampler):
+            engine = sampler.engine(params, steps.stop_matcher())
+            policy = "tree" if config.trees else "continuous" if config.continuous_batching else "barrier"
+            trajectories = await Driver(engine, steps, examples, decode_thread).run(policy, rng, first_sequence,
+                                                                                  between_sessions)
+            timing["decode_s"] += engine.counts.device_s
+            timing["decode_sampled_tokens"] += engine.counts.sampled_tokens
+            timing["decode_row_steps"] += engine.counts.sample_slots
+        elif config.continuous_batching:
             keys_n = jnp.concatenate([sampler.sequence_keys(*_session_stream(rng, first_sequence + first,
                                                                              config.max_batch_size),
                                                             len(examples[first:first + size]))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections.abc import Sequence
 from typing import Any, Optional, Protocol
 
@@ -46,9 +47,8 @@ class StepBatch:
     """The host arrays of one step (padding: token slot -1, sequence rows past `num_seqs`).
 
     Attributes:
-      tokens_t: int32 [T] the ragged batch's tokens, sequence by sequence.
-      positions_t: int32 [T] each token's position in its sequence (its RoPE position and its slot).
-      slots_t: int32 [T] the pool slot each token's K/V is written to (page x page_size + offset); -1 padding.
+      tokens_t: int32 [T] the ragged batch's tokens, sequence by sequence (a sequence's are its last ones: token i
+        of a sequence with q tokens sits at position kv_len - q + i, its RoPE position and its slot in its pages).
       cu_q_lens_s: int32 [S + 1] where each sequence's tokens start in the batch (and end: cu_q_lens[S]).
       kv_lens_s: int32 [S] each sequence's length once its tokens are written.
       page_table_sp: int32 [S, P] each sequence's pages.
@@ -63,8 +63,6 @@ class StepBatch:
     """
 
     tokens_t: np.ndarray
-    positions_t: np.ndarray
-    slots_t: np.ndarray
     cu_q_lens_s: np.ndarray
     kv_lens_s: np.ndarray
     page_table_sp: np.ndarray
@@ -174,6 +172,7 @@ class EngineCounts:
       sample_slots: sequence slots x samples of every call (the decode occupancy's denominator).
       page_copies: pages copied on write.
       shared_prompt_tokens: prompt tokens a sequence took from another's pages instead of encoding them.
+      device_s: seconds in the runner's calls (the device's work and its dispatch).
     """
 
     calls: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -182,6 +181,7 @@ class EngineCounts:
     sample_slots: int = 0
     page_copies: int = 0
     shared_prompt_tokens: int = 0
+    device_s: float = 0.0
 
 
 class Engine:
@@ -277,7 +277,9 @@ class Engine:
         if not chosen:
             return []
         batch = self._batch(chosen)
+        start = time.perf_counter()
         result = self.runner.run(self.params, batch)
+        self.counts.device_s += time.perf_counter() - start
         return self._absorb(chosen, batch, result)
 
     # Scheduling.
@@ -337,8 +339,6 @@ class Engine:
         total = sum(chunk for _, chunk, _ in chosen)
         bucket = next(b for b in cfg.token_budgets if b >= total)
         tokens_t = np.zeros(bucket, np.int32)
-        positions_t = np.zeros(bucket, np.int32)
-        slots_t = np.full(bucket, -1, np.int32)
         cu_q_lens_s = np.full(cfg.max_seqs + 1, total, np.int32)
         kv_lens_s = np.zeros(cfg.max_seqs, np.int32)
         samples_s = np.zeros(cfg.max_seqs, np.int32)
@@ -349,12 +349,7 @@ class Engine:
         for row, (seq, chunk, samples) in enumerate(chosen):
             s = self._seqs[seq]
             copies += self.pages.write(seq, s.cached + chunk + max(samples - 1, 0))
-            pages = self.pages.pages(seq)
-            positions = np.arange(s.cached, s.cached + chunk)
             tokens_t[at:at + chunk] = s.tokens[s.cached:s.cached + chunk]
-            positions_t[at:at + chunk] = positions
-            slots_t[at:at + chunk] = (np.asarray(pages)[positions // cfg.page_size] * cfg.page_size
-                                      + positions % cfg.page_size)
             cu_q_lens_s[row] = at
             kv_lens_s[row] = s.cached + chunk
             samples_s[row], key_data_s[row], count_s[row] = samples, s.key_data, s.sampled
@@ -367,7 +362,7 @@ class Engine:
         self.counts.batch_tokens[bucket] = self.counts.batch_tokens.get(bucket, 0) + total
         page_table_sp = np.zeros((cfg.max_seqs, cfg.pages_per_seq), np.int32)
         page_table_sp[:len(chosen)] = self.pages.table_array([seq for seq, _, _ in chosen], cfg.pages_per_seq)
-        return StepBatch(tokens_t, positions_t, slots_t, cu_q_lens_s, kv_lens_s, page_table_sp, len(chosen),
+        return StepBatch(tokens_t, cu_q_lens_s, kv_lens_s, page_table_sp, len(chosen),
                          samples_s, key_data_s, count_s, copies_c, cfg.decode_chunk)
 
     def _absorb(self, chosen, batch: StepBatch, result: StepResult) -> list[tuple[int, SampledTurn]]:

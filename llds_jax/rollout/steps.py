@@ -92,6 +92,10 @@ class AgentSteps:
         texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
         return [protocol.turn_finished(text) for text in texts]
 
+    def stop_matcher(self) -> "_TurnText":
+        """The paged engine's stop-string check of each turn's text."""
+        return _TurnText(self)
+
     def close_turn(self, conv: Conversation, sample: SampledTurn, final: bool
                    ) -> tuple[Turn, bool, Optional[str]]:
         """Cuts and parses a sampled turn (the kept tokens are the Turn's token_ids); sets the conversation's end
@@ -198,3 +202,17 @@ def add_decode_counts(timing: dict[str, float], session) -> None:
     """Adds a session's decode_counts (sampled tokens, decode steps x rows) to `timing`."""
     for key, value in session.decode_counts.items():
         timing[f"decode_{key}"] += value
+
+
+class _TurnText:
+    """Whether each sequence's turn text holds a stop string (`engine.StopMatcher`), by decoding the turn so far."""
+
+    def __init__(self, steps: AgentSteps):
+        self.steps, self.turns = steps, {}
+
+    def reset(self, seq: int) -> None:
+        self.turns[seq] = []
+
+    def push(self, seq: int, token_ids: Sequence[int]) -> bool:
+        self.turns[seq] += list(token_ids)
+        return self.steps.turn_finished([self.turns[seq]])[0]

@@ -41,9 +41,11 @@ class ScriptedRunner:
         for source, target in batch.copies_c:
             if source or target:
                 self.pool[target] = self.pool[source]
-        for token, slot in zip(batch.tokens_t, batch.slots_t):
-            if slot >= 0:
-                self.pool[slot // size, slot % size] = token
+        for row in range(batch.num_seqs):  # token i of q new ones sits at position kv_len - q + i
+            first, end = batch.cu_q_lens_s[row], batch.cu_q_lens_s[row + 1]
+            for i, token in enumerate(batch.tokens_t[first:end]):
+                pos = batch.kv_lens_s[row] - (end - first) + i
+                self.pool[batch.page_table_sp[row, pos // size], pos % size] = token
         s_count = len(batch.samples_s)
         tokens, logps, n = np.zeros((s_count, chunk), np.int32), np.zeros((s_count, chunk), np.float32), \
             np.zeros(s_count, np.int32)

@@ -1,0 +1,111 @@
+"""The device side of the rollout engine: one jitted step program per token bucket over the paged KV cache.
+
+A step (`step_program`) makes the page copies the host asked for (copy on write), runs the model over the ragged
+batch (`Transformer.ragged_step`: prompt and observation chunks and decoding sequences' pending tokens, every
+layer's keys and values written into their pages), samples each sequence's first token from the logits of its last
+batch token, then runs up to C - 1 decode iterations in a `lax.while_loop` (every sampling sequence's last token
+written and attended over its pages, the next token sampled) until each sequence has its `samples_s` tokens or
+has sampled a stop id. Its shapes: T (the bucket) for the ragged batch and S (the engine's sequence slots) for the
+decode iterations, so the rollout compiles one program per token bucket, whatever mix of prompts, observations
+and decoding a step holds.
+
+Sequence s samples its i-th token of the call with fold_in(key_s, count_s + i) (`kernels.sample_tokens`: the
+sampling distribution's log-probs over the full vocabulary, top-p / top-k only restricting the draw).
+
+Dimension letters: T ragged batch tokens, S sequence slots, C samples per call, M pages per sequence, L layers,
+P pool pages, Z tokens per page, V vocabulary.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llds_jax.model import paged_kv
+from llds_jax.model.config import ModelConfig
+from llds_jax.rollout import kernels
+from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.engine import EngineConfig, StepBatch, StepResult
+
+
+def copy_pages(kv_pages_lpzch: jax.Array, copies_k2: jax.Array) -> jax.Array:
+    """Copies every layer's page copies_k2[k, 0] to page copies_k2[k, 1], in order ([0, 0]: a no-op)."""
+    def one(pages, copy):
+        return jax.lax.dynamic_update_index_in_dim(
+            pages, jax.lax.dynamic_index_in_dim(pages, copy[0], axis=1, keepdims=False), copy[1], axis=1), None
+    return jax.lax.scan(one, kv_pages_lpzch, copies_k2)[0]
+
+
+def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pages_lpzch, tokens_t, cu_q_lens_s1,
+                 kv_lens_s, page_table_sm, num_seqs, samples_s, key_data_s, count_s, copies_k2):
+    """One engine step (module docstring). Returns (pool, tokens int32 [S, C], log-probs float32 [S, C], samples
+    taken int32 [S])."""
+    model = nnx.merge(graphdef, params)
+    s = samples_s.shape[0]
+    stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
+    keys_s = jax.random.wrap_key_data(key_data_s)
+    pages = copy_pages(kv_pages_lpzch, copies_k2)
+    logits_sv, pages = model.ragged_step(tokens_t, pages, kv_lens_s, page_table_sm, cu_q_lens_s1, num_seqs)
+
+    def draw(logits_sv, i):
+        keys = jax.vmap(jax.random.fold_in)(keys_s, (count_s + i).astype(jnp.uint32))
+        return kernels.sample_tokens(logits_sv, keys, cfg)
+
+    token_s, logp_s = draw(logits_sv, 0)
+    tokens_sc = jnp.zeros((s, decode_chunk), jnp.int32).at[:, 0].set(token_s)
+    logps_sc = jnp.zeros((s, decode_chunk), jnp.float32).at[:, 0].set(logp_s)
+    taken_s = (samples_s > 0).astype(jnp.int32)
+    active_s = (samples_s > 1) & ~jnp.isin(token_s, stop_ids)
+    one_each_s1 = jnp.arange(s + 1, dtype=jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, _, _, active_s = carry
+        return (i < decode_chunk) & jnp.any(active_s)
+
+    def body(carry):
+        i, pages, kv_len_s, tokens_sc, logps_sc, taken_s, active_s = carry
+        previous_s = tokens_sc[:, i - 1]
+        # Sequences not sampling write to the padding page and attend to it; their samples are dropped.
+        table_sm = jnp.where(active_s[:, None], page_table_sm, 0)
+        kv_len_s = jnp.where(active_s, kv_len_s + 1, kv_len_s)
+        logits_sv, pages = model.ragged_step(previous_s, pages, jnp.where(active_s, kv_len_s, 1), table_sm,
+                                             one_each_s1, jnp.full((1,), s, jnp.int32))
+        token_s, logp_s = draw(logits_sv, i)
+        tokens_sc = tokens_sc.at[:, i].set(jnp.where(active_s, token_s, 0))
+        logps_sc = logps_sc.at[:, i].set(jnp.where(active_s, logp_s, 0.0))
+        taken_s = taken_s + active_s
+        active_s = active_s & (i + 1 < samples_s) & ~jnp.isin(token_s, stop_ids)
+        return i + 1, pages, kv_len_s, tokens_sc, logps_sc, taken_s, active_s
+
+    carry = (jnp.int32(1), pages, kv_lens_s, tokens_sc, logps_sc, taken_s, active_s)
+    _, pages, _, tokens_sc, logps_sc, taken_s, _ = jax.lax.while_loop(cond, body, carry)
+    return pages, tokens_sc, logps_sc, taken_s
+
+
+class DeviceRunner:
+    """The engine's device side (`engine.StepRunner`): the page pool and the jitted step program.
+
+    Args:
+      graphdef: from `graphdef, params = nnx.split(model)`.
+      model_cfg: the model's config (the pool's layers, heads and dtype).
+      sampling: how tokens are drawn (stop ids, temperature, top-p, top-k, greedy).
+      engine: the engine's static shapes (pages, page size, slots, decode chunk).
+    """
+
+    def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig):
+        self.engine = engine
+        self.pages = paged_kv.init_pages(model_cfg, engine.num_pages, engine.page_size)
+        self._step = jax.jit(functools.partial(step_program, graphdef, sampling, engine.decode_chunk),
+                             donate_argnums=1)
+
+    def run(self, params: Any, batch: StepBatch) -> StepResult:
+        self.pages, tokens_sc, logps_sc, taken_s = self._step(
+            params, self.pages, batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sp,
+            np.asarray([batch.num_seqs], np.int32), batch.samples_s, batch.key_data_s, batch.count_s,
+            batch.copies_c)
+        tokens_sc, logps_sc, taken_s = jax.device_get((tokens_sc, logps_sc, taken_s))
+        return StepResult(np.asarray(tokens_sc), np.asarray(logps_sc), np.asarray(taken_s))

@@ -1,0 +1,67 @@
+"""The paged engine against today's dense-cache sampler on the same tiny model: the same trajectories token for
+token (greedy and sampled: each sequence's PRNG stream and decode-chunk alignment are kept) under every policy,
+whatever the token budget; the sampler log-probs of a full forward."""
+import jax
+import numpy as np
+import pytest
+
+from llds_jax.model import ModelConfig
+from llds_jax.rollout import agent
+from llds_jax.rollout.config import AgentConfig
+from llds_jax.rollout.paged_sampler import PagedSampler, engine_config, token_budgets
+from tests.rollout.test_agent import REAL_CONFIG, EchoRetriever, example, full_forward_logps, real  # noqa: F401
+from tests.rollout.test_continuous import (CONFIG, assert_same_trajectories, greedy, rollout,  # noqa: F401
+                                           sampled, tiny)
+from tests.rollout.test_tree import TREES
+
+
+def paged(graphdef, model_cfg, sampling, agent_config, max_seqs, max_step_tokens=512, page_size=8):
+    return PagedSampler(graphdef, model_cfg, sampling,
+                        engine_config(agent_config, sampling, max_seqs, page_size, max_step_tokens))
+
+
+def test_token_budgets_double_from_the_slots_to_the_step_maximum():
+    assert token_budgets(8, 100) == (8, 16, 32, 64, 100)
+    assert token_budgets(8, 64) == (8, 16, 32, 64)
+    assert token_budgets(8, 8) == (8,)
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
+@pytest.mark.parametrize("max_step_tokens, page_size", [(512, 8), (16, 5)], ids=["whole-prompts", "chunked"])
+def test_greedy_trajectories_equal_the_dense_samplers(qwen_tokenizer, tiny, greedy, continuous, max_step_tokens,
+                                                      page_size):
+    model, graphdef = tiny
+    _, params, sampling, sampler = greedy
+    dense = rollout(qwen_tokenizer, sampler, params, continuous=False)
+    config = AgentConfig(**CONFIG, continuous_batching=continuous)
+    new = paged(graphdef, model.cfg, sampling, config, CONFIG["max_batch_size"], max_step_tokens, page_size)
+    result = rollout(qwen_tokenizer, new, params, continuous=continuous)
+    assert_same_trajectories(dense.trajectories, result.trajectories)
+    assert result.metrics["prompt_tokens"] == dense.metrics["prompt_tokens"]
+
+
+def test_sampled_trajectories_equal_the_dense_samplers_under_both_policies(qwen_tokenizer, tiny, sampled):
+    model, graphdef = tiny
+    params, sampler = sampled
+    dense = rollout(qwen_tokenizer, sampler, params, continuous=False, seed=5)
+    assert len({t.num_turns for t in dense.trajectories}) > 1
+    for continuous in (False, True):
+        config = AgentConfig(**CONFIG, continuous_batching=continuous)
+        new = paged(graphdef, model.cfg, sampler.config, config, CONFIG["max_batch_size"])
+        assert_same_trajectories(dense.trajectories, rollout(qwen_tokenizer, new, params, continuous, seed=5)
+                                 .trajectories)
+
+
+def test_tree_rollouts_equal_the_dense_samplers_and_their_log_probs_a_full_forward(qwen_tokenizer, real):
+    graphdef, model_params, params, sampler = real
+    examples = [example(i, f"question number {i}", ("paris",)) for i in range(2) for _ in range(6)]
+    config = AgentConfig(**REAL_CONFIG, **TREES)
+    dense = agent.rollout(sampler, params, qwen_tokenizer, EchoRetriever(), examples, jax.random.key(0), config)
+    new = paged(graphdef, ModelConfig.tiny(vocab_size=151936), sampler.config, config, len(examples))  # `real`'s
+    result = agent.rollout(new, params, qwen_tokenizer, EchoRetriever(), examples, jax.random.key(0), config)
+    assert_same_trajectories(dense.trajectories, result.trajectories, atol=1e-4)
+    assert result.metrics["forked_prefix_tokens"] == dense.metrics["forked_prefix_tokens"] > 0
+    packed, (ref_bt,) = full_forward_logps(graphdef, params, result.trajectories, (0.9,))
+    model_bt = packed.loss_mask_bt[:, 1:] == 1
+    np.testing.assert_allclose(packed.sampler_logp_bt[:, 1:][model_bt], ref_bt[model_bt], atol=1e-4)
+
