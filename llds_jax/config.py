@@ -23,7 +23,7 @@ from llds_jax import bounds, redaction
 from llds_jax.bounds import ConfigError
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
 from llds_jax.rl.config import ADVANTAGE_ESTIMATORS, LLDSConfig, ObjectiveConfig, UpdateConfig
-from llds_jax.rollout.config import AgentConfig, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
 
 
@@ -95,6 +95,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = SamplingConfig.top_p
     c.rollout.top_k = SamplingConfig.top_k
     c.rollout.decode_chunk = SamplingConfig.decode_chunk
+    c.rollout.engine = PagingConfig.engine  # "paged" (one ragged step program over a paged KV cache) or "dense"
+    c.rollout.page_size = PagingConfig.page_size  # ... token slots per page of the paged KV cache
+    c.rollout.max_step_tokens = PagingConfig.max_step_tokens  # ... the most tokens one step's ragged batch holds
+    c.rollout.num_pages = PagingConfig.num_pages  # ... pages in the pool (0: every sequence's worst case)
     c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
     c.rollout.tensor_parallel = 0       # chips splitting the rollout copy's heads and MLP (-1: a host's; 0: training's)
     c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
@@ -334,7 +338,7 @@ CHAT_TEMPLATES = ("base", "instruct", "")
 
 # The typed views whose fields declare their own run keys' ranges and choices (llds_jax.bounds); `check` reads those
 # declarations, so each bounded key is declared once: there, or below for the keys of no view.
-VIEWS = (AgentConfig, SamplingConfig, ObjectiveConfig, LLDSConfig, UpdateConfig, SFTConfig)
+VIEWS = (AgentConfig, SamplingConfig, PagingConfig, ObjectiveConfig, LLDSConfig, UpdateConfig, SFTConfig)
 
 # (keys, test, what the value must be): the bounds of the keys of no view, which a run would otherwise crash on (or
 # fail late) without naming the key. Every bounded number must also be finite.
@@ -481,6 +485,12 @@ def agent_config(cfg: ml_collections.ConfigDict, evaluation: bool = False) -> Ag
         retrieval_top_k=r.retrieval_top_k, search_timeout_s=r.search_timeout_s, max_batch_size=r.max_batch_size,
         continuous_batching=r.continuous_batching, trees=0 if evaluation else r.trees, tree_rounds=r.tree_rounds,
         tree_forks=r.tree_forks, tree_select=r.tree_select, tree_entropy_tokens=r.tree_entropy_tokens)
+
+
+def paging_config(cfg: ml_collections.ConfigDict) -> PagingConfig:
+    r = cfg.rollout
+    return PagingConfig(engine=r.engine, page_size=r.page_size, max_step_tokens=r.max_step_tokens,
+                        num_pages=r.num_pages)
 
 
 def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],

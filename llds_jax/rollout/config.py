@@ -12,6 +12,7 @@ from llds_jax.bounds import AT_LEAST_1, NON_NEGATIVE, POSITIVE, PROBABILITY_MASS
 
 
 TREE_SELECTIONS = ("uniform", "entropy")
+ENGINES = ("dense", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,3 +126,28 @@ class SamplingConfig:
     def __post_init__(self):
         bounds.check(self)
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class PagingConfig:
+    """Which rollout engine runs, and the paged engine's shapes (`llds_jax.rollout.paged_sampler`).
+
+    Attributes:
+      engine: "paged" (`llds_jax.rollout.engine`: a paged KV cache, one ragged step program per token bucket) or
+        "dense" (the per-row KV cache sessions, `llds_jax.rollout.sampler`).
+      page_size: token slots per page of the paged KV cache.
+      max_step_tokens: the most tokens one step's ragged batch holds (prompt and observation chunks and the
+        decoding sequences' pending tokens; at least the sequence slots); the step programs are compiled at the
+        sequence slots, doubling up to this.
+      num_pages: pages in the pool; 0: every sequence slot's worst case (max_context_tokens each).
+    """
+
+    SECTION = "rollout"
+
+    engine: str = field("dense", choices=ENGINES)
+    page_size: int = field(16, AT_LEAST_1)
+    max_step_tokens: int = field(512, AT_LEAST_1)
+    num_pages: int = field(0, NON_NEGATIVE)
+
+    def __post_init__(self):
+        bounds.check(self)

@@ -50,7 +50,14 @@ class PagedSampler:
     def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig):
         self.config, self.engine_config = sampling, engine
         self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine)
+        self._params = None  # the last rollout's, whose shapes `freeze_shapes` compiles at
 
     def engine(self, params: Any, stop_matcher: Optional[StopMatcher] = None) -> Engine:
         """A rollout's engine over the run's pool (empty: every page free) with the policy `params`."""
+        self._params = params
         return Engine(self.runner, params, self.engine_config, stop_matcher)
+
+    def freeze_shapes(self, grid: bool = True) -> int:
+        """After the first rollout: compiles the step program at every token bucket it did not run (`grid`), so
+        that no later step compiles. Returns the programs compiled."""
+        return self.runner.compile_all(self._params) if grid and self._params is not None else 0

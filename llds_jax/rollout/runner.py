@@ -87,7 +87,8 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pa
 
 
 class DeviceRunner:
-    """The engine's device side (`engine.StepRunner`): the page pool and the jitted step program.
+    """The engine's device side (`engine.StepRunner`): the page pool and the step program, compiled once per token
+    bucket (ahead of the first call at that bucket, or of every bucket by `compile_all`).
 
     Args:
       graphdef: from `graphdef, params = nnx.split(model)`.
@@ -101,11 +102,37 @@ class DeviceRunner:
         self.pages = paged_kv.init_pages(model_cfg, engine.num_pages, engine.page_size)
         self._step = jax.jit(functools.partial(step_program, graphdef, sampling, engine.decode_chunk),
                              donate_argnums=1)
+        self._compiled: dict[int, Any] = {}  # token bucket -> its compiled step program
+        self.compiles = 0
 
     def run(self, params: Any, batch: StepBatch) -> StepResult:
-        self.pages, tokens_sc, logps_sc, taken_s = self._step(
-            params, self.pages, batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sp,
-            np.asarray([batch.num_seqs], np.int32), batch.samples_s, batch.key_data_s, batch.count_s,
-            batch.copies_c)
+        args = (self.pages, batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sp,
+                np.asarray([batch.num_seqs], np.int32), batch.samples_s, batch.key_data_s, batch.count_s,
+                batch.copies_c)
+        program = self._program(params, len(batch.tokens_t))
+        self.pages, tokens_sc, logps_sc, taken_s = program(params, *args)
         tokens_sc, logps_sc, taken_s = jax.device_get((tokens_sc, logps_sc, taken_s))
         return StepResult(np.asarray(tokens_sc), np.asarray(logps_sc), np.asarray(taken_s))
+
+    def compile_all(self, params: Any) -> int:
+        """Compiles the step program at every token bucket not compiled yet; returns how many it compiled."""
+        before = self.compiles
+        for bucket in self.engine.token_budgets:
+            self._program(params, bucket)
+        return self.compiles - before
+
+    def _program(self, params: Any, bucket: int):
+        if bucket not in self._compiled:
+            self._compiled[bucket] = self._step.lower(params, *self.abstract_args(bucket)).compile()
+            self.compiles += 1
+        return self._compiled[bucket]
+
+    def abstract_args(self, bucket: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The step program's arguments after the params, at token bucket `bucket`: the pool, then the batch."""
+        e = self.engine
+        s, i32 = e.max_seqs, np.int32
+        shape = jax.ShapeDtypeStruct
+        return (shape(self.pages.shape, self.pages.dtype, sharding=getattr(self.pages, "sharding", None)),
+                shape((bucket,), i32), shape((s + 1,), i32), shape((s,), i32), shape((s, e.pages_per_seq), i32),
+                shape((1,), i32), shape((s,), i32), shape((s, 2), np.uint32), shape((s,), i32),
+                shape((e.max_copies, 2), i32))
