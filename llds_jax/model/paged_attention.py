@@ -63,6 +63,8 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.A
     implementation = implementation or default_implementation()
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"paged attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    # JAX's own checks of the shapes and dtypes (ValueError naming the argument), for both implementations.
+    rpa.static_validate_inputs(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
     if implementation == "reference":
         return reference_paged_attention(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
     t, m = q_tnh.shape[0], page_indices_sm.shape[1]

@@ -38,10 +38,10 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> 
 
 
 def pages_spec(mesh: Any, num_kv_heads: int) -> P:
-    """The PartitionSpec of a pool on `mesh`: combined heads split as "kv_heads" where those axes divide the K
-    key/value heads (each chip then holds whole heads: the keys and the values of each), else replicated; layers,
-    pages and page slots never split."""
-    return P(None, None, parallel.fitted(mesh, num_kv_heads, "kv_heads"), None)
+    """The PartitionSpec of a pool [L, P, Z, C, H] on `mesh`: combined heads split as "kv_heads" where those axes
+    divide the K key/value heads (each chip then holds whole heads: the keys and the values of each), else
+    replicated; layers, pages and page slots never split."""
+    return P(None, None, None, parallel.fitted(mesh, num_kv_heads, "kv_heads"), None)
 
 
 def token_layout(cu_q_lens_s1: jax.Array, kv_lens_s: jax.Array, page_indices_sm: jax.Array, num_seqs: jax.Array,

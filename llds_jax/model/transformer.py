@@ -4,10 +4,12 @@ Layer parameters are stacked along a leading layer axis L so the stack runs unde
 independent of depth) or, with `scan_layers=False`, as an unrolled Python loop over the same arrays.
 
 Dimension letters: B batch, T new tokens, S cache slots, D hidden, N query heads, K key/value heads,
-G = N / K query heads per key/value head, H head size, F MLP width, V vocabulary, L layers.
+G = N / K query heads per key/value head, H head size, F MLP width, V vocabulary, L layers. `ragged_step` (one
+ragged batch over the paged KV cache) uses the paged cache's letters (`llds_jax.model.paged_kv`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -17,7 +19,9 @@ from flax import nnx
 from llds_jax import parallel
 from llds_jax.model import kv_cache as kv_lib
 from llds_jax.model import mlp as mlp_lib
+from llds_jax.model import paged_kv
 from llds_jax.model.attention import attention, filled_cache_attention
+from llds_jax.model.paged_attention import default_implementation, paged_attention
 from llds_jax.model import rope as rope_lib
 from llds_jax.model.vocab import embed_lookup
 from llds_jax.model.config import ModelConfig
@@ -84,6 +88,25 @@ class DecoderLayers(nnx.Module):
         return {name: var.get_value() for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
+def _compute_weights(cfg: ModelConfig, p: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """One layer's parameters cast to the compute dtype."""
+    dt = jnp.dtype(cfg.dtype)
+    return {name: a.astype(dt) for name, a in p.items()}
+
+
+def _qkv(cfg: ModelConfig, x_btd, p, w, cos_bth, sin_bth):
+    """The attention inputs of a decoder block: queries [B, T, N, H], keys and values [B, T, K, H] of the normed
+    x_btd (RoPE applied to queries and keys); p the layer's parameters, w the same cast to the compute dtype."""
+    h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, w["q_proj"])
+    k = jnp.einsum("btd,dkh->btkh", h, w["k_proj"])
+    v = jnp.einsum("btd,dkh->btkh", h, w["v_proj"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q = parallel.constrain(rope_lib.apply_rope(q, cos_bth, sin_bth), "batch", None, "heads", None)
+    return q, rope_lib.apply_rope(k, cos_bth, sin_bth), v
+
+
 def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, query_first_bt, kv,
            prefill=False):
     """One decoder block. `kv` is None (keys = this chunk) or (k_lbskh, v_lbskh, layer, slot_start_b): the whole
@@ -94,16 +117,8 @@ def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_vali
     key_valid_bs [B, T]), as in a full forward, and are still written into the cache. Otherwise, with
     cfg.cache_block, attention reads only the cache's filled blocks (`filled_cache_attention`). Returns (x_btd, the
     updated (k_lbskh, v_lbskh) or None)."""
-    dt = jnp.dtype(cfg.dtype)
-    w = {name: a.astype(dt) for name, a in p.items()}
-    h = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, w["q_proj"])
-    k = jnp.einsum("btd,dkh->btkh", h, w["k_proj"])
-    v = jnp.einsum("btd,dkh->btkh", h, w["v_proj"])
-    if cfg.qkv_bias:
-        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    q = parallel.constrain(rope_lib.apply_rope(q, cos_bth, sin_bth), "batch", None, "heads", None)
-    k = rope_lib.apply_rope(k, cos_bth, sin_bth)
+    w = _compute_weights(cfg, p)
+    q, k, v = _qkv(cfg, x_btd, p, w, cos_bth, sin_bth)
     new_kv = None
     if kv is not None:
         k_cache, v_cache, layer, start_b = kv
@@ -252,3 +267,57 @@ class Transformer(nnx.Module):
                                      cache.end_b, prefill)
         new_cache = kv_lib.KVCache(k_lbskh=k, v_lbskh=v, valid_bs=valid_bs, end_b=end_b, next_pos_b=next_pos_b)
         return h, new_cache
+
+    def ragged_step(self, tokens_t: jax.Array, kv_pages_lpzch: jax.Array, kv_lens_s: jax.Array,
+                    page_indices_sm: jax.Array, cu_q_lens_s1: jax.Array, num_seqs: jax.Array, *,
+                    implementation: Optional[str] = None, kv_pages_per_block: Optional[int] = None,
+                    queries_per_block: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+        """Runs one ragged batch over the paged KV cache: prompt chunks, decode tokens and observation chunks of up
+        to S sequences in T token slots (layout: `llds_jax.model.paged_kv`). Each layer writes the batch's keys and
+        values into their pages, in place in the pool (a scan carry; donate the pool to the jitted call), then
+        attends (`llds_jax.model.paged_attention`). RoPE positions and pool slots follow from the batch: new token
+        i of sequence s sits at kv_lens_s[s] - q_len_s + i.
+
+        Args:
+          tokens_t: int32 [T], the new tokens of sequences 0 .. num_seqs - 1 back to back, then padding.
+          kv_pages_lpzch: the pool [L, P, Z, 2K, H] (`paged_kv.init_pages`).
+          kv_lens_s: int32 [S], each sequence's cached tokens after this batch's are written.
+          page_indices_sm: int32 [S, M], each sequence's pages in order (pages may be shared between sequences
+            for a common prefix; a sequence's new tokens go to pages of its own).
+          cu_q_lens_s1: int32 [S + 1], cumulative new-token counts from 0; every real sequence has >= 1.
+          num_seqs: int32 [1], the real sequences.
+          implementation, kv_pages_per_block, queries_per_block: of `paged_attention`; implementation None: the
+            kernel when `cfg.attention_platform` (else JAX's backend) is TPU, the reference otherwise.
+        Returns (float32 logits [S, V] of each sequence's last new token, zeros for s >= num_seqs; the pool
+        holding the batch's keys and values).
+        """
+        cfg = self.cfg
+        t = tokens_t.shape[0]
+        _, position_t, slot_t, _ = paged_kv.token_layout(cu_q_lens_s1, kv_lens_s, page_indices_sm, num_seqs, t,
+                                                         kv_pages_lpzch.shape[2])
+        cos, sin = rope_lib.rope_angles(position_t[None], rope_lib.inverse_frequencies(cfg))
+        attend = functools.partial(paged_attention, implementation=implementation or default_implementation(
+            cfg.attention_platform), kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
+        mesh = parallel.current_mesh()
+
+        def laid_out(pages):  # the pool split by key/value heads under a mesh
+            return pages if mesh is None else parallel.constrain_spec(pages, paged_kv.pages_spec(
+                mesh, cfg.num_kv_heads))
+
+        def body(carry, xs):  # the pool (every layer) rides in the carry and is written in place
+            x_1td, pages = carry
+            p, layer = xs
+            w = _compute_weights(cfg, p)
+            q, k, v = _qkv(cfg, x_1td, p, w, cos, sin)
+            pages = paged_kv.write_kv(pages, layer, k[0], v[0], slot_t)
+            pages_pzch, indices_sm = paged_kv.layer_view(pages, page_indices_sm, layer)
+            out_tnh = attend(q[0], pages_pzch, kv_lens_s, indices_sm, cu_q_lens_s1, num_seqs)
+            return (_block_tail(cfg, x_1td, out_tnh[None], p, w), pages), None
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x_1td, pages), _ = jax.lax.scan(body, (self._embed(tokens_t[None]), laid_out(kv_pages_lpzch)),
+                                         (self.layers.arrays(), layers))
+        last_s = jnp.clip(cu_q_lens_s1[1:] - 1, 0, t - 1)
+        hidden_1sd = rms_norm(x_1td[:, last_s], self.final_norm.get_value(), cfg.rms_norm_eps)
+        real_s = jnp.arange(last_s.shape[0]) < num_seqs[0]
+        return jnp.where(real_s[:, None], self.logits(hidden_1sd)[0], 0.0), laid_out(pages)

@@ -109,3 +109,11 @@ def test_reference_equals_dense_attention_and_jax_reference(heads):
     np.testing.assert_array_equal(got[real:], 0)  # padding tokens
     jax_ref = np.asarray(rpa.ref_ragged_paged_attention(*ragged, sm_scale=8 ** -0.5))
     np.testing.assert_allclose(got[:real], jax_ref[:real], rtol=0, atol=2e-6)
+
+
+def test_shapes_are_checked():
+    (q, pool, kv_lens, table, cu, num), _, _ = _ragged_case(0, 4, 2, 8)
+    with pytest.raises(ValueError, match="cu_q_lens.shape"):
+        paged_attention(q, pool, kv_lens, table, cu[:-1], num, implementation="reference")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        paged_attention(q, pool, kv_lens, table, cu, num, implementation="splash")
