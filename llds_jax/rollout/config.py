@@ -90,8 +90,8 @@ class SamplingConfig:
 
     Attributes:
       temperature: logits are divided by it before sampling (and for the reported log-probs); > 0.
-      top_p: nucleus sampling mass in (0, 1]; 1 disables it. Without top_k it sorts the whole vocabulary every
-        step; with top_k only the k candidates are sorted.
+      top_p: nucleus sampling mass in (0, 1]; 1 disables it. With top_k the nucleus is taken among the k
+        candidates.
       top_k: sample among the k most likely tokens; 0 disables it.
       greedy: take the argmax (temperature, top_p, top_k ignored; log-probs at temperature 1).
       stop_ids: token ids that end a row's turn (EOS); the stop token itself is returned with the turn.

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import KVCache, init_cache
+from llds_jax.rollout import nucleus
 from llds_jax.rollout.config import SamplingConfig
 
 
@@ -57,28 +58,33 @@ def sample_tokens(logits_bv: jax.Array, key_b: jax.Array, cfg: SamplingConfig) -
     """Draws one token per row. Returns (tokens int32 [B], log-probs float32 [B]).
 
     The log-prob is log_softmax(logits / temperature) over the full vocabulary at the drawn token (temperature 1
-    when greedy); top-k and top-p only restrict the candidates.
+    when greedy); top-k and top-p only restrict the candidates. With top_k, top-p's nucleus is taken among the k
+    sorted candidates; without it, over the whole vocabulary by bisection (`nucleus`: no sort), ties at the nucleus'
+    smallest probability all kept.
     """
     # Each row's whole vocabulary on one device: left split over the vocabulary, XLA's CPU compiler partitions the
     # CDF's cumsum into a reduce-window over the whole vocabulary per output (O(V^2) per row). The rows are split
-    # over every mesh axis, so that the chips of a tensor-parallel rollout each sort and draw a share of them
-    # rather than all of them.
+    # over every mesh axis, so that the chips of a tensor-parallel rollout each draw a share of them rather than all
+    # of them.
     logits_bv = parallel.constrain(logits_bv.astype(jnp.float32), "sampled_rows", None)
     if cfg.greedy:
         tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
         return _back_to_rows(tokens_b, _logp_of(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b))
     scaled_bv = logits_bv / cfg.temperature
     logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
-    candidates_bk, index_bk = scaled_bv, None
-    if cfg.top_k or cfg.top_p < 1:
-        k = min(cfg.top_k or scaled_bv.shape[-1], scaled_bv.shape[-1])
-        candidates_bk, index_bk = jax.lax.top_k(scaled_bv, k)  # sorted, most likely first
-    if cfg.top_p < 1:
-        probs_bk = jax.nn.softmax(candidates_bk, axis=-1)
-        mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
-        candidates_bk = jnp.where(mass_before_bk < cfg.top_p, candidates_bk, -jnp.inf)
-    choice_b = _inverse_cdf_draw(key_b, candidates_bk)
-    tokens_b = choice_b if index_bk is None else jnp.take_along_axis(index_bk, choice_b[:, None], axis=1)[:, 0]
+    if cfg.top_k:
+        candidates_bk, index_bk = jax.lax.top_k(scaled_bv, min(cfg.top_k, scaled_bv.shape[-1]))  # most likely first
+        if cfg.top_p < 1:
+            probs_bk = jax.nn.softmax(candidates_bk, axis=-1)
+            mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
+            candidates_bk = jnp.where(mass_before_bk < cfg.top_p, candidates_bk, -jnp.inf)
+        choice_b = _inverse_cdf_draw(key_b, jax.nn.softmax(candidates_bk, axis=-1))
+        tokens_b = jnp.take_along_axis(index_bk, choice_b[:, None], axis=1)[:, 0]
+    else:
+        probs_bv = jax.nn.softmax(scaled_bv, axis=-1)
+        if cfg.top_p < 1:
+            probs_bv = nucleus.nucleus_probs(probs_bv, cfg.top_p)
+        tokens_b = _inverse_cdf_draw(key_b, probs_bv)
     return _back_to_rows(tokens_b, _logp_of(logp_bv, tokens_b))
 
 
@@ -88,13 +94,15 @@ def _back_to_rows(tokens_b: jax.Array, logp_b: jax.Array) -> tuple[jax.Array, ja
     return parallel.constrain(tokens_b, "batch"), parallel.constrain(logp_b, "batch")
 
 
-def _inverse_cdf_draw(key_b: jax.Array, logits_bk: jax.Array) -> jax.Array:
-    """One categorical draw per row from softmax(logits_bk), by inverting the CDF with a single uniform per row.
+def _inverse_cdf_draw(key_b: jax.Array, weights_bk: jax.Array) -> jax.Array:
+    """One categorical draw per row with probabilities proportional to weights_bk (float32 >= 0, a row's sum > 0),
+    by inverting the CDF with a single uniform per row: the draw is the index in [0, K) of the first cumulative
+    weight >= u x the row's total.
 
     Gumbel-max (`jax.random.categorical`) needs K random numbers per row, which at a 152k vocabulary costs more
-    than a decode step's forward pass; this needs one. -inf logits are never drawn.
+    than a decode step's forward pass; this needs one. Zero weights are never drawn.
     """
-    cdf_bk = jnp.cumsum(jax.nn.softmax(logits_bk, axis=-1), axis=-1)
+    cdf_bk = jnp.cumsum(weights_bk, axis=-1)
     u_b = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(key_b)  # in (0, 1]
     below_bk = cdf_bk < (u_b * cdf_bk[:, -1])[:, None]
     return jnp.sum(below_bk, axis=-1, dtype=jnp.int32)

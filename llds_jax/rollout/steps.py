@@ -15,6 +15,7 @@ from llds_jax.data.qa import QAExample
 from llds_jax import protocol
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.interfaces import SampledTurn
+from llds_jax.rollout.stop_strings import StopMatcher
 from llds_jax.rollout.trajectory import END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Trajectory, Turn, build_trajectory
 from llds_jax.search.types import Retriever, SearchResult
 
@@ -71,6 +72,7 @@ class AgentSteps:
                  stopping: Optional[Callable[[], bool]] = None):
         self.tokenizer, self.retriever, self.config, self.timing = tokenizer, retriever, config, timing
         self._stopping = stopping
+        self._stops = StopMatcher(tokenizer, protocol.STOP_STRINGS)
 
     def stopping(self) -> bool:
         """Whether a stop was requested: abandon the rollout."""
@@ -89,8 +91,10 @@ class AgentSteps:
                           cfg.max_response_tokens - conv.response_len))
 
     def turn_finished(self, token_lists: list[list[int]]) -> list[bool]:
-        texts = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
-        return [protocol.turn_finished(text) for text in texts]
+        """Whether each running turn's text holds a closing `</search>` or `</answer>` (`protocol.turn_finished`),
+        given each turn's token list between decode chunks: only the tokens since the last call are decoded
+        (`stop_strings.StopMatcher.turns_finished`)."""
+        return self._stops.turns_finished(token_lists)
 
     def stop_matcher(self) -> "_TurnText":
         """The paged engine's stop-string check of each turn's text."""

@@ -264,6 +264,21 @@ def test_sampling_on_a_mesh_sees_each_rows_whole_vocabulary(tiny):
     assert all(max(w) < vocab for w in windows), windows
 
 
+def test_nucleus_sampling_decodes_without_a_sort(tiny, sampler):
+    """The decode chunk with top_p < 1 and no top_k (the sampler's config: top_p 0.95) compiles to a program without
+    a sort; with top_k = the whole vocabulary (the sorted nucleus the sampler ran before, llds_jax.rollout.nucleus)
+    the same search finds one."""
+    _, graphdef, params = tiny
+    at = SessionShapes(params, rows=4, prompt=8, prefill_capacity=16, capacity=16, observation=8)
+    sorted_sampler = Sampler(graphdef, dataclasses.replace(CONFIG, top_k=ModelConfig.tiny().vocab_size))
+    sorts = []
+    for s in (sampler, sorted_sampler):
+        assert s.config.top_p < 1
+        [decode] = [p for p in s.abstract_programs(at) if p.role is Role.DECODE_CHUNK]
+        sorts.append(len(re.findall(r"\bsort\(", decode.lower().compile().as_text())))
+    assert sorts[0] == 0 and sorts[1] > 0, sorts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "mesh"])
 def test_frozen_shapes_compile_the_bucket_grid_ahead_and_sample_the_same(tiny, backend_compiles, sharded):

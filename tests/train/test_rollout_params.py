@@ -49,7 +49,7 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     cfg.rollout.params_dtype = "bfloat16"
     cfg.rollout.max_batch_size = 4
     cfg.rollout.decode_chunk = 2  # 8-token turns: up to 4 chunks a turn
-    cfg.rollout.top_p = 1.0  # no sort of the 152k-token vocabulary in every decode step
+    cfg.rollout.top_p = 1.0  # no nucleus bisection (30 sums over the 152k-token vocabulary) in every decode step
     trainer = trainer_lib.Trainer(cfg)
     casts, decoded = [], []
     cast = layout_lib._cast
