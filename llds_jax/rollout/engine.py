@@ -93,11 +93,12 @@ class StepRunner(Protocol):
 
 
 class StopMatcher(Protocol):
-    """Whether a turn's text holds a stop string, fed each turn's new tokens only."""
+    """Whether a turn's text holds a stop string, fed each turn's new tokens only
+    (`llds_jax.rollout.stop_strings.StopMatcher`)."""
 
     def reset(self, seq: int) -> None: ...
 
-    def push(self, seq: int, token_ids: Sequence[int]) -> bool: ...
+    def push_many(self, seqs: Sequence[int], new_ids: Sequence[Sequence[int]]) -> list[bool]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,8 +368,8 @@ class Engine:
 
     def _absorb(self, chosen, batch: StepBatch, result: StepResult) -> list[tuple[int, SampledTurn]]:
         """Takes a step's samples into the sequences; returns the turns that ended."""
-        ended = []
         self.counts.sample_slots += self.config.max_seqs * int(np.max(result.n_s, initial=0))
+        sampled: list[tuple[int, list[int]]] = []
         for row, (seq, chunk, samples) in enumerate(chosen):
             s = self._seqs[seq]
             s.cached += chunk
@@ -384,14 +385,18 @@ class Engine:
             s.cached += n - 1  # every sample but the last was written by the call's decode steps
             self.pages.truncate(seq, s.cached)
             self.counts.sampled_tokens += n
-            hit_stop = bool(new) and new[-1] in self._stop_ids
-            text_stop = self.stop_matcher is not None and self.stop_matcher.push(seq, new)
             s.state = _State.DECODE
+            sampled.append((seq, new))
+        text_stops = ([False] * len(sampled) if self.stop_matcher is None else
+                      self.stop_matcher.push_many([seq for seq, _ in sampled], [new for _, new in sampled]))
+        ended = []
+        for (seq, new), text_stop in zip(sampled, text_stops):
+            s = self._seqs[seq]
+            hit_stop = new[-1] in self._stop_ids
             if hit_stop or text_stop or s.budget == 0:
                 s.state = _State.ENDED
-                turn = s.tokens[s.turn_start:]
-                ended.append((seq, SampledTurn(turn, list(s.turn_logps), hit_stop)))
-        return ended
+                ended.append((seq, SampledTurn(s.tokens[s.turn_start:], list(s.turn_logps), hit_stop)))
+        return sorted(ended)
 
     # Helpers.
 

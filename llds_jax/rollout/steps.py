@@ -96,9 +96,10 @@ class AgentSteps:
         (`stop_strings.StopMatcher.turns_finished`)."""
         return self._stops.turns_finished(token_lists)
 
-    def stop_matcher(self) -> "_TurnText":
-        """The paged engine's stop-string check of each turn's text."""
-        return _TurnText(self)
+    def stop_matcher(self) -> StopMatcher:
+        """A rollout's own matcher of stop strings in each sequence's turn text (the paged engine's, keyed by
+        sequence)."""
+        return StopMatcher(self.tokenizer, protocol.STOP_STRINGS)
 
     def close_turn(self, conv: Conversation, sample: SampledTurn, final: bool
                    ) -> tuple[Turn, bool, Optional[str]]:
@@ -207,16 +208,3 @@ def add_decode_counts(timing: dict[str, float], session) -> None:
     for key, value in session.decode_counts.items():
         timing[f"decode_{key}"] += value
 
-
-class _TurnText:
-    """Whether each sequence's turn text holds a stop string (`engine.StopMatcher`), by decoding the turn so far."""
-
-    def __init__(self, steps: AgentSteps):
-        self.steps, self.turns = steps, {}
-
-    def reset(self, seq: int) -> None:
-        self.turns[seq] = []
-
-    def push(self, seq: int, token_ids: Sequence[int]) -> bool:
-        self.turns[seq] += list(token_ids)
-        return self.steps.turn_finished([self.turns[seq]])[0]

@@ -96,9 +96,10 @@ class TextStops:
     def reset(self, seq):
         self.seen[seq] = False
 
-    def push(self, seq, new):
-        self.seen[seq] = self.seen[seq] or 7 in new
-        return self.seen[seq]
+    def push_many(self, seqs, new_ids):
+        for seq, new in zip(seqs, new_ids):
+            self.seen[seq] = self.seen[seq] or 7 in new
+        return [self.seen[seq] for seq in seqs]
 
 
 def make(max_seqs=4, budgets=(4, 8, 16), chunk=3, page_size=4, num_pages=64, max_context=64, stops=True):
