@@ -91,12 +91,13 @@ class TextStops:
     """A stop 'string': the turn holds token 7 (checked at the end of each call, fed new tokens only)."""
 
     def __init__(self):
-        self.seen = {}
+        self.seen, self.pushed = {}, []
 
     def reset(self, seq):
         self.seen[seq] = False
 
     def push_many(self, seqs, new_ids):
+        self.pushed += [len(new) for new in new_ids]
         for seq, new in zip(seqs, new_ids):
             self.seen[seq] = self.seen[seq] or 7 in new
         return [self.seen[seq] for seq in seqs]
@@ -162,6 +163,13 @@ def test_turns_equal_sampling_from_the_true_context_at_any_budget_and_page_size(
     engine, runner = make(max_seqs=max_seqs, budgets=budgets, page_size=page_size, num_pages=512)
     assert conversations(engine, PLAN) == reference(PLAN)
     assert all(int(b.cu_q_lens_s[b.num_seqs]) <= len(b.tokens_t) <= budgets[-1] for b in runner.batches)
+
+
+def test_the_stop_matcher_is_fed_each_calls_new_tokens_only():
+    engine, _ = make(max_seqs=6, num_pages=512)
+    conversations(engine, PLAN)
+    pushed = engine.stop_matcher.pushed
+    assert pushed and max(pushed) <= 3 and sum(pushed) == engine.counts.sampled_tokens  # chunk 3: never a turn
 
 
 def test_a_groups_samples_share_the_prompts_pages_and_encode_one_token_each():

@@ -1,13 +1,17 @@
 """The paged engine against today's dense-cache sampler on the same tiny model: the same trajectories token for
 token (greedy and sampled: each sequence's PRNG stream and decode-chunk alignment are kept) under every policy,
 whatever the token budget; the sampler log-probs of a full forward."""
+import re
+
 import jax
 import numpy as np
 import pytest
 
 from llds_jax.model import ModelConfig
 from llds_jax.rollout import agent
-from llds_jax.rollout.config import AgentConfig
+from flax import nnx
+
+from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config, token_budgets
 from tests.rollout.test_agent import REAL_CONFIG, EchoRetriever, example, full_forward_logps, real  # noqa: F401
 from tests.rollout.test_continuous import (CONFIG, assert_same_trajectories, greedy, rollout,  # noqa: F401
@@ -65,3 +69,20 @@ def test_tree_rollouts_equal_the_dense_samplers_and_their_log_probs_a_full_forwa
     model_bt = packed.loss_mask_bt[:, 1:] == 1
     np.testing.assert_allclose(packed.sampler_logp_bt[:, 1:][model_bt], ref_bt[model_bt], atol=1e-4)
 
+
+def test_after_the_first_rollout_no_step_compiles_and_no_program_sorts_the_vocabulary(qwen_tokenizer, tiny,
+                                                                                     backend_compiles):
+    model, graphdef = tiny
+    params = nnx.split(model)[1]
+    sampling = SamplingConfig(temperature=1.0, top_p=0.9, decode_chunk=4, stop_ids=agent.turn_stop_ids(qwen_tokenizer))
+    config = AgentConfig(**CONFIG, continuous_batching=True)
+    new = paged(graphdef, model.cfg, sampling, config, CONFIG["max_batch_size"], max_step_tokens=64)
+    rollout(qwen_tokenizer, new, params, continuous=True, seed=1)
+    assert new.freeze_shapes() > 0  # the buckets the first rollout did not run
+    with backend_compiles() as compiles:
+        rollout(qwen_tokenizer, new, params, continuous=True, seed=2)
+        assert new.freeze_shapes() == 0
+    assert compiles == []
+    for bucket in new.engine_config.token_budgets:  # the compiled program's HLO: no sort op (a full sort of
+        hlo = new.runner._step.lower(params, *new.runner.abstract_args(bucket)).compile().as_text()  # the vocab)
+        assert not re.findall(r"\bsort\(", hlo)
