@@ -37,6 +37,8 @@ class Role(enum.Enum):
     EMPTY_BATCH = "empty batch"
     PROMPT_EXTEND = "prompt extend"
     ROW_EXTEND = "row extend"
+    # the paged engine (`rollout.runner`): one ragged step at a token bucket
+    ROLLOUT_STEP = "rollout step"
     # a training step
     REFERENCE_LOGP = "logp (reference)"
     POLICY_LOGP = "logp (policy)"

@@ -110,8 +110,9 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
             agent = config_lib.agent_config(cfg, evaluation=evaluation)
             sampling = config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation)
             slots = min(sequences, agent.max_batch_size or sequences)
-            samplers.append(PagedSampler(graphdef, layout.model_cfg, sampling, engine_config(
-                agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages)))
+            samplers.append(PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine_config(
+                agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages),
+                layout.rollout.mesh))
         return RunParts(step, *samplers)
     samplers = [Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation),
                         layout.rollout.mesh) for evaluation in (False, True)]

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from jax.sharding import Mesh
+
 from llds_jax.model.config import ModelConfig
+from llds_jax.programs import AbstractProgram
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.engine import Engine, EngineConfig, StopMatcher
 from llds_jax.rollout.runner import DeviceRunner
@@ -45,17 +48,23 @@ class PagedSampler:
       model_cfg: the model's config.
       sampling: how tokens are drawn.
       engine: the engine shapes (`engine_config`).
+      mesh: the rollout's mesh (None: the default device).
     """
 
-    def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig):
+    def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig,
+                 mesh: Optional[Mesh] = None):
         self.config, self.engine_config = sampling, engine
-        self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine)
+        self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine, mesh)
         self._params = None  # the last rollout's, whose shapes `freeze_shapes` compiles at
 
     def engine(self, params: Any, stop_matcher: Optional[StopMatcher] = None) -> Engine:
         """A rollout's engine over the run's pool (empty: every page free) with the policy `params`."""
         self._params = params
         return Engine(self.runner, params, self.engine_config, stop_matcher)
+
+    def abstract_programs(self, params: Any) -> list[AbstractProgram]:
+        """The rollout's step programs at abstract `params` (`DeviceRunner.abstract_programs`)."""
+        return self.runner.abstract_programs(params)
 
     def freeze_shapes(self, grid: bool = True) -> int:
         """After the first rollout: compiles the step program at every token bucket it did not run (`grid`), so

@@ -17,16 +17,20 @@ P pool pages, Z tokens per page, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from llds_jax.model import paged_kv
 from llds_jax.model.config import ModelConfig
+from llds_jax.programs import AbstractProgram, Role
 from llds_jax.rollout import kernels
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.engine import EngineConfig, StepBatch, StepResult
@@ -95,22 +99,37 @@ class DeviceRunner:
       model_cfg: the model's config (the pool's layers, heads and dtype).
       sampling: how tokens are drawn (stop ids, temperature, top-p, top-k, greedy).
       engine: the engine's static shapes (pages, page size, slots, decode chunk).
+      mesh: the rollout's mesh (a host's chips); the pool is split over its key/value heads
+        (`paged_kv.pages_spec`), the batch's host arrays replicated. None: the default device.
     """
 
-    def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig):
-        self.engine = engine
-        self.pages = paged_kv.init_pages(model_cfg, engine.num_pages, engine.page_size)
+    def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig,
+                 mesh: Optional[Mesh] = None):
+        self.engine, self.model_cfg, self.mesh = engine, model_cfg, mesh
         self._step = jax.jit(functools.partial(step_program, graphdef, sampling, engine.decode_chunk),
                              donate_argnums=1)
+        self._pages: Optional[jax.Array] = None  # allocated at the first call
         self._compiled: dict[int, Any] = {}  # token bucket -> its compiled step program
         self.compiles = 0
 
+    @property
+    def pool_shape(self) -> jax.ShapeDtypeStruct:
+        """The page pool [L, P, Z, 2K, H] in the compute dtype, with its sharding under a mesh."""
+        cfg, e = self.model_cfg, self.engine
+        shape = (cfg.num_layers, e.num_pages, e.page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, paged_kv.pages_spec(
+            self.mesh, cfg.num_kv_heads))
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=sharding)
+
     def run(self, params: Any, batch: StepBatch) -> StepResult:
-        args = (self.pages, batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sp,
+        if self._pages is None:
+            pool = self.pool_shape
+            self._pages = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)()
+        args = (self._pages, batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sp,
                 np.asarray([batch.num_seqs], np.int32), batch.samples_s, batch.key_data_s, batch.count_s,
                 batch.copies_c)
         program = self._program(params, len(batch.tokens_t))
-        self.pages, tokens_sc, logps_sc, taken_s = program(params, *args)
+        self._pages, tokens_sc, logps_sc, taken_s = program(params, *args)
         tokens_sc, logps_sc, taken_s = jax.device_get((tokens_sc, logps_sc, taken_s))
         return StepResult(np.asarray(tokens_sc), np.asarray(logps_sc), np.asarray(taken_s))
 
@@ -121,18 +140,31 @@ class DeviceRunner:
             self._program(params, bucket)
         return self.compiles - before
 
+    def abstract_programs(self, params: Any) -> list[AbstractProgram]:
+        """The step program at every token bucket, at abstract arguments (`programs.CompilablePrograms`), for
+        `--mode=compile`; `params` as the rollout gets them (ShapeDtypeStructs with shardings)."""
+        e = self.engine
+        return [AbstractProgram(Role.ROLLOUT_STEP, f"{e.max_seqs} sequences x {e.decode_chunk} samples, "
+                                f"{e.num_pages} pages of {e.page_size} slots", self._step,
+                                (params, *self.abstract_args(bucket)), mesh=self.mesh, detail=f"{bucket} tokens")
+                for bucket in e.token_budgets]
+
     def _program(self, params: Any, bucket: int):
         if bucket not in self._compiled:
-            self._compiled[bucket] = self._step.lower(params, *self.abstract_args(bucket)).compile()
+            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                self._compiled[bucket] = self._step.lower(params, *self.abstract_args(bucket)).compile()
             self.compiles += 1
         return self._compiled[bucket]
 
     def abstract_args(self, bucket: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """The step program's arguments after the params, at token bucket `bucket`: the pool, then the batch."""
+        """The step program's arguments after the params, at token bucket `bucket`: the pool, then the batch
+        (replicated under a mesh)."""
         e = self.engine
         s, i32 = e.max_seqs, np.int32
-        shape = jax.ShapeDtypeStruct
-        return (shape(self.pages.shape, self.pages.dtype, sharding=getattr(self.pages, "sharding", None)),
-                shape((bucket,), i32), shape((s + 1,), i32), shape((s,), i32), shape((s, e.pages_per_seq), i32),
-                shape((1,), i32), shape((s,), i32), shape((s, 2), np.uint32), shape((s,), i32),
-                shape((e.max_copies, 2), i32))
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+
+        def shape(dims, dtype=i32):
+            return jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)
+
+        return (self.pool_shape, shape((bucket,)), shape((s + 1,)), shape((s,)), shape((s, e.pages_per_seq)),
+                shape((1,)), shape((s,)), shape((s, 2), np.uint32), shape((s,)), shape((e.max_copies, 2)))
