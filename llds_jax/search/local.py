@@ -3,8 +3,9 @@
 Searches run on the retriever's own worker threads, never on the event loop: `search` splits a batch into one
 part per worker and runs `search_blocking` on each (a backend that searches a whole call on many cores itself,
 faiss, sets `split_calls = False`: each call then runs whole on one worker, and several calls run at once).
-`workers` 0 means one per core of the machine (`os.cpu_count()`). Passages are read from a `DocStore` by row number. A failure
-during `search` becomes one error result per query; `check` runs a one-query search and reads the last row.
+`workers` 0 means one per core of the machine (`os.cpu_count()`). Passages are read from a `DocStore` by row
+number. A failure during `search` becomes one error result per query; `check` runs a one-query search and reads the
+last row.
 """
 from __future__ import annotations
 
