@@ -37,6 +37,8 @@ class Role(enum.Enum):
     EMPTY_BATCH = "empty batch"
     PROMPT_EXTEND = "prompt extend"
     ROW_EXTEND = "row extend"
+    # the retriever on the chips (`search.device_search`): one call scores a batch of searches against the index
+    RETRIEVAL = "retrieval search"
     # a training step
     REFERENCE_LOGP = "logp (reference)"
     POLICY_LOGP = "logp (policy)"

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from llds_jax.programs import AbstractProgram, Role
 from llds_jax.search.device_index import AXIS, DeviceIndex, IndexLayout
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,23 @@ def candidates_program(lay: IndexLayout, mesh, m: int):
     """`candidates_fn` jitted, its outputs replicated (one program per layout, mesh and m)."""
     replicated = NamedSharding(mesh, P())
     return jax.jit(candidates_fn(lay, mesh, m), out_shardings=(replicated, replicated))
+
+
+def abstract_program(lay: IndexLayout, devices, m: int, queries: int) -> AbstractProgram:
+    """The search program at abstract arguments on `devices` (a pod's chips, for `--mode=compile`): the index of
+    `lay` split over them, `queries` bfloat16 queries, `m` candidates."""
+    mesh = Mesh(np.asarray(devices), (AXIS,))
+    stored = jnp.bfloat16 if lay.dtype == "bfloat16" else jnp.int8
+    vectors = jax.ShapeDtypeStruct((lay.shards * lay.shard_rows, lay.dim), stored,
+                                   sharding=NamedSharding(mesh, P(AXIS, None)))
+    scales = None
+    if lay.dtype == "int8":
+        scales = jax.ShapeDtypeStruct((lay.shards * lay.shard_rows,), jnp.float32,
+                                      sharding=NamedSharding(mesh, P(AXIS)))
+    query = jax.ShapeDtypeStruct((queries, lay.dim), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    shapes = (f"{queries} queries x {lay.rows:,} rows of {lay.dim} in {lay.dtype}, {m} candidates, "
+              f"{lay.shard_rows:,} rows per chip")
+    return AbstractProgram(Role.RETRIEVAL, shapes, candidates_program(lay, mesh, m), (vectors, scales, query))
 
 
 def score_bound(query_qd: np.ndarray, error_max: float, norm_max: float) -> np.ndarray:
