@@ -49,12 +49,6 @@ class IndexLayout:
     def shard_rows(self) -> int:
         return self.blocks * self.block_rows
 
-    @property
-    def shard_bytes(self) -> int:
-        """Bytes of one device's shard: its vectors, and for int8 its float32 scales."""
-        per_row = self.dim * (1 if self.dtype == "int8" else 2) + (4 if self.dtype == "int8" else 0)
-        return self.shard_rows * per_row
-
 
 def layout(rows: int, dim: int, shards: int, dtype: str, block_rows: int) -> IndexLayout:
     """The layout of `rows` x `dim` over `shards` devices in blocks of at most `block_rows` rows (a multiple of 8
