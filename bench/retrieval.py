@@ -24,6 +24,20 @@ Prints, for top-3 retrieval:
    `--search-only` runs only the search measurements, on random unit query vectors, without the encoders:
 
     python bench/retrieval.py --search-only --dense-rows 200000 --dense-queries 256 --dense-batch 64
+6. `--calls`: what the step estimate's retrieval line reads (llds_jax/step_estimate.py), faiss on one thread over
+   `--dense-rows` random unit rows: seconds of a call of 1 query (faiss's per-query path: one scan of every row
+   per query), of `--blas-queries` queries (its BLAS path, from 167 queries at 768 dimensions) per query, both per
+   million rows, and HNSW64's seconds per query; then the calls a rollout makes (1, 8, 64 queries) on all threads.
+7. `--device`: the e5_device search (llds_jax/search/device_search.py) against faiss Flat in one process, same rows
+   and queries, on this process's JAX devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8` for 8 CPU
+   devices): queries/s of each and their ratio, the ids equal or not, at calls of `--dense-batch` queries.
+8. `--e5-recall`: HNSW64's recall@3 against Flat on e5 vectors: the demo world's passages (`--world-people`) and
+   questions embedded by the project's e5 encoder (`--encoder`, an e5 folder such as intfloat/e5-base-v2; without
+   one the demo's small random BERT, `demo.retriever = "e5_device"`'s, which needs torch).
+
+    python bench/retrieval.py --calls --dense-rows 200000
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/retrieval.py --device --dense-rows 200000
+    python bench/retrieval.py --e5-recall [--encoder e5-base-v2]
 Queries are 3-6 filler words drawn like passage words (so they hit long posting lists: a pessimistic load).
 """
 from __future__ import annotations
@@ -491,6 +505,94 @@ def search_only_section(args: argparse.Namespace) -> None:
     print(f"load average after: {' '.join(load_average())}")
 
 
+def call_costs(args: argparse.Namespace) -> None:
+    """Section 6 (`--calls`): faiss's per-call costs on one thread, then calls of 1, 8 and 64 on all threads."""
+    import faiss
+
+    dim = E5_BASE_SHAPE["hidden_size"]
+    flat, hnsw, _ = dense_indexes(args.dense_rows, dim)
+    query_qd = np.concatenate(list(random_unit_rows(max(args.blas_queries, 64), dim, seed=3)))
+    mrows = flat.ntotal / 1e6
+    threads = faiss.omp_get_max_threads()
+    print(f"\n6. faiss per call, {flat.ntotal:,} random unit rows of {dim}, top-{TOP_K}, load average"
+          f" {' '.join(load_average())}", flush=True)
+    faiss.omp_set_num_threads(1)
+    one_s = min(search_seconds(flat, query_qd[i:i + 1], 1)[0] for i in range(3))
+    blas_s = search_seconds(flat, query_qd[:args.blas_queries], args.blas_queries)[0]
+    hnsw_s = search_seconds(hnsw, query_qd[:64], 64)[0] / 64
+    print(f"one thread: a 1-query call {one_s:.3f} s = {one_s / mrows:.4f} s per million rows (per-query path);"
+          f" a {args.blas_queries}-query call {blas_s:.3f} s = {blas_s / args.blas_queries / mrows:.5f} s per query"
+          f" per million rows (BLAS path); HNSW64 {hnsw_s * 1e3:.3f} ms per query")
+    faiss.omp_set_num_threads(threads)
+    for size in (1, 8, 64):
+        seconds = search_seconds(flat, query_qd[:size], size)[0]
+        print(f"{threads} threads: a call of {size} queries {seconds:.3f} s ({seconds / size * 1e3:.1f} ms per query)")
+    print(f"load average after: {' '.join(load_average())}")
+
+
+def device_vs_flat(args: argparse.Namespace) -> None:
+    """Section 7 (`--device`): the e5_device search and faiss Flat over the same rows and queries, one process."""
+    import faiss
+    import jax
+
+    from llds_jax.search.device_index import load
+    from llds_jax.search.device_search import ExactSearcher
+
+    dim = E5_BASE_SHAPE["hidden_size"]
+    rows_nd = np.concatenate(list(random_unit_rows(args.dense_rows, dim, seed=0)))
+    query_qd = np.concatenate(list(random_unit_rows(args.dense_queries, dim, seed=3)))
+    flat = faiss.IndexFlatIP(dim)
+    flat.add(rows_nd)
+    print(f"\n7. e5_device vs faiss Flat, {args.dense_rows:,} random unit rows of {dim}, {len(query_qd)} queries in"
+          f" calls of {args.dense_batch}, top-{TOP_K}; {len(jax.devices())} {jax.devices()[0].platform} devices,"
+          f" faiss threads {faiss.omp_get_max_threads()}, load average {' '.join(load_average())}", flush=True)
+    flat_s, flat_ids = search_seconds(flat, query_qd, args.dense_batch)
+    for dtype in ("bfloat16", "int8"):
+        start = time.perf_counter()
+        index = load(rows_nd, jax.devices(), dtype=dtype)
+        load_s = time.perf_counter() - start
+        searcher = ExactSearcher(index, rows_nd, max_batch=args.dense_batch)
+        searcher.search(query_qd[:args.dense_batch], TOP_K)  # compiles
+        start = time.perf_counter()
+        answers = [a for i in range(0, len(query_qd), args.dense_batch)
+                   for a in searcher.search(query_qd[i:i + args.dense_batch], TOP_K)]
+        device_s = time.perf_counter() - start
+        same = all(a.ids.tolist() == f.tolist() for a, f in zip(answers, flat_ids))
+        print(f"e5_device {dtype}: {len(query_qd) / device_s:,.1f} queries/s vs faiss Flat"
+              f" {len(query_qd) / flat_s:,.1f}: {flat_s / device_s:.2f}x; top-{TOP_K} ids equal to Flat's: {same};"
+              f" device calls by candidates {searcher.passes}, host scans {searcher.host_scans}; loaded in"
+              f" {load_s:.1f} s", flush=True)
+
+
+def e5_recall(args: argparse.Namespace, work: str) -> None:
+    """Section 8 (`--e5-recall`): HNSW64's recall@3 against Flat on the demo world's e5 passage vectors."""
+    import faiss
+
+    from llds_jax.data import synthetic
+    from llds_jax.search.e5 import E5Embedder
+    from llds_jax.search.synthetic import write_random_bert
+
+    from llds_jax.apps.demo import E5_MAX_LENGTH
+
+    encoder = args.encoder
+    if not encoder:
+        encoder = os.path.join(work, "demo_e5")
+        if not os.path.isdir(encoder):
+            write_random_bert(encoder, max_positions=E5_MAX_LENGTH)
+    world = synthetic.make_world(num_people=args.world_people, seed=0)
+    embedder = E5Embedder(encoder, batch_size=args.dense_batch, max_length=E5_MAX_LENGTH)
+    passage_nd = embedder.embed_passages([p["contents"] for p in world.passages])
+    query_qd = embedder.embed_queries([ex.question for ex in world.train + world.test])
+    flat = faiss.IndexFlatIP(passage_nd.shape[1])
+    hnsw = faiss.IndexHNSWFlat(passage_nd.shape[1], HNSW_M, faiss.METRIC_INNER_PRODUCT)
+    hnsw.hnsw.efSearch = HNSW_EF_SEARCH
+    flat.add(passage_nd)
+    hnsw.add(passage_nd)
+    recall = recall_at_k(hnsw.search(query_qd, TOP_K)[1], flat.search(query_qd, TOP_K)[1])
+    print(f"\n8. HNSW{HNSW_M} (efSearch {HNSW_EF_SEARCH}) recall@{TOP_K} against Flat on e5 vectors of the demo world"
+          f" ({len(passage_nd):,} passages, {len(query_qd):,} questions, encoder {encoder}): {recall:.3f}")
+
+
 def load_average() -> list[str]:
     """The 1, 5 and 15 minute load averages, from /proc/loadavg."""
     with open("/proc/loadavg") as f:
@@ -549,7 +651,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dense-batch", type=int, default=256, help="texts per encoder call (default 256)")
     parser.add_argument("--dense-rows", type=int, default=500_000,
                         help="rows of section 5's faiss Flat index of random vectors (default 500000)")
+    parser.add_argument("--calls", action="store_true", help="only section 6 (faiss per call)")
+    parser.add_argument("--blas-queries", type=int, default=256, help="queries of section 6's BLAS call")
+    parser.add_argument("--device", action="store_true", help="only section 7 (e5_device vs faiss Flat)")
+    parser.add_argument("--e5-recall", action="store_true", help="only section 8 (HNSW64 recall on e5 vectors)")
+    parser.add_argument("--encoder", default="", help="section 8's e5 folder (default: a random e5-base shape)")
+    parser.add_argument("--world-people", type=int, default=20_000,
+                        help="people of section 8's demo world (passages: 1.25 per person)")
     args = parser.parse_args(argv)
+    if args.calls:
+        call_costs(args)
+        return
+    if args.device:
+        device_vs_flat(args)
+        return
+    if args.e5_recall:
+        e5_recall(args, args.work_dir or tempfile.mkdtemp(prefix="llds_bench_"))
+        return
     if args.search_only:
         search_only_section(args)
         return

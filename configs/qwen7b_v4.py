@@ -6,6 +6,9 @@ Retrievers (`--config=configs/qwen7b_v4.py:NAME`, default e5; the other paper co
 - e5: the paper's. Search-R1's `e5_Flat.index` and `wiki-18.jsonl` on each host's local disk, read in process
   (memory-mapped); queries embedded on the host's first TPU chip.
 - e5_hnsw: Search-R1's `e5_HNSW64.index` instead: far less CPU per query, approximate (a little recall lost).
+- e5_device: the same exact Flat search on the run's chips (`backend = "e5_device"`, docs/retrieval.md): the index's
+  rows in int8 over the chips, the top-3 proven equal to faiss's; one process only (a single-host slice, or
+  `--mode=compile` to cost it on this pod).
 - e5_es: e5 kNN through Elasticsearch (`index_builder --to elasticsearch --encoder e5`).
 - bm25_es: BM25 through Elasticsearch (not the paper's retriever: EM and search behaviour differ from its tables).
 - bm25: the embedded BM25 index (`index_builder --to bm25`), same caveat.
@@ -30,6 +33,9 @@ RETRIEVERS = {
            "encoder_path": E5},
     "e5_hnsw": {"backend": "faiss", "index_path": f"{WIKI18}/e5_HNSW64.index",
                 "corpus_path": f"{WIKI18}/wiki-18.jsonl", "encoder_path": E5},
+    "e5_device": {"backend": "e5_device", "index_path": f"{WIKI18}/e5_Flat.index",
+                  "corpus_path": f"{WIKI18}/wiki-18.jsonl", "encoder_path": E5, "vector_dtype": "int8",
+                  "candidates": 32, "search_batch": 64},
     "e5_es": {"backend": "elasticsearch", "hosts": ES_HOSTS, "index": "wiki18_e5", "encoder_path": E5},
     "bm25_es": {"backend": "elasticsearch", "hosts": ES_HOSTS, "index": "wiki18"},
     "bm25": {"backend": "bm25", "index_dir": f"{WIKI18}/bm25"},

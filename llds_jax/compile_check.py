@@ -58,6 +58,9 @@ from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
+from llds_jax.search import dense_index, device_index, device_search
+from llds_jax.search.dense import read_faiss_index
+from llds_jax.search.factory import resolve_config
 
 GIB = 1 << 30
 PLACEHOLDER_STOP_IDS = (0, 1)  # the samplers' turn stops: the tokenizer's do not change a program's shapes
@@ -148,6 +151,10 @@ def parse_required_bytes(message: str) -> Optional[float]:
 # reference parameters. Their bytes per chip are read off the programs that make them (XLA's own layout, padding
 # included): "reference copy" reads the params and writes the reference, "optimizer init" writes the state.
 PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
+# With the retriever on the chips (`retriever.backend = "e5_device"`): its index shard stays in HBM for the whole run
+# (INDEX: the search program's arguments, the shard and one batch of queries), and its search runs while a rollout
+# session holds its KV cache and rollout params (SESSION: the largest rollout program's arguments).
+INDEX, SESSION = "retrieval index", "rollout session"
 # What stays in HBM beside each training program without being its argument (the update: the reference, REFERENCE
 # by default); a rollout program keeps OPT_STATE and REFERENCE, and PARAMS too when the rollout has its own copy.
 TRAINING_RESIDENT = {
@@ -209,13 +216,18 @@ class Row:
 
 def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[str, float]:
     """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows[i]` the compiled
-    `programs[i]`). Without a reference (no KL term) the params are half the AdamW state (m and v are laid out like
-    them)."""
+    `programs[i]`), and of INDEX and SESSION when a retrieval search program is among them. Without a reference (no
+    KL term) the params are half the AdamW state (m and v are laid out like them)."""
     by_role = {program.role: row for row, program in zip(rows, programs)}
     opt_state = by_role[Role.OPTIMIZER_INIT].outputs
     copy = by_role.get(Role.REFERENCE_COPY)
     params = copy.arguments if copy is not None else opt_state / 2
-    return {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
+    sizes = {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
+    search = by_role.get(Role.RETRIEVAL)
+    if search is not None:
+        sizes[INDEX] = search.arguments
+        sizes[SESSION] = max(row.arguments for row, program in zip(rows, programs) if program.rollout)
+    return sizes
 
 
 def all_gather_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -401,6 +413,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         rollout.append(Program(reshard.name, reshard.shapes, reshard.lower(),
                                everything if cast else (OPT_STATE, REFERENCE), role=Role.RESHARD, calls=1.0))
     shapes_seen = set()
+    session_rows = 0
     batch = config_lib.rollout_batch_size(cfg)
     for label, sampler, sequences in (("", parts.sampler, batch // len(hosts)),
                                       ("eval ", parts.eval_sampler, cfg.eval.batch_size)):
@@ -408,6 +421,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         at = run_builder.session_shapes(cfg, sampler.config, sampler.batch_multiple, rollout_params, sequences,
                                         groups=not evaluation)
         calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, at.rows)
+        session_rows = session_rows or at.rows
         decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, at.prompt, at.observation, at.capacity)
         loop_runs = {Role.DECODE_CHUNK: (cfg.rollout.decode_chunk, decode_blocks), Role.EXTEND: (extend_blocks,),
                      Role.ROW_EXTEND: (extend_blocks,)}
@@ -428,7 +442,43 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                 for p in parts.step.abstract_programs(TrainShapes(batch, length,
                                                                   measure_lld=bool(cfg.train.lld_every)))]
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
-    return setup + rollout + training[len(setup):]
+    programs = setup + rollout + training[len(setup):]
+    if cfg.retriever.get("backend") != "e5_device":
+        return programs
+    search = retrieval_program(cfg, devices, batch // len(hosts), session_rows,
+                               everything if own_copy else (OPT_STATE, REFERENCE))
+    programs = [dataclasses.replace(p, resident=p.resident + (INDEX,)) for p in programs]
+    return programs[:len(setup) + len(rollout)] + [search] + programs[len(setup) + len(rollout):]
+
+
+def retrieval_program(cfg, devices: Sequence[Any], sequences: int, rows: int, resident: tuple[str, ...]) -> Program:
+    """The e5_device retriever's search program (`search.device_search`) on every chip, its index's rows and
+    dimension read from `retriever.index_path` when it is on this machine, else wiki-18's (`index_source`), at a
+    device call of a session's `rows` searches (at most `retriever.search_batch`); `resident`: what stays beside a
+    rollout program, SESSION added. Its calls per step: each session's search turns end in a call that holds
+    the session (`step_estimate.retrieval_calls`), of up to all its rows at the worst case."""
+    ret = resolve_config(cfg.retriever)
+    (rows_n, dim), _ = index_source(ret["index_path"])
+    lay = device_index.layout(rows_n, dim, len(devices), ret["vector_dtype"], ret["block_rows"])
+    queries = min(ret["search_batch"], max(8, 1 << math.ceil(math.log2(max(rows, 1)))))
+    program = device_search.abstract_program(lay, devices, max(ret["candidates"], cfg.rollout.retrieval_top_k),
+                                             queries)
+    blocking, _ = step_estimate.retrieval_calls(cfg, sequences, rows, 0.0)
+    return Program(program.name, program.shapes, program.lower(), resident + (SESSION,), role=Role.RETRIEVAL,
+                   calls=blocking * math.ceil(rows / queries))
+
+
+E5_BASE_DIM = 768  # e5-base-v2's embeddings
+
+
+def index_source(index_path: str) -> tuple[tuple[int, int], str]:
+    """((rows, dim), where from) of a Flat index file or index_builder folder on this machine, else wiki-18's
+    21,015,324 rows of e5-base-v2's 768 (the figures of Search-R1's e5_Flat.index)."""
+    file = os.path.join(index_path, dense_index.INDEX_NAME) if os.path.isdir(index_path) else index_path
+    if os.path.isfile(file):
+        index = read_faiss_index(file, mmap=True)
+        return (int(index.ntotal), int(index.d)), file
+    return (step_estimate.WIKI18_ROWS, E5_BASE_DIM), f"{index_path} is not on this machine: wiki-18's size"
 
 
 def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int,
@@ -468,6 +518,11 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     rows = [row.with_resident(sum(sizes[name] for name in program.resident))
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))
+    if INDEX in sizes:
+        (rows_n, dim), source = index_source(cfg.retriever.index_path)
+        print(f"retrieval index (e5_device, {cfg.retriever.get('vector_dtype', 'bfloat16')}): {rows_n:,} rows x {dim} "
+              f"({source}) over {len(devices)} chips: {format_bytes(sizes[INDEX])} per chip, resident in every "
+              f"program; its search holds a rollout session's {format_bytes(sizes[SESSION])} beside it")
     layout = run_builder.run_layout(cfg, devices)
     model, rollout = layout.model_cfg, layout.rollout
     problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)

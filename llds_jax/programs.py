@@ -39,6 +39,8 @@ class Role(enum.Enum):
     ROW_EXTEND = "row extend"
     # the paged engine (`rollout.runner`): one ragged step at a token bucket
     ROLLOUT_STEP = "rollout step"
+    # the retriever on the chips (`search.device_search`): one call scores a batch of searches against the index
+    RETRIEVAL = "retrieval search"
     # a training step
     REFERENCE_LOGP = "logp (reference)"
     POLICY_LOGP = "logp (policy)"

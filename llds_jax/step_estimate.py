@@ -37,15 +37,19 @@ from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
 
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on
-# Retrieval's cost per query, measured on this project's 2-vCPU machine with faiss on both
-# (`python bench/retrieval.py --search-only --dense-rows 200000`, docs/benchmarks.md, 2026-12-05): a Flat index
-# reads every row per query (seconds per query per million rows), HNSW64 at efSearch 16 a few hundred (seconds per
-# query at 200,000 rows; its cost grows with about the log of the rows: a lower bound at wiki-18's size).
-FLAT_S_PER_QUERY_PER_MROW = 0.1642  # 3.45 s per query over 21M rows on 2 vCPUs (load 5-6)
-HNSW_S_PER_QUERY = 7.03e-4  # over 200,000 rows, 2 vCPUs
-MEASURED_VCPUS = 2
+# Retrieval's cost per call (issue 55), measured on this project's 2-vCPU machine with faiss on one thread
+# (`python bench/retrieval.py --calls --dense-rows 200000`, docs/benchmarks.md, 2026-12-06). faiss searches a call
+# of fewer than BLAS_MIN_QUERIES queries one query per thread, each scanning every row (its per-query path); a
+# larger call through BLAS, which reads the rows once per block of queries. HNSW64 at efSearch 16 reads a few
+# hundred rows per query (seconds per query at 200,000 rows; its cost grows with about the log of the rows: a lower
+# bound at wiki-18's size).
+FLAT_SCAN_S_PER_MROW = 0.575  # one query scanning a million rows, one thread
+FLAT_BLAS_S_PER_QUERY_PER_MROW = 0.0285  # per query and million rows, one thread, faiss's BLAS path
+HNSW_S_PER_QUERY = 1.4e-3  # one thread, 200,000 rows
+BLAS_MIN_QUERIES = 167  # faiss's distance_compute_blas_threshold (128,000) over 768 dimensions
 WIKI18_ROWS = 21_015_324  # Search-R1's e5_Flat.index
-HOST_VCPUS = {"v4": 240}  # a Cloud TPU v4 VM host (ct4p-hightpu-4t); other generations: the measured rate as is
+HOST_VCPUS = {"v4": 240}  # a Cloud TPU v4 VM host (ct4p-hightpu-4t); other generations: this machine's 2
+MEASURED_VCPUS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,8 @@ def part(role: Role | None, rollout: bool) -> str:
     params)."""
     if role is Role.RESHARD:
         return RESHARD
+    if role is Role.RETRIEVAL:
+        return ""  # retrieval is its own line of the expected step (`retrieval_seconds`)
     return ROLLOUT if rollout else UPDATES
 
 
@@ -177,23 +183,51 @@ def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generatio
     return "\n".join(lines)
 
 
-def retrieval_seconds(cfg, queries: float, generation: str) -> tuple[float, str]:
-    """Seconds a host spends searching `queries` queries with `cfg`'s retriever, and how, in words: the measured
-    cost per query (module constants) of an e5 faiss Flat index over wiki-18's rows or an HNSW64 index, divided by
-    the host's vCPUs over the measuring machine's (faiss searches a batch on every core); (0, why) for a retriever
-    without a measured cost."""
+def retrieval_calls(cfg, sequences: int, rows: int, searches: float) -> tuple[float, float]:
+    """(calls per host and step that rows wait for, queries per such call) for one host's `sequences` trajectories
+    of `searches` searches each in sessions of `rows` rows. A session sends the searches of the rows whose turn ended
+    in a decode chunk as one call, while its other rows decode on; what holds the session is the last call of each
+    of its `rollout.max_turns` search turns (sessions decode at the worst case: some row searches in every turn).
+    Its size is bounded by every search of that turn: the step's searches over its calls."""
+    calls = _sessions(cfg, sequences, rows) * cfg.rollout.max_turns
+    return calls, sequences * searches / calls
+
+
+def host_call_seconds(index_rows: int, queries: float, vcpus: int, hnsw: bool) -> float:
+    """Seconds of one faiss call of `queries` queries on a host of `vcpus` threads: HNSW and Flat's per-query path
+    one query per thread (ceil(queries / vcpus) rounds); Flat's BLAS path (>= BLAS_MIN_QUERIES) its measured
+    per-query cost spread over the threads."""
+    rounds = math.ceil(queries / vcpus)
+    if hnsw:
+        return rounds * HNSW_S_PER_QUERY
+    if queries < BLAS_MIN_QUERIES:
+        return rounds * FLAT_SCAN_S_PER_MROW * index_rows / 1e6
+    return queries * FLAT_BLAS_S_PER_QUERY_PER_MROW * index_rows / 1e6 / vcpus
+
+
+def retrieval_seconds(cfg, calls: float, queries: float, generation: str, peaks: ChipPeaks,
+                      device_search: ProgramCost | None = None) -> tuple[float, str]:
+    """Seconds per host and step that rows wait for `calls` calls of `queries` queries with `cfg`'s retriever, and
+    how, in words: the e5_device search program's roofline time per device call (`device_search`, compiled at
+    `retriever.search_batch` queries or fewer); a faiss Flat (wiki-18's rows) or HNSW64 index by the measured cost
+    of such a call on a host's vCPUs (`host_call_seconds`); (0, why) for a retriever without a measured cost."""
     ret = cfg.retriever
-    index = os.path.basename(str(ret.get("index_path", ""))) if ret.get("backend") == "faiss" else ""
-    if "Flat" in index:
-        per_query, kind = FLAT_S_PER_QUERY_PER_MROW * WIKI18_ROWS / 1e6, f"e5 Flat over {WIKI18_ROWS:,} rows"
-    elif "HNSW" in index:
-        per_query, kind = HNSW_S_PER_QUERY, "e5 HNSW64 (efSearch 16)"
-    else:
-        return 0.0, f"no measured cost per query for retriever {ret.get('backend')!r} (not counted)"
+    backend = ret.get("backend")
+    if backend == "e5_device" and device_search is not None:
+        per_device_call = roofline_seconds(device_search.cost, peaks).seconds
+        per_call = per_device_call * math.ceil(queries / ret.get("search_batch", 64))
+        return calls * per_call, (f"{per_call * 1e3:.2f} ms per call (e5_device, {device_search.shapes}: "
+                                  f"{per_device_call * 1e3:.2f} ms per device call, roofline from its HLO)")
+    index = os.path.basename(str(ret.get("index_path", ""))) if backend == "faiss" else ""
+    if "Flat" not in index and "HNSW" not in index:
+        return 0.0, f"no measured cost per call for retriever {backend!r} (not counted)"
     vcpus = HOST_VCPUS.get(generation, MEASURED_VCPUS)
-    per_host = per_query * MEASURED_VCPUS / vcpus
-    return queries * per_host, (f"{per_host * 1e3:.2f} ms per query ({kind}: {per_query * 1e3:.1f} ms measured on "
-                                f"{MEASURED_VCPUS} vCPUs, spread over a host's {vcpus})")
+    hnsw = "HNSW" in index
+    per_call = host_call_seconds(WIKI18_ROWS, queries, vcpus, hnsw)
+    kind = ("e5 HNSW64 (efSearch 16), one query per thread" if hnsw else
+            f"e5 Flat over {WIKI18_ROWS:,} rows, " + ("one query per thread scanning every row"
+                                                      if queries < BLAS_MIN_QUERIES else "faiss's BLAS path"))
+    return calls * per_call, f"{per_call:.3g} s per call ({kind}, on a host's {vcpus} vCPUs; measured on 1 thread)"
 
 
 def expected(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str, cfg, lengths: step_lengths.Lengths,
@@ -205,15 +239,18 @@ def expected(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str,
     decode = step_lengths.decode_share(cfg, lengths, sequences, rows)
     update = step_lengths.update_share(cfg, lengths)
     totals = part_seconds(programs, peaks, {Role.DECODE_CHUNK: decode, **dict.fromkeys(FORWARDS, update)})
-    searches = sequences * lengths.searches
-    retrieval, how = retrieval_seconds(cfg, searches, generation)
+    calls, queries = retrieval_calls(cfg, sequences, rows, lengths.searches)
+    device_search = next((p for p in programs if p.role is Role.RETRIEVAL), None)
+    retrieval, how = retrieval_seconds(cfg, calls, queries, generation, peaks, device_search)
     rollout = totals[ROLLOUT] + totals[RESHARD] + retrieval
     step = rollout + totals[UPDATES]
     return "\n".join([
         f"expected lengths from {lengths.source}: per trajectory {lengths.sampled_tokens:,.0f} sampled tokens, "
         f"{lengths.trajectory_tokens:,.0f} trained, {lengths.searches:.2f} searches; the decode at {decode:.1%} of the "
         f"worst case's calls, the forwards and updates at {update:.1%}, other programs as in the worst case",
-        f"retrieval (in the rollout): {searches:,.0f} searches per host and step x {how} = {retrieval:.1f} s",
+        f"retrieval (in the rollout, what rows wait for): {sequences * lengths.searches:,.0f} searches per host and "
+        f"step; {calls:,.0f} calls held a session (each session's last call of each search turn) of up to "
+        f"{queries:,.0f} queries x {how} = {retrieval:.1f} s",
         f"expected step: rollout {rollout:.1f} s (of which retrieval {retrieval:.1f} s, weight reshard "
         f"{totals[RESHARD]:.2f} s) + updates {totals[UPDATES]:.1f} s = {step:.1f} s; rollout {rollout / step:.1%} of "
         "the step (an estimate, not a measurement)"])

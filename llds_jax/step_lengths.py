@@ -10,7 +10,8 @@ What the lengths change in the estimate:
 - the updates: with `optim.pack_trajectories` the trajectories are packed into rows of the compiled length, so
   the forwards and the update follow the mean trajectory's tokens (prompt, sampled and observation tokens), plus
   the packing's padding; without it they run at the batch's longest trajectory (the worst case assumed);
-- retrieval: each host's searches per step at the retriever's cost per query (`RETRIEVAL_S_PER_QUERY`).
+- retrieval: the calls that hold a session, each of up to the step's searches over those calls, at the retriever's
+  cost per call (`step_estimate.retrieval_seconds`).
 Prefills, extends, cache growth and compaction keep their worst-case counts (an upper bound: 17% of qwen7b_v4's
 worst-case rollout).
 """

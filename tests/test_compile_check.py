@@ -312,7 +312,8 @@ def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir, tmp_path):
     assert (f"expected lengths from the run {tmp_path}: means over its 1 steps: per trajectory 12 sampled tokens, 64 "
             "trained, 1.00 searches; the decode at 37.5% of the worst case's calls, the forwards and updates at 25.0%, "
             "other programs as in the worst case") in lines
-    assert any(line.startswith("retrieval (in the rollout): 32 searches per host and step x ") for line in lines)
+    assert any(line.startswith("retrieval (in the rollout, what rows wait for): 32 searches per host and step; ")
+               for line in lines)
     assert any(line.startswith("expected step: rollout ") for line in lines)
     wrong = launch(tiny_model_dir, "--mode=train", f"--estimate_from={tmp_path}")
     assert wrong.returncode == 2 and "--estimate_from is a flag of --mode=compile, not of --mode=train" in wrong.stderr
@@ -391,3 +392,64 @@ def test_tree_rollouts_compile_their_fork_without_gathering_a_weight(tiny_model_
     assert compile_check.weight_collectives([compile_check.compile_row(fork)], layout.model_cfg, layout.tensor) == []
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     assert "\nfork " in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def small_flat_file(tmp_path_factory):
+    """A Flat inner-product file of 30,000 rows of 768 (what retriever.index_path names), random values."""
+    import faiss
+    import numpy as np
+
+    index = faiss.IndexFlatIP(768)
+    index.add(np.random.default_rng(0).standard_normal((30_000, 768), dtype=np.float32))
+    path = str(tmp_path_factory.mktemp("flat") / "e5_Flat.index")
+    faiss.write_index(index, path)
+    return path
+
+
+@pytest.mark.parametrize("dtype, row_bytes, padding", [("int8", 768 + 4, (2048 - 1888) * 4), ("bfloat16", 2 * 768, 0)])
+def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argument(tiny_model_dir, small_flat_file,
+                                                                                    dtype, row_bytes, padding):
+    """The e5_device search program compiled for v4:2x2x4 (16 chips): 30,000 rows in 2 blocks of 944 rows per chip
+    (1,888 >= 30,000 / 16); its arguments are the chip's shard (rows x 768 bytes and a float32 scale each in int8,
+    the scales padded to TPU tiles of 1,024; 2 x 768 in bfloat16) and a batch of 16 bfloat16 queries; its HLO does 2 x 16 x 1,888 x 768 FLOPs and reads the
+    shard; it gathers the chips' 32 candidates per query, never the rows. Its calls per step: the 2 sessions' 3
+    search turns, one device call each (16 rows, search_batch 16)."""
+    cfg = flagship(tiny_model_dir, **{"retriever.backend": "e5_device"})
+    cfg.retriever = {"backend": "e5_device", "index_path": small_flat_file, "encoder_path": "/e5",
+                     "vector_dtype": dtype, "block_rows": 1000, "search_batch": 16}
+    devices, _ = compile_check.topology_devices("v4:2x2x4")
+    program = compile_check.retrieval_program(cfg, devices, sequences=32, rows=16, resident=("params",))
+    assert program.role is Role.RETRIEVAL and program.resident == ("params", compile_check.SESSION)
+    assert program.shapes == (f"16 queries x 30,000 rows of 768 in {dtype}, 32 candidates, 1,888 rows per chip")
+    assert program.calls == 2 * 3
+    row = compile_check.compile_row(program)
+    assert not row.error, row.error
+    assert row.arguments == 1888 * row_bytes + padding + 16 * 768 * 2
+    assert row.cost.flops == 2 * 16 * 1888 * 768
+    assert row.cost.hbm_bytes >= 1888 * 768 * (1 if dtype == "int8" else 2)
+    assert row.gathers and all(768 not in dims for _, dims in row.gathers)  # candidates, never an index row
+
+
+@pytest.mark.slow
+def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(tiny_model_dir, small_flat_file,
+                                                                               capsys):
+    """configs/qwen7b_v4.py:e5_device shrunk, for v5e:2x2: every program compiles; each but the search holds the
+    index shard (the search program's arguments) beside what it held before; the search holds a rollout session
+    beside it; the index line names rows, dtype and bytes per chip; the expected step costs retrieval per call."""
+    cfg = flagship(tiny_model_dir)
+    cfg.retriever = load("qwen7b_v4", "e5_device").retriever
+    cfg.retriever.index_path, cfg.retriever.search_batch = small_flat_file, 16
+    devices, _ = compile_check.topology_devices("v5e:2x2")
+    programs = compile_check.build_programs(cfg, devices)
+    search = [p for p in programs if p.role is Role.RETRIEVAL]
+    assert len(search) == 1 and search[0].resident[-1] == compile_check.SESSION
+    assert all(p.resident[-1] == compile_check.INDEX for p in programs if p.role is not Role.RETRIEVAL)
+    assert compile_check.run(cfg, "v5e:2x2") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("retrieval index (e5_device, int8): 30,000 rows x 768 (") and
+               "over 4 chips: 5.55M per chip, resident in every program" in line for line in lines)
+    assert any(line.startswith("retrieval search ") for line in lines)
+    retrieval = next(line for line in lines if line.startswith("retrieval (in the rollout, what rows wait for)"))
+    assert ("48 searches per host and step; 6 calls held a session (each session's last call of each search turn) of "
+            "up to 8 queries x ") in retrieval and "ms per call (e5_device, 16 queries x 30,000 rows" in retrieval

@@ -69,9 +69,14 @@ def test_named_retriever_alternatives():
     assert module.get_config("bm25_es").retriever.to_dict() == {
         "backend": "elasticsearch", "hosts": "https://YOUR_ES_HOST:9200", "index": "wiki18"}
     assert module.get_config("e5_es").retriever.encoder_path == "gs://YOUR_BUCKET/models/e5-base-v2"
-    for name in ("e5_hnsw", "bm25"):
+    for name in ("e5_hnsw", "e5_device", "bm25"):
         checks.validate(module.get_config(name), 8)
-    with pytest.raises(ValueError, match="retriever 'dense' is not one of e5, e5_hnsw, e5_es, bm25_es, bm25"):
+    assert module.get_config("e5_device").retriever.to_dict() == {
+        "backend": "e5_device", "index_path": "/data/wiki18/e5_Flat.index", "corpus_path": "/data/wiki18/wiki-18.jsonl",
+        "encoder_path": "gs://YOUR_BUCKET/models/e5-base-v2", "vector_dtype": "int8", "candidates": 32,
+        "search_batch": 64}
+    with pytest.raises(ValueError, match="retriever 'dense' is not one of e5, e5_hnsw, e5_device, e5_es, bm25_es, "
+                                         "bm25"):
         module.get_config("dense")
 
 

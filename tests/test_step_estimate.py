@@ -77,29 +77,59 @@ def test_step_time_adds_each_programs_roofline_time_per_call_times_its_calls():
 
 
 
-def test_retrieval_costs_the_measured_rate_per_query_spread_over_a_hosts_cores(monkeypatch):
-    """1 ms per query per million rows measured on 2 vCPUs: a Flat index over wiki-18's 21,015,324 rows costs
-    21.0 ms per query there, 0.175 ms on a v4 host's 240 vCPUs; HNSW its own measured cost; BM25 none measured."""
-    monkeypatch.setattr(step_estimate, "FLAT_S_PER_QUERY_PER_MROW", 1e-3)
+def test_retrieval_is_costed_by_the_calls_that_hold_a_session():
+    """configs/qwen7b_v4.py: 640 trajectories per host in 5 sessions, 3 search turns each: 15 calls hold a session,
+    each of up to 960 / 15 = 64 searches at 1.5 per trajectory."""
+    cfg = load("qwen7b_v4")
+    assert step_estimate.retrieval_calls(cfg, sequences=640, rows=128, searches=1.5) == (15, 64.0)
+
+
+def test_a_faiss_call_costs_one_scan_per_query_per_thread_below_the_blas_path(monkeypatch):
+    """1 s per million rows for one query on one thread: a call of 64 queries on 240 vCPUs is one round, 21.0 s over
+    wiki-18 (each thread scans every row); 166 queries on 2 vCPUs are 83 rounds; from 167 queries faiss multiplies
+    through BLAS, at its per-query cost spread over the threads. HNSW: rounds of its per-query cost (300 queries on
+    240 threads: 2)."""
+    monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 1.0)
+    monkeypatch.setattr(step_estimate, "FLAT_BLAS_S_PER_QUERY_PER_MROW", 0.1)
     monkeypatch.setattr(step_estimate, "HNSW_S_PER_QUERY", 2e-3)
+    rows = step_estimate.WIKI18_ROWS
+    assert step_estimate.host_call_seconds(rows, 64, 240, hnsw=False) == pytest.approx(21.015324)
+    assert step_estimate.host_call_seconds(rows, 166, 2, hnsw=False) == pytest.approx(83 * 21.015324)
+    assert step_estimate.host_call_seconds(rows, 300, 240, hnsw=False) == pytest.approx(300 * 2.1015324 / 240)
+    assert step_estimate.host_call_seconds(rows, 300, 240, hnsw=True) == pytest.approx(2 * 2e-3)
+
+
+def test_retrieval_seconds_by_backend(monkeypatch):
+    """15 calls of 64 queries on a v4 host: Flat at one scan per call; HNSW at one round; the e5_device search
+    program at its roofline time per device call (1.2 GB read at v4's 1.2 TB/s: 1 ms), one call of 64 queries;
+    BM25 none measured."""
+    monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 1.0)
+    monkeypatch.setattr(step_estimate, "HNSW_S_PER_QUERY", 2e-3)
+    v4 = PEAKS["v4"]
     cfg = load("qwen7b_v4")  # e5: Search-R1's e5_Flat.index
-    seconds, how = step_estimate.retrieval_seconds(cfg, 960, "v4")
-    assert seconds == pytest.approx(960 * 21.015324e-3 * 2 / 240)
-    assert how == "0.18 ms per query (e5 Flat over 21,015,324 rows: 21.0 ms measured on 2 vCPUs, spread over a host's 240)"
-    assert step_estimate.retrieval_seconds(cfg, 960, "v5e")[0] == pytest.approx(960 * 21.015324e-3)
-    cfg = load("qwen7b_v4", "e5_hnsw")
-    assert step_estimate.retrieval_seconds(cfg, 960, "v4")[0] == pytest.approx(960 * 2e-3 / 120)
-    cfg = load("qwen7b_v4", "bm25")
-    assert step_estimate.retrieval_seconds(cfg, 960, "v4") == (0.0, "no measured cost per query for retriever 'bm25' "
-                                                                     "(not counted)")
+    seconds, how = step_estimate.retrieval_seconds(cfg, 15, 64, "v4", v4)
+    assert seconds == pytest.approx(15 * 21.015324)
+    assert how == ("21 s per call (e5 Flat over 21,015,324 rows, one query per thread scanning every row, on a host's "
+                   "240 vCPUs; measured on 1 thread)")
+    assert step_estimate.retrieval_seconds(load("qwen7b_v4", "e5_hnsw"), 15, 64, "v4", v4)[0] == pytest.approx(
+        15 * 2e-3)
+    search = step_estimate.ProgramCost("retrieval search", "64 queries x ...", HloCost(hbm_bytes=1.2e9), 15, "",
+                                       Role.RETRIEVAL)
+    seconds, how = step_estimate.retrieval_seconds(load("qwen7b_v4", "e5_device"), 15, 64, "v4", v4, search)
+    assert seconds == pytest.approx(15 * 1e-3)
+    assert how == "1.00 ms per call (e5_device, 64 queries x ...: 1.00 ms per device call, roofline from its HLO)"
+    assert step_estimate.retrieval_seconds(load("qwen7b_v4", "e5_device"), 15, 65, "v4", v4, search)[0] == (
+        pytest.approx(15 * 2e-3))  # 65 queries: two device calls of 64
+    assert step_estimate.retrieval_seconds(load("qwen7b_v4", "bm25"), 15, 64, "v4", v4) == (
+        0.0, "no measured cost per call for retriever 'bm25' (not counted)")
 
 
 def test_the_expected_step_scales_the_decode_and_the_updates_and_adds_retrieval(monkeypatch):
     """Worst case: 100 decode chunks of 1 ms and 10 updates of 1 s (memory-bound at 1.2 TB/s), a 2 ms reshard.
     Expected: the decode at 375 / 0.25 = 1500 of 2000 steps (75 ms), the updates at 1024 of 4096 tokens (2.5 s),
-    960 searches (640 trajectories x 1.5) at 1 ms each on a 240-vCPU host (120 ms per query measured on 2) added to
-    the rollout."""
-    monkeypatch.setattr(step_estimate, "FLAT_S_PER_QUERY_PER_MROW", 120e-3 / step_estimate.WIKI18_ROWS * 1e6)
+    960 searches (640 trajectories x 1.5) in 15 calls that hold a session, each of up to 64 queries, one round of
+    64 ms scans on a 240-vCPU host, added to the rollout."""
+    monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 64e-3 / step_estimate.WIKI18_ROWS * 1e6)
     cfg = load("qwen7b_v4")
     v4 = PEAKS["v4"]
     programs = [
@@ -114,8 +144,10 @@ def test_the_expected_step_scales_the_decode_and_the_updates_and_adds_retrieval(
     assert lines[0] == ("expected lengths from the run r: per trajectory 375 sampled tokens, 1,024 trained, 1.50 "
                         "searches; the decode at 75.0% of the worst case's calls, the forwards and updates at 25.0%, "
                         "other programs as in the worst case")
-    assert lines[1] == ("retrieval (in the rollout): 960 searches per host and step x 1.00 ms per query (e5 Flat over "
-                        "21,015,324 rows: 120.0 ms measured on 2 vCPUs, spread over a host's 240) = 1.0 s")
+    assert lines[1] == ("retrieval (in the rollout, what rows wait for): 960 searches per host and step; 15 calls held a "
+                        "session (each session's last call of each search turn) of up to 64 queries x 0.064 s per call "
+                        "(e5 Flat over 21,015,324 rows, one query per thread scanning every row, on a host's 240 vCPUs; "
+                        "measured on 1 thread) = 1.0 s")
     rollout = 0.075 + 0.002 + 0.96
     assert lines[2] == (f"expected step: rollout {rollout:.1f} s (of which retrieval 1.0 s, weight reshard 0.00 s) + "
                         f"updates 2.5 s = {rollout + 2.5:.1f} s; rollout {rollout / (rollout + 2.5):.1%} of the step (an "

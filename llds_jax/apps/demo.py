@@ -1,4 +1,5 @@
-"""Self-contained assets for a run on one machine: a generated search world, its embedded BM25 index, a tokenizer,
+"""Self-contained assets for a run on one machine: a generated search world, its embedded BM25 index (and with
+`demo.retriever = "e5_device"` its e5 Flat index, searched on the devices), a tokenizer,
 a small random Qwen2-architecture policy saved as a Hugging Face folder, and demonstrations for its warm start.
 
 The tokenizer is the offline Qwen2.5 one (`demo.tokenizer = "qwen2.5"`, 151,936 embedding rows as in the real
@@ -28,6 +29,7 @@ from flax import nnx
 
 from index_builder.corpus import CorpusReader
 from index_builder.to_bm25 import build_bm25
+from index_builder.to_faiss import build_faiss
 from llds_jax import distributed, gcs
 from llds_jax.apps.demo_config import (  # noqa: F401  (the application protocol, llds_jax.application)
     DEMO_TOKENIZERS, check_config, config_sections, paths, provided_keys)
@@ -35,6 +37,7 @@ from llds_jax.config import ConfigError
 from llds_jax.data import synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
 from llds_jax.rollout.buckets import round_up
+from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.factory import make_retriever
 from llds_jax.sft.demonstrations import write_demonstrations
 from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
@@ -42,7 +45,8 @@ from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tok
 log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
 _VOCAB_MULTIPLE = 128  # embedding rows of a trained tokenizer are padded to a multiple of this
-ASSETS_VERSION = 6     # part of the recorded spec: assets built by older code are rebuilt
+ASSETS_VERSION = 7     # part of the recorded spec: assets built by older code are rebuilt
+E5_MAX_LENGTH = 128    # tokens per text of the demo's e5 index (the random BERT's positions)
 
 
 def _search_fn(index_dir: str, k: int):
@@ -64,8 +68,10 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     """Writes world files, index, tokenizer, a random model and demonstrations under `out_dir`; returns their paths.
 
     `spec` holds num_people, seed, tokenizer, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-    intermediate_size, initializer_range, search_fraction, top_k (documents per search in the demonstrations) and
-    version. An existing folder built from the same spec is reused.
+    intermediate_size, initializer_range, search_fraction, top_k (documents per search in the demonstrations),
+    retriever, encoder_path and version. With retriever "e5_device" it also writes the world's e5 Flat index
+    (index_builder's folder) embedded by `encoder_path`, or by a small random BERT of e5's layout written there
+    ("e5"; needs torch) when it is "". An existing folder built from the same spec is reused.
     """
     if spec["tokenizer"] not in DEMO_TOKENIZERS:
         raise ValueError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")
@@ -74,7 +80,9 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
              "train": os.path.join(out_dir, "world", "train.parquet"),
              "test": os.path.join(out_dir, "world", "test.parquet"),
              "demonstrations": os.path.join(out_dir, "world", "demonstrations.jsonl"),
-             "search_demonstrations": os.path.join(out_dir, "world", "search_demonstrations.jsonl")}
+             "search_demonstrations": os.path.join(out_dir, "world", "search_demonstrations.jsonl"),
+             "e5_index": os.path.join(out_dir, "e5_index"),
+             "encoder": spec["encoder_path"] or os.path.join(out_dir, "e5")}
     if os.path.exists(done):
         with open(done) as f:
             if json.load(f) == spec:
@@ -83,6 +91,13 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     world = synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
     files = synthetic.write_world(world, os.path.join(out_dir, "world"))
     build_bm25(CorpusReader(files["corpus.jsonl"]), paths["index"])
+    if spec["retriever"] == "e5_device":
+        if not spec["encoder_path"]:
+            from llds_jax.search.synthetic import write_random_bert  # torch: only for this random encoder
+
+            write_random_bert(paths["encoder"], max_positions=E5_MAX_LENGTH, seed=spec["seed"])
+        build_faiss(CorpusReader(files["corpus.jsonl"]), paths["e5_index"],
+                    E5Embedder(paths["encoder"], max_length=E5_MAX_LENGTH))
     search = _search_fn(paths["index"], spec["top_k"])
     records = synthetic.demonstrations(world, world.train, search, spec["search_fraction"], seed=spec["seed"])
     write_demonstrations(paths["demonstrations"], records)
@@ -112,7 +127,7 @@ def assets_for(cfg: ml_collections.ConfigDict, out_dir: str) -> dict[str, str]:
     d = cfg.demo
     spec = {key: d[key] for key in ("num_people", "tokenizer", "vocab_size", "hidden_size", "num_layers",
                                     "num_heads", "num_kv_heads", "intermediate_size", "initializer_range",
-                                    "search_fraction")}
+                                    "search_fraction", "retriever", "encoder_path")}
     return build_assets(out_dir, {**spec, "seed": cfg.seed, "top_k": cfg.rollout.retrieval_top_k,
                                   "version": ASSETS_VERSION})
 
@@ -130,6 +145,9 @@ def prepare(cfg: ml_collections.ConfigDict) -> None:
     cfg.data.train_files = [paths["train"]]
     cfg.data.eval_files = [paths["test"]]
     cfg.retriever = ml_collections.ConfigDict({"backend": "bm25", "index_dir": paths["index"]})
+    if cfg.demo.retriever == "e5_device":
+        cfg.retriever = ml_collections.ConfigDict({"backend": "e5_device", "index_path": paths["e5_index"],
+                                                   "encoder_path": paths["encoder"], "max_length": E5_MAX_LENGTH})
     if cfg.sft.enabled and not cfg.sft.data_files:
         cfg.sft.data_files = [paths["demonstrations"]]
     if cfg.sft.enabled and cfg.sft.curriculum_steps and not cfg.sft.curriculum_files:

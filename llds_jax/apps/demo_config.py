@@ -18,6 +18,8 @@ APP = "llds_jax.apps.demo"  # the run config's `app` value of the demo
 
 # The demo's tokenizers: the real Qwen2.5 one, or a BPE trained on its generated world.
 DEMO_TOKENIZERS = ("qwen2.5", "world")
+# The demo's retrievers: BM25 over the world, or its e5 Flat index searched on the devices (backend e5_device).
+DEMO_RETRIEVERS = ("bm25", "e5_device")
 
 
 def section() -> ml_collections.ConfigDict:
@@ -35,6 +37,8 @@ def section() -> ml_collections.ConfigDict:
     d.num_kv_heads = 2
     d.intermediate_size = 128
     d.initializer_range = 0.02          # std of the random policy's initial weights (model.initializer_range)
+    d.retriever = "bm25"                # or "e5_device": the world's e5 Flat index searched on the devices
+    d.encoder_path = ""                 # e5 folder of demo.retriever e5_device; "": a small random BERT (needs torch)
     return d
 
 
@@ -56,6 +60,7 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"app {APP!r} needs the config section 'demo' (llds_jax.apps.demo_config.section())")
     config_lib.check_bounds(cfg, _BOUNDS)
     config_lib.check_choice(cfg, "demo.tokenizer", DEMO_TOKENIZERS)
+    config_lib.check_choice(cfg, "demo.retriever", DEMO_RETRIEVERS)
 
 
 def provided_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:

@@ -61,16 +61,16 @@ def top_k_postings(accumulator: np.ndarray, postings: Sequence[tuple[np.ndarray,
 
 
 class Bm25Retriever(LocalRetriever):
-    """Searches the index folder `index_dir` with `workers` threads (a batch is split across them).
+    """Searches the index folder `index_dir` with `workers` threads (a batch is split across them; 0: one per core).
 
     RAM: the vocabulary dict, plus one float32 accumulator of length num_docs per worker thread (84 MB at 21M).
     """
 
     backend = "bm25"
 
-    def __init__(self, index_dir: str, *, workers: int = 2):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+    def __init__(self, index_dir: str, *, workers: int = 0):
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: one per core), got {workers}")
         self.index_dir = index_dir
         self.manifest = read_manifest(index_dir)
         self._data = np.load(os.path.join(index_dir, DATA_FILE), mmap_mode="r")

@@ -10,8 +10,10 @@ a host should keep the file in its page cache (RAM above the index size) or the 
 a few thousand vectors per query. Scores are faiss's inner products (cosine similarities of unit vectors), as
 Search-R1's server returns them.
 
-Queries are embedded in batches under jit on the default JAX device, then searched with faiss's own threads; both
-run on one worker thread, never on the event loop.
+Queries are embedded in batches under jit on the default JAX device, then searched with faiss's own threads (OpenMP,
+one per core: faiss splits a call's queries over them, or runs its BLAS path from 167 queries of 768 dimensions on);
+each call runs whole on one of `workers` threads (0: one per core), never on the event loop, so a call never
+queues behind another.
 """
 from __future__ import annotations
 
@@ -67,12 +69,15 @@ class FaissRetriever(LocalRetriever):
     index_path: a faiss index file (with `corpus_path`) or an index folder of ours (`corpus_path` "": its passages).
     encoder_path: the e5 model folder (local or gs://). max_length, batch_size, dtype: E5Embedder's.
     hnsw_ef_search: HNSW search breadth (0 keeps the file's; Search-R1 keeps faiss's default 16).
+    workers: calls searched at once (0: one per core).
     """
 
     backend = "faiss"
+    split_calls = False  # faiss spreads a call's queries over its own threads
 
     def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = "", max_length: int = 256,
-                 batch_size: int = 256, dtype: str = "float32", mmap: bool = True, hnsw_ef_search: int = 0):
+                 batch_size: int = 256, dtype: str = "float32", mmap: bool = True, hnsw_ef_search: int = 0,
+                 workers: int = 0):
         dim = encoder_dim(encoder_path)  # before anything heavy is read
         folder = os.path.isdir(index_path)
         file = dense_index.index_file(index_path) if folder else index_path
@@ -93,7 +98,7 @@ class FaissRetriever(LocalRetriever):
             raise ValueError(f"corpus {corpus} has {len(docs):,} lines but faiss index {file} has"
                              f" {self.index.ntotal:,} rows (row i is line i): the wrong corpus, or a truncated one")
         self.embedder = E5Embedder(encoder_path, max_length=max_length, batch_size=batch_size, dtype=dtype)
-        super().__init__(index_path, docs, workers=1)
+        super().__init__(index_path, docs, workers=workers)
 
     @property
     def num_docs(self) -> int:

@@ -2,18 +2,24 @@
 
 Config keys (a dict, or anything with `to_dict()` / `items()` such as ml_collections.ConfigDict):
 
-- `backend`: "bm25" (default), "faiss", "elasticsearch" or "http".
+- `backend`: "bm25" (default), "faiss", "e5_device", "elasticsearch" or "http".
 - bm25 (embedded index, see bm25.py):
   - `index_dir` (str, required): folder written by `python -m index_builder CORPUS --to bm25 --out DIR`.
-  - `workers` (int, 2): search threads; a batch is split across them.
+  - `workers` (int, 0): search threads, 0 = one per core of the machine; a batch is split across them.
 - faiss (embedded dense retrieval with e5 query embeddings, see dense.py):
   - `index_path` (str, required): a faiss index file (Search-R1's `e5_Flat.index` / `e5_HNSW64.index`), or a folder
     written by `python -m index_builder CORPUS --to faiss --encoder e5 --out DIR`.
   - `corpus_path` (str, ""): the corpus of an index file (`wiki-18.jsonl`, row i = line i); "" for a folder.
   - `mmap` (bool, True): memory-map the index's vectors; `hnsw_ef_search` (int, 0): HNSW breadth, 0 = the file's.
-- faiss and elasticsearch, the e5 encoder (e5.py):
-  - `encoder_path` (str; required for faiss; elasticsearch: "" = BM25, a folder = kNN): e5 model folder (local or
-    gs://), e.g. a copy of intfloat/e5-base-v2.
+  - `workers` (int, 0): calls searched at once, each whole on faiss's threads (one per core); 0 = one per core.
+- e5_device (the exact Flat search on this process's devices, see dense_device.py): `index_path`, `corpus_path`
+  as faiss's (a Flat index); `vector_dtype` ("bfloat16" or "int8", "bfloat16"): the rows on the chips;
+  `candidates` (int, 32): candidates per query of the first pass (4x more for a query whose top-k is not proven);
+  `max_candidates` (int, 4096): past it a query is scanned on the host; `block_rows` (int, 65536): rows a device
+  scores at a time; `search_batch` (int, 64): queries per device call.
+- faiss, e5_device and elasticsearch, the e5 encoder (e5.py):
+  - `encoder_path` (str; required for faiss and e5_device; elasticsearch: "" = BM25, a folder = kNN): e5 model
+    folder (local or gs://), e.g. a copy of intfloat/e5-base-v2.
   - `max_length` (int, 256): tokens per query; `encoder_batch_size` (int, 256): queries per device call;
     `encoder_dtype` ("float32" or "bfloat16", "float32"): compute dtype.
 - elasticsearch (see elastic.py; credentials only from env LLDS_ES_API_KEY or LLDS_ES_USER + LLDS_ES_PASSWORD):
@@ -51,9 +57,12 @@ _ENCODER_KEYS = {"max_length": ((int,), 256), "encoder_batch_size": ((int,), 256
                  "encoder_dtype": ((str,), "float32")}
 # backend -> key -> (accepted types, default or _REQUIRED)
 _SPECS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
-    "bm25": {"index_dir": ((str,), _REQUIRED), "workers": ((int,), 2)},
+    "bm25": {"index_dir": ((str,), _REQUIRED), "workers": ((int,), 0)},
     "faiss": {"index_path": ((str,), _REQUIRED), "corpus_path": ((str,), ""), "encoder_path": ((str,), _REQUIRED),
-              "mmap": ((bool,), True), "hnsw_ef_search": ((int,), 0), **_ENCODER_KEYS},
+              "mmap": ((bool,), True), "hnsw_ef_search": ((int,), 0), "workers": ((int,), 0), **_ENCODER_KEYS},
+    "e5_device": {"index_path": ((str,), _REQUIRED), "corpus_path": ((str,), ""), "encoder_path": ((str,), _REQUIRED),
+                  "vector_dtype": ((str,), "bfloat16"), "candidates": ((int,), 32), "max_candidates": ((int,), 4096),
+                  "block_rows": ((int,), 65536), "search_batch": ((int,), 64), **_ENCODER_KEYS},
     "elasticsearch": {"hosts": ((str, list, tuple), "http://127.0.0.1:9200"), "index": ((str,), _REQUIRED),
                       "verify_certs": ((bool,), True), "ca_certs": ((str, type(None)), None),
                       "batch_size": ((int,), 64), "encoder_path": ((str,), ""), "vector_field": ((str,), "embedding"),
@@ -61,8 +70,10 @@ _SPECS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
     "http": {"url": ((str,), _REQUIRED), "batch_size": ((int,), 64), **_POLICY_KEYS},
 }
 BACKENDS = tuple(_SPECS)
-_CHOICES = {"encoder_dtype": ("float32", "bfloat16")}
-_POSITIVE = ("workers", "max_length", "encoder_batch_size", "num_candidates", "batch_size")
+_CHOICES = {"encoder_dtype": ("float32", "bfloat16"), "vector_dtype": ("bfloat16", "int8")}
+_NOT_NEGATIVE = ("workers",)  # 0: one per core
+_POSITIVE = ("max_length", "encoder_batch_size", "num_candidates", "batch_size", "candidates",
+             "max_candidates", "block_rows", "search_batch")
 _URL_KEYS = ("url", "hosts")
 
 
@@ -118,6 +129,8 @@ def resolve_config(cfg: Any) -> dict:
                              f"{_shown(value)}")
         if key in _POSITIVE and value < 1:
             raise ValueError(f"retriever config key {key!r} must be >= 1, got {value!r}")
+        if key in _NOT_NEGATIVE and value < 0:
+            raise ValueError(f"retriever config key {key!r} must be >= 0 (0: one per core), got {value!r}")
         if key in _URL_KEYS:
             _check_urls(key, value)
         resolved[key] = value
@@ -144,7 +157,16 @@ def make_retriever(cfg: Any) -> Retriever:
 
         return FaissRetriever(c["index_path"], c["encoder_path"], corpus_path=c["corpus_path"],
                               max_length=c["max_length"], batch_size=c["encoder_batch_size"],
-                              dtype=c["encoder_dtype"], mmap=c["mmap"], hnsw_ef_search=c["hnsw_ef_search"])
+                              dtype=c["encoder_dtype"], mmap=c["mmap"], hnsw_ef_search=c["hnsw_ef_search"],
+                              workers=c["workers"])
+    if backend == "e5_device":
+        from llds_jax.search.dense_device import DeviceFlatRetriever
+
+        return DeviceFlatRetriever(c["index_path"], c["encoder_path"], corpus_path=c["corpus_path"],
+                                   max_length=c["max_length"], batch_size=c["encoder_batch_size"],
+                                   dtype=c["encoder_dtype"], vector_dtype=c["vector_dtype"],
+                                   candidates=c["candidates"], max_candidates=c["max_candidates"],
+                                   block_rows=c["block_rows"], search_batch=c["search_batch"])
     policy = request_policy(c)
     if backend == "elasticsearch":
         from llds_jax.search.elastic import ElasticsearchRetriever

@@ -1,20 +1,29 @@
 """`LocalRetriever`: the shared part of the embedded backends (bm25.py, dense.py), whose index lives in this process.
 
 Searches run on the retriever's own worker threads, never on the event loop: `search` splits a batch into one
-part per worker and runs `search_blocking` on each. Passages are read from a `DocStore` by row number. A failure
-during `search` becomes one error result per query; `check` runs a one-query search and reads the last row.
+part per worker and runs `search_blocking` on each (a backend that searches a whole call on many cores itself,
+faiss, sets `split_calls = False`: each call then runs whole on one worker, and several calls run at once).
+`workers` 0 means one per core of the machine (`os.cpu_count()`). Passages are read from a `DocStore` by row
+number. A failure during `search` becomes one error result per query; `check` runs a one-query search and reads the
+last row.
 """
 from __future__ import annotations
 
 import abc
 import asyncio
 import concurrent.futures
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from llds_jax.search.docstore import DocStore
 from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
+
+
+def machine_workers(workers: int) -> int:
+    """`workers`, or the machine's cores (`os.cpu_count()`) when it is 0."""
+    return workers or os.cpu_count() or 1
 
 
 class LocalRetriever(Retriever):
@@ -25,10 +34,12 @@ class LocalRetriever(Retriever):
     it implements `_top_k_rows`, and overrides `num_docs` when its index holds fewer rows than `docs`.
     """
 
+    split_calls = True  # a call's queries are split over the workers
+
     def __init__(self, index: str, docs: DocStore, workers: int):
         self._where = f"{self.backend} backend (index {index})"
         self._docs = docs
-        self._workers = workers
+        self._workers = workers = machine_workers(workers)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{self.backend}-search")
 
     @property
@@ -56,7 +67,7 @@ class LocalRetriever(Retriever):
         if not queries:
             return []
         loop = asyncio.get_running_loop()
-        size = -(-len(queries) // self._workers)
+        size = -(-len(queries) // self._workers) if self.split_calls else len(queries)
         parts = [queries[i:i + size] for i in range(0, len(queries), size)]
         try:
             answers = await asyncio.gather(

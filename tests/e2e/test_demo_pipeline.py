@@ -82,3 +82,21 @@ def test_comparison_runs_grpo_then_llds_with_the_same_config_then_the_report(cap
 def test_comparison_of_a_missing_config_names_it(capsys):
     assert demo_compare.main(["--config=configs/x.py", "--dry-run"]) == 2
     assert "config file not found: configs/x.py" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_demo_trains_and_evaluates_with_the_retriever_on_the_devices(tmp_path):
+    """`--config.demo.retriever=e5_device`: the assets gain the world's e5 Flat index (a small random BERT's vectors),
+    the run's retriever searches it on the devices (the start-up check searches), and the run trains and evaluates
+    to the end."""
+    run_dir = tmp_path / "run"
+    code, out, err = run("llds_jax.launch", f"--config={TINY}", f"--config.run_dir={run_dir}",
+                         "--config.demo.retriever=e5_device")
+    assert code == 0, err[-3000:]
+    with open(run_dir / "config.json") as f:
+        retriever = json.load(f)["retriever"]
+    assert retriever == {"backend": "e5_device", "index_path": str(run_dir / "assets" / "e5_index"),
+                         "encoder_path": str(run_dir / "assets" / "e5"), "max_length": 128}
+    assert "retriever e5_device" in out and "training stopped after step 2 of 2" in out
+    with open(run_dir / "metrics.jsonl") as f:
+        assert "eval/em_mean" in [json.loads(line) for line in f][-1]

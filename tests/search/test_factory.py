@@ -10,22 +10,30 @@ from llds_jax.search.http import HttpRetriever
 
 
 def test_defaults_are_filled_in():
-    assert resolve_config({"index_dir": "/idx"}) == {"backend": "bm25", "index_dir": "/idx", "workers": 2}
+    assert resolve_config({"index_dir": "/idx"}) == {"backend": "bm25", "index_dir": "/idx", "workers": 0}
     assert resolve_config({"backend": "http", "url": "http://127.0.0.1:1/retrieve"}) == {
         "backend": "http", "url": "http://127.0.0.1:1/retrieve", "batch_size": 64, "timeout_s": 10.0,
         "max_retries": 3, "backoff_s": 0.5, "max_concurrency": 8}
     assert resolve_config({"backend": "faiss", "index_path": "/e5_Flat.index", "encoder_path": "/e5"}) == {
         "backend": "faiss", "index_path": "/e5_Flat.index", "corpus_path": "", "encoder_path": "/e5", "mmap": True,
-        "hnsw_ef_search": 0, "max_length": 256, "encoder_batch_size": 256, "encoder_dtype": "float32"}
+        "hnsw_ef_search": 0, "workers": 0, "max_length": 256, "encoder_batch_size": 256, "encoder_dtype": "float32"}
+    assert resolve_config({"backend": "e5_device", "index_path": "/e5_Flat.index", "encoder_path": "/e5"}) == {
+        "backend": "e5_device", "index_path": "/e5_Flat.index", "corpus_path": "", "encoder_path": "/e5",
+        "vector_dtype": "bfloat16", "candidates": 32, "max_candidates": 4096, "block_rows": 65536,
+        "search_batch": 64, "max_length": 256, "encoder_batch_size": 256, "encoder_dtype": "float32"}
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"backend": "solr"}, "key 'backend': 'solr' is not one of bm25, faiss, elasticsearch, http"),
+    ({"backend": "solr"}, "key 'backend': 'solr' is not one of bm25, faiss, e5_device, elasticsearch, http"),
+    ({"backend": "e5_device", "index_path": "/i", "encoder_path": "/e", "vector_dtype": "float16"},
+     "key 'vector_dtype' must be one of bfloat16, int8, got 'float16'"),
+    ({"backend": "e5_device", "index_path": "/i", "encoder_path": "/e", "candidates": 0},
+     "key 'candidates' must be >= 1, got 0"),
     ({"backend": "faiss", "index_path": "/i"}, "key 'encoder_path' is required for backend 'faiss'"),
     ({"backend": "faiss", "index_path": "/i", "encoder_path": "/e", "encoder_dtype": "fp8"},
      "key 'encoder_dtype' must be one of float32, bfloat16, got 'fp8'"),
     ({"backend": "elasticsearch", "index": "w", "num_candidates": 0}, "key 'num_candidates' must be >= 1, got 0"),
-    ({"backend": "bm25", "index_dir": "/i", "workers": 0}, "key 'workers' must be >= 1, got 0"),
+    ({"backend": "bm25", "index_dir": "/i", "workers": -1}, "key 'workers' must be >= 0 .0: one per core., got -1"),
     ({"backend": "bm25"}, "key 'index_dir' is required for backend 'bm25'"),
     ({"backend": "bm25", "index_dir": "/i", "url": "x"}, "key 'url' is not an option of backend 'bm25'"),
     ({"backend": "bm25", "index_dir": "/i", "workers": "4"}, "key 'workers' must be int, got '4'"),

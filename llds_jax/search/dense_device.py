@@ -1,0 +1,86 @@
+"""The e5 retriever on the run's own chips (`backend = "e5_device"`): the paper's exact Flat inner-product search,
+with the index's vectors sharded over the devices (device_index.py) and its top-k proven exact (device_search.py).
+
+It reads the same files as the faiss backend (dense.py): Search-R1's `e5_Flat.index` with its corpus, or a folder
+of `python -m index_builder CORPUS --to faiss --encoder e5` (Flat). The float32 vectors stay memory-mapped on the
+host (the re-ranking reads a few candidates' rows per query); the chips hold them in bfloat16 (`vector_dtype`,
+2 bytes a number) or int8 with per-row scales (1 byte). Queries are embedded on the default device by the e5
+encoder (e5.py), as the faiss backend does, then searched on the chips; one worker thread serves the calls (the
+device programs run one at a time anyway).
+
+Devices: every device of this process (`jax.devices()`): the run's chips on one host, the 8 CPU devices of a test.
+A run of several processes is refused at construction: each host's retriever would have to call the sharded search
+in step with the others (a collective program), which the rollout does not do.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from llds_jax.search import dense_index
+from llds_jax.search.dense import check_compatible, encoder_dim, read_faiss_index
+from llds_jax.search.device_index import flat_vectors, load
+from llds_jax.search.device_search import ExactSearcher
+from llds_jax.search.docstore import DocStore
+from llds_jax.search.e5 import E5Embedder
+from llds_jax.search.local import LocalRetriever
+
+
+class DeviceFlatRetriever(LocalRetriever):
+    """Exact top-k passages of a faiss Flat index searched on this process's devices (see the module docstring).
+
+    index_path, corpus_path, encoder_path, max_length, batch_size, dtype: as FaissRetriever's. vector_dtype:
+    "bfloat16" or "int8". candidates: candidates per query of the first pass; max_candidates: the most before a
+    query is scanned on the host; block_rows: rows a device scores at a time; search_batch: queries per device call.
+    """
+
+    backend = "e5_device"
+
+    def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = "", max_length: int = 256,
+                 batch_size: int = 256, dtype: str = "float32", vector_dtype: str = "bfloat16", candidates: int = 32,
+                 max_candidates: int = 4096, block_rows: int = 65536, search_batch: int = 64):
+        if jax.process_count() > 1:
+            raise ValueError(f"retriever.backend 'e5_device' searches this process's devices; this run has "
+                             f"{jax.process_count()} processes (a multi-host run): use backend 'faiss' there")
+        dim = encoder_dim(encoder_path)
+        folder = os.path.isdir(index_path)
+        file = dense_index.index_file(index_path) if folder else index_path
+        if not folder and not corpus_path:
+            raise ValueError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
+                             " (wiki-18.jsonl, row i = line i)")
+        self.index_path, self.encoder_path = index_path, encoder_path
+        self._faiss = read_faiss_index(file, mmap=True)  # keeps the mapping the vectors view
+        check_compatible(self._faiss, file, dim, encoder_path)
+        self.vectors_nd = flat_vectors(self._faiss, file)
+        docs = DocStore.of_corpus(corpus_path) if corpus_path else DocStore(index_path)
+        if len(docs) < len(self.vectors_nd):
+            docs.close()
+            raise ValueError(f"corpus {corpus_path or index_path} has {len(docs):,} lines but faiss index {file} "
+                             f"has {len(self.vectors_nd):,} rows (row i is line i)")
+        self.device_index = load(self.vectors_nd, jax.devices(), dtype=vector_dtype, block_rows=block_rows,
+                                 what=f"e5_device index {file}")
+        self.searcher = ExactSearcher(self.device_index, self.vectors_nd, candidates=candidates,
+                                      max_candidates=max_candidates, max_batch=search_batch)
+        self.embedder = E5Embedder(encoder_path, max_length=max_length, batch_size=batch_size, dtype=dtype)
+        super().__init__(index_path, docs, workers=1)
+
+    @property
+    def num_docs(self) -> int:
+        """The index's rows (the corpus may hold more lines)."""
+        return len(self.vectors_nd)
+
+    @property
+    def max_document_bytes(self) -> int:
+        """As FaissRetriever's: the most bytes one hit takes in the server's JSON answer."""
+        return self._docs.max_record_bytes
+
+    def top_k(self, queries: Sequence[str], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per query (rows [<= k] int64, exact scores [<= k] float32), faiss IndexFlatIP's order."""
+        query_qd = self.embedder.embed_queries(queries)
+        return [(a.ids, a.scores.astype(np.float32)) for a in self.searcher.search(query_qd, k)]
+
+    def _top_k_rows(self, queries: list[str], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return iter(self.top_k(queries, k))
