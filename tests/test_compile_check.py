@@ -213,6 +213,33 @@ def test_continuous_batching_compiles_its_own_rollout_programs(tiny_model_dir, c
     assert "\nrow extend " in out and "every program fits" in out
 
 
+@pytest.mark.slow
+def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_kernel(tmp_path, capsys):
+    """rollout.engine = paged: the rollout is one step program per token bucket (training's 16 slots doubling to
+    64 tokens, evaluation's 8 to 64), each calling the ragged paged attention kernel on the chips, its page pool
+    split over the key/value heads; every program fits and the table counts the rollout programs. (The kernel
+    takes heads of a multiple of 128 lanes: the tiny architecture's heads are 128 wide here.)"""
+    arch = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                            head_dim=128)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(arch)))
+    cfg = flagship(str(tmp_path), **{"rollout.engine": "paged", "rollout.max_step_tokens": 64,
+                                     "rollout.page_size": 16})
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    programs = compile_check.build_programs(cfg, devices)
+    rollout = [p for p in programs if p.rollout]
+    assert [p.name for p in rollout] == [
+        "rollout step (16 tokens)", "rollout step (32 tokens)", "rollout step (64 tokens)",
+        "eval rollout step (8 tokens)", "eval rollout step (16 tokens)", "eval rollout step (32 tokens)",
+        "eval rollout step (64 tokens)"]
+    step = next(p for p in rollout if p.name == "rollout step (64 tokens)")
+    assert step.shapes.startswith("16 sequences x 32 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
+    hlo = step.lowered.compile().as_text()
+    assert "ragged_paged_attention" in hlo
+    assert compile_check.run(cfg, "v4:2x2x2") == 0
+    out = capsys.readouterr().out
+    assert "\nrollout programs: 7 (paged engine, training and evaluation)\n" in out and "every program fits" in out
+
+
 def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
     """HLO lines built on purpose (the shapes of the tiny architecture below: D 64, F 96, 4 heads of 16, 2 key/value
     heads, 2 layers, one chip's tensor slice of 4): a stacked [L, D, F] gate moved by all-to-all, a layer's down
