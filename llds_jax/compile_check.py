@@ -156,6 +156,7 @@ PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
 # (INDEX: the search program's arguments, the shard and one batch of queries), and its search runs while a rollout
 # session holds its KV cache and rollout params (SESSION: the largest rollout program's arguments).
 INDEX, SESSION = "retrieval index", "rollout session"
+PAGE_POOL = "page pool"  # the paged engine's KV cache: allocated once, resident beside every other program
 # What stays in HBM beside each training program without being its argument (the update: the reference, REFERENCE
 # by default); a rollout program keeps OPT_STATE and REFERENCE, and PARAMS too when the rollout has its own copy.
 TRAINING_RESIDENT = {
@@ -176,6 +177,7 @@ class Program:
     resident: tuple[str, ...]
     role: Optional[Role] = None  # what it does (`llds_jax.programs.Role`); None: a program of no run
     rollout: bool = False
+    pool_bytes: float = 0.0  # the paged engine's page pool per chip (an argument of its rollout programs)
     # Iterations of the while loops whose trip count the program does not fix, by nesting (`roofline.hlo_costs`):
     # a decode chunk's steps, then the filled cache blocks each step reads (`step_estimate.filled_blocks`).
     loop_runs: tuple[float, ...] = (1,)
@@ -217,13 +219,15 @@ class Row:
 
 def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[str, float]:
     """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows[i]` the compiled
-    `programs[i]`), and of INDEX and SESSION when a retrieval search program is among them. Without a reference (no
+    `programs[i]`), of PAGE_POOL (the paged engine's pool, 0 without it), and of INDEX and SESSION when a retrieval
+    search program is among them. Without a reference (no
     KL term) the params are half the AdamW state (m and v are laid out like them)."""
     by_role = {program.role: row for row, program in zip(rows, programs)}
     opt_state = by_role[Role.OPTIMIZER_INIT].outputs
     copy = by_role.get(Role.REFERENCE_COPY)
     params = copy.arguments if copy is not None else opt_state / 2
     sizes = {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
+    sizes[PAGE_POOL] = max(program.pool_bytes for program in programs)
     search = by_role.get(Role.RETRIEVAL)
     if search is not None:
         sizes[INDEX] = search.arguments
@@ -425,7 +429,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                 rollout.append(Program(f"{label}{program.name}",
                                        program.shapes + _layout_label(layout.rollout, len(hosts)), program.lower(),
                                        everything if own_copy else (OPT_STATE, REFERENCE), role=program.role,
-                                       rollout=True))
+                                       rollout=True, pool_bytes=sampler.runner.pool.bytes_per_device()))
             continue
         at = run_builder.session_shapes(cfg, sampler.config, sampler.batch_multiple, rollout_params, sequences,
                                         groups=not evaluation)
@@ -452,6 +456,9 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                                                                   measure_lld=bool(cfg.train.lld_every)))]
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     programs = setup + rollout + training[len(setup):]
+    if isinstance(parts.sampler, PagedSampler):
+        programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,))
+                    for p in programs]
     if cfg.retriever.get("backend") != "e5_device":
         return programs
     search = retrieval_program(cfg, devices, batch // len(hosts), session_rows,

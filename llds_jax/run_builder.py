@@ -28,6 +28,7 @@ from llds_jax.rollout import tree
 from llds_jax.rollout.layout import RolloutLayout, make_layout
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
+from llds_jax.rollout.runner import PagePool, pool_shape
 from llds_jax.rollout.sampler import Sampler, SessionShapes
 from llds_jax.rollout.shape_plan import ShapePlan
 
@@ -102,18 +103,19 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
     step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), layout.mesh)
     graphdef = layout.rollout.graphdef(nnx.split(model)[0])
     paging = config_lib.paging_config(cfg)
-    if paging.engine == "paged":
-        hosts = jax.process_count()
-        samplers = []
-        for evaluation, sequences in ((False, config_lib.rollout_batch_size(cfg) // hosts),
+    if paging.engine == "paged":  # the training and evaluation rollouts share one page pool
+        shapes = []
+        for evaluation, sequences in ((False, config_lib.rollout_batch_size(cfg) // jax.process_count()),
                                       (True, cfg.eval.batch_size)):
             agent = config_lib.agent_config(cfg, evaluation=evaluation)
             sampling = config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation)
             slots = min(sequences, agent.max_batch_size or sequences)
-            samplers.append(PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine_config(
-                agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages),
-                layout.rollout.mesh))
-        return RunParts(step, *samplers)
+            shapes.append((sampling, engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens,
+                                                   paging.num_pages)))
+        largest = max((engine for _, engine in shapes), key=lambda engine: engine.num_pages)
+        pool = PagePool(pool_shape(layout.rollout.model_cfg, largest, layout.rollout.mesh))
+        return RunParts(step, *[PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine,
+                                             layout.rollout.mesh, pool) for sampling, engine in shapes])
     samplers = [Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation),
                         layout.rollout.mesh) for evaluation in (False, True)]
     return RunParts(step, *samplers)

@@ -231,6 +231,9 @@ def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_ke
         "rollout step (16 tokens)", "rollout step (32 tokens)", "rollout step (64 tokens)",
         "eval rollout step (8 tokens)", "eval rollout step (16 tokens)", "eval rollout step (32 tokens)",
         "eval rollout step (64 tokens)"]
+    pools = {p.pool_bytes for p in rollout}  # one pool, training's and evaluation's, resident beside the rest
+    assert len(pools) == 1 and pools.pop() > 0
+    assert all(compile_check.PAGE_POOL in p.resident for p in programs if not p.rollout)
     step = next(p for p in rollout if p.name == "rollout step (64 tokens)")
     assert step.shapes.startswith("16 sequences x 32 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
     hlo = step.lowered.compile().as_text()

@@ -16,7 +16,7 @@ from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.engine import Engine, EngineConfig, StopMatcher
-from llds_jax.rollout.runner import DeviceRunner
+from llds_jax.rollout.runner import DeviceRunner, PagePool
 
 
 def token_budgets(max_seqs: int, max_step_tokens: int) -> tuple[int, ...]:
@@ -49,12 +49,13 @@ class PagedSampler:
       sampling: how tokens are drawn.
       engine: the engine shapes (`engine_config`).
       mesh: the rollout's mesh (None: the default device).
+      pool: a page pool shared with the run's other PagedSampler (`runner.PagePool`); None: its own.
     """
 
     def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig,
-                 mesh: Optional[Mesh] = None):
+                 mesh: Optional[Mesh] = None, pool: Optional[PagePool] = None):
         self.config, self.engine_config = sampling, engine
-        self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine, mesh)
+        self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine, mesh, pool)
         self._params = None  # the last rollout's, whose shapes `freeze_shapes` compiles at
 
     def engine(self, params: Any, stop_matcher: Optional[StopMatcher] = None) -> Engine:

@@ -90,6 +90,35 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pa
     return pages, tokens_sc, logps_sc, taken_s
 
 
+class PagePool:
+    """The page pool's device array, allocated at the first step that needs it and shared by the runners of one
+    run (training and evaluation rollouts never run at once; every rollout writes a page before reading it).
+
+    Args:
+      shape: the pool [L, P, Z, 2K, H] with its dtype and sharding (`pool_shape`).
+    """
+
+    def __init__(self, shape: jax.ShapeDtypeStruct):
+        self.shape = shape
+        self.array: Optional[jax.Array] = None
+
+    def take(self) -> jax.Array:
+        """The pool (allocated now if it is not): hand it to a step, which donates it, then `put` the result."""
+        if self.array is None:
+            shape = self.shape
+            self.array = jax.jit(lambda: jnp.zeros(shape.shape, shape.dtype), out_shardings=shape.sharding)()
+        array, self.array = self.array, None
+        return array
+
+    def put(self, array: jax.Array) -> None:
+        self.array = array
+
+    def bytes_per_device(self) -> int:
+        """Bytes of the pool on each device (its shard)."""
+        dims = self.shape.shape if self.shape.sharding is None else self.shape.sharding.shard_shape(self.shape.shape)
+        return int(np.prod(dims)) * jnp.dtype(self.shape.dtype).itemsize
+
+
 class DeviceRunner:
     """The engine's device side (`engine.StepRunner`): the page pool and the step program, compiled once per token
     bucket (ahead of the first call at that bucket, or of every bucket by `compile_all`).
@@ -101,35 +130,28 @@ class DeviceRunner:
       engine: the engine's static shapes (pages, page size, slots, decode chunk).
       mesh: the rollout's mesh (a host's chips); the pool is split over its key/value heads
         (`paged_kv.pages_spec`), the batch's host arrays replicated. None: the default device.
+      pool: the pool to share with another runner of the run (`PagePool` of `pool_shape(...)`); None: its own.
     """
 
     def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig,
-                 mesh: Optional[Mesh] = None):
+                 mesh: Optional[Mesh] = None, pool: Optional[PagePool] = None):
         self.engine, self.model_cfg, self.mesh = engine, model_cfg, mesh
         self._step = jax.jit(functools.partial(step_program, graphdef, sampling, engine.decode_chunk),
                              donate_argnums=1)
-        self._pages: Optional[jax.Array] = None  # allocated at the first call
+        self.pool = pool or PagePool(pool_shape(model_cfg, engine, mesh))
+        if self.pool.shape.shape[1] < engine.num_pages:
+            raise ValueError(f"DeviceRunner: the shared pool has {self.pool.shape.shape[1]} pages, the engine "
+                             f"{engine.num_pages}")
         self._compiled: dict[int, Any] = {}  # token bucket -> its compiled step program
         self.compiles = 0
 
-    @property
-    def pool_shape(self) -> jax.ShapeDtypeStruct:
-        """The page pool [L, P, Z, 2K, H] in the compute dtype, with its sharding under a mesh."""
-        cfg, e = self.model_cfg, self.engine
-        shape = (cfg.num_layers, e.num_pages, e.page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
-        sharding = None if self.mesh is None else NamedSharding(self.mesh, paged_kv.pages_spec(
-            self.mesh, cfg.num_kv_heads))
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=sharding)
-
     def run(self, params: Any, batch: StepBatch) -> StepResult:
-        if self._pages is None:
-            pool = self.pool_shape
-            self._pages = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)()
-        args = (self._pages, batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sp,
+        args = (self.pool.take(), batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sp,
                 np.asarray([batch.num_seqs], np.int32), batch.samples_s, batch.key_data_s, batch.count_s,
                 batch.copies_c)
         program = self._program(params, len(batch.tokens_t))
-        self._pages, tokens_sc, logps_sc, taken_s = program(params, *args)
+        pages, tokens_sc, logps_sc, taken_s = program(params, *args)
+        self.pool.put(pages)
         tokens_sc, logps_sc, taken_s = jax.device_get((tokens_sc, logps_sc, taken_s))
         return StepResult(np.asarray(tokens_sc), np.asarray(logps_sc), np.asarray(taken_s))
 
@@ -166,5 +188,15 @@ class DeviceRunner:
         def shape(dims, dtype=i32):
             return jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)
 
-        return (self.pool_shape, shape((bucket,)), shape((s + 1,)), shape((s,)), shape((s, e.pages_per_seq)),
+        return (self.pool.shape, shape((bucket,)), shape((s + 1,)), shape((s,)), shape((s, e.pages_per_seq)),
                 shape((1,)), shape((s,)), shape((s, 2), np.uint32), shape((s,)), shape((e.max_copies, 2)))
+
+
+def pool_shape(model_cfg: ModelConfig, engine: EngineConfig, mesh: Optional[Mesh] = None
+               ) -> jax.ShapeDtypeStruct:
+    """The page pool [L, P, Z, 2K, H] of `engine` in the model's compute dtype, split over the key/value heads of
+    `mesh` (`paged_kv.pages_spec`)."""
+    shape = (model_cfg.num_layers, engine.num_pages, engine.page_size, 2 * model_cfg.num_kv_heads,
+             model_cfg.head_dim)
+    sharding = None if mesh is None else NamedSharding(mesh, paged_kv.pages_spec(mesh, model_cfg.num_kv_heads))
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(model_cfg.dtype), sharding=sharding)
