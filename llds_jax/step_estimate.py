@@ -38,7 +38,7 @@ from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on
 # Retrieval's cost per call (issue 55), measured on this project's 2-vCPU machine with faiss on one thread
-# (`python bench/retrieval.py --calls --dense-rows 200000`, docs/benchmarks.md, 2026-12-06). faiss searches a call
+# (`python bench/retrieval.py --calls --dense-rows 200000`, docs/benchmarks.md, 2026-12-05). faiss searches a call
 # of fewer than BLAS_MIN_QUERIES queries one query per thread, each scanning every row (its per-query path); a
 # larger call through BLAS, which reads the rows once per block of queries. HNSW64 at efSearch 16 reads a few
 # hundred rows per query (seconds per query at 200,000 rows; its cost grows with about the log of the rows: a lower
