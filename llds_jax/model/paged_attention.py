@@ -9,10 +9,15 @@ Implementations:
     ragged_paged_attention`), called in a `jax.shard_map` over the key/value heads of the current mesh (each chip
     its heads' queries and pages; a Mosaic kernel cannot be partitioned by XLA). Its output at padding tokens is
     unspecified.
-  "reference": plain XLA, any backend: each token gathers its sequence's pages through the page table and runs the
-    project's dense attention (`attention.dense_attention`, float32 scores and softmax) over them as a batch row of
-    one query; padding tokens get zeros. It holds every token's gathered keys and values, [T, M * Z, K, H] each,
-    and scores [T, N, M * Z]: for tests and small batches.
+  "reference": plain XLA, any backend (the engine's path on CPU): the tokens in chunks of `queries_per_block`, and
+    for each chunk its tokens' pages in blocks of `kv_pages_per_block` with a float32 online softmax (running max,
+    sum and accumulator; the helpers of `attention.filled_cache_attention`). Each block gathers, per token, only
+    that block's pages of its sequence ([Tq, pages * Z, C, H]); GQA groups the query heads over their key/value
+    head, never repeating it. The block loop's trip count is known only at run time: the blocks up to the chunk's
+    furthest cache index, so a batch of short sequences reads few pages whatever the page table's width (M * Z
+    slots). What it computes is the dense attention of each token over its sequence's cache indices 0 ..
+    position_t (`attention.dense_attention`, float32 scores and softmax), up to float rounding; padding tokens get
+    zeros.
 Default: the kernel on TPU, the reference elsewhere.
 
 Dimension letters: T ragged batch tokens, S sequences, M pages per sequence, P pool pages (as given: one layer's or
@@ -31,13 +36,19 @@ from jax.sharding import PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import paged_kv
-from llds_jax.model.attention import dense_attention
+# The online softmax of `attention.filled_cache_attention` and `attention.blockwise_attention`.
+from llds_jax.model.attention import _online_softmax_step, _tile_scores
 
 IMPLEMENTATIONS = ("kernel", "reference")
 # The kernel's tile when the caller names none: its own untuned default for TPU v4 (JAX's tuned table is read from
 # the devices JAX runs on, which a program compiled ahead of time on a CPU does not have).
 KERNEL_KV_PAGES_PER_BLOCK = 32
 KERNEL_QUERIES_PER_BLOCK = 32
+# The reference's tile when the caller names none: key blocks of about 64 cache slots (at least one page) and
+# chunks of 32 query tokens, so that a tile's gathered keys and values ([32, 64, C, H], 1 MiB at C = 4, H = 32 in
+# float32) stay in a CPU core's L2 cache (bench/paged_reference.py measured 16 to 256 slots, 16 to 64 tokens).
+REFERENCE_BLOCK_SLOTS = 64
+REFERENCE_QUERIES_PER_BLOCK = 32
 
 
 def default_implementation(platform: Optional[str] = None) -> str:
@@ -57,8 +68,9 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.A
       kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs: the ragged batch (`paged_kv` module docstring): int32
         [S], [S, M], [S + 1], [1]. Entries of page_indices_sm past a sequence's pages are never attended to.
       implementation: "kernel" or "reference" (module docstring); None: `default_implementation()`.
-      kv_pages_per_block, queries_per_block: the kernel's tile (pages of keys, queries) per step; None:
-        KERNEL_KV_PAGES_PER_BLOCK and KERNEL_QUERIES_PER_BLOCK, at most M and T. The reference ignores them.
+      kv_pages_per_block, queries_per_block: the tile (pages of keys, queries) per step; None: for the kernel
+        KERNEL_KV_PAGES_PER_BLOCK and KERNEL_QUERIES_PER_BLOCK, for the reference REFERENCE_BLOCK_SLOTS // Z
+        pages (at least 1) and REFERENCE_QUERIES_PER_BLOCK; at most M and T.
     """
     implementation = implementation or default_implementation()
     if implementation not in IMPLEMENTATIONS:
@@ -66,7 +78,8 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.A
     # JAX's own checks of the shapes and dtypes (ValueError naming the argument), for both implementations.
     rpa.static_validate_inputs(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
     if implementation == "reference":
-        return reference_paged_attention(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
+        return reference_paged_attention(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs,
+                                         kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
     t, m = q_tnh.shape[0], page_indices_sm.shape[1]
     kernel = functools.partial(
         rpa.ragged_paged_attention, sm_scale=q_tnh.shape[-1] ** -0.5,
@@ -82,16 +95,45 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.A
 
 
 def reference_paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.Array,
-                              page_indices_sm: jax.Array, cu_q_lens_s1: jax.Array, num_seqs: jax.Array
+                              page_indices_sm: jax.Array, cu_q_lens_s1: jax.Array, num_seqs: jax.Array, *,
+                              kv_pages_per_block: Optional[int] = None, queries_per_block: Optional[int] = None
                               ) -> jax.Array:
-    """`paged_attention`'s "reference" implementation (same arguments, without the kernel's tile)."""
+    """`paged_attention`'s "reference" implementation (same arguments; the tile's defaults: REFERENCE_BLOCK_SLOTS
+    and REFERENCE_QUERIES_PER_BLOCK). Blocks past a chunk's furthest cache index are never read; inside a block,
+    slots past a token's own index (and so past its sequence's kv_len, and page table entries past its pages) get
+    probability 0."""
     t, n, h = q_tnh.shape
     z, c = kv_pages_pzch.shape[1:3]
-    m = page_indices_sm.shape[1]
+    k, m = c // 2, page_indices_sm.shape[1]
+    pages_per_block = min(kv_pages_per_block or max(1, REFERENCE_BLOCK_SLOTS // z), m)
+    tq = min(queries_per_block or REFERENCE_QUERIES_PER_BLOCK, t)
+    num_blocks, num_chunks, sk = -(-m // pages_per_block), -(-t // tq), pages_per_block * z
     seq_t, position_t, _, valid_t = paged_kv.token_layout(cu_q_lens_s1, kv_lens_s, page_indices_sm, num_seqs, t, z)
-    # Each token's sequence's pages in order: its cache indices 0 .. M * Z - 1.
-    kv_tich = jnp.take(kv_pages_pzch, page_indices_sm[seq_t], axis=0, mode="clip").reshape(t, m * z, c, h)
-    query_slot_t1 = jnp.where(valid_t, position_t, -1)[:, None]
-    out_t1nh = dense_attention(q_tnh[:, None], kv_tich[:, :, 0::2], kv_tich[:, :, 1::2], query_slot_t1,
-                               jnp.ones((t, m * z), bool))
-    return jnp.where(valid_t[:, None, None], out_t1nh[:, 0], 0).astype(q_tnh.dtype)
+    pad = num_chunks * tq - t  # padding tokens to whole chunks: they see nothing
+    last_t = jnp.pad(jnp.where(valid_t, position_t, -1), (0, pad), constant_values=-1)  # the last index it sees
+    # Each token's sequence's page table, padded to whole blocks (page 0: its slots lie past every token's index).
+    table_tm = jnp.pad(page_indices_sm, ((0, 0), (0, num_blocks * pages_per_block - m)))[seq_t]
+    table_qtm = jnp.pad(table_tm, ((0, pad), (0, 0))).reshape(num_chunks, tq, -1)
+    q_qt1kgh = jnp.pad(q_tnh, ((0, pad), (0, 0), (0, 0))).reshape(num_chunks, tq, 1, k, n // k, h)
+
+    def query_chunk(xs):
+        # One chunk as a batch of tq rows of one query each, in the layout of attention's online-softmax helpers.
+        q_t1kgh, last_t, table_tm = xs
+        window_wt1 = jnp.stack([jnp.zeros_like(last_t), last_t])[:, :, None]  # sees cache indices 0 .. last
+        all_slots_ts = jnp.ones((tq, sk), bool)
+
+        def key_block(j, carry):
+            pages_tb = jax.lax.dynamic_slice_in_dim(table_tm, j * pages_per_block, pages_per_block, axis=1)
+            kv_tskvh = jnp.take(kv_pages_pzch, pages_tb, axis=0, mode="clip").reshape(tq, sk, k, 2, h)
+            scores = _tile_scores(q_t1kgh, kv_tskvh[:, :, :, 0], window_wt1, all_slots_ts, j * sk, h ** -0.5)
+            return _online_softmax_step(carry, scores, kv_tskvh[:, :, :, 1])
+
+        count = jnp.minimum(jnp.max(last_t) // sk + 1, num_blocks)  # 0 for a chunk of padding
+        stats = jnp.full((tq, k, n // k, 1), -jnp.inf, jnp.float32)
+        _, l, acc = jax.lax.fori_loop(0, count, key_block, (stats, jnp.zeros_like(stats),
+                                                            jnp.zeros(stats.shape + (h,), jnp.float32)))
+        return (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(tq, n, h)
+
+    out_tnh = jax.lax.map(query_chunk, (q_qt1kgh, last_t.reshape(num_chunks, tq), table_qtm))
+    out_tnh = out_tnh.reshape(num_chunks * tq, n, h)[:t]
+    return jnp.where(valid_t[:, None, None], out_tnh, 0).astype(q_tnh.dtype)

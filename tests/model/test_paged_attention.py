@@ -1,5 +1,9 @@
 """The paged KV cache's layout (token_layout, write_kv) on exact values, and the reference paged attention against the
-project's dense attention and JAX's own reference on the same keys and values laid out in shuffled pages."""
+project's dense attention and JAX's own reference on the same keys and values laid out in shuffled pages, and against
+its earlier form (every token's whole page table gathered, dense attention over it) for any tile, batches whose
+longest sequence needs fewer pages than the table holds, and lengths at page and block boundaries."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +12,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
 from llds_jax.model import paged_kv
 from llds_jax.model.attention import dense_attention
-from llds_jax.model.paged_attention import paged_attention
+from llds_jax.model.paged_attention import paged_attention, reference_paged_attention
 
 Z = 4  # tokens per page
 
@@ -117,3 +121,75 @@ def test_shapes_are_checked():
         paged_attention(q, pool, kv_lens, table, cu[:-1], num, implementation="reference")
     with pytest.raises(ValueError, match="implementation must be one of"):
         paged_attention(q, pool, kv_lens, table, cu, num, implementation="splash")
+
+
+def _gather_everything(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs):
+    """The reference as it was before it attended in blocks (the oracle): each token gathers all M pages of its
+    sequence and runs the dense attention over its cache indices 0 .. position as a batch row of one query."""
+    t, n, h = q_tnh.shape
+    z, c = kv_pages_pzch.shape[1:3]
+    m = page_indices_sm.shape[1]
+    seq_t, position_t, _, valid_t = paged_kv.token_layout(cu_q_lens_s1, kv_lens_s, page_indices_sm, num_seqs, t, z)
+    kv_tich = jnp.take(kv_pages_pzch, page_indices_sm[seq_t], axis=0, mode="clip").reshape(t, m * z, c, h)
+    query_slot_t1 = jnp.where(valid_t, position_t, -1)[:, None]
+    out_t1nh = dense_attention(q_tnh[:, None], kv_tich[:, :, 0::2], kv_tich[:, :, 1::2], query_slot_t1,
+                               jnp.ones((t, m * z), bool))
+    return jnp.where(valid_t[:, None, None], out_t1nh[:, 0], 0).astype(q_tnh.dtype)
+
+
+WIDE_PAGES, WIDE_TOKENS = 7, 16  # a page table of 7 pages (28 slots); 16 token slots
+
+
+def _random_batch(seed, sequences, n=4, k=2, h=8):
+    """sequences: (kv_len, q_len) each. Each sequence's pages drawn from a shuffled pool of random keys and values;
+    junk (random pages) in the page table past them, in the batch past num_seqs and in the unused pages."""
+    rng = np.random.default_rng(seed)
+    pool = rng.normal(size=(POOL, Z, 2 * k, h)).astype(np.float32)
+    table = rng.integers(0, POOL, size=(MAX_SEQS, WIDE_PAGES)).astype(np.int32)
+    free = iter(rng.permutation(POOL))
+    for s, (kv_len, _) in enumerate(sequences):
+        for m in range(-(-kv_len // Z)):
+            table[s, m] = next(free)
+    num = len(sequences)
+    cu = np.concatenate([np.cumsum([0] + [q for _, q in sequences]), np.full(MAX_SEQS - num, 5)]).astype(np.int32)
+    kv_lens = np.concatenate([[kv for kv, _ in sequences], np.full(MAX_SEQS - num, 3)]).astype(np.int32)
+    q = rng.normal(size=(WIDE_TOKENS, n, h)).astype(np.float32)
+    return pool, table, tuple(jnp.asarray(a) for a in (q, pool, kv_lens, table, cu, np.array([num], np.int32)))
+
+
+# Longest sequence 3 pages of the table's 7, kv_lens at page (4, 8, 12) and block (2 pages: 8; 3 pages: 12; 4 pages:
+# none reached) boundaries; then the whole table (28 slots) reached, 24 = 2 blocks of 3 pages, 16 = 2 of 2 or 1 of 4.
+BATCHES = {"short": [(4, 4), (8, 1), (12, 3), (1, 1), (5, 2)], "full": [(28, 2), (16, 5), (24, 1), (3, 3), (9, 4)]}
+
+
+@pytest.mark.parametrize("queries_per_block", [None, 3, 16], ids=["q-default", "q3", "q16"])
+@pytest.mark.parametrize("kv_pages_per_block", [None, 1, 2, 3, 4, 7], ids=lambda b: f"pages{b}")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_blocks_equal_the_whole_page_table(batch, kv_pages_per_block, queries_per_block):
+    """Any tile (pages per block dividing the table's 7 or not, query chunks dividing the 16 tokens or not) gives
+    what gathering every token's whole page table gave."""
+    _, _, ragged = _random_batch(1, BATCHES[batch])
+    got = jax.jit(functools.partial(reference_paged_attention, kv_pages_per_block=kv_pages_per_block,
+                                    queries_per_block=queries_per_block))(*ragged)
+    want = jax.jit(_gather_everything)(*ragged)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6)
+    real = sum(q for _, q in BATCHES[batch])
+    np.testing.assert_array_equal(np.asarray(got)[real:], 0)
+
+
+def test_blocks_past_the_longest_sequence_are_never_read():
+    """With blocks of 2 pages and every sequence within its first 3 pages, the table's pages 4 .. 7 name a page of
+    NaNs: the result is finite and equals the oracle's with a finite page there (a loop over every block would
+    multiply the NaNs by zero probabilities and return NaN)."""
+    pool, table, ragged = _random_batch(2, BATCHES["short"])
+    q, _, kv_lens, _, cu, num = ragged
+    nan_page = POOL - 1
+    assert nan_page not in table[:, :4]  # pages 0 .. 3: the blocks read
+    pool[nan_page] = np.nan
+    table[:, 4:] = nan_page
+    got = np.asarray(jax.jit(functools.partial(reference_paged_attention, kv_pages_per_block=2))(
+        q, jnp.asarray(pool), kv_lens, jnp.asarray(table), cu, num))
+    table[:, 4:] = 0
+    want = np.asarray(jax.jit(_gather_everything)(q, jnp.asarray(pool), kv_lens, jnp.asarray(table), cu, num))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
