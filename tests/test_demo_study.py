@@ -851,6 +851,21 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     assert [row for row in rows + tree_rows if row + "\n" not in outputs] == []
 
 
+def test_the_pages_re_readings_are_printed_from_the_committed_records():
+    """Issue 56's re-readings (not pre-registered): every table line `python docs/evidence/readings.py` prints is a
+    line of docs/evidence.md or docs/tree-rollouts.md, and the pages have all of them."""
+    proc = subprocess.run([sys.executable, os.path.join("docs", "evidence", "readings.py")], cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(printed) >= 15, proc.stdout
+    pages = ""
+    for page in ("evidence.md", "tree-rollouts.md"):
+        with open(os.path.join(ROOT, "docs", page)) as f:
+            pages += f.read()
+    assert [line for line in printed if line + "\n" not in pages] == []
+
+
 def _table_rows(page: str, settings: set[str]) -> list[str]:
     """The table rows of docs/PAGE whose first column is one of `settings`."""
     with open(os.path.join(ROOT, "docs", page)) as f:

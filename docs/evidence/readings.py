@@ -1,0 +1,157 @@
+"""Issue 56's re-readings of the late-collapse study and the chain-vs-tree study (not pre-registered), printed from
+the committed records alone: python docs/evidence/readings.py (from the repository root).
+
+Late-collapse study (docs/evidence/late_collapse/study/): how the LLDS runs declined; the collapse counts at other
+reward thresholds of the rule (llds_jax/apps/study/stats.py: reward below the threshold on 3 consecutive steps, or a
+final greedy EM below 0.05); `grpo_low_lr` seed 5's collapse and recovery; the order of events
+(llds_jax/apps/study/sequence.py) with the registered threshold (-0.15) and with one relative to each run's own level.
+Tree study (docs/evidence/tree_study/): the paired EM differences at every evaluation, the power of the primary test
+against a 5-point difference, seconds per step. docs/evidence.md and docs/tree-rollouts.md quote these lines
+(tests/test_demo_study.py checks the table rows).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from llds_jax import report
+from llds_jax.apps.study import sequence, stats, steps, table
+from llds_jax.apps.study.auc import trailing_mean
+from llds_jax.apps.study.outcomes import EVAL_EM, LIKELIHOOD, REWARD
+
+EVIDENCE = os.path.dirname(os.path.abspath(__file__))
+LATE_ARMS = ("grpo", "llds", "llds_lam1", "grpo_low_lr", "grpo_clip_higher")
+THRESHOLDS = (0.05, stats.COLLAPSE_REWARD, 0.2)
+DROPS = (0.03, 0.05, 0.1)  # the relative likelihood thresholds: below the run's own peak minus this
+TREE_ARMS = ("llds_trees", "llds_trees_wide", "llds_trees_quarter")
+MARGIN = 0.05              # the tree study's registered non-inferiority margin
+POWER_DRAWS = 200_000
+
+
+def load(folder: str):
+    path = os.path.join(EVIDENCE, folder)
+    return steps.attach(table.read_runs(os.path.join(path, "runs.csv")),
+                        steps.read(os.path.join(path, "steps.csv.gz")), os.path.join(path, "steps.csv.gz"))
+
+
+def relative_fall(result, events: sequence.Events, drop: float) -> int | None:
+    """The first step after the reward's peak at which the 3-step mean log-prob of the correct trajectories is below
+    its highest 3-step mean up to the reward's peak, minus `drop` (None: never, or no value up to the peak)."""
+    logged, values = result.curves[LIKELIHOOD]
+    before = [trailing_mean(logged, values, s) for s in logged if s <= events.peak_step]
+    if not before:
+        return None
+    level = max(before) - drop
+    return sequence._first_after(logged, values, events.peak_step, lambda mean: mean < level)
+
+
+def order_counts(pairs) -> list[str]:
+    """[halved, both, likelihood first, same step, reward first] of (events, likelihood step) pairs."""
+    halved = [(e, fell) for e, fell in pairs if e.halved_step is not None]
+    both = [(e, fell) for e, fell in halved if fell is not None]
+    return [str(n) for n in (len(halved), len(both), sum(fell < e.halved_step for e, fell in both),
+                             sum(fell == e.halved_step for e, fell in both),
+                             sum(fell > e.halved_step for e, fell in both))]
+
+
+def late_collapse() -> list[str]:
+    results = load(os.path.join("late_collapse", "study"))
+    arm = {name: [r for r in results if r.arm == name] for name in LATE_ARMS}
+    events = {r.name: sequence.of(r) for r in results}
+    lines = ["late-collapse study (not pre-registered)"]
+    for name in ("llds", "llds_lam1"):
+        at10 = np.mean([dict(zip(*r.curves[EVAL_EM]))[10] for r in arm[name]])
+        halved = sum(events[r.name].halved_step is not None for r in arm[name])
+        lines.append(f"- {name}: mean greedy EM {at10:.3f} at step 10, {np.mean([r.final_em for r in arm[name]]):.3f} "
+                     f"at step 80; train reward halved in {halved} of {len(arm[name])} runs")
+    lines += ["", "collapse counts by the rule's reward threshold (final EM below 0.05 as registered):", ""]
+    rows = []
+    for threshold in THRESHOLDS:
+        label = f"{threshold}" + (" (registered)" if threshold == stats.COLLAPSE_REWARD else "")
+        counts = [sum(stats.collapsed(stats.collapse_step(*r.curves[REWARD], threshold=threshold), r.final_em)
+                      for r in arm[name]) for name in LATE_ARMS]
+        rows.append([label] + [f"{n}/{len(arm[name])}" for n, name in zip(counts, LATE_ARMS)])
+    lines += report.markdown_table(["reward threshold", *LATE_ARMS], rows)
+
+    low5 = next(r for r in arm["grpo_low_lr"] if r.seed == 5)
+    below = [s for s, v in zip(*low5.curves[REWARD]) if s >= low5.collapse_step and v < stats.COLLAPSE_REWARD]
+    back = next(s for s, v in zip(*low5.curves[REWARD]) if s > below[-1] and v >= 0.85)
+    ranked = sorted(results, key=lambda r: -r.final_em)
+    lines += ["", f"- grpo_low_lr seed 5: collapse step {low5.collapse_step}; train reward below "
+                  f"{stats.COLLAPSE_REWARD} on steps {below[0]}-{below[-1]} ({len(below)} steps), 0.85 or more "
+                  f"again at step {back}; greedy EM at step 50 {dict(zip(*low5.curves[EVAL_EM]))[50]:.3f}; final EM "
+                  f"{low5.final_em:.3f}, rank {ranked.index(low5) + 1} of {len(results)} (best: {ranked[0].name} "
+                  f"{ranked[0].final_em:.3f})"]
+
+    lines += ["", "order of events: when the likelihood of correct trajectories fell (3-step means, after the reward's "
+                  "peak):", ""]
+    rows = [[f"below {sequence.LIKELIHOOD_DROP} (registered)"] + order_counts(
+        [(events[r.name], events[r.name].likelihood_step) for r in results])]
+    for drop in DROPS:
+        rows.append([f"below its own peak minus {drop}"] + order_counts(
+            [(events[r.name], relative_fall(r, events[r.name], drop)) for r in results]))
+    lines += report.markdown_table(["the likelihood fell", "runs whose reward halved", "of those, both events",
+                                    "likelihood first", "same step", "reward first"], rows)
+    at_peak = [trailing_mean(*r.curves[LIKELIHOOD], events[r.name].peak_step) for r in results
+               if events[r.name].halved_step is not None]
+    stable = [r for r in arm["grpo_low_lr"] if events[r.name].halved_step is None]
+    drawdown = []
+    for r in stable:
+        logged, values = r.curves[LIKELIHOOD]
+        means = [trailing_mean(logged, values, s) for s in logged if s >= 6]
+        drawdown.append(max(np.maximum.accumulate(means) - means))
+    lines += ["", f"- 3-step log-prob of correct trajectories at the reward's peak, runs whose reward halved: "
+                  f"{min(at_peak):.3f} to {max(at_peak):.3f} (median {np.median(at_peak):.3f})",
+              f"- grpo_low_lr runs whose reward never halved: {len(stable)}; their 3-step log-prob's largest fall "
+              f"below its running peak from step 6 on: {' '.join(f'{d:.3f}' for d in sorted(drawdown))}"]
+    return lines
+
+
+def _power(sd: float, n: int, effect: float) -> float:
+    """Monte Carlo power of the two-sided paired t test at 0.05 with n differences of this sd, against `effect`."""
+    draws = np.random.default_rng(0).normal(effect, sd, size=(POWER_DRAWS, n))
+    t = draws.mean(axis=1) / (draws.std(axis=1, ddof=1) / np.sqrt(n))
+    return float(np.mean(np.abs(t) > stats.t_quantile(0.95, n - 1)))
+
+
+def trees() -> list[str]:
+    results = load("tree_study")
+    em = {(r.arm, r.seed): dict(zip(*r.curves[EVAL_EM])) for r in results}
+    seeds = sorted({r.seed for r in results})
+    evaluations = sorted(s for s in em[("llds", seeds[0])] if s > 0)
+    lines = ["tree study (not pre-registered)", "", "mean greedy EM of each arm at each evaluation:", ""]
+    names = ("llds", *TREE_ARMS)
+    lines += report.markdown_table(["step", *names], [
+        [str(step)] + [f"{np.mean([em[(name, s)][step] for s in seeds]):.3f}" for name in names]
+        for step in evaluations])
+    lines += ["", "paired differences minus llds: mean [95% t interval] (seeds higher / lower):", ""]
+    rows = []
+    for step in evaluations:
+        cells = [str(step)]
+        for name in TREE_ARMS:
+            d = np.array([em[(name, s)][step] - em[("llds", s)][step] for s in seeds])
+            low, high = stats.t_interval(d)
+            cells.append(f"{d.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({(d > 0).sum()} / {(d < 0).sum()})")
+        rows.append(cells)
+    lines += report.markdown_table(["step", *(f"{name} minus llds" for name in TREE_ARMS)], rows)
+    final = {(r.arm, r.seed): r.final_em for r in results}
+    d = np.array([final[("llds_trees_wide", s)] - final[("llds", s)] for s in seeds])
+    sd = d.std(ddof=1)
+    step_s = {name: np.mean([r.step_s for r in results if r.arm == name]) for name in names}
+    lines += ["", f"- llds_trees_wide minus llds, final EM: sd of the paired differences {sd:.4f}; power of the paired "
+                  f"t test at 0.05 against a true difference of {MARGIN}: {_power(sd, len(seeds), MARGIN):.2f}, "
+                  f"against the observed {d.mean():+.4f}: {_power(sd, len(seeds), d.mean()):.2f}",
+              "- seconds per step over the chains': " + ", ".join(
+                  f"{name} {step_s[name] / step_s['llds']:.3f}" for name in TREE_ARMS)]
+    return lines
+
+
+def main() -> int:
+    print("\n".join(late_collapse() + [""] + trees()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
