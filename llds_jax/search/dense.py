@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import faiss
 import numpy as np
@@ -78,15 +79,8 @@ class FaissRetriever(LocalRetriever):
     def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = "", max_length: int = 256,
                  batch_size: int = 256, dtype: str = "float32", mmap: bool = True, hnsw_ef_search: int = 0,
                  workers: int = 0):
-        dim = encoder_dim(encoder_path)  # before anything heavy is read
-        folder = os.path.isdir(index_path)
-        file = dense_index.index_file(index_path) if folder else index_path
-        if not folder and not corpus_path:
-            raise ValueError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
-                             " (wiki-18.jsonl, row i = line i)")
         self.index_path, self.encoder_path = index_path, encoder_path
-        self.index = read_faiss_index(file, mmap=mmap)
-        check_compatible(self.index, file, dim, encoder_path)
+        self.index, file = read_checked_index(index_path, encoder_path, corpus_path, mmap)
         if hnsw_ef_search:
             if not hasattr(self.index, "hnsw"):
                 raise ValueError(f"retriever.hnsw_ef_search is set but faiss index {file} is not HNSW")
@@ -119,3 +113,17 @@ class FaissRetriever(LocalRetriever):
 
     def _top_k_rows(self, queries: list[str], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return zip(*self.top_k(queries, k))
+
+
+def read_checked_index(index_path: str, encoder_path: str, corpus_path: str, mmap: bool) -> tuple[Any, str]:
+    """(the faiss index of `index_path`, its file): a file, or the project's index folder, checked against the
+    encoder's dimension (read first, before anything heavy); a bare index file needs `corpus_path`."""
+    dim = encoder_dim(encoder_path)
+    folder = os.path.isdir(index_path)
+    file = dense_index.index_file(index_path) if folder else index_path
+    if not folder and not corpus_path:
+        raise ValueError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
+                         " (wiki-18.jsonl, row i = line i)")
+    index = read_faiss_index(file, mmap=mmap)
+    check_compatible(index, file, dim, encoder_path)
+    return index, file

@@ -14,14 +14,12 @@ in step with the others (a collective program), which the rollout does not do.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
-from llds_jax.search import dense_index
-from llds_jax.search.dense import check_compatible, encoder_dim, read_faiss_index
+from llds_jax.search.dense import read_checked_index
 from llds_jax.search.device_index import flat_vectors, load
 from llds_jax.search.device_search import ExactSearcher
 from llds_jax.search.docstore import DocStore
@@ -45,15 +43,8 @@ class DeviceFlatRetriever(LocalRetriever):
         if jax.process_count() > 1:
             raise ValueError(f"retriever.backend 'e5_device' searches this process's devices; this run has "
                              f"{jax.process_count()} processes (a multi-host run): use backend 'faiss' there")
-        dim = encoder_dim(encoder_path)
-        folder = os.path.isdir(index_path)
-        file = dense_index.index_file(index_path) if folder else index_path
-        if not folder and not corpus_path:
-            raise ValueError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
-                             " (wiki-18.jsonl, row i = line i)")
         self.index_path, self.encoder_path = index_path, encoder_path
-        self._faiss = read_faiss_index(file, mmap=True)  # keeps the mapping the vectors view
-        check_compatible(self._faiss, file, dim, encoder_path)
+        self._faiss, file = read_checked_index(index_path, encoder_path, corpus_path, mmap=True)  # kept: mapped
         self.vectors_nd = flat_vectors(self._faiss, file)
         docs = DocStore.of_corpus(corpus_path) if corpus_path else DocStore(index_path)
         if len(docs) < len(self.vectors_nd):

@@ -13,6 +13,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 from llds_jax.model import paged_kv
 from llds_jax.model.attention import dense_attention
 from llds_jax.model.paged_attention import paged_attention, reference_paged_attention
+from tests.bench.loading import load_bench
 
 Z = 4  # tokens per page
 
@@ -123,18 +124,10 @@ def test_shapes_are_checked():
         paged_attention(q, pool, kv_lens, table, cu, num, implementation="splash")
 
 
-def _gather_everything(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs):
-    """The reference as it was before it attended in blocks (the oracle): each token gathers all M pages of its
-    sequence and runs the dense attention over its cache indices 0 .. position as a batch row of one query."""
-    t, n, h = q_tnh.shape
-    z, c = kv_pages_pzch.shape[1:3]
-    m = page_indices_sm.shape[1]
-    seq_t, position_t, _, valid_t = paged_kv.token_layout(cu_q_lens_s1, kv_lens_s, page_indices_sm, num_seqs, t, z)
-    kv_tich = jnp.take(kv_pages_pzch, page_indices_sm[seq_t], axis=0, mode="clip").reshape(t, m * z, c, h)
-    query_slot_t1 = jnp.where(valid_t, position_t, -1)[:, None]
-    out_t1nh = dense_attention(q_tnh[:, None], kv_tich[:, :, 0::2], kv_tich[:, :, 1::2], query_slot_t1,
-                               jnp.ones((t, m * z), bool))
-    return jnp.where(valid_t[:, None, None], out_t1nh[:, 0], 0).astype(q_tnh.dtype)
+# The reference as it was before it attended in blocks (the oracle): each token gathers all M pages of its sequence
+# and runs the dense attention over its cache indices 0 .. position as a batch row of one query (bench/paged_reference.py
+# times it against the blocked one).
+_gather_everything = load_bench("paged_reference").gather_everything
 
 
 WIDE_PAGES, WIDE_TOKENS = 7, 16  # a page table of 7 pages (28 slots); 16 token slots
