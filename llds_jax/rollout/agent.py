@@ -73,6 +73,11 @@ class Rollout:
     `trajectories`; with `config.trees`, `forked_prefix_tokens` (the turn and observation tokens each fork shares
     with its parent up to its node: sampled once, trained again in every leaf that holds them).
 
+    On the paged engine (`PagedSampler`) also: `step_calls_T` and `step_tokens_T`, the step program of token bucket
+    T's calls and the real tokens of their ragged batches (every bucket of the run, 0 when not run),
+    `shared_prompt_tokens` (prompt tokens a sample took from its group's first instead of encoding them) and
+    `page_copies` (pages copied on write).
+
     `stopped`: the rollout was abandoned on a stop request (`rollout(stopping=...)`): no trajectories, no metrics.
     """
 
@@ -160,9 +165,14 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
             policy = "tree" if config.trees else "continuous" if config.continuous_batching else "barrier"
             trajectories = await Driver(engine, steps, examples, decode_thread).run(policy, rng, first_sequence,
                                                                                   between_sessions)
-            timing["decode_s"] += engine.counts.device_s
-            timing["decode_sampled_tokens"] += engine.counts.sampled_tokens
-            timing["decode_row_steps"] += engine.counts.sample_slots
+            counts = engine.counts
+            timing["decode_s"] += counts.device_s
+            timing["decode_sampled_tokens"] += counts.sampled_tokens
+            timing["decode_row_steps"] += counts.sample_slots
+            timing.update(shared_prompt_tokens=float(counts.shared_prompt_tokens), page_copies=float(counts.page_copies))
+            for bucket in sampler.engine_config.token_budgets:  # every bucket, run or not: the same keys on each host
+                timing[f"step_calls_{bucket}"] = float(counts.calls.get(bucket, 0))
+                timing[f"step_tokens_{bucket}"] = float(counts.batch_tokens.get(bucket, 0))
         elif config.continuous_batching:
             keys_n = jnp.concatenate([sampler.sequence_keys(*_session_stream(rng, first_sequence + first,
                                                                              config.max_batch_size),

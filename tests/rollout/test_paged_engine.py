@@ -41,7 +41,16 @@ def test_greedy_trajectories_equal_the_dense_samplers(qwen_tokenizer, tiny, gree
     new = paged(graphdef, model.cfg, sampling, config, CONFIG["max_batch_size"], max_step_tokens, page_size)
     result = rollout(qwen_tokenizer, new, params, continuous=continuous)
     assert_same_trajectories(dense.trajectories, result.trajectories)
-    assert result.metrics["prompt_tokens"] == dense.metrics["prompt_tokens"]
+    m = result.metrics
+    assert m["prompt_tokens"] == dense.metrics["prompt_tokens"]
+    # What each step program ran: every ragged batch within its bucket; every prompt and observation token and
+    # every sampled token but each turn's last (fed back by the decode loop, not the batch) went through a batch
+    # once, except the prompt tokens a group's sample shared and the tokens rolled back after a turn's cut.
+    buckets = new.engine_config.token_budgets
+    assert sum(m[f"step_calls_{b}"] for b in buckets) >= 1
+    assert all(m[f"step_tokens_{b}"] <= b * m[f"step_calls_{b}"] for b in buckets)
+    assert sum(m[f"step_tokens_{b}"] for b in buckets) >= (m["prompt_tokens"] - m["shared_prompt_tokens"]
+                                                          + m["observation_tokens"])
 
 
 def test_sampled_trajectories_equal_the_dense_samplers_under_both_policies(qwen_tokenizer, tiny, sampled):
