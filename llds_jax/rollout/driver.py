@@ -186,14 +186,7 @@ class Driver:
         """One session's trees: seqs are whole groups; leaf positions as `tree` lays them out (local position p is
         sequence seqs[0] + p and samples from fold_in(rng, row + p))."""
         config = self.config
-        group = config.tree_group
-        if len(seqs) % group:
-            raise ValueError(f"tree rollout: {len(seqs)} samples are not whole groups of {group}")
-        groups = len(seqs) // group
-        for g in range(groups):
-            if len({self.examples[s].uid for s in seqs[g * group:(g + 1) * group]}) != 1:
-                raise ValueError(f"tree rollout: samples {seqs[g * group]}..{seqs[g * group] + group - 1} are not "
-                                 "one question's group")
+        groups = tree_lib.whole_groups([self.examples[s] for s in seqs], config.tree_group, seqs[0])
         chains, forks = tree_lib.positions(config, groups)
         first = seqs[0]
         leaves = []

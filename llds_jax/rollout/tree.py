@@ -81,6 +81,18 @@ def tree_ids(config: AgentConfig, trajectories: int) -> np.ndarray:
     return np.arange(trajectories, dtype=np.int32) // (config.leaves_per_tree if config.trees else 1)
 
 
+def whole_groups(examples: Sequence[QAExample], group: int, first: int = 0) -> int:
+    """How many groups of `group` samples of one question each `examples` (samples first .. on) holds; raises
+    ValueError naming the samples that are not whole groups of one question."""
+    if len(examples) % group:
+        raise ValueError(f"tree rollout: {len(examples)} samples are not whole groups of {group}")
+    for g in range(len(examples) // group):
+        if len({ex.uid for ex in examples[g * group:(g + 1) * group]}) != 1:
+            raise ValueError(f"tree rollout: samples {first + g * group}..{first + (g + 1) * group - 1} are not one "
+                             "question's group")
+    return len(examples) // group
+
+
 def choose_nodes(leaves: Sequence[Leaf], config: AgentConfig, rng: np.random.Generator) -> list[Node]:
     """The N nodes one round forks in a tree whose leaves are `leaves` (`rollout.tree_select`; see the module
     docstring). Candidates are the tree's boundaries after an agent step (turn index >= 1, a turn sampled from it);
@@ -115,13 +127,7 @@ async def run(sampler, params, steps: AgentSteps, examples: Sequence[QAExample],
     sessions of `sampler` (a `sampler.Sampler`); returns one trajectory per example, in order (leaf positions as the
     module docstring says), or none once a stop is requested."""
     config = steps.config
-    group = config.tree_group
-    if len(examples) % group:
-        raise ValueError(f"tree rollout: {len(examples)} samples are not whole groups of {group}")
-    groups = len(examples) // group
-    for g in range(groups):
-        if len({ex.uid for ex in examples[g * group:(g + 1) * group]}) != 1:
-            raise ValueError(f"tree rollout: samples {g * group}..{(g + 1) * group - 1} are not one question's group")
+    groups = whole_groups(examples, config.tree_group)
     chains, forks = positions(config, groups)
     leaves = [Leaf(int(position), tree, steps.conversation(examples[position])) for tree, position in enumerate(chains)]
     session = sampler.start(params, [leaf.conv.prompt_ids for leaf in leaves], rng,

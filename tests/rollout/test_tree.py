@@ -13,7 +13,7 @@ from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.steps import Conversation
 from llds_jax.rollout.trajectory import Turn
-from llds_jax.rollout.tree import Leaf, choose_nodes, positions, tree_ids
+from llds_jax.rollout.tree import Leaf, choose_nodes, positions, tree_ids, whole_groups
 from tests.rollout.test_agent import (REAL_CONFIG, EchoRetriever, example, full_forward_logps,  # noqa: F401
                                       real)
 
@@ -158,3 +158,12 @@ def test_tree_ids_number_each_trees_leaves_and_chains_apart():
     assert tree_ids(AgentConfig(trees=2, tree_rounds=1, tree_forks=3), 16).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + \
         [3] * 4
     assert tree_ids(AgentConfig(), 5).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_whole_groups_counts_the_groups_and_names_samples_that_are_not_one_questions():
+    a, b = example(0, "question a"), example(1, "question b")
+    assert whole_groups([a, a, b, b], 2) == 2
+    with pytest.raises(ValueError, match="3 samples are not whole groups of 2"):
+        whole_groups([a, a, b], 2)
+    with pytest.raises(ValueError, match="samples 12..13 are not one question's group"):
+        whole_groups([a, a, a, b], 2, first=10)
