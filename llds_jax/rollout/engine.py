@@ -155,7 +155,7 @@ class _Sequence:
     sampled: int = 0          # tokens sampled so far, every turn (the n of fold_in)
     turn_starts: list[int] = dataclasses.field(default_factory=list)  # context length at each turn's start
     turn_logps: list[float] = dataclasses.field(default_factory=list)
-    prompt: Optional[tuple[int, ...]] = None  # set while it may give its prompt's pages to a new sequence
+    prompt: Optional[tuple[int, ...]] = None  # its prompt (None for a fork): others with it share its pages
 
     @property
     def turn_start(self) -> int:
