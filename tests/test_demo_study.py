@@ -786,7 +786,7 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
 
 # What the evidence page's tables are rows of: the settings of its three studies.
 EVIDENCE_SETTINGS = {"stress", "default", "paper_shaped", "lr1e3", "collapse", "lr5e4", "lr6e4", "lr7e4", "lr8e4",
-                     "late_collapse"}
+                     "late_collapse", "long_lr2e4"}
 
 
 def _decoy_pythons(folder) -> dict[str, str]:
@@ -836,6 +836,9 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     same += [(os.path.join(late, name), tmp_path / "late_collapse_study" / name)
              for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "early_warning.md", "auc.md",
                           "survival.md", "sequence.md")]
+    long_calibration = os.path.join(evidence, "long_horizon", "calibration")
+    same += [(os.path.join(long_calibration, name), tmp_path / "long_horizon_calibration" / name)
+             for name in ("runs.csv", "steps.csv.gz", "table.md")]
     trees = os.path.join(evidence, "tree_study")
     same += [(os.path.join(trees, name), tmp_path / "tree_study" / name)
              for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "arms.md", "survival.md", "sequence.md")]

@@ -1,10 +1,13 @@
 """Issue 56's re-readings of the late-collapse study and the chain-vs-tree study (not pre-registered), printed from
-the committed records alone: python docs/evidence/readings.py (from the repository root).
+the committed records alone: python docs/evidence/readings.py (from the repository root); and the curves of its
+good-learning-rate calibration.
 
 Late-collapse study (docs/evidence/late_collapse/study/): how the LLDS runs declined; the collapse counts at other
 reward thresholds of the rule (llds_jax/apps/study/stats.py: reward below the threshold on 3 consecutive steps, or a
 final greedy EM below 0.05); `grpo_low_lr` seed 5's collapse and recovery; the order of events
 (llds_jax/apps/study/sequence.py) with the registered threshold (-0.15) and with one relative to each run's own level.
+Calibration at a good learning rate (docs/evidence/long_horizon/calibration/): per seed, the greedy test EM of
+every evaluation, the mean of the last 3 against the middle of the horizon, the train reward and LLD rate by quarter.
 Tree study (docs/evidence/tree_study/): the paired EM differences at every evaluation, the power of the primary test
 against a 5-point difference, seconds per step. docs/evidence.md and docs/tree-rollouts.md quote these lines
 (tests/test_demo_study.py checks the table rows).
@@ -19,7 +22,7 @@ import numpy as np
 from llds_jax import report
 from llds_jax.apps.study import sequence, stats, steps, table
 from llds_jax.apps.study.auc import trailing_mean
-from llds_jax.apps.study.outcomes import EVAL_EM, LIKELIHOOD, REWARD
+from llds_jax.apps.study.outcomes import EVAL_EM, LIKELIHOOD, LLD_RATE, REWARD
 
 EVIDENCE = os.path.dirname(os.path.abspath(__file__))
 LATE_ARMS = ("grpo", "llds", "llds_lam1", "grpo_low_lr", "grpo_clip_higher")
@@ -28,6 +31,8 @@ DROPS = (0.03, 0.05, 0.1)  # the relative likelihood thresholds: below the run's
 TREE_ARMS = ("llds_trees", "llds_trees_wide", "llds_trees_quarter")
 MARGIN = 0.05              # the tree study's registered non-inferiority margin
 POWER_DRAWS = 200_000
+MIDDLE = (90, 100, 110)    # the calibration's middle evaluations, against its last 3
+QUARTERS = ((1, 50), (51, 100), (101, 150), (151, 200))
 
 
 def load(folder: str):
@@ -109,6 +114,39 @@ def late_collapse() -> list[str]:
     return lines
 
 
+def long_horizon_calibration() -> list[str]:
+    results = sorted(load(os.path.join("long_horizon", "calibration")), key=lambda r: r.seed)
+    em = {r.seed: dict(zip(*r.curves[EVAL_EM])) for r in results}
+    evaluations = sorted(em[results[0].seed])
+    lines = ["good-learning-rate calibration: greedy test EM per evaluation", ""]
+    lines += report.markdown_table(
+        ["step", *(f"seed {r.seed}" for r in results), "mean"],
+        [[str(step), *(f"{em[r.seed][step]:.3f}" for r in results), f"{np.mean([em[r.seed][step] for r in results]):.3f}"]
+         for step in evaluations])
+    rows = []
+    for r in results:
+        periodic = [em[r.seed][step] for step in evaluations if step > 0]
+        last3, middle = np.mean(periodic[-3:]), np.mean([em[r.seed][step] for step in MIDDLE])
+        reward = dict(zip(*r.curves[REWARD]))
+        means = [trailing_mean(*r.curves[REWARD], step) for step in reward]
+        running = np.maximum.accumulate(means)
+        rates = dict(zip(*r.curves[LLD_RATE]))
+        rows.append([str(r.seed), f"{r.final_em:.3f}", f"{last3:.3f}", f"{middle:.3f}", f"{last3 - middle:+.3f}",
+                     f"{max(periodic):.3f}", f"{min(periodic):.3f} at {evaluations[1:][int(np.argmin(periodic))]}",
+                     f"{min(reward.values()):.3f}", str(int(np.sum(np.array(means) < running / 2))),
+                     " ".join(f"{np.mean([v for s, v in reward.items() if a <= s <= b]):.2f}" for a, b in QUARTERS),
+                     " ".join(f"{np.mean([v for s, v in rates.items() if a <= s <= b]):.2f}" for a, b in QUARTERS)])
+    lines += ["", "per seed (evaluations at steps 10-200; quarters: steps 1-50, 51-100, 101-150, 151-200):", ""]
+    lines += report.markdown_table(
+        ["seed", "final EM", "mean of last 3 evaluations", "mean at steps 90-110", "last 3 minus middle",
+         "highest evaluation", "lowest evaluation", "lowest train reward",
+         "steps with the 3-step train reward below half its running peak", "train reward by quarter",
+         "LLD rate by quarter"], rows)
+    last3 = [float(row[2]) for row in rows]
+    lines += ["", f"- mean of last 3 evaluations over seeds: mean {np.mean(last3):.3f}, sd {np.std(last3, ddof=1):.3f}"]
+    return lines
+
+
 def _power(sd: float, n: int, effect: float) -> float:
     """Monte Carlo power of the two-sided paired t test at 0.05 with n differences of this sd, against `effect`."""
     draws = np.random.default_rng(0).normal(effect, sd, size=(POWER_DRAWS, n))
@@ -149,7 +187,7 @@ def trees() -> list[str]:
 
 
 def main() -> int:
-    print("\n".join(late_collapse() + [""] + trees()))
+    print("\n".join(late_collapse() + [""] + trees() + [""] + long_horizon_calibration()))
     return 0
 
 

@@ -3,11 +3,11 @@
 # where the study kept them, per-step metrics in steps.csv.gz), without a run folder: the 96-run study of
 # 2026-12-02, its gate ablation on seeds 0-3 alone, the calibration of the collapse regime, the 48-run collapse
 # study of issue 33, issue 40's re-reading of it (LLD rate on common steps), issue 40's calibration and its
-# late-collapse study; and issue 42's chain-vs-tree study, whose tables are in docs/tree-rollouts.md. Each report
-# goes to its own folder under OUT (default /tmp/llds_jax_evidence); the .md files there are the committed ones
-# byte for byte, and every table row of docs/evidence.md (and of the tree study in docs/tree-rollouts.md) is a row
-# of one of them (tests/test_demo_study.py checks both). Run from the repository root:
-# sh docs/evidence/recompute.sh [OUT]
+# late-collapse study, issue 56's calibration at a good learning rate; and issue 42's chain-vs-tree study, whose
+# tables are in docs/tree-rollouts.md. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence);
+# the .md files there are the committed ones byte for byte, and every table row of docs/evidence.md (and of the tree
+# study in docs/tree-rollouts.md) is a row of one of them (tests/test_demo_study.py checks both). Run from
+# the repository root: sh docs/evidence/recompute.sh [OUT]
 # The interpreter is $PYTHON when set (a virtual environment that is not activated:
 # PYTHON=/path/to/venv/bin/python sh docs/evidence/recompute.sh), else the first of python3 and python on PATH that
 # imports llds_jax.
@@ -55,6 +55,10 @@ S=configs/demo_cpu_late_collapse.py
     --arms grpo,llds,llds_lam1,grpo_low_lr,grpo_clip_higher --out "$OUT/late_collapse_study" --report \
     --recorded "$EVIDENCE/late_collapse/study/runs.csv" --controls grpo \
     --endpoints collapsed,final_em,peak_em,lld_rate_common
+# Issue 56's calibration at a good learning rate (GRPO at lr 2e-4, 200 steps, seeds 0-3).
+"$PYTHON" -m llds_jax.apps.demo_study --settings long_lr2e4=configs/demo_cpu_long_horizon.py:2e-4 --seeds 0-3 \
+    --arms grpo --out "$OUT/long_horizon_calibration" --report \
+    --recorded "$EVIDENCE/long_horizon/calibration/runs.csv"
 # Issue 42's pre-registered chain-vs-tree study (docs/tree-rollouts.md; 20 steps, seeds 1-8, four arms with LLDS).
 "$PYTHON" -m llds_jax.apps.demo_study --settings tree_study --seeds 1-8 \
     --arms llds,llds_trees,llds_trees_wide,llds_trees_quarter --out "$OUT/tree_study" --report \
