@@ -478,8 +478,8 @@ def test_collapse_is_an_endpoint_to_ask_for_whose_sign_flip_test_is_mcnemars():
     # McNemar's exact test on 4 discordant pairs all one way: 2 x 0.5^4
     assert collapse.sign_flip_p == 2 * 0.5 ** 4
     assert paired.parse_endpoints("final_em, collapsed") == ("collapsed", "final_em")  # ENDPOINTS order
-    known = ("collapsed, final_em, peak_em, lld_rate_mean, lld_rate_common, tokens_generated, searches_per_trajectory, "
-             "step_s")
+    known = ("collapsed, lasting_collapse, lasting_decline, final_em, last3_em, last3_two_hop_em, peak_em, "
+             "lld_rate_mean, lld_rate_common, tokens_generated, searches_per_trajectory, step_s")
     with pytest.raises(plan.StudyError, match=f"--endpoints: 'reward'; known: {known}"):
         paired.parse_endpoints("reward,final_em")
     assert paired.comparisons(results, ["grpo"])[0].endpoint == "final_em"  # the default family: no collapse

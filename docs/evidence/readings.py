@@ -8,6 +8,9 @@ final greedy EM below 0.05); `grpo_low_lr` seed 5's collapse and recovery; the o
 (llds_jax/apps/study/sequence.py) with the registered threshold (-0.15) and with one relative to each run's own level.
 Calibration at a good learning rate (docs/evidence/long_horizon/calibration/): per seed, the greedy test EM of
 every evaluation, the mean of the last 3 against the middle of the horizon, the train reward and LLD rate by quarter.
+Issue 56's registered design: the minimum detectable effect of its primary endpoint (the mean of the last 3
+evaluations' EM, LLDS minus GRPO, 16 paired seeds) at 80% power, from the calibration's spread, and the simulated power
+of the exact sign-flip tests there.
 Tree study (docs/evidence/tree_study/): the paired EM differences at every evaluation, the power of the primary test
 against a 5-point difference, seconds per step. docs/evidence.md and docs/tree-rollouts.md quote these lines
 (tests/test_demo_study.py checks the table rows).
@@ -33,6 +36,9 @@ MARGIN = 0.05              # the tree study's registered non-inferiority margin
 POWER_DRAWS = 200_000
 MIDDLE = (90, 100, 110)    # the calibration's middle evaluations, against its last 3
 QUARTERS = ((1, 50), (51, 100), (101, 150), (151, 200))
+STUDY_SEEDS = 16           # issue 56's registered paired seeds
+NI_MARGIN = 0.02           # its registered non-inferiority margin
+EXACT_DRAWS = 2000         # simulated studies per power of an exact sign-flip test
 
 
 def load(folder: str):
@@ -121,7 +127,8 @@ def long_horizon_calibration() -> list[str]:
     lines = ["good-learning-rate calibration: greedy test EM per evaluation", ""]
     lines += report.markdown_table(
         ["step", *(f"seed {r.seed}" for r in results), "mean"],
-        [[str(step), *(f"{em[r.seed][step]:.3f}" for r in results), f"{np.mean([em[r.seed][step] for r in results]):.3f}"]
+        [[str(step), *(f"{em[r.seed][step]:.3f}" for r in results),
+          f"{np.mean([em[r.seed][step] for r in results]):.3f}"]
          for step in evaluations])
     rows = []
     for r in results:
@@ -144,6 +151,63 @@ def long_horizon_calibration() -> list[str]:
          "LLD rate by quarter"], rows)
     last3 = [float(row[2]) for row in rows]
     lines += ["", f"- mean of last 3 evaluations over seeds: mean {np.mean(last3):.3f}, sd {np.std(last3, ddof=1):.3f}"]
+    return lines
+
+
+def _exact_power(sd: float, n: int, effect: float, margin: float = 0.0) -> float:
+    """Simulated power of an exact sign-flip test over all 2^n sign assignments, on n normal differences of this sd
+    centred on `effect` (EXACT_DRAWS studies, numpy's default_rng(0)): two-sided at 0.05 without a margin, else
+    one-sided at 0.025 of the differences plus `margin` (the non-inferiority test)."""
+    signs_an = (1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)).astype(np.float64)
+    draws_nb = np.random.default_rng(0).normal(effect, sd, size=(n, EXACT_DRAWS)) + margin
+    rejected = 0
+    for chunk_nb in np.split(draws_nb, 8, axis=1):
+        sums_ab = signs_an @ chunk_nb  # row 0 is the observed assignment (every sign +1)
+        tolerance = stats.SIGN_FLIP_TIE_RTOL * np.abs(chunk_nb).sum(axis=0)
+        if margin:
+            p_b = (sums_ab >= sums_ab[0] - tolerance).mean(axis=0)
+            rejected += int((p_b <= 0.025).sum())
+        else:
+            p_b = (np.abs(sums_ab) >= np.abs(sums_ab[0]) - tolerance).mean(axis=0)
+            rejected += int((p_b <= 0.05).sum())
+    return rejected / EXACT_DRAWS
+
+
+def good_lr_design() -> list[str]:
+    results = sorted(load(os.path.join("long_horizon", "calibration")), key=lambda r: r.seed)
+    between = float(np.std([r.last3_em for r in results], ddof=1))
+    windows = []
+    for r in results:  # each run's means of 3 consecutive evaluations, steps 30-200 (6 windows)
+        em = dict(zip(*r.curves[EVAL_EM]))
+        windows.append(np.array([em[step] for step in range(30, 201, 10)]).reshape(6, 3).mean(axis=1))
+    within = float(np.sqrt(np.mean([w.var(ddof=1) for w in windows])))
+    n = STUDY_SEEDS
+    multiplier = stats.t_quantile(0.95, n - 1) + stats.t_quantile(0.6, n - 1)
+    rows = []
+    assumptions = (("runs of a seed independent: sqrt(2) x the between-seed sd of the last-3 mean", between),
+                   ("sqrt(2) x the within-run sd of a 3-evaluation mean (steps 30-200, pooled)", within))
+    for label, sd in ((label, np.sqrt(2) * sd) for label, sd in assumptions):
+        mde = multiplier * sd / np.sqrt(n)
+        rows.append([label, f"{sd:.3f}", f"{mde:.3f}", f"{_exact_power(sd, n, mde):.2f}",
+                     f"{_exact_power(sd, n, 0.0, NI_MARGIN):.2f}"])
+    lines = [f"issue 56's design: {n} paired seeds, the primary endpoint's minimum detectable effect at 80% power", ""]
+    lines += report.markdown_table(
+        ["sd of the paired differences, assumed", "sd", "MDE: (t(0.975, 15) + t(0.80, 15)) x sd / 4",
+         "exact sign-flip power at the MDE (simulated)",
+         f"non-inferiority power at a true difference of 0, margin {NI_MARGIN} (simulated)"], rows)
+    lines += ["", f"- between-seed sd of the last-3 mean {between:.4f}; within-run sd of a 3-evaluation mean "
+                  f"{within:.4f}; t multiplier {multiplier:.4f}"]
+    late = load(os.path.join("late_collapse", "study"))
+    for name, runs in (("calibration", results), ("late-collapse study", late)):
+        ends = ", ".join(f"{r.name} end {np.mean(r.curves[REWARD][1][-stats.END_STEPS:]):.3f}" for r in runs
+                         if r.collapse_step is not None and not r.lasting_collapse
+                         or stats.decline_step(*r.curves[REWARD]) is not None and not r.lasting_decline)
+        counts = {arm: (sum(r.lasting_collapse for r in runs if r.arm == arm),
+                        sum(r.lasting_decline for r in runs if r.arm == arm))
+                  for arm in dict.fromkeys(r.arm for r in runs)}
+        lines.append(f"- the lasting rules on the {name}: lasting collapses / declines per arm "
+                     + ", ".join(f"{arm} {c} / {d}" for arm, (c, d) in counts.items())
+                     + f"; recovered from a collapse or a dip: {ends or 'none'}")
     return lines
 
 
@@ -187,7 +251,7 @@ def trees() -> list[str]:
 
 
 def main() -> int:
-    print("\n".join(late_collapse() + [""] + trees() + [""] + long_horizon_calibration()))
+    print("\n".join(late_collapse() + [""] + trees() + [""] + long_horizon_calibration() + [""] + good_lr_design()))
     return 0
 
 

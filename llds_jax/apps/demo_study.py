@@ -2,6 +2,7 @@
 
     python -m llds_jax.apps.demo_study [--settings stress,default,paper_shaped] [--arms grpo,llds,grpo_low_lr:4,...]
         [--seeds 8] [--out runs/demo_study] [--jobs 2] [--controls grpo,grpo_low_lr,...] [--endpoints ...]
+        [--primary ENDPOINT [--margin M]]
         [--dry-run | --report [--recorded RUNS_CSV [--recorded-steps STEPS_CSV_GZ]]] [-- --config.KEY=VALUE ...]
 
 Every run is `python -m llds_jax.launch` (llds_jax.apps.study.plan: folders and overrides). Each seed has its own
@@ -16,7 +17,8 @@ llds_response (the gate ablation; llds_action is llds), llds_low_lr (LLDS at 1/2
 grpo_tis (truncated importance sampling of the sampler's log-probs, cap 2). Settings: stress
 (configs/demo_cpu_grpo.py), default (configs/demo_cpu.py), paper_shaped (configs/demo_cpu_paper.py), collapse
 (configs/demo_cpu_collapse.py, the pre-registered study of issue 33), late_collapse (configs/demo_cpu_late_study.py,
-issue 40's), or `NAME=CONFIG_FILE`. Seeds: `N` (0..N-1), `A-B` or `A,B,...`.
+issue 40's), good_lr (configs/demo_cpu_long_horizon.py at lr 2e-4, issue 56's), or `NAME=CONFIG_FILE[:ARGS]`.
+Seeds: `N` (0..N-1), `A-B` or `A,B,...`.
 
 Resumable: a run whose final evaluation (`eval/final_step_N/results.json`) exists is skipped; any other is launched
 again and resumes from its latest checkpoint (the trainer does that by itself). Ctrl-C (or `timeout -s INT 90m ...`)
@@ -33,6 +35,9 @@ status 1 then):
   also `collapsed`, on which the exact sign-flip test is McNemar's): mean
   difference, bootstrap and t intervals, exact sign-flip p, its Holm adjustment over the whole table, and how many
   seeds go each way (llds_jax.apps.study.paired);
+- `OUT/primary.md`, `primary.json` (also printed; with `--primary ENDPOINT`): a registered primary endpoint apart
+  from the paired table's family: each arm minus each control, the exact two-sided sign-flip p (unadjusted), the t
+  interval and, with `--margin M`, the exact one-sided non-inferiority p at that margin (llds_jax.apps.study.primary);
 - `OUT/arms.md`, `arms.json` (also printed): each arm's own value of each endpoint but the pairwise ones, its mean
   over seeds with a 95% t interval (llds_jax.apps.study.arms);
 - `OUT/early_warning.md`, `.csv`, `.json` (also printed; runs with per-step metrics): per setting and signal (LLD
@@ -86,8 +91,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from llds_jax.apps.study import (arms, auc, budget, early_warning, outcomes, paired, plots, plan, runner, sequence,
-                                 steps, survival, table)
+from llds_jax.apps.study import (arms, auc, budget, early_warning, outcomes, paired, plots, plan, primary, runner,
+                                 sequence, steps, survival, table)
 from llds_jax.train.metrics import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
@@ -132,6 +137,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--endpoints", default=",".join(paired.DEFAULT_ENDPOINTS),
                         help=f"comma-separated endpoints of the paired table, one Holm family: "
                              f"{', '.join(paired.ENDPOINTS)} (default: {','.join(paired.DEFAULT_ENDPOINTS)})")
+    parser.add_argument("--primary", metavar="ENDPOINT", help="a primary endpoint, tested apart from the paired "
+                        "table's family (primary.md): each arm minus each control, exact sign-flip p")
+    parser.add_argument("--margin", type=float, help="with --primary: the non-inferiority margin of its one-sided "
+                        "exact test (e.g. 0.02)")
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--dry-run", action="store_true", help="print the plan, estimate and commands; run nothing")
     modes.add_argument("--report", action="store_true",
@@ -148,6 +157,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--recorded is only read by --report")
     if args.recorded_steps and not args.recorded:
         parser.error("--recorded-steps is only read with --recorded")
+    if args.margin is not None and not args.primary:
+        parser.error("--margin is only read with --primary")
     for override in extra:
         if not override.startswith("--config."):
             parser.error(f"arguments after -- must be --config.KEY=VALUE overrides, got {override!r}")
@@ -207,13 +218,15 @@ def run_study(study: plan.Plan, pending: Sequence[plan.Run], jobs: int) -> list[
 
 def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] | None = None,
                   controls: Sequence[str] | None = None,
-                  endpoints: Sequence[str] = paired.DEFAULT_ENDPOINTS) -> None:
+                  endpoints: Sequence[str] = paired.DEFAULT_ENDPOINTS, primary_endpoint: str | None = None,
+                  margin: float | None = None) -> None:
     """Writes the tables, steps file and plots of every finished run of the plan (nothing when none finished),
     printing the paired table and each path. A run of the plan not finished here but in `recorded` (run name -> its
     numbers from a runs.csv, with curves when its steps file had them) is in the tables, and in the plots when it
     has curves; a run in both is reported from here, after a line saying whether it reproduces the record
     (`compare_recorded`). `controls`, `endpoints`: the paired table's control arms (None: llds_jax.apps.study.paired's
-    default) and endpoints."""
+    default) and endpoints; `primary_endpoint` (with its non-inferiority `margin`): the primary table's endpoint (None:
+    no primary table)."""
     recorded = recorded or {}
     here = [outcomes.read_result(run) for run in study.runs if run.finished()]
     for line in compare_recorded(here, recorded):
@@ -226,7 +239,11 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
         comparisons = paired.comparisons(results, controls, endpoints)
         for line in table.paired_tables(comparisons):
             print(line, flush=True)
-        own = arms.rows(results, endpoints)
+        primaries = [] if primary_endpoint is None else primary.rows(results, controls, primary_endpoint, margin)
+        if primary_endpoint is not None:
+            for line in ["primary endpoint, apart from the paired family", "", *primary.markdown(primaries), ""]:
+                print(line, flush=True)
+        own = arms.rows(results, list(dict.fromkeys([*([primary_endpoint] if primary_endpoint else []), *endpoints])))
         for line in ["each arm's endpoints", "", *arms.markdown(own), ""]:
             print(line, flush=True)
         total_steps = {run.name: run.total_steps for run in study.runs}
@@ -242,6 +259,7 @@ def write_outputs(study: plan.Plan, recorded: Mapping[str, outcomes.RunResult] |
                 print(line, flush=True)
         paths = (table.write(table.rows(results, total_steps), results, study.out) +
                  table.write_paired(comparisons, controls, study.out) + arms.write(own, study.out) +
+                 (primary.write(primaries, study.out) if primary_endpoint is not None else []) +
                  [steps.write(results, study.out)] +
                  survival.write(results, total_steps, study.out, controls) +
                  (early_warning.write(curved, study.out) + auc.write(curved, study.out) +
@@ -282,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         controls = plan.parse_controls(args.controls) if args.controls else None
         endpoints = paired.parse_endpoints(args.endpoints)
+        if args.primary:
+            primary.rows([], [], args.primary, args.margin)  # a bad endpoint or margin is refused before any run
         study = plan.make_plan(os.path.normpath(args.out), plan.parse_settings(args.settings),
                                plan.parse_arms(args.arms), plan.parse_seeds(args.seeds), extra)
     except plan.StudyError as e:
@@ -305,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 curved = sum(recorded[name].has_curves for name in taken)
                 print(f"runs not finished here taken from {args.recorded}, their curves from {steps_path}: "
                       f"{len(taken)} ({curved} with curves, in the plots too)", flush=True)
-        write_outputs(study, recorded, controls, endpoints)
+        write_outputs(study, recorded, controls, endpoints, args.primary, args.margin)
         missing = [run.name for run in pending if run.name not in recorded]
         if missing:
             print(f"not in the outputs (not finished): {', '.join(missing)}", flush=True)
@@ -323,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted = True
         print("llds_jax.apps.demo_study: interrupted; the running launches saved their state; table and plots of the "
               "finished runs follow", file=sys.stderr)
-    write_outputs(study, controls=controls, endpoints=endpoints)
+    write_outputs(study, controls=controls, endpoints=endpoints, primary_endpoint=args.primary, margin=args.margin)
     if interrupted:
         return 130
     unfinished = [run.name for run in study.runs if not run.finished()]

@@ -18,15 +18,17 @@ DELTA_TRAJ = "lld/delta_traj_correct"  # mean change of the correct trajectories
 GRAD_NORM = "actor/grad_norm"       # gradient norm before clipping, mean over the step's updates
 REF_KL = "actor/ref_kl_k3"          # k3 KL to the reference policy
 EVAL_EM = "eval/em_mean"            # greedy test EM of the evaluations during training (train.eval_every)
+EVAL_EM_TWO_HOP = "eval/em_two_hop"  # the same evaluations' EM on the two-hop test questions alone
 SAMPLED_TOKENS = "rollout/sampled_tokens"  # tokens the step's rollout generated (the budget; docs/tree-rollouts.md)
 SEARCHES = "rollout/searches"       # queries the step's rollout sent
 TRAJECTORIES = "rollout/trajectories"  # trajectories the step's rollout obtained
 STEP_S = "perf/step_s"              # the step's wall seconds
+LAST_EVALUATIONS = 3                # last3_em and last3_two_hop_em: the mean of this many last evaluations
 # The per-step metrics a RunResult holds: the plots read the first three, the collapse rule REWARD.
 CURVES = (REWARD, LIKELIHOOD, LLD_RATE, DELTA_TRAJ, GRAD_NORM, REF_KL)
 # Held (and kept in steps.csv.gz) only by runs that logged them: a study without evaluations during training keeps
 # the files of CURVES alone.
-OPTIONAL_CURVES = (EVAL_EM, SAMPLED_TOKENS, SEARCHES, TRAJECTORIES, STEP_S)
+OPTIONAL_CURVES = (EVAL_EM, EVAL_EM_TWO_HOP, SAMPLED_TOKENS, SEARCHES, TRAJECTORIES, STEP_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,35 @@ class RunResult:
         run without evaluations during training."""
         periodic = [em for step, em in zip(*self.curves.get(EVAL_EM, ([], []))) if step > 0]
         return max([*periodic, self.final_em]) if periodic else None
+
+    def _last_evaluations(self, metric: str) -> float | None:
+        periodic = [em for step, em in zip(*self.curves.get(metric, ([], []))) if step > 0]
+        return float(np.mean(periodic[-LAST_EVALUATIONS:])) if len(periodic) >= LAST_EVALUATIONS else None
+
+    @property
+    def last3_em(self) -> float | None:
+        """The mean greedy test EM of the last LAST_EVALUATIONS evaluations during training (step > 0; with
+        train.eval_every dividing train.total_steps the last of them is at the last step, as the final evaluation);
+        None for a run with fewer."""
+        return self._last_evaluations(EVAL_EM)
+
+    @property
+    def last3_two_hop_em(self) -> float | None:
+        """As `last3_em`, on the two-hop test questions alone (EVAL_EM_TWO_HOP); None for a run with fewer such
+        evaluations or none logged."""
+        return self._last_evaluations(EVAL_EM_TWO_HOP)
+
+    @property
+    def lasting_collapse(self) -> bool | None:
+        """llds_jax.apps.study.stats.lasting_collapse of the run's train reward and final EM (None: no rewards)."""
+        steps, rewards = self.curves[REWARD]
+        return stats.lasting_collapse(steps, rewards, self.final_em) if rewards else None
+
+    @property
+    def lasting_decline(self) -> bool | None:
+        """llds_jax.apps.study.stats.lasting_decline of the run's train reward (None: no rewards)."""
+        steps, rewards = self.curves[REWARD]
+        return stats.lasting_decline(steps, rewards) if rewards else None
 
     @property
     def tokens_generated(self) -> float | None:

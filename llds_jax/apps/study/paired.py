@@ -17,10 +17,14 @@ from llds_jax.apps.study.outcomes import LLD_RATE, RunResult
 from llds_jax.apps.study.plan import StudyError
 
 # RunResult field -> what the report calls it; a run whose field is None (no LLD rate logged) is left out of it.
-# On `collapsed` (1 collapsed, 0 not) the exact sign-flip test is McNemar's exact test of the discordant pairs.
+# On `collapsed`, `lasting_collapse` and `lasting_decline` (1 yes, 0 no; llds_jax.apps.study.stats) the exact
+# sign-flip test is McNemar's exact test of the discordant pairs.
 # `lld_rate_common` is read off each pair of runs: each run's mean LLD rate over the steps where both have one (the
 # LLD rate exists only on steps with a correct trajectory, so two runs' plain means average different steps).
-ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "final_em": "final EM", "peak_em": "peak greedy EM",
+ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "lasting_collapse": "lasting collapse (1: yes)",
+             "lasting_decline": "lasting decline (1: yes)", "final_em": "final EM",
+             "last3_em": "greedy EM, mean of the last 3 evaluations",
+             "last3_two_hop_em": "two-hop greedy EM, mean of the last 3 evaluations", "peak_em": "peak greedy EM",
              "lld_rate_mean": "mean LLD rate", "lld_rate_common": "mean LLD rate on common steps",
              "tokens_generated": "tokens generated", "searches_per_trajectory": "searches per trajectory",
              "step_s": "seconds per step"}

@@ -82,6 +82,7 @@ SETTINGS: dict[str, str] = {
     "collapse": "configs/demo_cpu_collapse.py",  # stress at lr 1e-3 for 30 steps: GRPO collapses (issue 33)
     "late_collapse": "configs/demo_cpu_late_study.py",  # stress for 80 steps: GRPO learns, then declines (issue 40)
     "tree_study": "configs/demo_cpu_tree_study.py",  # default, greedy EM every 5 steps: chains vs trees (issue 42)
+    "good_lr": "configs/demo_cpu_long_horizon.py:2e-4",  # stress at lr 2e-4 for 200 steps: GRPO trains well (issue 56)
 }
 
 

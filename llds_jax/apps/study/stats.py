@@ -6,6 +6,14 @@ Collapse (a definition, not the paper's: the paper reads collapse off its curves
 reward (`reward/mean`, the share of correct trajectories of a step's rollout batch) is below 0.1 on 3 consecutive
 steps, or when its final greedy test EM is below 0.05. Its step of collapse is the first of the first such 3 steps
 (None when only the final EM says it collapsed).
+
+Lasting collapse and lasting decline (issue 56's rules, which tell a transient dip from a collapse): a run's *end* is
+the mean train reward of its last END_STEPS logged steps; it *recovered* when its end is at least half its highest
+3-step trailing mean train reward (the mean of its rewards logged at steps s-2..s). A collapse is *lasting* when the
+run has a collapse step and did not recover, or when its final greedy EM is below 0.05; a collapse step the run
+recovered from is a transient collapse. A run *declined* at the first step whose 3-step trailing mean train reward
+is below half the highest 3-step mean up to that step; the decline is *lasting* when the run did not recover, else
+it was a transient dip.
 """
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ BOOTSTRAP_RESAMPLES = 10_000
 COLLAPSE_REWARD = 0.1       # train reward/mean below this ...
 COLLAPSE_STEPS = 3          # ... on this many consecutive steps
 COLLAPSE_EM = 0.05          # or a final greedy test EM below this
+END_STEPS = 10              # a run's end: the mean train reward of its last this many logged steps
+TRAILING_STEPS = 3          # the decline rule's trailing mean
 SIGN_FLIP_EXACT_N = 16      # sign_flip_p enumerates all 2^n sign assignments up to this many differences
 SIGN_FLIP_TIE_RTOL = 1e-9   # sums within this share of sum(|d|) of the observed one count as reaching it
 
@@ -45,6 +55,17 @@ def _differences(differences: Sequence[float], name: str) -> np.ndarray:
     return differences_n
 
 
+def _sign_sums(d_n: np.ndarray, resamples: int, seed: int) -> tuple[np.ndarray, int]:
+    """(sum(s * d) for each sign assignment s, the count added to numerator and denominator): all 2^n assignments
+    for n <= SIGN_FLIP_EXACT_N (0 added), else `resamples` random ones (numpy's default_rng(seed); 1 added)."""
+    n = d_n.size
+    if n <= SIGN_FLIP_EXACT_N:
+        bits_an = (np.arange(2 ** n)[:, None] >> np.arange(n)) & 1
+        return (1 - 2 * bits_an) @ d_n, 0
+    signs_rn = np.random.default_rng(seed).choice([-1.0, 1.0], size=(resamples, n))
+    return signs_rn @ d_n, 1
+
+
 def sign_flip_p(differences: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
                 seed: int = BOOTSTRAP_SEED) -> float:
     """Two-sided p-value of the paired permutation (sign-flip) test of "the differences are symmetric about 0":
@@ -55,16 +76,21 @@ def sign_flip_p(differences: Sequence[float], resamples: int = BOOTSTRAP_RESAMPL
     assignments (numpy's default_rng(seed)) and p = (1 + reaching) / (1 + resamples), as scipy.stats.permutation_test
     does."""
     d_n = _differences(differences, "sign_flip_p")
-    n = d_n.size
-    if n <= SIGN_FLIP_EXACT_N:
-        bits_an = (np.arange(2 ** n)[:, None] >> np.arange(n)) & 1
-        sums_a = (1 - 2 * bits_an) @ d_n
-        adjust = 0
-    else:
-        signs_rn = np.random.default_rng(seed).choice([-1.0, 1.0], size=(resamples, n))
-        sums_a = signs_rn @ d_n
-        adjust = 1
+    sums_a, adjust = _sign_sums(d_n, resamples, seed)
     reaching = np.abs(sums_a) >= abs(d_n.sum()) - SIGN_FLIP_TIE_RTOL * np.abs(d_n).sum()
+    return float((reaching.sum() + adjust) / (sums_a.size + adjust))
+
+
+def sign_flip_p_greater(differences: Sequence[float], null: float = 0.0, resamples: int = BOOTSTRAP_RESAMPLES,
+                        seed: int = BOOTSTRAP_SEED) -> float:
+    """One-sided p-value of the sign-flip test of "the differences are symmetric about `null`" against "centred
+    above it": the share of sign assignments s whose sum(s * (d - null)) reaches sum(d - null) from above (ties as
+    in `sign_flip_p`). With `null` = -margin it is the exact non-inferiority test at that margin: a small p says the
+    arm is worse than the control by less than the margin. Exact for n <= SIGN_FLIP_EXACT_N (p >= 1 / 2^n), else
+    sampled as `sign_flip_p` is."""
+    shifted_n = _differences(differences, "sign_flip_p_greater") - null
+    sums_a, adjust = _sign_sums(shifted_n, resamples, seed)
+    reaching = sums_a >= shifted_n.sum() - SIGN_FLIP_TIE_RTOL * np.abs(shifted_n).sum()
     return float((reaching.sum() + adjust) / (sums_a.size + adjust))
 
 
@@ -155,3 +181,45 @@ def collapse_step(steps: Sequence[int], rewards: Sequence[float], threshold: flo
 def collapsed(step: int | None, final_em: float, em_threshold: float = COLLAPSE_EM) -> bool:
     """The collapse rule: a collapse step (from `collapse_step`) or a final greedy test EM below `em_threshold`."""
     return step is not None or final_em < em_threshold
+
+
+def _end(rewards: Sequence[float]) -> float:
+    return float(np.mean(rewards[-END_STEPS:]))
+
+
+def _recovered(steps: Sequence[int], rewards: Sequence[float], rule: str) -> bool:
+    """Whether the run's end (mean train reward of its last END_STEPS steps) is at least half its highest 3-step
+    trailing mean."""
+    if not len(rewards):
+        raise ValueError(f"{rule} needs at least one reward")
+    return _end(rewards) >= max(trailing_means(steps, rewards)) / 2
+
+
+def lasting_collapse(steps: Sequence[int], rewards: Sequence[float], final_em: float) -> bool:
+    """Issue 56's rule: a collapse step (`collapse_step`) the run did not recover from (its end, the mean train
+    reward of its last END_STEPS steps, below half its highest 3-step trailing mean), or a final greedy EM below
+    COLLAPSE_EM. `steps` ascending, one reward each (at least one)."""
+    recovered = _recovered(steps, rewards, "lasting_collapse")
+    return (collapse_step(steps, rewards) is not None and not recovered) or final_em < COLLAPSE_EM
+
+
+def trailing_means(steps: Sequence[int], rewards: Sequence[float]) -> list[float]:
+    """Per logged step s, the mean of the rewards logged at steps s - TRAILING_STEPS + 1 ... s."""
+    if len(steps) != len(rewards):
+        raise ValueError(f"trailing_means: {len(steps)} steps but {len(rewards)} rewards")
+    return [float(np.mean([r for t, r in zip(steps, rewards) if s - TRAILING_STEPS < t <= s])) for s in steps]
+
+
+def decline_step(steps: Sequence[int], rewards: Sequence[float]) -> int | None:
+    """The first step whose 3-step trailing mean reward is below half the highest 3-step mean up to it (None: no
+    such step)."""
+    means = trailing_means(steps, rewards)
+    running = np.maximum.accumulate(means) if means else []
+    return next((s for s, m, peak in zip(steps, means, running) if m < peak / 2), None)
+
+
+def lasting_decline(steps: Sequence[int], rewards: Sequence[float]) -> bool:
+    """Issue 56's rule: a decline step (`decline_step`) the run did not recover from (its end, the mean train reward
+    of its last END_STEPS steps, below half its highest 3-step trailing mean)."""
+    recovered = _recovered(steps, rewards, "lasting_decline")
+    return decline_step(steps, rewards) is not None and not recovered
