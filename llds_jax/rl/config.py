@@ -10,7 +10,7 @@ estimator, a gate, an answer weighting, a KL estimator, an aggregation) keeps th
 import dataclasses
 
 from llds_jax import bounds
-from llds_jax.bounds import AT_LEAST_1, MOMENTUM, NON_NEGATIVE, POSITIVE, Range, field
+from llds_jax.bounds import AT_LEAST_1, MOMENTUM, NON_NEGATIVE, POSITIVE, ConfigError, Range, field
 
 REFERENCE_DTYPES = ("float32", "bfloat16")
 DEFAULT_TIME_CHUNK = 256  # time steps per log-prob chunk (llds_jax.rl.logprobs)
@@ -151,5 +151,5 @@ class UpdateConfig:
     def __post_init__(self):
         bounds.check(self)
         if self.mini_batch_size % self.micro_batch_size:
-            raise ValueError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
-                             f"optim.micro_batch_size ({self.micro_batch_size})")
+            raise ConfigError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
+                              f"optim.micro_batch_size ({self.micro_batch_size})")
