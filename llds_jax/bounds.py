@@ -8,7 +8,7 @@ declarations (`declared`) against the run config before any view is built (both 
 be in (0, 1], got 1.5". Keys of no view (`train.*`, `eval.*`, `data.*`, ...) keep their bounds in
 `llds_jax.config`, each in one place too (tests/test_bounds.py checks that no key is bounded twice).
 
-A leaf: no import of the package, so that every module can raise `ConfigError` without importing the schema.
+A leaf (it imports only the leaf `errors`), so that every module can raise `ConfigError` without importing the schema.
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from llds_jax.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError):
     """A run config problem; the message names the key."""
 
 
@@ -34,7 +36,6 @@ class Range:
 AT_LEAST_1 = Range(lambda v: v >= 1, ">= 1")
 NON_NEGATIVE = Range(lambda v: v >= 0, ">= 0")
 POSITIVE = Range(lambda v: v > 0, "> 0")
-FRACTION = Range(lambda v: 0 <= v <= 1, "in [0, 1]")
 PROBABILITY_MASS = Range(lambda v: 0 < v <= 1, "in (0, 1]")
 MOMENTUM = Range(lambda v: 0 <= v < 1, "in [0, 1)")
 

@@ -1,9 +1,10 @@
 """A whole run config validated before anything heavy runs (launch, the trainer, `--mode=compile`).
 
 `llds_jax.config` is a leaf: it checks what it knows (schema, bounds, its own choices and combinations). This module
-sits above the components a config names and checks it against them: the registered loss terms, the attention
-kernels, the model presets, the retriever backend's options, the TPU topologies, the local model folders and,
-once the device count is known, the mesh; and it loads the application the config's `app` key names
+sits above the components a config names and checks it against them: the registered implementations
+(`llds_jax.registry`: loss terms, advantage estimators, LLDS gates and answer weightings, KL estimators,
+aggregations), the attention kernels, the model presets, the retriever backend's options, the TPU topologies, the
+local model folders and, once the device count is known, the mesh; and it loads the application the config's `app` key names
 (llds_jax.application), whose sections and checks `config.check` adds. Every error is a `config.ConfigError`
 naming the run-config key.
 """
@@ -17,8 +18,10 @@ from llds_jax import config as config_lib
 from llds_jax import application, gcs, parallel, topologies
 from llds_jax.config import ConfigError
 from llds_jax.model.config import ATTENTION_CHOICES, PRESETS
-from llds_jax.rl import losses  # noqa: F401  (registers the built-in loss terms, "llds" among them)
-from llds_jax.rl.terms import registered_loss_terms
+from llds_jax.rl.advantages import ADVANTAGES
+from llds_jax.rl.llds import ANSWER_WEIGHTINGS, GATES
+from llds_jax.rl.losses import KL_ESTIMATORS  # (also registers the built-in loss terms, "llds" among them)
+from llds_jax.rl.terms import AGGREGATIONS, LOSS_TERMS
 from llds_jax.search.factory import request_policy, resolve_config
 from llds_jax.search.retry import RequestPolicy
 
@@ -32,7 +35,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     """
     app = application.load(cfg)
     config_lib.check(cfg, app)
-    config_lib.check_choice(cfg, "objective.llds.variant", registered_loss_terms())
+    for registry in (LOSS_TERMS, ADVANTAGES, GATES, ANSWER_WEIGHTINGS, KL_ESTIMATORS, AGGREGATIONS):
+        config_lib.check_choice(cfg, registry.key, registry.names())
     config_lib.check_choice(cfg, "model.attention", ATTENTION_CHOICES)
     try:
         retriever = resolve_config(cfg.retriever)  # keys and types of the chosen backend

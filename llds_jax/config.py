@@ -22,7 +22,7 @@ import ml_collections
 from llds_jax import bounds, redaction
 from llds_jax.bounds import ConfigError
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
-from llds_jax.rl.config import ADVANTAGE_ESTIMATORS, LLDSConfig, ObjectiveConfig, UpdateConfig
+from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
 
@@ -364,8 +364,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
 # components register, loss terms and attention kernels, are checked by llds_jax.checks).
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": MODEL_DTYPES, "model.param_dtype": MODEL_DTYPES, "model.chat_template": CHAT_TEMPLATES,
-    "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES, "reward.empty_answer": EMPTY_ANSWER_RULES,
-    "objective.advantages": ADVANTAGE_ESTIMATORS}
+    "rollout.params_dtype": ROLLOUT_PARAMS_DTYPES, "reward.empty_answer": EMPTY_ANSWER_RULES}
 
 
 def check_views(cfg: ml_collections.ConfigDict) -> None:

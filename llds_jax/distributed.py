@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from llds_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
@@ -89,16 +91,16 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
         return True
     if coordinator_address is not None:
         if num_processes is None or process_id is None:
-            raise ValueError("maybe_initialize: coordinator_address needs num_processes and process_id too")
+            raise InputError("maybe_initialize: coordinator_address needs num_processes and process_id too")
         if not 0 <= process_id < num_processes:
-            raise ValueError(f"maybe_initialize: process_id {process_id} is not in [0, {num_processes})")
+            raise InputError(f"maybe_initialize: process_id {process_id} is not in [0, {num_processes})")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         log.info("initializing jax.distributed: process %d of %d, coordinator %s", process_id, num_processes,
                  coordinator_address)
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
         return True
     if num_processes is not None or process_id is not None:
-        raise ValueError("maybe_initialize: num_processes and process_id need coordinator_address")
+        raise InputError("maybe_initialize: num_processes and process_id need coordinator_address")
     reason = multi_process_reason()
     if reason is None:
         return False

@@ -54,6 +54,7 @@ from etils import epath  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from llds_jax import config_file, gcs  # noqa: E402 (config_file first: it registers the file-list parser)
+from llds_jax.errors import InputError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "sft", "compile"], "What to run.")
@@ -72,12 +73,11 @@ LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (l
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from llds_jax.compile_check import CompilerUnavailableError
-    from llds_jax.config import ConfigError
     from llds_jax.lease import FolderNotWritableError, LeaseHeldError
     from llds_jax.search.types import RetrieverUnavailableError
     from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
     from llds_jax.train.watchdog import NonFiniteError
-    return (ConfigError, FileNotFoundError, KeyError, ValueError, RetrieverUnavailableError,
+    return (InputError, FileNotFoundError, RetrieverUnavailableError,
             CheckpointMismatchError, CheckpointUnreadableError, gcs.GCSUnavailableError, CompilerUnavailableError,
             NonFiniteError, LeaseHeldError, FolderNotWritableError)
 
@@ -121,14 +121,14 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: 
     from llds_jax import checks
 
     if estimate_from and mode != "compile":
-        raise ValueError(f"--estimate_from is a flag of --mode=compile, not of --mode={mode}")
+        raise InputError(f"--estimate_from is a flag of --mode=compile, not of --mode={mode}")
     if mode != "compile":  # compile_check validates against the topology's device count
         checks.validate(cfg)
     if mode == "compile":
         from llds_jax import compile_check
 
         if not (topology or cfg.mesh.topology):
-            raise ValueError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
+            raise InputError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
         return compile_check.run(cfg, topology or cfg.mesh.topology, estimate_from)
     from llds_jax.train.preemption import PreemptionGuard
 
@@ -223,7 +223,7 @@ def _export(trainer, export_dir: str) -> None:
     from llds_jax.tokenizer import save_tokenizer
 
     if not export_dir:
-        raise ValueError("--mode=export needs --export_dir")
+        raise InputError("--mode=export needs --export_dir")
     params, step = _params_for_eval(trainer)
     hf_io.save_model(trainer.step_fn.to_model(params), export_dir,
                      generation_config=hf_io.read_generation_config(trainer.cfg.model.path))
@@ -292,8 +292,7 @@ def main(argv) -> None:
         sys.stdout.flush()
         os._exit(EXIT_BAD_INPUT)
     except _known_errors() as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"llds_jax: error: {message}", file=sys.stderr)
+        print(f"llds_jax: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 

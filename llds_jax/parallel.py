@@ -26,6 +26,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from llds_jax.bounds import ConfigError
+
 AXES = ("data", "fsdp", "tensor")  # the physical mesh axes, tensor innermost
 
 MeshAxes = Optional[Union[str, tuple[str, ...]]]  # a PartitionSpec entry: a mesh axis, a tuple of them, or None
@@ -95,19 +97,19 @@ def mesh_shape(num_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
         if size == 0 or size < -1:
-            raise ValueError(f"mesh.{name} must be a positive size or -1 (the rest), got {size}")
+            raise ConfigError(f"mesh.{name} must be a positive size or -1 (the rest), got {size}")
     rest = [name for name, size in sizes.items() if size == -1]
     if len(rest) > 1:
-        raise ValueError(f"mesh: only one axis may be -1, got {rest}")
+        raise ConfigError(f"mesh: only one axis may be -1, got {rest}")
     known = math.prod(size for size in sizes.values() if size != -1)
     if num_devices % known:
-        raise ValueError(f"mesh: {num_devices} devices cannot be split into data={data} x fsdp={fsdp} x "
-                         f"tensor={tensor} ({num_devices} is not a multiple of {known})")
+        raise ConfigError(f"mesh: {num_devices} devices cannot be split into data={data} x fsdp={fsdp} x "
+                          f"tensor={tensor} ({num_devices} is not a multiple of {known})")
     if rest:
         sizes[rest[0]] = num_devices // known
     if math.prod(sizes.values()) != num_devices:
-        raise ValueError(f"mesh: data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
-                         f"{math.prod(sizes.values())} does not equal the {num_devices} devices")
+        raise ConfigError(f"mesh: data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
+                          f"{math.prod(sizes.values())} does not equal the {num_devices} devices")
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
@@ -148,7 +150,7 @@ def validate(shapes: dict[str, tuple[int, ...]], mesh: Mesh) -> None:
                         if axis == VOCAB else "")
                 problems.append(f"{path} dimension {dim} is not divisible by mesh axis {axis!r} of size {size}{hint}")
     if problems:
-        raise ValueError("the mesh cannot divide the model: " + "; ".join(problems))
+        raise ConfigError("the mesh cannot divide the model: " + "; ".join(problems))
 
 
 def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:

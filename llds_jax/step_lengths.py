@@ -23,6 +23,8 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
+from llds_jax.errors import InputError
+
 # Defaults without a run. No logged lengths of the paper's or Search-R1's training runs were found published (their
 # figures plot response length and search counts over steps without the numbers this needs), so these are
 # assumptions, named as such in the estimate's output:
@@ -81,11 +83,11 @@ def from_metrics(records: Sequence[Mapping[str, float]], source: str) -> Lengths
     is unknown: ValueError naming the missing key)."""
     steps = [r for r in records if "rollout/response_length" in r]
     if not steps:
-        raise ValueError(f"{source}: no step logged rollout/response_length")
+        raise InputError(f"{source}: no step logged rollout/response_length")
     missing = [k for k in ("rollout/valid_searches", "rollout/decode_occupancy", "perf/tokens_per_s", "perf/step_s",
                            "rollout/trajectories") if any(r.get(k) is None for r in steps)]
     if missing:
-        raise ValueError(f"{source}: steps without {', '.join(missing)} (a run of an older version logs fewer "
+        raise InputError(f"{source}: steps without {', '.join(missing)} (a run of an older version logs fewer "
                          "metrics)")
 
     def mean(values):
@@ -108,7 +110,7 @@ def from_run(run_dir: str) -> Lengths:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {number}: not JSON ({e.msg})") from None
+                    raise InputError(f"{path}, line {number}: not JSON ({e.msg})") from None
     return from_metrics(records, f"the run {run_dir}")
 
 

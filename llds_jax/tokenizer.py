@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 
 from llds_jax import gcs
+from llds_jax.errors import InputError
 
 QWEN25_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -175,13 +176,13 @@ def _load_local(folder: str, fallback_chat_template: str | None, source: str):
     try:
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
-        raise ValueError(f"tokenizer folder {source}: {' '.join(str(e).split())}") from None  # one line
+        raise InputError(f"tokenizer folder {source}: {' '.join(str(e).split())}") from None  # one line
     except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception ("Model missing") for a bad file
-        raise ValueError(f"tokenizer folder {source}: its files ({files}) do not make a tokenizer "
+        raise InputError(f"tokenizer folder {source}: its files ({files}) do not make a tokenizer "
                          f"({type(e).__name__}: {e}); a tokenizer folder holds a valid tokenizer.json, or vocab.json "
                          "and merges.txt") from None
     if not tok.encode(PROBE_TEXT, add_special_tokens=False):
-        raise ValueError(f"tokenizer folder {source}: its files ({files}) make a tokenizer that encodes text to no "
+        raise InputError(f"tokenizer folder {source}: its files ({files}) make a tokenizer that encodes text to no "
                          "token; a tokenizer folder holds a valid tokenizer.json, or vocab.json and merges.txt")
     if not tok.chat_template and fallback_chat_template and _has_qwen_chat_markers(tok):
         tok.chat_template = chat_template(fallback_chat_template)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from llds_jax.errors import InputError
+
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
@@ -39,7 +41,7 @@ GENERATIONS: dict[str, Generation] = {
 }
 
 
-class TopologyError(ValueError):
+class TopologyError(InputError):
     """An unknown topology name; the message lists the valid ones."""
 
 

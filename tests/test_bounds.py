@@ -6,8 +6,6 @@ import dataclasses
 import pytest
 
 from llds_jax import bounds, config
-from llds_jax.rl import llds
-from llds_jax.rl.config import GATES
 
 # A value out of range (or not among the choices) for every declared kind of rule.
 BAD = {">= 1": 0, ">= 0": -1, "> 0": 0.0, "in (0, 1]": 1.5, "in [0, 1)": 1.0, "> 1": 1.0,
@@ -63,7 +61,3 @@ def test_a_non_finite_number_is_refused_with_its_rule():
     assert bounds.problem("optim.learning_rate", float("inf"), bounds.POSITIVE) == (
         "optim.learning_rate must be finite and > 0, got inf")
     assert bounds.problem("optim.learning_rate", 1e-3, bounds.POSITIVE) is None
-
-
-def test_the_gates_llds_computes_are_the_choices_its_config_allows():
-    assert sorted(llds._GATE_TESTS) == sorted(GATES)

@@ -316,7 +316,7 @@ def test_config_module_loads_without_jax_and_checks_validates_the_llds_variant()
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == ("objective.llds.variant must be one of 'entropy', 'kl', 'llds', 'policy', "
+    assert proc.stdout.strip() == ("objective.llds.variant must be one of 'llds', 'policy', 'entropy', 'kl', "
                                    "got 'lldz'")
 
 

@@ -74,7 +74,7 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     ("e5"; needs torch) when it is "". An existing folder built from the same spec is reused.
     """
     if spec["tokenizer"] not in DEMO_TOKENIZERS:
-        raise ValueError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")
+        raise ConfigError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")
     done = os.path.join(out_dir, "COMPLETE")
     paths = {"model": os.path.join(out_dir, "model"), "index": os.path.join(out_dir, "index"),
              "train": os.path.join(out_dir, "world", "train.parquet"),

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator
 
 from etils import epath
 
+from llds_jax.errors import InputError
+
 
 def parse_object(raw: bytes) -> dict:
     """The JSON object on one line (UTF-8 bytes; its line ending is dropped first, so that a column in an error is
@@ -61,5 +63,5 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
             try:
                 record = parse_object(raw)
             except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
+                raise InputError(f"{where}: {e}") from None
             yield where, record

@@ -25,6 +25,7 @@ from etils import epath
 
 from llds_jax.data.jsonl import iter_jsonl
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, normalize_answer
+from llds_jax.errors import InputError
 from llds_jax.protocol import make_prompt
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def read_qa(path: str | os.PathLike, empty_answer: str = DEFAULT_EMPTY_ANSWER) -
         return _examples(path, _parquet_rows(path), skip_empty_golds=empty_answer == "zero")
     if path.endswith(".jsonl"):
         return _examples(path, _jsonl_rows(path), skip_empty_golds=empty_answer == "zero")
-    raise ValueError(f"{path}: unknown QA file format (expected .parquet or .jsonl)")
+    raise InputError(f"{path}: unknown QA file format (expected .parquet or .jsonl)")
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
@@ -79,7 +80,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
             columns = [name for name in ("id", *REQUIRED_COLUMNS, _ANSWERS, _ANSWERS_FALLBACK) if name in names]
             records = parquet.read(columns=columns).to_pylist()
         except pa.ArrowException as e:  # an empty, truncated or non-parquet file
-            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+            raise InputError(f"{path}: not a readable parquet file ({e})") from None
     for row, record in enumerate(records):
         yield f"{path}: row {row}", record
 
@@ -94,9 +95,9 @@ def _check_columns(where: str, names: Iterable[str]) -> None:
     names = set(names)
     for column in REQUIRED_COLUMNS:
         if column not in names:
-            raise ValueError(f"{where}: missing required column '{column}'")
+            raise InputError(f"{where}: missing required column '{column}'")
     if _ANSWERS not in names and _ANSWERS_FALLBACK not in names:
-        raise ValueError(
+        raise InputError(
             f"{where}: missing required column '{_ANSWERS}' (and no '{_ANSWERS_FALLBACK}' to fall back on)")
 
 
@@ -129,7 +130,7 @@ def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: boo
                        f" punctuation only), which an empty answer matches (reward.empty_answer='search_r1', as"
                        f" Search-R1; 'zero' skips them): {named}")
     if not examples:
-        raise ValueError(f"{path}: no examples" + (f"; {counted}" if counted else ""))
+        raise InputError(f"{path}: no examples" + (f"; {counted}" if counted else ""))
     if counted:
         log.warning(counted)
     return examples
@@ -137,7 +138,7 @@ def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: boo
 
 def _string(where: str, column: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{where}: column '{column}' must be a string, got {value!r}")
+        raise InputError(f"{where}: column '{column}' must be a string, got {value!r}")
     return value
 
 
@@ -149,11 +150,11 @@ def _golden_answers(where: str, record: Mapping[str, Any]) -> tuple[str, ...]:
         try:
             answers = record[_ANSWERS_FALLBACK]["ground_truth"]["target"]
         except (KeyError, TypeError):
-            raise ValueError(f"{where}: no '{_ANSWERS}' and no '{column}'") from None
+            raise InputError(f"{where}: no '{_ANSWERS}' and no '{column}'") from None
     if isinstance(answers, str):
         answers = [answers]
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-        raise ValueError(f"{where}: column '{column}' must be a non-empty list of strings, got {answers!r}")
+        raise InputError(f"{where}: column '{column}' must be a non-empty list of strings, got {answers!r}")
     return tuple(answers)
 
 

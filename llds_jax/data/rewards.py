@@ -10,6 +10,8 @@ import re
 import string
 from collections.abc import Sequence
 
+from llds_jax.bounds import ConfigError
+
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _PUNCTUATION = frozenset(string.punctuation)
@@ -56,7 +58,7 @@ def em_reward(model_text: str, golden_answers: str | Sequence[str],
     """Exact match of the model's final answer against the gold answers; 0.0 when it gave no answer. An answer that
     normalizes to nothing scores by the rule `empty_answer` (see the module docstring)."""
     if empty_answer not in EMPTY_ANSWER_RULES:
-        raise ValueError(f"reward.empty_answer must be one of {EMPTY_ANSWER_RULES}; got {empty_answer!r}")
+        raise ConfigError(f"reward.empty_answer must be one of {EMPTY_ANSWER_RULES}; got {empty_answer!r}")
     answer = extract_final_answer(model_text)
     if answer is None or (empty_answer == "zero" and not normalize_answer(answer)):
         return 0.0

@@ -56,6 +56,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from llds_jax import parallel
+from llds_jax.bounds import ConfigError
 from llds_jax.model.config import ATTENTION_CHOICES as CHOICES  # "auto" and IMPLEMENTATIONS
 
 IMPLEMENTATIONS = ("xla", "blockwise", "splash", "cudnn")
@@ -78,10 +79,10 @@ def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_
     if choice not in CHOICES:
         raise ValueError(f"attention implementation must be one of {CHOICES}, got {choice!r}")
     if choice == "cudnn" and platform != "gpu":
-        raise ValueError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); this program is for "
-                         f"platform {platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
+        raise ConfigError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); this program is for "
+                          f"platform {platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
     if choice == "cudnn" and dtype not in HALF_DTYPES:
-        raise ValueError(f"model.attention='cudnn' needs model.dtype in {HALF_DTYPES}, got {dtype!r}")
+        raise ConfigError(f"model.attention='cudnn' needs model.dtype in {HALF_DTYPES}, got {dtype!r}")
     if num_queries == 1:
         return "xla"
     if full_forward:

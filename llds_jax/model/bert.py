@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from llds_jax.errors import InputError
 from llds_jax.model.hf_io import CheckpointFolder
 
 _ACTIVATIONS = ("gelu",)  # exact GELU, what e5 and BERT checkpoints name "gelu"
@@ -46,14 +47,14 @@ class BertConfig:
         """The config of an HF BERT config.json (the file `where`); raises ValueError naming the file and key for
         an architecture this encoder does not implement."""
         if hf.get("model_type") != "bert":
-            raise ValueError(f"{where}: model_type {hf.get('model_type')!r} is not 'bert' (the e5 encoder is BERT)")
+            raise InputError(f"{where}: model_type {hf.get('model_type')!r} is not 'bert' (the e5 encoder is BERT)")
         if hf.get("hidden_act", "gelu") not in _ACTIVATIONS:
-            raise ValueError(f"{where}: hidden_act {hf.get('hidden_act')!r} is not supported (only 'gelu')")
+            raise InputError(f"{where}: hidden_act {hf.get('hidden_act')!r} is not supported (only 'gelu')")
         if hf.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"{where}: position_embedding_type {hf['position_embedding_type']!r} is not supported"
+            raise InputError(f"{where}: position_embedding_type {hf['position_embedding_type']!r} is not supported"
                              " (only 'absolute')")
         if hf["hidden_size"] % hf["num_attention_heads"]:
-            raise ValueError(f"{where}: hidden_size {hf['hidden_size']} is not a multiple of num_attention_heads"
+            raise InputError(f"{where}: hidden_size {hf['hidden_size']} is not a multiple of num_attention_heads"
                              f" {hf['num_attention_heads']}")
         return cls(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
                    num_heads=hf["num_attention_heads"], intermediate_size=hf["intermediate_size"],
@@ -186,10 +187,10 @@ def load_bert(path: str, dtype: str = "float32") -> BertEncoder:
     def read(hf_name: str, expected: tuple[int, ...], ours: str) -> np.ndarray:
         full = prefix + hf_name
         if full not in folder.names():
-            raise ValueError(f"{folder.path}: BERT tensor {full!r} is missing")
+            raise InputError(f"{folder.path}: BERT tensor {full!r} is missing")
         arr = _to_ours(ours, np.asarray(folder.read_rows(full, slice(None)), np.float32), cfg)
         if arr.shape != expected:
-            raise ValueError(f"{folder.path}: tensor {full!r} has shape {folder.shape(full)}, expected one for"
+            raise InputError(f"{folder.path}: tensor {full!r} has shape {folder.shape(full)}, expected one for"
                              f" {expected} (config.json and weights disagree)")
         return arr
 

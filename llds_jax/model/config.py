@@ -6,6 +6,9 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
+from llds_jax.bounds import ConfigError
+from llds_jax.errors import InputError
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 ATTENTION_CHOICES = ("auto", "xla", "blockwise", "splash", "cudnn")  # ModelConfig.attention: llds_jax.model.attention
 PLATFORMS = ("cpu", "gpu", "tpu")  # ModelConfig.attention_platform
@@ -97,33 +100,33 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
-                             f"({self.num_kv_heads})")
+            raise ConfigError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
+                              f"({self.num_kv_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+            raise ConfigError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"model.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
+            raise ConfigError(f"model.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.attention_platform is not None and self.attention_platform not in PLATFORMS:
-            raise ValueError(f"model.attention_platform must be None or one of {PLATFORMS}, "
-                             f"got {self.attention_platform!r}")
+            raise ConfigError(f"model.attention_platform must be None or one of {PLATFORMS}, "
+                              f"got {self.attention_platform!r}")
         if self.attention == "cudnn" and self.attention_platform not in (None, "gpu"):
-            raise ValueError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); the run's devices are "
-                             f"{self.attention_platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
+            raise ConfigError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); the run's devices are "
+                              f"{self.attention_platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
         for name in ("attention_query_block", "attention_key_block", "mlp_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"model.{name} must be an integer >= 1, got {value!r}")
         for name in ("extend_chunk", "cache_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value & (value - 1):
-                raise ValueError(f"rollout.{name} must be 0 or a power of two, got {value!r}")
+                raise ConfigError(f"rollout.{name} must be 0 or a power of two, got {value!r}")
         if self.intermediate_size % self.mlp_chunks:
-            raise ValueError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
-                             f"({self.intermediate_size})")
+            raise ConfigError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
+                              f"({self.intermediate_size})")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+            raise ConfigError(f"model.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -184,7 +187,7 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     """A named preset (see PRESETS), with optional field overrides (e.g. dtype="bfloat16")."""
     key = name.lower()
     if key not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+        raise ConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[key].replace(**overrides)
 
 
@@ -202,7 +205,7 @@ def check_preset(cfg: ModelConfig, name: str) -> None:
              for field in dataclasses.fields(ModelConfig)
              if field.name not in _NOT_ARCHITECTURE and getattr(cfg, field.name) != getattr(expected, field.name)]
     if diffs:
-        raise ValueError(f"model.preset {name!r} does not match the checkpoint: " + ", ".join(diffs)
+        raise InputError(f"model.preset {name!r} does not match the checkpoint: " + ", ".join(diffs)
                          + " (set model.preset to the checkpoint's architecture, or to '' for none)")
 
 
@@ -215,7 +218,7 @@ def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, Optional[Lla
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"{where}: unsupported rope_type {rope_type!r} (supported: default, llama3)")
+        raise InputError(f"{where}: unsupported rope_type {rope_type!r} (supported: default, llama3)")
     return theta, Llama3RopeScaling(
         factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
         high_freq_factor=float(scaling["high_freq_factor"]),
@@ -247,17 +250,17 @@ def from_hf_config(config: str | os.PathLike | Mapping[str, Any], **overrides: A
     hf = dict(config)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        raise InputError(f"{where}: model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (expected 'silu')")
+        raise InputError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (expected 'silu')")
     if hf.get("mlp_bias"):
-        raise ValueError(f"{where}: mlp_bias=true is not supported")
+        raise InputError(f"{where}: mlp_bias=true is not supported")
     if hf.get("use_sliding_window"):
-        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+        raise InputError(f"{where}: use_sliding_window=true is not supported")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in hf]
     if missing:
-        raise KeyError(f"{where}: missing keys {missing}")
+        raise InputError(f"{where}: missing keys {missing}")
     theta, scaling = _rope_fields(hf, where)
     heads = int(hf["num_attention_heads"])
     fields = dict(
@@ -290,7 +293,7 @@ def _token_ids(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             out[key] = value
         elif value is not None:
             expected = "an integer or a list of them" if key == "eos_token_id" else "an integer"
-            raise ValueError(f"{where}: {key} must be {expected}, got {value!r}")
+            raise InputError(f"{where}: {key} must be {expected}, got {value!r}")
     return out
 
 

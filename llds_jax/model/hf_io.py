@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors.numpy import save as safetensors_save
 
 from llds_jax import parallel
+from llds_jax.errors import InputError
 from llds_jax.model.config import HFConfig, ModelConfig, check_preset, from_hf_config, to_hf_config, token_ids
 from llds_jax.model.transformer import Transformer
 
@@ -55,9 +56,9 @@ def _parse_json(where: str, data: bytes) -> dict[str, Any]:
         value = json.loads(data)
     except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
         reason = f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
-        raise ValueError(f"{where}: invalid JSON ({reason})") from None
+        raise InputError(f"{where}: invalid JSON ({reason})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
+        raise InputError(f"{where}: expected a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -93,7 +94,7 @@ class CheckpointFolder:
         if index is not None:
             weight_map = _parse_json(f"{self.path}/{INDEX_FILE}", index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{self.path}/{INDEX_FILE}: no \"weight_map\" object")
+                raise InputError(f"{self.path}/{INDEX_FILE}: no \"weight_map\" object")
             files = sorted(set(weight_map.values()))
         elif self._read_optional(SINGLE_FILE, byte_range=slice(0, 0)) is not None:
             files = [SINGLE_FILE]
@@ -129,10 +130,10 @@ class CheckpointFolder:
             self.read_bytes(file, slice(data_end - 1, data_end))  # the last data byte: the file is not cut short
         except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
             reason = f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line
-            raise ValueError(f"{self.path}/{file}: not a valid safetensors file ({reason})") from None
+            raise InputError(f"{self.path}/{file}: not a valid safetensors file ({reason})") from None
         for name, (dtype, shape, start, end) in tensors.items():
             if dtype not in _ST_DTYPES:
-                raise ValueError(f"{self.path}/{file}: tensor {name!r} has unsupported dtype {dtype}")
+                raise InputError(f"{self.path}/{file}: tensor {name!r} has unsupported dtype {dtype}")
             self._tensors[name] = (file, dtype, shape, 8 + n + start, 8 + n + end)
 
     def config(self) -> dict[str, Any]:
@@ -297,7 +298,7 @@ def _check_tensors(folder: CheckpointFolder, flat: dict[str, Any], cfg: ModelCon
     if bad:
         problems.append("shape mismatch " + "; ".join(bad[:8]))
     if problems:
-        raise ValueError(f"{folder.path}: checkpoint does not fit the config: " + " | ".join(problems))
+        raise InputError(f"{folder.path}: checkpoint does not fit the config: " + " | ".join(problems))
 
 
 def _spans_processes(x: Any) -> bool:

@@ -14,17 +14,21 @@ agree.
 
 Vectorized with segment sums, so they run inside `jit` on any id values.
 """
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from llds_jax.rl.config import ADVANTAGE_ESTIMATORS
+from llds_jax.registry import Registry
 
 GRPO_EPS = 1e-6
+ADVANTAGES: Registry[Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = Registry("objective.advantages")
+"""`objective.advantages` -> `fn(rewards_b, group_ids_b, tree_ids_b) -> advantages_b`."""
 
 
-def _normalized(rewards_b: jax.Array, ids_b: jax.Array, eps: float, singleton: str) -> jax.Array:
-    """`(r - mean) / (std + eps)` within each id's group (unbiased std). A group of one: `singleton` "unit" (mean 0,
-    std 1: r / (1 + eps)) or "zero" (0)."""
+def _normalized(rewards_b: jax.Array, ids_b: jax.Array, eps: float, zero_singletons: bool) -> jax.Array:
+    """`(r - mean) / (std + eps)` within each id's group (unbiased std). A group of one: 0 with `zero_singletons`,
+    else mean 0 and std 1 (r / (1 + eps))."""
     num = rewards_b.shape[0]
     # Dense group index in [0, B): valid inside jit because the number of distinct ids is at most B.
     _, group_b = jnp.unique(ids_b, size=num, return_inverse=True)
@@ -37,7 +41,7 @@ def _normalized(rewards_b: jax.Array, ids_b: jax.Array, eps: float, singleton: s
     mean_b = jnp.where(singleton_b, 0.0, mean_g[group_b])
     std_b = jnp.where(singleton_b, 1.0, jnp.sqrt(var_g[group_b]))
     normalized_b = (rewards_b - mean_b) / (std_b + eps)
-    return jnp.where(singleton_b, 0.0, normalized_b) if singleton == "zero" else normalized_b
+    return jnp.where(singleton_b, 0.0, normalized_b) if zero_singletons else normalized_b
 
 
 def _checked(rewards_b, *ids_b) -> tuple[jax.Array, ...]:
@@ -61,9 +65,17 @@ def grpo_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, eps: float = G
       [B] float32 advantages; broadcast them to every token of their trajectory.
     """
     rewards_b, group_ids_b = _checked(rewards_b, group_ids_b)
-    return _normalized(rewards_b, group_ids_b, eps, "unit")
+    return _normalized(rewards_b, group_ids_b, eps, zero_singletons=False)
 
 
+@ADVANTAGES.register("grpo")
+def _grpo(rewards_b: jax.Array, group_ids_b: jax.Array, tree_ids_b: jax.Array) -> jax.Array:
+    """GRPO over the prompts' groups; the tree ids play no part."""
+    del tree_ids_b
+    return grpo_advantages(rewards_b, group_ids_b)
+
+
+@ADVANTAGES.register("tree_grpo")
 def tree_grpo_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, tree_ids_b: jax.Array,
                          eps: float = GRPO_EPS) -> jax.Array:
     """Tree-GRPO's advantages (module docstring): inter-tree (GRPO over the prompt's group) plus intra-tree (over
@@ -79,12 +91,5 @@ def tree_grpo_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, tree_ids_
       [B] float32 advantages.
     """
     rewards_b, group_ids_b, tree_ids_b = _checked(rewards_b, group_ids_b, tree_ids_b)
-    return (_normalized(rewards_b, group_ids_b, eps, "unit") + _normalized(rewards_b, tree_ids_b, eps, "zero"))
-
-
-# objective.advantages -> f(rewards_b, group_ids_b, tree_ids_b) -> advantages_b
-ADVANTAGES = {
-    "grpo": lambda rewards_b, group_ids_b, tree_ids_b: grpo_advantages(rewards_b, group_ids_b),
-    "tree_grpo": tree_grpo_advantages,
-}
-assert tuple(ADVANTAGES) == ADVANTAGE_ESTIMATORS
+    return (_normalized(rewards_b, group_ids_b, eps, zero_singletons=False)
+            + _normalized(rewards_b, tree_ids_b, eps, zero_singletons=True))

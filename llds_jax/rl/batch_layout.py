@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from llds_jax.bounds import ConfigError
 from llds_jax.rl.batch import RolloutBatch, batch_dtype
 from llds_jax.rl.config import UpdateConfig
 from llds_jax.rl.logprobs import mesh_batch_axes
@@ -137,10 +138,10 @@ class BatchLayout:
         or the micro-batch size none of the mesh's data axes size."""
         cfg = self.update_cfg
         if num % cfg.mini_batch_size:
-            raise ValueError(f"batch size {num} is not a multiple of optim.mini_batch_size ({cfg.mini_batch_size})")
+            raise ConfigError(f"batch size {num} is not a multiple of optim.mini_batch_size ({cfg.mini_batch_size})")
         if self.mesh is not None and cfg.micro_batch_size % self.data_shards():
-            raise ValueError(f"optim.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
-                             f"data axes size ({self.data_shards()})")
+            raise ConfigError(f"optim.micro_batch_size ({cfg.micro_batch_size}) must be a multiple of the mesh's "
+                              f"data axes size ({self.data_shards()})")
         return num // cfg.mini_batch_size, cfg.mini_batch_size // cfg.micro_batch_size, cfg.micro_batch_size
 
     def lay_out(self, batch: RolloutBatch, batch_stats: dict[str, float]) -> PreparedBatch:

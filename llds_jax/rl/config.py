@@ -2,21 +2,17 @@
 optimizer updates; defaults = the reference code.
 
 See docs llds-method.md. Every field is validated at construction with an error naming the run key; a field's range
-or choices are declared with it (llds_jax.bounds). Plain Python (no JAX): `llds_jax.config` builds these from a run
-config without loading JAX.
+or choices are declared with it (llds_jax.bounds). A field that names an implementation (a loss term, an advantage
+estimator, a gate, an answer weighting, a KL estimator, an aggregation) keeps the name only: the implementations'
+`llds_jax.registry.Registry` is its set of choices, checked by `llds_jax.checks`. Plain Python (no JAX):
+`llds_jax.config` builds these from a run config without loading JAX.
 """
 import dataclasses
 
 from llds_jax import bounds
-from llds_jax.bounds import AT_LEAST_1, MOMENTUM, NON_NEGATIVE, POSITIVE, Range, field
+from llds_jax.bounds import AT_LEAST_1, MOMENTUM, NON_NEGATIVE, POSITIVE, ConfigError, Range, field
 
-GATES = ("action", "response", "token")
-ANSWER_WEIGHTINGS = ("none", "fixed", "adaptive", "adaptive_paper")
-KL_ESTIMATORS = ("k1", "abs", "mse", "low_var_kl")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 REFERENCE_DTYPES = ("float32", "bfloat16")
-# How outcome rewards become advantages (`objective.advantages`; llds_jax.rl.advantages.ADVANTAGES implements them).
-ADVANTAGE_ESTIMATORS = ("grpo", "tree_grpo")
 DEFAULT_TIME_CHUNK = 256  # time steps per log-prob chunk (llds_jax.rl.logprobs)
 
 
@@ -26,12 +22,14 @@ class LLDSConfig:
 
     Attributes:
       enabled: add the LLDS term to the loss.
-      variant: name of the registered loss term that implements it (see `llds_jax.rl.terms`).
+      variant: name of the registered loss term that implements it (`llds_jax.rl.terms.LOSS_TERMS`).
       lam: lambda, the weight w on gated tokens (0.2; 0.3 for Qwen2.5-7B-Instruct).
-      gate: "action" (default: net delta over the token's action > 0), "response" (over the trajectory), "token".
+      gate: "action" (default: net delta over the token's action > 0), "response" (over the trajectory), "token"
+        (`llds_jax.rl.llds.GATES`).
       answer_weighting: LLDS-MA on the final answer span: "none"; "fixed" (beta = answer_beta); "adaptive" (code:
         beta = adaptive_c * max(V - 1, 0), V = mean search actions per trajectory of the rollout batch);
-        "adaptive_paper" (beta = min(V / 2, 1) * lam). Answer tokens get w = min(beta, lam).
+        "adaptive_paper" (beta = min(V / 2, 1) * lam). Answer tokens get w = min(beta, lam)
+        (`llds_jax.rl.llds.ANSWER_WEIGHTINGS`).
       answer_beta: beta of "fixed" (the paper's v1 used 0.05).
       adaptive_c: c of "adaptive".
     """
@@ -41,8 +39,8 @@ class LLDSConfig:
     enabled: bool = True
     variant: str = "llds"
     lam: float = field(0.2, NON_NEGATIVE)
-    gate: str = field("action", choices=GATES)
-    answer_weighting: str = field("none", choices=ANSWER_WEIGHTINGS)
+    gate: str = "action"
+    answer_weighting: str = "none"
     answer_beta: float = field(0.05, NON_NEGATIVE)
     adaptive_c: float = field(0.2, NON_NEGATIVE)
 
@@ -64,10 +62,11 @@ class ObjectiveConfig:
         min(exp(old_logp - sampler_logp), tis_cap); 0 (default): off; otherwise >= 1.
       entropy_coef: weight of the entropy bonus (subtracted).
       kl_coef: weight of the KL to the reference model (0 disables the term).
-      kl_estimator: "low_var_kl" (k3, default), "k1", "abs" or "mse".
+      kl_estimator: "low_var_kl" (k3, default), "k1", "abs" or "mse" (`llds_jax.rl.losses.KL_ESTIMATORS`).
       kl_clamp: k3 values are clipped to [-kl_clamp, kl_clamp].
       aggregation: "token-mean" (default: over all loss tokens of the micro-batch) or "seq-mean-token-mean"
-        (paper Eq. 1: token mean per trajectory, then mean over trajectories); applies to every term.
+        (paper Eq. 1: token mean per trajectory, then mean over trajectories); applies to every term
+        (`llds_jax.rl.terms.AGGREGATIONS`).
       temperature: rollout temperature; all log-probs use logits / temperature.
       llds: the LLDS sub-config.
     """
@@ -81,9 +80,9 @@ class ObjectiveConfig:
     tis_cap: float = field(0.0, Range(lambda v: v == 0 or v >= 1, "0 (off) or >= 1"))
     entropy_coef: float = field(0.001, NON_NEGATIVE)
     kl_coef: float = field(0.001, NON_NEGATIVE)
-    kl_estimator: str = field("low_var_kl", choices=KL_ESTIMATORS)
+    kl_estimator: str = "low_var_kl"
     kl_clamp: float = field(10.0, POSITIVE)
-    aggregation: str = field("token-mean", choices=AGGREGATIONS)
+    aggregation: str = "token-mean"
     temperature: float = field(1.0, POSITIVE)
     llds: LLDSConfig = dataclasses.field(default_factory=LLDSConfig)
 
@@ -152,5 +151,5 @@ class UpdateConfig:
     def __post_init__(self):
         bounds.check(self)
         if self.mini_batch_size % self.micro_batch_size:
-            raise ValueError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
-                             f"optim.micro_batch_size ({self.micro_batch_size})")
+            raise ConfigError(f"optim.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
+                              f"optim.micro_batch_size ({self.micro_batch_size})")

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llds_jax.registry import Registry
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
 from llds_jax.rl.terms import LossInputs, aggregate, register_loss_term
 
@@ -44,25 +45,25 @@ def _per_token_action_sum(x_bt, action_ids_bt, loss_mask_bt):
     return jnp.take_along_axis(sums_bs, slot_bt, axis=1)
 
 
+GATES: Registry[Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = Registry("objective.llds.gate")
+"""`objective.llds.gate` -> the test `fn(delta_bt, loss_mask_bt, action_ids_bt) -> [B, T] bool` of `llds_gate`."""
+
+
+@GATES.register("action")
 def _action_gate(delta_bt, loss_mask_bt, action_ids_bt):
     return _per_token_action_sum(delta_bt, action_ids_bt, loss_mask_bt) > 0
 
 
+@GATES.register("response")
 def _response_gate(delta_bt, loss_mask_bt, action_ids_bt):
     del action_ids_bt
     return jnp.sum(delta_bt * loss_mask_bt, axis=-1, keepdims=True) > 0
 
 
+@GATES.register("token")
 def _token_gate(delta_bt, loss_mask_bt, action_ids_bt):
     del action_ids_bt
     return jnp.ones_like(delta_bt, dtype=bool)
-
-
-_GATE_TESTS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
-    "action": _action_gate,
-    "response": _response_gate,
-    "token": _token_gate,
-}
 
 
 def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) -> jax.Array:
@@ -81,8 +82,35 @@ def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) ->
     delta_bt = jax.lax.stop_gradient(delta_bt)
     mask_bt = loss_mask_bt.astype(jnp.float32)
     preserve_b1 = (jax.lax.stop_gradient(advantages_b) >= 0)[:, None]
-    fired_bt = _GATE_TESTS[gate](delta_bt, mask_bt, action_ids_bt)
+    fired_bt = GATES[gate](delta_bt, mask_bt, action_ids_bt)
     return (mask_bt * preserve_b1 * fired_bt).astype(jnp.float32)
+
+
+ANSWER_WEIGHTINGS: Registry[Callable[[LLDSConfig, jax.Array], jax.Array]] = Registry(
+    "objective.llds.answer_weighting")
+"""`objective.llds.answer_weighting` -> `fn(cfg, V) -> beta` of `answer_beta`."""
+
+
+@ANSWER_WEIGHTINGS.register("none")
+def _no_answer_weighting(cfg: LLDSConfig, mean_searches: jax.Array) -> jax.Array:
+    del mean_searches
+    return jnp.float32(cfg.lam)
+
+
+@ANSWER_WEIGHTINGS.register("fixed")
+def _fixed_answer_weighting(cfg: LLDSConfig, mean_searches: jax.Array) -> jax.Array:
+    del mean_searches
+    return jnp.float32(cfg.answer_beta)
+
+
+@ANSWER_WEIGHTINGS.register("adaptive")
+def _adaptive_answer_weighting(cfg: LLDSConfig, mean_searches: jax.Array) -> jax.Array:
+    return cfg.adaptive_c * jnp.maximum(mean_searches - 1.0, 0.0)
+
+
+@ANSWER_WEIGHTINGS.register("adaptive_paper")
+def _adaptive_paper_answer_weighting(cfg: LLDSConfig, mean_searches: jax.Array) -> jax.Array:
+    return jnp.minimum(mean_searches / 2.0, 1.0) * cfg.lam
 
 
 def answer_beta(cfg: LLDSConfig, mean_searches: jax.Array | float) -> jax.Array:
@@ -95,23 +123,13 @@ def answer_beta(cfg: LLDSConfig, mean_searches: jax.Array | float) -> jax.Array:
     Returns:
       scalar beta; with answer_weighting "none" it is lambda, so every token keeps w = lambda.
     """
-    mean_searches = jnp.asarray(mean_searches, jnp.float32)
-    if cfg.answer_weighting == "none":
-        return jnp.float32(cfg.lam)
-    if cfg.answer_weighting == "fixed":
-        return jnp.float32(cfg.answer_beta)
-    if cfg.answer_weighting == "adaptive":
-        return cfg.adaptive_c * jnp.maximum(mean_searches - 1.0, 0.0)
-    if cfg.answer_weighting == "adaptive_paper":
-        return jnp.minimum(mean_searches / 2.0, 1.0) * cfg.lam
-    raise ValueError(f"objective.llds.answer_weighting: unknown {cfg.answer_weighting!r}")
+    return ANSWER_WEIGHTINGS[cfg.answer_weighting](cfg, jnp.asarray(mean_searches, jnp.float32))
 
 
 def llds_weight(cfg: LLDSConfig, answer_mask_bt: jax.Array, beta: jax.Array | float) -> jax.Array:
-    """w per token: lambda, and min(beta, lambda) on the answer span when LLDS-MA is on. [B, T] float32."""
+    """w per token: lambda, and min(beta, lambda) on the answer span (`answer_beta`: lambda itself when LLDS-MA is
+    off, so every token keeps lambda). [B, T] float32."""
     lam = jnp.float32(cfg.lam)
-    if cfg.answer_weighting == "none":
-        return jnp.full(answer_mask_bt.shape, lam)
     return jnp.where(answer_mask_bt > 0, jnp.minimum(jnp.asarray(beta, jnp.float32), lam), lam)
 
 

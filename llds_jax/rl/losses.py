@@ -4,13 +4,15 @@
 `L = pg - entropy_coef * ent + kl_coef * kl + llds` (code-exact default, docs llds-method.md).
 """
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from llds_jax.registry import Registry
 from llds_jax.rl import llds  # noqa: F401  (registers the "llds" term)
 from llds_jax.rl.config import ObjectiveConfig
-from llds_jax.rl.terms import LossInputs, aggregate, get_loss_term, register_loss_term
+from llds_jax.rl.terms import LossInputs, aggregate, LOSS_TERMS, register_loss_term
 
 # exp() argument bound for k3: exp(20) - 21 is far above any clamp, so the value is unchanged and the gradient
 # stays finite (0) where exp would overflow.
@@ -52,24 +54,42 @@ def clipped_policy_loss_bt(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Arra
     return loss_bt * tis_weight(inputs.old_logp_bt, inputs.sampler_logp_bt, inputs.loss_mask_bt, cfg.tis_cap)
 
 
+KL_ESTIMATORS: Registry[Callable[[jax.Array, float], jax.Array]] = Registry("objective.kl_estimator")
+"""`objective.kl_estimator` -> `fn(diff_bt, clamp) -> [B, T]` of `kl_penalty_bt`, with diff = logp - ref."""
+
+
+@KL_ESTIMATORS.register("k1")
+def _k1(diff_bt: jax.Array, clamp: float) -> jax.Array:
+    del clamp
+    return diff_bt
+
+
+@KL_ESTIMATORS.register("abs")
+def _abs(diff_bt: jax.Array, clamp: float) -> jax.Array:
+    del clamp
+    return jnp.abs(diff_bt)
+
+
+@KL_ESTIMATORS.register("mse")
+def _mse(diff_bt: jax.Array, clamp: float) -> jax.Array:
+    del clamp
+    return 0.5 * diff_bt**2
+
+
+@KL_ESTIMATORS.register("low_var_kl")
+def _k3(diff_bt: jax.Array, clamp: float) -> jax.Array:
+    d_bt = -diff_bt
+    k3_bt = jnp.exp(jnp.minimum(d_bt, _K3_EXP_BOUND)) - d_bt - 1.0
+    return jnp.clip(k3_bt, -clamp, clamp)
+
+
 def kl_penalty_bt(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str, clamp: float) -> jax.Array:
     """Per-token KL(current || reference) estimate. [B, T].
 
     "k1": logp - ref; "abs": |logp - ref|; "mse": 0.5 (logp - ref)^2;
     "low_var_kl" (k3): with d = ref - logp, clip(exp(d) - d - 1, -clamp, clamp).
     """
-    diff_bt = logp_bt - ref_logp_bt
-    if estimator == "k1":
-        return diff_bt
-    if estimator == "abs":
-        return jnp.abs(diff_bt)
-    if estimator == "mse":
-        return 0.5 * diff_bt**2
-    if estimator == "low_var_kl":
-        d_bt = -diff_bt
-        k3_bt = jnp.exp(jnp.minimum(d_bt, _K3_EXP_BOUND)) - d_bt - 1.0
-        return jnp.clip(k3_bt, -clamp, clamp)
-    raise ValueError(f"objective.kl_estimator: unknown {estimator!r}")
+    return KL_ESTIMATORS[estimator](logp_bt - ref_logp_bt, clamp)
 
 
 @register_loss_term("policy")
@@ -95,6 +115,6 @@ def kl_loss(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
 
 def objective_loss(inputs: LossInputs, cfg: ObjectiveConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The per-micro-batch loss and each term's unweighted value (keyed by term name)."""
-    values = {name: get_loss_term(name)(inputs, cfg) for name, _ in cfg.weighted_terms()}
+    values = {name: LOSS_TERMS[name](inputs, cfg) for name, _ in cfg.weighted_terms()}
     loss = sum(coef * values[name] for name, coef in cfg.weighted_terms())
     return loss, values

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from llds_jax.registry import Registry
 from llds_jax.rl.config import ObjectiveConfig
 
 
@@ -48,40 +49,46 @@ class LossInputs(NamedTuple):
     sampler_logp_bt: jax.Array | None = None
 
 
+AGGREGATIONS: Registry[Callable[[jax.Array, jax.Array], jax.Array]] = Registry("objective.aggregation")
+
+
+@AGGREGATIONS.register("token-mean")
+def _token_mean(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    return jnp.sum(x_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-mean")
+def _seq_mean_token_mean(x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    count_b = jnp.sum(mask_bt, axis=-1)
+    seq_mean_b = jnp.sum(x_bt * mask_bt, axis=-1) / jnp.maximum(count_b, 1.0)
+    has_tokens_b = (count_b > 0).astype(jnp.float32)
+    return jnp.sum(seq_mean_b * has_tokens_b) / jnp.maximum(jnp.sum(has_tokens_b), 1.0)
+
+
 def aggregate(x_bt: jax.Array, mask_bt: jax.Array, mode: str) -> jax.Array:
     """Masked mean of per-token values.
 
     "token-mean": `sum(x * m) / sum(m)` over every token of the micro-batch. "seq-mean-token-mean": the token mean of
     each trajectory, averaged over the trajectories that have loss tokens. An empty mask gives 0.
     """
-    mask_bt = mask_bt.astype(jnp.float32)
-    if mode == "token-mean":
-        return jnp.sum(x_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
-    if mode == "seq-mean-token-mean":
-        count_b = jnp.sum(mask_bt, axis=-1)
-        seq_mean_b = jnp.sum(x_bt * mask_bt, axis=-1) / jnp.maximum(count_b, 1.0)
-        has_tokens_b = (count_b > 0).astype(jnp.float32)
-        return jnp.sum(seq_mean_b * has_tokens_b) / jnp.maximum(jnp.sum(has_tokens_b), 1.0)
-    raise ValueError(f"unknown aggregation {mode!r}")
+    return AGGREGATIONS[mode](x_bt, mask_bt.astype(jnp.float32))
 
 
 LossTerm = Callable[[LossInputs, ObjectiveConfig], jax.Array]
 BatchStatistics = Callable[[Any, ObjectiveConfig], dict[str, float]]  # (RolloutBatch, cfg) -> name -> scalar
-_LOSS_TERMS: dict[str, LossTerm] = {}
-_BATCH_STATISTICS: dict[str, BatchStatistics] = {}
+LOSS_TERMS: Registry[LossTerm] = Registry("objective.llds.variant")
+BATCH_STATISTICS: Registry[BatchStatistics] = Registry("objective.llds.variant")
 
 
 def register_loss_term(name: str, batch_statistics: BatchStatistics | None = None
                        ) -> Callable[[LossTerm], LossTerm]:
-    """Decorator registering `fn(inputs, cfg) -> scalar` under `name`, with the hook computing the whole-batch
-    statistics it reads from `inputs.batch_stats` (see the module docstring)."""
+    """Decorator registering `fn(inputs, cfg) -> scalar` under `name` in `LOSS_TERMS`, with the hook computing the
+    whole-batch statistics it reads from `inputs.batch_stats` (see the module docstring) in `BATCH_STATISTICS`."""
 
     def register(fn: LossTerm) -> LossTerm:
-        if name in _LOSS_TERMS:
-            raise ValueError(f"loss term {name!r} is already registered")
-        _LOSS_TERMS[name] = fn
+        LOSS_TERMS.register(name)(fn)
         if batch_statistics is not None:
-            _BATCH_STATISTICS[name] = batch_statistics
+            BATCH_STATISTICS.register(name)(batch_statistics)
         return fn
 
     return register
@@ -91,18 +98,6 @@ def batch_statistics(batch: Any, cfg: ObjectiveConfig) -> dict[str, float]:
     """What the hooks of the terms in `cfg.weighted_terms()` compute from `batch` (a host RolloutBatch)."""
     stats: dict[str, float] = {}
     for name, _ in cfg.weighted_terms():
-        if name in _BATCH_STATISTICS:
-            stats.update(_BATCH_STATISTICS[name](batch, cfg))
+        if name in BATCH_STATISTICS:
+            stats.update(BATCH_STATISTICS[name](batch, cfg))
     return stats
-
-
-def get_loss_term(name: str) -> LossTerm:
-    """The loss term registered under `name`."""
-    if name not in _LOSS_TERMS:
-        raise KeyError(f"no loss term named {name!r}; registered: {sorted(_LOSS_TERMS)}")
-    return _LOSS_TERMS[name]
-
-
-def registered_loss_terms() -> tuple[str, ...]:
-    """The names of every registered loss term, sorted."""
-    return tuple(sorted(_LOSS_TERMS))

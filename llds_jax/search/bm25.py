@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from llds_jax.errors import InputError
 from llds_jax.search import analyzer
 from llds_jax.search.bm25_index import DATA_FILE, INDICES_FILE, INDPTR_FILE, VOCAB_FILE, read_manifest
 from llds_jax.search.docstore import DocStore
@@ -80,7 +81,7 @@ class Bm25Retriever(LocalRetriever):
             self._vocab: dict[str, int] = json.load(f)
         docs = DocStore(index_dir)
         if len(docs) != self.manifest["num_docs"] or len(self._indptr) != len(self._vocab) + 1:
-            raise ValueError(f"{index_dir}: files disagree with {self.manifest} (an incomplete copy?)")
+            raise InputError(f"{index_dir}: files disagree with {self.manifest} (an incomplete copy?)")
         self._local = threading.local()
         super().__init__(index_dir, docs, workers)
 

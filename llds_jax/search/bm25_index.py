@@ -34,6 +34,7 @@ import shutil
 
 import numpy as np
 
+from llds_jax.errors import InputError
 from llds_jax.search import analyzer
 from llds_jax.search.docstore import DocStoreWriter
 
@@ -64,9 +65,9 @@ def read_manifest(index_dir: str) -> dict:
     with open(path, encoding="utf-8") as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, this code reads {FORMAT!r}")
+        raise InputError(f"{path}: format {manifest.get('format')!r}, this code reads {FORMAT!r}")
     if manifest.get("analyzer") != analyzer.ANALYZER_NAME:
-        raise ValueError(f"{path}: built with analyzer {manifest.get('analyzer')!r}, queries would be analyzed"
+        raise InputError(f"{path}: built with analyzer {manifest.get('analyzer')!r}, queries would be analyzed"
                          f" with {analyzer.ANALYZER_NAME!r}; rebuild the index")
     return manifest
 

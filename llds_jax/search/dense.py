@@ -24,6 +24,8 @@ from typing import Any
 import faiss
 import numpy as np
 
+from llds_jax.bounds import ConfigError
+from llds_jax.errors import InputError
 from llds_jax.model.hf_io import read_config
 from llds_jax.search import dense_index
 from llds_jax.search.docstore import DocStore
@@ -40,7 +42,7 @@ def read_faiss_index(path: str, *, mmap: bool = True) -> faiss.Index:
         return faiss.read_index(path, flags)
     except RuntimeError as e:
         reason = " ".join(str(e).split()).split("Error: ")[-1][:200]
-        raise ValueError(f"faiss index {path}: not readable by faiss ({reason})") from None
+        raise InputError(f"faiss index {path}: not readable by faiss ({reason})") from None
 
 
 def encoder_dim(encoder_path: str) -> int:
@@ -51,16 +53,16 @@ def encoder_dim(encoder_path: str) -> int:
         raise FileNotFoundError(f"encoder folder {encoder_path} (retriever.encoder_path): no config.json there"
                                 " (an e5 model folder, e.g. intfloat/e5-base-v2)") from None
     except KeyError:
-        raise ValueError(f"encoder folder {encoder_path}: config.json has no hidden_size") from None
+        raise InputError(f"encoder folder {encoder_path}: config.json has no hidden_size") from None
 
 
 def check_compatible(index: faiss.Index, index_path: str, dim: int, encoder_path: str) -> None:
     """Raises ValueError naming both sides when the index cannot hold this encoder's embeddings."""
     if index.d != dim:
-        raise ValueError(f"faiss index {index_path} holds {index.d}-dimensional vectors but encoder {encoder_path}"
+        raise InputError(f"faiss index {index_path} holds {index.d}-dimensional vectors but encoder {encoder_path}"
                          f" embeds {dim} dimensions (config.json hidden_size): use the index built with this encoder")
     if index.metric_type != faiss.METRIC_INNER_PRODUCT:
-        raise ValueError(f"faiss index {index_path} uses metric {index.metric_type}, not inner product: e5"
+        raise InputError(f"faiss index {index_path} uses metric {index.metric_type}, not inner product: e5"
                          f" embeddings of encoder {encoder_path} are compared by inner product")
 
 
@@ -83,13 +85,13 @@ class FaissRetriever(LocalRetriever):
         self.index, file = read_checked_index(index_path, encoder_path, corpus_path, mmap)
         if hnsw_ef_search:
             if not hasattr(self.index, "hnsw"):
-                raise ValueError(f"retriever.hnsw_ef_search is set but faiss index {file} is not HNSW")
+                raise ConfigError(f"retriever.hnsw_ef_search is set but faiss index {file} is not HNSW")
             self.index.hnsw.efSearch = hnsw_ef_search
         corpus = corpus_path or os.path.join(index_path, dense_index.DOCS_NAME)
         docs = DocStore.of_corpus(corpus_path) if corpus_path else DocStore(index_path)
         if len(docs) < self.index.ntotal:
             docs.close()
-            raise ValueError(f"corpus {corpus} has {len(docs):,} lines but faiss index {file} has"
+            raise InputError(f"corpus {corpus} has {len(docs):,} lines but faiss index {file} has"
                              f" {self.index.ntotal:,} rows (row i is line i): the wrong corpus, or a truncated one")
         self.embedder = E5Embedder(encoder_path, max_length=max_length, batch_size=batch_size, dtype=dtype)
         super().__init__(index_path, docs, workers=workers)
@@ -122,8 +124,8 @@ def read_checked_index(index_path: str, encoder_path: str, corpus_path: str, mma
     folder = os.path.isdir(index_path)
     file = dense_index.index_file(index_path) if folder else index_path
     if not folder and not corpus_path:
-        raise ValueError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
-                         " (wiki-18.jsonl, row i = line i)")
+        raise ConfigError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
+                          " (wiki-18.jsonl, row i = line i)")
     index = read_faiss_index(file, mmap=mmap)
     check_compatible(index, file, dim, encoder_path)
     return index, file

@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
+from llds_jax.bounds import ConfigError
+from llds_jax.errors import InputError
 from llds_jax.search.dense import read_checked_index
 from llds_jax.search.device_index import flat_vectors, load
 from llds_jax.search.device_search import ExactSearcher
@@ -41,15 +43,15 @@ class DeviceFlatRetriever(LocalRetriever):
                  batch_size: int = 256, dtype: str = "float32", vector_dtype: str = "bfloat16", candidates: int = 32,
                  max_candidates: int = 4096, block_rows: int = 65536, search_batch: int = 64):
         if jax.process_count() > 1:
-            raise ValueError(f"retriever.backend 'e5_device' searches this process's devices; this run has "
-                             f"{jax.process_count()} processes (a multi-host run): use backend 'faiss' there")
+            raise ConfigError(f"retriever.backend 'e5_device' searches this process's devices; this run has "
+                              f"{jax.process_count()} processes (a multi-host run): use backend 'faiss' there")
         self.index_path, self.encoder_path = index_path, encoder_path
         self._faiss, file = read_checked_index(index_path, encoder_path, corpus_path, mmap=True)  # kept: mapped
         self.vectors_nd = flat_vectors(self._faiss, file)
         docs = DocStore.of_corpus(corpus_path) if corpus_path else DocStore(index_path)
         if len(docs) < len(self.vectors_nd):
             docs.close()
-            raise ValueError(f"corpus {corpus_path or index_path} has {len(docs):,} lines but faiss index {file} "
+            raise InputError(f"corpus {corpus_path or index_path} has {len(docs):,} lines but faiss index {file} "
                              f"has {len(self.vectors_nd):,} rows (row i is line i)")
         self.device_index = load(self.vectors_nd, jax.devices(), dtype=vector_dtype, block_rows=block_rows,
                                  what=f"e5_device index {file}")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import faiss
 import numpy as np
 
+from llds_jax.errors import InputError
 from llds_jax.search.docstore import DOCS_FILE, OFFSETS_FILE, line_offsets
 
 INDEX_NAME = "index.faiss"
@@ -48,7 +49,7 @@ def index_file(index_dir: str) -> str:
     with open(manifest, encoding="utf-8") as f:
         found = json.load(f).get("format")
     if found != FORMAT:
-        raise ValueError(f"{manifest}: format {found!r}, this code reads {FORMAT!r}")
+        raise InputError(f"{manifest}: format {found!r}, this code reads {FORMAT!r}")
     return os.path.join(index_dir, INDEX_NAME)
 
 

@@ -26,6 +26,9 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from llds_jax.bounds import ConfigError
+from llds_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 
 AXIS = "index_rows"  # the mesh axis the rows are split over
@@ -54,7 +57,7 @@ def layout(rows: int, dim: int, shards: int, dtype: str, block_rows: int) -> Ind
     """The layout of `rows` x `dim` over `shards` devices in blocks of at most `block_rows` rows (a multiple of 8
     each, evened out so that a shard pads fewer than 8 rows per block)."""
     if dtype not in VECTOR_DTYPES:
-        raise ValueError(f"retriever.vector_dtype must be one of {', '.join(VECTOR_DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"retriever.vector_dtype must be one of {', '.join(VECTOR_DTYPES)}, got {dtype!r}")
     per_shard = max(1, math.ceil(rows / shards))
     blocks = math.ceil(per_shard / block_rows)
     return IndexLayout(rows, dim, shards, blocks, 8 * math.ceil(per_shard / blocks / 8), dtype)
@@ -83,7 +86,7 @@ def flat_vectors(index: faiss.Index, path: str) -> np.ndarray:
     (memory-mapped) storage; ValueError naming retriever.index_path for any other kind of index."""
     flat = faiss.downcast_index(index)
     if not isinstance(flat, faiss.IndexFlat) or flat.metric_type != faiss.METRIC_INNER_PRODUCT:
-        raise ValueError(f"faiss index {path} (retriever.index_path) is a {type(flat).__name__}: backend "
+        raise InputError(f"faiss index {path} (retriever.index_path) is a {type(flat).__name__}: backend "
                          "e5_device reads the vectors of an exact Flat inner-product index (Search-R1's "
                          "e5_Flat.index, or index_builder's default --faiss-index Flat)")
     return faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)

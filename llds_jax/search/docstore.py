@@ -22,6 +22,8 @@ import os
 
 import numpy as np
 
+from llds_jax.errors import InputError
+
 DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "doc_offsets.npy"
 CORPUS_OFFSETS_SUFFIX = ".offsets.npy"
@@ -99,7 +101,7 @@ class DocStore:
         the folder is not writable)."""
         with open(path, "rb") as f:
             if f.read(2) == _GZIP_MAGIC:
-                raise ValueError(f"{path}: rows are read by byte offset, which a gzip file does not allow;"
+                raise InputError(f"{path}: rows are read by byte offset, which a gzip file does not allow;"
                                  " decompress it (gunzip -k)")
         cache = path + CORPUS_OFFSETS_SUFFIX
         offsets = np.load(cache, mmap_mode="r") if os.path.exists(cache) else None
@@ -122,7 +124,7 @@ class DocStore:
         size = os.fstat(self._fd).st_size
         if int(self._offsets[-1]) != size:
             os.close(self._fd)
-            raise ValueError(f"{path}: {size} bytes but {expects} {int(self._offsets[-1])} ({why})")
+            raise InputError(f"{path}: {size} bytes but {expects} {int(self._offsets[-1])} ({why})")
 
     def __len__(self) -> int:
         return len(self._offsets) - 1

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from llds_jax.errors import InputError
 from llds_jax.model.bert import load_bert
 from llds_jax.tokenizer import load_tokenizer
 
@@ -57,7 +58,7 @@ class E5Embedder:
         self.model = load_bert(path, dtype)
         self.cfg = self.model.cfg
         if max_length > self.cfg.max_positions:
-            raise ValueError(f"max_length {max_length} exceeds the encoder's {self.cfg.max_positions} positions"
+            raise InputError(f"max_length {max_length} exceeds the encoder's {self.cfg.max_positions} positions"
                              f" ({path}/config.json max_position_embeddings)")
         self.tokenizer = load_tokenizer(path, fallback_chat_template=None)
         self.max_length, self.batch_size = max_length, batch_size

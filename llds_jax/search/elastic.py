@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import elasticsearch
 
 from llds_jax import redaction
+from llds_jax.errors import InputError
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, check_k, received
 
@@ -102,7 +103,7 @@ def auth_from_env() -> dict:
     user, password = os.environ.get(USER_ENV), os.environ.get(PASSWORD_ENV)
     if bool(user) != bool(password):
         missing = PASSWORD_ENV if user else USER_ENV
-        raise ValueError(f"basic auth needs both {USER_ENV} and {PASSWORD_ENV}; {missing} is not set")
+        raise InputError(f"basic auth needs both {USER_ENV} and {PASSWORD_ENV}; {missing} is not set")
     return {"basic_auth": (user, password)} if user else {}
 
 
@@ -111,7 +112,7 @@ def parse_hosts(hosts: str | Sequence[str]) -> list[str]:
     items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
     items = [h.strip() for h in items if h.strip()]
     if not items:
-        raise ValueError("hosts: at least one Elasticsearch URL is needed, e.g. http://127.0.0.1:9200")
+        raise InputError("hosts: at least one Elasticsearch URL is needed, e.g. http://127.0.0.1:9200")
     return items
 
 
@@ -138,7 +139,7 @@ def make_client(hosts: Sequence[str], *, timeout_s: float | None, verify_certs: 
             [redaction.encoded_userinfo(host) for host in hosts], request_timeout=timeout_s, max_retries=0,
             retry_on_timeout=False, verify_certs=verify_certs, **options, **auth_from_env())
     except ValueError as e:  # "Could not parse URL 'http://user:password@...'"
-        raise ValueError(f"elasticsearch hosts {hosts_for_display(hosts)}: {describe(e)}") from None
+        raise InputError(f"elasticsearch hosts {hosts_for_display(hosts)}: {describe(e)}") from None
 
 
 def is_permanent(error: BaseException) -> bool:

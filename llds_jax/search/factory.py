@@ -47,6 +47,7 @@ from typing import Any
 import ml_collections
 
 from llds_jax import redaction
+from llds_jax.bounds import ConfigError
 from llds_jax.search.retry import RequestPolicy
 from llds_jax.search.types import Retriever
 
@@ -92,8 +93,8 @@ def _check_urls(key: str, value: str | list | tuple) -> None:
     for i, url in enumerate(urls):
         if not isinstance(url, str) or not redaction.SCHEME.match(url.strip()):
             which = f"entry {i + 1} of " if len(urls) > 1 else ""
-            raise ValueError(f"retriever config key {key!r}: {which}the value needs a scheme (http:// or https://),"
-                             f" e.g. http://127.0.0.1:9200")
+            raise ConfigError(f"retriever config key {key!r}: {which}the value needs a scheme (http:// or https://),"
+                              f" e.g. http://127.0.0.1:9200")
 
 
 def _as_dict(cfg: Any) -> dict:
@@ -109,28 +110,28 @@ def resolve_config(cfg: Any) -> dict:
     given = _as_dict(cfg)
     backend = given.pop("backend", "bm25")
     if backend not in _SPECS:
-        raise ValueError(f"retriever config key 'backend': {backend!r} is not one of {', '.join(BACKENDS)}")
+        raise ConfigError(f"retriever config key 'backend': {backend!r} is not one of {', '.join(BACKENDS)}")
     spec = _SPECS[backend]
     for key in given:
         if key not in spec:
-            raise ValueError(f"retriever config key {key!r} is not an option of backend {backend!r}"
-                             f" (options: {', '.join(spec)})")
+            raise ConfigError(f"retriever config key {key!r} is not an option of backend {backend!r}"
+                              f" (options: {', '.join(spec)})")
     resolved = {"backend": backend}
     for key, (types, default) in spec.items():
         value = given.get(key, default)
         if value is _REQUIRED:
-            raise ValueError(f"retriever config key {key!r} is required for backend {backend!r}")
+            raise ConfigError(f"retriever config key {key!r} is required for backend {backend!r}")
         is_bool = isinstance(value, bool)
         if not isinstance(value, types) or (is_bool and bool not in types):
             names = " or ".join(t.__name__ for t in types)
-            raise ValueError(f"retriever config key {key!r} must be {names}, got {_shown(value)}")
+            raise ConfigError(f"retriever config key {key!r} must be {names}, got {_shown(value)}")
         if key in _CHOICES and value not in _CHOICES[key]:
-            raise ValueError(f"retriever config key {key!r} must be one of {', '.join(_CHOICES[key])}, got "
-                             f"{_shown(value)}")
+            raise ConfigError(f"retriever config key {key!r} must be one of {', '.join(_CHOICES[key])}, got "
+                              f"{_shown(value)}")
         if key in _POSITIVE and value < 1:
-            raise ValueError(f"retriever config key {key!r} must be >= 1, got {value!r}")
+            raise ConfigError(f"retriever config key {key!r} must be >= 1, got {value!r}")
         if key in _NOT_NEGATIVE and value < 0:
-            raise ValueError(f"retriever config key {key!r} must be >= 0 (0: one per core), got {value!r}")
+            raise ConfigError(f"retriever config key {key!r} must be >= 0 (0: one per core), got {value!r}")
         if key in _URL_KEYS:
             _check_urls(key, value)
         resolved[key] = value

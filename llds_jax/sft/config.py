@@ -8,6 +8,7 @@ import dataclasses
 
 from llds_jax import bounds
 from llds_jax.bounds import AT_LEAST_1, NON_NEGATIVE, POSITIVE, field
+from llds_jax.bounds import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +57,12 @@ class SFTConfig:
 
     def __post_init__(self):
         if not self.data_files:
-            raise ValueError("sft.data_files lists no demonstration files")
+            raise ConfigError("sft.data_files lists no demonstration files")
         if not self.output_dir:
-            raise ValueError("sft.output_dir must be set")
+            raise ConfigError("sft.output_dir must be set")
         bounds.check(self)
         for key in ("warmup_steps", "curriculum_steps"):
             if getattr(self, key) > self.steps:
-                raise ValueError(f"sft.{key} ({getattr(self, key)}) must be at most sft.steps ({self.steps})")
+                raise ConfigError(f"sft.{key} ({getattr(self, key)}) must be at most sft.steps ({self.steps})")
         if self.curriculum_steps and not self.curriculum_files:
-            raise ValueError(f"sft.curriculum_steps={self.curriculum_steps} but sft.curriculum_files is empty")
+            raise ConfigError(f"sft.curriculum_steps={self.curriculum_steps} but sft.curriculum_files is empty")

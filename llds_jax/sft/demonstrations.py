@@ -25,8 +25,9 @@ from typing import Any, Optional
 import numpy as np
 from etils import epath
 
-from llds_jax.data.jsonl import iter_jsonl
 from llds_jax import protocol
+from llds_jax.data.jsonl import iter_jsonl
+from llds_jax.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,30 +43,30 @@ def _field(where: str, record: dict, key: str, kind: type, optional: bool = Fals
     if key not in record:
         if optional:
             return None
-        raise ValueError(f"{where}: missing key '{key}'")
+        raise InputError(f"{where}: missing key '{key}'")
     value = record[key]
     if value is None and optional:
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind):
-        raise ValueError(f"{where}: key '{key}' must be {kind.__name__}, got {type(value).__name__}")
+        raise InputError(f"{where}: key '{key}' must be {kind.__name__}, got {type(value).__name__}")
     return value
 
 
 def parse_record(where: str, record: Any) -> Demonstration:
     """A JSON record as a Demonstration; errors name `where` and the key."""
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     question = _field(where, record, "question", str)
     turns_in = _field(where, record, "turns", list)
     if not turns_in:
-        raise ValueError(f"{where}: key 'turns' is empty")
+        raise InputError(f"{where}: key 'turns' is empty")
     turns = []
     for i, turn in enumerate(turns_in):
         at = f"{where}: turns[{i}]"
         if not isinstance(turn, dict):
-            raise ValueError(f"{at}: expected an object, got {type(turn).__name__}")
+            raise InputError(f"{at}: expected an object, got {type(turn).__name__}")
         turns.append((_field(at, turn, "text", str), _field(at, turn, "observation", str, optional=True)))
     return Demonstration(question=question, turns=tuple(turns), score=_field(where, record, "score", float, True))
 
@@ -83,7 +84,7 @@ def read_demonstrations(paths: Sequence[str], min_score: Optional[float] = None)
             if min_score is None or (demo.score is not None and demo.score >= min_score):
                 demos.append(demo)
     if not demos:
-        raise ValueError(f"no demonstrations in {', '.join(map(str, paths))}"
+        raise InputError(f"no demonstrations in {', '.join(map(str, paths))}"
                          + (f" with score >= {min_score}" if min_score is not None else ""))
     return demos
 

@@ -35,6 +35,7 @@ from etils import epath
 from flax import nnx
 
 from llds_jax import parallel
+from llds_jax.bounds import ConfigError
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rollout.buckets import round_up
@@ -182,7 +183,7 @@ def encode_all(demos: list[Demonstration], tokenizer, cfg: SFTConfig) -> list[tu
         log.warning("sft: skipped %d of %d demonstrations longer than sft.max_length=%d tokens",
                     len(encoded) - len(kept), len(encoded), cfg.max_length)
     if not kept:
-        raise ValueError(f"sft: every demonstration is longer than sft.max_length={cfg.max_length} tokens")
+        raise ConfigError(f"sft: every demonstration is longer than sft.max_length={cfg.max_length} tokens")
     return kept
 
 
@@ -193,8 +194,8 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     `warm_start.json` (the fingerprint and a summary), written last: a folder without it is redone.
     """
     if jax.process_count() > 1:
-        raise ValueError("sft.enabled: the warm start runs in one process; run `--mode=sft` on one host, then "
-                         "start the job with model.path set to its output and sft.enabled=False")
+        raise ConfigError("sft.enabled: the warm start runs in one process; run `--mode=sft` on one host, then "
+                          "start the job with model.path set to its output and sft.enabled=False")
     s = sft_config(cfg)
     m = cfg.model
     tokenizer_path = m.tokenizer_path or m.path
@@ -213,8 +214,8 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     batch_shards = math.prod(mesh.shape[axis] for axis in parallel.BATCH)
     if s.batch_size % batch_shards:
-        raise ValueError(f"sft.batch_size ({s.batch_size}) must be a multiple of the mesh's batch axes "
-                         f"data x fsdp = {batch_shards}")
+        raise ConfigError(f"sft.batch_size ({s.batch_size}) must be a multiple of the mesh's batch axes "
+                          f"data x fsdp = {batch_shards}")
     # The attention implementation and model.mlp_chunks are left out of the fingerprint: each computes the same
     # function.
     model = hf_io.load_model(m.path, mesh=mesh, **run_overrides(m))

@@ -48,6 +48,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from llds_jax import distributed, gcs, storage
+from llds_jax.bounds import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +191,9 @@ class Checkpointer:
     def __init__(self, directory: str, save_every: int, keep: int, async_save: bool = True,
                  timeout_s: float = storage.DEFAULT_TIMEOUT_S):
         if save_every <= 0:
-            raise ValueError(f"checkpoint.save_every must be positive, got {save_every}")
+            raise ConfigError(f"checkpoint.save_every must be positive, got {save_every}")
         if keep <= 0:
-            raise ValueError(f"checkpoint.keep must be positive, got {keep}")
+            raise ConfigError(f"checkpoint.keep must be positive, got {keep}")
         # Orbax needs absolute paths (a relative one fails when an async save finalizes).
         self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         self.save_every = save_every

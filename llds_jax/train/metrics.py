@@ -36,6 +36,7 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX import summary
 
 from llds_jax import gcs, storage
+from llds_jax.errors import InputError
 
 # (label, metric name, format) of the console line; format is "num", "pct" or "si".
 CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -138,7 +139,7 @@ class _JsonlLog:
             try:
                 text = path.read_text()
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): not a metrics file of JSON lines; move it "
+                raise InputError(f"{path}: not UTF-8 text (byte {e.start}): not a metrics file of JSON lines; move it "
                                  "aside to resume without the earlier steps' metrics") from None
             for lineno, line in enumerate(text.splitlines(), start=1):
                 if not line.strip():
@@ -146,7 +147,7 @@ class _JsonlLog:
                 try:
                     step = json.loads(line)["step"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{path}:{lineno}: not a metrics record with a 'step'") from None
+                    raise InputError(f"{path}:{lineno}: not a metrics record with a 'step'") from None
                 if step < start_step:
                     self.lines.append(line)
         self.dirty = True

@@ -119,3 +119,36 @@ def test_bad_config_is_one_line(tmp_path, override, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+BUG_APP = '''
+"""The demo application, plus a loss term with a bug: a shape error raised while the train step is traced."""
+from llds_jax.apps.demo import check_config, config_sections, paths, provided_keys  # noqa: F401
+from llds_jax.apps import demo
+from llds_jax.rl.terms import register_loss_term
+
+
+def prepare_run(cfg):
+    demo.prepare_run(cfg)
+
+    @register_loss_term("test_buggy_llds")
+    def buggy(inputs, objective):
+        raise ValueError("operands could not be broadcast together with shapes (2,3) (4,)")
+
+    cfg.objective.llds.variant = "test_buggy_llds"
+'''
+
+
+@pytest.mark.slow
+def test_a_bug_inside_training_shows_its_traceback(tmp_path):
+    """A ValueError of changed code is not bad input: launch lets it through with its traceback (exit 1), where
+    bad input is one line (exit 2, the test above)."""
+    (tmp_path / "buggy_app.py").write_text(BUG_APP)
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    cmd = [sys.executable, "-m", "llds_jax.launch", f"--config={TINY}", f"--config.run_dir={tmp_path / 'run'}",
+           "--config.app=buggy_app"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert 'in buggy\n    raise ValueError("operands could not be broadcast' in proc.stderr
+    assert "llds_jax: error:" not in proc.stderr

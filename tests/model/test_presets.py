@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from llds_jax.bounds import ConfigError
 from llds_jax.model import ModelConfig, Transformer, check_preset, from_hf_config, preset
 from llds_jax.model.config import to_hf_config
 
@@ -30,7 +31,7 @@ def test_preset_parameter_count(name):
 
 
 def test_unknown_preset_lists_known():
-    with pytest.raises(KeyError, match="qwen2.5-7b"):
+    with pytest.raises(ConfigError, match="unknown model preset 'qwen9'; known: .*'qwen2.5-7b'"):
         preset("qwen9")
 
 

@@ -59,7 +59,7 @@ def assert_one_line(proc: subprocess.CompletedProcess, message: str) -> None:
      "model.attention must be one of 'auto', 'xla', 'blockwise', 'splash', 'cudnn', got 'flash'"),
     ("--config.model.attention_key_block=0", "model.attention_key_block must be >= 1, got 0"),
     ("--config.objective.llds.variant=bogus",
-     "objective.llds.variant must be one of 'entropy', 'kl', 'llds', 'policy', got 'bogus'"),
+     "objective.llds.variant must be one of 'llds', 'policy', 'entropy', 'kl', got 'bogus'"),
     ("--config.eval.batch_size=0", "eval.batch_size must be >= 1, got 0"),
     ("--config.rollout.top_p=1.5", "rollout.top_p must be in (0, 1], got 1.5"),
     ("--config.rollout.top_k=-1", "rollout.top_k must be >= 0, got -1"),

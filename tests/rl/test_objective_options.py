@@ -16,11 +16,11 @@ from flax import nnx
 
 from llds_jax import config as config_lib
 from llds_jax.model import Transformer
-from llds_jax.rl.config import AGGREGATIONS, ObjectiveConfig
+from llds_jax.rl.config import ObjectiveConfig
 from llds_jax.rl.diagnostics import update_metrics
 from llds_jax.rl.llds import action_ids_from_loss_mask, answer_beta
 from llds_jax.rl.losses import objective_loss, policy_loss, tis_weight
-from llds_jax.rl.terms import LossInputs, aggregate, get_loss_term
+from llds_jax.rl.terms import AGGREGATIONS, LOSS_TERMS, LossInputs, aggregate
 from llds_jax.rl.train_step import RLTrainStep
 
 CLIP_HIGH, TIS_CAP = 0.28, 1.5
@@ -124,7 +124,7 @@ def test_the_inputs_reach_every_bound(make_rollout):
 
 
 @pytest.mark.parametrize("options", sorted(OPTIONS))
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 def test_numpy_gradient_is_the_finite_difference_of_its_value(make_rollout, options, aggregation):
     cfg = ObjectiveConfig(aggregation=aggregation, **OPTIONS[options])
     x = random_inputs(make_rollout)
@@ -141,7 +141,7 @@ def test_numpy_gradient_is_the_finite_difference_of_its_value(make_rollout, opti
 
 
 @pytest.mark.parametrize("options", sorted(OPTIONS))
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 def test_policy_loss_and_gradient_match_numpy(make_rollout, options, aggregation):
     cfg = ObjectiveConfig(aggregation=aggregation, **OPTIONS[options])
     x = random_inputs(make_rollout)
@@ -203,14 +203,14 @@ def pre_change_objective(inputs, cfg):
     def term(name):
         if name == "policy":
             return aggregate(pre_change_policy_bt(inputs, cfg), inputs.loss_mask_bt, cfg.aggregation)
-        return get_loss_term(name)(inputs, cfg)
+        return LOSS_TERMS[name](inputs, cfg)
 
     values = {name: term(name) for name, _ in cfg.weighted_terms()}
     return sum(coef * values[name] for name, coef in cfg.weighted_terms())
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 def test_defaults_leave_the_objective_bitwise_unchanged(make_rollout, aggregation, jit):
     x = random_inputs(make_rollout)
     default = ObjectiveConfig(aggregation=aggregation)
