@@ -224,7 +224,7 @@ def torch_qwen2(cfg: ModelConfig, params: nnx.State):
 
 
 def torch_objective_loss(obj: ObjectiveConfig, logp, entropy, old, ref, advantages_b, mask, action_ids):
-    """The per-micro-batch loss of llds-method.md in PyTorch, written from the spec (not from our code): the default
+    """The per-micro-batch loss of docs/method.md in PyTorch, written from the spec (not from our code): the default
     objective only (token-mean aggregation, k3 KL, LLDS with the action gate, no answer weighting).
 
     Args: torch tensors; logp, entropy [B, T] float32 (differentiated), old, ref [B, T] float32, advantages_b [B],

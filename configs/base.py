@@ -1,4 +1,4 @@
-"""Paper defaults (llds-method.md, search-r1-protocol.md): GRPO + LLDS, code-exact.
+"""Paper defaults (docs/method.md): GRPO + LLDS, code-exact.
 
 Every model/hardware config starts from this one and changes only what differs.
 Override any key on the command line: `--config.objective.llds.lam=0.1`.

@@ -1,4 +1,4 @@
-"""The demo world with the update schedule of the paper's code scaled down (llds-method.md, "Updates per rollout
+"""The demo world with the update schedule of the paper's code scaled down (docs/method.md, "Updates per
 batch"): 10 optimizer updates per rollout batch, each mini-batch several whole GRPO groups, and a linear learning-
 rate warmup over 28.5% of the steps. Same world, warm start (shared runs/demo_world) and seed as configs/demo_cpu.py.
 
@@ -26,5 +26,5 @@ def get_config():
     c.optim.mini_batch_size = 8         # 10 updates per rollout batch of 80, 2 groups of 4 each
     c.optim.micro_batch_size = 8
     c.optim.learning_rate = 2e-4
-    c.optim.warmup_ratio = 0.285        # llds-method.md: lr = base * step / warmup_steps over 28.5% of the steps
+    c.optim.warmup_ratio = 0.285        # docs/method.md: lr = base * step / warmup_steps over 28.5% of the steps
     return c

@@ -28,7 +28,7 @@ from llds_jax.sft.config import SFTConfig
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """Paper defaults (llds-method.md, search-r1-protocol.md): GRPO + LLDS as the reference code runs it."""
+    """Paper defaults (docs/method.md): GRPO + LLDS as the reference code runs it."""
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/default"          # local folder or gs://bucket/path: checkpoints, events, metrics, config
     c.seed = 0

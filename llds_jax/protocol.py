@@ -1,7 +1,7 @@
 """The Search-R1 text protocol: prompt, turn cut, action parsing and observations.
 
 Pure Python, no JAX. Every string here must match Search-R1 byte for byte (see
-`search-r1-protocol.md`); the sampler and the rollout loop build on these functions.
+docs/method.md); the sampler and the rollout loop build on these functions.
 
 A leaf: it imports nothing of llds_jax, so the data and sft modules that write prompts and observations
 (llds_jax.data.qa, llds_jax.data.synthetic, llds_jax.sft.demonstrations) use it without depending on the rollout

@@ -1,7 +1,7 @@
 """Coefficients of the per-micro-batch objective (GRPO + KL + entropy + LLDS) and how a rollout batch becomes
 optimizer updates; defaults = the reference code.
 
-See docs llds-method.md. Every field is validated at construction with an error naming the run key; a field's range
+See docs/method.md. Every field is validated at construction with an error naming the run key; a field's range
 or choices are declared with it (llds_jax.bounds). A field that names an implementation (a loss term, an advantage
 estimator, a gate, an answer weighting, a KL estimator, an aggregation) keeps the name only: the implementations'
 `llds_jax.registry.Registry` is its set of choices, checked by `llds_jax.checks`. Plain Python (no JAX):

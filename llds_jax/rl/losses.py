@@ -1,7 +1,7 @@
 """GRPO loss terms (clipped policy, entropy bonus, KL to reference) and the per-micro-batch objective.
 
 `objective_loss` sums the registered terms named by `ObjectiveConfig.weighted_terms()`:
-`L = pg - entropy_coef * ent + kl_coef * kl + llds` (code-exact default, docs llds-method.md).
+`L = pg - entropy_coef * ent + kl_coef * kl + llds` (code-exact default, docs/method.md).
 """
 import math
 from collections.abc import Callable

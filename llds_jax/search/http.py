@@ -1,6 +1,6 @@
 """The http backend: a client of a Search-R1 retrieval server (Search-R1's own, or ours in server.py).
 
-Protocol (docs/search-r1-protocol.md): `POST {url}` with `{"queries": [str, ...], "topk": k, "return_scores": true}`
+Protocol (docs/method.md): `POST {url}` with `{"queries": [str, ...], "topk": k, "return_scores": true}`
 returns `{"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...], ...]}`, one list per query
 in order. A batch is sent as requests of `batch_size` queries, at most `max_concurrency` in flight, each under the
 timeout/retry policy of `retry.py`.

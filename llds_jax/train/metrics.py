@@ -7,7 +7,8 @@
   non-finite values are written as null (JSON has no NaN) and left out of TensorBoard (a gap in the curve: e.g.
   `lld/logp_mean_incorrect` of a step with no incorrect trajectory);
 - the console: `step 120/1005  reward 0.412  EM 0.398  LLD 3.1%  gnorm 0.82  tok/s 1.23k  ETA 3h12m` (fields
-  missing from a step are left out; ETA from the mean wall time per step since the first write).
+  missing from a step are left out; ETA from the mean wall time per step after the first training step's write,
+  so that neither step 0's evaluation nor the first step's compile counts; none until two steps are written).
 
 Both files are complete on disk after `flush` (every `flush_secs`, before the trainer saves a checkpoint, and on
 `close`). `log_dir` may be local or `gs://...` (through gcsfs). GCS cannot append, so the JSONL file is rewritten
@@ -238,7 +239,7 @@ class MetricsWriter:
         self.flush_secs = flush_secs
         self.clock = clock
         self.log_dir, self.timeout_s = log_dir, timeout_s
-        self._first: tuple[int, float] | None = None  # (step, clock) of the first write, for the ETA
+        self._first: tuple[int, float] | None = None  # (step, clock) of the first write past step 0, for the ETA
         self._last_flush = clock()
         if not self.active:
             return
@@ -282,8 +283,10 @@ class MetricsWriter:
             self.flush()
 
     def _eta(self, step: int, now: float) -> float | None:
-        if self._first is None:
+        if self._first is None and step > 0:  # the clock starts when the first training step (and its compile) ends
             self._first = (step, now)
+        if self._first is None:
+            return None
         first_step, first_time = self._first
         if self.total_steps is None or step <= first_step:
             return None

@@ -1,4 +1,4 @@
-"""The per-micro-batch objective against an independent NumPy implementation of docs llds-method.md.
+"""The per-micro-batch objective against an independent NumPy implementation of docs/method.md.
 
 The NumPy oracle below is written from the spec with explicit loops over rows and actions; it calls none of our code.
 """

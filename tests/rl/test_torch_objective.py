@@ -1,5 +1,5 @@
 """Parity of the per-micro-batch objective with the PyTorch reference of bench/train_step.py (written from
-llds-method.md): the loss value and its gradients with respect to logp and entropy."""
+docs/method.md): the loss value and its gradients with respect to logp and entropy."""
 import functools
 import importlib.util
 import pathlib

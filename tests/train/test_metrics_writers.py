@@ -103,6 +103,19 @@ def test_console_line_with_eta(tmp_path):
     ]
 
 
+def test_the_eta_leaves_out_the_evaluation_before_training_and_the_first_steps_compile(tmp_path):
+    """A run writes step 0 (the evaluation before RL), then step 1, whose time holds the programs' compile: the
+    ETA counts from step 1's write, at the pace of the steps after it."""
+    clock, out = FakeClock(), io.StringIO()
+    writer = MetricsWriter(str(tmp_path), total_steps=20, console=out, clock=clock)
+    for step, now in ((0, 0.0), (1, 600.0), (2, 610.0), (3, 620.0)):  # 10 min to step 1, then 10 s per step
+        clock.now = now
+        writer.write(step, {"reward/mean": 0.5})
+    writer.close()
+    assert out.getvalue().splitlines() == ["step 0/20  reward 0.5", "step 1/20  reward 0.5",
+                                           "step 2/20  reward 0.5  ETA 3m00s", "step 3/20  reward 0.5  ETA 2m50s"]
+
+
 def test_a_writer_that_writes_nothing_leaves_no_event_file(tmp_path):
     """A rerun of a finished run opens the writer at its next step and writes nothing: no empty event file beside
     the run's (a resumed writer that writes makes its own)."""
