@@ -1,13 +1,19 @@
-"""The demo's rollout on the dense-cache engine and on the paged engine, side by side in one process, printed as
-ratios: seconds per rollout, decode occupancy, programs compiled, trajectories token-identical.
+"""The demo's rollout under each scheduling policy of the rollout engine, side by side in one process: seconds per
+rollout, decode occupancy, programs compiled, and whether the chains are token-identical to the barrier policy's
+with the same sessions (the same PRNG streams).
 
 The rollout is the demo's training rollout (configs/demo_cpu.py: 8 questions x 8 samples at temperature 1, two
 searching turns of up to 32 tokens, observations of up to 128, top-1 BM25 retrieval over the demo's world, decode
-chunks of 8) with the policy of --policy (default: the demo's seed-0 warm start that the engine tests record,
-tests/rollout/fixtures/demo_greedy/policy). Each engine runs the turn-synchronous batch of all 64 sequences
-("barrier") and a continuous batch of --rows slots; both sample from the same PRNG streams. Each side is run once
-to compile, then --repeats times (the best time is reported); "programs" counts the executables each side built
-over all its runs (the dense engine compiles per row x capacity x kind bucket, the paged one per token bucket).
+chunks of 8) with the policy of --policy (default: the demo's seed-0 warm start that the engine tests use,
+tests/rollout/fixtures/demo_greedy/policy). The policies: "barrier" (one turn-synchronous batch of every sequence),
+"barrier R" (sessions of --rows sequences: other PRNG streams than one batch's), "continuous R" (a stream through
+--rows slots; the streams of "barrier R", so the same tokens) and "tree" (each question's 8 samples as 2 trees of 1 + 1 x 3 leaves: forks share
+their parent's pages; other trajectories by design). Each is run once to compile, then --repeats times (the best time
+is reported; after the first run every token bucket is compiled, as the trainer does); "programs" counts the
+executables it built over all its runs (one step program per token bucket).
+
+The dense-cache engine this bench compared the paged one with is gone (db635b6 is the last commit that has it);
+docs/benchmarks.md keeps that comparison.
 
     python bench/engine.py [--repeats 3] [--rows 16] [--policy DIR]
 """
@@ -31,7 +37,6 @@ from llds_jax.model import hf_io
 from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
-from llds_jax.rollout.sampler import Sampler
 from llds_jax.search.factory import make_retriever
 from llds_jax.tokenizer import load_tokenizer
 
@@ -56,62 +61,68 @@ def counting_compiles():
         jax.monitoring.unregister_event_duration_listener(on_compile)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default=os.path.join(ROOT, "tests", "rollout", "fixtures", "demo_greedy", "policy"))
     p.add_argument("--questions", type=int, default=8)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--rows", type=int, default=16, help="slots (rows) of the continuous batch")
+    p.add_argument("--samples", type=int, default=8, help="samples per question (the tree policy needs 8)")
+    p.add_argument("--rows", type=int, default=16, help="sequences per session (barrier R) and slots (continuous R)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=512)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     model = hf_io.load_model(args.policy, dtype="float32", param_dtype="float32")
     graphdef, params = nnx.split(model)
     tokenizer = load_tokenizer(args.policy)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, decode_chunk=8, stop_ids=agent.turn_stop_ids(tokenizer))
+    policies = {"barrier": {}, f"barrier {args.rows}": dict(max_batch_size=args.rows),
+                f"continuous {args.rows}": dict(continuous_batching=True, max_batch_size=args.rows)}
+    if args.samples == 8:
+        policies["tree"] = dict(trees=2, tree_rounds=1, tree_forks=3)
     with tempfile.TemporaryDirectory() as work:
         files = synthetic.write_world(synthetic.make_world(num_people=400, seed=0), os.path.join(work, "world"))
         build_bm25(CorpusReader(files["corpus.jsonl"]), os.path.join(work, "index"))
         examples = [q for q in read_qa(files["test.parquet"])[:args.questions] for _ in range(args.samples)]
         results = {}
-        for policy, rows in (("barrier", 0), ("continuous", args.rows)):
-            config = AgentConfig(**DEMO_AGENT, continuous_batching=policy == "continuous", max_batch_size=rows)
-            slots = rows or len(examples)
-            samplers = {"dense": Sampler(graphdef, sampling),
-                        "paged": PagedSampler(graphdef, model.cfg, sampling, engine_config(
-                            config, sampling, slots, args.page_size, args.max_step_tokens))}
-            for engine, sampler in samplers.items():
-                results[policy, engine] = measure(sampler, params, tokenizer, os.path.join(work, "index"),
-                                                  examples, config, args.repeats)
+        for name, changes in policies.items():
+            config = AgentConfig(**DEMO_AGENT, **changes)
+            slots = config.max_batch_size or len(examples)
+            sampler = PagedSampler(graphdef, model.cfg, sampling, engine_config(
+                config, sampling, slots, args.page_size, args.max_step_tokens))
+            results[name] = measure(sampler, params, tokenizer, os.path.join(work, "index"), examples, config,
+                                    args.repeats, args.samples)
     print(f"demo rollout: {len(examples)} sequences ({args.questions} questions x {args.samples}), temperature 1, "
           f"best of {args.repeats}; {jax.devices()[0].device_kind}")
-    print(f"{'policy':<11} {'engine':<6} {'s/rollout':>9} {'occupancy':>9} {'programs':>8} {'compile s':>9} "
-          f"{'identical':>9}")
-    for policy in ("barrier", "continuous"):
-        dense, paged = results[policy, "dense"], results[policy, "paged"]
-        same = sum(a == b for a, b in zip(dense["tokens"], paged["tokens"]))
-        for engine, r in (("dense", dense), ("paged", paged)):
-            print(f"{policy:<11} {engine:<6} {r['seconds']:9.2f} {r['occupancy']:9.1%} {r['programs']:8d} "
-                  f"{r['compile_s']:9.1f} {f'{same}/{len(examples)}':>9}")
-        print(f"{policy:<11} ratio dense/paged: seconds {dense['seconds'] / paged['seconds']:.2f}x, "
-              f"programs {dense['programs'] / max(paged['programs'], 1):.2f}x")
+    print(f"{'policy':<14} {'s/rollout':>9} {'vs barrier':>10} {'occupancy':>9} {'programs':>8} {'compile s':>9} "
+          f"{'identical':>9} (continuous: to barrier {args.rows}; barrier {args.rows}: to barrier, other streams)")
+    barrier = results["barrier"]
+    for name, r in results.items():
+        reference = results[f"barrier {args.rows}"] if name.startswith("continuous") else barrier
+        same = "-" if name == "tree" else (f"{sum(a == b for a, b in zip(reference['tokens'], r['tokens']))}"
+                                           f"/{len(examples)}")
+        print(f"{name:<14} {r['seconds']:9.2f} {barrier['seconds'] / r['seconds']:9.2f}x {r['occupancy']:9.1%} "
+              f"{r['programs']:8d} {r['compile_s']:9.1f} {same:>9}")
+    return results
 
 
-def measure(sampler, params, tokenizer, index: str, examples, config: AgentConfig, repeats: int) -> dict:
-    """One engine's rollouts: the first compiles; the best of `repeats` more is timed."""
+def measure(sampler, params, tokenizer, index: str, examples, config: AgentConfig, repeats: int,
+            group_size: int) -> dict:
+    """One policy's rollouts: the first compiles (then every token bucket it did not run); the best of `repeats`
+    more is timed."""
     async def one():
         async with make_retriever({"backend": "bm25", "index_dir": index}) as retriever:
             return await agent.rollout_async(sampler, params, tokenizer, retriever, examples, jax.random.key(0),
-                                             config)
+                                             config, group_size=group_size)
 
     seconds, result = [], None
     with counting_compiles() as compiles:
-        for _ in range(repeats + 1):
+        for run in range(repeats + 1):
             start = time.perf_counter()
             result = asyncio.run(one())
             seconds.append(time.perf_counter() - start)
+            if run == 0:
+                sampler.freeze_shapes()  # as the trainer does after its first rollout: no compile in a timed run
     return {"seconds": min(seconds[1:]), "occupancy": result.metrics["decode_occupancy"],
             "programs": len(compiles), "compile_s": sum(compiles),
             "tokens": [t.tokens.tolist() for t in result.trajectories]}

@@ -1,5 +1,5 @@
-"""One prepared accelerator benchmark: train-step MFU against the measured matmul peak, decode tokens/s of our
-sampler against the memory-bandwidth roofline. Sized for one H200; tiny shapes on CPU (`--tiny`, automatic when no
+"""One prepared accelerator benchmark: train-step MFU against the measured matmul peak, decode tokens/s of the
+rollout engine against the memory-bandwidth roofline. Sized for one H200; tiny shapes on CPU (`--tiny`, automatic when no
 GPU is present) so that it runs, and is tested, anywhere.
 
 1. Peaks, measured in this process: an [n, n] @ [n, n] matmul in the compute dtype (FLOP/s) and a device copy of a
@@ -8,13 +8,16 @@ GPU is present) so that it runs, and is tested, anywhere.
    random weights, bf16 compute and float32 master weights. Model FLOPs = (6 P + 12 L T N H) per token (see
    bench/train_step.py); MFU = FLOP/s over the measured matmul peak. Then the parts alone (forward, decoder stack,
    log-prob/vocabulary, attention).
-3. Decode: our `Sampler` (prefill + chunked decode with the KV cache), B prompts of `--prompt-len` tokens, decoding
-   `--new-tokens` each. Decode time = time(prompt + N tokens) - time(prompt + 1 token), same compiled programs.
+3. Decode: the rollout engine (`rollout.engine.Engine` over `rollout.runner.DeviceRunner`: ragged steps over a paged
+   KV cache, decode chunks of `--decode-chunk` samples), B = `--batch` sequences (128 by default, a pod config's
+   rollout rows) of `--prompt-len` prompt tokens, decoding `--new-tokens` each. Decode time = time(prompt + N tokens)
+   - time(prompt + 1 token), same compiled programs (one per token bucket, up to `--max-step-tokens`).
    Roofline: each decode step must read every weight once (compute dtype: P_all * bytes) and each row's keys and
    values of its context (2 L K H bytes per token, at the mean context length), so
        roofline tokens/s = B * bandwidth / (weight bytes + KV bytes per step).
    Variants: the rollout's sampling (temperature 1, top-p 0.95) and greedy, each with the float32 master params the
-   trainer hands the sampler, and greedy with a bfloat16 copy of the params.
+   trainer hands the rollout, and greedy with a bfloat16 copy of the params. The dense-cache sampler measured on
+   2026-12-04 (docs/benchmarks.md) is gone (db635b6 is its last commit).
 
     bench/gpu.sh                                    # = python bench/gpu.py: Qwen2.5-1.5B shapes on the GPU
     python bench/gpu.py --model qwen2.5-0.5b --no-remat
@@ -38,14 +41,16 @@ import train_step as bench_train  # noqa: E402  (bench/train_step.py)
 
 from llds_jax.model import ModelConfig, Transformer, preset  # noqa: E402
 from llds_jax.rl.config import ObjectiveConfig, UpdateConfig  # noqa: E402
-from llds_jax.rollout import buckets  # noqa: E402
 from llds_jax.rollout.config import SamplingConfig  # noqa: E402
-from llds_jax.rollout.sampler import Sampler  # noqa: E402
+from llds_jax.rollout.driver import sequence_keys  # noqa: E402
+from llds_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
+from llds_jax.rollout.paged_sampler import token_budgets  # noqa: E402
+from llds_jax.rollout.runner import DeviceRunner  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, qkv_bias=True, tie_word_embeddings=True)
 TINY_ARGS = dict(seq=64, micro=2, mini=4, batch=4, prompt_len=16, new_tokens=64, peak_n=1024, copy_mib=64,
-                 repeats=2, decode_chunk=16)
+                 repeats=2, decode_chunk=16, max_step_tokens=64)
 
 
 def si(value: float, unit: str) -> str:
@@ -66,10 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=8, help="train: trajectories per micro-batch")
     p.add_argument("--mini", type=int, default=16, help="train: trajectories per optimizer update")
     p.add_argument("--chunk", type=int, default=256, help="train: optim.logp_time_chunk")
-    p.add_argument("--batch", type=int, default=64, help="decode: sequences")
+    p.add_argument("--batch", type=int, default=128, help="decode: sequences (the engine's sequence slots)")
     p.add_argument("--prompt-len", type=int, default=256, help="decode: prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=240, help="decode: tokens decoded per sequence")
     p.add_argument("--decode-chunk", type=int, default=32, help="decode: steps per device call")
+    p.add_argument("--page-size", type=int, default=16, help="decode: token slots per page")
+    p.add_argument("--max-step-tokens", type=int, default=4096, help="decode: the largest token bucket of a step")
     p.add_argument("--peak-n", type=int, default=8192, help="size of the square matmul of the peak")
     p.add_argument("--copy-mib", type=int, default=4096, help="MiB of the array copied for the bandwidth")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds (best reported)")
@@ -157,15 +164,22 @@ def decode(args, cfg: ModelConfig, params, bandwidth: float) -> dict[str, float]
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]  # no weights
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
-    capacity = buckets.pow2_bucket(args.prompt_len + args.new_tokens + 1)  # one cache bucket for both runs
+    max_context = args.prompt_len + args.new_tokens + 1
+    pages_per_seq = -(-max_context // args.page_size)
+    shapes = EngineConfig(max_seqs=args.batch, token_budgets=token_budgets(args.batch, max(args.max_step_tokens,
+                                                                                              args.batch)),
+                          decode_chunk=args.decode_chunk, page_size=args.page_size,
+                          num_pages=args.batch * pages_per_seq + 1, max_context=max_context)
+    keys = sequence_keys(jax.random.key(0), range(args.batch))
     weights, kv, context = decode_roofline(cfg, args)
     roofline = args.batch * bandwidth / (weights + kv)
-    executed = weights * 4 / jnp.dtype(cfg.dtype).itemsize + kv * capacity / context
-    print(f"[decode] {args.batch} sequences, prompt {args.prompt_len}, {args.new_tokens} new tokens, cache "
-          f"{capacity} slots; a step must read {weights / 2**20:.1f} MiB of {cfg.dtype} weights + {kv / 2**20:.1f} "
-          f"MiB of keys/values (mean context {context:.0f}): roofline {roofline:.0f} tokens/s at "
+    slots = pages_per_seq * args.page_size
+    executed = weights * 4 / jnp.dtype(cfg.dtype).itemsize + kv * slots / context
+    print(f"[decode] {args.batch} sequences, prompt {args.prompt_len}, {args.new_tokens} new tokens, pages of "
+          f"{args.page_size} slots; a step must read {weights / 2**20:.1f} MiB of {cfg.dtype} weights + "
+          f"{kv / 2**20:.1f} MiB of keys/values (mean context {context:.0f}): roofline {roofline:.0f} tokens/s at "
           f"{si(bandwidth, 'B/s')}")
-    print(f"[decode] reading float32 master weights and all {capacity} cache slots instead would be "
+    print(f"[decode] reading float32 master weights and every sequence's {slots} page slots instead would be "
           f"{executed / 2**20:.1f} MiB a step: {args.batch * bandwidth / executed:.0f} tokens/s")
     variants = [DecodeVariant("rollout sampling (top-p 0.95), f32 params", dict(temperature=1.0, top_p=0.95), None),
                 DecodeVariant("greedy, f32 master params", dict(greedy=True), None)]
@@ -173,16 +187,20 @@ def decode(args, cfg: ModelConfig, params, bandwidth: float) -> dict[str, float]
         variants.append(DecodeVariant(f"greedy, {cfg.dtype} params copy", dict(greedy=True), cfg.dtype))
     fns = {}
     for variant in variants:
-        sampler = Sampler(graphdef, SamplingConfig(decode_chunk=args.decode_chunk, min_capacity_bucket=capacity,
-                                                   min_prompt_bucket=args.prompt_len, **variant.sampling))
+        runner = DeviceRunner(graphdef, cfg, SamplingConfig(decode_chunk=args.decode_chunk, **variant.sampling),
+                              shapes)
         p = params if variant.params_dtype is None else jax.tree.map(
             lambda x: x.astype(variant.params_dtype), params)
 
-        def run(new_tokens, sampler=sampler, p=p):
+        def run(new_tokens, runner=runner, p=p):
             def call():
-                session = sampler.start(p, prompts, jax.random.key(0))
-                turns = session.decode_turn([new_tokens] * len(prompts), lambda rows: [False] * len(rows))
-                return jnp.asarray(sum(len(turn.token_ids) for turn in turns))
+                engine = Engine(runner, p, shapes)
+                for seq, prompt in enumerate(prompts):
+                    engine.add_request(seq, prompt, keys[seq], new_tokens)
+                sampled = 0
+                while engine.running:
+                    sampled += sum(len(turn.token_ids) for _, turn in engine.step())
+                return jnp.asarray(sampled)
             return call
 
         fns[variant.name + "/1"] = run(1)

@@ -1,11 +1,11 @@
 """Sampled decoding on a mesh of CPU devices against one device, printed as a ratio.
 
 The same random model (bench/rollout.py's `model_config`: Qwen2 shapes, vocabulary 151,936 by default), the same
-prompts and PRNG key, temperature-1 sampling of --new-tokens tokens per row: our sampler on one device against the
-sampler on a (data --data, tensor --tensor) mesh of fake CPU devices
+prompts and PRNG key, temperature-1 sampling of --new-tokens tokens per row: the rollout engine on one device against
+the engine on a (data --data, tensor --tensor) mesh of fake CPU devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count`, set here when unset). On 2 cores the mesh shares the same
 cores, so the ratio measures what partitioning adds (collectives, layout), not parallel speed-up; the fake devices
-run the same XLA CPU code a multi-host CPU test runs. Also prints how many sampled tokens agree: the sampler's
+run the same XLA CPU code a multi-host CPU test runs. Also prints how many sampled tokens agree: the engine's
 streams do not depend on the layout, but over a random model's near-uniform 152k-token distribution the rounding
 of sharded matmuls flips a draw now and then, after which that row's tokens differ.
 
@@ -26,12 +26,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout import add_model_args, best_time, model_config, never_finished  # noqa: E402
+from rollout import Engines, add_model_args, best_time, model_config  # noqa: E402
 
 from llds_jax import parallel  # noqa: E402
 from llds_jax.model import Transformer  # noqa: E402
 from llds_jax.rollout.config import SamplingConfig  # noqa: E402
-from llds_jax.rollout.sampler import Sampler  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,13 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sample(sampler: Sampler, params, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """One temperature-1 turn of `new_tokens` tokens per prompt from PRNG key 0."""
-    with sampler.mesh_context():
-        session = sampler.start(params, prompts, jax.random.key(0))
-        return [t.token_ids for t in session.decode_turn([new_tokens] * len(prompts), never_finished)]
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     model = Transformer(model_config(args), rngs=nnx.Rngs(0))
@@ -62,12 +54,15 @@ def main(argv=None) -> dict:
     prompts = np.random.RandomState(0).randint(10, args.vocab, size=(args.batch, args.prompt_len)).tolist()
     mesh = parallel.make_mesh(data=args.data, fsdp=1, tensor=args.tensor,
                               devices=jax.devices()[:args.data * args.tensor])
-    sides = {"one device": (Sampler(graphdef, config), params),
+    max_context = args.prompt_len + args.new_tokens + 1
+    cfg = model_config(args)
+    sides = {"one device": (Engines(graphdef, cfg, config, args.batch, max_context), params),
              f"mesh data {args.data} x tensor {args.tensor}": (
-                 Sampler(graphdef, config, mesh=mesh), jax.device_put(params, parallel.param_shardings(params, mesh)))}
+                 Engines(graphdef, cfg, config, args.batch, max_context, mesh=mesh),
+                 jax.device_put(params, parallel.param_shardings(params, mesh)))}
     seconds, tokens = {}, {}
-    for name, (sampler, side_params) in sides.items():
-        seconds[name], tokens[name] = best_time(lambda: sample(sampler, side_params, prompts, args.new_tokens),
+    for name, (engines, side_params) in sides.items():
+        seconds[name], tokens[name] = best_time(lambda: engines.turns(side_params, prompts, args.new_tokens),
                                                 args.repeats)
     one, meshed = sides
     agree = sum(a == b for row_a, row_b in zip(tokens[one], tokens[meshed]) for a, b in zip(row_a, row_b))

@@ -1,12 +1,12 @@
 """Rollout engine benchmarks, printed as ratios.
 
-1. Decode throughput: our jitted sampler (prefill + chunked decode with the KV cache) against Hugging Face
+1. Decode throughput: the rollout engine (ragged steps over a paged KV cache, chunked decode) against Hugging Face
    `transformers` `generate` (torch, CPU) on the same random weights and prompts, greedy, a fixed number of new
    tokens per row. Also prints how many greedy tokens agree (a check of the weight mapping).
 2. Multi-turn: a conversation of N turns (decode a turn, append an observation) with observations appended to
-   the KV cache (`model.extend`) against re-encoding the whole context at the start of every turn.
+   the paged KV cache (`Engine.extend`) against re-encoding the whole context at the start of every turn.
 3. Continuous batching: the agent loop (`agent.rollout`, Qwen2.5 tokenizer) over the same model with continuous
-   batching (`AgentConfig.continuous_batching`) against turn-synchronous sessions of --cb-rows sequences, sampled
+   scheduling (`AgentConfig.continuous_batching`) against turn-synchronous sessions of --cb-rows sequences, sampled
    (temperature 1) from the same PRNG streams, so both sample the same tokens. The random model writes no action:
    every turn gets the invalid-action message as its observation, and a turn ends at a "stop token" (every
    --cb-stop-every-th vocabulary id: turns of varied lengths) or at --cb-turn-tokens. Prints the decode-row
@@ -33,7 +33,10 @@ from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer, hf_io, to_hf_config
 from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
-from llds_jax.rollout.sampler import Sampler
+from llds_jax.rollout.driver import sequence_keys
+from llds_jax.rollout.engine import Engine, EngineConfig
+from llds_jax.rollout.paged_sampler import PagedSampler, engine_config, token_budgets
+from llds_jax.rollout.runner import DeviceRunner
 from llds_jax.search.types import Retriever
 
 
@@ -89,13 +92,33 @@ def best_time(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def never_finished(token_lists):
-    return [False] * len(token_lists)
+class Engines:
+    """Opens rollout engines of `rows` sequence slots and contexts up to `max_context` tokens over one compiled
+    runner (`rollout.runner.DeviceRunner`), every sequence sampling from its key of PRNG key 0."""
+
+    def __init__(self, graphdef, cfg: ModelConfig, sampling: SamplingConfig, rows: int, max_context: int,
+                 max_step_tokens: int = 512, page_size: int = 16, mesh=None):
+        self.shapes = EngineConfig(max_seqs=rows, token_budgets=token_budgets(rows, max(max_step_tokens, rows)),
+                                   decode_chunk=sampling.decode_chunk, page_size=page_size,
+                                   num_pages=rows * -(-max_context // page_size) + 1, max_context=max_context,
+                                   stop_ids=sampling.stop_ids)
+        self.runner = DeviceRunner(graphdef, cfg, sampling, self.shapes, mesh)
+        self.keys = sequence_keys(jax.random.key(0), range(rows))
+
+    def turns(self, params, prompts, new_tokens) -> list[list[int]]:
+        """One turn of up to `new_tokens` tokens of each prompt in a fresh engine."""
+        engine = Engine(self.runner, params, self.shapes)
+        for seq, prompt in enumerate(prompts):
+            engine.add_request(seq, prompt, self.keys[seq], new_tokens)
+        return [turn.token_ids for _, turn in sorted(run_turns(engine).items())]
 
 
-def decode_ours(sampler, params, prompts, new_tokens) -> list[list[int]]:
-    session = sampler.start(params, prompts, jax.random.key(0))
-    return [t.token_ids for t in session.decode_turn([new_tokens] * len(prompts), never_finished)]
+def run_turns(engine: Engine) -> dict:
+    """Steps until every running sequence's turn has ended; seq -> its turn."""
+    ended = {}
+    while engine.running:
+        ended.update(engine.step())
+    return ended
 
 
 def hf_model(cfg: ModelConfig, params, device: str):
@@ -133,29 +156,28 @@ def decode_hf(hf, prompts, new_tokens) -> list[list[int]]:
     return out[:, length:].tolist()
 
 
-def conversation_extend(sampler, params, prompts, observations, turn_tokens) -> list[list[int]]:
-    """N turns in one session: observations appended to the KV cache."""
-    session = sampler.start(params, prompts, jax.random.key(0))
+def conversation_extend(engines: Engines, params, prompts, observations, turn_tokens) -> list[list[int]]:
+    """N turns in one engine: observations appended to the paged KV cache."""
+    engine = Engine(engines.runner, params, engines.shapes)
+    for seq, prompt in enumerate(prompts):
+        engine.add_request(seq, prompt, engines.keys[seq], turn_tokens)
     tokens = [[] for _ in prompts]
     for turn, obs in enumerate(observations):
-        out = session.decode_turn([turn_tokens] * len(prompts), never_finished)
-        for row, t in enumerate(out):
-            tokens[row] += t.token_ids
-        if turn + 1 < len(observations):
-            session.end_turn([len(t.token_ids) for t in out], obs)
+        for seq, t in run_turns(engine).items():
+            tokens[seq] += t.token_ids
+            if turn + 1 < len(observations):
+                engine.extend(seq, len(t.token_ids), obs[seq], turn_tokens)
     return tokens
 
 
-def conversation_reencode(sampler, params, prompts, observations, turn_tokens) -> list[list[int]]:
+def conversation_reencode(engines: Engines, params, prompts, observations, turn_tokens) -> list[list[int]]:
     """The same conversation, re-encoding prompt + all previous turns and observations every turn."""
     contexts = [list(p) for p in prompts]
     tokens = [[] for _ in prompts]
-    for turn, obs in enumerate(observations):
-        session = sampler.start(params, contexts, jax.random.key(0))
-        out = session.decode_turn([turn_tokens] * len(prompts), never_finished)
-        for row, t in enumerate(out):
-            tokens[row] += t.token_ids
-            contexts[row] += t.token_ids + obs[row]
+    for obs in observations:
+        for row, turn in enumerate(engines.turns(params, contexts, turn_tokens)):
+            tokens[row] += turn
+            contexts[row] += turn + obs[row]
     return tokens
 
 
@@ -164,7 +186,9 @@ def main() -> None:
     cfg = model_config(args)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    sampler = Sampler(graphdef, SamplingConfig(greedy=True, decode_chunk=args.decode_chunk))
+    max_context = args.prompt_len + max(args.new_tokens, args.turns * (args.turn_tokens + args.obs_tokens)) + 1
+    engines = Engines(graphdef, cfg, SamplingConfig(greedy=True, decode_chunk=args.decode_chunk), args.batch,
+                      max_context)
     rs = np.random.RandomState(0)
     top_id = min(cfg.vocab_size, 151643)  # ordinary (non-special) Qwen2.5 token ids
     prompts = [rs.randint(0, top_id, size=args.prompt_len - (i % 8)).tolist()
@@ -177,8 +201,8 @@ def main() -> None:
         continuous_batching(args, graphdef, params)
         return
     new = args.new_tokens * args.batch
-    ours_s, ours_tokens = best_time(lambda: decode_ours(sampler, params, prompts, args.new_tokens), args.repeats)
-    print(f"[decode] llds_jax sampler: {ours_s:.2f} s, {new / ours_s:.0f} tokens/s")
+    ours_s, ours_tokens = best_time(lambda: engines.turns(params, prompts, args.new_tokens), args.repeats)
+    print(f"[decode] llds_jax rollout engine: {ours_s:.2f} s, {new / ours_s:.0f} tokens/s")
     if not args.skip_hf:
         import torch
 
@@ -194,7 +218,7 @@ def main() -> None:
 
     observations = [[rs.randint(0, top_id, size=args.obs_tokens - (row % 4)).tolist() for row in range(args.batch)]
                     for _ in range(args.turns)]
-    run = lambda fn: fn(sampler, params, prompts, observations, args.turn_tokens)
+    run = lambda fn: fn(engines, params, prompts, observations, args.turn_tokens)
     ext_s, ext_tokens = best_time(lambda: run(conversation_extend), args.repeats)
     re_s, re_tokens = best_time(lambda: run(conversation_reencode), args.repeats)
     same = np.mean([a == b for x, y in zip(ext_tokens, re_tokens) for a, b in zip(x, y)])
@@ -224,13 +248,15 @@ def continuous_batching(args, graphdef, params) -> None:
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = tokenizer_lib.load_tokenizer(tokenizer_lib.write_qwen25_tokenizer(folder, "base"))
     stop_ids = tuple(range(0, min(args.vocab, 151643), args.cb_stop_every))
-    sampler = Sampler(graphdef, SamplingConfig(temperature=1.0, decode_chunk=args.cb_decode_chunk, stop_ids=stop_ids))
+    sampling = SamplingConfig(temperature=1.0, decode_chunk=args.cb_decode_chunk, stop_ids=stop_ids)
     examples = [QAExample(uid=f"q{i}", question="which city is it " + "really " * (i % 5), golden_answers=("x",),
                           data_source="bench") for i in range(args.cb_sequences)]
     base = AgentConfig(max_turns=args.cb_turns, max_turn_tokens=args.cb_turn_tokens, max_batch_size=args.cb_rows)
     results = {}
     for name, continuous in (("sessions", False), ("continuous", True)):
         config = dataclasses.replace(base, continuous_batching=continuous)
+        sampler = PagedSampler(graphdef, model_config(args), sampling, engine_config(config, sampling, args.cb_rows,
+                                                                                     16, 512))
         run = lambda: agent.rollout(sampler, params, tokenizer, NoRetriever(), examples,  # noqa: E731
                                     jax.random.key(1), config)
         run()  # compiles
@@ -239,10 +265,10 @@ def continuous_batching(args, graphdef, params) -> None:
         results[name] = (m["decode_occupancy"], m["sampled_tokens"] / m["rollout_s"], result)
         print(f"[continuous] {name:<10}: decode occupancy {m['decode_occupancy']:.1%}, {m['sampled_tokens']:.0f} "
               f"sampled tokens in {m['rollout_s']:.2f} s: {m['sampled_tokens'] / m['rollout_s']:.0f} tokens/s "
-              f"(decode {m['decode_s']:.2f} s, prefill and extends {m['prefill_s']:.2f} s)")
+              f"(engine steps {m['decode_s']:.2f} s)")
     (occ_s, tps_s, sessions), (occ_c, tps_c, continuous) = results["sessions"], results["continuous"]
     # The same streams; a near-uniform distribution over the whole vocabulary (a random model) can still draw
-    # another token from logits that differ at float rounding (prompt encoded by an extend, other padding).
+    # another token from logits that differ at float rounding (prompts chunked differently).
     same = sum(np.array_equal(a.tokens, b.tokens) for a, b in zip(sessions.trajectories, continuous.trajectories))
     print(f"[continuous] {args.cb_sequences} sequences, {args.cb_rows} rows, up to {args.cb_turns + 1} turns of "
           f"<= {args.cb_turn_tokens} tokens: continuous / sessions occupancy {occ_c / occ_s:.2f}x, tokens/s "

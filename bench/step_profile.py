@@ -5,13 +5,14 @@ are cached across runs) with a temporary run folder, then runs `Trainer.train_st
 `--steps` times (under the trainer's signal handlers, as `Trainer.run` does) and prints, per step and as shares of
 the steps after the first (compilation done):
 
-  rollout/prefill         prompt prefill and observation extends (model.extend on device)
-  rollout/decode          decode chunks on device (dispatch and the wait for their tokens)
-  rollout/host            host turn handling: text checks between chunks, cutting/parsing turns, tokenizing
-                          observations, building trajectories
-  rollout/retrieval_wait  waiting for search results after decoding (retrieval on the critical path; searches
-                          started while other rows still decode are hidden behind decoding)
-  rollout/compile_grid    after the first rollout: compiling the sampler's bucket grid ahead (`Sampler.compile_grid`)
+  rollout/decode          the rollout engine's steps on device (prompt and observation chunks and decoding, their
+                          dispatch and the wait for their tokens)
+  rollout/host            host turn handling: stop-string checks of the new tokens, cutting/parsing turns,
+                          tokenizing observations, scheduling, building trajectories
+  rollout/retrieval_wait  waiting for search results with nothing to decode (retrieval on the critical path;
+                          searches started while other sequences decode are hidden behind decoding)
+  rollout/compile_grid    after the first rollout: compiling the step program at every token bucket it did not run
+                          (`PagedSampler.freeze_shapes`)
   batch                   packing the trajectories, checking and placing the batch, fetching metrics
   compile_rows            with packing, the first batch of a length: compiling the forwards of every packed-row
                           count ahead (`RLTrainStep.compile_row_counts`)
@@ -22,9 +23,8 @@ the steps after the first (compilation done):
 
 and tokens/s (real tokens of the training batch per second of step), the padding share of the training batch and
 the XLA compilations of each step (`jax.monitoring` backend-compile events, by function). A compilation after the
-first step is the first use of a new shape bucket: a longer training batch than any before, or a conversation
-that outgrows every cache capacity of the first step (from the second step on the sampler reuses its compiled
-buckets, after compiling the grid of their combinations ahead: `Sampler.freeze_shapes`); a program compiled again
+first step is the first use of a new shape bucket: a longer training batch than any before (the rollout's step
+programs are all compiled after the first rollout: `PagedSampler.freeze_shapes`); a program compiled again
 for an input signature it was already compiled for is a bug, counted apart (from the lowerings JAX logs that a
 backend compilation follows: a program compiled ahead lowers again at its first call, then finds its executable) and
 expected to be 0.
@@ -32,7 +32,7 @@ expected to be 0.
     python bench/step_profile.py                                   # configs/demo_cpu.py, 3 steps
     python bench/step_profile.py --config configs/tiny_test.py --steps 2 --override rollout.max_turns=2
     python bench/step_profile.py --config.rollout.decode_chunk=8   # ml_collections-style overrides work too
-    python bench/step_profile.py --search-seconds-per-query 0.05 [--no-overlap]   # a loaded search backend
+    python bench/step_profile.py --search-seconds-per-query 0.05   # a loaded search backend
     python bench/step_profile.py --config.rollout.continuous_batching=True   # the continuous-batching rollout
     python bench/step_profile.py --steps 20 --compare-packing      # unpacked, then packed: the tokens/s ratio
     python bench/step_profile.py --steps 20 --compare-packing \
@@ -64,10 +64,9 @@ import jax
 import ml_collections
 
 from llds_jax.config_file import load_config  # the run config as the launch command reads it
-from llds_jax.rollout.interfaces import SamplerSession
 from llds_jax.search.types import Retriever
 
-PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
+PHASES = ("rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
           "batch", "compile_rows", "logp", "updates", "checkpoint", "other")
 COMPILE_EVENT = "backend_compile_duration"  # /jax/core/compile/backend_compile_duration
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo_cpu.py")
@@ -129,11 +128,10 @@ class CompileCounter:
 def step_phases(metrics: dict[str, float], checkpoint_s: float, wall_s: float) -> dict[str, float]:
     """Seconds per phase of one step from the trainer's metrics; `other` closes the sum to `wall_s`."""
     rollout_s = metrics["perf/rollout_s"]
-    prefill, decode = metrics.get("rollout/prefill_s", 0.0), metrics.get("rollout/decode_s", 0.0)
-    wait = metrics.get("rollout/search_s", 0.0)
+    decode, wait = metrics.get("rollout/decode_s", 0.0), metrics.get("rollout/search_s", 0.0)
     phases = {
-        "rollout/prefill": prefill, "rollout/decode": decode, "rollout/retrieval_wait": wait,
-        "rollout/host": max(rollout_s - prefill - decode - wait, 0.0),
+        "rollout/decode": decode, "rollout/retrieval_wait": wait,
+        "rollout/host": max(rollout_s - decode - wait, 0.0),
         "rollout/compile_grid": metrics.get("perf/compile_grid_s", 0.0),
         "compile_rows": metrics.get("perf/compile_rows_s", 0.0),
         "logp": metrics["perf/logp_s"], "updates": metrics["perf/update_s"], "checkpoint": checkpoint_s,
@@ -167,41 +165,6 @@ class DelayedRetriever(Retriever):
         await self.inner.close()
 
 
-class SerialSearchSampler:
-    """A sampler whose sessions never report turns early (`decode_turn`'s on_finished is dropped), so that every
-    search waits for the end of decoding: one batched call per turn, as before searches overlapped decoding."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):  # everything else (freeze_shapes, ...) is the inner sampler's
-        return getattr(self.inner, name)
-
-    def start(self, params, prompts, rng, first_sequence=0) -> SerialSession:
-        return SerialSession(self.inner.start(params, prompts, rng, first_sequence=first_sequence))
-
-
-class SerialSession:
-    """The inner session, its early reports dropped."""
-
-    def __init__(self, inner: SamplerSession):
-        self.inner = inner
-
-    @property
-    def timing(self) -> dict[str, float]:
-        return self.inner.timing
-
-    @property
-    def decode_counts(self) -> dict[str, int]:
-        return self.inner.decode_counts
-
-    def decode_turn(self, budgets, turn_finished, on_finished=None):
-        return self.inner.decode_turn(budgets, turn_finished)
-
-    def end_turn(self, keep, observations) -> None:
-        self.inner.end_turn(keep, observations)
-
-
 @contextlib.contextmanager
 def _run_folder(run_dir: Optional[str]):
     if run_dir:
@@ -215,11 +178,10 @@ def _run_folder(run_dir: Optional[str]):
 
 
 def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 1, log=print,
-            search_latency_s: float = 0.0, search_s_per_query: float = 0.0, overlap: bool = True) -> dict[str, Any]:
+            search_latency_s: float = 0.0, search_s_per_query: float = 0.0) -> dict[str, Any]:
     """Runs `steps` training steps of `cfg` (its run_dir must be set) and returns the profile (see `main`).
 
-    search_latency_s, search_s_per_query: make the retriever slower (`DelayedRetriever`); overlap=False: searches
-    wait for the end of each turn's decoding (to measure what the overlap saves).
+    search_latency_s, search_s_per_query: make the retriever slower (`DelayedRetriever`).
     """
     from llds_jax import application
     from llds_jax.train.checkpoint import Checkpointer, rng_to_json
@@ -242,8 +204,6 @@ def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 
     trainer = Trainer(cfg)
     if search_latency_s or search_s_per_query:
         trainer.retriever = DelayedRetriever(trainer.retriever, search_latency_s, search_s_per_query)
-    if not overlap:
-        trainer.sampler = SerialSearchSampler(trainer.sampler)
     state = trainer.step_fn.init_state()
     ref_params = trainer.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
     setup["trainer_s"] = time.perf_counter() - start
@@ -362,8 +322,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="add this round trip to every retriever call (calls overlap)")
     p.add_argument("--search-seconds-per-query", type=float, default=0.0, metavar="SECONDS",
                    help="add this much backend time per query, one batch served at a time (a loaded backend)")
-    p.add_argument("--no-overlap", action="store_true", help="let searches wait for the end of each turn's "
-                   "decoding (one call per turn), to measure what overlapping them with decoding saves")
     p.add_argument("--compare-packing", action="store_true", help="profile without and then with "
                    "optim.pack_trajectories, and print the ratio of tokens/s")
     p.add_argument("--unpacked-override", action="append", default=[], metavar="KEY=VALUE",
@@ -395,13 +353,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
               + (f" with {', '.join(args.override)}" if args.override else "")
               + (f"; search latency {args.search_latency:g} s" if args.search_latency else "")
               + (f"; {args.search_seconds_per_query:g} s per query" if args.search_seconds_per_query else "")
-              + ("; searches wait for the end of decoding" if args.no_overlap else "")
               + ("; continuous batching" if cfg.rollout.continuous_batching else "")
               + f"; {args.steps} step(s), {cfg.data.prompts_per_step} x {cfg.data.samples_per_prompt} trajectories "
               f"per step; devices {jax.devices()[0].platform} x{jax.device_count()}", flush=True)
         result = profile(cfg, args.steps, args.checkpoint_every, log=lambda line: print(line, flush=True),
-                         search_latency_s=args.search_latency, search_s_per_query=args.search_seconds_per_query,
-                         overlap=not args.no_overlap)
+                         search_latency_s=args.search_latency, search_s_per_query=args.search_seconds_per_query)
     print(format_report(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -40,12 +40,6 @@ PROBABILITY_MASS = Range(lambda v: 0 < v <= 1, "in (0, 1]")
 MOMENTUM = Range(lambda v: 0 <= v < 1, "in [0, 1)")
 
 
-def power_of_two_or_0(zero_means: str) -> Range:
-    """0 (`zero_means`) or a power of two."""
-    return Range(lambda v: v >= 0 and not int(v) & (int(v) - 1) and v == int(v),
-                 f"0 ({zero_means}) or a power of two")
-
-
 def field(default: Any, bound: Range | None = None, *, choices: Sequence[Any] | None = None) -> Any:
     """A dataclass field with its default and its range (`bound`) or its allowed values (`choices`)."""
     metadata = {"bound": bound} if bound is not None else {"choices": tuple(choices)}

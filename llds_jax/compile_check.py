@@ -12,14 +12,12 @@ The programs, at the config's largest shapes (the worst case a long run can reac
 - the rollout's copy of the params, when it has a layout of its own (`rollout.tensor_parallel`, or several hosts):
   the reshard program that builds it from the training params over the chips' links (every host's copy at once on
   several hosts; `rollout.layout.reshard_program`), once per step;
-- rollout (each host's own chips with several hosts, as the trainer runs it): prefill of `rollout.max_batch_size`
-  rows (or the host's whole share of the rollout batch) of `rollout.max_prompt_tokens`, a decode chunk, an
-  observation extend, cache growth and compaction at the largest cache capacity a conversation can reach
-  (`run_builder.session_shapes`; with `rollout.continuous_batching`, the empty batch and extends of every row by a
-  prompt and by an observation in place of the prefill and the extend; with `rollout.shared_prompt_prefill`, a
-  prefill of the most distinct prompts a session's GRPO groups hold); the same for evaluation (greedy,
-  `eval.batch_size` rows); their params in `rollout.params_dtype`, as the trainer casts them (with bfloat16 on
-  float32 master weights, half the bytes);
+- rollout (each host's own chips with several hosts, as the trainer runs it): the engine's step program at every
+  token bucket (`rollout.runner`: a ragged batch of prompt and observation chunks and decoding sequences over the
+  page pool, `rollout.max_batch_size` sequence slots or the host's whole share of the rollout batch); the same for
+  evaluation (greedy, `eval.batch_size` slots); the page pool, shared by both, resident beside every program; their
+  params in `rollout.params_dtype`, as the trainer casts them (with bfloat16 on float32 master weights, half the
+  bytes);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
   reference, the likelihood metrics, one optimizer update with all its micro-batches and the LLD metrics, at the
   longest training batch (`rollout.max_context_tokens` rounded up to `train.sequence_bucket`).
@@ -58,7 +56,6 @@ from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
-from llds_jax.rollout.paged_sampler import PagedSampler
 from llds_jax.search import dense_index, device_index, device_search
 from llds_jax.search.dense import read_faiss_index
 from llds_jax.search.factory import resolve_config
@@ -417,37 +414,14 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         cast = cfg.rollout.params_dtype != cfg.model.param_dtype or layout.rollout.kv_repeat > 1
         rollout.append(Program(reshard.name, reshard.shapes, reshard.lower(),
                                everything if cast else (OPT_STATE, REFERENCE), role=Role.RESHARD, calls=1.0))
-    shapes_seen = set()
-    session_rows = 0
+    session_rows = parts.sampler.engine_config.max_seqs
     batch = config_lib.rollout_batch_size(cfg)
-    for label, sampler, sequences in (("", parts.sampler, batch // len(hosts)),
-                                      ("eval ", parts.eval_sampler, cfg.eval.batch_size)):
-        evaluation = sampler is parts.eval_sampler
-        if isinstance(sampler, PagedSampler):  # one step program per token bucket; the step estimate waits
-            session_rows = session_rows or sampler.engine_config.max_seqs
-            for program in sampler.abstract_programs(rollout_params):
-                rollout.append(Program(f"{label}{program.name}",
-                                       program.shapes + _layout_label(layout.rollout, len(hosts)), program.lower(),
-                                       everything if own_copy else (OPT_STATE, REFERENCE), role=program.role,
-                                       rollout=True, pool_bytes=sampler.runner.pool.bytes_per_device()))
-            continue
-        at = run_builder.session_shapes(cfg, sampler.config, sampler.batch_multiple, rollout_params, sequences,
-                                        groups=not evaluation)
-        calls = {} if evaluation else step_estimate.rollout_calls(cfg, sequences, at.rows)
-        session_rows = session_rows or at.rows
-        decode_blocks, extend_blocks = step_estimate.filled_blocks(cfg, at.prompt, at.observation, at.capacity)
-        loop_runs = {Role.DECODE_CHUNK: (cfg.rollout.decode_chunk, decode_blocks), Role.EXTEND: (extend_blocks,),
-                     Role.ROW_EXTEND: (extend_blocks,)}
-        for program in sampler.abstract_programs(at):
-            role = program.role
-            if (role, program.shapes) in shapes_seen and role is not Role.DECODE_CHUNK:
-                continue  # the evaluation sampler runs the very same program
-            shapes_seen.add((role, program.shapes))
-            decode = role is Role.DECODE_CHUNK
-            rollout.append(Program(f"{label}{program.name}", program.shapes + _layout_label(layout.rollout, len(hosts)),
-                                   program.lower(), everything if own_copy else (OPT_STATE, REFERENCE), role=role,
-                                   rollout=True, loop_runs=loop_runs.get(role, (1,)), calls=calls.get(role, 0.0),
-                                   sampled_per_call=at.rows * cfg.rollout.decode_chunk if decode else 0))
+    for label, sampler in (("", parts.sampler), ("eval ", parts.eval_sampler)):
+        for program in sampler.abstract_programs(rollout_params):  # one step program per token bucket
+            rollout.append(Program(f"{label}{program.name}",
+                                   program.shapes + _layout_label(layout.rollout, len(hosts)), program.lower(),
+                                   everything if own_copy else (OPT_STATE, REFERENCE), role=program.role,
+                                   rollout=True, pool_bytes=sampler.runner.pool.bytes_per_device()))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
     training = [Program(p.name, p.shapes, p.lower(), TRAINING_RESIDENT.get(p.role, (REFERENCE,)), role=p.role,
@@ -456,9 +430,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
                                                                   measure_lld=bool(cfg.train.lld_every)))]
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     programs = setup + rollout + training[len(setup):]
-    if isinstance(parts.sampler, PagedSampler):
-        programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,))
-                    for p in programs]
+    programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,)) for p in programs]
     if cfg.retriever.get("backend") != "e5_device":
         return programs
     search = retrieval_program(cfg, devices, batch // len(hosts), session_rows,
@@ -548,12 +520,8 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
         print(f"llds_jax: error: {line}")
     if problems:
         return EXIT_DOES_NOT_FIT
-    print(f"rollout programs: {sum(p.rollout for p in programs)} ({config_lib.paging_config(cfg).engine} engine, "
-          "training and evaluation)")
-    if config_lib.paging_config(cfg).engine == "paged":
-        print("step estimate: not modelled for rollout.engine=paged yet (its programs' memory is above)")
-    else:
-        print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts, lengths))
+    print(f"rollout programs: {sum(p.rollout for p in programs)} (training and evaluation)")
+    print("step estimate: not modelled for the paged engine yet (its programs' memory is above)")
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "

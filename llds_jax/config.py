@@ -95,26 +95,20 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = SamplingConfig.top_p
     c.rollout.top_k = SamplingConfig.top_k
     c.rollout.decode_chunk = SamplingConfig.decode_chunk
-    c.rollout.engine = PagingConfig.engine  # "paged" (one ragged step program over a paged KV cache) or "dense"
-    c.rollout.page_size = PagingConfig.page_size  # ... token slots per page of the paged KV cache
-    c.rollout.max_step_tokens = PagingConfig.max_step_tokens  # ... the most tokens one step's ragged batch holds
-    c.rollout.num_pages = PagingConfig.num_pages  # ... pages in the pool (0: every sequence's worst case)
+    c.rollout.page_size = PagingConfig.page_size  # token slots per page of the rollout's paged KV cache
+    c.rollout.max_step_tokens = PagingConfig.max_step_tokens  # the most tokens one step's ragged batch holds
+    c.rollout.num_pages = PagingConfig.num_pages  # pages in the pool (0: every sequence's worst case)
     c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
     c.rollout.tensor_parallel = 0       # chips splitting the rollout copy's heads and MLP (-1: a host's; 0: training's)
+    # The removed dense engine's shapes, read by the step estimate alone (llds_jax/step_estimate.py) until it
+    # models the paged engine; the rollout ignores them.
     c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
     c.rollout.cache_block = 0           # decode/extend read the filled KV cache in blocks of this many slots (0: all)
-    # a finished row takes the next waiting sequence (rollout/continuous.py)
+    c.rollout.max_extend_rows = 0       # rows per extend call with continuous batching (0: any)
+    c.rollout.shared_prompt_prefill = False  # a session's prefill encodes each distinct prompt once
+    # a sequence enters as soon as the engine has a slot for it (policy "continuous", rollout/driver.py)
     c.rollout.continuous_batching = AgentConfig.continuous_batching
-    # ... appending to at most this many rows per extend call (0: any)
-    c.rollout.max_extend_rows = SamplingConfig.max_extend_rows
-    # a session's prefill encodes each distinct prompt once (a GRPO group's samples share it), copied to its rows
-    c.rollout.shared_prompt_prefill = SamplingConfig.shared_prompt_prefill
-    c.rollout.reuse_buckets = True      # from step 2 the sampler reuses compiled shape buckets that fit
-    c.rollout.compile_grid = True       # ... after compiling every combination of the first step's buckets
-    # smallest KV-cache capacity (slots) of a sampler session
-    c.rollout.min_capacity_bucket = SamplingConfig.min_capacity_bucket
-    # smallest padded observation length of an extend
-    c.rollout.min_observation_bucket = SamplingConfig.min_observation_bucket
+    c.rollout.compile_grid = True       # after the first rollout, compile the step program at every token bucket
     c.rollout.search_failure_rate = 0.5  # a step whose searches failed more often than this is a failing step ...
     c.rollout.max_failed_search_steps = 3  # ... and this many in a row end the run (saved; 0: never)
     # Tree rollouts (Tree-GRPO; rollout/tree.py, docs/tree-rollouts.md): each prompt's group grows as `trees` trees
@@ -231,6 +225,17 @@ def schema(app: Any = None) -> ml_collections.ConfigDict:
     return c
 
 
+# Keys a run config may still set from an older release, and why they went (said in the unknown-key error).
+_PAGED_ONLY = "the paged engine is now the only rollout engine"
+REMOVED_KEYS = {
+    "rollout.engine": _PAGED_ONLY,
+    "rollout.min_capacity_bucket": f"{_PAGED_ONLY} (its pool: rollout.num_pages, rollout.page_size)",
+    "rollout.min_observation_bucket": f"{_PAGED_ONLY} (observations go in its ragged steps: rollout.max_step_tokens)",
+    "rollout.reuse_buckets": f"{_PAGED_ONLY}: its step programs are compiled once per token bucket "
+                             "(rollout.compile_grid)",
+}
+
+
 def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict | None = None,
                  prefix: str = "") -> None:
     """Raises ConfigError for a key the schema lacks or a value of another type (an int is a valid float)."""
@@ -238,6 +243,8 @@ def check_schema(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDi
     for key, value in cfg.items():
         name = f"{prefix}{key}"
         if key not in schema:
+            if name in REMOVED_KEYS:
+                raise ConfigError(f"unknown config key {name!r}: removed, {REMOVED_KEYS[name]}")
             raise ConfigError(f"unknown config key {name!r} (known at this level: {', '.join(sorted(schema))})")
         expected = schema[key]
         if isinstance(expected, ml_collections.ConfigDict):
@@ -357,6 +364,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("rollout.tensor_parallel",), lambda v: v >= -1, ">= 1 (or -1: all of a host's chips, 0: the training layout)"),
     (("rollout.extend_chunk",), lambda v: v >= 0 and not v & (v - 1), "0 (one pass) or a power of two"),
     (("rollout.cache_block",), lambda v: v >= 0 and not v & (v - 1), "0 (every slot) or a power of two"),
+    (("rollout.max_extend_rows",), lambda v: v >= 0 and not v & (v - 1), "0 (any) or a power of two"),
 )
 
 
@@ -488,8 +496,7 @@ def agent_config(cfg: ml_collections.ConfigDict, evaluation: bool = False) -> Ag
 
 def paging_config(cfg: ml_collections.ConfigDict) -> PagingConfig:
     r = cfg.rollout
-    return PagingConfig(engine=r.engine, page_size=r.page_size, max_step_tokens=r.max_step_tokens,
-                        num_pages=r.num_pages)
+    return PagingConfig(page_size=r.page_size, max_step_tokens=r.max_step_tokens, num_pages=r.num_pages)
 
 
 def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],
@@ -497,7 +504,4 @@ def sampling_config(cfg: ml_collections.ConfigDict, stop_ids: tuple[int, ...],
     """Training samples at the rollout temperature / top-p / top-k; evaluation is greedy."""
     r = cfg.rollout
     return SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, greedy=evaluation,
-                          stop_ids=stop_ids, decode_chunk=r.decode_chunk,
-                          min_capacity_bucket=r.min_capacity_bucket,
-                          min_observation_bucket=r.min_observation_bucket, max_extend_rows=r.max_extend_rows,
-                          shared_prompt_prefill=r.shared_prompt_prefill)
+                          stop_ids=stop_ids, decode_chunk=r.decode_chunk)

@@ -22,6 +22,8 @@ from absl import flags
 from ml_collections import config_flags
 from ml_collections.config_flags import tuple_parser
 
+from llds_jax.config import REMOVED_KEYS
+
 
 class PathListParser(tuple_parser.TupleParser):
     """Command-line value of a tuple (file-list) key: comma-separated paths, or a Python tuple/list literal."""
@@ -99,6 +101,8 @@ def _unknown_key(error: BaseException, argv: list[str], path: str | None) -> str
     named = [k for k in keys if missing in k.split(".")]
     if not named:  # not an override's key: the config file itself failed (e.g. it has no get_config)
         return f"config file {path}: {text.splitlines()[0] if text else type(cause).__name__}"
+    if named[0] in REMOVED_KEYS:
+        return f"unknown config key {named[0]}: removed, {REMOVED_KEYS[named[0]]}"
     spec = config_spec(argv)
     near = nearest_keys(named[0], spec) if spec else []
     if not near:

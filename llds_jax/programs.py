@@ -1,7 +1,7 @@
 """Programs at abstract arguments: what `--mode=compile` (llds_jax/compile_check.py) lowers and compiles.
 
 Each part of a run that executes jitted programs implements `CompilablePrograms`: asked at the shapes of a run (its
-own description of them, e.g. `rollout.sampler.SessionShapes`, `rl.train_step.TrainShapes`), it names every program
+own description of them, e.g. the rollout's params, `rl.train_step.TrainShapes`), it names every program
 it runs, each with its jitted function and the abstract arguments it runs it at (ShapeDtypeStructs carrying the
 shardings a run gives them). `AbstractProgram.lower` traces one without devices (on a deviceless TPU topology's
 mesh too); compile_check compiles the result and reads its memory per chip.
@@ -26,19 +26,19 @@ class Role(enum.Enum):
     REFERENCE_COPY = "reference copy"
     # the rollout's copy of the params (`rollout.layout.rollout_params`), made once per rollout
     RESHARD = "rollout reshard"
-    # a turn-synchronous rollout session (`rollout.session.Session`)
+    # the rollout engine (`rollout.runner`): one ragged step at a token bucket
+    ROLLOUT_STEP = "rollout step"
+    # the removed dense engine's programs (db635b6), which the step estimate (`llds_jax.step_estimate`) still
+    # models until it models the paged engine's step; no program of a run has them
     PREFILL = "prefill"
     DECODE_CHUNK = "decode chunk"
     EXTEND = "extend"
     CACHE_GROWTH = "cache growth"
     COMPACTION = "compaction"
-    FORK = "fork"  # tree rollouts (`rollout.tree`): rows copied at agent-step boundaries
-    # a continuous batch (`rollout.row_session.RowSession`): its decode chunk, growth and compaction as above
+    FORK = "fork"
     EMPTY_BATCH = "empty batch"
     PROMPT_EXTEND = "prompt extend"
     ROW_EXTEND = "row extend"
-    # the paged engine (`rollout.runner`): one ragged step at a token bucket
-    ROLLOUT_STEP = "rollout step"
     # the retriever on the chips (`search.device_search`): one call scores a batch of searches against the index
     RETRIEVAL = "retrieval search"
     # a training step
@@ -87,8 +87,8 @@ At = TypeVar("At", contravariant=True)
 
 
 class CompilablePrograms(Protocol[At]):
-    """What runs jitted programs and names them at abstract arguments (implemented by `rollout.sampler.Sampler` and
-    `rl.train_step.RLTrainStep`)."""
+    """What runs jitted programs and names them at abstract arguments (implemented by
+    `rollout.paged_sampler.PagedSampler` and `rl.train_step.RLTrainStep`)."""
 
     def abstract_programs(self, at: At) -> list[AbstractProgram]:
         """Every program run at the shapes `at`, in the order a run first runs them."""

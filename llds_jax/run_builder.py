@@ -7,7 +7,6 @@ the compile check (abstract arrays: shapes and shardings, no weight read), so th
 
 With `devices` (a deviceless TPU topology's), `run_layout` lays the run out as the job on those devices would, the
 rollout on the first host's chips (every host's layout is alike); `abstract_model` is the model to build on then.
-`session_shapes` gives the largest buckets a sampler's sessions can reach, as its `ShapePlan` rounds them.
 """
 from __future__ import annotations
 
@@ -24,13 +23,9 @@ from llds_jax import config as config_lib
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, from_hf_config, hf_io, preset, run_overrides
 from llds_jax.rl.train_step import RLTrainStep
-from llds_jax.rollout import tree
 from llds_jax.rollout.layout import RolloutLayout, make_layout
-from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.runner import PagePool, pool_shape
-from llds_jax.rollout.sampler import Sampler, SessionShapes
-from llds_jax.rollout.shape_plan import ShapePlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +41,10 @@ class RunLayout:
 @dataclasses.dataclass(frozen=True)
 class RunParts:
     """The programs' owners: the GRPO + LLDS train step, and the samplers of the training rollout and of the
-    (greedy) evaluation, which share the rollout's graph and mesh."""
+    (greedy) evaluation, which share the rollout's graph, mesh and page pool."""
     step: RLTrainStep
-    sampler: Sampler
-    eval_sampler: Sampler
+    sampler: PagedSampler
+    eval_sampler: PagedSampler
 
 
 def model_config(cfg: ml_collections.ConfigDict, platform: str) -> ModelConfig:
@@ -77,7 +72,7 @@ def run_layout(cfg: ml_collections.ConfigDict, devices: Optional[Sequence[Any]] 
     mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     model_cfg = model_config(cfg, devices[0].platform)
     r = cfg.rollout
-    rollout = make_layout(r.tensor_parallel, model_cfg, mesh, local, cfg.mesh.tensor, r.extend_chunk, r.cache_block)
+    rollout = make_layout(r.tensor_parallel, model_cfg, mesh, local, cfg.mesh.tensor)
     return RunLayout(mesh, model_cfg, rollout)
 
 
@@ -103,47 +98,15 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
     step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), layout.mesh)
     graphdef = layout.rollout.graphdef(nnx.split(model)[0])
     paging = config_lib.paging_config(cfg)
-    if paging.engine == "paged":  # the training and evaluation rollouts share one page pool
-        shapes = []
-        for evaluation, sequences in ((False, config_lib.rollout_batch_size(cfg) // jax.process_count()),
-                                      (True, cfg.eval.batch_size)):
-            agent = config_lib.agent_config(cfg, evaluation=evaluation)
-            sampling = config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation)
-            slots = min(sequences, agent.max_batch_size or sequences)
-            shapes.append((sampling, engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens,
-                                                   paging.num_pages)))
-        largest = max((engine for _, engine in shapes), key=lambda engine: engine.num_pages)
-        pool = PagePool(pool_shape(layout.rollout.model_cfg, largest, layout.rollout.mesh))
-        return RunParts(step, *[PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine,
-                                             layout.rollout.mesh, pool) for sampling, engine in shapes])
-    samplers = [Sampler(graphdef, config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation),
-                        layout.rollout.mesh) for evaluation in (False, True)]
-    return RunParts(step, *samplers)
-
-
-def session_shapes(cfg: ml_collections.ConfigDict, sampling: SamplingConfig, batch_multiple: int, params: Any,
-                   sequences: int, groups: bool = True) -> SessionShapes:
-    """The largest buckets of the sessions over `sequences` sequences (split into sessions of
-    `rollout.max_batch_size`) of a sampler of `sampling` whose mesh splits rows `batch_multiple` ways
-    (`Sampler.batch_multiple`), with `params` as the sessions get them. `ShapePlan.largest` rounds them: the prompt
-    bucket of `rollout.max_prompt_tokens`, `rollout.max_context_tokens` after it, one observation bucket of
-    `rollout.max_observation_tokens`.
-
-    Distinct prompts (`rollout.shared_prompt_prefill`, with `groups`: the sequences are GRPO groups of
-    `data.samples_per_prompt` consecutive samples of one prompt): the most a session's consecutive sequences can
-    hold, a group cut at each end."""
-    a = config_lib.agent_config(cfg)
-    per_session = min(sequences, a.max_batch_size or sequences)
-    distinct = 0
-    if sampling.shared_prompt_prefill and groups:
-        distinct = min(-(-(per_session - 1) // cfg.data.samples_per_prompt) + 1, per_session)
-    plan = ShapePlan(sampling, batch_multiple)
-    fork_source = 0
-    if a.trees and groups:  # the largest round's batch, and the fork into it from the largest batch before it
-        rounds = tree.round_sequences(a, per_session)
-        per_session, fork_source = max(rounds), plan.batch_rows(max(rounds[:-1]))
-    prefill, turn = plan.largest(per_session, a.max_prompt_tokens, a.max_turn_tokens, a.max_context_tokens,
-                                 a.max_observation_tokens, distinct)
-    return SessionShapes(params, prefill.rows, prefill.prompt, prefill.capacity, turn.capacity, turn.observation,
-                         continuous=a.continuous_batching, distinct=prefill.distinct, fork_source=fork_source)
-
+    shapes = []
+    for evaluation, sequences in ((False, config_lib.rollout_batch_size(cfg) // jax.process_count()),
+                                  (True, cfg.eval.batch_size)):
+        agent = config_lib.agent_config(cfg, evaluation=evaluation)
+        sampling = config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation)
+        slots = min(sequences, agent.max_batch_size or sequences)
+        shapes.append((sampling, engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens,
+                                               paging.num_pages)))
+    largest = max((engine for _, engine in shapes), key=lambda engine: engine.num_pages)
+    pool = PagePool(pool_shape(layout.rollout.model_cfg, largest, layout.rollout.mesh))  # shared: never run at once
+    return RunParts(step, *[PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine, layout.rollout.mesh,
+                                         pool) for sampling, engine in shapes])

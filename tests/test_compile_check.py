@@ -13,7 +13,6 @@ import jax
 import pytest
 
 from llds_jax import compile_check, roofline, run_builder, step_estimate, topologies
-from llds_jax import config as config_lib
 from llds_jax.model import ModelConfig, to_hf_config
 from llds_jax.programs import Role
 from llds_jax.rollout.layout import abstract_rollout_params
@@ -28,8 +27,8 @@ SHRINK = {
     "rollout.max_turn_tokens": 16, "rollout.max_observation_tokens": 32, "rollout.max_context_tokens": 256,
     "rollout.max_response_tokens": 256, "train.sequence_bucket": 64, "eval.batch_size": 8,
 }
-PROGRAMS = ["rollout reshard", "prefill", "decode chunk", "extend", "cache growth", "compaction", "eval decode chunk",
-            "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",
+PROGRAMS = ["rollout reshard", "rollout step (16 tokens)", "rollout step (32 tokens)", "rollout step (64 tokens)",
+            "rollout step (128 tokens)", "eval rollout step (8 tokens)", "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",
             "logp (float32, LLD)", "update (2 per step)", "lld metrics"]
 
 
@@ -92,59 +91,30 @@ def test_xla_resource_exhausted_message_is_read():
     assert compile_check.parse_available_hbm("INTERNAL: something else") is None
 
 
-def _largest(cfg, sequences: int, batch_multiple: int, groups: bool = True) -> tuple[int, ...]:
-    """(rows, prompt, prefill capacity, capacity, observation, distinct) of run_builder.session_shapes."""
-    s = run_builder.session_shapes(cfg, config_lib.sampling_config(cfg, (0, 1), evaluation=not groups),
-                                   batch_multiple, None, sequences, groups)
-    return s.rows, s.prompt, s.prefill_capacity, s.capacity, s.observation, s.distinct
-
-
-def test_session_shapes_are_the_largest_buckets(tiny_model_dir):
-    """Worst case of a session: all its rows at the capacity bound, the prompt and observation buckets full."""
-    cfg = flagship(tiny_model_dir, **{"rollout.max_prompt_tokens": 100, "rollout.max_observation_tokens": 40,
-                                      "rollout.shared_prompt_prefill": False})
-    # rows: sessions of 16; prompt pow2(100) = 128; observation pow2(40) = 64; prefill: 128 + 16 + 1 -> 256
-    # (the smallest capacity bucket is 128); capacity: 128 + 256 + 64 = 448 -> 512.
-    assert _largest(cfg, sequences=40, batch_multiple=4) == (16, 128, 256, 512, 64, 0)
-    assert _largest(cfg, sequences=6, batch_multiple=4)[0] == 8
-    # A shared prefill: 16 consecutive samples of groups of 4 hold at most 5 prompts (1 + 4 + 4 + 4 + 3), a row
-    # bucket of 8 (a multiple of 4); none for evaluation's ungrouped rows.
-    cfg.rollout.shared_prompt_prefill = True  # as configs/qwen7b_v4.py sets it
-    assert cfg.data.samples_per_prompt == 4
-    assert _largest(cfg, sequences=40, batch_multiple=4) == (16, 128, 256, 512, 64, 8)
-    assert _largest(cfg, sequences=40, batch_multiple=4, groups=False)[5] == 0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tensor_parallel", [0, -1], ids=["training-layout", "tensor-parallel"])
-def test_decode_gathers_weights_only_in_the_training_layout(tiny_model_dir, tensor_parallel):
-    """The decode chunk read from the TPU compiler's HLO: under the training (fsdp) layout every layer's q / k / v
-    / o projections and MLP slices are all-gathered, which the check names; split over the host's chips by
-    heads and MLP width (rollout.tensor_parallel) only arrays of rows are gathered."""
+def test_the_rollout_step_gathers_weights_only_in_the_training_layout(tiny_model_dir, tensor_parallel):
+    """The rollout's step program read from the TPU compiler's HLO: under the training (fsdp) layout the layers'
+    weights are all-gathered, which the check names; split over the host's chips by heads and MLP width
+    (rollout.tensor_parallel) no weight moves."""
     cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": tensor_parallel})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
-    row = compile_check.compile_row(decode)
+    step = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.ROLLOUT_STEP)
+    row = compile_check.compile_row(step)
     layout = run_builder.run_layout(cfg, devices).rollout
     found = compile_check.weight_collectives([row], layout.model_cfg, layout.tensor)
     if tensor_parallel:
-        # The rows' f32 logits, sampled on 4 rows per chip ([4 chips, 4 rows, V 640]), the rows' valid slots
-        # ([4, 4, 512 slots]) and the cache write's indices ([16 rows, 1, 3]): rows, never a weight.
-        assert found == [] and {dims for _, dims in row.gathers} == {(4, 4, 640), (4, 4, 512), (16, 1, 3)}
+        assert found == []
     else:
-        # q [D, N, H], k and v [D, K, H], o [N, H, D] of one layer; gate / up [D, F / 4] and down [F / 4, D] of
-        # one of the 4 MLP slices (configs/qwen7b_v4.py slices the MLP for the update).
-        assert found == [f"decode chunk ({decode.shapes}) moves a layer's weights between chips (all-gather "
-                         "[1, 4, 16, 64], all-gather [1, 64, 2, 16], all-gather [1, 64, 4, 16], all-gather [24, 64], "
-                         "all-gather [64, 24]): set rollout.tensor_parallel so that each chip keeps its own slice "
-                         "(docs/tpu.md)"]
+        assert len(found) == 1 and found[0].startswith(f"{step.name} ({step.shapes}) moves a layer's weights "
+                                                       "between chips (all-gather ")
 
 
 @pytest.mark.slow
 def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(tiny_model_dir):
     """Two hosts (v4:2x2x2), the rollout split over each host's 4 chips by heads: one compiled program per step
     takes the bfloat16 params split over all 8 chips as training splits them and leaves on every chip exactly the
-    slice of the rollout copy the decode chunk takes there (so a host's shards are its rollout copy as they are),
+    slice of the rollout copy the step program takes there (so a host's shards are its rollout copy as they are),
     moving the weights over the chips' links; in the rollout's part of the estimate, never checked as a rollout
     program that gathers weights."""
     cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": -1, "rollout.params_dtype": "bfloat16"})
@@ -160,7 +130,7 @@ def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(t
     (args,), _ = compiled.input_shardings
     assert [a.spec for a in jax.tree.leaves(args)] == [x.sharding.spec for x in jax.tree.leaves(params)]
     assert {str(a.dtype) for a in jax.tree.leaves(reshard.lowered.args_info)} == {"bfloat16"}
-    decode_params = abstract_rollout_params(layout.rollout, params, "bfloat16")  # what the decode chunk takes
+    decode_params = abstract_rollout_params(layout.rollout, params, "bfloat16")  # what the step program takes
     hosts = [[d for d in devices if d.process_index == p] for p in (0, 1)]
     for o, want in zip(jax.tree.leaves(compiled.output_shardings), jax.tree.leaves(decode_params), strict=True):
         got = o.devices_indices_map(want.shape)
@@ -175,55 +145,15 @@ def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(t
 
 
 @pytest.mark.slow
-def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
-    """rollout.cache_block = 64 of a 512-slot cache: the TPU decode chunk holds two loops of run-time length (its
-    steps, and in each layer of each step the filled blocks); the estimate counts the second at the conversation's
-    mean filled blocks, and the chunk's HBM bytes grow by the same amount with each block assumed (one block's
-    keys and values per layer and step). The dense decode has one such loop."""
-    devices, _ = compile_check.topology_devices("v4:2x2x2")
-    cfg = flagship(tiny_model_dir, **{"rollout.cache_block": 64})
-    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
-    s = run_builder.session_shapes(cfg, config_lib.sampling_config(cfg, (0, 1)), 1, None, 16)
-    assert decode.loop_runs == (32, step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)[0])
-    text = decode.lowered.compile().as_text()
-    costs = [roofline.hlo_costs(text, (32, blocks)) for blocks in (1, 2, 3)]
-    assert {c.dynamic_loops for c in costs} == {2}
-    assert costs[1].hbm_bytes - costs[0].hbm_bytes == pytest.approx(costs[2].hbm_bytes - costs[1].hbm_bytes)
-    assert costs[1].hbm_bytes > costs[0].hbm_bytes
-    dense = next(p for p in compile_check.build_programs(flagship(tiny_model_dir, **{"rollout.cache_block": 0}),
-                                                          devices) if p.role is Role.DECODE_CHUNK and p.calls)
-    assert roofline.hlo_costs(dense.lowered.compile().as_text(), (32, 5)).dynamic_loops == 1
-
-
-@pytest.mark.slow
-def test_continuous_batching_compiles_its_own_rollout_programs(tiny_model_dir, capsys):
-    """rollout.continuous_batching: the empty batch, the extend of every row by a prompt and by an observation
-    replace the prefill and the session's extend; every program compiles and fits, and the step estimate counts
-    them."""
-    cfg = flagship(tiny_model_dir, **{"rollout.continuous_batching": True})
-    devices, _ = compile_check.topology_devices("v4:2x2x2")
-    programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
-    rollout = [name for name, p in programs.items() if p.rollout and not name.startswith("eval ")]
-    assert rollout == ["empty batch", "prompt extend", "decode chunk", "row extend", "cache growth", "compaction"]
-    assert programs["prompt extend"].shapes.startswith("16 of 16 rows x 64 tokens, 128 slots")
-    assert programs["row extend"].shapes.startswith("16 of 16 rows x 32 tokens, 512 slots")
-    assert (programs["empty batch"].calls, programs["prompt extend"].calls, programs["row extend"].calls) == (1, 1, 3)
-    assert compile_check.run(cfg, "v4:2x2x2") == 0
-    out = capsys.readouterr().out
-    assert "\nrow extend " in out and "every program fits" in out
-
-
-@pytest.mark.slow
-def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_kernel(tmp_path, capsys):
-    """rollout.engine = paged: the rollout is one step program per token bucket (training's 16 slots doubling to
+def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(tmp_path, capsys):
+    """The rollout is one step program per token bucket (training's 16 slots doubling to
     64 tokens, evaluation's 8 to 64), each calling the ragged paged attention kernel on the chips, its page pool
     split over the key/value heads; every program fits and the table counts the rollout programs. (The kernel
     takes heads of a multiple of 128 lanes: the tiny architecture's heads are 128 wide here.)"""
     arch = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                             head_dim=128)
     (tmp_path / "config.json").write_text(json.dumps(to_hf_config(arch)))
-    cfg = flagship(str(tmp_path), **{"rollout.engine": "paged", "rollout.max_step_tokens": 64,
-                                     "rollout.page_size": 16})
+    cfg = flagship(str(tmp_path), **{"rollout.max_step_tokens": 64, "rollout.page_size": 16})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = compile_check.build_programs(cfg, devices)
     rollout = [p for p in programs if p.rollout]
@@ -240,7 +170,7 @@ def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_ke
     assert "ragged_paged_attention" in hlo
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     out = capsys.readouterr().out
-    assert "\nrollout programs: 7 (paged engine, training and evaluation)\n" in out and "every program fits" in out
+    assert "\nrollout programs: 7 (training and evaluation)\n" in out and "every program fits" in out
 
 
 def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
@@ -301,9 +231,10 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     copy is a copy of its own, so the float32 params stay resident beside it."""
     def decode_and_update(topology, dtype, tensor_parallel=-1):
         devices, _ = compile_check.topology_devices(topology)
-        programs = {(p.role, p.calls > 0): p for p in compile_check.build_programs(flagship(tiny_model_dir, **{
-            "rollout.params_dtype": dtype, "rollout.tensor_parallel": tensor_parallel}), devices)}
-        return programs[Role.DECODE_CHUNK, True], programs[Role.UPDATE, True]
+        programs = compile_check.build_programs(flagship(tiny_model_dir, **{
+            "rollout.params_dtype": dtype, "rollout.tensor_parallel": tensor_parallel}), devices)
+        return (next(p for p in programs if p.role is Role.ROLLOUT_STEP),
+                next(p for p in programs if p.role is Role.UPDATE and p.calls))
 
     def dtypes(args):
         return {str(arg.dtype) for arg in jax.tree.leaves(args)}
@@ -325,9 +256,8 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
 
 @pytest.mark.slow
 def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir, tmp_path):
-    """Every program compiled and in the table; the worst-case step, then the expected one at the lengths a run
-    logged (`--estimate_from`): 12 sampled tokens per trajectory at occupancy 0.5 against the shrunk config's 4
-    turns of 16 tokens, 64 trained tokens of 256, one search each (32 per host)."""
+    """Every program compiled and in the table; the step estimate does not model the paged engine yet (it says
+    so), `--estimate_from` is read all the same."""
     (tmp_path / "metrics.jsonl").write_text(json.dumps({
         "step": 1, "rollout/response_length": 12.0, "rollout/valid_searches": 1.0, "rollout/decode_occupancy": 0.5,
         "perf/tokens_per_s": 2048.0, "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0}) + "\n")
@@ -337,31 +267,22 @@ def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir, tmp_path):
     for name in PROGRAMS:
         assert f"\n{name} " in result.stdout
     assert "(host-local)" not in result.stdout  # one host: rollouts on the training mesh
-    lines = result.stdout.splitlines()
-    assert any(line.startswith("worst-case step: rollout ") for line in lines)
-    assert (f"expected lengths from the run {tmp_path}: means over its 1 steps: per trajectory 12 sampled tokens, 64 "
-            "trained, 1.00 searches; the decode at 37.5% of the worst case's calls, the forwards and updates at 25.0%, "
-            "other programs as in the worst case") in lines
-    assert any(line.startswith("retrieval (in the rollout, what rows wait for): 32 searches per host and step; ")
-               for line in lines)
-    assert any(line.startswith("expected step: rollout ") for line in lines)
+    assert "step estimate: not modelled for the paged engine yet (its programs' memory is above)" in result.stdout
     wrong = launch(tiny_model_dir, "--mode=train", f"--estimate_from={tmp_path}")
     assert wrong.returncode == 2 and "--estimate_from is a flag of --mode=compile, not of --mode=train" in wrong.stderr
 
 
 @pytest.mark.slow
 def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir):
-    """Evaluation in one session of 16384 questions with a 4k-token context: the extend's attention scores over
-    the cache cannot fit a v5e chip's 16 GiB; training (32 trajectories) still fits."""
+    """Evaluation in one session of 16384 questions with a 4k-token context: its page pool (the run's, shared with
+    training) and step program cannot fit a v5e chip's 16 GiB; the error names the program and the excess."""
     result = launch(tiny_model_dir, "--topology=v5e:2x2", "--config.eval.batch_size=16384",
                     "--config.rollout.max_batch_size=16384", "--config.rollout.max_context_tokens=4096",
                     "--config.rollout.max_response_tokens=4096")
     assert result.returncode == compile_check.EXIT_DOES_NOT_FIT, result.stdout[-3000:] + result.stderr[-3000:]
     errors = [line for line in result.stdout.splitlines() if line.startswith("llds_jax: error: ")]
-    assert any(line.startswith("llds_jax: error: eval extend (16384 x 32 tokens, 8192 slots (tensor 4, key/value "
-                               "heads x2)) does not fit: ")
+    assert any(line.startswith("llds_jax: error: eval rollout step (") and "does not fit: " in line
                and "GiB over the 15.75 GiB of HBM" in line for line in errors), errors
-    assert all(line.startswith("llds_jax: error: eval ") for line in errors), errors
 
 
 @pytest.mark.slow
@@ -407,21 +328,16 @@ def test_missing_tpu_compiler_says_how_to_install_it(monkeypatch):
 
 
 @pytest.mark.slow
-def test_tree_rollouts_compile_their_fork_without_gathering_a_weight(tiny_model_dir, capsys):
-    """rollout.trees: 1 tree of 1 + 3 leaves per prompt (the group of 4). A session of 16 samples runs the 4 chains,
-    then forks 12 rows from them: the fork program (4 -> 16 rows at the largest capacity) compiles, fits, moves no
-    weight, and the estimate counts one fork and two rounds per session (one session per host: 2 hosts)."""
+def test_tree_rollouts_compile_no_program_of_their_own(tiny_model_dir, capsys):
+    """rollout.trees: 1 tree of 1 + 3 leaves per prompt (the group of 4). A fork is a page table on the host (and at
+    most one page copied inside a step): the rollout's programs are the chains' step programs, and they fit."""
     cfg = flagship(tiny_model_dir, **{"rollout.trees": 1, "rollout.tree_forks": 3})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
-    fork = programs["fork"]
-    assert fork.shapes.startswith("4 -> 16 rows, 512 slots") and fork.calls == 1
-    r = cfg.rollout  # rounds x turns x decode chunks per turn
-    assert programs["decode chunk"].calls == 2 * (r.max_turns + 1) * r.max_turn_tokens / r.decode_chunk
-    layout = run_builder.run_layout(cfg, devices).rollout
-    assert compile_check.weight_collectives([compile_check.compile_row(fork)], layout.model_cfg, layout.tensor) == []
+    chains = flagship(tiny_model_dir)
+    names = lambda c: [p.name for p in compile_check.build_programs(c, devices) if p.rollout]  # noqa: E731
+    assert names(cfg) == names(chains)
     assert compile_check.run(cfg, "v4:2x2x2") == 0
-    assert "\nfork " in capsys.readouterr().out
+    assert "every program fits" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -466,7 +382,7 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
                                                                                capsys):
     """configs/qwen7b_v4.py:e5_device shrunk, for v5e:2x2: every program compiles; each but the search holds the
     index shard (the search program's arguments) beside what it held before; the search holds a rollout session
-    beside it; the index line names rows, dtype and bytes per chip; the expected step costs retrieval per call."""
+    beside it; the index line names rows, dtype and bytes per chip."""
     cfg = flagship(tiny_model_dir)
     cfg.retriever = load("qwen7b_v4", "e5_device").retriever
     cfg.retriever.index_path, cfg.retriever.search_batch = small_flat_file, 16
@@ -480,6 +396,3 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
     assert any(line.startswith("retrieval index (e5_device, int8): 30,000 rows x 768 (") and
                "over 4 chips: 5.55M per chip, resident in every program" in line for line in lines)
     assert any(line.startswith("retrieval search ") for line in lines)
-    retrieval = next(line for line in lines if line.startswith("retrieval (in the rollout, what rows wait for)"))
-    assert ("48 searches per host and step; 6 calls held a session (each session's last call of each search turn) of "
-            "up to 8 queries x ") in retrieval and "ms per call (e5_device, 16 queries x 30,000 rows" in retrieval

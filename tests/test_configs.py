@@ -2,6 +2,7 @@
 import glob
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -246,6 +247,17 @@ def test_unknown_key_in_a_config_file_is_named():
         config_lib.check_schema(cfg)
 
 
+@pytest.mark.parametrize("key", sorted(config_lib.REMOVED_KEYS))
+def test_a_removed_key_in_a_config_file_is_named_with_why_it_went(key):
+    cfg = load("base")
+    section, name = key.split(".")
+    cfg[section].unlock()
+    cfg[section][name] = 0
+    with pytest.raises(config_lib.ConfigError, match=rf"unknown config key '{re.escape(key)}': removed, the paged "
+                                                    r"engine is now the only rollout engine"):
+        config_lib.check_schema(cfg)
+
+
 def test_wrong_type_in_a_config_file_is_named():
     cfg = load("base")
     del cfg.optim["learning_rate"]
@@ -348,6 +360,8 @@ def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
     ("demo.num_persons=3", "unknown config key demo.num_persons (did you mean demo.num_people or demo.num_layers or "
                            "demo.num_heads?)"),  # a key of the config's application
     ("optim.lamda=1", "unknown config key optim.lamda"),  # nothing near
+    ("rollout.engine=paged", "unknown config key rollout.engine: removed, the paged engine is now the only rollout "
+                             "engine"),
 ])
 def test_an_unknown_key_suggests_the_nearest(override, message):
     with pytest.raises(KeyError) as raised:

@@ -1,5 +1,5 @@
 """The rollout's settings: the multi-turn protocol's limits (`AgentConfig`, llds_jax.rollout.agent) and how the
-sampler draws tokens (`SamplingConfig`, llds_jax.rollout.sampler).
+engine draws tokens (`SamplingConfig`, llds_jax.rollout.sampling) and the paged engine's shapes (`PagingConfig`).
 
 Plain Python (no JAX): `llds_jax.config` builds these from a run config without loading JAX.
 """
@@ -12,7 +12,6 @@ from llds_jax.bounds import AT_LEAST_1, NON_NEGATIVE, POSITIVE, PROBABILITY_MASS
 
 
 TREE_SELECTIONS = ("uniform", "entropy")
-ENGINES = ("dense", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +28,9 @@ class AgentConfig:
       retrieval_top_k: documents per search.
       search_timeout_s: timeout of one batched retriever call.
       max_batch_size: sequences per sampler session (0: all at once); larger inputs run in several sessions.
-      continuous_batching: instead of sessions that run their rows turn by turn, one device batch of
-        max_batch_size rows (0: all sequences) that sequences enter and leave between any two decode chunks, each
-        row on its own turn (`llds_jax.rollout.continuous`); needs `sampler.Sampler`. The same tokens are sampled.
+      continuous_batching: instead of sessions that run their sequences turn by turn, one stream in which a
+        sequence enters as soon as the engine has a slot for it and each takes its turns at its own pace
+        (`llds_jax.rollout.driver`, policy "continuous"). The same tokens are sampled.
       trees: tree rollouts (`llds_jax.rollout.tree`, Tree-GRPO): each prompt's group grows as this many trees (M);
         0: chains, each sample its own conversation.
       tree_rounds: expansion rounds of each tree (L).
@@ -96,18 +95,9 @@ class SamplingConfig:
       greedy: take the argmax (temperature, top_p, top_k ignored; log-probs at temperature 1).
       stop_ids: token ids that end a row's turn (EOS); the stop token itself is returned with the turn.
       decode_chunk: decode steps per device call between host checks of the turn text.
-      min_prompt_bucket, min_capacity_bucket, min_observation_bucket, min_batch_bucket: smallest buckets.
-      compact: move the unfinished rows into a smaller batch bucket when enough rows have finished.
-      max_extend_rows: continuous batching: the most rows one extend call appends to (prompts or observations;
-        more go in several calls), a power of two; 0: any number. Such a call holds its rows' cache beside the
-        batch's (a pod's 128-row batch cannot hold a second copy: docs/tpu.md).
-      shared_prompt_prefill: a session's prefill encodes each distinct prompt once and copies its cache to every
-        row that holds it (a GRPO group's samples share their prompt: n times less prefill compute); the rows
-        sample as they would otherwise. Sessions only: continuous batching appends prompts row by row, without it.
     """
 
-    SECTION = "rollout"  # the run-config section of its fields (llds_jax.bounds; min_prompt_bucket and
-    # min_batch_bucket are no run keys)
+    SECTION = "rollout"  # the run-config section of its fields (llds_jax.bounds)
 
     temperature: float = field(1.0, POSITIVE)
     top_p: float = field(0.95, PROBABILITY_MASS)
@@ -115,13 +105,6 @@ class SamplingConfig:
     greedy: bool = False
     stop_ids: tuple[int, ...] = ()
     decode_chunk: int = field(32, AT_LEAST_1)
-    min_prompt_bucket: int = field(16, AT_LEAST_1)
-    min_capacity_bucket: int = field(128, AT_LEAST_1)
-    min_observation_bucket: int = field(16, AT_LEAST_1)
-    min_batch_bucket: int = field(1, AT_LEAST_1)
-    compact: bool = True
-    max_extend_rows: int = field(0, bounds.power_of_two_or_0("any"))
-    shared_prompt_prefill: bool = False
 
     def __post_init__(self):
         bounds.check(self)
@@ -130,11 +113,10 @@ class SamplingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PagingConfig:
-    """Which rollout engine runs, and the paged engine's shapes (`llds_jax.rollout.paged_sampler`).
+    """The rollout engine's shapes (`llds_jax.rollout.paged_sampler`): a paged KV cache, one ragged step program per
+    token bucket.
 
     Attributes:
-      engine: "paged" (`llds_jax.rollout.engine`: a paged KV cache, one ragged step program per token bucket) or
-        "dense" (the per-row KV cache sessions, `llds_jax.rollout.sampler`).
       page_size: token slots per page of the paged KV cache.
       max_step_tokens: the most tokens one step's ragged batch holds (prompt and observation chunks and the
         decoding sequences' pending tokens; at least the sequence slots); the step programs are compiled at the
@@ -144,7 +126,6 @@ class PagingConfig:
 
     SECTION = "rollout"
 
-    engine: str = field("dense", choices=ENGINES)
     page_size: int = field(16, AT_LEAST_1)
     max_step_tokens: int = field(512, AT_LEAST_1)
     num_pages: int = field(0, NON_NEGATIVE)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,11 +32,9 @@ from llds_jax.data.qa import QAExample
 from llds_jax.rollout import tree as tree_lib
 from llds_jax.rollout.interfaces import Engine, SampledTurn
 from llds_jax.rollout.steps import AgentSteps, Conversation
-from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Trajectory, Turn
+from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Lineage, Trajectory, Turn
 
 POLICIES = ("barrier", "continuous", "tree")
-
-
 
 def sequence_keys(rng: jax.Array, ids: Sequence[int]) -> np.ndarray:
     """uint32 [n, 2] the key data of fold_in(rng, id) for each global sequence id: a sequence's PRNG stream."""
@@ -90,7 +89,7 @@ class SearchQueue:
         if self._call is not None:
             start = time.perf_counter()
             await asyncio.wait({self._call[1]})
-            self.steps.timing["search_s"] += time.perf_counter() - start
+            self.steps.stats.search_s += time.perf_counter() - start
         return self.collect()
 
     def cancel(self) -> None:
@@ -109,15 +108,17 @@ class Driver:
 
     Args:
       engine: the rollout engine.
-      steps: the protocol's steps and the rollout's timing.
+      steps: the protocol's steps and the rollout's stats.
       examples: one conversation each; sequence i is examples[i].
       decode_thread: the worker that runs `engine.step`, so that searches go out on the event loop meanwhile.
+      group_size: consecutive samples of one GRPO group (`Lineage.group` is global sequence id // group_size).
     """
 
     def __init__(self, engine: Engine, steps: AgentSteps, examples: Sequence[QAExample],
-                 decode_thread: concurrent.futures.Executor):
+                 decode_thread: concurrent.futures.Executor, group_size: int = 1):
         self.engine, self.steps, self.examples, self.decode_thread = engine, steps, list(examples), decode_thread
-        self.config = steps.config
+        self.config, self.group_size = steps.config, group_size
+        self.first_sequence = 0  # the global sequence id of examples[0] (`run`)
         self.convs: dict[int, Conversation] = {}
         self.searches = SearchQueue(steps)
         self._searching: dict[int, Turn] = {}  # closed turns waiting for their search
@@ -131,7 +132,10 @@ class Driver:
 
         Example i is global sequence first_sequence + i: it samples from the stream its session gives it
         (`session_stream`; the sessions are those of `max_batch_size`, whatever the policy). `between_sessions` is
-        called before every session but the first (barrier and tree); what it raises ends the rollout."""
+        called before every session but the first (barrier and tree); what it raises ends the rollout. Each
+        conversation's `Lineage` is set as it is created: group (global id // group_size), tree (global id //
+        the leaves of a tree with `rollout.trees`, else the global id; a fork takes its parent's) and key."""
+        self.first_sequence = first_sequence
         size = self.config.max_batch_size or len(self.examples)
         sessions = [(first, *session_stream(rng, first_sequence + first, self.config.max_batch_size))
                     for first in range(0, len(self.examples), size)]
@@ -224,8 +228,9 @@ class Driver:
             for node in tree_lib.choose_nodes(in_tree, config, np.random.default_rng(seeds[tree])):
                 parent, turn = holder[node], node[1]
                 position, key = int(positions[len(new_leaves)]), keys[len(new_leaves)]
-                conv = tree_lib.fork_conversation(parent.conv, turn)
-                self.steps.timing["forked_prefix_tokens"] += conv.response_len
+                lineage = dataclasses.replace(parent.conv.lineage, key_data=_key_tuple(key))
+                conv = tree_lib.fork_conversation(parent.conv, turn, lineage)
+                self.steps.stats.forked_prefix_tokens += conv.response_len
                 self.convs[position] = conv
                 new_leaves.append(tree_lib.Leaf(position, tree, conv, parent.nodes[:turn + 1]))
                 budget = self.steps.budget(conv)
@@ -249,8 +254,14 @@ class Driver:
                 return
             self._apply_ready(release)
 
+    def lineage(self, seq: int, key_data: np.ndarray) -> Lineage:
+        """The lineage of a conversation of examples[seq] (not a fork) sampling with `key_data`."""
+        global_id = self.first_sequence + seq
+        tree = global_id // self.config.leaves_per_tree if self.config.trees else global_id
+        return Lineage(global_id // self.group_size, tree, _key_tuple(key_data))
+
     def _admit(self, seq: int, key_data: np.ndarray) -> None:
-        conv = self.steps.conversation(self.examples[seq])
+        conv = self.steps.conversation(self.examples[seq], self.lineage(seq, key_data))
         self.convs[seq] = conv
         budget = self.steps.budget(conv)
         if budget:
@@ -272,7 +283,7 @@ class Driver:
 
     def _close(self, seq: int, sample: SampledTurn) -> None:
         conv = self.convs[seq]
-        self.steps.timing["sampled_tokens"] += len(sample.token_ids)
+        self.steps.stats.sampled_tokens += len(sample.token_ids)
         turn, searches, observation = self.steps.close_turn(conv, sample, len(conv.turns) >= self.config.max_turns)
         if searches:
             self._searching[seq] = turn
@@ -296,3 +307,9 @@ class Driver:
                 self.engine.finish(seq)
                 self._in_engine.discard(seq)
         self._ready.clear()
+
+
+def _key_tuple(key_data: np.ndarray) -> tuple[int, int]:
+    """A sequence's key data (uint32 [2]) as two ints."""
+    first, second = (int(x) for x in np.asarray(key_data, np.uint32).reshape(2))
+    return first, second

@@ -38,8 +38,9 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from llds_jax.rollout.interfaces import SampledTurn
+from llds_jax.rollout.interfaces import SampledTurn, StopMatcher
 from llds_jax.rollout.pages import PageCopy, PageTable
+from llds_jax.rollout.stats import EngineCounts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +91,6 @@ class StepRunner(Protocol):
     def run(self, params: Any, batch: StepBatch) -> StepResult:
         """Writes the batch's K/V into the pool, attends over each sequence's pages and samples."""
         ...
-
-
-class StopMatcher(Protocol):
-    """Whether a turn's text holds a stop string, fed each turn's new tokens only
-    (`llds_jax.rollout.stop_strings.StopMatcher`)."""
-
-    def reset(self, seq: int) -> None: ...
-
-    def push_many(self, seqs: Sequence[int], new_ids: Sequence[Sequence[int]]) -> list[bool]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,29 +154,6 @@ class _Sequence:
         return self.turn_starts[-1]
 
 
-@dataclasses.dataclass
-class EngineCounts:
-    """What the engine ran, per step program and in all (for the rollout's stats and the estimate's check).
-
-    Attributes:
-      calls: device calls per token bucket.
-      batch_tokens: real (unpadded) tokens of the ragged batches, per token bucket.
-      sampled_tokens: tokens sampled.
-      sample_slots: sequence slots x samples of every call (the decode occupancy's denominator).
-      page_copies: pages copied on write.
-      shared_prompt_tokens: prompt tokens a sequence took from another's pages instead of encoding them.
-      device_s: seconds in the runner's calls (the device's work and its dispatch).
-    """
-
-    calls: dict[int, int] = dataclasses.field(default_factory=dict)
-    batch_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
-    sampled_tokens: int = 0
-    sample_slots: int = 0
-    page_copies: int = 0
-    shared_prompt_tokens: int = 0
-    device_s: float = 0.0
-
-
 class Engine:
     """The host side of the rollout engine (see the module docstring).
 
@@ -209,11 +178,6 @@ class Engine:
     def running(self) -> int:
         """Sequences in flight (not ended)."""
         return sum(s.state is not _State.ENDED for s in self._seqs.values())
-
-    @property
-    def in_flight(self) -> int:
-        """Sequences holding a slot (ended ones included, until extended or finished)."""
-        return len(self._seqs)
 
     def can_admit(self) -> bool:
         """Whether one more sequence fits: a free slot and its worst-case pages beside every other sequence's."""
@@ -263,6 +227,8 @@ class Engine:
     def finish(self, seq: int) -> None:
         del self._seqs[seq]
         self.pages.free(seq)
+        if self.stop_matcher is not None:
+            self.stop_matcher.forget(seq)
 
     def update_params(self, params: Any) -> None:
         self.params = params

@@ -1,16 +1,16 @@
 """What the agent loop needs from the device side.
 
 `Engine` (`llds_jax.rollout.engine.Engine` over a paged KV cache; scripted ones in tests) is what
-`llds_jax.rollout.driver` schedules conversations on. The older sampler protocol: `TurnSampler.start` opens a `SamplerSession` over a batch of prompts,
-which samples one turn of every unfinished sequence at a time (`decode_turn`) and appends what the agent decided
-(`end_turn`). `llds_jax.rollout.sampler.Sampler` implements them with a KV cache under jit; test doubles and
-benchmark wrappers implement them in full.
+`llds_jax.rollout.driver` schedules conversations on; an `EngineSource` (`llds_jax.rollout.paged_sampler.
+PagedSampler`, which holds a run's page pool and step programs) opens one per rollout.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional, Protocol
+
+from llds_jax.rollout.stats import EngineCounts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,51 +25,14 @@ class SampledTurn:
     hit_stop: bool
 
 
-class SamplerSession(Protocol):
-    """One batch of conversations, sequences indexed 0..n-1 in prompt order.
-
-    Attributes:
-      timing: seconds spent so far on the device: "prefill_s" (prompts and observation extends) and "decode_s"
-        (decode chunks, and their dispatch).
-      decode_counts: "sampled_tokens" and "row_steps" (decode steps x batch rows) so far, for the rollout's
-        decode occupancy (a session without a device batch keeps both at 0).
-    """
-
-    timing: dict[str, float]
-    decode_counts: dict[str, int]
-
-    def decode_turn(self, budgets: Sequence[int], turn_finished: Callable[[list[list[int]]], list[bool]],
-                    on_finished: Optional[Callable[[list[int], list[SampledTurn]], None]] = None
-                    ) -> list[SampledTurn]:
-        """Samples one turn of every sequence with budget > 0 (at most budgets[i] tokens; budget 0: an empty turn).
-
-        A row stops at a stop token, at its budget, or once `turn_finished(token lists) -> flags` says its text
-        holds a complete action (asked between decode chunks). `on_finished(sequences, turns)` may be called
-        (on the calling thread) with rows whose turn ended while others still decode; a session may never call it.
-        Returns one SampledTurn per sequence."""
-        ...
-
-    def end_turn(self, keep: Sequence[int], observations: Sequence[Optional[Sequence[int]]]) -> None:
-        """Keeps the first keep[i] tokens of sequence i's last turn (the rest is rolled back) and appends
-        observations[i] (token ids; None: nothing) after them."""
-        ...
-
-
-class TurnSampler(Protocol):
-    """Opens sessions."""
-
-    def start(self, params: Any, prompts: Sequence[Sequence[int]], rng: Any, first_sequence: int = 0
-              ) -> SamplerSession:
-        """A session over `prompts` (token ids each) with the policy `params`; sequence i samples from the random
-        stream of global sequence id first_sequence + i (a PRNG key `rng`)."""
-        ...
-
-
 class Engine(Protocol):
     """Conversations in flight on a device (`llds_jax.rollout.engine` documents each call).
 
     Sequences are named by the caller (ints); key_data is a sequence's PRNG key data (its n-th sampled token draws
-    with fold_in(key, n)); budget is how many tokens the sequence's next turn may sample (>= 1)."""
+    with fold_in(key, n)); budget is how many tokens the sequence's next turn may sample (>= 1). `counts`: what it
+    ran so far (device calls, sampled tokens and slots; a scripted engine may leave them at 0)."""
+
+    counts: EngineCounts
 
     @property
     def running(self) -> int:
@@ -97,3 +60,30 @@ class Engine(Protocol):
         ...
 
     def update_params(self, params: Any) -> None: ...
+
+
+class StopMatcher(Protocol):
+    """Whether a turn's text holds a stop string, fed each turn's new tokens only
+    (`llds_jax.rollout.stop_strings.StopMatcher`)."""
+
+    def reset(self, seq: int) -> None: ...
+
+    def forget(self, seq: int) -> None: ...
+
+    def push_many(self, seqs: Sequence[int], new_ids: Sequence[Sequence[int]]) -> list[bool]: ...
+
+
+class EngineSource(Protocol):
+    """Opens a rollout's engine.
+
+    Attributes:
+      token_budgets: the token buckets of the engine's step programs (the rollout's stats count calls and tokens
+        per bucket; () for an engine without them).
+    """
+
+    token_budgets: tuple[int, ...]
+
+    def engine(self, params: Any, stop_matcher: Optional[StopMatcher] = None) -> Engine:
+        """An empty engine (every slot and page free) that samples with the policy `params` and ends a turn once
+        `stop_matcher` finds a stop string in its text."""
+        ...

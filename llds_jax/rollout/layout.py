@@ -8,8 +8,9 @@ handful of rows: the weights' bytes cross the chip links on every token (docs/tp
 own chips: (data = chips / t, fsdp = 1, tensor = t). Query heads, key/value heads, the MLP width and the vocabulary
 are split over the t chips of a group (the partition rules of `llds_jax.parallel` with fsdp of size 1), rows over
 the groups. No weight is gathered: each chip multiplies its rows by its own slice of every matrix, and a layer's
-output is summed over the group (one all-reduce of [B, T, D] activations per attention and per MLP). The KV cache
-is split by key/value heads, so compaction and cache growth stay on each chip. -1: t = every chip of a host.
+output is summed over the group (one all-reduce of [B, T, D] activations per attention and per MLP). The page pool
+of the KV cache is split by key/value heads, so each chip writes and reads its own heads' pages. -1: t = every chip
+of a host.
 
 Two changes to the architecture make the split exact:
 - a model with fewer key/value heads K than t (Qwen2.5-3B: 2 over 4 chips) gets each head repeated t / K times
@@ -107,23 +108,20 @@ def tensor_size(setting: int, local_chips: int, model_cfg: ModelConfig) -> int:
 
 
 def make_layout(setting: int, model_cfg: ModelConfig, train_mesh: Mesh, local_devices: Sequence[jax.Device],
-                mesh_tensor: int = 1, extend_chunk: int = 0, cache_block: int = 0) -> RolloutLayout:
+                mesh_tensor: int = 1) -> RolloutLayout:
     """The rollout layout of `rollout.tensor_parallel` = `setting` (module docstring) for this host's
     `local_devices`; `mesh_tensor` is the training mesh's tensor axis (kept by the training layout on several
-    hosts); `extend_chunk`, `cache_block`: the rollout architecture's `ModelConfig` fields of those names
-    (`rollout.extend_chunk`, `rollout.cache_block`)."""
+    hosts)."""
     local = list(local_devices)
-    base_cfg = model_cfg.replace(extend_chunk=extend_chunk, cache_block=cache_block)
     if setting == TRAINING_LAYOUT:
-        own = base_cfg != model_cfg
         if len(local) == train_mesh.devices.size:
-            return RolloutLayout(train_mesh, base_cfg, own_architecture=own)
+            return RolloutLayout(train_mesh, model_cfg)
         host_mesh = functools.partial(parallel.make_mesh, 1, -1, mesh_tensor)
-        return RolloutLayout(host_mesh(devices=_by_id(local)), base_cfg, resharded=True, own_architecture=own,
+        return RolloutLayout(host_mesh(devices=_by_id(local)), model_cfg, resharded=True,
                              hosts_mesh=_hosts_mesh(train_mesh, host_mesh))
     t = tensor_size(setting, len(local), model_cfg)
     kv_repeat = t // model_cfg.num_kv_heads if model_cfg.num_kv_heads < t else 1
-    rollout_cfg = base_cfg.replace(num_kv_heads=model_cfg.num_kv_heads * kv_repeat, mlp_chunks=1)
+    rollout_cfg = model_cfg.replace(num_kv_heads=model_cfg.num_kv_heads * kv_repeat, mlp_chunks=1)
     host_mesh = functools.partial(parallel.make_mesh, len(local) // t, 1, t)
     return RolloutLayout(host_mesh(devices=_by_id(local)), rollout_cfg, kv_repeat, resharded=True,
                          own_architecture=rollout_cfg != model_cfg, hosts_mesh=_hosts_mesh(train_mesh, host_mesh))

@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
-from llds_jax.rollout.engine import Engine, EngineConfig, StopMatcher
+from llds_jax.rollout.engine import Engine, EngineConfig
+from llds_jax.rollout.interfaces import StopMatcher
 from llds_jax.rollout.runner import DeviceRunner, PagePool
 
 
@@ -41,7 +42,8 @@ def engine_config(agent: AgentConfig, sampling: SamplingConfig, max_seqs: int, p
 
 
 class PagedSampler:
-    """The paged engine's device side for a run: one `DeviceRunner` and the engine shapes.
+    """The paged engine's device side for a run: one `DeviceRunner` and the engine shapes
+    (`interfaces.EngineSource`: `token_budgets` are the step programs' buckets).
 
     Args:
       graphdef: from `graphdef, params = nnx.split(model)`.
@@ -54,7 +56,7 @@ class PagedSampler:
 
     def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig,
                  mesh: Optional[Mesh] = None, pool: Optional[PagePool] = None):
-        self.config, self.engine_config = sampling, engine
+        self.config, self.engine_config, self.token_budgets = sampling, engine, engine.token_budgets
         self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine, mesh, pool)
         self._params = None  # the last rollout's, whose shapes `freeze_shapes` compiles at
 

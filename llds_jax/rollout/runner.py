@@ -9,7 +9,7 @@ has sampled a stop id. Its shapes: T (the bucket) for the ragged batch and S (th
 decode iterations, so the rollout compiles one program per token bucket, whatever mix of prompts, observations
 and decoding a step holds.
 
-Sequence s samples its i-th token of the call with fold_in(key_s, count_s + i) (`kernels.sample_tokens`: the
+Sequence s samples its i-th token of the call with fold_in(key_s, count_s + i) (`sampling.sample_tokens`: the
 sampling distribution's log-probs over the full vocabulary, top-p / top-k only restricting the draw).
 
 Dimension letters: T ragged batch tokens, S sequence slots, C samples per call, M pages per sequence, L layers,
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from llds_jax.model import paged_kv
 from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram, Role
-from llds_jax.rollout import kernels
+from llds_jax.rollout import sampling
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.engine import EngineConfig, StepBatch, StepResult
 
@@ -57,7 +57,7 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pa
 
     def draw(logits_sv, i):
         keys = jax.vmap(jax.random.fold_in)(keys_s, (count_s + i).astype(jnp.uint32))
-        return kernels.sample_tokens(logits_sv, keys, cfg)
+        return sampling.sample_tokens(logits_sv, keys, cfg)
 
     token_s, logp_s = draw(logits_sv, 0)
     tokens_sc = jnp.zeros((s, decode_chunk), jnp.int32).at[:, 0].set(token_s)

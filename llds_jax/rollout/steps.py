@@ -1,6 +1,6 @@
-"""The protocol steps both rollout engines share (the sessions' turn loop, `llds_jax.rollout.agent`, and continuous
-batching, `llds_jax.rollout.continuous`): a conversation's host-side record, turn budgets, the turn-end check,
-cutting and parsing a turn, appending its observation, and the batched searches with their failure observation.
+"""The protocol's steps the rollout driver (`llds_jax.rollout.driver`) takes for every policy: a conversation's
+host-side record, turn budgets, cutting and parsing a turn, appending its observation, and the batched searches with
+their failure observation.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from llds_jax.data.qa import QAExample
 from llds_jax import protocol
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.interfaces import SampledTurn
+from llds_jax.rollout.stats import RolloutStats
 from llds_jax.rollout.stop_strings import StopMatcher
-from llds_jax.rollout.trajectory import END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Trajectory, Turn, build_trajectory
+from llds_jax.rollout.trajectory import (END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Lineage, Trajectory, Turn,
+                                         build_trajectory)
 from llds_jax.search.types import Retriever, SearchResult
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,9 @@ def search_error_observation(error: str) -> str:
 
 @dataclasses.dataclass
 class Conversation:
-    """Host-side record of one sequence while it runs."""
+    """Host-side record of one sequence while it runs; `lineage` is fixed when it is created."""
     prompt_ids: list[int]
+    lineage: Lineage
     turns: list[Turn] = dataclasses.field(default_factory=list)
     response_len: int = 0
     end_reason: Optional[str] = None
@@ -58,31 +61,29 @@ class Conversation:
 
 
 class AgentSteps:
-    """The steps of the protocol both engines share (the sessions' turn loop here, continuous batching in
-    `continuous`): turn budgets, the turn-end check, cutting and parsing a turn, appending its observation to the
-    conversation, and the batched searches (their seconds go to timing["search_calls_s"]); and the rollout's budget
-    in `timing`: "prompt_tokens" (of the conversations started), "observation_tokens" (appended to them),
-    "searches" (queries sent) and "bad_documents" (hits the retriever dropped: `search.types.received`).
+    """The steps of the protocol: turn budgets, cutting and parsing a turn, appending its observation to the
+    conversation, and the batched searches; they count in `stats` (`RolloutStats`) the prompt tokens of the
+    conversations started, the observation tokens appended to them, the queries sent, the hits the retriever
+    dropped and the retriever calls' seconds.
 
     `stopping`: whether a stop was requested (the trainer's PreemptionGuard): a search in flight is then abandoned
     (its queries get the observation of a failed search, SEARCH_ABANDONED) and the engines start no new turn; the
     trainer discards the step's rollout."""
 
-    def __init__(self, tokenizer, retriever: Retriever, config: AgentConfig, timing: dict[str, float],
+    def __init__(self, tokenizer, retriever: Retriever, config: AgentConfig, stats: RolloutStats,
                  stopping: Optional[Callable[[], bool]] = None):
-        self.tokenizer, self.retriever, self.config, self.timing = tokenizer, retriever, config, timing
+        self.tokenizer, self.retriever, self.config, self.stats = tokenizer, retriever, config, stats
         self._stopping = stopping
-        self._stops = StopMatcher(tokenizer, protocol.STOP_STRINGS)
 
     def stopping(self) -> bool:
         """Whether a stop was requested: abandon the rollout."""
         return self._stopping is not None and self._stopping()
 
-    def conversation(self, example: QAExample) -> Conversation:
-        """A new conversation of `example`; its prompt's tokens count in timing["prompt_tokens"]."""
+    def conversation(self, example: QAExample, lineage: Lineage) -> Conversation:
+        """A new conversation of `example`; its prompt's tokens count in the stats' prompt_tokens."""
         prompt_ids = protocol.chat_prompt_ids(self.tokenizer, example.question, self.config.max_prompt_tokens)
-        self.timing["prompt_tokens"] += len(prompt_ids)
-        return Conversation(prompt_ids)
+        self.stats.prompt_tokens += len(prompt_ids)
+        return Conversation(prompt_ids, lineage)
 
     def budget(self, conv: Conversation) -> int:
         """Tokens the conversation's next turn may sample (0: it is full)."""
@@ -90,15 +91,9 @@ class AgentSteps:
         return max(0, min(cfg.max_turn_tokens, cfg.max_context_tokens - conv.context_len,
                           cfg.max_response_tokens - conv.response_len))
 
-    def turn_finished(self, token_lists: list[list[int]]) -> list[bool]:
-        """Whether each running turn's text holds a closing `</search>` or `</answer>` (`protocol.turn_finished`),
-        given each turn's token list between decode chunks: only the tokens since the last call are decoded
-        (`stop_strings.StopMatcher.turns_finished`)."""
-        return self._stops.turns_finished(token_lists)
-
     def stop_matcher(self) -> StopMatcher:
-        """A rollout's own matcher of stop strings in each sequence's turn text (the paged engine's, keyed by
-        sequence)."""
+        """A rollout's own matcher of stop strings (a closing `</search>` or `</answer>`) in each sequence's turn
+        text, fed the new tokens only (the engine's, keyed by sequence)."""
         return StopMatcher(self.tokenizer, protocol.STOP_STRINGS)
 
     def close_turn(self, conv: Conversation, sample: SampledTurn, final: bool
@@ -140,7 +135,7 @@ class AgentSteps:
             if self.fits(conv, len(ids)):
                 obs_ids = ids
                 conv.response_len += len(ids)
-                self.timing["observation_tokens"] += len(ids)
+                self.stats.observation_tokens += len(ids)
                 turn = dataclasses.replace(turn, observation=observation, observation_ids=tuple(ids),
                                            observation_truncated=truncated)
             else:
@@ -161,14 +156,14 @@ class AgentSteps:
                 and conv.response_len + extra <= cfg.max_response_tokens)
 
     def trajectories(self, examples: Sequence[QAExample], convs: Sequence[Conversation]) -> list[Trajectory]:
-        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer)
+        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer, c.lineage)
                 for ex, c in zip(examples, convs)]
 
     async def search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:
-        """One batched retriever call; (observation, error message or None) per query (counted in
-        timing["searches"])."""
+        """One batched retriever call; (observation, error message or None) per query (counted in the stats'
+        searches)."""
         start = time.perf_counter()
-        self.timing["searches"] += len(queries)
+        self.stats.searches += len(queries)
         results: Sequence[SearchResult]
         try:
             results = await self._unless_stopping(asyncio.wait_for(
@@ -176,14 +171,14 @@ class AgentSteps:
             if len(results) != len(queries):
                 raise RuntimeError(f"retriever returned {len(results)} results for {len(queries)} queries")
             failures = [r.error for r in results]
-            self.timing["bad_documents"] += sum(r.bad_documents for r in results)
+            self.stats.bad_documents += sum(r.bad_documents for r in results)
         except asyncio.TimeoutError:
             results, failures = [], [f"timed out after {self.config.search_timeout_s:g} s"] * len(queries)
         except SearchAbandoned:
             results, failures = [], [SEARCH_ABANDONED] * len(queries)
         except Exception as e:  # a failing backend must not crash the rollout
             results, failures = [], [f"{type(e).__name__}: {e}"] * len(queries)
-        self.timing["search_calls_s"] += time.perf_counter() - start
+        self.stats.search_calls_s += time.perf_counter() - start
         return [(search_error_observation(str(failures[j])), str(failures[j])) if failures[j]
                 else (protocol.format_observation([d.contents for d in results[j].docs]), None)
                 for j in range(len(queries))]
@@ -201,10 +196,4 @@ class AgentSteps:
             if self.stopping():
                 task.cancel()
                 raise SearchAbandoned()
-
-
-def add_decode_counts(timing: dict[str, float], session) -> None:
-    """Adds a session's decode_counts (sampled tokens, decode steps x rows) to `timing`."""
-    for key, value in session.decode_counts.items():
-        timing[f"decode_{key}"] += value
 

@@ -94,23 +94,6 @@ class StopMatcher:
             self._settle(turn, len(turn.tokens), context, since_clean)
         return [turn.finished for turn in turns]
 
-    def turns_finished(self, token_lists: Sequence[list[int]]) -> list[bool]:
-        """Whether each turn's text holds a stop string, for callers that hand over each running turn's whole
-        token list between decode chunks (the engines' `turn_finished` callback). A list is followed across calls
-        by its identity while it only grows (each call checks that it starts with the tokens seen before); a list
-        new to the call, or changed, starts over. State of lists not in this call is dropped."""
-        seqs = [id(tokens) for tokens in token_lists]
-        new_ids = []
-        for seq, tokens in zip(seqs, token_lists):
-            turn = self._turns.get(seq)
-            if turn is None or tokens[:len(turn.tokens)] != turn.tokens:
-                self.reset(seq)
-                turn = self._turns[seq]
-            new_ids.append(tokens[len(turn.tokens):])
-        for seq in set(self._turns) - set(seqs):
-            self.forget(seq)
-        return self.push_many(seqs, new_ids)
-
     def _decode(self, windows: list[list[int]]) -> list[str]:
         return self._tokenizer.batch_decode(windows, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 

@@ -66,8 +66,25 @@ class Turn:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lineage:
+    """Where a sequence comes from, fixed when the rollout creates it (`rollout.driver`).
+
+    Attributes:
+      group: its GRPO group, numbered over the whole batch (the global index of its prompt).
+      tree: its tree, numbered over the whole batch (a chain is a tree of its own; a fork belongs to its
+        parent's tree).
+      key_data: the key data (two uint32) of its PRNG stream: its n-th sampled token draws with fold_in(key, n).
+    """
+
+    group: int
+    tree: int
+    key_data: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
 class Trajectory:
-    """A finished conversation with its training arrays (numpy, length T = prompt + response tokens)."""
+    """A finished conversation with its training arrays (numpy, length T = prompt + response tokens) and its
+    lineage (group, tree, PRNG key)."""
 
     example: QAExample
     prompt_ids: tuple[int, ...]
@@ -81,6 +98,7 @@ class Trajectory:
     model_text: str
     answer_text: str          # the text scored: the model turn holding the final answer ("" without one)
     final_answer: Optional[str]
+    lineage: Lineage
 
     @property
     def uid(self) -> str:
@@ -114,7 +132,7 @@ class Trajectory:
 
 
 def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Sequence[Turn], end_reason: str,
-                     tokenizer) -> Trajectory:
+                     tokenizer, lineage: Lineage) -> Trajectory:
     """Assembles the token arrays, the model text and the final answer."""
     if end_reason not in END_REASONS:
         raise ValueError(f"end_reason must be one of {END_REASONS}, got {end_reason!r}")
@@ -147,7 +165,7 @@ def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Seque
         tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(loss_mask, np.int32),
         action_ids=np.asarray(action_ids, np.int32), answer_mask=answer_mask,
         sampler_logp=np.asarray(logp, np.float32), model_text=model_text, answer_text=answer_text,
-        final_answer=extract_final_answer(answer_text))
+        final_answer=extract_final_answer(answer_text), lineage=lineage)
 
 
 def answer_token_span(model_ids: Sequence[int], model_text: str, tokenizer) -> Optional[tuple[int, int]]:

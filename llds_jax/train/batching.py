@@ -33,10 +33,9 @@ def training_length(needed: int, used: set[int]) -> int:
     return min((length for length in used if length >= needed), default=needed)
 
 
-def rollout_batch(trajectories: Sequence[Trajectory], group_b: np.ndarray, pad_id: int, length: int
-                  ) -> RolloutBatch:
-    """The trajectories right-padded to `length` tokens (pad_id after the end), without rewards or advantages;
-    `group_b`: [B] the GRPO group of each. A trajectory longer than `length` is an error."""
+def rollout_batch(trajectories: Sequence[Trajectory], pad_id: int, length: int) -> RolloutBatch:
+    """The trajectories right-padded to `length` tokens (pad_id after the end), each in the GRPO group its lineage
+    names (`Lineage.group`), without rewards or advantages. A trajectory longer than `length` is an error."""
     longest = max(len(t.tokens) for t in trajectories)
     if longest > length:
         raise ValueError(f"rollout_batch: a trajectory has {longest} tokens, more than length={length}")
@@ -54,7 +53,7 @@ def rollout_batch(trajectories: Sequence[Trajectory], group_b: np.ndarray, pad_i
         sampler_logp_bt[row, :n] = t.sampler_logp
     return RolloutBatch(tokens_bt=tokens_bt, mask_bt=mask_bt, loss_mask_bt=loss_mask_bt, action_ids_bt=action_ids_bt,
                         answer_mask_bt=answer_mask_bt, sampler_logp_bt=sampler_logp_bt,
-                        group_b=np.asarray(group_b, np.int32),
+                        group_b=np.asarray([t.lineage.group for t in trajectories], np.int32),
                         search_count_b=np.asarray([t.num_valid_searches for t in trajectories], np.float32))
 
 
@@ -64,3 +63,11 @@ def global_batch(local: RolloutBatch) -> RolloutBatch:
     if jax.process_count() == 1:
         return local
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(local, tiled=True))
+
+
+def global_rows(local_b: np.ndarray) -> np.ndarray:
+    """Every host's rows of a per-trajectory array (as many on every host), concatenated in process order, on
+    every host (as `global_batch` gathers a batch); the array itself with one process. A collective."""
+    if jax.process_count() == 1:
+        return local_b
+    return np.asarray(multihost_utils.process_allgather(local_b, tiled=True))

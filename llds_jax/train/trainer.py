@@ -5,7 +5,7 @@ printed and saved as `<run_dir>/config.json`. A run folder is resumed automatica
 checkpoint; the metrics of every saved step are on disk before its checkpoint is (a resume drops those of later
 steps, so the log holds each step once).
 
-Stopping (SIGTERM / SIGINT, docs/reliability.md): the signal is read between the rollout's sampler sessions, between
+Stopping (SIGTERM / SIGINT, docs/reliability.md): the signal is read between the rollout's sessions, between
 updates and at the end of each step (`train.stop_within_step`; else only at the end). At the end of a step that step
 is saved; in the middle of one, the state from before it (a copy in host memory taken as the step starts) is saved
 with the data position that replays the step, so the resumed run equals an uninterrupted one. Either way the run
@@ -25,8 +25,8 @@ or its own tensor-parallel copy on a mesh of the same devices.
 
 `rollout.params_dtype` (e.g. bfloat16 on float32 master weights): the rollout's params are cast once per rollout
 (`layout.cast_params`, on the training mesh, before any gather: the host-local copy is half the size), and the
-sampler runs prefill, decode chunks and extends on those arrays; old / reference / policy log-probs and the
-updates use the training params.
+rollout engine's step programs run on those arrays; old / reference / policy log-probs and the updates use the
+training params.
 """
 from __future__ import annotations
 
@@ -53,14 +53,14 @@ from llds_jax.data.qa import QAExample, read_qa
 from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
-from llds_jax.rollout import agent, tree
+from llds_jax.rollout import agent
 from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
 from llds_jax.tokenizer import load_tokenizer
 from llds_jax.train import evaluation, run_config
-from llds_jax.train.batching import global_batch, padded_length, rollout_batch, training_length
+from llds_jax.train.batching import global_batch, global_rows, padded_length, rollout_batch, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.preemption import PreemptionGuard, StopRequested
@@ -191,15 +191,15 @@ class Trainer:
     def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array,
                 between_sessions: Optional[Callable[[], None]] = None,
                 stopping: Optional[Callable[[], bool]] = None) -> agent.Rollout:
-        """n samples of each of this host's prompts through the agent loop (the samples of prompt i form group
-        i); sequence ids count from this host's first row of the global batch. `between_sessions` and `stopping`:
-        as for `agent.rollout`."""
+        """n samples of each of this host's prompts through the agent loop (the samples of the step's prompt i,
+        numbered over every host, form GRPO group i: `Lineage.group`); sequence ids count from this host's first
+        row of the global batch. `between_sessions` and `stopping`: as for `agent.rollout`."""
         n = self.cfg.data.samples_per_prompt
         examples = [ex for ex in prompts for _ in range(n)]
         return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, examples,
                              rng, self.agent_cfg, runner=self.runner,
                              first_sequence=jax.process_index() * len(examples), between_sessions=between_sessions,
-                             stopping=stopping)
+                             stopping=stopping, group_size=n)
 
     def stop_check(self, guard: Optional[PreemptionGuard], phase: str) -> Optional[Callable[[], None]]:
         """A function that raises StepInterrupted(phase) when a stop was requested on any host (a collective), or
@@ -241,7 +241,8 @@ class Trainer:
         rewards_b = em_rewards(rollout.trajectories, self.cfg.reward.empty_answer)
         batch = self.rollout_batch(rollout.trajectories).with_rewards(rewards_b)
         batch = global_batch(batch)  # every host's rows, on every host
-        advantages_b = self._advantages(batch.rewards_b, batch.group_b, self.tree_b(batch))
+        tree_b = global_rows(np.asarray([t.lineage.tree for t in rollout.trajectories], np.int32))
+        advantages_b = self._advantages(batch.rewards_b, batch.group_b, tree_b)
         batch = batch.with_advantages(np.asarray(advantages_b))
         lld_every = self.cfg.train.lld_every
         state, batch_metrics = self.step_fn.train_on_batch(state, ref_params, batch,
@@ -254,34 +255,23 @@ class Trainer:
     def after_rollout(self, trajectories: Sequence[Trajectory], step: int, rollout_s: float,
                       in_rollout: Optional[Callable[[], None]]) -> dict[str, float]:
         """Between the rollout and the updates: a stop check (first: a stopped rollout holds no trajectories), the
-        watchdog's count of failed searches, and the sampler's shape buckets frozen after the first rollout
-        (`perf/compile_grid_s` when that compiled)."""
+        watchdog's count of failed searches, and the step programs of every token bucket compiled after the first
+        rollout (`rollout.compile_grid`; `perf/compile_grid_s` when that compiled)."""
         if in_rollout is not None:
             in_rollout()
         self.check_searches(trajectories)
         log.info("step %d: %d trajectories sampled in %.1f s; updates next", step, len(trajectories), rollout_s)
-        if self.cfg.rollout.reuse_buckets:  # later rollouts reuse this one's shape buckets (no new compilations)
-            grid_start = time.perf_counter()
-            if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):
-                return {"perf/compile_grid_s": time.perf_counter() - grid_start}
+        grid_start = time.perf_counter()
+        if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):  # later rollouts compile nothing
+            return {"perf/compile_grid_s": time.perf_counter() - grid_start}
         return {}
-
-    def tree_b(self, batch: RolloutBatch) -> np.ndarray:
-        """[B] the tree of each trajectory of the global batch, for `objective.advantages` (`rollout.tree.tree_ids`:
-        chains are each their own tree)."""
-        return tree.tree_ids(self.agent_cfg, batch.num_trajectories)
 
     def rollout_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
         """This host's trajectories packed to the step's length (the same on every host: a collective; remembered
-        for the resume). The samples of the step's prompt i (numbered over every host, each holding as many) form
-        GRPO group i."""
+        for the resume), each in its GRPO group (`Lineage.group`)."""
         length = training_length(padded_length(trajectories, self.cfg.train.sequence_bucket), self._lengths)
         self._lengths.add(length)
-        n = self.cfg.data.samples_per_prompt
-        prompts = len(trajectories) // n
-        first_prompt = jax.process_index() * prompts
-        group_b = np.repeat(np.arange(first_prompt, first_prompt + prompts, dtype=np.int32), n)
-        return rollout_batch(trajectories, group_b, self.pad_id, length)
+        return rollout_batch(trajectories, self.pad_id, length)
 
     def step_metrics(self, step: int, rollout: agent.Rollout, batch: RolloutBatch, batch_metrics: BatchMetrics,
                      step_s: float, rollout_s: float) -> dict[str, float]:
@@ -322,8 +312,6 @@ class Trainer:
             if rollout.stopped or (stopping is not None and stopping()):
                 raise StepInterrupted("evaluation")
             trajectories += rollout.trajectories
-        if self.cfg.rollout.reuse_buckets:  # evaluations are few: reuse their buckets, compile no grid ahead
-            self.eval_sampler.freeze_shapes(grid=False)
         table = evaluation.em_table(trajectories, self.cfg.reward.empty_answer)
         searches = evaluation.searches_table(trajectories)
         if out_dir is not None and self.is_main:

@@ -12,7 +12,7 @@ from tests.bench.loading import load_bench
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "step_profile.py"
 TINY = ROOT / "configs" / "tiny_test.py"
-PHASES = ("rollout/prefill", "rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
+PHASES = ("rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",
           "batch", "compile_rows", "logp", "updates", "checkpoint", "other")
 
 
@@ -28,40 +28,6 @@ def test_overrides_take_the_type_of_the_key_and_name_unknown_keys():
         bench.load_config(args.config, ["rollout.no_such_key=1"])
     with pytest.raises(ValueError, match="train.lld_every"):
         bench.load_config(args.config, ["train.lld_every=often"])
-
-
-def test_serial_search_sampler_drops_early_reports_and_is_the_inner_sampler_otherwise():
-    bench = load_bench("step_profile")
-    calls = []
-
-    class Session:
-        timing = {"prefill_s": 1.0, "decode_s": 2.0}
-        decode_counts = {"sampled_tokens": 3, "row_steps": 4}
-
-        def decode_turn(self, budgets, turn_finished, on_finished=None):
-            calls.append(on_finished)
-
-        def end_turn(self, keep, observations):
-            calls.append((keep, observations))
-
-    class Inner:
-        frozen = False
-
-        def start(self, params, prompts, rng, first_sequence=0):
-            calls.append(first_sequence)
-            return Session()
-
-        def freeze_shapes(self, grid=True):
-            self.frozen = grid
-            return 3
-
-    inner = Inner()
-    serial = bench.SerialSearchSampler(inner)
-    session = serial.start(None, [[1]], None, first_sequence=3)
-    session.decode_turn([4], lambda toks: [False], on_finished=print)
-    session.end_turn([2], [None])
-    assert calls == [3, None, ([2], [None])] and session.timing == {"prefill_s": 1.0, "decode_s": 2.0}
-    assert serial.freeze_shapes(grid=True) == 3 and inner.frozen is True
 
 
 def small_overrides():

@@ -20,7 +20,7 @@ from llds_jax.train.checkpoint import Checkpointer, Restored
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Wall-clock measurements differ between runs; everything else must be bitwise equal after a resume.
-TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/search_calls_s", "rollout/prefill_s",
+TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/search_calls_s",
                "rollout/host_s", "rollout/rollout_s", "rollout/sampled_tokens_per_s",
                "time")
 

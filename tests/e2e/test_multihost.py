@@ -26,7 +26,7 @@ OVERRIDES = ("--config.mesh.fsdp=-1", "--config.data.prompts_per_step=4", "--con
              "--config.train.eval_every=0", "--config.train.final_eval=False", "--config.train.transcripts_every=0",
              "--config.train.checkpoint_every=100")
 # Wall-clock measurements differ between runs.
-TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/search_calls_s", "rollout/prefill_s",
+TIMING_KEYS = ("perf/", "rollout/decode_s", "rollout/search_s", "rollout/search_calls_s",
                "rollout/host_s", "rollout/rollout_s", "rollout/sampled_tokens_per_s",
                "time")
 

@@ -11,8 +11,9 @@ import pytest
 
 from llds_jax.protocol import Action
 from llds_jax.rollout.config import AgentConfig
+from llds_jax.rollout.stats import RolloutStats
 from llds_jax.rollout.steps import MAX_CHARS_PER_TOKEN, AgentSteps, Conversation
-from llds_jax.rollout.trajectory import Turn
+from llds_jax.rollout.trajectory import Lineage, Turn
 from llds_jax.search.http import HttpRetriever
 from llds_jax.search.retry import RequestPolicy
 from llds_jax.search.types import MAX_DOCUMENT_CHARS
@@ -47,12 +48,11 @@ def test_a_rollout_step_counts_bad_documents_and_tokenizes_a_bounded_prefix(qwen
     """The agent's search and observation on the same answers: two bad documents counted, the observation cut to
     max_observation_tokens within a second (the 30 MB text tokenized whole took minutes and gigabytes)."""
     config = AgentConfig(max_observation_tokens=128, max_context_tokens=4096, max_response_tokens=4096)
-    timing = {"searches": 0.0, "search_calls_s": 0.0, "bad_documents": 0.0, "prompt_tokens": 0.0,
-              "observation_tokens": 0.0}
+    stats = RolloutStats()
     with ScriptedRetriever() as server:
         server.documents = [None, HUGE]
         retriever = HttpRetriever(server.url, policy=RequestPolicy(timeout_s=60.0, max_retries=0))
-        steps = AgentSteps(qwen_tokenizer, retriever, config, timing)
+        steps = AgentSteps(qwen_tokenizer, retriever, config, stats)
 
         async def run():
             try:
@@ -60,13 +60,13 @@ def test_a_rollout_step_counts_bad_documents_and_tokenizes_a_bounded_prefix(qwen
             finally:
                 await retriever.close()
         ((observation, error),) = asyncio.run(run())
-    assert error is None and timing["bad_documents"] == 1
-    conversation = Conversation([1, 2, 3])
+    assert error is None and stats.bad_documents == 1
+    conversation = Conversation([1, 2, 3], Lineage(0, 0, (0, 0)))
     start = time.perf_counter()
     turn = Turn((5,), (0.0,), "<search>q</search>", Action("search", "q"), num_sampled=1)
     obs_ids, truncated = steps.append_turn(conversation, turn, observation, None)
     assert time.perf_counter() - start < 5.0
-    assert truncated and len(obs_ids) == 128 and timing["observation_tokens"] == 128
+    assert truncated and len(obs_ids) == 128 and stats.observation_tokens == 128
     assert obs_ids == qwen_tokenizer.encode(observation[:128 * MAX_CHARS_PER_TOKEN], add_special_tokens=False)[:128]
     assert json.dumps(obs_ids)  # plain ints
 

@@ -1,4 +1,4 @@
-"""Test doubles for the rollout: a scripted policy with the sampler's session interface, and fake retrievers."""
+"""Test doubles for the rollout: an engine of scripted turns, and fake retrievers."""
 from __future__ import annotations
 
 import asyncio
@@ -9,79 +9,111 @@ from typing import Optional, Sequence, Union
 import pytest
 
 from llds_jax.rollout.interfaces import SampledTurn
+from llds_jax.rollout.stats import EngineCounts
 from llds_jax.search.types import Document, Retriever, SearchResult
 
 ScriptTurn = Union[str, list]  # turn text, or token ids (e.g. to end with an EOS id)
 
 
 class ScriptedSampler:
-    """Emits fixed turns through the real agent loop.
+    """An engine source (`interfaces.EngineSource`) whose engines emit fixed turns through the real agent loop.
 
-    scripts[i] lists the turns of sequence i (text or token ids). Like the real sampler, tokens come out in
-    chunks of `chunk` and the loop's `turn_finished` is asked between chunks, so tokens after the cut point come
-    back too; the session records every end_turn call so tests can check keeps and observations.
-    With `report_early`, the session reports finished turns through decode_turn's `on_finished` the way the real
-    session does: after each chunk, the sequences whose turn ended in it (else it never calls `on_finished`).
+    scripts[i] lists the turns of sequence i (text or token ids). Like the real engine, a turn's tokens come out
+    `chunk` per step and the rollout's stop matcher (`StopMatcher`, fed each step's new tokens) is asked after each,
+    so tokens after the cut point come back too; a stop id ends the turn (returned with it), as does its budget.
+    Records, over every engine it opened: `budgets[seq]` (each turn's budget), `extends[seq]` ((keep, observation
+    ids) of each extend) and `events` (("add" or "finish", seq) in the order the driver called them).
+    The log-prob of token k of turn t of sequence s is -0.001 (k + 1) - s - 0.1 t.
     """
 
-    def __init__(self, tokenizer, scripts: Sequence[Sequence[ScriptTurn]], chunk: int = 4,
-                 stop_ids: Sequence[int] = (), report_early: bool = False):
-        self.tokenizer, self.scripts, self.chunk, self.stop_ids = tokenizer, scripts, chunk, tuple(stop_ids)
-        self.report_early = report_early
-        self.sessions: list[ScriptedSession] = []
+    token_budgets = ()
 
-    def start(self, params, prompts, rng, first_sequence=0):
-        del params, rng, first_sequence
-        session = ScriptedSession(self, [list(p) for p in prompts])
-        self.sessions.append(session)
-        return session
+    def __init__(self, tokenizer, scripts: Sequence[Sequence[ScriptTurn]], chunk: int = 4,
+                 stop_ids: Sequence[int] = ()):
+        self.tokenizer, self.scripts, self.chunk, self.stop_ids = tokenizer, scripts, chunk, tuple(stop_ids)
+        self.budgets: dict[int, list[int]] = {}
+        self.extends: dict[int, list[tuple[int, list[int]]]] = {}
+        self.events: list[tuple[str, int]] = []
+
+    def engine(self, params, stop_matcher=None):
+        del params
+        return ScriptedTurnEngine(self, stop_matcher)
 
 
 @dataclasses.dataclass
-class ScriptedSession:
-    sampler: ScriptedSampler
-    prompts: list
-    turn_index: int = 0
-    decode_calls: list = dataclasses.field(default_factory=list)   # budgets of each decode_turn
-    end_calls: list = dataclasses.field(default_factory=list)      # (keep, observations) of each end_turn
-    emitted: list = dataclasses.field(default_factory=list)        # SampledTurns of the last decode_turn
-    timing: dict = dataclasses.field(default_factory=lambda: {"prefill_s": 0.0, "decode_s": 0.0})  # no device
-    decode_counts: dict = dataclasses.field(default_factory=lambda: {"sampled_tokens": 0, "row_steps": 0})
+class _Turn:
+    tokens: list          # the turn's scripted tokens, cut at its budget or its stop id
+    emitted: int = 0
+    ended: bool = False
 
-    def _tokens(self, seq: int) -> list[int]:
-        turn = self.sampler.scripts[seq][self.turn_index]
+
+class ScriptedTurnEngine:
+    """One rollout's engine of a `ScriptedSampler` (`interfaces.Engine`)."""
+
+    def __init__(self, sampler: ScriptedSampler, stop_matcher):
+        self.sampler, self.stop_matcher = sampler, stop_matcher
+        self.counts = EngineCounts()
+        self.turns: dict[int, _Turn] = {}
+        self.turn_index: dict[int, int] = {}
+
+    @property
+    def running(self) -> int:
+        return sum(not t.ended for t in self.turns.values())
+
+    def can_admit(self) -> bool:
+        return True
+
+    def _script(self, seq: int) -> list:
+        turn = self.sampler.scripts[seq][self.turn_index[seq]]
         return list(turn) if isinstance(turn, list) else self.sampler.tokenizer.encode(turn, add_special_tokens=False)
 
-    def decode_turn(self, budgets, turn_finished, on_finished=None):
-        self.decode_calls.append(list(budgets))
-        out, chunks = [], {}
-        for seq, budget in enumerate(budgets):
-            if budget == 0:
-                out.append(SampledTurn([], [], False))
-                continue
-            script = self._tokens(seq)
-            stop = next((k for k, t in enumerate(script) if t in self.sampler.stop_ids), None)
-            script = script[:budget if stop is None else min(budget, stop + 1)]
-            n = 0
-            while n < len(script):
-                n = min(n + self.sampler.chunk, len(script))
-                if turn_finished([script[:n]])[0]:
-                    break
-            tokens = script[:n]
-            logps = [-0.001 * (k + 1) - seq - 0.1 * self.turn_index for k in range(n)]
-            out.append(SampledTurn(tokens, logps, bool(tokens) and tokens[-1] in self.sampler.stop_ids))
-            chunks.setdefault(-(-n // self.sampler.chunk), []).append(seq)
-        if self.sampler.report_early and on_finished is not None:
-            for _, seqs in sorted(chunks.items()):
-                on_finished(seqs, [out[seq] for seq in seqs])
-        self.emitted = out
-        return out
+    def _begin(self, seq: int, budget: int) -> None:
+        self.sampler.budgets.setdefault(seq, []).append(budget)
+        script = self._script(seq)
+        stop = next((k for k, t in enumerate(script) if t in self.sampler.stop_ids), None)
+        self.turns[seq] = _Turn(script[:budget if stop is None else min(budget, stop + 1)])
+        if self.stop_matcher is not None:
+            self.stop_matcher.reset(seq)
 
-    def end_turn(self, keep, observations):
-        for k, turn in zip(keep, self.emitted):
-            assert 0 <= k <= len(turn.token_ids)
-        self.end_calls.append((list(keep), [None if o is None else list(o) for o in observations]))
-        self.turn_index += 1
+    def add_request(self, seq, prompt_ids, key_data, budget):
+        self.sampler.events.append(("add", seq))
+        self.turn_index[seq] = 0
+        self._begin(seq, budget)
+
+    def extend(self, seq, keep, observation_ids, budget):
+        turn = self.turns[seq]
+        assert turn.ended and 0 <= keep <= turn.emitted
+        self.sampler.extends.setdefault(seq, []).append((keep, list(observation_ids)))
+        self.turn_index[seq] += 1
+        self._begin(seq, budget)
+
+    def fork(self, seq, source, at_turn, key_data, budget):
+        raise NotImplementedError("scripted turns do not fork")
+
+    def finish(self, seq):
+        self.sampler.events.append(("finish", seq))
+        del self.turns[seq]
+
+    def update_params(self, params):
+        pass
+
+    def step(self):
+        ended, pushed = [], []
+        for seq, turn in sorted(self.turns.items()):
+            if not turn.ended:
+                new = turn.tokens[turn.emitted:turn.emitted + self.sampler.chunk]
+                turn.emitted += len(new)
+                pushed.append((seq, new))
+        text_stops = ([False] * len(pushed) if self.stop_matcher is None else
+                      self.stop_matcher.push_many([seq for seq, _ in pushed], [new for _, new in pushed]))
+        for (seq, _), text_stop in zip(pushed, text_stops):
+            turn = self.turns[seq]
+            if text_stop or turn.emitted == len(turn.tokens):
+                turn.ended = True
+                tokens, t = turn.tokens[:turn.emitted], self.turn_index[seq]
+                logps = [-0.001 * (k + 1) - seq - 0.1 * t for k in range(len(tokens))]
+                ended.append((seq, SampledTurn(tokens, logps, bool(tokens) and tokens[-1] in self.sampler.stop_ids)))
+        return ended
 
 
 class FakeRetriever(Retriever):

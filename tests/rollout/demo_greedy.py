@@ -1,5 +1,6 @@
-"""The demo's greedy rollouts, recorded from the dense-cache engine before the paged engine replaced it
-(tests/rollout/fixtures/demo_greedy/trajectories.json), and what both engines are checked against.
+"""The demo's rollouts, recorded from the dense-cache engine before the paged engine replaced it
+(tests/rollout/fixtures/demo_greedy/trajectories.json), and the rollout engine run on the same settings to be checked
+against them.
 
 The policy is the demo's warm start for seed 0 (`python -m llds_jax.launch --config=configs/demo_cpu.py`: a 4-layer
 Qwen2-architecture policy trained on the generated world), stored in bfloat16 (tests/rollout/fixtures/demo_greedy/policy) and
@@ -9,15 +10,13 @@ retrieval, decode chunks of 8). Three settings, greedy and sampled at temperatur
 samples greedy, 32 x 4 sampled) in one turn-synchronous batch, the same in a continuous batch of 8 (16) rows, and
 trees (2 per question; 4 questions with one fork each greedy, 8 with two sampled).
 
-    python -m tests.rollout.demo_greedy     # records the fixture (with the engine of `rollout.engine` = dense)
+The record is a fixed reference: it was written by this module's `main` at db635b6 with the dense engine
+(`git show db635b6:tests/rollout/demo_greedy.py`), which is gone; it is never re-recorded from the engine it checks.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import sys
-import tempfile
 
 import jax
 from flax import nnx
@@ -30,7 +29,6 @@ from llds_jax.model import hf_io
 from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
-from llds_jax.rollout.sampler import Sampler
 from llds_jax.search.factory import make_retriever
 from llds_jax.tokenizer import load_tokenizer
 
@@ -44,7 +42,7 @@ SETTINGS = {"chains": dict(questions=16, samples=2, agent={}),
             "continuous": dict(questions=16, samples=2, agent=dict(continuous_batching=True, max_batch_size=8)),
             "trees": dict(questions=4, samples=4, agent=dict(trees=2, tree_rounds=1, tree_forks=1)),
             # The demo's training rollout samples at temperature 1 (it searches; greedy decoding mostly answers at
-            # once): the same streams give the same tokens on either engine.
+            # once).
             "chains_sampled": dict(questions=32, samples=4, agent={}, greedy=False),
             "continuous_sampled": dict(questions=32, samples=4, greedy=False,
                                        agent=dict(continuous_batching=True, max_batch_size=16)),
@@ -65,18 +63,15 @@ class Demo:
         self.questions = read_qa(files["test.parquet"])
         self.stop_ids = agent.turn_stop_ids(self.tokenizer)
 
-    def rollout(self, setting: str, engine: str) -> list[dict]:
-        """Each trajectory's tokens, loss mask and end reason under `setting` on the `engine` ("dense", "paged")."""
+    def rollout(self, setting: str) -> list[dict]:
+        """Each trajectory's tokens, loss mask and end reason under `setting` on the rollout engine."""
         spec = SETTINGS[setting]
         config = AgentConfig(**DEMO_AGENT, **spec["agent"])
         examples = [q for q in self.questions[:spec["questions"]] for _ in range(spec["samples"])]
         sampling = SamplingConfig(greedy=spec.get("greedy", True), top_p=1.0, decode_chunk=8, stop_ids=self.stop_ids)
-        if engine == "dense":
-            sampler = Sampler(self.graphdef, sampling)
-        else:
-            slots = config.max_batch_size or len(examples)
-            sampler = PagedSampler(self.graphdef, self.model.cfg, sampling,
-                                   engine_config(config, sampling, slots, page_size=16, max_step_tokens=256))
+        slots = config.max_batch_size or len(examples)
+        sampler = PagedSampler(self.graphdef, self.model.cfg, sampling,
+                               engine_config(config, sampling, slots, page_size=16, max_step_tokens=256))
 
         async def run():
             async with make_retriever({"backend": "bm25", "index_dir": self.index}) as retriever:
@@ -87,18 +82,3 @@ class Demo:
         return [{"tokens": t.tokens.tolist(), "loss_mask": t.loss_mask.tolist(), "end_reason": t.end_reason}
                 for t in result.trajectories]
 
-
-def main() -> None:
-    with tempfile.TemporaryDirectory() as work_dir:
-        demo = Demo(work_dir)
-        record = {setting: demo.rollout(setting, "dense") for setting in SETTINGS}
-    with open(TRAJECTORIES, "w") as f:
-        json.dump(record, f, separators=(",", ":"))
-    for setting, trajectories in record.items():
-        turns = sum(sum(1 for a, b in zip(t["loss_mask"], t["loss_mask"][1:]) if b > a) for t in trajectories)
-        print(f"{setting}: {len(trajectories)} trajectories, {turns} model turns, end reasons "
-              f"{sorted({t['end_reason'] for t in trajectories})}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
-"""Both rollout engines reproduce, token for token, the demo's trajectories recorded from the dense engine before
-the paged one replaced it (tests/rollout/demo_greedy.py): greedy and sampled, chains, continuous and trees."""
+"""The rollout engine reproduces, token for token, the demo's trajectories recorded from the dense engine before the
+paged one replaced it (tests/rollout/demo_greedy.py): greedy and sampled, chains, continuous and trees."""
 import json
 
 import pytest
@@ -19,10 +19,9 @@ def recorded():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["paged", "dense"])
 @pytest.mark.parametrize("setting", sorted(demo_greedy.SETTINGS))
-def test_the_demos_trajectories_are_the_recorded_ones(demo, recorded, setting, engine):
-    trajectories = demo.rollout(setting, engine)
+def test_the_demos_trajectories_are_the_recorded_ones(demo, recorded, setting):
+    trajectories = demo.rollout(setting)
     assert len(trajectories) == len(recorded[setting])
     for i, (got, want) in enumerate(zip(trajectories, recorded[setting])):
         assert got == want, f"{setting} trajectory {i} differs"

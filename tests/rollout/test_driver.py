@@ -9,14 +9,11 @@ import numpy as np
 
 from llds_jax.rollout import driver as driver_lib
 from llds_jax.rollout.config import AgentConfig
+from llds_jax.rollout.stats import RolloutStats
 from llds_jax.rollout.steps import AgentSteps
 from llds_jax.rollout.trajectory import END_ANSWER, END_CONTEXT_FULL
 from tests.rollout.scripted_engine import ScriptedEngine
 from tests.rollout.test_agent import EchoRetriever, example
-
-TIMING_KEYS = ("prefill_s", "decode_s", "search_s", "search_calls_s", "sampled_tokens", "prompt_tokens",
-               "observation_tokens", "searches", "bad_documents", "forked_prefix_tokens")
-
 
 def policy(text: str, seq: int) -> str:
     """Searches its question's word once (after 'think' x (seq % 3 + 1): turns of different lengths), then answers."""
@@ -37,19 +34,22 @@ class CountingRetriever(EchoRetriever):
         return await super().search(queries, k)
 
 
-def run(tokenizer, policy_name, n=6, slots=64, retriever=None, examples=None, **config):
+def run(tokenizer, policy_name, n=6, slots=64, retriever=None, examples=None, first_sequence=0, group_size=1,
+        **config):
+    """The driver's trajectories of `examples` (default: n questions), its engine and the rollout's stats."""
     config = AgentConfig(**{"max_turns": 2, "max_turn_tokens": 40, "max_prompt_tokens": 200,
                             "max_context_tokens": 400, **config})
     examples = examples or [example(i, f"question w{i}", (f"w{i}",)) for i in range(n)]
     engine = ScriptedEngine(tokenizer, policy, slots=slots)
-    timing = dict.fromkeys(TIMING_KEYS, 0.0)
-    steps = AgentSteps(tokenizer, retriever or CountingRetriever(), config, timing)
+    stats = RolloutStats(forked_prefix_tokens=0 if config.trees else None)
+    steps = AgentSteps(tokenizer, retriever or CountingRetriever(), config, stats)
 
     async def go():
         with concurrent.futures.ThreadPoolExecutor(1) as thread:
-            return await driver_lib.Driver(engine, steps, examples, thread).run(policy_name, jax.random.key(0))
+            return await driver_lib.Driver(engine, steps, examples, thread, group_size).run(
+                policy_name, jax.random.key(0), first_sequence)
 
-    return asyncio.run(go()), engine, timing
+    return asyncio.run(go()), engine, stats
 
 
 def same(a, b):
@@ -91,10 +91,10 @@ def test_continuous_admits_into_freed_slots_and_extends_each_turn_as_its_search_
 
 def test_searches_that_are_ready_go_out_together_while_a_call_is_in_flight(qwen_tokenizer):
     retriever = CountingRetriever(delay_s=0.05)
-    _, _, timing = run(qwen_tokenizer, "continuous", n=9, retriever=retriever)
+    _, _, stats = run(qwen_tokenizer, "continuous", n=9, retriever=retriever)
     assert sorted(q for call in retriever.calls for q in call) == sorted(f"w{i}" for i in range(9))
     assert len(retriever.calls) < 9 and max(len(call) for call in retriever.calls) > 1
-    assert timing["searches"] == 9
+    assert stats.searches == 9
 
 
 def test_a_conversation_at_the_context_cap_gets_a_short_turn_then_ends_context_full(qwen_tokenizer):
@@ -108,7 +108,8 @@ def test_a_conversation_at_the_context_cap_gets_a_short_turn_then_ends_context_f
 
 def test_trees_fork_from_the_chains_turn_starts_and_keep_every_leaf_until_the_last_round(qwen_tokenizer):
     examples = [example(0, "question w0", ("w0",))] * 4 + [example(1, "question w1", ("w1",))] * 4
-    trajectories, engine, timing = run(qwen_tokenizer, "tree", examples=examples, trees=2, tree_forks=1)
+    trajectories, engine, stats = run(qwen_tokenizer, "tree", examples=examples, trees=2, tree_forks=1,
+                                      group_size=4)
     assert len(trajectories) == 8
     forks = [seq for _, call, seq in engine.events if call == "fork"]
     assert sorted(forks) == [1, 3, 5, 7]  # leaf 0 of each tree is its chain, leaf 1 its fork
@@ -121,7 +122,13 @@ def test_trees_fork_from_the_chains_turn_starts_and_keep_every_leaf_until_the_la
         shared = len(trajectories[chain].prompt_ids) + len(first.token_ids) + len(first.observation_ids)
         np.testing.assert_array_equal(trajectories[fork].tokens[:shared], trajectories[chain].tokens[:shared])
         shared_tokens += len(first.token_ids) + len(first.observation_ids)
-    assert timing["forked_prefix_tokens"] == shared_tokens
+    assert stats.forked_prefix_tokens == shared_tokens
+    # Lineage: a question's 4 leaves are one group, a chain and its fork one tree; a fork samples from the stream
+    # of its own position.
+    assert [t.lineage.group for t in trajectories] == [0] * 4 + [1] * 4
+    assert [t.lineage.tree for t in trajectories] == [0, 0, 1, 1, 2, 2, 3, 3]
+    keys = driver_lib.sequence_keys(jax.random.key(0), range(8))
+    assert [t.lineage.key_data for t in trajectories] == [tuple(int(x) for x in k) for k in keys]
     assert {seq for _, call, seq in engine.events if call == "finish"} == set(range(8))
     assert engine.seqs == {}
 
@@ -129,7 +136,7 @@ def test_trees_fork_from_the_chains_turn_starts_and_keep_every_leaf_until_the_la
 def test_a_stop_request_abandons_the_rollout(qwen_tokenizer):
     config = AgentConfig(max_turns=2, max_turn_tokens=40, max_prompt_tokens=200, max_context_tokens=400)
     engine = ScriptedEngine(qwen_tokenizer, policy, slots=4)
-    steps = AgentSteps(qwen_tokenizer, CountingRetriever(), config, dict.fromkeys(TIMING_KEYS, 0.0),
+    steps = AgentSteps(qwen_tokenizer, CountingRetriever(), config, RolloutStats(),
                        stopping=lambda: engine.steps >= 2)
 
     async def go():
@@ -147,3 +154,18 @@ def test_sequence_keys_are_the_fold_ins_of_the_session_stream():
     session_rng, row = driver_lib.session_stream(rng, 10, 4)
     assert row == 2
     np.testing.assert_array_equal(jax.random.key_data(session_rng), jax.random.key_data(jax.random.fold_in(rng, 2)))
+
+
+def test_chains_carry_their_group_their_own_tree_and_the_key_of_their_session_stream(qwen_tokenizer):
+    """Six samples (groups of 2) from global sequence 8 on (a host's share: a multiple of the sessions' 4), in
+    sessions of 4: sequence p is in group p // 2, is its own tree and samples from fold_in(fold_in(rng, p // 4),
+    p % 4) (`session_stream`), under either policy."""
+    rng = jax.random.key(0)
+    ids = range(8, 14)
+    expected = [tuple(int(x) for x in driver_lib.sequence_keys(jax.random.fold_in(rng, p // 4), [p % 4])[0])
+                for p in ids]
+    for policy_name in ("barrier", "continuous"):
+        trajectories, _, _ = run(qwen_tokenizer, policy_name, first_sequence=8, group_size=2, max_batch_size=4)
+        assert [t.lineage.group for t in trajectories] == [p // 2 for p in ids]
+        assert [t.lineage.tree for t in trajectories] == list(ids)
+        assert [t.lineage.key_data for t in trajectories] == expected

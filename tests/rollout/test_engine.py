@@ -96,6 +96,9 @@ class TextStops:
     def reset(self, seq):
         self.seen[seq] = False
 
+    def forget(self, seq):
+        del self.seen[seq]
+
     def push_many(self, seqs, new_ids):
         self.pushed += [len(new) for new in new_ids]
         for seq, new in zip(seqs, new_ids):
@@ -208,7 +211,7 @@ def test_finish_and_roll_back_give_every_page_back():
     conversations(engine, PLAN, turns=2)
     for seq in PLAN:
         engine.finish(seq)
-    assert engine.pages.free_pages == 127 and engine.in_flight == 0
+    assert engine.pages.free_pages == 127 and engine.running == 0 and engine.can_admit()
 
 
 def test_errors_name_the_problem():

@@ -9,8 +9,10 @@ from llds_jax import parallel
 from llds_jax.config import ConfigError
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.driver import sequence_keys
+from llds_jax.rollout.engine import Engine, EngineConfig
 from llds_jax.rollout.layout import abstract_rollout_params, make_layout, rollout_params
-from llds_jax.rollout.sampler import Sampler
+from llds_jax.rollout.runner import DeviceRunner
 from tests.placement import shard_model
 
 # 4 query heads, 2 key/value heads, MLP in 2 slices (as the paper configs slice theirs for the update).
@@ -28,15 +30,26 @@ def trained():
     return mesh, graphdef, params
 
 
+def run_turns(engine):
+    turns = {}
+    while engine.running:
+        turns.update(engine.step())
+    return [turns[seq] for seq in sorted(turns)]
+
+
 def converse(layout, graphdef, params):
-    """Two greedy turns of every prompt (the second after a rollback of 2 tokens and an observation): the token
-    ids and log-probs of each turn of each sequence."""
-    session = Sampler(layout.graphdef(graphdef), GREEDY, layout.mesh).start(
-        rollout_params(layout, params, "float32"), PROMPTS, jax.random.key(0))
-    first = session.decode_turn([10] * len(PROMPTS), lambda toks: [False] * len(toks))
-    session.end_turn([len(t.token_ids) - 2 for t in first], [[20 + i, 21] for i in range(len(PROMPTS))])
-    second = session.decode_turn([6] * len(PROMPTS), lambda toks: [False] * len(toks))
-    turns = first + second
+    """Two greedy turns of every prompt on the rollout engine over `layout`'s mesh (the second after a rollback of
+    2 tokens and an observation): the token ids and log-probs of each turn of each sequence."""
+    engine_cfg = EngineConfig(max_seqs=8, token_budgets=(8, 16, 32), decode_chunk=GREEDY.decode_chunk, page_size=4,
+                              num_pages=8 * 8 + 1, max_context=32)
+    runner = DeviceRunner(layout.graphdef(graphdef), layout.model_cfg, GREEDY, engine_cfg, layout.mesh)
+    engine = Engine(runner, rollout_params(layout, params, "float32"), engine_cfg)
+    for seq, (prompt, key) in enumerate(zip(PROMPTS, sequence_keys(jax.random.key(0), range(len(PROMPTS))))):
+        engine.add_request(seq, prompt, key, 10)
+    first = run_turns(engine)
+    for seq, turn in enumerate(first):
+        engine.extend(seq, len(turn.token_ids) - 2, [20 + seq, 21], 6)
+    turns = first + run_turns(engine)
     return [t.token_ids for t in turns], np.concatenate([t.logps for t in turns])
 
 
@@ -52,21 +65,6 @@ def test_tensor_parallel_layout_samples_the_training_layouts_greedy_tokens(train
     assert layout.kv_repeat == max(1, t // MODEL.num_kv_heads)
     assert layout.model_cfg == MODEL.replace(num_kv_heads=MODEL.num_kv_heads * layout.kv_repeat, mlp_chunks=1)
     reference = converse(make_layout(0, MODEL, mesh, jax.devices()), graphdef, params)
-    got = converse(layout, graphdef, params)
-    assert got[0] == reference[0]
-    np.testing.assert_allclose(got[1], reference[1], atol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tensor", [0, -1], ids=["training-layout", "all-chips"])
-def test_reading_the_filled_cache_in_blocks_samples_the_same_greedy_tokens(trained, tensor):
-    """rollout.cache_block (as the pod configs set it, with extends in passes): decode and the observation's
-    extend read the cache 8 slots at a time, in either layout; the dense path's greedy tokens and log-probs."""
-    mesh, graphdef, params = trained
-    local = jax.devices()[:4] if tensor == -1 else jax.devices()
-    reference = converse(make_layout(0, MODEL, mesh, jax.devices()), graphdef, params)
-    layout = make_layout(tensor, MODEL, mesh, local, extend_chunk=1, cache_block=8)
-    assert (layout.model_cfg.cache_block, layout.model_cfg.extend_chunk) == (8, 1)
     got = converse(layout, graphdef, params)
     assert got[0] == reference[0]
     np.testing.assert_allclose(got[1], reference[1], atol=1e-5)

@@ -1,4 +1,4 @@
-"""Nucleus sampling without a sort (`llds_jax.rollout.nucleus`, and `kernels.sample_tokens` with top_p < 1 and no
+"""Nucleus sampling without a sort (`llds_jax.rollout.nucleus`, and `sampling.sample_tokens` with top_p < 1 and no
 top_k) against the sorted rule, written here in NumPy as the oracle: sort descending, keep each token whose mass
 before it is below top_p."""
 import jax
@@ -9,7 +9,7 @@ from scipy import stats
 
 from llds_jax.rollout import nucleus
 from llds_jax.rollout.config import SamplingConfig
-from llds_jax.rollout.kernels import sample_tokens
+from llds_jax.rollout.sampling import sample_tokens
 
 TOP_PS = (0.1, 0.5, 0.9, 0.95, 0.99)
 

@@ -121,25 +121,6 @@ def test_first_finished_step_equals_a_full_redecode(qwen_tokenizer, bytes_of, ch
     assert finished > 60 and unfinished > 20
 
 
-def test_turns_finished_follows_each_growing_list_and_starts_over_on_a_new_one(qwen_tokenizer, bytes_of):
-    """The engines' callback: two turns grow between calls (one finishes mid-way and is no longer passed), then a
-    list whose tokens are not the ones seen before under the same identity starts over."""
-    matcher = StopMatcher(qwen_tokenizer)
-    encode = lambda text: qwen_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    full = [encode("think </sear") + bytes_of("ch> more"), bytes_of("中文 <answer> x </answ") + encode("er>")]
-    lists = [[], []]
-    for n in range(1, max(map(len, full)) + 1):
-        running = [i for i in range(2) if len(lists[i]) < len(full[i])
-                   and not full_redecode(qwen_tokenizer, lists[i])]
-        for i in running:
-            lists[i].extend(full[i][len(lists[i]):n])
-        assert matcher.turns_finished([lists[i] for i in running]) == [
-            full_redecode(qwen_tokenizer, lists[i]) for i in running]
-    assert all(full_redecode(qwen_tokenizer, tokens) for tokens in lists)
-    lists[0][:] = encode("no stop here")
-    assert matcher.turns_finished([lists[0]]) == [False]
-
-
 class CountingTokenizer:
     """The tokenizer, counting the tokens each `batch_decode` call is given."""
 

@@ -11,9 +11,10 @@ from llds_jax.config import ConfigError
 from llds_jax.protocol import Action
 from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig
+from llds_jax.rollout.driver import sequence_keys
 from llds_jax.rollout.steps import Conversation
-from llds_jax.rollout.trajectory import Turn
-from llds_jax.rollout.tree import Leaf, choose_nodes, positions, tree_ids, whole_groups
+from llds_jax.rollout.trajectory import Lineage, Turn
+from llds_jax.rollout.tree import Leaf, choose_nodes, positions, whole_groups
 from tests.rollout.test_agent import (REAL_CONFIG, EchoRetriever, example, full_forward_logps,  # noqa: F401
                                       real)
 
@@ -23,7 +24,8 @@ TREES = dict(trees=2, tree_rounds=1, tree_forks=2)  # 6 leaves per prompt
 def leaf(position, tree, surprisals, nodes=None):
     """A leaf whose turn k begins with tokens of surprisal surprisals[k]."""
     turns = [Turn((1, 2), (-s, -s), "", Action(None, ""), 2) for s in surprisals]
-    return Leaf(position, tree, Conversation([5], turns), nodes or [(position, k) for k in range(len(turns))])
+    return Leaf(position, tree, Conversation([5], Lineage(0, tree, (0, position)), turns),
+                nodes or [(position, k) for k in range(len(turns))])
 
 
 def test_positions_keep_each_trees_leaves_together():
@@ -56,8 +58,9 @@ def tree_rollout(tokenizer, real, seed=0, first=0, **config):
     """The tree rollout of two questions' groups of 6 (from global sample `first` on: a host's share)."""
     _, _, params, sampler = real
     examples = [example(i, f"question number {i}", ("paris",)) for i in range(2) for _ in range(6)]
+    agent_config = AgentConfig(**REAL_CONFIG, **{**TREES, **config})
     return agent.rollout(sampler, params, tokenizer, EchoRetriever(), examples[first:], jax.random.key(seed),
-                         AgentConfig(**REAL_CONFIG, **{**TREES, **config}), first_sequence=first)
+                         agent_config, first_sequence=first, group_size=agent_config.tree_group)
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +157,17 @@ def test_tree_config_errors_name_the_key(overrides, message):
         config_lib.check(run_config(**overrides))
 
 
-def test_tree_ids_number_each_trees_leaves_and_chains_apart():
-    assert tree_ids(AgentConfig(trees=2, tree_rounds=1, tree_forks=3), 16).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + \
-        [3] * 4
-    assert tree_ids(AgentConfig(), 5).tolist() == [0, 1, 2, 3, 4]
+def test_leaves_carry_their_group_tree_and_prng_key_from_the_start(qwen_tokenizer, real, tree_result):
+    """Leaf p (global sequence id) is in group p // 6 (a question's leaves), tree p // 3 (1 + 1 x 2 leaves each) and
+    samples from fold_in(rng, p): the chains' and the forks' keys alike, whatever host holds them."""
+    rng = jax.random.key(0)
+    for first, result in ((0, tree_result), (6, tree_rollout(qwen_tokenizer, real, first=6))):
+        ids = range(first, 12)
+        keys = sequence_keys(rng, ids)
+        assert [t.lineage.group for t in result.trajectories] == [p // 6 for p in ids]
+        assert [t.lineage.tree for t in result.trajectories] == [p // 3 for p in ids]
+        assert [t.lineage.key_data for t in result.trajectories] == [tuple(int(x) for x in k) for k in keys]
+    assert len({t.lineage.key_data for t in tree_result.trajectories}) == 12
 
 
 def test_whole_groups_counts_the_groups_and_names_samples_that_are_not_one_questions():

@@ -1,11 +1,13 @@
 """rollout.params_dtype: the rollout samples on a copy of the params cast once per rollout; the training params (what
-the optimizer and the trainer's log-probs use) stay the same float32 arrays."""
+the optimizer and the trainer's log-probs use) stay the same float32 arrays. The trainer's groups are the
+trajectories' lineage."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from llds_jax.rollout import layout as layout_lib
+from llds_jax.rollout.driver import sequence_keys
 from llds_jax.train import trainer as trainer_lib
 from tests.run_fixtures import tiny_config
 
@@ -34,9 +36,10 @@ def test_cast_keeps_the_layout_and_copies_nothing_in_the_same_dtype(make_train_s
 @pytest.mark.slow
 def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_assets, tmp_path, monkeypatch):
     """Two rollouts (two steps) of 2 prompts x 4 samples on the 8 CPU devices, each in 2 sessions of 4 sequences
-    with several decode chunks: one cast per rollout, every decode chunk of a rollout on its bfloat16 arrays, the
-    decode programs compiled in the first rollout reused by the second; the training params are the same float32
-    arrays afterwards."""
+    with several engine steps: one cast per rollout, every step of a rollout on its bfloat16 arrays, after the
+    first rollout's grid no step program compiled for the second; the training params are the same float32 arrays
+    afterwards. Each trajectory's lineage: its prompt's group (what the trainer's batch groups it by), its own tree,
+    its sequence's key."""
     cfg = tiny_config()
     cfg.demo.enabled = False
     cfg.model.path = tiny_assets["model"]
@@ -54,13 +57,13 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     casts, decoded = [], []
     cast = layout_lib._cast
     monkeypatch.setattr(layout_lib, "_cast", lambda params, dtype: casts.append(dtype) or cast(params, dtype))
-    decode_chunk = trainer.sampler.decode_chunk
+    run = trainer.sampler.runner.run
 
-    def recording_decode_chunk(params, state, stop_b):
-        decoded.append((params, state.cache.valid_bs.shape))
-        return decode_chunk(params, state, stop_b)
+    def recording_run(params, batch):
+        decoded.append((params, len(batch.tokens_t)))
+        return run(params, batch)
 
-    monkeypatch.setattr(trainer.sampler, "decode_chunk", recording_decode_chunk)
+    monkeypatch.setattr(trainer.sampler.runner, "run", recording_run)
     params = trainer.step_fn.init_state().params
     leaves = jax.tree.leaves(params)
     prompts = next(trainer.data)
@@ -68,7 +71,9 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     try:
         for step in (1, 2):
             rollouts.append(trainer.rollout(params, prompts, jax.random.key(step)))
-            compiled.append(trainer.sampler._decode._cache_size())
+            trainer.sampler.freeze_shapes()  # as the trainer does after its first rollout
+            compiled.append(trainer.sampler.runner.compiles)
+        group_b = trainer.rollout_batch(rollouts[0].trajectories).group_b
     finally:
         trainer.close()
 
@@ -77,8 +82,16 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     per_rollout = [[shape for p, shape in decoded if p is copy] for copy in (first, decoded[-1][0])]
     assert decoded[-1][0] is not first and sum(map(len, per_rollout)) == len(decoded)  # two copies, one per rollout
     assert min(map(len, per_rollout)) > 4 and dtypes(first) == dtypes(decoded[-1][0]) == {BF16}
-    # Decode programs: fewer than the chunks, and none new for the second rollout's copy.
-    assert compiled[0] < len(per_rollout[0]) and compiled[1] == compiled[0], (compiled, per_rollout)
+    # Step programs: one per token bucket, none new for the second rollout's copy.
+    buckets = trainer.sampler.engine_config.token_budgets
+    assert compiled == [len(buckets)] * 2 and compiled[0] < len(per_rollout[0]), (compiled, per_rollout)
+    np.testing.assert_array_equal(group_b, [0] * 4 + [1] * 4)
+    for step, rollout in zip((1, 2), rollouts):  # sessions of 4: sequence p samples from fold_in(fold_in(rng,
+        # p // 4), p % 4)
+        keys = [tuple(int(x) for x in sequence_keys(jax.random.fold_in(jax.random.key(step), p // 4), [p % 4])[0])
+                for p in range(8)]
+        assert [(t.lineage.group, t.lineage.tree, t.lineage.key_data) for t in rollout.trajectories] == [
+            (p // 4, p, keys[p]) for p in range(8)]
     for rollout in rollouts:
         assert len(rollout.trajectories) == 8
         for t in rollout.trajectories:
