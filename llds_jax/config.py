@@ -95,7 +95,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = SamplingConfig.top_p
     c.rollout.top_k = SamplingConfig.top_k
     c.rollout.decode_chunk = SamplingConfig.decode_chunk
-    c.rollout.engine = PagingConfig.engine  # "paged" (one ragged step program over a paged KV cache) or "dense"
+    c.rollout.engine = "paged"  # "paged" (one ragged step program over a paged KV cache) or "dense"
     c.rollout.page_size = PagingConfig.page_size  # ... token slots per page of the paged KV cache
     c.rollout.max_step_tokens = PagingConfig.max_step_tokens  # ... the most tokens one step's ragged batch holds
     c.rollout.num_pages = PagingConfig.num_pages  # ... pages in the pool (0: every sequence's worst case)

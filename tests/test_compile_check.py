@@ -21,13 +21,19 @@ from tests.configs import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
-# configs/qwen7b_v4.py with its sizes shrunk: 8 prompts x 4 samples, sessions of 16 rows, 2 updates per step.
+# configs/qwen7b_v4.py with its sizes shrunk: 8 prompts x 4 samples, sessions of 16 rows, 2 updates per step; on
+# the dense engine as it was configured (`PAGED` switches to the paged engine: 16 slots, steps of up to 64 tokens).
 SHRINK = {
     "model.preset": "", "data.prompts_per_step": 8, "data.samples_per_prompt": 4, "optim.mini_batch_size": 16,
     "optim.micro_batch_size": 8, "rollout.max_batch_size": 16, "rollout.max_prompt_tokens": 64,
     "rollout.max_turn_tokens": 16, "rollout.max_observation_tokens": 32, "rollout.max_context_tokens": 256,
     "rollout.max_response_tokens": 256, "train.sequence_bucket": 64, "eval.batch_size": 8,
+    "rollout.engine": "dense", "rollout.continuous_batching": False, "rollout.decode_chunk": 32,
+    "rollout.extend_chunk": 128, "rollout.cache_block": 512, "rollout.max_extend_rows": 16,
+    "rollout.shared_prompt_prefill": True,
 }
+PAGED = {"rollout.engine": "paged", "rollout.continuous_batching": True, "rollout.max_step_tokens": 64,
+         "rollout.page_size": 16, "rollout.decode_chunk": 8}
 PROGRAMS = ["rollout reshard", "prefill", "decode chunk", "extend", "cache growth", "compaction", "eval decode chunk",
             "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",
             "logp (float32, LLD)", "update (2 per step)", "lld metrics"]
@@ -49,6 +55,17 @@ def tiny_model_dir(tmp_path_factory):
     # and of a layer's weights read dims).
     cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                            head_dim=16)
+    (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def paged_model_dir(tmp_path_factory):
+    """The tiny architecture with heads of 128 lanes: the ragged paged attention kernel takes heads of a multiple
+    of 128."""
+    path = tmp_path_factory.mktemp("paged_arch")
+    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                           head_dim=128)
     (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
     return str(path)
 
@@ -109,7 +126,7 @@ def test_session_shapes_are_the_largest_buckets(tiny_model_dir):
     assert _largest(cfg, sequences=6, batch_multiple=4)[0] == 8
     # A shared prefill: 16 consecutive samples of groups of 4 hold at most 5 prompts (1 + 4 + 4 + 4 + 3), a row
     # bucket of 8 (a multiple of 4); none for evaluation's ungrouped rows.
-    cfg.rollout.shared_prompt_prefill = True  # as configs/qwen7b_v4.py sets it
+    cfg.rollout.shared_prompt_prefill = True  # as SHRINK sets it
     assert cfg.data.samples_per_prompt == 4
     assert _largest(cfg, sequences=40, batch_multiple=4) == (16, 128, 256, 512, 64, 8)
     assert _largest(cfg, sequences=40, batch_multiple=4, groups=False)[5] == 0
@@ -170,36 +187,14 @@ def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(t
     assert not row.error and row.cost.ici_bytes > 0 and row.outputs > row.arguments
     costs = [step_estimate.ProgramCost(reshard.name, reshard.shapes, row.cost, 1.0, step_estimate.RESHARD,
                                        Role.RESHARD)]
-    text = step_estimate.format_estimate(costs, roofline.PEAKS["v4"], "v4", 0)
-    assert "weight reshard (the rollout's copy of the params, on the chips, once per step; in the rollout)" in text
-
-
-@pytest.mark.slow
-def test_decode_reading_filled_blocks_is_costed_per_block(tiny_model_dir):
-    """rollout.cache_block = 64 of a 512-slot cache: the TPU decode chunk holds two loops of run-time length (its
-    steps, and in each layer of each step the filled blocks); the estimate counts the second at the conversation's
-    mean filled blocks, and the chunk's HBM bytes grow by the same amount with each block assumed (one block's
-    keys and values per layer and step). The dense decode has one such loop."""
-    devices, _ = compile_check.topology_devices("v4:2x2x2")
-    cfg = flagship(tiny_model_dir, **{"rollout.cache_block": 64})
-    decode = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.DECODE_CHUNK and p.calls)
-    s = run_builder.session_shapes(cfg, config_lib.sampling_config(cfg, (0, 1)), 1, None, 16)
-    assert decode.loop_runs == (32, step_estimate.filled_blocks(cfg, s.prompt, s.observation, s.capacity)[0])
-    text = decode.lowered.compile().as_text()
-    costs = [roofline.hlo_costs(text, (32, blocks)) for blocks in (1, 2, 3)]
-    assert {c.dynamic_loops for c in costs} == {2}
-    assert costs[1].hbm_bytes - costs[0].hbm_bytes == pytest.approx(costs[2].hbm_bytes - costs[1].hbm_bytes)
-    assert costs[1].hbm_bytes > costs[0].hbm_bytes
-    dense = next(p for p in compile_check.build_programs(flagship(tiny_model_dir, **{"rollout.cache_block": 0}),
-                                                          devices) if p.role is Role.DECODE_CHUNK and p.calls)
-    assert roofline.hlo_costs(dense.lowered.compile().as_text(), (32, 5)).dynamic_loops == 1
+    text = step_estimate.format_programs(costs, roofline.PEAKS["v4"], "v4")
+    assert text.splitlines()[3].startswith("rollout reshard ") and "collective" in text
 
 
 @pytest.mark.slow
 def test_continuous_batching_compiles_its_own_rollout_programs(tiny_model_dir, capsys):
     """rollout.continuous_batching: the empty batch, the extend of every row by a prompt and by an observation
-    replace the prefill and the session's extend; every program compiles and fits, and the step estimate counts
-    them."""
+    replace the prefill and the session's extend; every program compiles and fits."""
     cfg = flagship(tiny_model_dir, **{"rollout.continuous_batching": True})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
@@ -207,23 +202,18 @@ def test_continuous_batching_compiles_its_own_rollout_programs(tiny_model_dir, c
     assert rollout == ["empty batch", "prompt extend", "decode chunk", "row extend", "cache growth", "compaction"]
     assert programs["prompt extend"].shapes.startswith("16 of 16 rows x 64 tokens, 128 slots")
     assert programs["row extend"].shapes.startswith("16 of 16 rows x 32 tokens, 512 slots")
-    assert (programs["empty batch"].calls, programs["prompt extend"].calls, programs["row extend"].calls) == (1, 1, 3)
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     out = capsys.readouterr().out
     assert "\nrow extend " in out and "every program fits" in out
 
 
 @pytest.mark.slow
-def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_kernel(tmp_path, capsys):
+def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_kernel(paged_model_dir, capsys):
     """rollout.engine = paged: the rollout is one step program per token bucket (training's 16 slots doubling to
     64 tokens, evaluation's 8 to 64), each calling the ragged paged attention kernel on the chips, its page pool
-    split over the key/value heads; every program fits and the table counts the rollout programs. (The kernel
-    takes heads of a multiple of 128 lanes: the tiny architecture's heads are 128 wide here.)"""
-    arch = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
-                            head_dim=128)
-    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(arch)))
-    cfg = flagship(str(tmp_path), **{"rollout.engine": "paged", "rollout.max_step_tokens": 64,
-                                     "rollout.page_size": 16})
+    split over the key/value heads; every program fits, the table counts the rollout programs, and the step
+    estimate runs the engine's schedule at the worst case and the defaults, its calls per token bucket costed."""
+    cfg = flagship(paged_model_dir, **PAGED)
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = compile_check.build_programs(cfg, devices)
     rollout = [p for p in programs if p.rollout]
@@ -235,12 +225,20 @@ def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_ke
     assert len(pools) == 1 and pools.pop() > 0
     assert all(compile_check.PAGE_POOL in p.resident for p in programs if not p.rollout)
     step = next(p for p in rollout if p.name == "rollout step (64 tokens)")
-    assert step.shapes.startswith("16 sequences x 32 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
+    assert step.shapes.startswith("16 sequences x 8 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
     hlo = step.lowered.compile().as_text()
     assert "ragged_paged_attention" in hlo
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     out = capsys.readouterr().out
     assert "\nrollout programs: 7 (paged engine, training and evaluation)\n" in out and "every program fits" in out
+    lines = out.splitlines()
+    # 2 hosts: 16 trajectories each, all in flight at once (16 slots).
+    assert any(line.startswith("worst-case step at every turn and every token cap: per trajectory a prompt of 64 "
+                               "tokens, 4.00 turns sampling 64 tokens") for line in lines)
+    assert "  rollout (continuous, 16 trajectories per host, up to 16 in flight): token bucket, calls, batch tokens, " \
+           "decode iterations, seconds" in lines
+    expected = next(line for line in lines if line.startswith("  expected step: rollout "))
+    assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
 
 
 def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
@@ -324,28 +322,33 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir, tmp_path):
+def test_launch_compiles_the_flagship_config_for_v5e(paged_model_dir, tmp_path):
     """Every program compiled and in the table; the worst-case step, then the expected one at the lengths a run
-    logged (`--estimate_from`): 12 sampled tokens per trajectory at occupancy 0.5 against the shrunk config's 4
-    turns of 16 tokens, 64 trained tokens of 256, one search each (32 per host)."""
+    logged (`--estimate_from`: prompts of 40 tokens, 2 turns sampling 24 tokens, observations of 20, one search
+    each, 64 tokens trained), with the predicted step calls per token bucket beside the run's logged ones."""
     (tmp_path / "metrics.jsonl").write_text(json.dumps({
-        "step": 1, "rollout/response_length": 12.0, "rollout/valid_searches": 1.0, "rollout/decode_occupancy": 0.5,
-        "perf/tokens_per_s": 2048.0, "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0}) + "\n")
-    result = launch(tiny_model_dir, "--topology=v5e:2x2", f"--estimate_from={tmp_path}")
+        "step": 1, "rollout/prompt_tokens": 32 * 40.0, "rollout/turns": 2.0, "rollout/sampled_tokens": 32 * 24.0,
+        "rollout/observation_tokens": 32 * 20.0, "rollout/searches": 32.0, "perf/tokens_per_s": 2048.0,
+        "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0, "rollout/step_calls_16": 20.0,
+        "rollout/step_tokens_16": 150.0, "rollout/step_calls_32": 3.0, "rollout/step_tokens_32": 80.0,
+        "rollout/step_calls_64": 5.0, "rollout/step_tokens_64": 290.0}) + "\n")
+    result = launch(paged_model_dir, "--topology=v5e:2x2", f"--estimate_from={tmp_path}",
+                    *[f"--config.{k}={v}" for k, v in PAGED.items()])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "compiling for v5e:2x2: 4 chips, 1 host(s), TPU v5 lite, 16 GiB HBM per chip" in result.stdout
-    for name in PROGRAMS:
+    for name in ("rollout step (16 tokens)", "eval rollout step (64 tokens)", "update (2 per step)"):
         assert f"\n{name} " in result.stdout
     assert "(host-local)" not in result.stdout  # one host: rollouts on the training mesh
     lines = result.stdout.splitlines()
-    assert any(line.startswith("worst-case step: rollout ") for line in lines)
-    assert (f"expected lengths from the run {tmp_path}: means over its 1 steps: per trajectory 12 sampled tokens, 64 "
-            "trained, 1.00 searches; the decode at 37.5% of the worst case's calls, the forwards and updates at 25.0%, "
-            "other programs as in the worst case") in lines
-    assert any(line.startswith("retrieval (in the rollout, what rows wait for): 32 searches per host and step; ")
-               for line in lines)
-    assert any(line.startswith("expected step: rollout ") for line in lines)
-    wrong = launch(tiny_model_dir, "--mode=train", f"--estimate_from={tmp_path}")
+    assert any(line.startswith("worst-case step at every turn and every token cap") for line in lines)
+    assert (f"expected step at the run {tmp_path}: means over its 1 steps: per trajectory a prompt of 40 tokens, 2.00 "
+            "turns sampling 24 tokens, observations of 20, 1.00 searches, 64 tokens trained") in lines
+    assert any(line.startswith("  expected step: rollout ") for line in lines)
+    at = lines.index(f"step calls per host and step, predicted (at the run's lengths) vs logged ({tmp_path}): token "
+                     "bucket, calls, batch tokens")
+    assert [line.split()[0] for line in lines[at + 1:at + 5]] == ["16", "32", "64", "all"]
+    assert lines[at + 4].split()[2:] == ["vs", "28.0"]
+    wrong = launch(paged_model_dir, "--mode=train", f"--estimate_from={tmp_path}")
     assert wrong.returncode == 2 and "--estimate_from is a flag of --mode=compile, not of --mode=train" in wrong.stderr
 
 
@@ -410,14 +413,12 @@ def test_missing_tpu_compiler_says_how_to_install_it(monkeypatch):
 def test_tree_rollouts_compile_their_fork_without_gathering_a_weight(tiny_model_dir, capsys):
     """rollout.trees: 1 tree of 1 + 3 leaves per prompt (the group of 4). A session of 16 samples runs the 4 chains,
     then forks 12 rows from them: the fork program (4 -> 16 rows at the largest capacity) compiles, fits, moves no
-    weight, and the estimate counts one fork and two rounds per session (one session per host: 2 hosts)."""
+    weight."""
     cfg = flagship(tiny_model_dir, **{"rollout.trees": 1, "rollout.tree_forks": 3})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = {p.name: p for p in compile_check.build_programs(cfg, devices)}
     fork = programs["fork"]
-    assert fork.shapes.startswith("4 -> 16 rows, 512 slots") and fork.calls == 1
-    r = cfg.rollout  # rounds x turns x decode chunks per turn
-    assert programs["decode chunk"].calls == 2 * (r.max_turns + 1) * r.max_turn_tokens / r.decode_chunk
+    assert fork.shapes.startswith("4 -> 16 rows, 512 slots")
     layout = run_builder.run_layout(cfg, devices).rollout
     assert compile_check.weight_collectives([compile_check.compile_row(fork)], layout.model_cfg, layout.tensor) == []
     assert compile_check.run(cfg, "v4:2x2x2") == 0
@@ -443,16 +444,14 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
     """The e5_device search program compiled for v4:2x2x4 (16 chips): 30,000 rows in 2 blocks of 944 rows per chip
     (1,888 >= 30,000 / 16); its arguments are the chip's shard (rows x 768 bytes and a float32 scale each in int8,
     the scales padded to TPU tiles of 1,024; 2 x 768 in bfloat16) and a batch of 16 bfloat16 queries; its HLO does 2 x 16 x 1,888 x 768 FLOPs and reads the
-    shard; it gathers the chips' 32 candidates per query, never the rows. Its calls per step: the 2 sessions' 3
-    search turns, one device call each (16 rows, search_batch 16)."""
+    shard; it gathers the chips' 32 candidates per query, never the rows."""
     cfg = flagship(tiny_model_dir, **{"retriever.backend": "e5_device"})
     cfg.retriever = {"backend": "e5_device", "index_path": small_flat_file, "encoder_path": "/e5",
                      "vector_dtype": dtype, "block_rows": 1000, "search_batch": 16}
     devices, _ = compile_check.topology_devices("v4:2x2x4")
-    program = compile_check.retrieval_program(cfg, devices, sequences=32, rows=16, resident=("params",))
+    program = compile_check.retrieval_program(cfg, devices, rows=16, resident=("params",))
     assert program.role is Role.RETRIEVAL and program.resident == ("params", compile_check.SESSION)
     assert program.shapes == (f"16 queries x 30,000 rows of 768 in {dtype}, 32 candidates, 1,888 rows per chip")
-    assert program.calls == 2 * 3
     row = compile_check.compile_row(program)
     assert not row.error, row.error
     assert row.arguments == 1888 * row_bytes + padding + 16 * 768 * 2
@@ -462,12 +461,13 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
 
 
 @pytest.mark.slow
-def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(tiny_model_dir, small_flat_file,
+def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(paged_model_dir, small_flat_file,
                                                                                capsys):
     """configs/qwen7b_v4.py:e5_device shrunk, for v5e:2x2: every program compiles; each but the search holds the
-    index shard (the search program's arguments) beside what it held before; the search holds a rollout session
-    beside it; the index line names rows, dtype and bytes per chip; the expected step costs retrieval per call."""
-    cfg = flagship(tiny_model_dir)
+    index shard (the search program's arguments) beside what it held before; the search holds a rollout step's
+    arguments beside it; the index line names rows, dtype and bytes per chip; the expected step costs retrieval
+    by its calls of the rows in flight."""
+    cfg = flagship(paged_model_dir, **PAGED)
     cfg.retriever = load("qwen7b_v4", "e5_device").retriever
     cfg.retriever.index_path, cfg.retriever.search_batch = small_flat_file, 16
     devices, _ = compile_check.topology_devices("v5e:2x2")
@@ -480,6 +480,7 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
     assert any(line.startswith("retrieval index (e5_device, int8): 30,000 rows x 768 (") and
                "over 4 chips: 5.55M per chip, resident in every program" in line for line in lines)
     assert any(line.startswith("retrieval search ") for line in lines)
-    retrieval = next(line for line in lines if line.startswith("retrieval (in the rollout, what rows wait for)"))
-    assert ("48 searches per host and step; 6 calls held a session (each session's last call of each search turn) of "
-            "up to 8 queries x ") in retrieval and "ms per call (e5_device, 16 queries x 30,000 rows" in retrieval
+    retrieval = [line for line in lines if line.startswith("  retrieval (in the rollout, what rows wait for)")]
+    # 32 trajectories x 1.5 searches in calls of the 16 rows in flight, one device call of 16 queries each.
+    assert ("48 searches in at least 3.0 calls of 16 (the rows in flight) x " in retrieval[-1]
+            and "ms per call (e5_device, 16 queries x 30,000 rows" in retrieval[-1])
