@@ -146,11 +146,6 @@ def read_records(run_dir: str) -> list[dict]:
     return records
 
 
-def from_run(run_dir: str) -> Lengths:
-    """`from_metrics` of `run_dir`/metrics.jsonl."""
-    return from_metrics(read_records(run_dir), f"the run {run_dir}")
-
-
 def update_share(cfg, lengths: Lengths) -> float:
     """The forwards' and updates' cost at `lengths` as a share of the worst case's (module docstring), at most 1."""
     if not cfg.optim.pack_trajectories:

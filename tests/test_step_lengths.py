@@ -51,7 +51,7 @@ def test_a_runs_logged_metrics_give_mean_lengths_and_step_counts(tmp_path):
                                            "the run r: means over its 2 steps")
     assert step_lengths.logged_step_counts(records(), "r") == {16: (15.0, 150.0), 32: (2.0, 60.0)}
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records()))
-    assert step_lengths.from_run(str(tmp_path)).sampled_tokens == 30.0
+    assert step_lengths.read_records(str(tmp_path)) == records()
     old = [{k: v for k, v in r.items() if k != "rollout/turns"} for r in records()]
     with pytest.raises(ValueError, match="the run r: steps without rollout/turns"):
         step_lengths.from_metrics(old, "the run r")
@@ -62,7 +62,7 @@ def test_a_runs_logged_metrics_give_mean_lengths_and_step_counts(tmp_path):
         step_lengths.logged_step_counts(dense, "r")
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records()[1]) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not JSON"):
-        step_lengths.from_run(str(tmp_path))
+        step_lengths.read_records(str(tmp_path))
 
 
 def test_packed_updates_follow_the_trained_tokens():
