@@ -7,9 +7,11 @@ real tokens, the pages its sequences read and its decode iterations.
 The conversations (`scripts`): one host's `sequences` trajectories in GRPO groups of `group` samples that share a
 prompt of `prompt_tokens` tokens; trajectory i takes `turns` turns on average (each trajectory a whole number, the
 mean kept), every turn but its last followed by an observation of `observation_tokens` tokens, and its turns sample
-`sampled_tokens / turns` tokens on average, spread evenly from half to one and a half times the mean (less where
-`rollout.max_turn_tokens` would cut the spread's top, so that the mean is kept): a barrier's turn waits for its longest row, so the spread matters, and real turns
-vary. A turn ends on a stop id at its length (the engine samples in calls of `decode_chunk`, so a turn ended by a
+`sampled_tokens / turns` tokens on average, spread evenly over (1 +- spread) times the mean (less where
+`rollout.max_turn_tokens` would cut the spread's top, so that the mean is kept): a barrier's turn waits for its
+longest row, and a call samples up to its longest sequence's samples, so the spread matters. It is 0.5 by default
+and, given a run's logged decode occupancy, the spread at which the schedule samples at that occupancy
+(`for_run`). A turn ends on a stop id at its length (the engine samples in calls of `decode_chunk`, so a turn ended by a
 stop string mid-call costs the same calls).
 
 The policies, as `llds_jax.rollout.driver` runs them:
@@ -37,6 +39,7 @@ from llds_jax.rollout.paged_sampler import engine_config
 
 STOP_ID, TOKEN_ID = 0, 1  # the scripted turns' tokens: TOKEN_ID, then STOP_ID as a turn's last
 POLICIES = ("barrier", "continuous")
+OCCUPANCY_STEPS = 5  # bisections of the turns' spread that match a logged decode occupancy (to 1/64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +73,8 @@ class Call:
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """What a rollout runs: its calls in order, the engine's own counts per bucket, its policy, the most sequences
-    it held at once, and (barrier) the turn rounds that ended with searches: each waits for its last search
-    call."""
+    it held at once, (barrier) the turn rounds that ended with searches (each waits for its last search call),
+    and the share of its calls' sample slots that sampled (the engine's decode occupancy)."""
 
     calls: tuple[Call, ...]
     calls_per_bucket: dict[int, int]
@@ -80,6 +83,7 @@ class Schedule:
     policy: str
     rows_in_flight: int
     search_waits: int
+    occupancy: float
 
 
 def _spread(n: int, mean: float) -> list[int]:
@@ -218,7 +222,7 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
             else:
                 break
     return Schedule(tuple(runner.calls), dict(engine.counts.calls), dict(engine.counts.batch_tokens), len(convs),
-                    policy, in_flight, waits)
+                    policy, in_flight, waits, engine.counts.sampled_tokens / max(engine.counts.sample_slots, 1))
 
 
 def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int) -> int:
@@ -228,14 +232,27 @@ def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int) -
 
 def for_run(cfg, lengths, sequences: int, spread: float = 0.5) -> Schedule:
     """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
-    (`llds_jax.step_lengths.Lengths`), its engine shaped as the run shapes it (`run_builder.build`)."""
+    (`llds_jax.step_lengths.Lengths`), its engine shaped as the run shapes it (`run_builder.build`). The turns'
+    spread: `spread`, or with a logged decode occupancy the spread whose schedule samples at that occupancy
+    (`OCCUPANCY_STEPS` bisections over [0, 1]: the wider the spread, the longer rows wait for a call's longest)."""
     agent = config_lib.agent_config(cfg)
+    if agent.trees:
+        raise ValueError("rollout schedule: tree rollouts (rollout.trees) are not modelled")
     paging = config_lib.paging_config(cfg)
     sampling = config_lib.sampling_config(cfg, (STOP_ID,))
     slots = min(sequences, agent.max_batch_size or sequences)
     engine = engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages)
-    if agent.trees:
-        raise ValueError("rollout schedule: tree rollouts (rollout.trees) are not modelled")
-    convs = scripts(sequences, cfg.data.samples_per_prompt, lengths.prompt_tokens, lengths.turns,
-                    lengths.sampled_tokens, lengths.observation_tokens, agent.max_turn_tokens, spread)
-    return run(engine, convs, "continuous" if agent.continuous_batching else "barrier")
+    policy = "continuous" if agent.continuous_batching else "barrier"
+
+    def at(width: float) -> Schedule:
+        return run(engine, scripts(sequences, cfg.data.samples_per_prompt, lengths.prompt_tokens, lengths.turns,
+                                   lengths.sampled_tokens, lengths.observation_tokens, agent.max_turn_tokens, width),
+                   policy)
+
+    if lengths.decode_occupancy is None:
+        return at(spread)
+    low, high = 0.0, 1.0
+    for _ in range(OCCUPANCY_STEPS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if at(middle).occupancy > lengths.decode_occupancy else (low, middle)
+    return at((low + high) / 2)

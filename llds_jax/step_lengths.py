@@ -44,6 +44,8 @@ class Lengths:
       observation_tokens: tokens of one observation.
       trajectory_tokens: tokens it trains on: its prompt, kept sampled tokens and observations.
       searches: searches it sends.
+      decode_occupancy: the share of the step calls' sample slots (sequence slots x samples of the call's longest)
+        that sampled (`rollout/decode_occupancy`); None: unknown.
       padding: the share of the update batch's tokens that are padding (`perf/padding`), 0 when unknown.
       source: where the numbers come from, in words.
     """
@@ -54,6 +56,7 @@ class Lengths:
     observation_tokens: float
     trajectory_tokens: float
     searches: float
+    decode_occupancy: float | None
     padding: float
     source: str
 
@@ -66,7 +69,8 @@ def defaults(cfg) -> Lengths:
     turn = min(DEFAULT_TURN_TOKENS, r.max_turn_tokens)
     observation = min(DEFAULT_OBSERVATION_TOKENS, r.max_observation_tokens)
     tokens = min(prompt + (searches + 1) * turn + searches * observation, r.max_context_tokens)
-    return Lengths(prompt, searches + 1, (searches + 1) * turn, observation, tokens, searches, 0.0, DEFAULTS_SOURCE)
+    return Lengths(prompt, searches + 1, (searches + 1) * turn, observation, tokens, searches, None, 0.0,
+                   DEFAULTS_SOURCE)
 
 
 def worst_case(cfg) -> Lengths:
@@ -75,12 +79,13 @@ def worst_case(cfg) -> Lengths:
     `rollout.max_context_tokens` in the updates."""
     r = cfg.rollout
     return Lengths(r.max_prompt_tokens, r.max_turns + 1, (r.max_turns + 1) * r.max_turn_tokens,
-                   r.max_observation_tokens, r.max_context_tokens, r.max_turns, 0.0,
+                   r.max_observation_tokens, r.max_context_tokens, r.max_turns, None, 0.0,
                    "every turn and every token cap")
 
 
 RUN_KEYS = ("rollout/prompt_tokens", "rollout/turns", "rollout/sampled_tokens", "rollout/observation_tokens",
-            "rollout/searches", "rollout/trajectories", "perf/tokens_per_s", "perf/step_s")
+            "rollout/searches", "rollout/decode_occupancy", "rollout/trajectories", "perf/tokens_per_s",
+            "perf/step_s")
 
 
 def _rollout_steps(records: Sequence[Mapping[str, float]], source: str) -> list[Mapping[str, float]]:
@@ -100,7 +105,7 @@ def from_metrics(records: Sequence[Mapping[str, float]], source: str) -> Lengths
     """Mean lengths over a run's per-step metric records (metrics.jsonl's lines; steps without a rollout are
     skipped): per trajectory `rollout/prompt_tokens`, `rollout/sampled_tokens`, `rollout/searches` (the step's
     totals over `rollout/trajectories`), `rollout/turns`, an observation's `rollout/observation_tokens` over the
-    trajectories' turns but their last, `perf/padding`, and the trained tokens from `perf/tokens_per_s` x
+    trajectories' turns but their last, `rollout/decode_occupancy`, `perf/padding`, and the trained tokens from `perf/tokens_per_s` x
     `perf/step_s` (the batch's real tokens) over the trajectories (ValueError naming a missing key)."""
     steps = _rollout_steps(records, source)
     missing = [k for k in RUN_KEYS if any(r.get(k) is None for r in steps)]
@@ -116,7 +121,8 @@ def from_metrics(records: Sequence[Mapping[str, float]], source: str) -> Lengths
     return Lengths(per_trajectory("rollout/prompt_tokens"), turns, per_trajectory("rollout/sampled_tokens"),
                    observations / (turns - 1) if turns > 1 else 0.0,
                    _mean(r["perf/tokens_per_s"] * r["perf/step_s"] / r["rollout/trajectories"] for r in steps),
-                   per_trajectory("rollout/searches"), _mean(r.get("perf/padding", 0.0) for r in steps),
+                   per_trajectory("rollout/searches"), _mean(r["rollout/decode_occupancy"] for r in steps),
+                   _mean(r.get("perf/padding", 0.0) for r in steps),
                    f"{source}: means over its {len(steps)} steps")
 
 

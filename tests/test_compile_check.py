@@ -228,6 +228,13 @@ def test_the_paged_engine_compiles_one_step_program_per_token_bucket_with_the_ke
     assert step.shapes.startswith("16 sequences x 8 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
     hlo = step.lowered.compile().as_text()
     assert "ragged_paged_attention" in hlo
+    # The estimate's FLOPs of a call are the HLO's: the ragged forward of the bucket's 64 tokens and (its loop
+    # counted once) one decode iteration of the 16 slots, each with the output projection of the 16 slots. (Its
+    # HBM bytes are not: the kernel's operand is the whole pool, of which a call reads its sequences' pages.)
+    layout = run_builder.run_layout(cfg, devices).rollout
+    cost = step_estimate.step_cost(layout.model_cfg, layout.tensor, 0.0, 16, 16)
+    assert roofline.hlo_costs(hlo).flops == pytest.approx((64 + 16) * cost.flops_per_token
+                                                          + 2 * 16 * cost.logit_flops_per_slot)
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     out = capsys.readouterr().out
     assert "\nrollout programs: 7 (paged engine, training and evaluation)\n" in out and "every program fits" in out
@@ -328,7 +335,8 @@ def test_launch_compiles_the_flagship_config_for_v5e(paged_model_dir, tmp_path):
     each, 64 tokens trained), with the predicted step calls per token bucket beside the run's logged ones."""
     (tmp_path / "metrics.jsonl").write_text(json.dumps({
         "step": 1, "rollout/prompt_tokens": 32 * 40.0, "rollout/turns": 2.0, "rollout/sampled_tokens": 32 * 24.0,
-        "rollout/observation_tokens": 32 * 20.0, "rollout/searches": 32.0, "perf/tokens_per_s": 2048.0,
+        "rollout/observation_tokens": 32 * 20.0, "rollout/searches": 32.0, "rollout/decode_occupancy": 0.5,
+        "perf/tokens_per_s": 2048.0,
         "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0, "rollout/step_calls_16": 20.0,
         "rollout/step_tokens_16": 150.0, "rollout/step_calls_32": 3.0, "rollout/step_tokens_32": 80.0,
         "rollout/step_calls_64": 5.0, "rollout/step_tokens_64": 290.0}) + "\n")

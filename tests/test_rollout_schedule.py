@@ -1,5 +1,7 @@
 """The paged engine's step calls at given lengths (llds_jax.rollout_schedule): the scripted conversations keep the
 lengths' means, and the calls of small rollouts equal those worked out by hand from the engine's rules."""
+import dataclasses
+
 import pytest
 
 from llds_jax import rollout_schedule, step_lengths
@@ -73,6 +75,11 @@ def test_a_runs_schedule_takes_its_engine_shapes_and_policy():
     assert s.policy == "continuous" and s.rows_in_flight == 32
     assert set(s.calls_per_bucket) <= {32, 64, 128, 256, 512, 1024}
     assert all(s.tokens_per_bucket[b] <= b * n for b, n in s.calls_per_bucket.items())
+    # A logged occupancy between those of no spread and the widest: the spread found samples at it.
+    even, wide = (rollout_schedule.for_run(cfg, step_lengths.defaults(cfg), 80, spread).occupancy for spread in (0, 1))
+    assert even > wide
+    logged = dataclasses.replace(step_lengths.defaults(cfg), decode_occupancy=(even + wide) / 2)
+    assert rollout_schedule.for_run(cfg, logged, 80).occupancy == pytest.approx((even + wide) / 2, abs=0.02)
     cfg.rollout.trees = 1
     with pytest.raises(ValueError, match="rollout.trees"):
         rollout_schedule.for_run(cfg, step_lengths.defaults(cfg), 80)

@@ -46,7 +46,7 @@ def test_a_forward_costs_its_weights_pages_and_tokens_flops():
 
 
 def schedule(policy, calls, sequences=100, rows=20, waits=0):
-    return rollout_schedule.Schedule(tuple(calls), {}, {}, sequences, policy, rows, waits)
+    return rollout_schedule.Schedule(tuple(calls), {}, {}, sequences, policy, rows, waits, 1.0)
 
 
 def test_retrieval_blocks_a_barrier_at_every_wait_and_a_continuous_stream_beyond_the_device(monkeypatch):
