@@ -17,6 +17,7 @@ def get_config(retriever_name: str = "e5"):
     c.model.preset = "llama-3.2-3b"
     c.model.chat_template = ""
     c.rollout.tensor_parallel = -1      # all 4 chips: its 8 key/value heads split without copies
-    c.rollout.max_batch_size = 64       # 128 would need a 28 GiB cache: 8 KV heads make it 2x Qwen2.5-3B's
+    c.rollout.max_batch_size = 64       # 64 rows in flight: 8 KV heads make its pages 2x Qwen2.5-3B's
+    c.rollout.max_step_tokens = 512     # step programs at 64, 128, 256 and 512 tokens: 8 with evaluation's
     c.objective.llds.answer_weighting = "adaptive"
     return c

@@ -17,5 +17,5 @@ def get_config(retriever_name: str = "e5"):
     c.model.preset = "qwen2.5-3b"
     c.mesh.topology = "v4:2x2x2"
     c.rollout.tensor_parallel = 2       # pairs of chips: 2 key/value heads split, not repeated (docs/tpu.md)
-    c.rollout.max_batch_size = 128      # 64 rows per pair; 256 do not fit (cache growth and compaction)
+    c.rollout.max_batch_size = 128      # 128 rows in flight per host
     return c

@@ -60,12 +60,12 @@ def get_config(retriever_name: str = "e5"):
     c.data.train_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/train.parquet"]
     c.data.eval_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/test.parquet"]
     c.retriever = retriever(retriever_name)
-    c.rollout.max_batch_size = 128      # sessions of 128 rows (docs/tpu.md)
+    c.rollout.max_batch_size = 128      # 128 rows in flight per host (docs/tpu.md)
+    c.rollout.continuous_batching = True  # a freed row takes the next conversation (the `continuous` policy)
+    c.rollout.page_size = 64            # the paged KV cache in pages of 64 slots
+    c.rollout.max_step_tokens = 1024    # step programs at 128, 256, 512 and 1024 tokens
+    c.rollout.decode_chunk = 8          # samples per call: observations wait for calls of 1024 tokens (docs/tpu.md)
     c.rollout.params_dtype = "bfloat16"  # each host's rollout copy of the params: half of the float32 one
     c.rollout.tensor_parallel = -1      # the rollout copy split over a host's 4 chips: no weight gathers in decode
-    c.rollout.extend_chunk = 128        # observations appended 128 tokens at a time: 128 rows x 512 do not fit
-    c.rollout.cache_block = 512         # decode and extends read the filled cache alone, 512 slots at a time
-    c.rollout.max_extend_rows = 16      # with continuous_batching: 128 rows' extends in one call do not fit
-    c.rollout.shared_prompt_prefill = True  # a GRPO group's 5 samples share one prefill: 1/5 of its compute
     c.model.mlp_chunks = 4              # the MLP 4736 features at a time: the update's temporaries 8.15 -> 7.07 GiB
     return c

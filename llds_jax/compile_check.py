@@ -30,10 +30,12 @@ the table and exits with status 1, naming the program and the GiB over. So is a 
 all-gather, all-to-all, collective-permute or reduce-scatter with a weight-shaped operand or result, one layer's or
 the stacked layers'; the rollout copy is not split over the chips, `rollout.tensor_parallel`).
 
-When every program fits, the command also prints estimated step times: each program's roofline time read from
-its HLO (`llds_jax.roofline`) times its calls per step (`llds_jax.step_estimate`), at the worst case (with its
-assumptions) and at expected lengths (`llds_jax.step_lengths`: a run's logged ones with `--estimate_from=RUN_DIR`,
-else stated defaults), with retrieval and the weight reshard on lines of their own.
+When every program fits, the command also prints estimated step times (`llds_jax.step_estimate`), the paged
+engine's only: the training programs' roofline times read from their HLO (`llds_jax.roofline`) times their calls
+per step, and the rollout as the engine schedules it (`llds_jax.rollout_schedule`: its step calls per token
+bucket, each costed at its tokens) with retrieval where it blocks, at the worst case and at expected lengths
+(`llds_jax.step_lengths`: a run's logged ones with `--estimate_from=RUN_DIR`, whose logged step calls are printed
+beside the predicted ones, else stated defaults).
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from llds_jax import checks, roofline, run_builder, step_estimate, step_lengths, topologies
+from llds_jax import checks, roofline, rollout_schedule, run_builder, step_estimate, step_lengths, topologies
 from llds_jax import config as config_lib
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
@@ -175,11 +177,7 @@ class Program:
     role: Optional[Role] = None  # what it does (`llds_jax.programs.Role`); None: a program of no run
     rollout: bool = False
     pool_bytes: float = 0.0  # the paged engine's page pool per chip (an argument of its rollout programs)
-    # Iterations of the while loops whose trip count the program does not fix, by nesting (`roofline.hlo_costs`):
-    # a decode chunk's steps, then the filled cache blocks each step reads (`step_estimate.filled_blocks`).
-    loop_runs: tuple[float, ...] = (1,)
-    calls: float = 0.0  # calls per training step (`llds_jax.step_estimate`)
-    sampled_per_call: int = 0  # tokens a call samples with every row sampling (a decode chunk: rows x steps)
+    calls: float = 0.0  # calls per training step of an HLO-costed program (`llds_jax.step_estimate`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +272,7 @@ def compile_row(program: Program) -> Row:
     return Row(program.name, program.shapes, arguments=float(m.argument_size_in_bytes),
                outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
                compile_s=seconds, gathers=tuple(all_gather_shapes(text)), collectives=tuple(collective_shapes(text)),
-               cost=roofline.hlo_costs(text, program.loop_runs))
+               cost=roofline.hlo_costs(text))
 
 
 def format_bytes(n: float) -> str:
@@ -433,27 +431,24 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,)) for p in programs]
     if cfg.retriever.get("backend") != "e5_device":
         return programs
-    search = retrieval_program(cfg, devices, batch // len(hosts), session_rows,
-                               everything if own_copy else (OPT_STATE, REFERENCE))
+    search = retrieval_program(cfg, devices, session_rows, everything if own_copy else (OPT_STATE, REFERENCE))
     programs = [dataclasses.replace(p, resident=p.resident + (INDEX,)) for p in programs]
     return programs[:len(setup) + len(rollout)] + [search] + programs[len(setup) + len(rollout):]
 
 
-def retrieval_program(cfg, devices: Sequence[Any], sequences: int, rows: int, resident: tuple[str, ...]) -> Program:
+def retrieval_program(cfg, devices: Sequence[Any], rows: int, resident: tuple[str, ...]) -> Program:
     """The e5_device retriever's search program (`search.device_search`) on every chip, its index's rows and
     dimension read from `retriever.index_path` when it is on this machine, else wiki-18's (`index_source`), at a
-    device call of a session's `rows` searches (at most `retriever.search_batch`); `resident`: what stays beside a
-    rollout program, SESSION added. Its calls per step: each session's search turns end in a call that holds
-    the session (`step_estimate.retrieval_calls`), of up to all its rows at the worst case."""
+    device call of the `rows` searches of the rollout's rows in flight (at most `retriever.search_batch`);
+    `resident`: what stays beside a rollout program, SESSION added. The step estimate costs its calls
+    (`step_estimate.rollout_time`)."""
     ret = resolve_config(cfg.retriever)
     (rows_n, dim), _ = index_source(ret["index_path"])
     lay = device_index.layout(rows_n, dim, len(devices), ret["vector_dtype"], ret["block_rows"])
     queries = min(ret["search_batch"], max(8, 1 << math.ceil(math.log2(max(rows, 1)))))
     program = device_search.abstract_program(lay, devices, max(ret["candidates"], cfg.rollout.retrieval_top_k),
                                              queries)
-    blocking, _ = step_estimate.retrieval_calls(cfg, sequences, rows, 0.0)
-    return Program(program.name, program.shapes, program.lower(), resident + (SESSION,), role=Role.RETRIEVAL,
-                   calls=blocking * math.ceil(rows / queries))
+    return Program(program.name, program.shapes, program.lower(), resident + (SESSION,), role=Role.RETRIEVAL)
 
 
 E5_BASE_DIM = 768  # e5-base-v2's embeddings
@@ -469,20 +464,39 @@ def index_source(index_path: str) -> tuple[tuple[int, int], str]:
     return (step_estimate.WIKI18_ROWS, E5_BASE_DIM), f"{index_path} is not on this machine: wiki-18's size"
 
 
-def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int,
-             lengths: step_lengths.Lengths) -> str:
-    """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks: the worst case
-    with its assumptions, then the expected step at `lengths`."""
+def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int, layout,
+             estimate_from: str = "") -> str:
+    """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks: the training
+    programs' table, the worst-case step and the expected step (at the lengths of the run folder `estimate_from`,
+    else `step_lengths`' defaults), the rollout as the paged engine schedules it (`llds_jax.rollout_schedule`); with
+    `estimate_from`, its predicted step calls and batch tokens per token bucket beside the run's logged ones."""
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
                                        p.role)
              for r, p in zip(rows, programs)]
-    decode = next(p for p in programs if p.role is Role.DECODE_CHUNK and p.calls)  # the training sampler's
-    sequences = config_lib.rollout_batch_size(cfg) // hosts
-    session_rows = decode.sampled_per_call // cfg.rollout.decode_chunk
     peaks = roofline.PEAKS[generation]
-    return "\n".join([step_estimate.format_estimate(costs, peaks, generation, decode.sampled_per_call),
-                      step_estimate.assumptions(cfg, sequences, session_rows),
-                      step_estimate.expected(costs, peaks, generation, cfg, lengths, sequences, session_rows)])
+    sequences = config_lib.rollout_batch_size(cfg) // hosts
+    step_row, step_program = next((r, p) for r, p in zip(rows, programs) if p.role is Role.ROLLOUT_STEP)
+    paging = config_lib.paging_config(cfg)
+    slots = min(sequences, cfg.rollout.max_batch_size or sequences)
+    cost = step_estimate.step_cost(layout.rollout.model_cfg, layout.rollout.tensor,
+                                   step_row.arguments - step_program.pool_bytes, paging.page_size, slots)
+    device_search = next((c for c in costs if c.role is Role.RETRIEVAL), None)
+    worst_updates = step_estimate.part_seconds(costs, peaks)
+    lines = [step_estimate.format_programs(costs, peaks, generation)]
+    records = step_lengths.read_records(estimate_from) if estimate_from else None
+    expected = (step_lengths.from_metrics(records, f"the run {estimate_from}") if records is not None
+                else step_lengths.defaults(cfg))
+    for label, lengths, spread in (("worst-case", step_lengths.worst_case(cfg), 0.0), ("expected", expected, 0.5)):
+        schedule = rollout_schedule.for_run(cfg, lengths, sequences, spread)
+        time_ = step_estimate.rollout_time(schedule, cost, peaks, cfg, generation, lengths.searches, device_search)
+        share = step_lengths.update_share(cfg, lengths)
+        updates = step_estimate.part_seconds(costs, peaks, dict.fromkeys(step_estimate.FORWARDS, share))
+        lines.append(step_estimate.format_step(label, schedule, time_, worst_updates[step_estimate.RESHARD],
+                                               updates[step_estimate.UPDATES], lengths))
+    if records is not None:
+        lines.append(step_estimate.format_counts(schedule, step_lengths.logged_step_counts(records, estimate_from),
+                                                 estimate_from))
+    return "\n".join(lines)
 
 
 def run(cfg, topology: str, estimate_from: str = "") -> int:
@@ -492,7 +506,6 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     jax.config.update("jax_platforms", "cpu")  # the host's own backend; TPU programs are compiled, never run
     devices, nominal = topology_devices(topology)
     checks.validate(cfg, len(devices))
-    lengths = step_lengths.from_run(estimate_from) if estimate_from else step_lengths.defaults(cfg)
     hbm = usable_hbm_bytes(devices[0]) or nominal
     hosts = len({d.process_index for d in devices})
     print(f"compiling for {topology}: {len(devices)} chips, {hosts} host(s), {devices[0].device_kind}, "
@@ -520,8 +533,8 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
         print(f"llds_jax: error: {line}")
     if problems:
         return EXIT_DOES_NOT_FIT
-    print(f"rollout programs: {sum(p.rollout for p in programs)} (training and evaluation)")
-    print("step estimate: not modelled for the paged engine yet (its programs' memory is above)")
+    print(f"rollout programs: {sum(p.rollout for p in programs)} (paged engine, training and evaluation)")
+    print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts, layout, estimate_from))
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "

@@ -100,12 +100,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.num_pages = PagingConfig.num_pages  # pages in the pool (0: every sequence's worst case)
     c.rollout.params_dtype = "float32"  # the rollout's copy of the params (cast once per step): float32 / bfloat16
     c.rollout.tensor_parallel = 0       # chips splitting the rollout copy's heads and MLP (-1: a host's; 0: training's)
-    # The removed dense engine's shapes, read by the step estimate alone (llds_jax/step_estimate.py) until it
-    # models the paged engine; the rollout ignores them.
-    c.rollout.extend_chunk = 0          # observation extends in passes of this many tokens (0: one pass)
-    c.rollout.cache_block = 0           # decode/extend read the filled KV cache in blocks of this many slots (0: all)
-    c.rollout.max_extend_rows = 0       # rows per extend call with continuous batching (0: any)
-    c.rollout.shared_prompt_prefill = False  # a session's prefill encodes each distinct prompt once
     # a sequence enters as soon as the engine has a slot for it (policy "continuous", rollout/driver.py)
     c.rollout.continuous_batching = AgentConfig.continuous_batching
     c.rollout.compile_grid = True       # after the first rollout, compile the step program at every token bucket
@@ -233,6 +227,10 @@ REMOVED_KEYS = {
     "rollout.min_observation_bucket": f"{_PAGED_ONLY} (observations go in its ragged steps: rollout.max_step_tokens)",
     "rollout.reuse_buckets": f"{_PAGED_ONLY}: its step programs are compiled once per token bucket "
                              "(rollout.compile_grid)",
+    "rollout.extend_chunk": f"{_PAGED_ONLY} (observations go in its ragged steps: rollout.max_step_tokens)",
+    "rollout.cache_block": f"{_PAGED_ONLY}: its attention reads a sequence's pages alone",
+    "rollout.max_extend_rows": f"{_PAGED_ONLY} (observations go in its ragged steps: rollout.max_step_tokens)",
+    "rollout.shared_prompt_prefill": f"{_PAGED_ONLY}: a GRPO group's samples share their prompt's pages",
 }
 
 
@@ -362,9 +360,6 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("optim.warmup_ratio", "rollout.search_failure_rate"), lambda v: 0 <= v <= 1, "in [0, 1]"),
     (("distributed.process_id",), lambda v: v >= -1, ">= 0 (or -1: detected)"),
     (("rollout.tensor_parallel",), lambda v: v >= -1, ">= 1 (or -1: all of a host's chips, 0: the training layout)"),
-    (("rollout.extend_chunk",), lambda v: v >= 0 and not v & (v - 1), "0 (one pass) or a power of two"),
-    (("rollout.cache_block",), lambda v: v >= 0 and not v & (v - 1), "0 (every slot) or a power of two"),
-    (("rollout.max_extend_rows",), lambda v: v >= 0 and not v & (v - 1), "0 (any) or a power of two"),
 )
 
 

@@ -1,28 +1,30 @@
-"""An ESTIMATED training-step time for `--mode=compile`: each compiled program's roofline time (`llds_jax.roofline`,
-read from its HLO) times the calls a step makes of it, split into the rollout and the updates.
+"""An ESTIMATED training-step time for `--mode=compile`: the rollout as the paged engine runs it at given lengths
+(`llds_jax.rollout_schedule`: its step calls per token bucket), each call costed by a roofline at its tokens, plus
+retrieval where it blocks, plus the updates: each compiled training program's roofline time (`llds_jax.roofline`,
+read from its HLO) times the calls a step makes of it.
 
-Not a measurement: peak rates are never reached, and the call counts rest on stated assumptions, the worst case
-the config allows:
-- every sampler session (`rollout.max_batch_size` rows, or the host's share) runs `rollout.max_turns` + 1 turns
-  and waits in each for a row that samples `rollout.max_turn_tokens` tokens (turn-synchronous sessions wait for
-  their longest row), in decode chunks of `rollout.decode_chunk` steps (a chunk stops once every row is done, so
-  a turn's last chunk runs only the steps left: max_turn_tokens / decode_chunk chunks' worth of steps), each at
-  the largest cache capacity a conversation can reach;
-- each session prefills once, extends `rollout.max_turns` observations, grows its cache and compacts once;
-- with `rollout.cache_block`, decode and extends read the cache's filled blocks alone (`filled_blocks`): a
-  conversation's slots are its prompt bucket, then each turn's `rollout.max_turn_tokens` and each observation's
-  `rollout.max_observation_tokens` (padded to its bucket while it is appended), a short prompt padded to the
-  largest prompt bucket (the `max_context_tokens` cap never binds);
-- continuous batching (`rollout.continuous_batching`): at the worst case every row's sequences run in lockstep,
-  so its calls are the sessions' (one empty batch, prompt extends of every row in place of prefills, observation
-  extends of every row; `rollout.max_extend_rows` rows per call);
-- tree rollouts (`rollout.trees`): each session's chains and its `rollout.tree_rounds` forked rounds each run as
-  a session at the largest round's rows (an upper bound: a forked round starts from the fork's turn), with one fork
-  per round;
-- hosts sample their sessions at the same time (a step's rollout is one host's); evaluation is left out (it runs
-  every `train.eval_every` steps);
-- the updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
-  (`train.lld_every`) its two float32 forwards per update and its metrics, spread over the steps between.
+Not a measurement: peak rates are never reached, and the lengths are stated assumptions or a run's logged means.
+- A rollout call (`StepCost`, per chip of the rollout's tensor-parallel group): its ragged forward at its token
+  bucket's T tokens (the compiled shape: padding computes too), then its decode iterations, each a forward of
+  the engine's S sequence slots. A forward reads the rollout copy's weights once (their bytes per chip from the
+  compiled step program: its arguments less the page pool), the pages its sequences read (each sequence's pages up
+  to its length; bytes per page per chip from the pool's shape), and computes 2 x (a layer's matrix parameters x
+  layers) FLOPs per token plus the output projection's 2 x V x D per sequence slot (divided over the group); its
+  tensor-parallel all-reduces move 2 per layer of [tokens, D] in the compute dtype (2 (n-1)/n of it per chip).
+  Its time: max(FLOPs / peak, HBM bytes / bandwidth) + ICI bytes / ICI bandwidth. Not counted: attention's FLOPs
+  (inside the ragged paged attention kernel), sampling, the host's work between calls.
+- Retrieval (`retrieval_seconds`): at the retriever's cost per call (a faiss Flat or HNSW index on the host, by
+  its measured cost per call; e5_device, by its compiled search program's roofline). Under `barrier` a session
+  waits, after each turn, for its last search call: those calls' seconds add to the rollout. Under `continuous`
+  a row waits for its search while the others decode: the host serves one call at a time and at most the rows in
+  flight R wait, so the searches Q of a step need at least Q / R calls of R queries; their seconds, busy time
+  B = (Q / R) x seconds(call of R queries), overlap the device's D seconds, and the rollout is max(D, B): the
+  retrieval line is what blocks, max(0, B - D).
+- The updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
+  (`train.lld_every`) its two float32 forwards per update and its metrics, spread over the steps between; at
+  expected lengths scaled by the trained tokens' share of the compiled length (`step_lengths.update_share`).
+- Hosts sample their own sequences at the same time (a step's rollout is one host's); evaluation is left out
+  (it runs every `train.eval_every` steps); the weight reshard runs once per step, in the rollout.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from llds_jax import step_lengths
+from llds_jax import rollout_schedule, step_lengths
 from llds_jax.programs import Role
 from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
 
@@ -55,8 +57,8 @@ MEASURED_VCPUS = 2
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
     """One compiled program in the estimate: its name and shapes, its cost per call on one chip, its calls per
-    training step, which part of the step it belongs to (ROLLOUT, UPDATES or "" for neither) and its role (None:
-    a program of no run)."""
+    training step, which part of the step it belongs to (ROLLOUT, UPDATES, RESHARD or "" for neither) and its role
+    (None: a program of no run)."""
 
     name: str
     shapes: str
@@ -68,58 +70,12 @@ class ProgramCost:
 
 def part(role: Role | None, rollout: bool) -> str:
     """The part of the step a program of `role` belongs to (`rollout`: it runs on the rollout's copy of the
-    params)."""
+    params). The paged engine's step programs are costed by `StepCost`, not by their HLO: ""."""
     if role is Role.RESHARD:
         return RESHARD
-    if role is Role.RETRIEVAL:
-        return ""  # retrieval is its own line of the expected step (`retrieval_seconds`)
+    if role in (Role.RETRIEVAL, Role.ROLLOUT_STEP):
+        return ""
     return ROLLOUT if rollout else UPDATES
-
-
-def rollout_calls(cfg, sequences: int, rows: int) -> dict[Role, float]:
-    """Calls per training step of each rollout program (module docstring) for one host's `sequences` sequences in
-    sessions of `rows` rows."""
-    r = cfg.rollout
-    sessions = _sessions(cfg, sequences, rows)
-    turns = r.max_turns + 1
-    if r.trees:  # every round of a session at the largest round's rows, each forked round from its first turn
-        rounds = 1 + r.tree_rounds
-        return {Role.PREFILL: sessions, Role.EXTEND: sessions * rounds * r.max_turns,
-                Role.FORK: sessions * r.tree_rounds,
-                Role.DECODE_CHUNK: sessions * rounds * turns * r.max_turn_tokens / r.decode_chunk,
-                Role.CACHE_GROWTH: sessions * rounds, Role.COMPACTION: sessions}
-    calls = {Role.DECODE_CHUNK: sessions * turns * r.max_turn_tokens / r.decode_chunk, Role.CACHE_GROWTH: sessions,
-             Role.COMPACTION: sessions}
-    if r.continuous_batching:  # one batch; each row's sequences at the worst case run in lockstep, as sessions
-        per_batch = rows / min(rows, r.max_extend_rows or rows)  # extend calls for every row of the batch
-        return {Role.EMPTY_BATCH: 1, Role.PROMPT_EXTEND: sessions * per_batch,
-                Role.ROW_EXTEND: sessions * r.max_turns * per_batch, **calls}
-    return {Role.PREFILL: sessions, Role.EXTEND: sessions * r.max_turns, **calls}
-
-
-def _sessions(cfg, sequences: int, rows: int) -> int:
-    """Sampler sessions of one host's `sequences` sequences in sessions of `rows` rows; a tree rollout's sessions
-    hold `rollout.max_batch_size` samples each (its rows are those of its largest round)."""
-    if cfg.rollout.trees:
-        return math.ceil(sequences / (cfg.rollout.max_batch_size or sequences))
-    return math.ceil(sequences / rows)
-
-
-def filled_blocks(cfg, prompt: int, observation: int, capacity: int) -> tuple[float, float]:
-    """(mean cache blocks a decode step reads, mean blocks an extend pass reads) under the module's assumptions,
-    with `prompt` and `observation` the largest buckets and `capacity` the largest cache: a query at slot q reads
-    q // block + 1 blocks of `rollout.cache_block` slots (at most capacity / block). The decode chunk's and the
-    extend's block loops are counted at these means (their costs are linear in the count)."""
-    r = cfg.rollout
-    block = min(r.cache_block or capacity, capacity)
-    cap = capacity // block
-    per_turn = r.max_turn_tokens + r.max_observation_tokens
-    decode = [min(cap, (prompt + t * per_turn + i) // block + 1)
-              for t in range(r.max_turns + 1) for i in range(r.max_turn_tokens)]
-    chunk = min(r.extend_chunk or observation, observation)
-    extend = [min(cap, (prompt + t * per_turn + r.max_turn_tokens + (p + 1) * chunk - 1) // block + 1)
-              for t in range(r.max_turns) for p in range(observation // chunk)]
-    return sum(decode) / len(decode), (sum(extend) / len(extend) if extend else float(cap))
 
 
 def update_calls(cfg, updates: int) -> dict[Role, float]:
@@ -127,18 +83,6 @@ def update_calls(cfg, updates: int) -> dict[Role, float]:
     lld = 1 / cfg.train.lld_every if cfg.train.lld_every else 0.0
     return {Role.REFERENCE_LOGP: updates, Role.POLICY_LOGP: updates, Role.LIKELIHOOD_METRICS: 1,
             Role.LLD_LOGP: 2 * updates * lld, Role.LLD_METRICS: lld, Role.UPDATE: updates}
-
-
-def assumptions(cfg, sequences: int, rows: int) -> str:
-    """The call counts' assumptions in one line."""
-    r = cfg.rollout
-    read = (f"reading the filled cache in blocks of {r.cache_block} slots" if r.cache_block
-            else "attending over every slot of the largest cache capacity")
-    rounds = f" in each of 1 + {r.tree_rounds} tree round(s) (chains, then forks)" if r.trees else ""
-    return (f"assumed per host and step: {sequences} trajectories in {_sessions(cfg, sequences, rows)} session(s) "
-            f"of {rows} rows, each "
-            f"{r.max_turns + 1} turns of {r.max_turn_tokens} decode steps (the longest row){rounds} in chunks of "
-            f"{r.decode_chunk}, {r.max_turns} extends of {r.max_observation_tokens} tokens, {read}")
 
 
 def part_seconds(programs: Sequence[ProgramCost], peaks: ChipPeaks,
@@ -152,45 +96,109 @@ def part_seconds(programs: Sequence[ProgramCost], peaks: ChipPeaks,
     return totals
 
 
-def format_estimate(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str,
-                    decode_tokens_per_call: int) -> str:
-    """The table of each program's estimated time per call and per step, the decode chunk's tokens/s (with every
-    one of its `decode_tokens_per_call` = rows x steps sampling), and the step's rollout and update time and the
-    rollout's share."""
+def format_programs(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str) -> str:
+    """The table of each HLO-costed program's estimated time per call and per step."""
+    programs = [p for p in programs if p.part]
     width = max(len(p.name) for p in programs)
     header = (f"{'program':<{width}}  {'GFLOP':>9} {'HBM GB':>8} {'ICI GB':>8} {'bound':>10} {'per call':>9} "
               f"{'calls':>7} {'per step':>9}")
-    lines = [f"estimated time per chip (roofline from each program's HLO at {generation} peaks; an estimate, not a "
-             "measurement)", header, "-" * len(header)]
+    lines = [f"estimated time per chip (roofline from each program's HLO at {generation} peaks, worst-case calls; "
+             "an estimate, not a measurement)", header, "-" * len(header)]
     for p in programs:
         estimate = roofline_seconds(p.cost, peaks)
-        per_step = estimate.seconds * p.calls
         lines.append(f"{p.name:<{width}}  {p.cost.flops / 1e9:9.1f} {p.cost.hbm_bytes / 1e9:8.2f} "
                      f"{p.cost.ici_bytes / 1e9:8.3f} {estimate.bound:>10} {estimate.seconds * 1e3:7.2f}ms "
-                     f"{p.calls:7.1f} {per_step:8.2f}s")
-    decode = next((p for p in programs if p.role is Role.DECODE_CHUNK and p.calls), None)
-    if decode is not None:
-        lines.append(f"decode: {decode_tokens_per_call / roofline_seconds(decode.cost, peaks).seconds:,.0f} "
-                     "tokens/s per host with every row sampling")
-    totals = part_seconds(programs, peaks)
-    rollout = totals[ROLLOUT] + totals[RESHARD]
-    step = rollout + totals[UPDATES]
-    if any(p.part == RESHARD for p in programs):
-        lines.append(f"weight reshard (the rollout's copy of the params, on the chips, once per step; in the "
-                     f"rollout): {totals[RESHARD]:.2f} s")
-    lines.append(f"worst-case step: rollout {rollout:.1f} s + updates {totals[UPDATES]:.1f} s = {step:.1f} s; "
-                 f"rollout {rollout / step:.1%} of the step" if step else "worst-case step: no program runs")
+                     f"{p.calls:7.1f} {estimate.seconds * p.calls:8.2f}s")
     return "\n".join(lines)
 
 
-def retrieval_calls(cfg, sequences: int, rows: int, searches: float) -> tuple[float, float]:
-    """(calls per host and step that rows wait for, queries per such call) for one host's `sequences` trajectories
-    of `searches` searches each in sessions of `rows` rows. A session sends the searches of the rows whose turn ended
-    in a decode chunk as one call, while its other rows decode on; what holds the session is the last call of each
-    of its `rollout.max_turns` search turns (sessions decode at the worst case: some row searches in every turn).
-    Its size is bounded by every search of that turn: the step's searches over its calls."""
-    calls = _sessions(cfg, sequences, rows) * cfg.rollout.max_turns
-    return calls, sequences * searches / calls
+# ----- the paged engine's calls --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """What one forward of the rollout model costs on one chip of its tensor-parallel group (module docstring).
+
+    Attributes:
+      weight_bytes: bytes of the rollout copy's weights per chip, read once per forward.
+      flops_per_token: matrix FLOPs per token per chip in the layers (2 x their matrix parameters / group).
+      logit_flops_per_slot: FLOPs per chip of the output projection for one sequence slot (2 x V x D / group).
+      page_bytes: bytes of one page of every layer's keys and values per chip.
+      ici_bytes_per_token: tensor-parallel all-reduce bytes per token per chip.
+      slots: the engine's sequence slots S (a decode iteration's tokens).
+    """
+
+    weight_bytes: float
+    flops_per_token: float
+    logit_flops_per_slot: float
+    page_bytes: float
+    ici_bytes_per_token: float
+    slots: int
+
+    def forward_seconds(self, tokens: int, pages: float, peaks: ChipPeaks) -> float:
+        """Seconds of one forward of `tokens` tokens whose sequences read `pages` pages."""
+        flops = tokens * self.flops_per_token + self.slots * self.logit_flops_per_slot
+        hbm = self.weight_bytes + pages * self.page_bytes
+        return max(flops / peaks.flops, hbm / peaks.hbm_bandwidth) + tokens * self.ici_bytes_per_token / peaks.ici_bandwidth
+
+    def call_seconds(self, call: rollout_schedule.Call, peaks: ChipPeaks) -> float:
+        """Seconds of one step call: its ragged forward at its bucket, then its decode iterations at S slots."""
+        per_iteration_pages = call.iteration_pages_read / call.iterations if call.iterations else 0.0
+        return (self.forward_seconds(call.bucket, call.pages_read, peaks)
+                + call.iterations * self.forward_seconds(self.slots, per_iteration_pages, peaks))
+
+
+def step_cost(model_cfg, tensor: int, weight_bytes: float, page_size: int, slots: int) -> StepCost:
+    """The `StepCost` of a rollout model of `model_cfg` (its compute dtype) split over `tensor` chips, with
+    `weight_bytes` per chip (read from the compiled step program), pages of `page_size` slots and `slots` sequence
+    slots."""
+    m = model_cfg
+    itemsize = 2 if m.dtype in ("bfloat16", "float16") else 4
+    attention = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)  # q, k, v, o
+    layer = attention + 3 * m.hidden_size * m.intermediate_size  # and the SwiGLU MLP
+    page = m.num_layers * page_size * 2 * m.num_kv_heads * m.head_dim * itemsize / tensor
+    all_reduce = 2 * m.num_layers * m.hidden_size * itemsize * 2 * (tensor - 1) / tensor
+    return StepCost(weight_bytes, 2 * layer * m.num_layers / tensor, 2 * m.vocab_size * m.hidden_size / tensor, page,
+                    all_reduce, slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutTime:
+    """A rollout's seconds per host: the device's (per token bucket), retrieval's blocking ones, and how retrieval
+    was costed, in words."""
+
+    bucket_seconds: dict[int, float]
+    retrieval: float
+    retrieval_how: str
+
+    @property
+    def device(self) -> float:
+        return sum(self.bucket_seconds.values())
+
+
+def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: ChipPeaks, cfg, generation: str,
+                 searches: float, device_search: ProgramCost | None = None) -> RolloutTime:
+    """The device seconds of `schedule`'s calls per bucket, and retrieval's blocking seconds for `searches`
+    searches per trajectory under its policy (module docstring)."""
+    seconds: dict[int, float] = {}
+    for call in schedule.calls:
+        seconds[call.bucket] = seconds.get(call.bucket, 0.0) + cost.call_seconds(call, peaks)
+    device = sum(seconds.values())
+    queries = schedule.sequences * searches
+    if schedule.policy == "barrier":
+        calls, per_call = schedule.search_waits, queries / max(schedule.search_waits, 1)
+    else:
+        per_call = min(schedule.rows_in_flight, queries)
+        calls = queries / per_call if per_call else 0.0
+    per_call_s, how = retrieval_call_seconds(cfg, per_call, generation, peaks, device_search)
+    busy = calls * per_call_s
+    if schedule.policy == "barrier":
+        return RolloutTime(seconds, busy, f"{calls:,.0f} calls held a session (each session's last call of each "
+                                          f"turn with searches) of up to {per_call:,.0f} queries x {how}")
+    return RolloutTime(seconds, max(0.0, busy - device),
+                       f"{queries:,.0f} searches in at least {calls:,.1f} calls of {per_call:,.0f} (the rows in "
+                       f"flight) x {how} = {busy:.1f} s busy beside {device:.1f} s of device time; what exceeds it "
+                       "blocks")
 
 
 def host_call_seconds(index_rows: int, queries: float, vcpus: int, hnsw: bool) -> float:
@@ -205,10 +213,10 @@ def host_call_seconds(index_rows: int, queries: float, vcpus: int, hnsw: bool) -
     return queries * FLAT_BLAS_S_PER_QUERY_PER_MROW * index_rows / 1e6 / vcpus
 
 
-def retrieval_seconds(cfg, calls: float, queries: float, generation: str, peaks: ChipPeaks,
-                      device_search: ProgramCost | None = None) -> tuple[float, str]:
-    """Seconds per host and step that rows wait for `calls` calls of `queries` queries with `cfg`'s retriever, and
-    how, in words: the e5_device search program's roofline time per device call (`device_search`, compiled at
+def retrieval_call_seconds(cfg, queries: float, generation: str, peaks: ChipPeaks,
+                           device_search: ProgramCost | None = None) -> tuple[float, str]:
+    """Seconds of one retriever call of `queries` queries with `cfg`'s retriever, and how, in words: the
+    e5_device search program's roofline time per device call (`device_search`, compiled at
     `retriever.search_batch` queries or fewer); a faiss Flat (wiki-18's rows) or HNSW64 index by the measured cost
     of such a call on a host's vCPUs (`host_call_seconds`); (0, why) for a retriever without a measured cost."""
     ret = cfg.retriever
@@ -216,8 +224,8 @@ def retrieval_seconds(cfg, calls: float, queries: float, generation: str, peaks:
     if backend == "e5_device" and device_search is not None:
         per_device_call = roofline_seconds(device_search.cost, peaks).seconds
         per_call = per_device_call * math.ceil(queries / ret.get("search_batch", 64))
-        return calls * per_call, (f"{per_call * 1e3:.2f} ms per call (e5_device, {device_search.shapes}: "
-                                  f"{per_device_call * 1e3:.2f} ms per device call, roofline from its HLO)")
+        return per_call, (f"{per_call * 1e3:.2f} ms per call (e5_device, {device_search.shapes}: "
+                          f"{per_device_call * 1e3:.2f} ms per device call, roofline from its HLO)")
     index = os.path.basename(str(ret.get("index_path", ""))) if backend == "faiss" else ""
     if "Flat" not in index and "HNSW" not in index:
         return 0.0, f"no measured cost per call for retriever {backend!r} (not counted)"
@@ -227,30 +235,40 @@ def retrieval_seconds(cfg, calls: float, queries: float, generation: str, peaks:
     kind = ("e5 HNSW64 (efSearch 16), one query per thread" if hnsw else
             f"e5 Flat over {WIKI18_ROWS:,} rows, " + ("one query per thread scanning every row"
                                                       if queries < BLAS_MIN_QUERIES else "faiss's BLAS path"))
-    return calls * per_call, f"{per_call:.3g} s per call ({kind}, on a host's {vcpus} vCPUs; measured on 1 thread)"
+    return per_call, f"{per_call:.3g} s per call ({kind}, on a host's {vcpus} vCPUs; measured on 1 thread)"
 
 
-def expected(programs: Sequence[ProgramCost], peaks: ChipPeaks, generation: str, cfg, lengths: step_lengths.Lengths,
-             sequences: int, rows: int) -> str:
-    """The expected step at `lengths` (`llds_jax.step_lengths`) for one host's `sequences` in sessions of `rows`:
-    each program's worst-case time per step scaled by its share (the decode chunk by `decode_share`, the forwards
-    and updates by `update_share`, every other program as in the worst case), plus retrieval
-    (`retrieval_seconds`), with the lengths' source."""
-    decode = step_lengths.decode_share(cfg, lengths, sequences, rows)
-    update = step_lengths.update_share(cfg, lengths)
-    totals = part_seconds(programs, peaks, {Role.DECODE_CHUNK: decode, **dict.fromkeys(FORWARDS, update)})
-    calls, queries = retrieval_calls(cfg, sequences, rows, lengths.searches)
-    device_search = next((p for p in programs if p.role is Role.RETRIEVAL), None)
-    retrieval, how = retrieval_seconds(cfg, calls, queries, generation, peaks, device_search)
-    rollout = totals[ROLLOUT] + totals[RESHARD] + retrieval
-    step = rollout + totals[UPDATES]
-    return "\n".join([
-        f"expected lengths from {lengths.source}: per trajectory {lengths.sampled_tokens:,.0f} sampled tokens, "
-        f"{lengths.trajectory_tokens:,.0f} trained, {lengths.searches:.2f} searches; the decode at {decode:.1%} of the "
-        f"worst case's calls, the forwards and updates at {update:.1%}, other programs as in the worst case",
-        f"retrieval (in the rollout, what rows wait for): {sequences * lengths.searches:,.0f} searches per host and "
-        f"step; {calls:,.0f} calls held a session (each session's last call of each search turn) of up to "
-        f"{queries:,.0f} queries x {how} = {retrieval:.1f} s",
-        f"expected step: rollout {rollout:.1f} s (of which retrieval {retrieval:.1f} s, weight reshard "
-        f"{totals[RESHARD]:.2f} s) + updates {totals[UPDATES]:.1f} s = {step:.1f} s; rollout {rollout / step:.1%} of "
-        "the step (an estimate, not a measurement)"])
+def format_step(label: str, schedule: rollout_schedule.Schedule, time: RolloutTime, reshard: float,
+                updates: float, lengths: step_lengths.Lengths) -> str:
+    """The lines of one step estimate: the lengths, the rollout's calls, tokens and seconds per token bucket,
+    retrieval, and the step with the rollout's share."""
+    lines = [f"{label} step at {lengths.source}: per trajectory a prompt of {lengths.prompt_tokens:,.0f} tokens, "
+             f"{lengths.turns:.2f} turns sampling {lengths.sampled_tokens:,.0f} tokens, observations of "
+             f"{lengths.observation_tokens:,.0f}, {lengths.searches:.2f} searches, {lengths.trajectory_tokens:,.0f} "
+             "tokens trained",
+             f"  rollout ({schedule.policy}, {schedule.sequences} trajectories per host, up to "
+             f"{schedule.rows_in_flight} in flight): token bucket, calls, batch tokens, decode iterations, seconds"]
+    for bucket in sorted(time.bucket_seconds):
+        calls = [c for c in schedule.calls if c.bucket == bucket]
+        lines.append(f"  {bucket:>6} {len(calls):>7,} {sum(c.tokens for c in calls):>11,} "
+                     f"{sum(c.iterations for c in calls):>9,} {time.bucket_seconds[bucket]:9.2f}s")
+    rollout = time.device + time.retrieval + reshard
+    step = rollout + updates
+    lines += [f"  retrieval (in the rollout, what rows wait for): {time.retrieval_how}: {time.retrieval:.1f} s",
+              f"  {label} step: rollout {rollout:.1f} s (device {time.device:.1f} s, retrieval {time.retrieval:.1f} s, "
+              f"weight reshard {reshard:.2f} s) + updates {updates:.1f} s = {step:.1f} s; rollout {rollout / step:.1%} "
+              "of the step (an estimate, not a measurement)"]
+    return "\n".join(lines)
+
+
+def format_counts(schedule: rollout_schedule.Schedule, logged: dict[int, tuple[float, float]], source: str) -> str:
+    """Predicted against logged step calls and batch tokens per token bucket (per host and step)."""
+    lines = [f"step calls per host and step, predicted (at the run's lengths) vs logged ({source}): token bucket, "
+             "calls, batch tokens"]
+    for bucket in sorted(set(logged) | set(schedule.calls_per_bucket)):
+        calls, tokens = logged.get(bucket, (0.0, 0.0))
+        lines.append(f"  {bucket:>6} {schedule.calls_per_bucket.get(bucket, 0):>8,} vs {calls:>10,.1f}   "
+                     f"{schedule.tokens_per_bucket.get(bucket, 0):>10,} vs {tokens:>12,.1f}")
+    total = sum(c for c, _ in logged.values())
+    lines.append(f"  all    {len(schedule.calls):>8,} vs {total:>10,.1f}")
+    return "\n".join(lines)

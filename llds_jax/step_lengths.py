@@ -1,25 +1,19 @@
-"""The lengths a training step runs at, for the step estimate (`llds_jax.step_estimate`): the worst case the
-programs are compiled for, and expected lengths read from a run's logged metrics (`--estimate_from=RUN_DIR`) or,
-without a run, this module's defaults, each saying where it comes from.
+"""The lengths a training step runs at, for the step estimate (`llds_jax.step_estimate`): expected lengths read
+from a run's logged metrics (`--estimate_from=RUN_DIR`) or, without a run, this module's defaults, each saying where
+it comes from; and a run's logged step-program calls and batch tokens per token bucket, to set beside the
+estimate's.
 
 What the lengths change in the estimate:
-- the decode: a turn-synchronous session decodes until its last row ends each turn and until its longest
-  conversation ends, so its decode steps are its rows' mean sampled tokens divided by the decode occupancy (the
-  share of row-steps that sample: `rollout/decode_occupancy`); with `rollout.continuous_batching` a freed row takes
-  the next conversation, so the decode follows the host's sampled tokens over its rows (occupancy 1 assumed);
+- the rollout: the paged engine's calls at these lengths (`llds_jax.rollout_schedule`: prompts, turns and their
+  sampled tokens, observations), each costed at its tokens; retrieval by the searches;
 - the updates: with `optim.pack_trajectories` the trajectories are packed into rows of the compiled length, so
   the forwards and the update follow the mean trajectory's tokens (prompt, sampled and observation tokens), plus
-  the packing's padding; without it they run at the batch's longest trajectory (the worst case assumed);
-- retrieval: the calls that hold a session, each of up to the step's searches over those calls, at the retriever's
-  cost per call (`step_estimate.retrieval_seconds`).
-Prefills, extends, cache growth and compaction keep their worst-case counts (an upper bound: 17% of qwen7b_v4's
-worst-case rollout).
+  the packing's padding; without it they run at the batch's longest trajectory (the worst case assumed).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -32,32 +26,36 @@ from llds_jax.errors import InputError
 #   jinyansu1.github.io); the demo's policy searches 1.50 times per question (docs/demo.md);
 # - 150 sampled tokens per turn (an assumption: a <think> paragraph and a query or an answer);
 # - 400 tokens per observation: 3 passages of wiki-18 (a title and ~100 words each) in Search-R1's format;
-# - 250 prompt tokens: Search-R1's instruction with a question (llds_jax/protocol.py's template, Qwen2.5 tokens);
-# - the decode of a session at its worst case: with 128 rows, some row is assumed to reach each turn's token cap
-#   and some conversation to use every turn.
+# - 250 prompt tokens: Search-R1's instruction with a question (llds_jax/protocol.py's template, Qwen2.5 tokens).
 DEFAULT_SEARCHES = 1.5
 DEFAULT_TURN_TOKENS = 150.0
 DEFAULT_OBSERVATION_TOKENS = 400.0
 DEFAULT_PROMPT_TOKENS = 250.0
 DEFAULTS_SOURCE = ("defaults (assumed, not measured: 1.5 searches and 2.5 turns of 150 tokens per trajectory, "
-                   "observations of 400 tokens, prompts of 250; sessions decode at the worst case)")
+                   "observations of 400 tokens, prompts of 250)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Lengths:
-    """Per trajectory, means over a step (tokens), and what a session's decode runs.
+    """Per trajectory, means over a step (tokens).
 
     Attributes:
-      sampled_tokens: tokens a trajectory samples over its turns.
-      trajectory_tokens: tokens a trajectory trains on: its prompt, sampled and observation tokens.
-      searches: searches a trajectory sends.
-      decode_occupancy: the share of a session's row-steps that sample (1: every row samples every step); None:
-        the session decodes at its worst case.
+      prompt_tokens: tokens of its prompt.
+      turns: turns it takes (each but the last followed by an observation).
+      sampled_tokens: tokens it samples over its turns (rolled-back ones included).
+      observation_tokens: tokens of one observation.
+      trajectory_tokens: tokens it trains on: its prompt, kept sampled tokens and observations.
+      searches: searches it sends.
+      decode_occupancy: the share of the step calls' sample slots (sequence slots x samples of the call's longest)
+        that sampled (`rollout/decode_occupancy`); None: unknown.
       padding: the share of the update batch's tokens that are padding (`perf/padding`), 0 when unknown.
       source: where the numbers come from, in words.
     """
 
+    prompt_tokens: float
+    turns: float
     sampled_tokens: float
+    observation_tokens: float
     trajectory_tokens: float
     searches: float
     decode_occupancy: float | None
@@ -69,39 +67,82 @@ def defaults(cfg) -> Lengths:
     """This module's defaults for `cfg` (searches capped by `rollout.max_turns`, tokens by its caps)."""
     r = cfg.rollout
     searches = min(DEFAULT_SEARCHES, r.max_turns)
-    sampled = (searches + 1) * min(DEFAULT_TURN_TOKENS, r.max_turn_tokens)
-    observations = searches * min(DEFAULT_OBSERVATION_TOKENS, r.max_observation_tokens)
-    tokens = min(DEFAULT_PROMPT_TOKENS + sampled + observations, r.max_context_tokens)
-    return Lengths(sampled, tokens, searches, None, 0.0, DEFAULTS_SOURCE)
+    prompt = min(DEFAULT_PROMPT_TOKENS, r.max_prompt_tokens)
+    turn = min(DEFAULT_TURN_TOKENS, r.max_turn_tokens)
+    observation = min(DEFAULT_OBSERVATION_TOKENS, r.max_observation_tokens)
+    tokens = min(prompt + (searches + 1) * turn + searches * observation, r.max_context_tokens)
+    return Lengths(prompt, searches + 1, (searches + 1) * turn, observation, tokens, searches, None, 0.0,
+                   DEFAULTS_SOURCE)
+
+
+def worst_case(cfg) -> Lengths:
+    """The lengths the programs are compiled for: prompts of `rollout.max_prompt_tokens`, `rollout.max_turns` + 1
+    turns of `rollout.max_turn_tokens`, observations of `rollout.max_observation_tokens`, every trajectory at
+    `rollout.max_context_tokens` in the updates."""
+    r = cfg.rollout
+    return Lengths(r.max_prompt_tokens, r.max_turns + 1, (r.max_turns + 1) * r.max_turn_tokens,
+                   r.max_observation_tokens, r.max_context_tokens, r.max_turns, None, 0.0,
+                   "every turn and every token cap")
+
+
+RUN_KEYS = ("rollout/prompt_tokens", "rollout/turns", "rollout/sampled_tokens", "rollout/observation_tokens",
+            "rollout/searches", "rollout/decode_occupancy", "rollout/trajectories", "perf/tokens_per_s",
+            "perf/step_s")
+
+
+def _rollout_steps(records: Sequence[Mapping[str, float]], source: str) -> list[Mapping[str, float]]:
+    """The records of steps with a rollout (InputError when none)."""
+    steps = [r for r in records if "rollout/trajectories" in r]
+    if not steps:
+        raise InputError(f"{source}: no step logged rollout/trajectories")
+    return steps
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def from_metrics(records: Sequence[Mapping[str, float]], source: str) -> Lengths:
     """Mean lengths over a run's per-step metric records (metrics.jsonl's lines; steps without a rollout are
-    skipped): `rollout/response_length` (sampled tokens per trajectory), `rollout/valid_searches`,
-    `rollout/decode_occupancy`, `perf/padding`, and the trained tokens per trajectory from `perf/tokens_per_s` x
-    `perf/step_s` (the batch's real tokens) over `rollout/trajectories` (else the batch size the run's records imply
-    is unknown: ValueError naming the missing key)."""
-    steps = [r for r in records if "rollout/response_length" in r]
-    if not steps:
-        raise InputError(f"{source}: no step logged rollout/response_length")
-    missing = [k for k in ("rollout/valid_searches", "rollout/decode_occupancy", "perf/tokens_per_s", "perf/step_s",
-                           "rollout/trajectories") if any(r.get(k) is None for r in steps)]
+    skipped): per trajectory `rollout/prompt_tokens`, `rollout/sampled_tokens`, `rollout/searches` (the step's
+    totals over `rollout/trajectories`), `rollout/turns`, an observation's `rollout/observation_tokens` over the
+    trajectories' turns but their last, `rollout/decode_occupancy`, `perf/padding`, and the trained tokens from
+    `perf/tokens_per_s` x `perf/step_s` (the batch's real tokens) over the trajectories (InputError naming a missing
+    key)."""
+    steps = _rollout_steps(records, source)
+    missing = [k for k in RUN_KEYS if any(r.get(k) is None for r in steps)]
     if missing:
         raise InputError(f"{source}: steps without {', '.join(missing)} (a run of an older version logs fewer "
                          "metrics)")
 
-    def mean(values):
-        return sum(values) / len(values)
+    def per_trajectory(key):
+        return _mean(r[key] / r["rollout/trajectories"] for r in steps)
 
-    trained = [r["perf/tokens_per_s"] * r["perf/step_s"] / r["rollout/trajectories"] for r in steps]
-    return Lengths(mean([r["rollout/response_length"] for r in steps]), mean(trained),
-                   mean([r["rollout/valid_searches"] for r in steps]),
-                   mean([r["rollout/decode_occupancy"] for r in steps]), mean([r.get("perf/padding", 0.0) for r in steps]),
+    turns = _mean(r["rollout/turns"] for r in steps)
+    observations = per_trajectory("rollout/observation_tokens")
+    return Lengths(per_trajectory("rollout/prompt_tokens"), turns, per_trajectory("rollout/sampled_tokens"),
+                   observations / (turns - 1) if turns > 1 else 0.0,
+                   _mean(r["perf/tokens_per_s"] * r["perf/step_s"] / r["rollout/trajectories"] for r in steps),
+                   per_trajectory("rollout/searches"), _mean(r["rollout/decode_occupancy"] for r in steps),
+                   _mean(r.get("perf/padding", 0.0) for r in steps),
                    f"{source}: means over its {len(steps)} steps")
 
 
-def from_run(run_dir: str) -> Lengths:
-    """`from_metrics` of `run_dir`/metrics.jsonl (OSError or ValueError naming the file and line)."""
+def logged_step_counts(records: Sequence[Mapping[str, float]], source: str) -> dict[int, tuple[float, float]]:
+    """Token bucket -> (calls, batch tokens) of the paged engine's step programs per host and step, means over the
+    run's steps (`rollout/step_calls_T`, `rollout/step_tokens_T`; InputError when the run logged none: a run of the
+    dense engine)."""
+    steps = _rollout_steps(records, source)
+    buckets = sorted(int(k.rsplit("_", 1)[1]) for k in steps[0] if k.startswith("rollout/step_calls_"))
+    if not buckets:
+        raise InputError(f"{source}: no rollout/step_calls_T logged (not a run of the paged engine)")
+    return {b: (_mean(r[f"rollout/step_calls_{b}"] for r in steps), _mean(r[f"rollout/step_tokens_{b}"] for r in steps))
+            for b in buckets}
+
+
+def read_records(run_dir: str) -> list[dict]:
+    """The records of `run_dir`/metrics.jsonl (OSError or InputError naming the file and line)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     records = []
     with open(path, encoding="utf-8") as f:
@@ -111,21 +152,7 @@ def from_run(run_dir: str) -> Lengths:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise InputError(f"{path}, line {number}: not JSON ({e.msg})") from None
-    return from_metrics(records, f"the run {run_dir}")
-
-
-def decode_share(cfg, lengths: Lengths, sequences: int, rows: int) -> float:
-    """A step's decode-chunk calls at `lengths` as a share of the worst case's, for one host's `sequences` in
-    sessions of `rows` rows (module docstring), at most 1."""
-    r = cfg.rollout
-    worst = (r.max_turns + 1) * r.max_turn_tokens  # decode steps per session (or per row of a continuous batch)
-    if r.continuous_batching:
-        steps = sequences * lengths.sampled_tokens / rows / math.ceil(sequences / rows)
-    elif lengths.decode_occupancy is None:
-        return 1.0
-    else:
-        steps = lengths.sampled_tokens / lengths.decode_occupancy
-    return min(1.0, steps / worst)
+    return records
 
 
 def update_share(cfg, lengths: Lengths) -> float:

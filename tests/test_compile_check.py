@@ -30,6 +30,8 @@ SHRINK = {
 PROGRAMS = ["rollout reshard", "rollout step (16 tokens)", "rollout step (32 tokens)", "rollout step (64 tokens)",
             "rollout step (128 tokens)", "eval rollout step (8 tokens)", "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",
             "logp (float32, LLD)", "update (2 per step)", "lld metrics"]
+PAGED = {"rollout.continuous_batching": True, "rollout.max_step_tokens": 64, "rollout.page_size": 16,
+         "rollout.decode_chunk": 8}
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +50,17 @@ def tiny_model_dir(tmp_path_factory):
     # and of a layer's weights read dims).
     cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                            head_dim=16)
+    (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def paged_model_dir(tmp_path_factory):
+    """The tiny architecture with heads of 128 lanes: the ragged paged attention kernel takes heads of a multiple
+    of 128."""
+    path = tmp_path_factory.mktemp("paged_arch")
+    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                           head_dim=128)
     (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
     return str(path)
 
@@ -140,20 +153,17 @@ def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(t
     assert not row.error and row.cost.ici_bytes > 0 and row.outputs > row.arguments
     costs = [step_estimate.ProgramCost(reshard.name, reshard.shapes, row.cost, 1.0, step_estimate.RESHARD,
                                        Role.RESHARD)]
-    text = step_estimate.format_estimate(costs, roofline.PEAKS["v4"], "v4", 0)
-    assert "weight reshard (the rollout's copy of the params, on the chips, once per step; in the rollout)" in text
+    text = step_estimate.format_programs(costs, roofline.PEAKS["v4"], "v4")
+    assert text.splitlines()[3].startswith("rollout reshard ") and "collective" in text
 
 
 @pytest.mark.slow
-def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(tmp_path, capsys):
+def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(paged_model_dir, capsys):
     """The rollout is one step program per token bucket (training's 16 slots doubling to
     64 tokens, evaluation's 8 to 64), each calling the ragged paged attention kernel on the chips, its page pool
-    split over the key/value heads; every program fits and the table counts the rollout programs. (The kernel
-    takes heads of a multiple of 128 lanes: the tiny architecture's heads are 128 wide here.)"""
-    arch = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
-                            head_dim=128)
-    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(arch)))
-    cfg = flagship(str(tmp_path), **{"rollout.max_step_tokens": 64, "rollout.page_size": 16})
+    split over the key/value heads; every program fits, the table counts the rollout programs, and the step
+    estimate runs the engine's schedule at the worst case and the defaults, its calls per token bucket costed."""
+    cfg = flagship(paged_model_dir, **PAGED)
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = compile_check.build_programs(cfg, devices)
     rollout = [p for p in programs if p.rollout]
@@ -165,12 +175,27 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     assert len(pools) == 1 and pools.pop() > 0
     assert all(compile_check.PAGE_POOL in p.resident for p in programs if not p.rollout)
     step = next(p for p in rollout if p.name == "rollout step (64 tokens)")
-    assert step.shapes.startswith("16 sequences x 32 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
+    assert step.shapes.startswith("16 sequences x 8 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
     hlo = step.lowered.compile().as_text()
     assert "ragged_paged_attention" in hlo
+    # The estimate's FLOPs of a call are the HLO's: the ragged forward of the bucket's 64 tokens and (its loop
+    # counted once) one decode iteration of the 16 slots, each with the output projection of the 16 slots. (Its
+    # HBM bytes are not: the kernel's operand is the whole pool, of which a call reads its sequences' pages.)
+    layout = run_builder.run_layout(cfg, devices).rollout
+    cost = step_estimate.step_cost(layout.model_cfg, layout.tensor, 0.0, 16, 16)
+    assert roofline.hlo_costs(hlo).flops == pytest.approx((64 + 16) * cost.flops_per_token
+                                                          + 2 * 16 * cost.logit_flops_per_slot)
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     out = capsys.readouterr().out
-    assert "\nrollout programs: 7 (training and evaluation)\n" in out and "every program fits" in out
+    assert "\nrollout programs: 7 (paged engine, training and evaluation)\n" in out and "every program fits" in out
+    lines = out.splitlines()
+    # 2 hosts: 16 trajectories each, all in flight at once (16 slots).
+    assert any(line.startswith("worst-case step at every turn and every token cap: per trajectory a prompt of 64 "
+                               "tokens, 4.00 turns sampling 64 tokens") for line in lines)
+    assert "  rollout (continuous, 16 trajectories per host, up to 16 in flight): token bucket, calls, batch tokens, " \
+           "decode iterations, seconds" in lines
+    expected = next(line for line in lines if line.startswith("  expected step: rollout "))
+    assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
 
 
 def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
@@ -255,20 +280,34 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_launch_compiles_the_flagship_config_for_v5e(tiny_model_dir, tmp_path):
-    """Every program compiled and in the table; the step estimate does not model the paged engine yet (it says
-    so), `--estimate_from` is read all the same."""
+def test_launch_compiles_the_flagship_config_for_v5e(paged_model_dir, tmp_path):
+    """Every program compiled and in the table; the worst-case step, then the expected one at the lengths a run
+    logged (`--estimate_from`: prompts of 40 tokens, 2 turns sampling 24 tokens, observations of 20, one search
+    each, 64 tokens trained), with the predicted step calls per token bucket beside the run's logged ones."""
     (tmp_path / "metrics.jsonl").write_text(json.dumps({
-        "step": 1, "rollout/response_length": 12.0, "rollout/valid_searches": 1.0, "rollout/decode_occupancy": 0.5,
-        "perf/tokens_per_s": 2048.0, "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0}) + "\n")
-    result = launch(tiny_model_dir, "--topology=v5e:2x2", f"--estimate_from={tmp_path}")
+        "step": 1, "rollout/prompt_tokens": 32 * 40.0, "rollout/turns": 2.0, "rollout/sampled_tokens": 32 * 24.0,
+        "rollout/observation_tokens": 32 * 20.0, "rollout/searches": 32.0, "rollout/decode_occupancy": 0.5,
+        "perf/tokens_per_s": 2048.0,
+        "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0, "rollout/step_calls_16": 20.0,
+        "rollout/step_tokens_16": 150.0, "rollout/step_calls_32": 3.0, "rollout/step_tokens_32": 80.0,
+        "rollout/step_calls_64": 5.0, "rollout/step_tokens_64": 290.0}) + "\n")
+    result = launch(paged_model_dir, "--topology=v5e:2x2", f"--estimate_from={tmp_path}",
+                    *[f"--config.{k}={v}" for k, v in PAGED.items()])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "compiling for v5e:2x2: 4 chips, 1 host(s), TPU v5 lite, 16 GiB HBM per chip" in result.stdout
-    for name in PROGRAMS:
+    for name in ("rollout step (16 tokens)", "eval rollout step (64 tokens)", "update (2 per step)"):
         assert f"\n{name} " in result.stdout
     assert "(host-local)" not in result.stdout  # one host: rollouts on the training mesh
-    assert "step estimate: not modelled for the paged engine yet (its programs' memory is above)" in result.stdout
-    wrong = launch(tiny_model_dir, "--mode=train", f"--estimate_from={tmp_path}")
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("worst-case step at every turn and every token cap") for line in lines)
+    assert (f"expected step at the run {tmp_path}: means over its 1 steps: per trajectory a prompt of 40 tokens, 2.00 "
+            "turns sampling 24 tokens, observations of 20, 1.00 searches, 64 tokens trained") in lines
+    assert any(line.startswith("  expected step: rollout ") for line in lines)
+    at = lines.index(f"step calls per host and step, predicted (at the run's lengths) vs logged ({tmp_path}): token "
+                     "bucket, calls, batch tokens")
+    assert [line.split()[0] for line in lines[at + 1:at + 5]] == ["16", "32", "64", "all"]
+    assert lines[at + 4].split()[2:] == ["vs", "28.0"]
+    wrong = launch(paged_model_dir, "--mode=train", f"--estimate_from={tmp_path}")
     assert wrong.returncode == 2 and "--estimate_from is a flag of --mode=compile, not of --mode=train" in wrong.stderr
 
 
@@ -359,16 +398,14 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
     """The e5_device search program compiled for v4:2x2x4 (16 chips): 30,000 rows in 2 blocks of 944 rows per chip
     (1,888 >= 30,000 / 16); its arguments are the chip's shard (rows x 768 bytes and a float32 scale each in int8,
     the scales padded to TPU tiles of 1,024; 2 x 768 in bfloat16) and a batch of 16 bfloat16 queries; its HLO does 2 x 16 x 1,888 x 768 FLOPs and reads the
-    shard; it gathers the chips' 32 candidates per query, never the rows. Its calls per step: the 2 sessions' 3
-    search turns, one device call each (16 rows, search_batch 16)."""
+    shard; it gathers the chips' 32 candidates per query, never the rows."""
     cfg = flagship(tiny_model_dir, **{"retriever.backend": "e5_device"})
     cfg.retriever = {"backend": "e5_device", "index_path": small_flat_file, "encoder_path": "/e5",
                      "vector_dtype": dtype, "block_rows": 1000, "search_batch": 16}
     devices, _ = compile_check.topology_devices("v4:2x2x4")
-    program = compile_check.retrieval_program(cfg, devices, sequences=32, rows=16, resident=("params",))
+    program = compile_check.retrieval_program(cfg, devices, rows=16, resident=("params",))
     assert program.role is Role.RETRIEVAL and program.resident == ("params", compile_check.SESSION)
     assert program.shapes == (f"16 queries x 30,000 rows of 768 in {dtype}, 32 candidates, 1,888 rows per chip")
-    assert program.calls == 2 * 3
     row = compile_check.compile_row(program)
     assert not row.error, row.error
     assert row.arguments == 1888 * row_bytes + padding + 16 * 768 * 2
@@ -378,12 +415,13 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
 
 
 @pytest.mark.slow
-def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(tiny_model_dir, small_flat_file,
+def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(paged_model_dir, small_flat_file,
                                                                                capsys):
     """configs/qwen7b_v4.py:e5_device shrunk, for v5e:2x2: every program compiles; each but the search holds the
-    index shard (the search program's arguments) beside what it held before; the search holds a rollout session
-    beside it; the index line names rows, dtype and bytes per chip."""
-    cfg = flagship(tiny_model_dir)
+    index shard (the search program's arguments) beside what it held before; the search holds a rollout step's
+    arguments beside it; the index line names rows, dtype and bytes per chip; the expected step costs retrieval
+    by its calls of the rows in flight."""
+    cfg = flagship(paged_model_dir, **PAGED)
     cfg.retriever = load("qwen7b_v4", "e5_device").retriever
     cfg.retriever.index_path, cfg.retriever.search_batch = small_flat_file, 16
     devices, _ = compile_check.topology_devices("v5e:2x2")
@@ -396,3 +434,7 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
     assert any(line.startswith("retrieval index (e5_device, int8): 30,000 rows x 768 (") and
                "over 4 chips: 5.55M per chip, resident in every program" in line for line in lines)
     assert any(line.startswith("retrieval search ") for line in lines)
+    retrieval = [line for line in lines if line.startswith("  retrieval (in the rollout, what rows wait for)")]
+    # 32 trajectories x 1.5 searches in calls of the 16 rows in flight, one device call of 16 queries each.
+    assert ("48 searches in at least 3.0 calls of 16 (the rows in flight) x " in retrieval[-1]
+            and "ms per call (e5_device, 16 queries x 30,000 rows" in retrieval[-1])

@@ -214,8 +214,6 @@ def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and
     ("model.preset", "qwen9-7b", r"model\.preset 'qwen9-7b' is not one of \['llama-3\.2-3b', "),
     ("rollout.tensor_parallel", -2, r"rollout\.tensor_parallel must be >= 1 \(or -1: all of a host's chips, 0: "
                                     r"the training layout\), got -2"),
-    ("rollout.extend_chunk", 96, r"rollout\.extend_chunk must be 0 \(one pass\) or a power of two, got 96"),
-    ("rollout.cache_block", 384, r"rollout\.cache_block must be 0 \(every slot\) or a power of two, got 384"),
     ("reward.empty_answer", "strict", r"reward\.empty_answer must be one of 'search_r1', 'zero', got 'strict'"),
     ("objective.advantages", "tree", r"objective\.advantages must be one of 'grpo', 'tree_grpo', got 'tree'"),
 ])

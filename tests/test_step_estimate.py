@@ -1,87 +1,116 @@
-"""The step-time estimate of --mode=compile: call counts per step from the config, and times from HLO costs."""
+"""The step-time estimate of --mode=compile: a rollout call's roofline cost against a hand formula, retrieval where
+it blocks under each policy, the training programs' time per step, the printed lines."""
+import dataclasses
+
 import pytest
 
-from llds_jax import step_estimate, step_lengths
+from llds_jax import rollout_schedule, step_estimate, step_lengths
+from llds_jax.model import ModelConfig
 from llds_jax.programs import Role
-from llds_jax.roofline import PEAKS, HloCost
+from llds_jax.roofline import PEAKS, ChipPeaks, HloCost
 from tests.configs import load
 
-
-def test_calls_per_step_of_the_flagship_config():
-    """configs/qwen7b_v4.py: 2560 trajectories over 4 hosts, 640 each in 5 sessions of 128 rows; 3 search turns
-    and the answer turn of 500 tokens in chunks of 32 (15 whole chunks and one of 20 steps a turn: 500 / 32 chunks'
-    worth of steps); 10 updates, LLD measured every step."""
-    cfg = load("qwen7b_v4")
-    assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
-        Role.PREFILL: 5, Role.DECODE_CHUNK: 5 * 4 * 500 / 32, Role.EXTEND: 5 * 3, Role.CACHE_GROWTH: 5,
-        Role.COMPACTION: 5}
-    cfg.rollout.continuous_batching = True  # extends of at most 16 rows: 8 calls for every row of a 128-row batch
-    assert step_estimate.rollout_calls(cfg, sequences=640, rows=128) == {
-        Role.EMPTY_BATCH: 1, Role.PROMPT_EXTEND: 5 * 8, Role.ROW_EXTEND: 5 * 3 * 8,
-        Role.DECODE_CHUNK: 5 * 4 * 500 / 32, Role.CACHE_GROWTH: 5, Role.COMPACTION: 5}
-    cfg.rollout.max_extend_rows = 0  # one call for every row
-    calls = step_estimate.rollout_calls(cfg, sequences=640, rows=128)
-    assert (calls[Role.PROMPT_EXTEND], calls[Role.ROW_EXTEND]) == (5, 5 * 3)
-    cfg.train.lld_every = 4
-    assert step_estimate.update_calls(cfg, updates=10) == {
-        Role.REFERENCE_LOGP: 10, Role.POLICY_LOGP: 10, Role.LIKELIHOOD_METRICS: 1, Role.LLD_LOGP: 5.0,
-        Role.LLD_METRICS: 0.25, Role.UPDATE: 10}
-    cfg.train.lld_every = 0
-    assert step_estimate.update_calls(cfg, updates=10)[Role.LLD_LOGP] == 0
-    assert step_estimate.assumptions(cfg, 640, 128) == (
-        "assumed per host and step: 640 trajectories in 5 session(s) of 128 rows, each 4 turns of 500 decode steps "
-        "(the longest row) in chunks of 32, 3 extends of 500 tokens, reading the filled cache in blocks of 512 "
-        "slots")
-    cfg.rollout.cache_block = 0
-    assert step_estimate.assumptions(cfg, 640, 128).endswith(
-        "3 extends of 500 tokens, attending over every slot of the largest cache capacity")
+# Round peaks: 1e12 FLOP/s, 1e9 HBM bytes/s, 1e8 ICI bytes/s.
+PEAKS_1 = ChipPeaks(1e12, 1e9, 1e8, "test")
 
 
-def test_filled_blocks_follow_the_conversation():
-    """Blocks of 4 slots; a prompt bucket of 8, turns of 2 tokens, observations of 3 (bucket 4) appended in
-    passes of 2, one search turn: decode queries sit at slots 8, 9 (turn 1: 3 blocks each) and 13, 14 (turn 2,
-    after 2 + 3 tokens: 4 blocks); the extend's 2 passes see up to slots 11 and 13 (3 and 4 blocks). At most
-    capacity / block; without cache_block, one block: the whole capacity."""
-    cfg = load("qwen7b_v4")
-    r = cfg.rollout
-    r.cache_block, r.max_turn_tokens, r.max_observation_tokens, r.extend_chunk, r.max_turns = 4, 2, 3, 2, 1
-    assert step_estimate.filled_blocks(cfg, prompt=8, observation=4, capacity=32) == (3.5, 3.5)
-    assert step_estimate.filled_blocks(cfg, prompt=8, observation=4, capacity=12) == (3.0, 3.0)
-    r.cache_block = 0
-    assert step_estimate.filled_blocks(cfg, prompt=8, observation=4, capacity=32) == (1.0, 1.0)
+def tiny_cost(tensor=2):
+    """A model of 2 layers, D 64, 4 heads and 2 key/value heads of 16, F 96, V 640 in bfloat16 over `tensor` chips,
+    1e6 weight bytes per chip, pages of 8 slots, 4 sequence slots."""
+    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                           head_dim=16, num_layers=2, dtype="bfloat16")
+    return step_estimate.step_cost(cfg, tensor, 1e6, page_size=8, slots=4)
 
 
-def test_step_time_adds_each_programs_roofline_time_per_call_times_its_calls():
-    """v4: 275 TFLOP/s, 1.2 TB/s HBM, 300 GB/s ICI. A decode chunk of 1.2 GB (1 ms, memory-bound) called 100
-    times and a prefill of 275 TFLOP (1 s) once make the rollout; an update of 2 x 275 TFLOP plus 300 MB of
-    collectives (2 s + 1 ms) called 10 times and an uncalled program make the updates."""
+def test_a_forward_costs_its_weights_pages_and_tokens_flops():
+    """Per layer q, k, v, o 64 x 16 x (4 + 2 + 2 + 4) and the MLP 3 x 64 x 96 matrix parameters, 2 FLOPs each per
+    token, halved over 2 chips; the output projection 2 x 640 x 64 / 2 per slot; a page 2 layers x 8 slots x 4
+    key/value rows x 16 x 2 bytes / 2; all-reduces 2 per layer of 64 x 2 bytes x 2 (2 - 1) / 2 per token."""
+    cost = tiny_cost()
+    layer = 64 * 16 * 12 + 3 * 64 * 96
+    assert cost.flops_per_token == 2 * layer * 2 / 2
+    assert cost.logit_flops_per_slot == 2 * 640 * 64 / 2
+    assert cost.page_bytes == 2 * 8 * 4 * 16 * 2 / 2
+    assert cost.ici_bytes_per_token == 2 * 2 * 64 * 2 * 2 * 1 / 2
+    # A forward of 1e6 tokens: compute-bound at 1e6 x flops_per_token / 1e12; one of 4 tokens reading 100 pages:
+    # memory-bound at (1e6 + 100 pages) / 1e9.
+    big = 1e6 * cost.flops_per_token + 4 * cost.logit_flops_per_slot
+    assert cost.forward_seconds(10**6, 0, PEAKS_1) == pytest.approx(big / 1e12 + 1e6 * cost.ici_bytes_per_token / 1e8)
+    assert cost.forward_seconds(4, 100, PEAKS_1) == pytest.approx((1e6 + 100 * cost.page_bytes) / 1e9
+                                                                 + 4 * cost.ici_bytes_per_token / 1e8)
+    # A call: its ragged forward at its bucket's 16 tokens, then 3 decode iterations of the 4 slots reading 30 pages
+    # in all (10 each).
+    call = rollout_schedule.Call(bucket=16, tokens=11, pages_read=12, iterations=3, iteration_pages_read=30)
+    assert cost.call_seconds(call, PEAKS_1) == pytest.approx(cost.forward_seconds(16, 12, PEAKS_1)
+                                                             + 3 * cost.forward_seconds(4, 10, PEAKS_1))
+
+
+def schedule(policy, calls, sequences=100, rows=20, waits=0):
+    return rollout_schedule.Schedule(tuple(calls), {}, {}, sequences, policy, rows, waits, 1.0)
+
+
+def test_retrieval_blocks_a_barrier_at_every_wait_and_a_continuous_stream_beyond_the_device(monkeypatch):
+    """A Flat call of fewer than 167 queries on a v4 host (240 vCPUs) is one round of 2 s (monkeypatched). 100
+    trajectories x 1.5 searches = 150 searches. Barrier: 6 turn rounds waited for their last call: 12 s. Continuous:
+    at most the 20 rows in flight wait, so 150 / 20 = 7.5 calls of 20 queries, 15 s busy beside the device's 10 s:
+    5 s block; beside 20 s of device time none."""
+    monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 2.0 / step_estimate.WIKI18_ROWS * 1e6)
+    cfg = load("qwen7b_v4")  # e5: faiss Flat
+    one_second = step_estimate.StepCost(1e9, 0, 0, 0, 0, 4)  # 1e9 weight bytes at 1e9 B/s: 1 s per forward
+    calls = [rollout_schedule.Call(64, 10, 0, 0, 0)] * 10
+    barrier = step_estimate.rollout_time(schedule("barrier", calls, waits=6), one_second, PEAKS_1, cfg, "v4", 1.5)
+    assert (barrier.device, barrier.retrieval) == (pytest.approx(10.0), pytest.approx(12.0))
+    assert barrier.bucket_seconds == {64: pytest.approx(10.0)}
+    continuous = step_estimate.rollout_time(schedule("continuous", calls), one_second, PEAKS_1, cfg, "v4", 1.5)
+    assert continuous.retrieval == pytest.approx(5.0)
+    assert "150 searches in at least 7.5 calls of 20 (the rows in flight)" in continuous.retrieval_how
+    longer = step_estimate.rollout_time(schedule("continuous", calls * 2), one_second, PEAKS_1, cfg, "v4", 1.5)
+    assert longer.retrieval == 0.0
+
+
+def test_the_step_lines_add_device_retrieval_reshard_and_updates():
+    lengths = step_lengths.defaults(load("qwen7b_v4"))
+    calls = [rollout_schedule.Call(128, 100, 5, 7, 35), rollout_schedule.Call(1024, 1000, 50, 7, 350)]
+    time = step_estimate.RolloutTime({128: 1.0, 1024: 3.0}, 2.0, "2 calls x 1 s")
+    text = step_estimate.format_step("expected", schedule("continuous", calls, 640, 128), time, 0.5, 13.5, lengths)
+    lines = text.splitlines()
+    assert lines[0].startswith("expected step at defaults (assumed, not measured")
+    assert lines[2].split() == ["128", "1", "100", "7", "1.00s"]
+    assert lines[3].split() == ["1024", "1", "1,000", "7", "3.00s"]
+    assert lines[-1] == ("  expected step: rollout 6.5 s (device 4.0 s, retrieval 2.0 s, weight reshard 0.50 s) + "
+                         "updates 13.5 s = 20.0 s; rollout 32.5% of the step (an estimate, not a measurement)")
+
+
+def test_training_programs_cost_their_roofline_time_per_call_times_their_calls():
+    """v4: 275 TFLOP/s, 1.2 TB/s HBM, 300 GB/s ICI. An update of 2 x 275 TFLOP plus 300 MB of collectives (2 s +
+    1 ms) called 10 times, a reshard of 2.4 GB once (2 ms); the paged step programs are not HLO-costed (part "")."""
     v4 = PEAKS["v4"]
     programs = [
-        step_estimate.ProgramCost("prefill", "", HloCost(flops=275e12), 1, step_estimate.ROLLOUT, Role.PREFILL),
-        step_estimate.ProgramCost("decode chunk", "", HloCost(flops=1e9, hbm_bytes=1.2e9), 100, step_estimate.ROLLOUT,
-                                  Role.DECODE_CHUNK),
         step_estimate.ProgramCost("update (10 per step)", "", HloCost(flops=550e12, collective_bytes={
-            "all-reduce": 0.3e9}), 10, step_estimate.UPDATES),
-        step_estimate.ProgramCost("optimizer init", "", HloCost(flops=1e15), 0, step_estimate.UPDATES),
+            "all-reduce": 0.3e9}), 10, step_estimate.UPDATES, Role.UPDATE),
+        step_estimate.ProgramCost("rollout reshard", "", HloCost(hbm_bytes=2.4e9), 1, step_estimate.RESHARD,
+                                  Role.RESHARD),
+        step_estimate.ProgramCost("rollout step (128 tokens)", "", HloCost(hbm_bytes=1e12), 0,
+                                  step_estimate.part(Role.ROLLOUT_STEP, True), Role.ROLLOUT_STEP),
     ]
-    text = step_estimate.format_estimate(programs, v4, "v4", decode_tokens_per_call=128 * 32)
-    lines = text.splitlines()
-    assert lines[0].startswith("estimated time per chip (roofline from each program's HLO at v4 peaks; an estimate")
-    decode = next(line for line in lines if line.startswith("decode chunk"))
-    assert decode.split() == ["decode", "chunk", "1.0", "1.20", "0.000", "memory", "1.00ms", "100.0", "0.10s"]
-    assert "decode: 4,096,000 tokens/s per host with every row sampling" in lines
-    rollout_s, updates_s = 1.0 + 0.1, 10 * (2.0 + 0.001)
-    assert lines[-1] == (f"worst-case step: rollout {rollout_s:.1f} s + updates {updates_s:.1f} s = "
-                         f"{rollout_s + updates_s:.1f} s; rollout {rollout_s / (rollout_s + updates_s):.1%} of the "
-                         "step")
+    assert step_estimate.part_seconds(programs, v4) == {step_estimate.ROLLOUT: 0.0, step_estimate.UPDATES:
+                                                        pytest.approx(10 * 2.001), step_estimate.RESHARD:
+                                                        pytest.approx(0.002)}
+    half = step_estimate.part_seconds(programs, v4, {Role.UPDATE: 0.5})
+    assert half[step_estimate.UPDATES] == pytest.approx(5 * 2.001)
+    lines = step_estimate.format_programs(programs, v4, "v4").splitlines()
+    assert lines[3].split() == ["update", "(10", "per", "step)", "550000.0", "0.00", "0.300", "compute", "2001.00ms",
+                                "10.0", "20.01s"]
+    assert not any(line.startswith("rollout step") for line in lines)
 
 
-
-def test_retrieval_is_costed_by_the_calls_that_hold_a_session():
-    """configs/qwen7b_v4.py: 640 trajectories per host in 5 sessions, 3 search turns each: 15 calls hold a session,
-    each of up to 960 / 15 = 64 searches at 1.5 per trajectory."""
-    cfg = load("qwen7b_v4")
-    assert step_estimate.retrieval_calls(cfg, sequences=640, rows=128, searches=1.5) == (15, 64.0)
+def test_predicted_counts_are_printed_beside_the_logged_ones():
+    s = dataclasses.replace(schedule("barrier", [rollout_schedule.Call(16, 9, 0, 0, 0)] * 3),
+                            calls_per_bucket={16: 3}, tokens_per_bucket={16: 27})
+    lines = step_estimate.format_counts(s, {16: (3.5, 30.0), 32: (1.0, 20.0)}, "r").splitlines()
+    assert lines[1].split() == ["16", "3", "vs", "3.5", "27", "vs", "30.0"]
+    assert lines[2].split() == ["32", "0", "vs", "1.0", "0", "vs", "20.0"]
+    assert lines[3].split() == ["all", "3", "vs", "4.5"]
 
 
 def test_a_faiss_call_costs_one_scan_per_query_per_thread_below_the_blas_path(monkeypatch):
@@ -100,55 +129,26 @@ def test_a_faiss_call_costs_one_scan_per_query_per_thread_below_the_blas_path(mo
 
 
 def test_retrieval_seconds_by_backend(monkeypatch):
-    """15 calls of 64 queries on a v4 host: Flat at one scan per call; HNSW at one round; the e5_device search
+    """A call of 64 queries on a v4 host: Flat one scan; HNSW one round; the e5_device search
     program at its roofline time per device call (1.2 GB read at v4's 1.2 TB/s: 1 ms), one call of 64 queries;
     BM25 none measured."""
     monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 1.0)
     monkeypatch.setattr(step_estimate, "HNSW_S_PER_QUERY", 2e-3)
     v4 = PEAKS["v4"]
     cfg = load("qwen7b_v4")  # e5: Search-R1's e5_Flat.index
-    seconds, how = step_estimate.retrieval_seconds(cfg, 15, 64, "v4", v4)
-    assert seconds == pytest.approx(15 * 21.015324)
+    seconds, how = step_estimate.retrieval_call_seconds(cfg, 64, "v4", v4)
+    assert seconds == pytest.approx(21.015324)
     assert how == ("21 s per call (e5 Flat over 21,015,324 rows, one query per thread scanning every row, on a host's "
                    "240 vCPUs; measured on 1 thread)")
-    assert step_estimate.retrieval_seconds(load("qwen7b_v4", "e5_hnsw"), 15, 64, "v4", v4)[0] == pytest.approx(
-        15 * 2e-3)
+    assert step_estimate.retrieval_call_seconds(load("qwen7b_v4", "e5_hnsw"), 64, "v4", v4)[0] == pytest.approx(2e-3)
     search = step_estimate.ProgramCost("retrieval search", "64 queries x ...", HloCost(hbm_bytes=1.2e9), 15, "",
                                        Role.RETRIEVAL)
-    seconds, how = step_estimate.retrieval_seconds(load("qwen7b_v4", "e5_device"), 15, 64, "v4", v4, search)
-    assert seconds == pytest.approx(15 * 1e-3)
+    seconds, how = step_estimate.retrieval_call_seconds(load("qwen7b_v4", "e5_device"), 64, "v4", v4, search)
+    assert seconds == pytest.approx(1e-3)
     assert how == "1.00 ms per call (e5_device, 64 queries x ...: 1.00 ms per device call, roofline from its HLO)"
-    assert step_estimate.retrieval_seconds(load("qwen7b_v4", "e5_device"), 15, 65, "v4", v4, search)[0] == (
-        pytest.approx(15 * 2e-3))  # 65 queries: two device calls of 64
-    assert step_estimate.retrieval_seconds(load("qwen7b_v4", "bm25"), 15, 64, "v4", v4) == (
+    assert step_estimate.retrieval_call_seconds(load("qwen7b_v4", "e5_device"), 65, "v4", v4, search)[0] == (
+        pytest.approx(2e-3))  # 65 queries: two device calls of 64
+    assert step_estimate.retrieval_call_seconds(load("qwen7b_v4", "bm25"), 64, "v4", v4) == (
         0.0, "no measured cost per call for retriever 'bm25' (not counted)")
 
 
-def test_the_expected_step_scales_the_decode_and_the_updates_and_adds_retrieval(monkeypatch):
-    """Worst case: 100 decode chunks of 1 ms and 10 updates of 1 s (memory-bound at 1.2 TB/s), a 2 ms reshard.
-    Expected: the decode at 375 / 0.25 = 1500 of 2000 steps (75 ms), the updates at 1024 of 4096 tokens (2.5 s),
-    960 searches (640 trajectories x 1.5) in 15 calls that hold a session, each of up to 64 queries, one round of
-    64 ms scans on a 240-vCPU host, added to the rollout."""
-    monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 64e-3 / step_estimate.WIKI18_ROWS * 1e6)
-    cfg = load("qwen7b_v4")
-    v4 = PEAKS["v4"]
-    programs = [
-        step_estimate.ProgramCost("decode chunk", "", HloCost(hbm_bytes=1.2e9), 100, step_estimate.ROLLOUT,
-                                  Role.DECODE_CHUNK),
-        step_estimate.ProgramCost("rollout reshard", "", HloCost(hbm_bytes=2.4e9), 1, step_estimate.RESHARD,
-                                  Role.RESHARD),
-        step_estimate.ProgramCost("update", "", HloCost(hbm_bytes=1.2e12), 10, step_estimate.UPDATES, Role.UPDATE),
-    ]
-    lengths = step_lengths.Lengths(375.0, 1024.0, 1.5, 0.25, 0.0, "the run r")
-    lines = step_estimate.expected(programs, v4, "v4", cfg, lengths, sequences=640, rows=128).splitlines()
-    assert lines[0] == ("expected lengths from the run r: per trajectory 375 sampled tokens, 1,024 trained, 1.50 "
-                        "searches; the decode at 75.0% of the worst case's calls, the forwards and updates at 25.0%, "
-                        "other programs as in the worst case")
-    assert lines[1] == ("retrieval (in the rollout, what rows wait for): 960 searches per host and step; 15 calls held a "
-                        "session (each session's last call of each search turn) of up to 64 queries x 0.064 s per call "
-                        "(e5 Flat over 21,015,324 rows, one query per thread scanning every row, on a host's 240 vCPUs; "
-                        "measured on 1 thread) = 1.0 s")
-    rollout = 0.075 + 0.002 + 0.96
-    assert lines[2] == (f"expected step: rollout {rollout:.1f} s (of which retrieval 1.0 s, weight reshard 0.00 s) + "
-                        f"updates 2.5 s = {rollout + 2.5:.1f} s; rollout {rollout / (rollout + 2.5):.1%} of the step (an "
-                        "estimate, not a measurement)")
