@@ -77,6 +77,10 @@ def assert_one_line(proc: subprocess.CompletedProcess, message: str) -> None:
     ("--config.sft.batch_size=0", "sft.batch_size must be >= 1, got 0"),
     ("--config.retriever.indexdir=/x", "unknown config key retriever.indexdir (did you mean retriever.index_dir?)"),
     ("--config.optim.lamda=1", "unknown config key optim.lamda"),
+    # issue 58 item 17: a misspelt section was named with no suggestion
+    ("--config.trian.total_steps=1", "unknown config key trian.total_steps (did you mean train.total_steps?)"),
+    # issue 58 item 8: the seed passed, the demo assets were rebuilt, and after 72 s "expected non-negative integer"
+    ("--config.seed=-1", "seed must be >= 0, got -1"),
     ("--config.data.train_files=[1,2]", "data.train_files must be a tuple of paths (str), got (1, 2)"),
     ("--config.optim.learning_rate=inf", "optim.learning_rate must be finite and > 0, got inf"),
     ("--config.objective.kl_coef=inf", "objective.kl_coef must be finite and >= 0, got inf"),
