@@ -139,6 +139,20 @@ def test_missing_model_folders_name_the_key(config, tmp_path):
                     f"model.tokenizer_path {config}: not a folder")
 
 
+def test_a_run_dir_that_is_a_file_is_one_line_saying_so(config, tmp_path):
+    """Issue 58 item 11: refused with "File exists" before. The model folder exists (empty): the run folder is
+    claimed before anything is loaded. A file above the run folder is named too."""
+    model, run_file = tmp_path / "model", tmp_path / "run_file"
+    model.mkdir()
+    run_file.write_text("notes\n")
+    assert_one_line(launch(config, f"--config.model.path={model}", f"--config.run_dir={run_file}"),
+                    f"run_dir {run_file} is a file, not a folder: name a folder (or move the file away)")
+    assert_one_line(launch(config, f"--config.model.path={model}", f"--config.run_dir={run_file}/run"),
+                    f"run_dir {run_file}/run: {run_file} is a file, not a folder: name a folder (or move the file "
+                    "away)")
+    assert run_file.read_text() == "notes\n"
+
+
 def test_file_lists_take_comma_separated_paths(config, tmp_path):
     """The command gets as far as the model load (valid values fail only there: model.path is an empty folder) with
     the overridden lists, shown in the config it prints before loading."""
