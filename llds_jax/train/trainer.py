@@ -112,7 +112,8 @@ def read_examples(files: Sequence[str], what: str, empty_answer: str) -> list[QA
 
 
 # Rollout metrics that add up over hosts: the decode rate and the budget's counts (agent.Rollout).
-HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens", "observation_tokens", "searches",
+HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens", "prompts_cut", "observation_tokens",
+                       "searches",
                        "trajectories", "bad_documents", "forked_prefix_tokens")
 
 
