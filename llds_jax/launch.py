@@ -283,9 +283,12 @@ def main(argv) -> None:
     try:
         sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value, _PRINT_CONFIG.value,
                      _ESTIMATE_FROM.value))
-    except StopRequested as e:
-        print(f"llds_jax: {e}", file=sys.stderr)
-        sys.exit(0)
+    except StopRequested as e:  # every `with` of the run has exited: its lease released, its files closed
+        print(f"llds_jax: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # At once: the interpreter's teardown garbage-collects every JAX array and program, 14 s after a stop in
+        # the warm start on a loaded 2-core machine (issue 58), a third of a spot VM's notice.
+        os._exit(0)
     except StorageError as e:  # at once: the interpreter's exit would wait for storage threads that may hang
         print(f"llds_jax: error: {e}; the same command resumes from the newest complete checkpoint",
               file=sys.stderr, flush=True)
