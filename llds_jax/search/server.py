@@ -11,7 +11,8 @@ Endpoints:
   `{"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...], ...]}`; with `return_scores`
   false (the default, as in Search-R1) the items are the bare documents. `topk` defaults to `--topk`.
   A malformed request gets 400 and a backend failure 503, each with `{"error": message}`.
-- `GET /health`: 200 `{"status": "ok", "backend": name, "slow_clients_dropped": n}` when the backend can serve, else 503 `{"error": message}`.
+- `GET /health`: 200 `{"status": "ok", "backend": name, "slow_clients_dropped": n}` when the backend can serve,
+  else 503 `{"error": message}`.
 
 Limits (`Limits`, one flag each): `topk` above `--max-topk`, more queries than `--max-queries` or a response
 (JSON) above `--max-response-bytes` get 400, a body above `--max-request-bytes` 413; the `{"error": message}`
