@@ -449,7 +449,7 @@ class Trainer:
             writer.write_texts(step, {
                 f"transcripts/{i}": evaluation.transcript_text(traj, self.tokenizer, self.cfg.reward.empty_answer)
                 for i, traj in enumerate(trajectories[:t.num_transcripts])})
-        self.watchdog.check_updates(state.params)
+        self.watchdog.check_updates(state.params, step)
 
     def _evaluate_start(self, state: TrainState, writer: MetricsWriter, guard: PreemptionGuard) -> None:
         """The evaluation of the starting policy (train.eval_at_start) as step 0's record; a stop request abandons
