@@ -43,7 +43,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -312,8 +312,11 @@ class Checkpointer:
             self._manager.wait_until_finished()
         self._pending = None
 
-    def restore(self, step: int, params_target: Any, opt_state_target: Any = None) -> Restored:
-        """Restores `step` onto the targets' shardings; `opt_state_target=None` skips the optimizer state.
+    def restore(self, step: int, params_target: Any, opt_state_target: Any = None,
+                check_meta: Callable[[dict], None] | None = None) -> Restored:
+        """Restores `step` onto the targets' shardings; `opt_state_target=None` skips the optimizer state;
+        `check_meta(meta)` raises ValueError (or KeyError, TypeError) when the step's record cannot be resumed from
+        (the trainer's: a data position out of range), re-raised as ValueError naming the step's meta item.
 
         The targets are pytrees of `jax.Array`s or `jax.ShapeDtypeStruct`s with shardings, shaped like what was
         saved (e.g. `jax.eval_shape` of the jitted initializer with `out_shardings`, or the live fresh state).
@@ -330,6 +333,11 @@ class Checkpointer:
         if not isinstance(record, dict) or record.get("step") != step or not isinstance(record.get("meta"), dict):
             raise ValueError(f"{self.directory / str(step)}/meta: expected {{'step': {step}, 'meta': {{...}}}}, "
                              f"got {record!r}")
+        try:
+            if check_meta is not None:
+                check_meta(record["meta"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.directory / str(step)}/meta: {describe(e)}") from None
         for name in targets:  # a step saved before issue 58 has no checksums
             self._check_sums(step, name, restored[name], record.get("checksums", {}).get(name))
         opt_state = restored.opt_state if "opt_state" in targets else opt_state_target  # None or leafless
@@ -361,8 +369,10 @@ class Checkpointer:
                 raise CheckpointMismatchError(f"{where}: {name}{jax.tree_util.keystr(path)} was saved with shape "
                                               f"{tuple(have.shape)}, the restore target has {tuple(want.shape)}")
 
-    def restore_latest(self, params_target: Any, opt_state_target: Any = None) -> Restored | None:
-        """Restores the newest readable step (None when the folder has no step); see `restore`.
+    def restore_latest(self, params_target: Any, opt_state_target: Any = None,
+                       check_meta: Callable[[dict], None] | None = None) -> Restored | None:
+        """Restores the newest readable step (None when the folder has no step); see `restore`. A step whose record
+        `check_meta` refuses counts as unreadable (issue 58: a data position out of range failed every rerun).
 
         Unreadable newer steps are warned about and, once an older step restored, moved aside. Raises
         CheckpointUnreadableError when steps exist but none can be read (starting over would silently discard the
@@ -370,14 +380,15 @@ class Checkpointer:
         """
         drop_orphaned_read_errors()  # before any read: a failed read's orphans may report before it raises
         with self._operation("restoring the newest checkpoint from", convert=False):
-            return self._restore_latest(params_target, opt_state_target)
+            return self._restore_latest(params_target, opt_state_target, check_meta)
 
-    def _restore_latest(self, params_target: Any, opt_state_target: Any) -> Restored | None:
+    def _restore_latest(self, params_target: Any, opt_state_target: Any,
+                        check_meta: Callable[[dict], None] | None) -> Restored | None:
         failures = {}
         for step in reversed(self.all_steps()):
             error = None
             try:
-                restored = self.restore(step, params_target, opt_state_target)
+                restored = self.restore(step, params_target, opt_state_target, check_meta)
             except CheckpointMismatchError:
                 raise  # the caller's targets are wrong; older steps would not fit either
             except Exception as e:  # noqa: BLE001 - any other failure to read the step means it is unusable

@@ -420,10 +420,17 @@ class Trainer:
             if changed:
                 print(run_config.notice(self.run_dir, latest, changed), file=sys.stderr, flush=True)
 
+    def _check_meta(self, meta: dict) -> None:
+        """Raises ValueError, KeyError or TypeError when a checkpoint's record cannot be resumed from (its data
+        position, rng or counter missing or out of range): the checkpointer then falls back to the step before."""
+        self.data.check(meta["data"])
+        rng_from_json(meta["rng"])
+        int(meta["nonfinite_count"])
+
     def _restore(self, ckpt: Checkpointer, state: TrainState) -> tuple[TrainState, int]:
         """`state` from the run folder's latest checkpoint, with the data order, the random stream and the
         training lengths it saved, and its step; `(state, 0)` unchanged when there is none."""
-        restored = ckpt.restore_latest(state.params, state.opt_state)
+        restored = ckpt.restore_latest(state.params, state.opt_state, check_meta=self._check_meta)
         if restored is None:
             return state, 0
         start = restored.step

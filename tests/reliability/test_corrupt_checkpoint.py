@@ -1,6 +1,7 @@
 """A damaged newest checkpoint (a data file truncated after it was written) costs one warning line: the run falls
 back to the previous step and says so, without the storage library's dumps (other damage: tests/train/
 test_ckpt_checkpointer.py)."""
+import json
 import logging
 import os
 import re
@@ -9,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from llds_jax.data.iterator import PromptIterator
+from llds_jax.data.qa import QAExample
 from llds_jax.train.checkpoint import MAX_REASON_CHARS, Checkpointer
 from tests.e2e.runs import finish, read_metrics
 from tests.reliability.scripted_retriever import ScriptedRetriever
@@ -78,3 +81,33 @@ def test_flipped_bytes_in_the_newest_weights_fall_back_to_the_previous_step_with
                         r"params: params\['w'\] does not match the checksum saved with it \(its data changed after "
                         r"the save\)\); falling back to the previous step", warnings[0]), warnings
     assert re.fullmatch(rf"moved unreadable checkpoint {directory}/2 to {directory}/2\.unreadable-\d+", warnings[1])
+
+
+def test_a_data_position_out_of_range_falls_back_to_the_previous_step_naming_the_file(tmp_path, caplog):
+    """Issue 58 item 4: a checkpoint whose data position was out of range failed every rerun with an error naming
+    neither step nor file. The trainer's check of the record (here the data iterator's own) runs inside the
+    checkpointer's fallback."""
+    examples = [QAExample(f"nq-{i}", f"question {i}", ("a",), "nq") for i in range(8)]
+    data = PromptIterator(examples, batch_size=4, seed=0)
+    directory = str(tmp_path / "checkpoints")
+    params = {"w": jnp.ones((4, 4), jnp.float32)}
+    checkpointer = Checkpointer(directory, save_every=1, keep=3, async_save=False)
+    for step in (1, 2):
+        next(data)
+        checkpointer.save(step, params, {}, {"data": data.state()})
+    checkpointer.close()
+    meta_file = os.path.join(directory, "2", "meta", "metadata")
+    with open(meta_file) as f:
+        record = json.load(f)
+    record["meta"]["data"]["position"] = 999
+    with open(meta_file, "w") as f:
+        json.dump(record, f)
+    reopened = Checkpointer(directory, save_every=1, keep=3, async_save=False)
+    with caplog.at_level(logging.WARNING):
+        restored = reopened.restore_latest(params, None, check_meta=lambda meta: data.check(meta["data"]))
+    reopened.close()
+    assert restored.step == 1 and restored.meta["data"]["position"] == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings[0] == (f"checkpoint step 2 in {directory} is unreadable (ValueError: {directory}/2/meta: "
+                           "ValueError: data iterator state: 'position' must be an int in [0, 8), got 999); falling "
+                           "back to the previous step")
