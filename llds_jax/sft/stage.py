@@ -34,7 +34,7 @@ import optax
 from etils import epath
 from flax import nnx
 
-from llds_jax import parallel
+from llds_jax import gcs, output_folder, parallel
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rollout.buckets import round_up
@@ -254,6 +254,9 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
               f"{', '.join(s.curriculum_files)}, then", flush=True)
     print(f"warm start: {s.steps - s.curriculum_steps} steps of {s.batch_size} on {len(encoded)} demonstrations "
           f"from {', '.join(s.data_files)}", flush=True)
+    if not gcs.is_gcs(str(out)):  # a folder of the user's own files is never written into
+        output_folder.claim(str(out), f"sft.output_dir {out}", "warm start",
+                            legacy=lambda entries: DONE_FILE in entries or "metrics.jsonl" in entries)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with (out / "metrics.jsonl").open("w") as f:

@@ -65,6 +65,19 @@ def test_an_assets_dir_of_the_users_files_is_refused_and_left_as_it_was(tmp_path
     assert files_of(assets) == before
 
 
+def test_a_run_dir_of_the_users_files_is_refused_and_left_as_it_was(tmp_path):
+    """Training writes config.json, metrics.jsonl and checkpoints/ into run_dir: over a user's own config.json
+    before. An empty folder, one of an earlier run (metrics.jsonl, checkpoints/ ...) or a marked one is the run's."""
+    run_dir = tmp_path / "papers"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text('{"my": "settings"}')
+    proc = launch(f"--config.run_dir={run_dir}", f"--config.demo.assets_dir={tmp_path / 'assets'}")
+    assert (proc.returncode, proc.stderr) == (2, (
+        f"llds_jax: error: run_dir {run_dir} holds files llds_jax did not write (config.json): nothing was written "
+        "or deleted; name an empty or new folder for the run folder\n"))
+    assert os.listdir(run_dir) == ["config.json"] and not (tmp_path / "assets").exists()
+
+
 def report(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llds_jax.report", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
