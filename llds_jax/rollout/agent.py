@@ -153,7 +153,8 @@ async def rollout_async(sampler: TurnSampler, params, tokenizer, retriever: Retr
     size = config.max_batch_size or len(examples)
     trajectories: list[Trajectory] = []
     timing = {"prefill_s": 0.0, "decode_s": 0.0, "search_s": 0.0, "search_calls_s": 0.0, "sampled_tokens": 0.0,
-              "prompt_tokens": 0.0, "prompts_cut": 0.0, "observation_tokens": 0.0, "searches": 0.0, "bad_documents": 0.0,
+              "prompt_tokens": 0.0, "prompts_cut": 0.0, "observation_tokens": 0.0, "searches": 0.0,
+              "bad_documents": 0.0,
               "decode_sampled_tokens": 0.0, "decode_row_steps": 0.0}
     if config.trees:
         timing["forked_prefix_tokens"] = 0.0

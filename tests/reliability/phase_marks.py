@@ -1,4 +1,5 @@
-"""`python -m tests.reliability.phase_marks [--sigterm-at-load] [--sigterm-in-warm-start] LAUNCH_ARGS...` runs `llds_jax.launch LAUNCH_ARGS...`
+"""`python -m tests.reliability.phase_marks [--sigterm-at-load] [--sigterm-in-warm-start] LAUNCH_ARGS...` runs
+`llds_jax.launch LAUNCH_ARGS...`
 and prints `EVALUATION <name> STARTS` (flushed) as each evaluation begins (`<name>`: `start` for train.eval_at_start,
 `step_<N>` for the one after step N), so that a test's scripted retriever can tell an evaluation's searches from a
 step's. With `--sigterm-at-load` the process sends itself SIGTERM as the model starts loading (a preemption notice

@@ -99,7 +99,8 @@ def test_sigterm_during_the_final_evaluation_exits_0_within_the_bound(searching_
     output, run_dir = stop_in(searching_runs, "final_eval_stop", lambda q, out: "EVALUATION final_step_3 STARTS" in out,
                               train__final_eval=True, eval__max_examples=4)
     assert "training stopped after step 3 of 3" in output
-    assert "llds_jax: stopped by SIGTERM during the evaluation: nothing to save; the same command starts again" in output
+    assert ("llds_jax: stopped by SIGTERM during the evaluation: nothing to save; the same command starts again"
+            in output)
     assert steps_saved(run_dir) == [3]
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 

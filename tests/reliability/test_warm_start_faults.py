@@ -41,7 +41,8 @@ def test_sigterm_during_the_warm_start_exits_0_within_the_bound(warm_start_runs)
     signalled = re.search(r"SIGTERM sent at monotonic (\S+)", launched.output())
     assert signalled, launched.output()[-4000:]
     output = assert_stopped_in_time(launched, float(signalled.group(1)))
-    assert "llds_jax: stopped by SIGTERM during the warm start: nothing to save; the same command starts again" in output
+    assert ("llds_jax: stopped by SIGTERM during the warm start: nothing to save; the same command starts again"
+            in output)
     assert "Traceback" not in output
 
 
