@@ -18,7 +18,8 @@ MARKER = ".llds_jax_output"
 
 
 class FolderNotOursError(ValueError):
-    """The folder holds files the project did not write; the message names the key and the folder."""
+    """The folder holds files the project did not write (or cannot be written); the message names the key and the
+    folder."""
 
 
 def claim(folder: str, what: str, kind: str, legacy: Callable[[list[str]], bool] = lambda entries: False) -> None:
@@ -44,8 +45,11 @@ def claim(folder: str, what: str, kind: str, legacy: Callable[[list[str]], bool]
         shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
         raise FolderNotOursError(f"{what} holds files llds_jax did not write ({shown}): nothing was written or "
                                  f"deleted; name an empty or new folder for the {kind}")
-    with open(marker, "w") as f:
-        json.dump({"kind": kind}, f)
+    try:
+        with open(marker, "w") as f:
+            json.dump({"kind": kind}, f)
+    except OSError as e:  # a read-only folder or a full disk
+        raise FolderNotOursError(f"{what} is not writable: cannot write {marker}: {e.strerror or e}") from None
 
 
 def _marked_kind(marker: str) -> str | None:

@@ -202,11 +202,22 @@ def _array_checksums(leaves: list[jax.Array]) -> list[jax.Array]:
 
 
 def checksums(tree: Any) -> list[list[int]]:
-    """`_array_checksums` of every array of `tree` (leaf order), as JSON-ready ints."""
+    """`_array_checksums` of every array of `tree` (leaf order), as JSON-ready ints. Arrays in host memory (the
+    state copy a stop within a step saves) are summed on the devices one at a time: a whole second state there
+    could pass the accelerator's memory."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return []
-    return [[int(v) for v in pair] for pair in jax.device_get(_array_checksums(leaves))]
+    if all(_on_device(x) for x in leaves):
+        sums = _array_checksums(leaves)
+    else:
+        sums = [_array_checksums([x if _on_device(x) else
+                                  jax.device_put(x, x.sharding.with_memory_kind("device"))])[0] for x in leaves]
+    return [[int(v) for v in pair] for pair in jax.device_get(sums)]
+
+
+def _on_device(x: Any) -> bool:
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) in (None, "device")
 
 
 class Checkpointer:

@@ -12,7 +12,7 @@ import pytest
 
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample
-from llds_jax.train.checkpoint import MAX_REASON_CHARS, Checkpointer
+from llds_jax.train.checkpoint import MAX_REASON_CHARS, Checkpointer, checksums
 from tests.e2e.runs import finish, read_metrics
 from tests.reliability.scripted_retriever import ScriptedRetriever
 
@@ -111,3 +111,13 @@ def test_a_data_position_out_of_range_falls_back_to_the_previous_step_naming_the
     assert warnings[0] == (f"checkpoint step 2 in {directory} is unreadable (ValueError: {directory}/2/meta: "
                            "ValueError: data iterator state: 'position' must be an int in [0, 8), got 999); falling "
                            "back to the previous step")
+
+
+def test_checksums_of_a_state_copy_in_host_memory_are_those_of_the_state():
+    """The state a stop within a step saves is a copy in pinned host memory (trainer.to_host), which the checksums'
+    device program cannot take whole (the first version failed the stop: "memory_space of all inputs ... must be
+    the same")."""
+    state = {"w": jnp.arange(4096, dtype=jnp.float32) / 3, "n": jnp.array(5, jnp.int32)}
+    host = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), state)
+    assert checksums(host) == checksums(state)
+    assert checksums({**state, "n": jnp.array(6, jnp.int32)}) != checksums(state)
