@@ -31,7 +31,7 @@ def default_config() -> ml_collections.ConfigDict:
     """Paper defaults (docs/method.md): GRPO + LLDS as the reference code runs it."""
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/default"          # local folder or gs://bucket/path: checkpoints, events, metrics, config
-    c.seed = 0
+    c.seed = 0                          # >= 0: the data order, sampling, the demo's world and model
     c.app = ""                          # an application's module (llds_jax.application; e.g. llds_jax.apps.demo)
     c.compilation_cache_dir = ""        # JAX's persistent compilation cache (local or gs://): a resumed or later run
     #                                     reads its programs back instead of compiling them; "" leaves JAX's own
@@ -352,7 +352,7 @@ _BOUNDS: tuple[tuple[tuple[str, ...], Any, str], ...] = (
       "model.mlp_chunks", "train.total_steps", "train.checkpoint_every", "train.keep_checkpoints",
       "train.sequence_bucket", "eval.batch_size"),
      lambda v: v >= 1, ">= 1"),
-    (("train.lld_every", "train.eval_every", "train.eval_max_examples", "train.transcripts_every",
+    (("seed", "train.lld_every", "train.eval_every", "train.eval_max_examples", "train.transcripts_every",
       "train.num_transcripts", "eval.max_turns", "eval.max_examples", "distributed.num_processes",
       "rollout.max_failed_search_steps", "optim.max_skipped_updates"),
      lambda v: v >= 0, ">= 0"),

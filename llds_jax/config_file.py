@@ -59,20 +59,24 @@ def config_path(argv: list[str]) -> str | None:
 
 
 def nearest_keys(key: str, spec: str) -> list[str]:
-    """Up to 3 keys of the config `spec` (`PATH[:ARGS]`) beside the unknown dotted `key` whose names are close to
-    its last part (difflib's ratio >= 0.6, or one name holding the other), closest first; [] when none is or
-    the file cannot be read."""
-    parent, _, name = key.rpartition(".")
+    """Up to 3 keys of the config `spec` (`PATH[:ARGS]`) close to the unknown dotted `key`, closest first: where a
+    section of its path is unknown (`trian.total_steps`), the key with that section replaced by a close one
+    (`train.total_steps`); else those beside it whose names are close to its last part (difflib's ratio >= 0.6, or
+    one name holding the other). [] when none is or the file cannot be read."""
+    parts = key.split(".")
     try:
         section = load_config(spec)
-        for part in filter(None, parent.split(".")):
+        for depth, part in enumerate(parts):
+            names = list(section.keys()) if hasattr(section, "keys") else []
+            if part not in names or depth == len(parts) - 1:
+                break
             section = section[part]
-        names = [k for k in section.keys()]
     except Exception:  # noqa: BLE001 - a suggestion is optional; the error itself is reported either way
         return []
+    name = parts[depth]
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     close += sorted(k for k in names if k not in close and (name in k or k in name))
-    return [f"{parent}.{k}" if parent else k for k in close[:3]]
+    return [".".join(parts[:depth] + [k] + parts[depth + 1:]) for k in close[:3]]
 
 
 def file_problem(path: str) -> str | None:

@@ -69,6 +69,9 @@ _ESTIMATE_FROM = flags.DEFINE_string("estimate_from", "", "Run folder whose logg
 EXIT_BAD_INPUT = 2
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull")
 LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.lease)
+# What a run writes into its folder: one of them marks a folder written before the output marker existed.
+RUN_FOLDER_ENTRIES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", "eval", "assets", "warm_start", "report",
+                                LEASE_FILE})
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -166,9 +169,13 @@ def _use_compilation_cache(path: str) -> None:
 
 def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str) -> None:
     """Training holds the run folder's lease (llds_jax.lease: a second run on it stops with one line naming the
-    holder) until `stack` closes; eval checks that the run folder is writable, export that --export_dir is."""
-    from llds_jax import lease
+    holder) until `stack` closes; eval checks that the run folder is writable, export that --export_dir is. An
+    existing local run folder of files the project did not write is refused first (llds_jax.output_folder)."""
+    from llds_jax import lease, output_folder
 
+    if mode in ("train", "eval") and not gcs.is_gcs(cfg.run_dir) and os.path.isdir(cfg.run_dir):
+        output_folder.claim(cfg.run_dir, f"run_dir {cfg.run_dir}", "run folder",
+                            legacy=lambda entries: bool(RUN_FOLDER_ENTRIES & set(entries)))
     if mode == "train":
         stack.enter_context(lease.Lease(epath.Path(cfg.run_dir) / LEASE_FILE, what=f"run_dir {cfg.run_dir}",
                                         timeout_s=cfg.train.storage_timeout_s))
@@ -283,9 +290,12 @@ def main(argv) -> None:
     try:
         sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value, _PRINT_CONFIG.value,
                      _ESTIMATE_FROM.value))
-    except StopRequested as e:
-        print(f"llds_jax: {e}", file=sys.stderr)
-        sys.exit(0)
+    except StopRequested as e:  # every `with` of the run has exited: its lease released, its files closed
+        print(f"llds_jax: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # At once: the interpreter's teardown garbage-collects every JAX array and program, 14 s after a stop in
+        # the warm start on a loaded 2-core machine (issue 58), a third of a spot VM's notice.
+        os._exit(0)
     except StorageError as e:  # at once: the interpreter's exit would wait for storage threads that may hang
         print(f"llds_jax: error: {e}; the same command resumes from the newest complete checkpoint",
               file=sys.stderr, flush=True)

@@ -161,10 +161,7 @@ class Lease:
         self._thread.start()
 
     def _acquire(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise self._unwritable(e) from None
+        make_folder(self.path.parent, self.what)
         self._overwrite = False
         current = self.holder()
         if current is not None and current.get("token") != self.record["token"]:
@@ -231,12 +228,26 @@ class Lease:
                                       f"{storage.reason(error)}")
 
 
+def make_folder(folder: epath.Path, what: str) -> None:
+    """Creates `folder` (and its parents) if missing; raises FolderNotWritableError naming `what` when it cannot,
+    saying which path is a file where a folder must be (before: "File exists")."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            subject = what if blocking == folder else f"{what}: {blocking}"
+            raise FolderNotWritableError(f"{subject} is a file, not a folder: name a folder (or move the file "
+                                         "away)") from None
+        raise FolderNotWritableError(f"{what} is not writable: cannot write {folder}: {storage.reason(e)}") from None
+
+
 def check_writable(folder: str | os.PathLike, what: str) -> None:
     """Raises FolderNotWritableError (naming `what`) unless a file can be created in `folder` (created if
     missing); the probe file is deleted again."""
     probe = epath.Path(folder) / f".write-check-{uuid.uuid4().hex}"
+    make_folder(probe.parent, what)
     try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
     except OSError as e:

@@ -44,26 +44,59 @@ def make_prompt(question: str) -> str:
     question = question.strip()
     if not question:
         raise ValueError("make_prompt: the question is empty")
-    if not question.endswith("?"):
-        question += "?"
-    return SEARCH_R1_TEMPLATE.format(question=question)
+    return _prompt_text(question)
 
 
-def chat_prompt_ids(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[int]:
-    """Token ids of the prompt for `question`, as Search-R1 feeds them to the policy.
+def _prompt_text(question: str) -> str:
+    """The user message of a stripped question (`?` appended when missing; a question cut to nothing gives `?`)."""
+    return SEARCH_R1_TEMPLATE.format(question=question if question.endswith("?") else question + "?")
 
-    With a chat template the prompt is one user message followed by the generation prompt; without
-    one it is the raw prompt text. Encoded with `add_special_tokens=False` and left-truncated to the
-    last `max_prompt_tokens` tokens.
-    """
-    if max_prompt_tokens <= 0:
-        raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
-    text = make_prompt(question)
+
+def _encoded_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a user message, in the tokenizer's chat template when it has one."""
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    return ids[-max_prompt_tokens:]
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def fit_prompt(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> tuple[list[int], int]:
+    """Token ids of the prompt for `question` as Search-R1 feeds them to the policy, at most `max_prompt_tokens`,
+    and how many of the question's tokens were cut to fit (0 when it fits).
+
+    With a chat template the prompt is one user message followed by the generation prompt; without one it is the
+    raw prompt text; encoded with `add_special_tokens=False`. An over-long prompt loses the start of its question,
+    never the instruction or the template (before issue 58 the last `max_prompt_tokens` tokens were kept, so the
+    search instruction was cut): the most question tokens, counted from its end, that fit are kept. ValueError
+    when the prompt with no question at all is longer than `max_prompt_tokens`.
+    """
+    if max_prompt_tokens <= 0:
+        raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
+    ids = _encoded_prompt(tokenizer, make_prompt(question))
+    if len(ids) <= max_prompt_tokens:
+        return ids, 0
+    question_ids = list(tokenizer.encode(question.strip(), add_special_tokens=False))
+
+    def kept(n: int) -> list[int]:  # the prompt of the question's last n tokens
+        tail = tokenizer.decode(question_ids[len(question_ids) - n:], skip_special_tokens=True) if n else ""
+        return _encoded_prompt(tokenizer, _prompt_text(tail.lstrip("\ufffd").strip()))
+
+    if len(kept(0)) > max_prompt_tokens:
+        raise ValueError(f"the prompt's instruction alone is {len(kept(0))} tokens, more than max_prompt_tokens = "
+                         f"{max_prompt_tokens}")
+    lo, hi = 0, len(question_ids) - 1  # kept(lo) fits; the largest n that fits is searched (lengths grow with n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(kept(mid)) <= max_prompt_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return kept(lo), len(question_ids) - lo
+
+
+def chat_prompt_ids(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[int]:
+    """The token ids of `fit_prompt`."""
+    return fit_prompt(tokenizer, question, max_prompt_tokens)[0]
 
 
 def turn_finished(text: str) -> bool:

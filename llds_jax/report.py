@@ -21,8 +21,9 @@ evaluation found (the final one and a start-of-training one marked), and the plo
 the summary lists each run. A plot or panel whose metrics no run has is skipped, with a note in the summary.
 
 The paths written are printed, one per line. A missing run folder or a missing / empty metrics file ends the
-command with one line naming the path and exit status 2; a corrupted line of a metrics file is reported as
-`file:line` on stderr, skipped and counted in the summary.
+command with one line naming the path and exit status 2, and so does an --out that is a file or a folder of
+files the report did not write (llds_jax.output_folder: nothing in it is touched); a corrupted line of a metrics
+file (not JSON, not UTF-8) is reported as `file:line` on stderr, skipped and counted in the summary.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from etils import epath
+
+from llds_jax import output_folder
 
 METRICS_FILE = "metrics.jsonl"
 EXIT_BAD_INPUT = 2
@@ -123,11 +126,13 @@ def read_metrics(path: epath.Path) -> tuple[list[dict[str, Any]], int]:
         raise ReportError(f"no metrics file: {path}")
     by_step: dict[int, dict[str, Any]] = {}
     skipped = 0
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:  # a torn or garbled write: the line alone is lost
+            problem = f"not UTF-8 text (byte {e.start})"
         except json.JSONDecodeError as e:
             problem = f"not valid JSON ({e.msg})"
         else:
@@ -510,6 +515,12 @@ def write_report(run_dirs: Sequence[str], out_dir: str | None = None) -> list[st
     `<first run>/report`); returns the paths written."""
     runs = [read_run(folder, name) for folder, name in zip(run_dirs, unique_names(run_dirs))]
     out = epath.Path(out_dir) if out_dir else runs[0].folder / "report"
+    if "://" not in os.fspath(out):  # local: gs:// has no folders to mix up
+        own = {plot.filename for plot in PLOTS} | {"summary.md"}
+        try:  # a folder of the user's own files is never written into (llds_jax.output_folder)
+            output_folder.claim(str(out), f"--out {out}", "report", legacy=lambda entries: set(entries) <= own)
+        except output_folder.FolderNotOursError as e:
+            raise ReportError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
     written, plots = [], []
     for plot in PLOTS:

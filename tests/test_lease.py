@@ -100,11 +100,13 @@ def test_the_heartbeat_is_refreshed(tmp_path):
 def test_an_unwritable_folder_is_named(tmp_path):
     (tmp_path / "file").write_text("")  # a folder below a regular file cannot be created, even by root
     with pytest.raises(lease.FolderNotWritableError,
-                       match=rf"^run_dir X is not writable: cannot write {tmp_path}/file/run/lease.json: "):
+                       match=rf"^run_dir X: {tmp_path}/file is a file, not a folder: name a folder "):
         lease.Lease(tmp_path / "file" / "run" / "lease.json", "run_dir X").acquire()
-    with pytest.raises(lease.FolderNotWritableError, match=rf"^--export_dir Y is not writable: cannot write "
-                                                           rf"{tmp_path}/file/out: "):
+    with pytest.raises(lease.FolderNotWritableError, match=rf"^--export_dir Y: {tmp_path}/file is a file, not a "
+                                                           "folder: "):
         lease.check_writable(tmp_path / "file" / "out", "--export_dir Y")
+    with pytest.raises(lease.FolderNotWritableError, match=r"^--export_dir F is a file, not a folder: "):
+        lease.check_writable(tmp_path / "file", "--export_dir F")
     lease.check_writable(tmp_path / "ok", "--export_dir Z")
     assert os.listdir(tmp_path / "ok") == []  # the probe is gone
 

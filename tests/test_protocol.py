@@ -52,19 +52,36 @@ def test_chat_prompt_ids_instruct_template(qwen_instruct_tokenizer):
         "<|im_start|>user\n" + PROMPT_PARIS + "<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_chat_prompt_ids_without_template_and_left_truncation(qwen_tokenizer):
+def test_chat_prompt_ids_without_template(qwen_tokenizer):
     raw = copy.deepcopy(qwen_tokenizer)
     raw.chat_template = None
     ids = protocol.chat_prompt_ids(raw, "what is the capital of france")
     assert raw.decode(ids) == PROMPT_PARIS
     assert ids == raw.encode(PROMPT_PARIS, add_special_tokens=False)
-    full = protocol.chat_prompt_ids(qwen_tokenizer, "what is the capital of france")
-    assert protocol.chat_prompt_ids(qwen_tokenizer, "what is the capital of france", max_prompt_tokens=7) == full[-7:]
-    assert len(full) < protocol.DEFAULT_MAX_PROMPT_TOKENS
-    long_ids = protocol.chat_prompt_ids(qwen_tokenizer, "why " * 3000)
-    assert len(long_ids) == protocol.DEFAULT_MAX_PROMPT_TOKENS
-    assert not qwen_tokenizer.decode(long_ids).startswith("<|im_start|>system")
-    assert qwen_tokenizer.decode(long_ids).endswith(" why why?\n<|im_end|>\n<|im_start|>assistant\n")
+    assert protocol.fit_prompt(raw, "what is the capital of france") == (ids, 0)
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_an_over_long_question_loses_its_start_never_the_instruction(qwen_tokenizer, chat_template):
+    """Issue 58 item 10: the last max_prompt_tokens tokens were kept, so the search instruction (and the chat
+    template's system turn) was cut, with no count."""
+    tok = copy.deepcopy(qwen_tokenizer)
+    if not chat_template:
+        tok.chat_template = None
+    question = " ".join(f"w{i}" for i in range(3000)) + " who founded Acme"
+    ids, cut = protocol.fit_prompt(tok, question, max_prompt_tokens=400)
+    text = tok.decode(ids)
+    assert 390 <= len(ids) <= 400 and cut > 0
+    assert text.startswith("<|im_start|>system\n" if chat_template else protocol.SEARCH_R1_TEMPLATE[:60])
+    assert protocol.SEARCH_R1_TEMPLATE.split("{question}")[0] in text  # the whole instruction
+    assert text.endswith("w2999 who founded Acme?\n" + ("<|im_end|>\n<|im_start|>assistant\n" if chat_template else ""))
+    question_ids = tok.encode(question, add_special_tokens=False)
+    kept = text.split("Question: ")[1]
+    assert abs(len(tok.encode(kept, add_special_tokens=False)) - (len(question_ids) - cut)) <= 10
+    full = protocol.chat_prompt_ids(tok, "what is the capital of france")
+    with pytest.raises(ValueError, match=rf"^the prompt's instruction alone is \d+ tokens, more than "
+                                         rf"max_prompt_tokens = {len(full) - 20}$"):
+        protocol.fit_prompt(tok, "what is the capital of france", max_prompt_tokens=len(full) - 20)
 
 
 def test_invalid_action_message_literal():

@@ -30,7 +30,7 @@ from flax import nnx
 from index_builder.corpus import CorpusReader
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_faiss import build_faiss
-from llds_jax import distributed, gcs
+from llds_jax import distributed, gcs, output_folder
 from llds_jax.apps.demo_config import (  # noqa: F401  (the application protocol, llds_jax.application)
     DEMO_TOKENIZERS, check_config, config_sections, paths, provided_keys)
 from llds_jax.config import ConfigError
@@ -47,6 +47,7 @@ QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokeniz
 _VOCAB_MULTIPLE = 128  # embedding rows of a trained tokenizer are padded to a multiple of this
 ASSETS_VERSION = 7     # part of the recorded spec: assets built by older code are rebuilt
 E5_MAX_LENGTH = 128    # tokens per text of the demo's e5 index (the random BERT's positions)
+_BUILT_ENTRIES = ("world", "index", "e5_index", "e5", "model")  # what build_assets writes (and COMPLETE, last)
 
 
 def _search_fn(index_dir: str, k: int):
@@ -71,7 +72,10 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     intermediate_size, initializer_range, search_fraction, top_k (documents per search in the demonstrations),
     retriever, encoder_path and version. With retriever "e5_device" it also writes the world's e5 Flat index
     (index_builder's folder) embedded by `encoder_path`, or by a small random BERT of e5's layout written there
-    ("e5"; needs torch) when it is "". An existing folder built from the same spec is reused.
+    ("e5"; needs torch) when it is "". An existing folder built from the same spec is reused; one built from
+    another spec is refused (ConfigError naming demo.assets_dir and the settings that differ), as is a folder of
+    files the project did not write (llds_jax.output_folder): nothing is deleted but the entries of an unfinished
+    build of its own.
     """
     if spec["tokenizer"] not in DEMO_TOKENIZERS:
         raise ConfigError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")
@@ -83,11 +87,17 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
              "search_demonstrations": os.path.join(out_dir, "world", "search_demonstrations.jsonl"),
              "e5_index": os.path.join(out_dir, "e5_index"),
              "encoder": spec["encoder_path"] or os.path.join(out_dir, "e5")}
-    if os.path.exists(done):
-        with open(done) as f:
-            if json.load(f) == spec:
-                return paths
-    shutil.rmtree(out_dir, ignore_errors=True)
+    output_folder.claim(out_dir, f"demo.assets_dir {out_dir}", "demo assets",
+                        legacy=lambda entries: "COMPLETE" in entries)
+    built = _built_spec(done)
+    if built == spec:
+        return paths
+    if built is not None:
+        raise ConfigError(f"demo.assets_dir {out_dir} holds demo assets built for other settings "
+                          f"({_differences(built, spec)}): nothing was deleted; set demo.assets_dir to another "
+                          "folder (or delete that one)")
+    for entry in _BUILT_ENTRIES:  # an unfinished build of the project's own (the folder is claimed): built again
+        shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
     world = synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
     files = synthetic.write_world(world, os.path.join(out_dir, "world"))
     build_bm25(CorpusReader(files["corpus.jsonl"]), paths["index"])
@@ -122,14 +132,34 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     return paths
 
 
-def assets_for(cfg: ml_collections.ConfigDict, out_dir: str) -> dict[str, str]:
-    """`build_assets` at the sizes of `cfg.demo`, the run's seed and its retrieval top-k."""
+def _built_spec(done: str) -> dict | None:
+    """The spec recorded in a COMPLETE file, or None when there is none (or it was cut as it was written)."""
+    try:
+        with open(done) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _differences(built: dict, spec: dict) -> str:
+    """`seed 0 there, 1 here; ...`: the settings in which two specs differ."""
+    keys = sorted(set(built) | set(spec))
+    return "; ".join(f"{key} {built.get(key)!r} there, {spec.get(key)!r} here" for key in keys
+                     if built.get(key) != spec.get(key))
+
+
+def spec_of(cfg: ml_collections.ConfigDict) -> dict:
+    """What `build_assets` builds for `cfg`: the sizes of `cfg.demo`, the run's seed and its retrieval top-k."""
     d = cfg.demo
     spec = {key: d[key] for key in ("num_people", "tokenizer", "vocab_size", "hidden_size", "num_layers",
                                     "num_heads", "num_kv_heads", "intermediate_size", "initializer_range",
                                     "search_fraction", "retriever", "encoder_path")}
-    return build_assets(out_dir, {**spec, "seed": cfg.seed, "top_k": cfg.rollout.retrieval_top_k,
-                                  "version": ASSETS_VERSION})
+    return {**spec, "seed": cfg.seed, "top_k": cfg.rollout.retrieval_top_k, "version": ASSETS_VERSION}
+
+
+def assets_for(cfg: ml_collections.ConfigDict, out_dir: str) -> dict[str, str]:
+    """`build_assets` of `spec_of(cfg)`."""
+    return build_assets(out_dir, spec_of(cfg))
 
 
 def prepare(cfg: ml_collections.ConfigDict) -> None:

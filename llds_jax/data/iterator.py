@@ -85,10 +85,13 @@ class PromptIterator(Iterator[list[QAExample]]):
                 "num_examples": len(self._examples), "fingerprint": self._fingerprint}
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        """Continues after the batch at which `state` was taken.
+        """Continues after the batch at which `state` was taken (`check` first)."""
+        self.epoch, self.position = self.check(state)
+        self._order = self._permutation(self.epoch)
 
-        Raises ValueError naming the key when `state` is incomplete or was saved for another seed or other data.
-        """
+    def check(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """(epoch, position) of a saved `state`, unchanged iterator; raises ValueError naming the key when `state`
+        is incomplete, out of range or was saved for another seed or other data."""
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             raise ValueError(f"data iterator state: missing keys {missing}")
@@ -103,5 +106,4 @@ class PromptIterator(Iterator[list[QAExample]]):
         if not (isinstance(position, int) and 0 <= position < len(self._examples)):
             raise ValueError(f"data iterator state: 'position' must be an int in [0, {len(self._examples)}), "
                              f"got {position!r}")
-        self.epoch, self.position = epoch, position
-        self._order = self._permutation(epoch)
+        return epoch, position

@@ -1,7 +1,7 @@
 """The Search-R1 multi-turn agent loop over the rollout engine and an async retriever.
 
-Per batch of questions: prompts (protocol.chat_prompt_ids, last `max_prompt_tokens` kept) are encoded once into
-the engine's paged KV cache; then up to `max_turns` turns with search and one final turn in which a search is not
+Per batch of questions: prompts (protocol.fit_prompt: within `max_prompt_tokens`, the question cut first) are
+encoded once into the engine's paged KV cache; then up to `max_turns` turns with search and one final turn in which a search is not
 executed:
 
   1. every unfinished sequence decodes until its text holds `</search>` or `</answer>`, a stop token (EOS), or

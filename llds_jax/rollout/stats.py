@@ -43,7 +43,8 @@ class RolloutStats:
     `search_calls_s` sums the retriever calls' own durations, most of them hidden behind decoding.
 
     Counts (tokens unless named otherwise): `sampled_tokens` (generated, rolled-back ones included),
-    `prompt_tokens` (the conversations' prompts, each counted once per conversation), `observation_tokens`
+    `prompt_tokens` (the conversations' prompts, each counted once per conversation), `prompts_cut` (prompts
+    whose question lost its start to rollout.max_prompt_tokens; conversations), `observation_tokens`
     (appended to contexts), `searches` (queries sent), `bad_documents` (hits the retriever dropped:
     `search.types.received`), `forked_prefix_tokens` (tree rollouts only, else None: the turn and observation
     tokens each fork shares with its parent up to its node, sampled once and trained again in every leaf that
@@ -56,6 +57,7 @@ class RolloutStats:
     search_calls_s: float = 0.0
     sampled_tokens: int = 0
     prompt_tokens: int = 0
+    prompts_cut: int = 0
     observation_tokens: int = 0
     searches: int = 0
     bad_documents: int = 0
@@ -87,7 +89,8 @@ class RolloutStats:
         out = {"rollout_s": self.rollout_s, "decode_s": self.decode_s, "search_s": self.search_s,
                "search_calls_s": self.search_calls_s, "host_s": self.host_s,
                "sampled_tokens": float(self.sampled_tokens), "prompt_tokens": float(self.prompt_tokens),
-               "observation_tokens": float(self.observation_tokens), "searches": float(self.searches),
+               "prompts_cut": float(self.prompts_cut), "observation_tokens": float(self.observation_tokens),
+               "searches": float(self.searches),
                "bad_documents": float(self.bad_documents),
                "sampled_tokens_per_s": self.sampled_tokens / max(self.decode_s, 1e-9),
                "decode_occupancy": self.decode_occupancy,

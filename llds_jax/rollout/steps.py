@@ -80,9 +80,11 @@ class AgentSteps:
         return self._stopping is not None and self._stopping()
 
     def conversation(self, example: QAExample, lineage: Lineage) -> Conversation:
-        """A new conversation of `example`; its prompt's tokens count in the stats' prompt_tokens."""
-        prompt_ids = protocol.chat_prompt_ids(self.tokenizer, example.question, self.config.max_prompt_tokens)
+        """A new conversation of `example`; its prompt's tokens count in the stats' prompt_tokens, and a prompt whose
+        question was cut to rollout.max_prompt_tokens in prompts_cut."""
+        prompt_ids, cut = protocol.fit_prompt(self.tokenizer, example.question, self.config.max_prompt_tokens)
         self.stats.prompt_tokens += len(prompt_ids)
+        self.stats.prompts_cut += bool(cut)
         return Conversation(prompt_ids, lineage)
 
     def budget(self, conv: Conversation) -> int:

@@ -32,6 +32,8 @@ Config keys (a dict, or anything with `to_dict()` / `items()` such as ml_collect
 - http (a Search-R1 retrieval server, see http.py):
   - `url` (str, required): the endpoint, e.g. "http://127.0.0.1:8000/retrieve".
   - `batch_size` (int, 64): queries per POST.
+  - `max_response_bytes` (int, 64 MiB, as the server's --max-response-bytes): the most bytes of one answer; a
+    longer one is abandoned as it arrives and its queries fail (`Search failed: ...`, counted as a timeout is).
 - elasticsearch and http, URLs: each needs a scheme (`http://`, `https://`); user info in one
   (`https://elastic:PASSWORD@host:9200`, the password may hold unencoded `/ # ? @ :` and spaces) is sent as basic
   auth and shown as `***@` in every message (`llds_jax.redaction`); no message quotes a key's value unredacted.
@@ -68,12 +70,13 @@ _SPECS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
                       "verify_certs": ((bool,), True), "ca_certs": ((str, type(None)), None),
                       "batch_size": ((int,), 64), "encoder_path": ((str,), ""), "vector_field": ((str,), "embedding"),
                       "num_candidates": ((int,), 100), **_ENCODER_KEYS, **_POLICY_KEYS},
-    "http": {"url": ((str,), _REQUIRED), "batch_size": ((int,), 64), **_POLICY_KEYS},
+    "http": {"url": ((str,), _REQUIRED), "batch_size": ((int,), 64), "max_response_bytes": ((int,), 64 << 20),
+             **_POLICY_KEYS},
 }
 BACKENDS = tuple(_SPECS)
 _CHOICES = {"encoder_dtype": ("float32", "bfloat16"), "vector_dtype": ("bfloat16", "int8")}
 _NOT_NEGATIVE = ("workers",)  # 0: one per core
-_POSITIVE = ("max_length", "encoder_batch_size", "num_candidates", "batch_size", "candidates",
+_POSITIVE = ("max_length", "encoder_batch_size", "num_candidates", "batch_size", "max_response_bytes", "candidates",
              "max_candidates", "block_rows", "search_batch")
 _URL_KEYS = ("url", "hosts")
 
@@ -186,4 +189,5 @@ def make_retriever(cfg: Any) -> Retriever:
                                       vector_field=c["vector_field"], num_candidates=c["num_candidates"])
     from llds_jax.search.http import HttpRetriever
 
-    return HttpRetriever(c["url"], policy=policy, batch_size=c["batch_size"])
+    return HttpRetriever(c["url"], policy=policy, batch_size=c["batch_size"],
+                         max_response_bytes=c["max_response_bytes"])

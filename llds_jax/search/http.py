@@ -34,6 +34,11 @@ class ResponseShapeError(ValueError):
     """The server's JSON is not the Search-R1 response shape."""
 
 
+class ResponseTooLargeError(ValueError):
+    """The answer passed the retriever's `max_response_bytes`: abandoned as it arrived, not retried (the same
+    request would get the same answer); its queries fail as a timed-out request's do."""
+
+
 def is_permanent(error: BaseException) -> bool:
     """Whether a request error will not go away on retry (a 4xx other than 408/429, or a malformed answer)."""
     if isinstance(error, HttpStatusError):
@@ -75,9 +80,12 @@ class HttpRetriever(BatchedRetriever):
 
     backend = "http"
 
-    def __init__(self, url: str, *, policy: RequestPolicy = RequestPolicy(), batch_size: int = 64):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    def __init__(self, url: str, *, policy: RequestPolicy = RequestPolicy(), batch_size: int = 64,
+                 max_response_bytes: int = 64 << 20):
+        if batch_size < 1 or max_response_bytes < 1:
+            raise ValueError(f"batch_size and max_response_bytes must be >= 1, got {batch_size}, "
+                             f"{max_response_bytes}")
+        self.max_response_bytes = max_response_bytes
         self.url = redaction.redact(url)
         self._endpoint, self._headers = request_target(url)
         self.policy = policy
@@ -93,10 +101,22 @@ class HttpRetriever(BatchedRetriever):
     async def _post(self, session: aiohttp.ClientSession, queries: list[str], k: int) -> list[SearchResult]:
         body = {"queries": queries, "topk": k, "return_scores": True}
         async with session.post(self._endpoint, json=body, headers=self._headers) as response:
-            text = await response.text()
+            text = (await self._read_at_most(response)).decode(response.get_encoding())
             if response.status != 200:
                 raise HttpStatusError(response.status, text)
         return parse_response(json.loads(text), len(queries))
+
+    async def _read_at_most(self, response: aiohttp.ClientResponse) -> bytes:
+        """The body, read in chunks; ResponseTooLargeError once it passes max_response_bytes (before issue 58 an
+        endless answer took the client from 37 MB to 1.47 GB in one 5 s attempt)."""
+        chunks, size = [], 0
+        async for chunk in response.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > self.max_response_bytes:
+                raise ResponseTooLargeError(f"the answer passed max_response_bytes = {self.max_response_bytes} "
+                                            f"bytes (retriever.max_response_bytes)")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _search_batch(self, queries: list[str], k: int) -> list[SearchResult]:
         async with self._slots:

@@ -11,7 +11,8 @@ Endpoints:
   `{"result": [[{"document": {"id": str, "contents": str}, "score": float}, ...], ...]}`; with `return_scores`
   false (the default, as in Search-R1) the items are the bare documents. `topk` defaults to `--topk`.
   A malformed request gets 400 and a backend failure 503, each with `{"error": message}`.
-- `GET /health`: 200 `{"status": "ok", "backend": name}` when the backend can serve, else 503 `{"error": message}`.
+- `GET /health`: 200 `{"status": "ok", "backend": name, "slow_clients_dropped": n}` when the backend can serve,
+  else 503 `{"error": message}`.
 
 Limits (`Limits`, one flag each): `topk` above `--max-topk`, more queries than `--max-queries` or a response
 (JSON) above `--max-response-bytes` get 400, a body above `--max-request-bytes` 413; the `{"error": message}`
@@ -21,20 +22,27 @@ bytes one document takes (`max_document_bytes`: the embedded bm25 and faiss back
 encoded. Queries are searched in calls of at most `CHUNK_DOCUMENTS` documents and each call's results are encoded
 at once, so a request holds at most its encoded answer (<= --max-response-bytes) and one call's documents; the
 answer is JSON in UTF-8 (as Search-R1's FastAPI server sends it), sent without being copied whole.
+Slow clients (`Limits.header_timeout_s`, `--header-timeout-s`, 10 s; `body_timeout_s`, `--body-timeout-s`, 30 s):
+a connection whose request headers are not complete in time is closed, a request whose body is not in time gets
+408 and its connection closed; each is one warning line and counted (`slow_clients_dropped` in /health). A client
+that closes its connection mid-body is one info line (before: a 29-line traceback).
 A start-up failure (bad config, missing index, unavailable backend, address in use) is one line on stderr,
 `python -m llds_jax.search.server: error: <reason>`, and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import dataclasses
 import json
 import logging
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 
+import aiohttp
+import aiohttp.http_exceptions
 from aiohttp import web
 
 from llds_jax.search.factory import make_retriever
@@ -44,6 +52,7 @@ log = logging.getLogger(__name__)
 PROG = "python -m llds_jax.search.server"
 EXIT_START_FAILED = 2
 RETRIEVER_KEY = web.AppKey("retriever", Retriever)
+SLOW_CLIENTS_KEY = web.AppKey("slow_clients", "SlowClients")
 EMPTY_RESPONSE = b'{"result": []}'
 SCORE_CHARS = 24  # the most characters json.dumps writes for a float: "-2.2250738585072014e-308"
 # What `return_scores` wraps around a document: {"document": DOC, "score": SCORE}.
@@ -58,13 +67,83 @@ class Limits:
     """What one /retrieve request may ask for; the defaults are the command's.
 
     max_topk: documents per query. max_queries: queries per request. max_request_bytes: body bytes (after any
-    content decoding). max_response_bytes: bytes of the JSON answer.
+    content decoding). max_response_bytes: bytes of the JSON answer. header_timeout_s: seconds a new connection
+    has to send its first request's headers (and an idle kept-alive connection its next ones), else it is closed.
+    body_timeout_s: seconds a request has to send its body once its headers are in, else it gets 408 and the
+    connection is closed.
     """
 
     max_topk: int = 100
     max_queries: int = 4096
     max_request_bytes: int = 4 << 20
     max_response_bytes: int = 64 << 20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+
+
+class SlowClients:
+    """Counts the connections dropped for being slow (`header_timeout_s`, `body_timeout_s`), each logged in one
+    line; /health reports the count."""
+
+    def __init__(self):
+        self.dropped = 0
+
+    def drop(self, peer: object, why: str) -> None:
+        self.dropped += 1
+        log.warning("dropped a slow client %s: %s; %d slow client(s) dropped so far", _peer(peer), why, self.dropped)
+
+
+def _peername(request: web.Request) -> object:
+    return request.transport.get_extra_info("peername") if request.transport is not None else request.remote
+
+
+def _peer(peer: object) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+
+
+class _HeaderDeadline(asyncio.Protocol):
+    """aiohttp's protocol of one connection, closed when its first request's headers (up to the blank line) do
+    not arrive within `timeout_s` (a slow or silent client holds a connection and a task otherwise: 10,126
+    connections stayed open for 40 s before issue 58). A kept-alive connection's later requests fall under
+    aiohttp's keep-alive timeout, set to the same value."""
+
+    def __init__(self, inner: asyncio.Protocol, timeout_s: float, slow: SlowClients):
+        self._inner, self._timeout_s, self._slow = inner, timeout_s, slow
+        self._deadline: asyncio.TimerHandle | None = None
+        self._tail = b""  # the last 3 bytes received, for a blank line split across reads
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._deadline = asyncio.get_running_loop().call_later(self._timeout_s, self._expire)
+        self._inner.connection_made(transport)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        self._slow.drop(self._transport.get_extra_info("peername"), f"no complete request headers within "
+                        f"{self._timeout_s:g} s (--header-timeout-s)")
+        self._transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self._deadline is not None:
+            if b"\r\n\r\n" in self._tail + data:
+                self._deadline.cancel()
+                self._deadline = None
+            self._tail = (self._tail + data)[-3:]
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
 
 
 class ResponseTooLargeError(ValueError):
@@ -162,6 +241,10 @@ async def _read_json(request: web.Request, max_bytes: int) -> object:
     return await request.json()
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its body was in (logged in one line, not answered)."""
+
+
 def _bound_error(num_queries: int, topk: int, return_scores: bool, document_bytes: int | None,
                  max_bytes: int) -> web.Response | None:
     """The 400 for a request whose `response_bound` passes `max_bytes`; None when it fits or the backend gives no
@@ -208,11 +291,29 @@ async def _send(request: web.Request, body: ResponseBody) -> web.StreamResponse:
 def build_app(retriever: Retriever, *, default_topk: int = 3, limits: Limits = Limits()) -> web.Application:
     """The aiohttp application serving `retriever` under `limits`; it closes the retriever on cleanup."""
     document_bytes = getattr(retriever, "max_document_bytes", None)  # the embedded backends know it
+    slow = SlowClients()
 
     async def retrieve(request: web.Request) -> web.StreamResponse:
         try:
-            queries, topk, return_scores = parse_request(await _read_json(request, limits.max_request_bytes),
-                                                         default_topk, limits)
+            try:
+                payload = await asyncio.wait_for(_read_json(request, limits.max_request_bytes), limits.body_timeout_s)
+            except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError) as e:
+                raise ClientGone(e) from None
+            queries, topk, return_scores = parse_request(payload, default_topk, limits)
+        except ClientGone as e:
+            log.info("client %s closed its connection before its body was in (%s)", _peer(_peername(request)),
+                     type(e.args[0]).__name__)
+            raise web.HTTPBadRequest() from None  # nobody reads the answer; aiohttp closes the connection
+        except asyncio.TimeoutError:
+            slow.drop(_peername(request), f"its body was not in within {limits.body_timeout_s:g} s "
+                      "(--body-timeout-s)")
+            response = _error(f"the body did not arrive within {limits.body_timeout_s:g} s (--body-timeout-s)", 408)
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:  # at once: aiohttp would wait 10 s more for the rest of the body
+                request.transport.close()
+            return response
         except web.HTTPRequestEntityTooLarge:
             got = "more" if request.content_length is None else request.content_length
             return _error(f"the body must be at most {limits.max_request_bytes} bytes (--max-request-bytes),"
@@ -239,13 +340,14 @@ def build_app(retriever: Retriever, *, default_topk: int = 3, limits: Limits = L
             await retriever.check()
         except RetrieverUnavailableError as e:
             return web.json_response({"error": str(e)}, status=503)
-        return web.json_response({"status": "ok", "backend": retriever.backend})
+        return web.json_response({"status": "ok", "backend": retriever.backend, "slow_clients_dropped": slow.dropped})
 
     async def close_retriever(app: web.Application) -> None:
         await app[RETRIEVER_KEY].close()
 
     app = web.Application(client_max_size=limits.max_request_bytes)
     app[RETRIEVER_KEY] = retriever
+    app[SLOW_CLIENTS_KEY] = slow
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     app.on_cleanup.append(close_retriever)
@@ -306,13 +408,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"largest request body in bytes (default {limits.max_request_bytes})")
     parser.add_argument("--max-response-bytes", type=int, default=limits.max_response_bytes,
                         help=f"largest response body in bytes (default {limits.max_response_bytes})")
+    parser.add_argument("--header-timeout-s", type=float, default=limits.header_timeout_s,
+                        help=f"seconds a connection has to send a request's headers, else it is closed (default "
+                             f"{limits.header_timeout_s:g})")
+    parser.add_argument("--body-timeout-s", type=float, default=limits.body_timeout_s,
+                        help=f"seconds a request has to send its body, else 408 and the connection closed (default "
+                             f"{limits.body_timeout_s:g})")
     args = parser.parse_args(argv)
     for name in ("topk", *(f.name for f in dataclasses.fields(Limits))):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if name.endswith("_s") and not (0 < value < float("inf")):
+            parser.error(f"{flag} must be finite and > 0, got {value}")
+        if not name.endswith("_s") and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     if args.topk > args.max_topk:
         parser.error(f"--topk must be at most --max-topk ({args.max_topk}), got {args.topk}")
     return args
+
+
+async def serve(app: Awaitable[web.Application], sock: socket.socket, limits: Limits) -> None:
+    """Serves `app` on the listening `sock` until SIGTERM or SIGINT (web.GracefulExit), as web.run_app does, with
+    every connection's headers bounded by limits.header_timeout_s (`_HeaderDeadline`, which run_app cannot add)."""
+    app = await app
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=limits.header_timeout_s)
+    await runner.setup()
+    slow = app[SLOW_CLIENTS_KEY]
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _HeaderDeadline(runner.server(), limits.header_timeout_s, slow), sock=sock)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        server.close()
+        await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -336,7 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = config_from_args(args)
         with listen(args.host, args.port) as sock:  # bound before the backend loads: a used address fails at once
-            web.run_app(app_factory(), sock=sock, access_log=None, print=None)
+            asyncio.run(serve(app_factory(), sock, limits))
+    except (web.GracefulExit, KeyboardInterrupt):  # SIGTERM, SIGINT
+        pass
     except (RetrieverUnavailableError, ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_START_FAILED)

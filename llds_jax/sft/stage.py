@@ -34,7 +34,7 @@ import optax
 from etils import epath
 from flax import nnx
 
-from llds_jax import parallel
+from llds_jax import gcs, output_folder, parallel
 from llds_jax.bounds import ConfigError
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
@@ -117,6 +117,33 @@ def fingerprint(cfg: SFTConfig, model_path: str, tokenizer_path: str, model_over
     return digest.hexdigest()
 
 
+def recorded_fingerprint(done: epath.Path) -> str | None:
+    """The fingerprint a finished warm start recorded in `done` (its DONE_FILE), or None when there is none. A file
+    cut by a kill or a full disk as it was written (empty, torn JSON, not UTF-8) is warned about, naming it, and
+    the warm start is redone (before: "Expecting value: line 1 column 1 (char 0)" on every rerun)."""
+    if not done.exists():
+        return None
+    try:
+        record = json.loads(done.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        log.warning("warm start: %s is unreadable (%s): training the warm start again", done,
+                    "empty" if isinstance(e, json.JSONDecodeError) and not e.doc.strip() else e)
+        return None
+    return record.get("fingerprint") if isinstance(record, dict) else None
+
+
+@contextlib.contextmanager
+def _no_step_left_running(in_flight):
+    """On an exception (a stop signal's StopRequested among them), waits for the steps still queued
+    (`in_flight()`: their losses; at most one) before it propagates: an exit with a step running crashed the
+    interpreter's teardown (segmentation fault)."""
+    try:
+        yield
+    except BaseException:
+        jax.block_until_ready(in_flight())
+        raise
+
+
 def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTConfig,
           mesh: Optional[jax.sharding.Mesh] = None, on_log=None) -> list[dict[str, float]]:
     """Runs `cfg.steps` supervised steps on `model` (its parameters are replaced in place).
@@ -141,13 +168,16 @@ def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTC
 
     step = jax.jit(step, donate_argnums=(0, 1))
     sharding = parallel.batch_sharding(mesh, 2) if mesh is not None else None
-    with context():
+    losses = []  # the losses of the steps since the last log line; the last one's step may still run
+    with context(), _no_step_left_running(lambda: losses[-1:]):
         opt_state = jax.jit(optimizer.init)(params)
         records, losses, tokens, start = [], [], 0.0, time.perf_counter()
         for i in range(1, cfg.steps + 1):
             batch = next(batches)
             tokens += float(batch["mask_bt"].sum())
             params, opt_state, loss = step(params, opt_state, jax.device_put(batch, sharding))
+            if losses:  # at most this step queued: a stop signal's handler runs (and stops) within a step's time;
+                losses[-1].block_until_ready()  # a wait on log_every queued steps cannot be interrupted
             losses.append(loss)
             if i % cfg.log_every == 0 or i == cfg.steps:
                 mean_loss = float(np.mean(jax.device_get(losses)))  # waits for the steps: times them
@@ -203,7 +233,7 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     key = fingerprint(s, m.path, tokenizer_path, overrides)
     out = epath.Path(s.output_dir)
     done = out / DONE_FILE
-    if done.exists() and json.loads(done.read_text()).get("fingerprint") == key:
+    if recorded_fingerprint(done) == key:
         print(f"warm start: reusing {out} (same settings, checkpoint and demonstrations)", flush=True)
         return str(out)
     tokenizer = load_tokenizer(tokenizer_path, fallback_chat_template=m.chat_template)
@@ -225,6 +255,9 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
               f"{', '.join(s.curriculum_files)}, then", flush=True)
     print(f"warm start: {s.steps - s.curriculum_steps} steps of {s.batch_size} on {len(encoded)} demonstrations "
           f"from {', '.join(s.data_files)}", flush=True)
+    if not gcs.is_gcs(str(out)):  # a folder of the user's own files is never written into
+        output_folder.claim(str(out), f"sft.output_dir {out}", "warm start",
+                            legacy=lambda entries: DONE_FILE in entries or "metrics.jsonl" in entries)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with (out / "metrics.jsonl").open("w") as f:

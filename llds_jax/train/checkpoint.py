@@ -24,6 +24,10 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
   `close` waits for nothing more.
 - On several hosts every process calls `save`, `restore*` and `wait_until_finished` at the same point (each writes
   and reads its own shards; orbax synchronizes them).
+- Each save records two checksums of every array it writes (`checksums`, in the `meta` item); `restore` checks
+  them, and a step whose data changed after the save (flipped bytes: before issue 58 they were loaded as weights
+  without a word) fails with ChecksumMismatchError naming the array: `restore_latest` falls back to the previous
+  step as for any unreadable one. Steps saved before the checksums existed are restored unchecked.
 - Restored arrays take the shardings of the targets (`jax.Array`s or `jax.ShapeDtypeStruct`s with a `sharding`),
   so they land on the mesh. A target without a sharding, or with other array shapes than saved (another model
   config), is an error of its own, never taken for an unreadable step.
@@ -39,10 +43,11 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -177,6 +182,45 @@ def rng_from_json(record: Mapping[str, Any]) -> jax.Array:
     return jax.random.wrap_key_data(np.asarray(record["data"], np.uint32), impl=record["impl"])
 
 
+class ChecksumMismatchError(ValueError):
+    """A restored array differs from what was saved (its bytes damaged after the save): the step is unusable."""
+
+
+@jax.jit
+def _array_checksums(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Two uint32 sums per array over its bits (sum x_i * (2i + 1), sum x_i ^ (i * 0x9E3779B1), mod 2**32, x_i
+    the i-th 8/16/32-bit word): any one flipped bit changes the first. Exact integer sums, so the same for any
+    sharding; computed where the arrays are (a collective over hosts)."""
+    sums = []
+    for x in leaves:
+        if x.dtype == jnp.bool_:
+            x = x.astype(jnp.uint8)
+        words = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32))
+        words = words.reshape(-1).astype(jnp.uint32)
+        i = jnp.arange(words.size, dtype=jnp.uint32)
+        sums.append(jnp.stack([jnp.sum(words * (2 * i + 1)), jnp.sum(words ^ (i * np.uint32(0x9E3779B1)))]))
+    return sums
+
+
+def checksums(tree: Any) -> list[list[int]]:
+    """`_array_checksums` of every array of `tree` (leaf order), as JSON-ready ints. Arrays in host memory (the
+    state copy a stop within a step saves) are summed on the devices one at a time: a whole second state there
+    could pass the accelerator's memory."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return []
+    if all(_on_device(x) for x in leaves):
+        sums = _array_checksums(leaves)
+    else:
+        sums = [_array_checksums([x if _on_device(x) else
+                                  jax.device_put(x, x.sharding.with_memory_kind("device"))])[0] for x in leaves]
+    return [[int(v) for v in pair] for pair in jax.device_get(sums)]
+
+
+def _on_device(x: Any) -> bool:
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) in (None, "device")
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints (see the module docstring).
 
@@ -262,8 +306,9 @@ class Checkpointer:
                 json.dumps(value)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"checkpoint meta[{key!r}] is not JSON-serializable: {e}") from None
+        sums = {"params": checksums(params), "opt_state": checksums(opt_state)}  # checked by `restore`
         items = {"params": ocp.args.StandardSave(params),
-                 "meta": ocp.args.JsonSave({"step": step, "meta": dict(meta)})}
+                 "meta": ocp.args.JsonSave({"step": step, "meta": dict(meta), "checksums": sums})}
         if jax.tree.leaves(opt_state):  # a stateless optimizer (e.g. optax.sgd) has nothing to save
             items["opt_state"] = ocp.args.StandardSave(opt_state)
         self.wait_until_finished()  # a failure of the previous save is reported as that step's
@@ -279,8 +324,11 @@ class Checkpointer:
             self._manager.wait_until_finished()
         self._pending = None
 
-    def restore(self, step: int, params_target: Any, opt_state_target: Any = None) -> Restored:
-        """Restores `step` onto the targets' shardings; `opt_state_target=None` skips the optimizer state.
+    def restore(self, step: int, params_target: Any, opt_state_target: Any = None,
+                check_meta: Callable[[dict], None] | None = None) -> Restored:
+        """Restores `step` onto the targets' shardings; `opt_state_target=None` skips the optimizer state;
+        `check_meta(meta)` raises ValueError (or KeyError, TypeError) when the step's record cannot be resumed from
+        (the trainer's: a data position out of range), re-raised as ValueError naming the step's meta item.
 
         The targets are pytrees of `jax.Array`s or `jax.ShapeDtypeStruct`s with shardings, shaped like what was
         saved (e.g. `jax.eval_shape` of the jitted initializer with `out_shardings`, or the live fresh state).
@@ -297,8 +345,26 @@ class Checkpointer:
         if not isinstance(record, dict) or record.get("step") != step or not isinstance(record.get("meta"), dict):
             raise ValueError(f"{self.directory / str(step)}/meta: expected {{'step': {step}, 'meta': {{...}}}}, "
                              f"got {record!r}")
+        try:
+            if check_meta is not None:
+                check_meta(record["meta"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.directory / str(step)}/meta: {describe(e)}") from None
+        for name in targets:  # a step saved before issue 58 has no checksums
+            self._check_sums(step, name, restored[name], record.get("checksums", {}).get(name))
         opt_state = restored.opt_state if "opt_state" in targets else opt_state_target  # None or leafless
         return Restored(step=step, params=restored.params, opt_state=opt_state, meta=record["meta"])
+
+    def _check_sums(self, step: int, name: str, tree: Any, saved: list | None) -> None:
+        """Raises ChecksumMismatchError naming the first array of `tree` whose checksums are not `saved`'s (before
+        issue 58, nine flipped bytes in a weight file restored 7,335 wrong weights without a word)."""
+        if saved is None:
+            return
+        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        for path, have, want in zip(paths, checksums(tree), saved):
+            if have != want:
+                raise ChecksumMismatchError(f"{self.directory / str(step)}/{name}: {name}{path} does not match the "
+                                            "checksum saved with it (its data changed after the save)")
 
     def _check_target(self, step: int, name: str, saved: Any, target: Any) -> None:
         """Raises CheckpointMismatchError unless `target` has as many arrays as `saved`, with the same shapes."""
@@ -315,8 +381,10 @@ class Checkpointer:
                 raise CheckpointMismatchError(f"{where}: {name}{jax.tree_util.keystr(path)} was saved with shape "
                                               f"{tuple(have.shape)}, the restore target has {tuple(want.shape)}")
 
-    def restore_latest(self, params_target: Any, opt_state_target: Any = None) -> Restored | None:
-        """Restores the newest readable step (None when the folder has no step); see `restore`.
+    def restore_latest(self, params_target: Any, opt_state_target: Any = None,
+                       check_meta: Callable[[dict], None] | None = None) -> Restored | None:
+        """Restores the newest readable step (None when the folder has no step); see `restore`. A step whose record
+        `check_meta` refuses counts as unreadable (issue 58: a data position out of range failed every rerun).
 
         Unreadable newer steps are warned about and, once an older step restored, moved aside. Raises
         CheckpointUnreadableError when steps exist but none can be read (starting over would silently discard the
@@ -324,14 +392,15 @@ class Checkpointer:
         """
         drop_orphaned_read_errors()  # before any read: a failed read's orphans may report before it raises
         with self._operation("restoring the newest checkpoint from", convert=False):
-            return self._restore_latest(params_target, opt_state_target)
+            return self._restore_latest(params_target, opt_state_target, check_meta)
 
-    def _restore_latest(self, params_target: Any, opt_state_target: Any) -> Restored | None:
+    def _restore_latest(self, params_target: Any, opt_state_target: Any,
+                        check_meta: Callable[[dict], None] | None) -> Restored | None:
         failures = {}
         for step in reversed(self.all_steps()):
             error = None
             try:
-                restored = self.restore(step, params_target, opt_state_target)
+                restored = self.restore(step, params_target, opt_state_target, check_meta)
             except CheckpointMismatchError:
                 raise  # the caller's targets are wrong; older steps would not fit either
             except Exception as e:  # noqa: BLE001 - any other failure to read the step means it is unusable

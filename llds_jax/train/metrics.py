@@ -53,6 +53,8 @@ RESERVED_KEYS = ("step", "time")
 BUDGET_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("token generated", "tokens generated", "rollout/sampled_tokens"),
     ("prompt token", "prompt tokens", "rollout/prompt_tokens"),
+    ("prompt cut to rollout.max_prompt_tokens (its question's start)",
+     "prompts cut to rollout.max_prompt_tokens (their questions' start)", "rollout/prompts_cut"),
     ("observation token", "observation tokens", "rollout/observation_tokens"),
     ("search", "searches", "rollout/searches"),
     ("trajectory", "trajectories", "rollout/trajectories"),
@@ -107,6 +109,8 @@ def console_line(step: int, scalars: Mapping[str, float], fields: Sequence[tuple
         parts.append(f"ETA {format_duration(eta_seconds)}")
     return "  ".join(parts)
 
+SHOWN_WHEN_NONZERO = ("rollout/prompts_cut",)  # budget fields the line leaves out at 0
+
 
 def budget_line(step: int, scalars: Mapping[str, float]) -> str | None:
     """`step 12 budget: 18,304 tokens generated, 2,048 prompt tokens, ...` from the rollout's counts (None when
@@ -114,7 +118,8 @@ def budget_line(step: int, scalars: Mapping[str, float]) -> str | None:
     if BUDGET_FIELDS[0][2] not in scalars:
         return None
     counts = [f"{scalars[name]:,.0f} {one if round(scalars[name]) == 1 else several}"
-              for one, several, name in BUDGET_FIELDS if name in scalars]
+              for one, several, name in BUDGET_FIELDS
+              if name in scalars and (scalars[name] or name not in SHOWN_WHEN_NONZERO)]
     return f"step {step} budget: {', '.join(counts)}"
 
 

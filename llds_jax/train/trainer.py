@@ -112,7 +112,8 @@ def read_examples(files: Sequence[str], what: str, empty_answer: str) -> list[QA
 
 
 # Rollout metrics that add up over hosts: the decode rate and the budget's counts (agent.Rollout).
-HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens", "observation_tokens", "searches",
+HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens", "prompts_cut", "observation_tokens",
+                       "searches",
                        "trajectories", "bad_documents", "forked_prefix_tokens")
 
 
@@ -407,10 +408,17 @@ class Trainer:
             if changed:
                 print(run_config.notice(self.run_dir, latest, changed), file=sys.stderr, flush=True)
 
+    def _check_meta(self, meta: dict) -> None:
+        """Raises ValueError, KeyError or TypeError when a checkpoint's record cannot be resumed from (its data
+        position, rng or counter missing or out of range): the checkpointer then falls back to the step before."""
+        self.data.check(meta["data"])
+        rng_from_json(meta["rng"])
+        int(meta["nonfinite_count"])
+
     def _restore(self, ckpt: Checkpointer, state: TrainState) -> tuple[TrainState, int]:
         """`state` from the run folder's latest checkpoint, with the data order, the random stream and the
         training lengths it saved, and its step; `(state, 0)` unchanged when there is none."""
-        restored = ckpt.restore_latest(state.params, state.opt_state)
+        restored = ckpt.restore_latest(state.params, state.opt_state, check_meta=self._check_meta)
         if restored is None:
             return state, 0
         start = restored.step
@@ -436,7 +444,7 @@ class Trainer:
             writer.write_texts(step, {
                 f"transcripts/{i}": evaluation.transcript_text(traj, self.tokenizer, self.cfg.reward.empty_answer)
                 for i, traj in enumerate(trajectories[:t.num_transcripts])})
-        self.watchdog.check_updates(state.params)
+        self.watchdog.check_updates(state.params, step)
 
     def _evaluate_start(self, state: TrainState, writer: MetricsWriter, guard: PreemptionGuard) -> None:
         """The evaluation of the starting policy (train.eval_at_start) as step 0's record; a stop request abandons

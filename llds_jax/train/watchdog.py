@@ -8,8 +8,10 @@ Two conditions, each counted over consecutive steps and reset by one healthy ste
 - diverged parameters: `optim.max_skipped_updates` optimizer updates in a row skipped for a non-finite loss or
   gradient (a checkpoint with NaN weights, a learning rate that blew the model up). Ends with `NonFiniteError`
   naming the first parameter that holds a non-finite value (or saying that every parameter is finite); nothing is
-  saved, as the state is the problem.
-0 turns a check off.
+  saved, as the state is the problem. So does a single step whose every update was skipped (issue 58: such a
+  step, all 4 updates skipped from damaged weights, ended with exit status 0 and was saved over the checkpoint
+  before it), naming the step.
+0 turns a check off (`optim.max_skipped_updates = 0`: both of the second).
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class Watchdog:
     max_skipped_updates: int
     failed_search_steps: int = 0
     skipped_updates: int = 0
+    step_all_skipped: int = 0  # the number of updates of the last counted step when every one was skipped, else 0
 
     def check_searches(self, counts: dict[str, float], last_error: str | None) -> None:
         """Counts a step's searches (`search_counts`, summed over the hosts); raises RetrieverUnavailableError
@@ -83,17 +86,23 @@ class Watchdog:
     def count_updates(self, skipped_u: np.ndarray) -> None:
         """Counts a step's skipped updates (`skipped_u`: 1 where update u was skipped, in order)."""
         skipped_u = np.asarray(skipped_u).astype(bool)
+        self.step_all_skipped = len(skipped_u) if skipped_u.size and skipped_u.all() else 0
         if skipped_u.all():
             self.skipped_updates += len(skipped_u)
         else:
             self.skipped_updates = len(skipped_u) - 1 - int(np.flatnonzero(~skipped_u)[-1])
 
-    def check_updates(self, params) -> None:
-        """Raises NonFiniteError once `max_skipped_updates` updates in a row were skipped (`count_updates`)."""
-        if not self.max_skipped_updates or self.skipped_updates < self.max_skipped_updates:
+    def check_updates(self, params, step: int) -> None:
+        """Raises NonFiniteError once `max_skipped_updates` updates in a row were skipped, or every update of `step`
+        (the last counted by `count_updates`) was; nothing of the step may be saved after it."""
+        if not self.max_skipped_updates or (self.skipped_updates < self.max_skipped_updates
+                                            and not self.step_all_skipped):
             return
         where = first_nonfinite(params)
         found = (f"the parameter {where} holds non-finite values" if where is not None
                  else "every parameter is finite: the loss or its gradient is not")
+        if self.skipped_updates < self.max_skipped_updates:
+            raise NonFiniteError(f"every update of step {step} ({self.step_all_skipped}) was skipped for a "
+                                 f"non-finite loss or gradient; {found}; step {step} is not saved")
         raise NonFiniteError(f"{self.skipped_updates} updates in a row were skipped for a non-finite loss or "
                              f"gradient (optim.max_skipped_updates={self.max_skipped_updates}); {found}")

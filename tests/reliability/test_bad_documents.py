@@ -85,7 +85,9 @@ def stop_while_documents_arrive(searching_runs, name: str, documents: list[objec
                 sent.append(time.monotonic())
 
         server.on_answered = sigterm_in_step_2
-        launched.append(searching_runs.start(default_policy(server), name))
+        # up to 480 MB per answer: past the client's default retriever.max_response_bytes (64 MiB), which would
+        # fail those searches before the cut where documents enter is reached
+        launched.append(searching_runs.start({**default_policy(server), "max_response_bytes": 1 << 30}, name))
         try:
             launched[0].process.wait(TIMEOUT_S)
             assert sent, launched[0].output()[-4000:]

@@ -110,6 +110,10 @@ def test_rows_no_answer_can_match_are_skipped_and_counted_once_by_the_zero_rule(
      "not a readable parquet file (Parquet magic bytes not found in footer. Either the file is corrupted or this is"
      " not a parquet file.)"),
     ("binary.jsonl", b"\xff\xfe{}\n", "1: not UTF-8 (invalid start byte at byte 0)"),
+    # issue 58 item 9: "make_prompt: the question is empty" at the first rollout, naming neither file nor row
+    ("blank.jsonl", b'{"question": "q", "golden_answers": ["a"], "data_source": "nq"}\n'
+                    b'{"question": "   ", "golden_answers": ["a"], "data_source": "nq"}\n',
+     "2: column 'question' is blank ('   ')"),
 ])
 def test_unreadable_qa_files_name_the_file(tmp_path, name, content, reason):
     path = tmp_path / name

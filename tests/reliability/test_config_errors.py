@@ -77,6 +77,10 @@ def assert_one_line(proc: subprocess.CompletedProcess, message: str) -> None:
     ("--config.sft.batch_size=0", "sft.batch_size must be >= 1, got 0"),
     ("--config.retriever.indexdir=/x", "unknown config key retriever.indexdir (did you mean retriever.index_dir?)"),
     ("--config.optim.lamda=1", "unknown config key optim.lamda"),
+    # issue 58 item 17: a misspelt section was named with no suggestion
+    ("--config.trian.total_steps=1", "unknown config key trian.total_steps (did you mean train.total_steps?)"),
+    # issue 58 item 8: the seed passed, the demo assets were rebuilt, and after 72 s "expected non-negative integer"
+    ("--config.seed=-1", "seed must be >= 0, got -1"),
     ("--config.data.train_files=[1,2]", "data.train_files must be a tuple of paths (str), got (1, 2)"),
     ("--config.optim.learning_rate=inf", "optim.learning_rate must be finite and > 0, got inf"),
     ("--config.objective.kl_coef=inf", "objective.kl_coef must be finite and >= 0, got inf"),
@@ -133,6 +137,20 @@ def test_missing_model_folders_name_the_key(config, tmp_path):
     assert_one_line(launch(config), f"model.path {MISSING_MODEL}: no such folder")
     assert_one_line(launch(config, f"--config.model.path={tmp_path}", f"--config.model.tokenizer_path={config}"),
                     f"model.tokenizer_path {config}: not a folder")
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_saying_so(config, tmp_path):
+    """Issue 58 item 11: refused with "File exists" before. The model folder exists (empty): the run folder is
+    claimed before anything is loaded. A file above the run folder is named too."""
+    model, run_file = tmp_path / "model", tmp_path / "run_file"
+    model.mkdir()
+    run_file.write_text("notes\n")
+    assert_one_line(launch(config, f"--config.model.path={model}", f"--config.run_dir={run_file}"),
+                    f"run_dir {run_file} is a file, not a folder: name a folder (or move the file away)")
+    assert_one_line(launch(config, f"--config.model.path={model}", f"--config.run_dir={run_file}/run"),
+                    f"run_dir {run_file}/run: {run_file} is a file, not a folder: name a folder (or move the file "
+                    "away)")
+    assert run_file.read_text() == "notes\n"
 
 
 def test_file_lists_take_comma_separated_paths(config, tmp_path):

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -293,3 +294,73 @@ def test_port_in_use_is_one_line_and_exit_2(corpus_index):
         done = subprocess.run(server_command(port, corpus_index[1]), capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (
         2, f"{PROG}: error: cannot listen on 127.0.0.1:{port}: Address already in use\n")
+
+
+# ----- slow and vanishing clients (issue 58 item 13) ------------------------------------------------------------------
+# Before: no deadline for headers or bodies (500 slow connections still open after 64 s, 10,126 held for 40 s), and
+# a client gone mid-body logged a 29-line traceback.
+SLOW = ("--header-timeout-s", "1", "--body-timeout-s", "1")
+PARTIAL_HEADERS = b"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def closed_by_server(sock: socket.socket) -> bytes:
+    """What the server sent before it closed the connection (a 10 s socket timeout fails the test)."""
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return received
+        if not chunk:
+            return received
+        received += chunk
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_connections_that_never_finish_their_headers_are_dropped_and_counted(corpus_index):
+    process, url = start_server(corpus_index[1], *SLOW)
+    try:
+        silent, partial = [connect(url) for _ in range(20)], [connect(url) for _ in range(20)]
+        for sock in partial:
+            sock.sendall(PARTIAL_HEADERS)
+        started = time.monotonic()
+        assert all(closed_by_server(sock) == b"" for sock in silent + partial)
+        assert time.monotonic() - started < 5
+        assert health(url)["slow_clients_dropped"] == 40
+        assert post(url, json.dumps({"queries": ["alpha"], "topk": 1}).encode())[0] == 200  # still serving
+    finally:
+        process.terminate()
+        _, err = process.communicate(timeout=10)
+    assert err.count("no complete request headers within 1 s (--header-timeout-s)") == 40
+    assert "Traceback" not in err
+
+
+def test_a_body_that_does_not_arrive_gets_408_and_a_vanishing_client_one_line(corpus_index):
+    process, url = start_server(corpus_index[1], *SLOW)
+    try:
+        slow = connect(url)
+        slow.sendall(PARTIAL_HEADERS + b"Content-Length: 100\r\n\r\n" + b'{"queries": ')
+        answer = closed_by_server(slow)
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        assert answer.endswith(b'{"error": "the body did not arrive within 1 s (--body-timeout-s)"}')
+        gone = connect(url)
+        gone.sendall(PARTIAL_HEADERS + b"Content-Length: 1000\r\n\r\n" + b'{"queries": ')
+        time.sleep(0.3)
+        gone.close()
+        time.sleep(0.5)
+        assert health(url)["slow_clients_dropped"] == 1
+    finally:
+        process.terminate()
+        _, err = process.communicate(timeout=10)
+    assert "Traceback" not in err
+    gone_lines = [line for line in err.splitlines() if "closed its connection before its body was in" in line]
+    assert len(gone_lines) == 1, err

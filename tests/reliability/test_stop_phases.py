@@ -92,6 +92,19 @@ def test_sigterm_during_the_evaluation_after_a_step_saves_that_step(searching_ru
     assert not any(key.startswith("eval/") for key in read_metrics(run_dir)[0])
 
 
+@pytest.mark.slow
+def test_sigterm_during_the_final_evaluation_exits_0_within_the_bound(searching_runs):
+    """Issue 58 item 7: clean but 18 s after the signal (the interpreter's teardown garbage-collected every JAX
+    array and program; the command now ends with os._exit once the stop line is printed)."""
+    output, run_dir = stop_in(searching_runs, "final_eval_stop", lambda q, out: "EVALUATION final_step_3 STARTS" in out,
+                              train__final_eval=True, eval__max_examples=4)
+    assert "training stopped after step 3 of 3" in output
+    assert ("llds_jax: stopped by SIGTERM during the evaluation: nothing to save; the same command starts again"
+            in output)
+    assert steps_saved(run_dir) == [3]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
 def test_sigterm_in_the_first_second_exits_0_with_one_line(tmp_path):
     """A signal while the command still reads its config (before `run` installs its handlers), made certain by a
     config file that waits: before issue 44 the process died with status -15 and printed nothing."""

@@ -5,12 +5,14 @@ import os
 import re
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from llds_jax.model import hf_io
 from llds_jax.search.factory import resolve_config
 from llds_jax.search.retry import RequestPolicy
+from llds_jax.train.watchdog import NonFiniteError, Watchdog
 from tests.e2e.runs import finish, read_metrics, steps_saved
 from tests.reliability.scripted_retriever import ScriptedRetriever
 
@@ -71,11 +73,11 @@ def test_a_model_with_nan_weights_stops_after_the_skipped_updates_naming_the_par
         launched = searching_runs.start(server.config(), "nan", "--config.model.path=" + broken,
                                         optim__max_skipped_updates=40)
         line = error_line(launched)
-    # 32 updates a step: the 40th skipped one in a row is in step 2.
-    assert line == ("llds_jax: error: 64 updates in a row were skipped for a non-finite loss or gradient "
-                    "(optim.max_skipped_updates=40); the parameter layers.down_proj holds non-finite values")
+    # 32 updates a step, all skipped: the run ends at step 1 (issue 58), before the 40th skipped update in a row.
+    assert line == ("llds_jax: error: every update of step 1 (32) was skipped for a non-finite loss or gradient; "
+                    "the parameter layers.down_proj holds non-finite values; step 1 is not saved")
     records = read_metrics(searching_runs.run_dir("nan"))
-    assert [(r["step"], r["actor/nonfinite"]) for r in records] == [(1, 32), (2, 32)]
+    assert [(r["step"], r["actor/nonfinite"]) for r in records] == [(1, 32)]
     assert steps_saved(searching_runs.run_dir("nan")) == []  # a state that is the problem is not saved
 
 
@@ -87,3 +89,20 @@ def test_docs_state_the_retry_budget_of_the_default_settings(repo_root):
     with open(os.path.join(repo_root, "docs", "retrieval.md")) as f:
         stated = re.search(r"seconds \(([\d.]+) s with the defaults\)", f.read())
     assert stated is not None and float(stated.group(1)) == policy.worst_case_s == 43.5
+
+
+def test_a_step_whose_every_update_was_skipped_ends_the_run_naming_it():
+    """Issue 58 item 3: a resumed run from damaged weights skipped all 4 updates of its step, exited 0 and saved the
+    step over the good checkpoint (the check waited for optim.max_skipped_updates=20 in a row)."""
+    params = {"w": jnp.ones(3)}
+    watchdog = Watchdog(search_failure_rate=0.5, max_failed_search_steps=3, max_skipped_updates=20)
+    watchdog.count_updates(np.array([1, 0, 1, 1]))  # one update went through: the run goes on
+    watchdog.check_updates(params, 2)
+    watchdog.count_updates(np.array([1, 1, 1, 1]))
+    with pytest.raises(NonFiniteError, match=r"^every update of step 3 \(4\) was skipped for a non-finite loss or "
+                                             r"gradient; every parameter is finite: the loss or its gradient is "
+                                             r"not; step 3 is not saved$"):
+        watchdog.check_updates(params, 3)
+    off = Watchdog(search_failure_rate=0.5, max_failed_search_steps=3, max_skipped_updates=0)
+    off.count_updates(np.array([1, 1, 1, 1]))
+    off.check_updates(params, 1)  # optim.max_skipped_updates = 0 turns the check off

@@ -107,9 +107,9 @@ def test_search_then_answer(qwen_tokenizer, doubles):
     assert result.metrics["valid_searches"] == 1.0
     # The budget: the prompt, the one observation appended, the one query, every sampled token (cut ones too).
     budget = {k: result.metrics[k] for k in ("prompt_tokens", "observation_tokens", "searches", "trajectories",
-                                             "sampled_tokens")}
+                                             "sampled_tokens", "prompts_cut")}
     assert budget == {"prompt_tokens": len(traj.prompt_ids), "observation_tokens": len(obs), "searches": 1,
-                      "trajectories": 1, "sampled_tokens": sum(t.num_sampled for t in traj.turns)}
+                      "trajectories": 1, "sampled_tokens": sum(t.num_sampled for t in traj.turns), "prompts_cut": 0}
 
 
 def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):

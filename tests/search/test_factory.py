@@ -12,7 +12,8 @@ from llds_jax.search.http import HttpRetriever
 def test_defaults_are_filled_in():
     assert resolve_config({"index_dir": "/idx"}) == {"backend": "bm25", "index_dir": "/idx", "workers": 0}
     assert resolve_config({"backend": "http", "url": "http://127.0.0.1:1/retrieve"}) == {
-        "backend": "http", "url": "http://127.0.0.1:1/retrieve", "batch_size": 64, "timeout_s": 10.0,
+        "backend": "http", "url": "http://127.0.0.1:1/retrieve", "batch_size": 64, "max_response_bytes": 64 << 20,
+        "timeout_s": 10.0,
         "max_retries": 3, "backoff_s": 0.5, "max_concurrency": 8}
     assert resolve_config({"backend": "faiss", "index_path": "/e5_Flat.index", "encoder_path": "/e5"}) == {
         "backend": "faiss", "index_path": "/e5_Flat.index", "corpus_path": "", "encoder_path": "/e5", "mmap": True,

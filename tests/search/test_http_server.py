@@ -87,7 +87,8 @@ def test_invalid_json_gets_400(search_server):
 
 def test_health(search_server):
     with urllib.request.urlopen(f"{search_server}/health", timeout=10) as response:
-        assert (response.status, json.loads(response.read())) == (200, {"status": "ok", "backend": "bm25"})
+        assert (response.status, json.loads(response.read())) == (
+            200, {"status": "ok", "backend": "bm25", "slow_clients_dropped": 0})
 
 
 class FailingRetriever(Retriever):

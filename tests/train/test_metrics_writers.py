@@ -141,6 +141,10 @@ def test_budget_line_says_one_search_and_several_searches():
     assert budget_line(3, {"reward/mean": 0.5}) is None
     trees = {**one, "rollout/forked_prefix_tokens": 1234.0}  # tree rollouts only
     assert budget_line(3, trees).endswith("1 trajectory, 1,234 forked-prefix tokens trained again")
+    # issue 58 item 10: prompts whose question was cut are counted, when there are any
+    assert budget_line(3, {**one, "rollout/prompts_cut": 0.0}) == budget_line(3, one)
+    assert budget_line(3, {**one, "rollout/prompts_cut": 2.0}).split(", ")[2] == (
+        "2 prompts cut to rollout.max_prompt_tokens (their questions' start)")
 
 
 def test_formatters():
