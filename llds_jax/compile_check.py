@@ -534,7 +534,11 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     if problems:
         return EXIT_DOES_NOT_FIT
     print(f"rollout programs: {sum(p.rollout for p in programs)} (paged engine, training and evaluation)")
-    print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts, layout, estimate_from))
+    if cfg.rollout.trees:  # the schedule drives chains alone (rollout_schedule.for_run)
+        print("step estimate: not modelled for tree rollouts (rollout.trees); the programs above are every one a run "
+              "compiles")
+    else:
+        print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts, layout, estimate_from))
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "

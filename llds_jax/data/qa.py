@@ -106,7 +106,7 @@ def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: boo
     for row, (where, record) in enumerate(rows):
         question = _string(where, "question", record["question"])
         if not question.strip():  # before: "make_prompt: the question is empty" at the first rollout, no row named
-            raise ValueError(f"{where}: column 'question' is blank ({question!r})")
+            raise InputError(f"{where}: column 'question' is blank ({question!r})")
         data_source = _string(where, "data_source", record["data_source"])
         golden_answers = _golden_answers(where, record)
         if not any(normalize_answer(answer) for answer in golden_answers):
