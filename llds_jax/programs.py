@@ -28,17 +28,6 @@ class Role(enum.Enum):
     RESHARD = "rollout reshard"
     # the rollout engine (`rollout.runner`): one ragged step at a token bucket
     ROLLOUT_STEP = "rollout step"
-    # the removed dense engine's programs (db635b6), which the step estimate (`llds_jax.step_estimate`) still
-    # models until it models the paged engine's step; no program of a run has them
-    PREFILL = "prefill"
-    DECODE_CHUNK = "decode chunk"
-    EXTEND = "extend"
-    CACHE_GROWTH = "cache growth"
-    COMPACTION = "compaction"
-    FORK = "fork"
-    EMPTY_BATCH = "empty batch"
-    PROMPT_EXTEND = "prompt extend"
-    ROW_EXTEND = "row extend"
     # the retriever on the chips (`search.device_search`): one call scores a batch of searches against the index
     RETRIEVAL = "retrieval search"
     # a training step

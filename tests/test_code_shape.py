@@ -48,5 +48,4 @@ def test_every_public_function_is_used_outside_the_tests():
     unused = [f"{path}: {node.name}" for path, text in _sources().items() for node in ast.walk(ast.parse(text))
               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
               and not registered(node) and words[node.name] == 1]
-    # The removed dense engine's calls per step: the step estimate keeps them until it models the paged engine.
-    assert unused == [os.path.join("llds_jax", "step_estimate.py") + ": rollout_calls"]
+    assert unused == []

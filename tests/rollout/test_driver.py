@@ -98,7 +98,8 @@ def test_searches_that_are_ready_go_out_together_while_a_call_is_in_flight(qwen_
 
 
 def test_a_conversation_at_the_context_cap_gets_a_short_turn_then_ends_context_full(qwen_tokenizer):
-    long = example(0, "question w0 " + "pad " * 150, ("w0",))  # its prompt is cut to max_prompt_tokens (200)
+    # Its prompt is cut to max_prompt_tokens (200) from the question's start, which keeps "question w0".
+    long = example(0, "pad " * 150 + "question w0", ("w0",))
     trajectories, engine, _ = run(qwen_tokenizer, "barrier", examples=[long, example(1, "question w1", ("w1",))],
                                   max_context_tokens=205)
     assert trajectories[0].end_reason == END_CONTEXT_FULL and trajectories[1].end_reason == END_ANSWER

@@ -18,7 +18,7 @@ from llds_jax.config import default_config
 from llds_jax.rollout import agent
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from tests.rollout.test_agent import EchoRetriever, example
-from tests.rollout.test_continuous import sampled, tiny  # noqa: F401  (fixtures)
+from tests.rollout.test_paged_engine import sampled, tiny  # noqa: F401  (fixtures)
 
 # 8 questions x 3 samples (prompts of 140 to 200 tokens), 3 search turns of up to 16 tokens, observations of up to
 # 100; 6 sequence slots, 4 samples per call, steps of up to 64 tokens in pages of 8.
@@ -39,12 +39,12 @@ def run_config(continuous):
 @pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
 def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_tokenizer, tiny, sampled, continuous):
     model, graphdef = tiny
-    params, sampler = sampled
+    params, sampling = sampled
     cfg = run_config(continuous)
     agent_cfg = config_lib.agent_config(cfg)
     paging = config_lib.paging_config(cfg)
-    engine = engine_config(agent_cfg, sampler.config, 6, paging.page_size, paging.max_step_tokens)
-    paged = PagedSampler(graphdef, model.cfg, sampler.config, engine)
+    engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
+    paged = PagedSampler(graphdef, model.cfg, sampling, engine)
     result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(3), agent_cfg)
     # The record a run logs (`Trainer.step_metrics`); its seconds do not enter the schedule.
     records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
