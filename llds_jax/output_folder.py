@@ -14,10 +14,12 @@ import json
 import os
 from collections.abc import Callable
 
+from llds_jax.errors import InputError
+
 MARKER = ".llds_jax_output"
 
 
-class FolderNotOursError(ValueError):
+class FolderNotOursError(InputError):
     """The folder holds files the project did not write (or cannot be written); the message names the key and the
     folder."""
 

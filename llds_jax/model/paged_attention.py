@@ -48,12 +48,16 @@ KERNEL_QUERIES_PER_BLOCK = 32
 # chunks of 32 query tokens, so that a tile's gathered keys and values ([32, 64, C, H], 1 MiB at C = 4, H = 32 in
 # float32) stay in a CPU core's L2 cache (bench/paged_reference.py measured 16 to 256 slots, 16 to 64 tokens).
 REFERENCE_BLOCK_SLOTS = 64
+KERNEL_HEAD_LANES = 128  # the kernel takes heads of a multiple of this many lanes
 REFERENCE_QUERIES_PER_BLOCK = 32
 
 
-def default_implementation(platform: Optional[str] = None) -> str:
-    """"kernel" for TPU programs, else "reference"; platform None: jax.default_backend()."""
-    return "kernel" if (platform or jax.default_backend()) == "tpu" else "reference"
+def default_implementation(platform: Optional[str] = None, head_dim: int = KERNEL_HEAD_LANES) -> str:
+    """"kernel" for TPU programs whose heads the kernel's tiles take (a multiple of 128 lanes: Qwen2.5's and
+    Llama-3's 128), else "reference" (other platforms, and tiny test architectures on TPU); platform None:
+    jax.default_backend()."""
+    tpu = (platform or jax.default_backend()) == "tpu"
+    return "kernel" if tpu and head_dim % KERNEL_HEAD_LANES == 0 else "reference"
 
 
 def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.Array, page_indices_sm: jax.Array,
@@ -72,7 +76,7 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.A
         KERNEL_KV_PAGES_PER_BLOCK and KERNEL_QUERIES_PER_BLOCK, for the reference REFERENCE_BLOCK_SLOTS // Z
         pages (at least 1) and REFERENCE_QUERIES_PER_BLOCK; at most M and T.
     """
-    implementation = implementation or default_implementation()
+    implementation = implementation or default_implementation(head_dim=q_tnh.shape[-1])
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"paged attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     # JAX's own checks of the shapes and dtypes (ValueError naming the argument), for both implementations.

@@ -297,7 +297,7 @@ class Transformer(nnx.Module):
                                                          kv_pages_lpzch.shape[2])
         cos, sin = rope_lib.rope_angles(position_t[None], rope_lib.inverse_frequencies(cfg))
         attend = functools.partial(paged_attention, implementation=implementation or default_implementation(
-            cfg.attention_platform), kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
+            cfg.attention_platform, cfg.head_dim), kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
         mesh = parallel.current_mesh()
 
         def laid_out(pages):  # the pool split by key/value heads under a mesh

@@ -179,6 +179,11 @@ class Engine:
         """Sequences in flight (not ended)."""
         return sum(s.state is not _State.ENDED for s in self._seqs.values())
 
+    @property
+    def in_flight(self) -> int:
+        """Sequences holding a slot (ended ones included, until extended or finished)."""
+        return len(self._seqs)
+
     def can_admit(self) -> bool:
         """Whether one more sequence fits: a free slot and its worst-case pages beside every other sequence's."""
         worst = self.pages.pages_for(self.config.max_context)
