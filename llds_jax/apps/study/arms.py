@@ -5,14 +5,12 @@ the share of seeds that collapsed."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from llds_jax import report
-from llds_jax.apps.study import paired, stats
+from llds_jax.apps.study import files, paired, stats
 from llds_jax.apps.study.outcomes import RunResult
 
 
@@ -72,10 +70,4 @@ def markdown(table: Sequence[ArmEndpoint]) -> list[str]:
 
 def write(table: Sequence[ArmEndpoint], out: str) -> list[str]:
     """Writes arms.md and arms.json into `out`; returns their paths."""
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, name) for name in ("arms.md", "arms.json")]
-    with open(paths[0], "w") as f:
-        f.write("\n".join(markdown(table)) + "\n")
-    with open(paths[1], "w") as f:
-        json.dump([dataclasses.asdict(row) for row in table], f, indent=2)
-    return paths
+    return files.write_markdown_and_json(out, "arms", markdown(table), [dataclasses.asdict(row) for row in table])

@@ -6,12 +6,10 @@ is worse than the control by less than the margin)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Sequence
 
 from llds_jax import report
-from llds_jax.apps.study import paired, stats
+from llds_jax.apps.study import files, paired, stats
 from llds_jax.apps.study.outcomes import RunResult
 from llds_jax.apps.study.plan import StudyError
 
@@ -74,11 +72,6 @@ def markdown(found: Sequence[Primary]) -> list[str]:
 
 def write(found: Sequence[Primary], out: str) -> list[str]:
     """Writes primary.md and primary.json into `out`; returns their paths."""
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, name) for name in ("primary.md", "primary.json")]
-    with open(paths[0], "w") as f:
-        f.write("\n".join(markdown(found)) + "\n")
-    with open(paths[1], "w") as f:
-        json.dump([{**dataclasses.asdict(row.comparison), "margin": row.margin,
-                    "non_inferiority_p": row.non_inferiority_p} for row in found], f, indent=2)
-    return paths
+    return files.write_markdown_and_json(out, "primary", markdown(found), [
+        {**dataclasses.asdict(row.comparison), "margin": row.margin, "non_inferiority_p": row.non_inferiority_p}
+        for row in found])
