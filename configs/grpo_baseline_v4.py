@@ -7,7 +7,7 @@ GRPO exactly as the LLDS runs (3 turns, 1005 steps), the controlled comparison; 
 far below .350.
 
 Variants (`--config=configs/grpo_baseline_v4.py:NAME[,NAME]`):
-- a retriever name of qwen7b_v4.py (e5 default, e5_hnsw, e5_es, bm25_es, bm25);
+- a retriever name of qwen7b_v4.py (e5_device default, e5, e5_hnsw, e5_es, bm25_es, bm25);
 - search_r1: the setting of the paper's GRPO row: `rollout.max_turns = 4` in training (the periodic evaluation
   every 50 steps, Search-R1's test_freq, is every paper config's: a fixed subset stratified over data sources,
   `train.eval_max_examples`). Compare the best `eval/em_mean` before the collapse with the row (`report` prints
@@ -19,13 +19,14 @@ from configs import qwen7b_v4 as base
 SEARCH_R1 = "search_r1"
 
 
-def get_config(names: str = "e5"):
-    """The baseline; `names`: comma-separated, at most one retriever name (default e5) and optionally search_r1."""
+def get_config(names: str = "e5_device"):
+    """The baseline; `names`: comma-separated, at most one retriever name (default e5_device) and optionally
+    search_r1."""
     chosen = [name.strip() for name in names.split(",") if name.strip()]
     retrievers = [name for name in chosen if name != SEARCH_R1]
     if len(retrievers) > 1:
         raise ValueError(f"at most one retriever name, got {', '.join(retrievers)} (--config=CONFIG.py:NAME)")
-    c = base.get_config(retrievers[0] if retrievers else "e5")
+    c = base.get_config(retrievers[0] if retrievers else "e5_device")
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_grpo"
     c.objective.llds.enabled = False
     if SEARCH_R1 in chosen:

@@ -10,7 +10,7 @@ chips by heads; the update 13.46 GiB.
 from configs import qwen3b_v4 as base
 
 
-def get_config(retriever_name: str = "e5"):
+def get_config(retriever_name: str = "e5_device"):
     c = base.get_config(retriever_name)
     c.run_dir = "gs://YOUR_BUCKET/runs/llama3b_base_llds_ma"
     c.model.path = "gs://YOUR_BUCKET/models/Llama-3.2-3B"

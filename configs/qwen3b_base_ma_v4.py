@@ -3,7 +3,7 @@ collapses to one search per question in the paper."""
 from configs import qwen3b_v4 as base
 
 
-def get_config(retriever_name: str = "e5"):
+def get_config(retriever_name: str = "e5_device"):
     c = base.get_config(retriever_name)
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen3b_base_llds_ma"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-3B"

@@ -1,14 +1,14 @@
 """Qwen2.5-7B-Base, GRPO + LLDS (lambda 0.2, action gate), the paper's setup, on a TPU v4-32 slice (16 chips,
-32 GiB HBM each, 4 hosts), with the paper's retriever: e5-base-v2 over wiki-18 in Search-R1's faiss Flat index,
-top 3 (docs/retrieval.md, "Which retriever the paper used").
+32 GiB HBM each, 4 hosts), with the paper's retriever: e5-base-v2 over wiki-18, Search-R1's exact Flat inner-product
+index, top 3 (docs/retrieval.md, "Which retriever the paper used"), searched on the run's own chips.
 
-Retrievers (`--config=configs/qwen7b_v4.py:NAME`, default e5; the other paper configs take the same names):
-- e5: the paper's. Search-R1's `e5_Flat.index` and `wiki-18.jsonl` on each host's local disk, read in process
-  (memory-mapped); queries embedded on the host's first TPU chip.
-- e5_hnsw: Search-R1's `e5_HNSW64.index` instead: far less CPU per query, approximate (a little recall lost).
-- e5_device: the same exact Flat search on the run's chips (`backend = "e5_device"`, docs/retrieval.md): the index's
-  rows in int8 over the chips, the top-3 proven equal to faiss's; one process only (a single-host slice, or
-  `--mode=compile` to cost it on this pod).
+Retrievers (`--config=configs/qwen7b_v4.py:NAME`, default e5_device; the other paper configs take the same names):
+- e5_device: the paper's exact Flat search on the chips (`backend = "e5_device"`, docs/retrieval.md): Search-R1's
+  `e5_Flat.index` and `wiki-18.jsonl` on each host's local disk; each host holds the index's rows in int8 over its
+  own 4 chips and re-ranks the candidates from the memory-mapped float32 rows, so its top 3 are faiss's.
+- e5: the same index searched by faiss on the host's CPUs (read in process, memory-mapped; queries embedded on the
+  host's first TPU chip): no HBM, but a scan of every row per query (docs/tpu.md, "The step at expected lengths").
+- e5_hnsw: Search-R1's `e5_HNSW64.index` on the host: far less CPU per query, approximate (a little recall lost).
 - e5_es: e5 kNN through Elasticsearch (`index_builder --to elasticsearch --encoder e5`).
 - bm25_es: BM25 through Elasticsearch (not the paper's retriever: EM and search behaviour differ from its tables).
 - bm25: the embedded BM25 index (`index_builder --to bm25`), same caveat.
@@ -49,7 +49,7 @@ def retriever(name: str):
     return ml_collections.ConfigDict(RETRIEVERS[name])
 
 
-def get_config(retriever_name: str = "e5"):
+def get_config(retriever_name: str = "e5_device"):
     c = default_config()
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_llds"
     c.model.path = "gs://YOUR_BUCKET/models/Qwen2.5-7B"

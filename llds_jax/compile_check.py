@@ -431,13 +431,15 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,)) for p in programs]
     if cfg.retriever.get("backend") != "e5_device":
         return programs
-    search = retrieval_program(cfg, devices, session_rows, everything if own_copy else (OPT_STATE, REFERENCE))
+    host_devices = [d for d in devices if d.process_index == hosts[0]]  # each host searches its own copy
+    search = retrieval_program(cfg, host_devices, session_rows, everything if own_copy else (OPT_STATE, REFERENCE))
     programs = [dataclasses.replace(p, resident=p.resident + (INDEX,)) for p in programs]
     return programs[:len(setup) + len(rollout)] + [search] + programs[len(setup) + len(rollout):]
 
 
 def retrieval_program(cfg, devices: Sequence[Any], rows: int, resident: tuple[str, ...]) -> Program:
-    """The e5_device retriever's search program (`search.device_search`) on every chip, its index's rows and
+    """The e5_device retriever's search program (`search.device_search`) on one host's chips `devices` (each
+    host holds the whole index over its own chips, `search.dense_device`), its index's rows and
     dimension read from `retriever.index_path` when it is on this machine, else wiki-18's (`index_source`), at a
     device call of the `rows` searches of the rollout's rows in flight (at most `retriever.search_batch`);
     `resident`: what stays beside a rollout program, SESSION added. The step estimate costs its calls
@@ -521,8 +523,10 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     print(format_table(rows, hbm))
     if INDEX in sizes:
         (rows_n, dim), source = index_source(cfg.retriever.index_path)
+        host_chips = len(devices) // hosts
         print(f"retrieval index (e5_device, {cfg.retriever.get('vector_dtype', 'bfloat16')}): {rows_n:,} rows x {dim} "
-              f"({source}) over {len(devices)} chips: {format_bytes(sizes[INDEX])} per chip, resident in every "
+              f"({source}) over each host's {host_chips} chips (a copy per host): {format_bytes(sizes[INDEX])} per "
+              "chip, resident in every "
               f"program; its search holds a rollout session's {format_bytes(sizes[SESSION])} beside it")
     layout = run_builder.run_layout(cfg, devices)
     model, rollout = layout.model_cfg, layout.rollout

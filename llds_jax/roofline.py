@@ -186,9 +186,15 @@ def _through_bitcasts(comp: Computation, name: str) -> Instruction:
     return ins
 
 
+# Inside a fusion, ops that only map each output element to one input element of the same type: a slice of their
+# result reads that slice of their operand (a bitcast; a copy, which inside a fusion changes the layout, e.g. the
+# TPU compiler's relayout of an int8 loop state from its (32, 128) tiles to the (8, 128) ones a dot takes).
+_INDEX_MAPS = {"bitcast", "copy"}
+
+
 def _fused_read(module: Module, comp: Computation, name: str, full: float, escape) -> float:
     """Bytes a fusion reads of the value `name` (a fusion parameter, `full` bytes): only what its slices take
-    when slices are all that use it (through bitcasts and nested fusions), nothing where it is the buffer a
+    when slices are all that use it (through bitcasts, copies and nested fusions), nothing where it is the buffer a
     dynamic-update-slice writes in place, else all of it. `escape()`: the bytes read when the value is the
     computation's result (all of it for the fusion itself; for a nested fusion, what its caller reads of it)."""
     read = escape() if name == comp.root else 0.0
@@ -197,7 +203,7 @@ def _fused_read(module: Module, comp: Computation, name: str, full: float, escap
             read += array_bytes(user.shape)
         elif user.opcode in _IN_PLACE and position == 0:
             continue
-        elif user.opcode == "bitcast":
+        elif user.opcode in _INDEX_MAPS:
             read += _fused_read(module, comp, user.name, full, escape)
         elif user.opcode == "fusion":
             inner = module.computations[user.called("calls")]

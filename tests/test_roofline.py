@@ -193,6 +193,32 @@ def test_slices_of_a_stacked_weight_and_an_in_place_cache_update_count_only_what
         2 * 4 * 128 * 2 + 4) + 2 * COPY  # and the copies x -> r -> y
 
 
+def test_a_relayout_fused_before_a_slice_reads_only_the_slice():
+    """The e5_device search's loop (XLA's TPU compiler, an int8 index of 81 blocks): the loop state in int8's
+    (32, 128) tiles is copied into the (8, 128) tiles the dot takes inside the fusion that slices one block out;
+    the fusion reads that block, not the index (a fused copy maps elements; it is no kernel of its own)."""
+    parts = """
+%relayout (stack: s8[81,64,128]) -> s8[81,64,128] {
+  %stack = s8[81,64,128]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %c = s8[81,64,128]{2,1,0:T(8,128)(4,1)} copy(%stack)
+}
+
+%block (stack: s8[81,64,128], i: s32[]) -> s8[64,128] {
+  %stack = s8[81,64,128]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %r = s8[81,64,128]{2,1,0:T(8,128)(4,1)} fusion(%stack), kind=kLoop, calls=%relayout
+  %ds = s8[1,64,128]{2,1,0:T(8,128)(4,1)} dynamic-slice(%r, %i, %z, %z), dynamic_slice_sizes={1,64,128}
+  ROOT %b = s8[64,128]{1,0:T(8,128)(4,1)} bitcast(%ds)
+}
+"""
+    entry = """  %stack = s8[81,64,128]{2,1,0:T(32,128)(4,1)} parameter(3)
+  %b = s8[64,128]{1,0:T(8,128)(4,1)} fusion(%stack, %n), kind=kLoop, calls=%block
+  %r = f32[8,32]{1,0} copy(%x)"""
+    # One block read, the block written; the index's 81 blocks are not (then 81 x 64 x 128 bytes).
+    assert roofline.hlo_costs(module(parts, entry=entry)).hbm_bytes == 2 * 64 * 128 + 4 + 2 * COPY
+
+
 def test_a_scatter_into_the_stacked_cache_moves_only_its_updates():
     """The KV cache written in place (llds_jax.model.kv_cache.write_layer_slots): a fused scatter of each row's new
     entries into one layer of the stacked [L, B, S, H] cache reads the indices and updates and writes the updates,

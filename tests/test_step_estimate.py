@@ -55,7 +55,7 @@ def test_retrieval_blocks_a_barrier_at_every_wait_and_a_continuous_stream_beyond
     at most the 20 rows in flight wait, so 150 / 20 = 7.5 calls of 20 queries, 15 s busy beside the device's 10 s:
     5 s block; beside 20 s of device time none."""
     monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 2.0 / step_estimate.WIKI18_ROWS * 1e6)
-    cfg = load("qwen7b_v4")  # e5: faiss Flat
+    cfg = load("qwen7b_v4", "e5")  # faiss Flat
     one_second = step_estimate.StepCost(1e9, 0, 0, 0, 0, 4)  # 1e9 weight bytes at 1e9 B/s: 1 s per forward
     calls = [rollout_schedule.Call(64, 10, 0, 0, 0)] * 10
     barrier = step_estimate.rollout_time(schedule("barrier", calls, waits=6), one_second, PEAKS_1, cfg, "v4", 1.5)
@@ -135,7 +135,7 @@ def test_retrieval_seconds_by_backend(monkeypatch):
     monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 1.0)
     monkeypatch.setattr(step_estimate, "HNSW_S_PER_QUERY", 2e-3)
     v4 = PEAKS["v4"]
-    cfg = load("qwen7b_v4")  # e5: Search-R1's e5_Flat.index
+    cfg = load("qwen7b_v4", "e5")  # faiss over Search-R1's e5_Flat.index
     seconds, how = step_estimate.retrieval_call_seconds(cfg, 64, "v4", v4)
     assert seconds == pytest.approx(21.015324)
     assert how == ("21 s per call (e5 Flat over 21,015,324 rows, one query per thread scanning every row, on a host's "

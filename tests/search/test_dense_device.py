@@ -1,8 +1,12 @@
 """The e5 retriever on the devices (backend e5_device): its top-k equals faiss IndexFlatIP's, ids and order, on a
 random index of 200,000 unit rows of 768 floats and on an e5 index that index_builder builds over the demo world,
-with the rows sharded over the 8 CPU devices; its error bound holds for every row; ties come in faiss's order."""
+with the rows sharded over the 8 CPU devices; its error bound holds for every row; ties come in faiss's order; in a
+run of two processes each searches its own copy."""
 import asyncio
+import json
 import os
+import subprocess
+import sys
 
 import faiss
 import jax
@@ -15,6 +19,7 @@ from llds_jax.search import make_retriever
 from llds_jax.search.dense import read_faiss_index
 from llds_jax.search.device_index import flat_vectors, load
 from llds_jax.search.device_search import ExactSearcher, candidates_program, faiss_order, score_bound
+from tests.servers import free_port
 
 DIM = 768
 
@@ -163,3 +168,68 @@ def test_bad_inputs_name_the_config_key(tmp_path, e5_folder, world_e5_index):
                         "encoder_path": e5_folder})
     with pytest.raises(ValueError, match="is a file: retriever.corpus_path must name its corpus"):
         make_retriever({"backend": "e5_device", "index_path": path, "encoder_path": e5_folder})
+
+
+TWO_HOSTS_WORKER = """
+import asyncio, json, sys
+import jax
+from llds_jax import distributed
+from llds_jax.search import make_retriever
+
+port, pid, folder, encoder, questions = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+distributed.maybe_initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+retriever = make_retriever({"backend": "e5_device", "index_path": folder, "encoder_path": encoder, "max_length": 64,
+                            "candidates": 4, "search_batch": 8})
+
+async def run():
+    try:
+        # Host 0 sends every question one call at a time, host 1 one call of half of them: no call in step.
+        calls = [[q] for q in questions] if pid == 0 else [questions[: len(questions) // 2]]
+        return [[d.id for d in r.docs] for call in calls for r in await retriever.search(call, 3)]
+    finally:
+        await retriever.close()
+
+print("RESULT " + json.dumps({"ids": asyncio.run(run()), "processes": jax.process_count(),
+                              "shards": retriever.device_index.layout.shards,
+                              "shard_devices": sorted(d.id for d in retriever.device_index.vectors.devices()),
+                              "local_devices": sorted(d.id for d in jax.local_devices())}),
+      flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_each_host_of_a_two_process_run_searches_its_own_copy(tmp_path, world_e5_index, e5_folder):
+    """Two JAX processes of 4 CPU devices each (a two-host run): each holds the whole index over its own 4 devices
+    and answers its own calls, however many, at its own pace (a search over both hosts' devices would be a
+    collective program that hangs unless both call it in step), with faiss IndexFlatIP's top 3."""
+    folder, world = world_e5_index
+    questions = [ex.question for ex in world.test[:24]]
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_HOSTS_WORKER)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), port, str(pid), folder, e5_folder, json.dumps(questions)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+        [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        results.append(json.loads(line[len("RESULT "):]))
+    host = make_retriever({"backend": "faiss", "index_path": folder, "encoder_path": e5_folder, "max_length": 64})
+
+    async def faiss_ids():
+        try:
+            return [[d.id for d in r.docs] for r in await host.search(questions, 3)]
+        finally:
+            await host.close()
+
+    expected = asyncio.run(faiss_ids())
+    assert results[0]["ids"] == expected and results[1]["ids"] == expected[: len(questions) // 2]
+    assert [r["processes"] for r in results] == [2, 2] and [r["shards"] for r in results] == [4, 4]
+    assert [r["shard_devices"] for r in results] == [r["local_devices"] for r in results]
+    assert not set(results[0]["shard_devices"]) & set(results[1]["shard_devices"])
