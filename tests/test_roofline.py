@@ -194,9 +194,9 @@ def test_slices_of_a_stacked_weight_and_an_in_place_cache_update_count_only_what
 
 
 def test_a_scatter_into_the_stacked_cache_moves_only_its_updates():
-    """The KV cache written in place (llds_jax.model.kv_cache.write_layer_slots): a fused scatter of each row's new
-    entries into one layer of the stacked [L, B, S, H] cache reads the indices and updates and writes the updates,
-    not the 2 MiB cache."""
+    """A KV cache written in place (as llds_jax.model.paged_kv.write_kv writes the pool): a fused scatter of each
+    row's new entries into one layer of a stacked [L, B, S, H] cache reads the indices and updates and writes the
+    updates, not the 2 MiB cache."""
     parts = """
 %add (a: bf16[], b: bf16[]) -> bf16[] {
   %a = bf16[] parameter(0)
