@@ -461,8 +461,8 @@ def hlo_costs(hlo_text: str, dynamic_trip_count: Union[float, Sequence[float]] =
       hlo_text: the optimized HLO of one program (per chip: SPMD-partitioned).
       dynamic_trip_count: iterations assumed for a while loop whose trip count the HLO does not fix (a decode
         chunk's steps, a `fori_loop` with a traced bound); a sequence gives them by nesting: its first entry for
-        such loops inside no other, the second for those inside one (the filled KV blocks a decode step reads,
-        `filled_cache_attention`), and so on, the last for any deeper. A loop's cost is linear in its count, so a
+        such loops inside no other, the second for those inside one (a loop over key blocks bounded at run time
+        inside a decode loop), and so on, the last for any deeper. A loop's cost is linear in its count, so a
         mean count gives the mean cost.
     """
     module = parse_module(hlo_text)

@@ -220,9 +220,9 @@ def test_a_relayout_fused_before_a_slice_reads_only_the_slice():
 
 
 def test_a_scatter_into_the_stacked_cache_moves_only_its_updates():
-    """The KV cache written in place (llds_jax.model.kv_cache.write_layer_slots): a fused scatter of each row's new
-    entries into one layer of the stacked [L, B, S, H] cache reads the indices and updates and writes the updates,
-    not the 2 MiB cache."""
+    """A KV cache written in place (as llds_jax.model.paged_kv.write_kv writes the pool): a fused scatter of each
+    row's new entries into one layer of a stacked [L, B, S, H] cache reads the indices and updates and writes the
+    updates, not the 2 MiB cache."""
     parts = """
 %add (a: bf16[], b: bf16[]) -> bf16[] {
   %a = bf16[] parameter(0)

@@ -3,11 +3,12 @@ and the fused kernels of TPU (Pallas splash attention) and GPU (cuDNN flash atte
 
 Which keys a query sees is given by vectors, never by a [B, T, S] mask: key slot s is visible to query t of row b
 iff `key_valid_bs[b, s]` and `query_first_bt[b, t] <= s <= query_slot_bt[b, t]`. A full forward passes query_slot = t
-and key_valid = the padding mask (causal over real tokens); an extend over the KV cache passes each new token's cache
-slot and the cache's valid slots; a row packed with several trajectories passes query_first = the first slot of the
-query's trajectory (its segment), so that no token sees another trajectory's (query_first defaults to 0).
+and key_valid = the padding mask (causal over real tokens); a row packed with several trajectories passes
+query_first = the first slot of the query's trajectory (its segment), so that no token sees another trajectory's
+(query_first defaults to 0). The model calls it for full forwards alone (`Transformer.hidden`); its ragged steps
+over the paged KV cache attend through `llds_jax.model.paged_attention`, which shares this module's online softmax.
 
-Dimension letters: B batch, T queries, S keys (cache slots), N query heads, K key/value heads, G = N / K query heads
+Dimension letters: B batch, T queries, S keys, N query heads, K key/value heads, G = N / K query heads
 per key/value head, H head size.
 
 Implementations (`ModelConfig.attention`):
@@ -28,16 +29,10 @@ Implementations (`ModelConfig.attention`):
     It has no segments: a packed row (query_first given) runs blockwise instead.
   "auto": on TPU splash, on GPU with a bfloat16 / float16 model cudnn, for full forwards; everything else (and
     any other platform) blockwise when the dense scores [T, S] would be larger than one tile
-    (T * S > query_block * key_block: full forwards and prefill longer than a block, extends over a long cache),
-    else xla.
+    (T * S > query_block * key_block), else xla.
 Routing (`resolve`): splash and cudnn serve full forwards only (`full_forward`: query t at key slot t of the same
-chunk: `Transformer.hidden`, so the update and the log-probs, and `Transformer.extend(prefill=True)`, prefill into
-an empty cache); under splash, cudnn and auto an extend over a cache with per-row offsets takes blockwise or xla by
-the tile rule above. Decode (T = 1) runs dense: its scores are one row per query.
-
-Over a KV cache, a model with `ModelConfig.cache_block` > 0 runs `filled_cache_attention` instead, for decode and
-extends alike: it reads the cache in blocks up to the last slot a query of the batch can see, so its cost follows
-the filled slots rather than the capacity (the rollout's decode at pod scale; docs/tpu.md).
+chunk, which `Transformer.hidden` promises); a call that is not one (keys beyond the queries' chunk) takes blockwise
+or xla by the tile rule above. A single query runs dense: its scores are one row.
 
 A query that sees no key (a padding row) gets, from xla and blockwise, the dense path's answer: the uniform average
 of the values of all S slots (float32 softmax over S equal masked scores), with that average's gradient flowing to
@@ -341,46 +336,6 @@ def _online_softmax_step(carry, scores_bkgts, v_bskh):
     l = alpha * l + jnp.sum(p, axis=-1)
     pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
     return m_new, l, alpha[..., None] * acc + pv
-
-
-def filled_cache_attention(q_btnh, k_lbskh, v_lbskh, layer, query_slot_bt, key_valid_bs, block: int) -> jax.Array:
-    """Attention of T new queries over layer `layer` of a stacked KV cache, reading only the cache's filled part:
-    blocks of `block` slots from slot 0 up to the block of the largest query slot of the batch (a loop whose trip
-    count is known only at run time), each sliced straight from the stacked cache, with a float32 online softmax.
-    Decode over a cache of S slots that holds F filled ones reads about F / S of what `dense_attention` reads.
-
-    Args:
-      q_btnh: queries [B, T, N, H] (RoPE applied).
-      k_lbskh, v_lbskh: the whole stacked cache [L, B, S, K, H]; `layer`: int32 scalar, the layer to attend to.
-      query_slot_bt: int32 [B, T], each query sees the valid slots up to and including this one.
-      key_valid_bs: bool [B, S], the slot holds a real key.
-      block: slots per block, a power of two; S must be a multiple of min(block, S).
-    Returns [B, T, N, H] in q's dtype: what `dense_attention` gives (up to float rounding) for every query that
-    sees a key; zeros for one that sees none (the dense path's uniform average over all S slots is no row's
-    answer: such rows are padding or finished).
-    """
-    b, t, n, h = q_btnh.shape
-    s, k = k_lbskh.shape[2], k_lbskh.shape[3]
-    block = min(block, s)
-    if s % block:
-        raise ValueError(f"filled_cache_attention: cache of {s} slots is not a multiple of the block {block}")
-    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    window_wbt = jnp.stack([jnp.zeros_like(query_slot_bt), query_slot_bt.astype(jnp.int32)])
-    count = jnp.clip(jnp.max(query_slot_bt) // block + 1, 0, s // block)
-
-    def key_block(j, carry):
-        start = j * block
-        k_bskh, v_bskh = (jax.lax.dynamic_slice(c, (layer, 0, start, 0, 0), (1, b, block, k, h))[0]
-                          for c in (k_lbskh, v_lbskh))
-        valid_bs = jax.lax.dynamic_slice(key_valid_bs, (0, start), (b, block))
-        return _online_softmax_step(carry, _tile_scores(q_btkgh, k_bskh, window_wbt, valid_bs, start, h ** -0.5),
-                                    v_bskh)
-
-    stats = jnp.full((b, k, n // k, t), -jnp.inf, jnp.float32)
-    m, l, acc = jax.lax.fori_loop(0, count, key_block, (stats, jnp.zeros_like(stats),
-                                                        jnp.zeros(stats.shape + (h,), jnp.float32)))
-    out_bkgth = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
 def _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):

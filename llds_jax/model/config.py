@@ -37,12 +37,12 @@ class ModelConfig:
         log-softmax and RoPE angles are always float32.
       scan_layers: run the layer stack with `lax.scan` (compile time independent of depth).
       remat: rematerialize each decoder block in the backward pass.
-      attention: "auto", "xla" (dense float32 scores, the reference), "blockwise" (online softmax over tiles of
-        at most attention_query_block x attention_key_block scores), "splash" (TPU: the Pallas splash kernel) or
-        "cudnn" (GPU, bfloat16 / float16: cuDNN flash attention). Splash and cudnn serve full forwards and prefill
-        (keys = the new tokens alone); extends over a cache take blockwise or xla. "auto": splash on TPU, cudnn on
-        GPU (half-precision dtype) for full forwards and prefill; otherwise blockwise when the dense scores
-        [T, S] would be larger than one tile. Decode (one query) is always dense. See llds_jax.model.attention.
+      attention: the attention of full forwards (`Transformer.hidden`: the update and its log-probs; the rollout's
+        ragged steps attend over their pages, llds_jax.model.paged_attention): "auto", "xla" (dense float32
+        scores, the reference), "blockwise" (online softmax over tiles of at most attention_query_block x
+        attention_key_block scores), "splash" (TPU: the Pallas splash kernel) or "cudnn" (GPU, bfloat16 /
+        float16: cuDNN flash attention). "auto": splash on TPU, cudnn on GPU (half-precision dtype); otherwise
+        blockwise when the dense scores [T, T] would be larger than one tile. See llds_jax.model.attention.
       attention_query_block, attention_key_block: the largest tile of the blockwise path; splash's blocks, rounded
         up to a multiple of 128.
       attention_platform: the platform the programs are compiled for ("cpu", "gpu", "tpu"), which `auto` and
@@ -51,14 +51,6 @@ class ModelConfig:
       mlp_chunks: the SwiGLU MLP runs over this many slices of its F intermediate features in turn, forward and
         backward, so a layer holds [B, T, F / mlp_chunks] activations instead of [B, T, F] (llds_jax.model.mlp);
         F must be a multiple. 1: all at once.
-      extend_chunk: an extend of more new tokens than this (an observation appended to the KV cache) runs in
-        passes of this many tokens, each over the cache the earlier passes wrote, so it holds [B, extend_chunk]
-        activations instead of [B, T] (the same attention and results, up to float rounding); a power of two. 0:
-        one pass. Prefill and decode are unaffected.
-      cache_block: decode and extends over a KV cache attend to its filled part alone, read in blocks of this many
-        slots (a power of two) up to the last slot a query of the batch sees (`filled_cache_attention`: the
-        same attention, up to float rounding); 0: dense over every slot of the capacity, filled or not. Prefill
-        and full forwards are unaffected.
       initializer_range: standard deviation of the normal initialization of a random model's matrices
         (Hugging Face's key; 0.02 as in Qwen2.5, which is too small for a model a few hundred wide to learn
         attention patterns quickly: the demo's 128-wide policy uses 0.1).
@@ -89,8 +81,6 @@ class ModelConfig:
     attention_key_block: int = 512
     attention_platform: Optional[str] = None
     mlp_chunks: int = 1
-    extend_chunk: int = 0
-    cache_block: int = 0
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, tuple[int, ...], None] = None
@@ -118,10 +108,6 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.{name} must be an integer >= 1, got {value!r}")
-        for name in ("extend_chunk", "cache_block"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value & (value - 1):
-                raise ConfigError(f"rollout.{name} must be 0 or a power of two, got {value!r}")
         if self.intermediate_size % self.mlp_chunks:
             raise ConfigError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
                               f"({self.intermediate_size})")

@@ -11,7 +11,7 @@ Implementations:
     unspecified.
   "reference": plain XLA, any backend (the engine's path on CPU): the tokens in chunks of `queries_per_block`, and
     for each chunk its tokens' pages in blocks of `kv_pages_per_block` with a float32 online softmax (running max,
-    sum and accumulator; the helpers of `attention.filled_cache_attention`). Each block gathers, per token, only
+    sum and accumulator; the helpers of `attention.blockwise_attention`). Each block gathers, per token, only
     that block's pages of its sequence ([Tq, pages * Z, C, H]); GQA groups the query heads over their key/value
     head, never repeating it. The block loop's trip count is known only at run time: the blocks up to the chunk's
     furthest cache index, so a batch of short sequences reads few pages whatever the page table's width (M * Z
@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import paged_kv
-# The online softmax of `attention.filled_cache_attention` and `attention.blockwise_attention`.
+# The online softmax of `attention.blockwise_attention`.
 from llds_jax.model.attention import _online_softmax_step, _tile_scores
 
 IMPLEMENTATIONS = ("kernel", "reference")

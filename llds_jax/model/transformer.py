@@ -3,7 +3,7 @@
 Layer parameters are stacked along a leading layer axis L so the stack runs under `lax.scan` (compile time
 independent of depth) or, with `scan_layers=False`, as an unrolled Python loop over the same arrays.
 
-Dimension letters: B batch, T new tokens, S cache slots, D hidden, N query heads, K key/value heads,
+Dimension letters: B batch, T tokens, D hidden, N query heads, K key/value heads,
 G = N / K query heads per key/value head, H head size, F MLP width, V vocabulary, L layers. `ragged_step` (one
 ragged batch over the paged KV cache) uses the paged cache's letters (`llds_jax.model.paged_kv`).
 """
@@ -17,10 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from llds_jax import parallel
-from llds_jax.model import kv_cache as kv_lib
 from llds_jax.model import mlp as mlp_lib
 from llds_jax.model import paged_kv
-from llds_jax.model.attention import attention, filled_cache_attention
+from llds_jax.model.attention import attention
 from llds_jax.model.paged_attention import default_implementation, paged_attention
 from llds_jax.model import rope as rope_lib
 from llds_jax.model.vocab import embed_lookup
@@ -107,33 +106,16 @@ def _qkv(cfg: ModelConfig, x_btd, p, w, cos_bth, sin_bth):
     return q, rope_lib.apply_rope(k, cos_bth, sin_bth), v
 
 
-def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bs, query_first_bt, kv,
-           prefill=False):
-    """One decoder block. `kv` is None (keys = this chunk) or (k_lbskh, v_lbskh, layer, slot_start_b): the whole
-    stacked cache, this block's layer index in it and each row's first slot to write. The new keys and values go
-    into their slots in place and the block attends to its layer of the cache, so no layer's cache is copied. Key
-    slot s is visible to query t iff key_valid_bs[b, s] and query_first_bt[b, t] <= s <= query_slot_bt[b, t]
-    (query_first_bt None: 0). `prefill`: the cache is empty, so the keys are this chunk's alone (query_slot_bt = t,
-    key_valid_bs [B, T]), as in a full forward, and are still written into the cache. Otherwise, with
-    cfg.cache_block, attention reads only the cache's filled blocks (`filled_cache_attention`). Returns (x_btd, the
-    updated (k_lbskh, v_lbskh) or None)."""
+def _block(cfg: ModelConfig, x_btd, p, cos_bth, sin_bth, query_slot_bt, key_valid_bt, query_first_bt):
+    """One decoder block of a full forward (keys = this chunk's tokens): key s is visible to query t iff
+    key_valid_bt[b, s] and query_first_bt[b, t] <= s <= query_slot_bt[b, t] (query_first_bt None: 0). Returns
+    x_btd."""
     w = _compute_weights(cfg, p)
     q, k, v = _qkv(cfg, x_btd, p, w, cos_bth, sin_bth)
-    new_kv = None
-    if kv is not None:
-        k_cache, v_cache, layer, start_b = kv
-        new_kv = (kv_lib.write_layer_slots(k_cache, layer, k, start_b),
-                  kv_lib.write_layer_slots(v_cache, layer, v, start_b))
-        if not prefill and cfg.cache_block:
-            out = filled_cache_attention(q, *new_kv, layer, query_slot_bt, key_valid_bs, cfg.cache_block)
-            return _block_tail(cfg, x_btd, out, p, w), new_kv
-        if not prefill:
-            k, v = new_kv[0][layer], new_kv[1][layer]
-    # A full forward (or prefill): query t sits at key slot t of this chunk, which the fused kernels serve.
-    out = attention(q, k, v, query_slot_bt, key_valid_bs, query_first_bt, implementation=cfg.attention,
-                    query_block=cfg.attention_query_block, key_block=cfg.attention_key_block,
-                    full_forward=kv is None or prefill, platform=cfg.attention_platform)
-    return _block_tail(cfg, x_btd, out, p, w), new_kv
+    out = attention(q, k, v, query_slot_bt, key_valid_bt, query_first_bt, implementation=cfg.attention,
+                    query_block=cfg.attention_query_block, key_block=cfg.attention_key_block, full_forward=True,
+                    platform=cfg.attention_platform)
+    return _block_tail(cfg, x_btd, out, p, w)
 
 
 def _block_tail(cfg: ModelConfig, x_btd, out_btnh, p, w):
@@ -162,30 +144,22 @@ class Transformer(nnx.Module):
         w = self.embed.get_value().T if self.cfg.tie_word_embeddings else self.lm_head.get_value()
         return w.astype(jnp.dtype(self.cfg.dtype))
 
-    def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bs, query_first_bt,
-                    cache: Optional[kv_lib.KVCache], slot_start_b, prefill=False):
+    def _run_layers(self, x_btd, positions_bt, query_slot_bt, key_valid_bt, query_first_bt):
         cfg = self.cfg
         cos, sin = rope_lib.rope_angles(positions_bt, rope_lib.inverse_frequencies(cfg))
         params = self.layers.arrays()
 
-        def body(carry, xs):  # the cache (whole, every layer) rides in the carry and is written in place
-            x, kv_stack = carry
-            p, layer = xs
-            kv_in = None if kv_stack is None else (*kv_stack, layer, slot_start_b)
-            x, kv_stack = _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bs, query_first_bt, kv_in, prefill)
-            return (x, kv_stack), None
+        def body(x, p):
+            return _block(cfg, x, p, cos, sin, query_slot_bt, key_valid_bt, query_first_bt), None
 
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=not cfg.scan_layers)
-        carry = (x_btd, None if cache is None else (cache.k_lbskh, cache.v_lbskh))
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if cfg.scan_layers:
-            carry, _ = jax.lax.scan(body, carry, (params, layers))
+            x_btd, _ = jax.lax.scan(body, x_btd, params)
         else:
             for i in range(cfg.num_layers):
-                carry, _ = body(carry, jax.tree.map(lambda a: a[i], (params, layers)))
-        x_btd, kv_out = carry
-        return rms_norm(x_btd, self.final_norm.get_value(), cfg.rms_norm_eps), kv_out
+                x_btd, _ = body(x_btd, jax.tree.map(lambda a: a[i], params))
+        return rms_norm(x_btd, self.final_norm.get_value(), cfg.rms_norm_eps)
 
     def _embed(self, tokens_bt: jax.Array) -> jax.Array:
         return embed_lookup(self.embed.get_value(), tokens_bt, jnp.dtype(self.cfg.dtype))
@@ -207,9 +181,7 @@ class Transformer(nnx.Module):
             before_bt = count_bt - mask
             positions_bt = before_bt - jnp.take_along_axis(before_bt, segment_first_bt.astype(jnp.int32), axis=1)
         query_slot_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        h, _ = self._run_layers(self._embed(tokens_bt), positions_bt, query_slot_bt, mask, segment_first_bt, None,
-                                None)
-        return h
+        return self._run_layers(self._embed(tokens_bt), positions_bt, query_slot_bt, mask, segment_first_bt)
 
     def __call__(self, tokens_bt: jax.Array, mask_bt: Optional[jax.Array] = None) -> jax.Array:
         """Float32 logits [B, T, V] of a full forward (mask_bt defaults to all ones)."""
@@ -222,51 +194,6 @@ class Transformer(nnx.Module):
         device multiplies every row by its own vocabulary shard, so the [D, V] projection is never gathered."""
         logits_btv = jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
         return parallel.constrain(logits_btv, None, None, "vocab")
-
-    def extend(self, tokens_bt: jax.Array, valid_bt: jax.Array, cache: kv_lib.KVCache,
-               prefill: bool = False) -> tuple[jax.Array, kv_lib.KVCache]:
-        """Appends T tokens per sequence to the cache at each row's own offset and runs them through the model.
-
-        Serves prefill (left-padded prompts into an empty cache), decode (T = 1) and multi-turn extend
-        (observation tokens, right-padded to a common T). valid_bt marks real tokens. Each new token attends to
-        the real tokens in its row's slots up to its own. The caller keeps end_b + T <= capacity.
-
-        prefill (static): the caller promises an empty cache (end_b = 0, no valid slot); attention then runs over
-        the T new tokens alone, a full forward (the fused kernels of model.attention splash / cudnn / auto may
-        serve it), instead of over every slot. Real tokens get the same result either way.
-
-        An extend of T > cfg.extend_chunk tokens (not prefill) runs in T / extend_chunk passes of extend_chunk
-        tokens in turn (a scan over the passes, the cache carried).
-
-        Returns (final-normed hidden states [B, T, D], updated cache).
-        """
-        b, t = tokens_bt.shape
-        chunk = self.cfg.extend_chunk
-        if prefill or not chunk or t <= chunk:
-            return self._extend_pass(tokens_bt, valid_bt, cache, prefill)
-        if t % chunk:
-            raise ValueError(f"extend: {t} new tokens are not a multiple of extend_chunk {chunk}")
-
-        def one_pass(cache, pass_tokens):
-            hidden_btd, cache = self._extend_pass(*pass_tokens, cache)
-            return cache, hidden_btd
-
-        per_pass = lambda x_bt: x_bt.reshape(b, t // chunk, chunk).swapaxes(0, 1)  # noqa: E731  [C, B, T / C]
-        cache, hidden_cbtd = jax.lax.scan(one_pass, cache, (per_pass(tokens_bt), per_pass(valid_bt)))
-        return hidden_cbtd.swapaxes(0, 1).reshape(b, t, -1), cache
-
-    def _extend_pass(self, tokens_bt: jax.Array, valid_bt: jax.Array, cache: kv_lib.KVCache,
-                     prefill: bool = False) -> tuple[jax.Array, kv_lib.KVCache]:
-        """`extend` in one pass over the T new tokens."""
-        valid = valid_bt.astype(bool)
-        valid_bs, slot_bt, end_b, next_pos_b = kv_lib.advance(cache, valid)
-        positions_bt = cache.next_pos_b[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-        positions_bt = jnp.maximum(positions_bt, 0)
-        keys_valid = valid if prefill else valid_bs
-        h, (k, v) = self._run_layers(self._embed(tokens_bt), positions_bt, slot_bt, keys_valid, None, cache,
-                                     cache.end_b, prefill)
-        new_cache = kv_lib.KVCache(k_lbskh=k, v_lbskh=v, valid_bs=valid_bs, end_b=end_b, next_pos_b=next_pos_b)
-        return h, new_cache
 
     def ragged_step(self, tokens_t: jax.Array, kv_pages_lpzch: jax.Array, kv_lens_s: jax.Array,
                     page_indices_sm: jax.Array, cu_q_lens_s1: jax.Array, num_seqs: jax.Array, *,

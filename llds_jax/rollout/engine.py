@@ -21,8 +21,8 @@
 Exactness. Sequence s samples its n-th token (n counting every token it sampled, rolled-back ones included) with
 the PRNG key fold_in(key_s, n), and each turn is sampled in calls of `decode_chunk` tokens from its own start, the
 stop strings checked after each call: the tokens a sequence samples do not depend on which other sequences share
-its steps, nor on the scheduling policy. A sequence's K/V written in pages equal a dense cache's, so the logits
-are those of a full forward up to float rounding.
+its steps, nor on the scheduling policy. A sequence's K/V written in its pages are those of a full forward of its
+tokens, so the logits are a full forward's up to float rounding.
 
 The device side is a `StepRunner`: `llds_jax.rollout.runner` runs the model; tests run scripted ones.
 Dimension letters: S sequence slots of a step, T tokens of a step's ragged batch, C samples of one call, P pages

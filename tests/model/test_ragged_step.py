@@ -1,7 +1,7 @@
 """Transformer.ragged_step over the paged KV cache: conversations fed as prompt chunks, decode tokens and observation
 chunks of several sequences in the same ragged batches, one sequence on another's prompt pages, give the logits of a
-full forward of each whole sequence and leave in the pages what the dense cache holds; sharded by key/value heads
-over 8 CPU devices they give the unsharded logits."""
+full forward of each whole sequence and leave in the pages the keys and values of each layer of that forward;
+sharded by key/value heads over 8 CPU devices they give the unsharded logits."""
 import functools
 
 import jax
@@ -11,7 +11,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from llds_jax import parallel
-from llds_jax.model import ModelConfig, Transformer, init_cache, init_pages, pages_spec
+from llds_jax.model import ModelConfig, Transformer, init_pages, pages_spec
+from llds_jax.model import rope as rope_lib
+from llds_jax.model import transformer as transformer_lib
 from tests.placement import shard_model
 
 Z, TOKENS, MAX_SEQS, PAGES_PER_SEQ, POOL = 4, 16, 4, 8, 40
@@ -77,30 +79,49 @@ def _step_fn(model, mesh=None):
     return sharded
 
 
-def test_ragged_steps_equal_full_forwards_and_fill_pages_as_the_dense_cache():
+def _layer_keys_values(model, rows_bt, mask_bt):
+    """Each layer's keys and values [L, B, T, K, H] in a full forward of right-padded rows: the model's own block
+    functions, run one layer at a time (checked: the final hidden states are `Transformer.hidden`'s)."""
+    cfg = model.cfg
+    mask = jnp.asarray(mask_bt, bool)
+    cos, sin = rope_lib.rope_angles(jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0), rope_lib.inverse_frequencies(cfg))
+    slot_bt = jnp.broadcast_to(jnp.arange(mask.shape[1], dtype=jnp.int32), mask.shape)
+    x_btd, keys, values = model._embed(rows_bt), [], []
+    for layer in range(cfg.num_layers):
+        p = jax.tree.map(lambda a: a[layer], model.layers.arrays())
+        _, k, v = transformer_lib._qkv(cfg, x_btd, p, transformer_lib._compute_weights(cfg, p), cos, sin)
+        keys.append(k)
+        values.append(v)
+        x_btd = transformer_lib._block(cfg, x_btd, p, cos, sin, slot_bt, mask, None)
+    hidden = transformer_lib.rms_norm(x_btd, model.final_norm.get_value(), cfg.rms_norm_eps)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.hidden(rows_bt, mask_bt)), atol=1e-5)
+    return np.stack(keys), np.stack(values)
+
+
+def test_ragged_steps_equal_full_forwards_and_fill_pages_with_its_keys_and_values():
     cfg = ModelConfig.tiny()
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     pool = init_pages(cfg, POOL, Z)
     results, padding, tokens, pages, pool = _run(_step_fn(model), pool, _plan(1, cfg.vocab_size))
-    # One full forward and one dense prefill of every whole sequence (right-padded rows).
+    # One full forward of every whole sequence (right-padded rows).
     names = sorted(tokens)
     width = max(len(tokens[name]) for name in names)
     rows = jnp.asarray([tokens[name] + [0] * (width - len(tokens[name])) for name in names])
     mask = jnp.asarray([[i < len(tokens[name]) for i in range(width)] for name in names])
     full = dict(zip(names, np.asarray(model(rows, mask))))
-    _, cache = model.extend(rows, mask, init_cache(cfg, len(names), width), prefill=True)
+    keys, values = _layer_keys_values(model, rows, mask)
     for step in results:
         for name, (logits, position) in step.items():
             np.testing.assert_allclose(logits, full[name][position], rtol=1e-5, atol=1e-5, err_msg=name)
     assert all(np.all(p == 0) for p in padding) and sum(len(p) for p in padding) == 5
     assert pages["B"][:2] == pages["A"][:2] and not set(pages["B"][2:]) & set(pages["A"])
-    # Each layer's keys and values of every token, where its page says, are the dense cache's after a prefill.
+    # Each layer's keys and values of every token, where its page says, are the full forward's.
     pool = np.asarray(pool)
     for row, name in enumerate(names):
         n = len(tokens[name])
         page_i, offset_i = np.asarray(pages[name])[np.arange(n) // Z], np.arange(n) % Z
-        for half, dense in ((0, cache.k_lbskh), (1, cache.v_lbskh)):
-            np.testing.assert_allclose(pool[:, page_i, offset_i, half::2], np.asarray(dense)[:, row, :n], atol=1e-6)
+        for half, want in ((0, keys), (1, values)):
+            np.testing.assert_allclose(pool[:, page_i, offset_i, half::2], want[:, row, :n], atol=1e-6)
 
 
 def test_pool_is_donated():

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from llds_jax import compile_check, parallel
-from llds_jax.model import ModelConfig, Transformer, hf_io, kv_cache, preset, vocab
+from llds_jax.model import ModelConfig, Transformer, hf_io, init_pages, pages_spec, preset, vocab
 from llds_jax.rl.logprobs import model_token_logp
 from tests.placement import shard_model
 
@@ -61,9 +61,10 @@ def all_gather_elements(hlo_text):
 @pytest.mark.slow
 @pytest.mark.parametrize("axes, tied", [(dict(data=1, fsdp=4, tensor=2), False), (dict(data=2, fsdp=4, tensor=1), True)])
 def test_no_program_gathers_the_vocabulary(axes, tied):
-    """The log-prob gradient (embedding lookup, layers, output projection) and a KV-cache extend run on the
-    vocab-sharded embedding and output projection: the largest all-gather (layer weights under fsdp, one chunk of the
-    group's hidden states) is smaller than one shard of the [V, D] table, and the values equal the unsharded model's.
+    """The log-prob gradient (embedding lookup, layers, output projection) and a ragged step over the paged KV cache
+    (the 8 rows' prompts, pages of 4) run on the vocab-sharded embedding and output projection: the largest
+    all-gather (layer weights under fsdp, one chunk of the group's hidden states) is smaller than one shard of the
+    [V, D] table, and the values equal the unsharded model's.
     """
     cfg = ModelConfig.tiny(vocab_size=2048, tie_word_embeddings=tied)
     mesh = parallel.make_mesh(**axes)
@@ -78,24 +79,32 @@ def test_no_program_gathers_the_vocabulary(axes, tied):
         logp_bt, _ = model_token_logp(model, tokens_bt, mask_bt, time_chunk=8, mesh=mesh)
         return jnp.sum(logp_bt * mask_bt)
 
-    def extend(state, tokens_bt, mask_bt):
-        model = nnx.merge(graphdef, state)
-        h_btd, _ = model.extend(tokens_bt, mask_bt, kv_cache.init_cache(cfg, 8, 32))
-        return model.logits(h_btd[:, -1:])
+    # The ragged step's batch: each row's real tokens back to back, 4 pages of 4 tokens per row.
+    lens_s = np.asarray(mask_bt).sum(axis=1)
+    real_bt = np.asarray(mask_bt, bool)
+    step_batch = (jnp.asarray(np.asarray(tokens_bt)[real_bt], jnp.int32), jnp.asarray(lens_s, jnp.int32),
+                  jnp.arange(32, dtype=jnp.int32).reshape(8, 4),
+                  jnp.asarray(np.concatenate([[0], np.cumsum(lens_s)]), jnp.int32), jnp.asarray([8], jnp.int32))
+
+    def ragged_step(state, pages, tokens_t, *rest):
+        logits_sv, _ = nnx.merge(graphdef, state).ragged_step(tokens_t, pages, *rest)
+        return logits_sv
 
     split = lambda state: nnx.split_state(state, nnx.Param, ...)  # noqa: E731
     want = jax.value_and_grad(loss)(*split(plain_state), tokens_bt, mask_bt, None)
     with jax.set_mesh(mesh):
         grad_fn = jax.jit(jax.value_and_grad(loss), static_argnums=4)
         got = grad_fn(*split(sharded_state), tokens_bt, mask_bt, mesh)
-        extend_fn = jax.jit(extend)
-        logits = extend_fn(sharded_state, tokens_bt, mask_bt)
+        pages = jax.device_put(init_pages(cfg, 32, 4), NamedSharding(mesh, pages_spec(mesh, cfg.num_kv_heads)))
+        step_fn = jax.jit(ragged_step)
+        logits = step_fn(sharded_state, pages, *step_batch)
         hlos = [grad_fn.lower(*split(sharded_state), tokens_bt, mask_bt, mesh).compile().as_text(),
-                extend_fn.lower(sharded_state, tokens_bt, mask_bt).compile().as_text()]
+                step_fn.lower(sharded_state, pages, *step_batch).compile().as_text()]
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
-    np.testing.assert_allclose(logits, extend(plain_state, tokens_bt, mask_bt), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits, ragged_step(plain_state, init_pages(cfg, 32, 4), *step_batch), atol=1e-5,
+                               rtol=1e-5)
     shard_elements = cfg.vocab_size * cfg.hidden_size // (mesh.shape["fsdp"] * mesh.shape["tensor"])
     for hlo in hlos:
         assert all_gather_elements(hlo) and max(all_gather_elements(hlo)) < shard_elements
