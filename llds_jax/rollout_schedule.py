@@ -5,16 +5,17 @@ instead of running a model. Every call it makes is recorded with what the roofli
 real tokens, the pages its sequences read and its decode iterations.
 
 The conversations (`scripts`): one host's `sequences` trajectories in GRPO groups of `group` samples that share a
-prompt; each length at its logged mean and spread (`llds_jax.step_lengths.Lengths`: a standard deviation), its
-whole numbers spread evenly about the mean at that standard deviation (a uniform's, mean +- sqrt(3) x std for long
-lengths; narrowed where a cap or 1 would cut one side, so that the mean is kept) in a low-discrepancy order: the groups' prompt tokens, the trajectories' turns (whole
-numbers; the most turns to the shortest prompts, since the longer ones fill the context sooner, and no more than the
-context holds after the shortest prompt at the mean turn and observation lengths), the turns' sampled tokens and the
-observations' tokens (one after each turn but a trajectory's last). The spreads matter: a barrier's turn round waits
-for its longest row and a session for its trajectory of most turns, a call samples up to its longest sequence's
-samples, and the token bucket an input call falls in follows the lengths it holds, not their means. A turn ends on a
-stop id at its length, which is not kept in the context (the driver cuts it; the engine samples in calls of
-`decode_chunk`, so a turn ended by a stop string mid-call costs the same calls).
+prompt; each length at its logged mean and spread (`llds_jax.step_lengths.Lengths`: a standard deviation), its whole
+numbers spread evenly about the mean at that standard deviation (a uniform's, mean +- sqrt(3) x std for long
+lengths; narrowed where a cap or 1 would cut one side, so that the mean is kept) in a low-discrepancy order: the
+groups' prompt tokens, the trajectories' turns (whole numbers; the most turns to the shortest prompts, since the
+longer ones fill the context sooner, and no more than the context holds after the shortest prompt at the mean turn
+and observation lengths), the turns' sampled tokens and the observations' tokens (one after each turn but a
+trajectory's last). The spreads matter: a barrier's turn round waits for its longest row and a session for its
+trajectory of most turns, a call samples up to its longest sequence's samples, and the token bucket an input call
+falls in follows the lengths it holds, not their means. A turn ends on a stop id at its length, which is not kept in
+the context (the driver cuts it; the engine samples in calls of `decode_chunk`, so a turn ended by a stop string
+mid-call costs the same calls).
 
 The policies, as `llds_jax.rollout.driver` runs them:
   barrier     sessions of the engine's sequence slots: every conversation of a session samples its turn, then

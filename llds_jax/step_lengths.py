@@ -50,8 +50,9 @@ class Lengths:
       observation_tokens: tokens of one observation.
       trajectory_tokens: tokens it trains on: its prompt, kept sampled tokens and observations.
       searches: searches it sends.
-      prompt_tokens_std, turns_std, turn_tokens_std, observation_tokens_std: the spreads (standard deviations) of
-        a trajectory's prompt tokens and turns, of a turn's sampled tokens and of an observation's tokens: a
+      prompt_tokens_std, turns_std, turn_tokens_std, observation_tokens_std: the spreads (standard deviations,
+        within a host's batch as the schedule drives one host's rollout) of a trajectory's prompt tokens and turns,
+        of a turn's sampled tokens and of an observation's tokens: a
         barrier's turn round waits for its longest row and a call samples up to its longest sequence's samples, and
         the token buckets the engine's input calls fall in follow the lengths, not their means.
       padding: the share of the update batch's tokens that are padding (`perf/padding`), 0 when unknown.
