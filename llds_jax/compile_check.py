@@ -488,8 +488,8 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     records = step_lengths.read_records(estimate_from) if estimate_from else None
     expected = (step_lengths.from_metrics(records, f"the run {estimate_from}") if records is not None
                 else step_lengths.defaults(cfg))
-    for label, lengths, spread in (("worst-case", step_lengths.worst_case(cfg), 0.0), ("expected", expected, 0.5)):
-        schedule = rollout_schedule.for_run(cfg, lengths, sequences, spread)
+    for label, lengths in (("worst-case", step_lengths.worst_case(cfg)), ("expected", expected)):
+        schedule = rollout_schedule.for_run(cfg, lengths, sequences)
         time_ = step_estimate.rollout_time(schedule, cost, peaks, cfg, generation, lengths.searches, device_search)
         share = step_lengths.update_share(cfg, lengths)
         updates = step_estimate.part_seconds(costs, peaks, dict.fromkeys(step_estimate.FORWARDS, share))

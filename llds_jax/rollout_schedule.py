@@ -5,14 +5,17 @@ instead of running a model. Every call it makes is recorded with what the roofli
 real tokens, the pages its sequences read and its decode iterations.
 
 The conversations (`scripts`): one host's `sequences` trajectories in GRPO groups of `group` samples that share a
-prompt of `prompt_tokens` tokens; trajectory i takes `turns` turns on average (each trajectory a whole number, the
-mean kept), every turn but its last followed by an observation of `observation_tokens` tokens, and its turns sample
-`sampled_tokens / turns` tokens on average, spread evenly over (1 +- spread) times the mean (less where
-`rollout.max_turn_tokens` would cut the spread's top, so that the mean is kept): a barrier's turn waits for its
-longest row, and a call samples up to its longest sequence's samples, so the spread matters. It is 0.5 by default
-and, given a run's logged decode occupancy, the spread at which the schedule samples at that occupancy
-(`for_run`). A turn ends on a stop id at its length (the engine samples in calls of `decode_chunk`, so a turn ended by a
-stop string mid-call costs the same calls).
+prompt; each length at its logged mean and spread (`llds_jax.step_lengths.Lengths`: a standard deviation), its whole
+numbers spread evenly about the mean at that standard deviation (a uniform's, mean +- sqrt(3) x std for long
+lengths; narrowed where a cap or 1 would cut one side, so that the mean is kept) in a low-discrepancy order: the
+groups' prompt tokens, the trajectories' turns (whole numbers; the most turns to the shortest prompts, since the
+longer ones fill the context sooner, and no more than the context holds after the shortest prompt at the mean turn
+and observation lengths), the turns' sampled tokens and the observations' tokens (one after each turn but a
+trajectory's last). The spreads matter: a barrier's turn round waits for its longest row and a session for its
+trajectory of most turns, a call samples up to its longest sequence's samples, and the token bucket an input call
+falls in follows the lengths it holds, not their means. A turn ends on a stop id at its length, which is not kept in
+the context (the driver cuts it; the engine samples in calls of `decode_chunk`, so a turn ended by a stop string
+mid-call costs the same calls).
 
 The policies, as `llds_jax.rollout.driver` runs them:
   barrier     sessions of the engine's sequence slots: every conversation of a session samples its turn, then
@@ -39,16 +42,18 @@ from llds_jax.rollout.paged_sampler import engine_config
 
 STOP_ID, TOKEN_ID = 0, 1  # the scripted turns' tokens: TOKEN_ID, then STOP_ID as a turn's last
 POLICIES = ("barrier", "continuous")
-OCCUPANCY_STEPS = 5  # bisections of the turns' spread that match a logged decode occupancy (to 1/64)
+GOLDEN = (math.sqrt(5) - 1) / 2  # the golden ratio's fraction: a low-discrepancy sequence of its multiples
+WIDTH_STEPS = 12  # bisections of a spread's width that keep its standard deviation in whole numbers
 
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-    """One scripted trajectory: its prompt (shared by its group) and per turn the tokens it samples."""
+    """One scripted trajectory: its prompt (shared by its group), per turn the tokens it samples, and the tokens of
+    the observation after each turn but its last."""
 
     prompt: tuple[int, ...]
     turn_tokens: tuple[int, ...]
-    observation_tokens: int
+    observation_tokens: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,30 +91,58 @@ class Schedule:
     occupancy: float
 
 
-def _spread(n: int, mean: float) -> list[int]:
-    """n whole numbers whose sum is round(n x mean), as even as possible (floor or ceil of the mean each)."""
-    total = round(n * mean)
-    return [(total * (i + 1)) // n - (total * i) // n for i in range(n)]
+def _even(n: int, mean: float, std: float, low: int, high: int, offset: float = 0.0) -> list[int]:
+    """n whole numbers of mean `mean` (their sum round(n x mean)) and standard deviation `std`, spread evenly about
+    the mean (a uniform's quantiles, whole numbers by error diffusion; the width is bisected so that the whole
+    numbers keep `std`, which rounding widens where lengths are few: turns), no wider than [low, high] allows on
+    both sides (the mean kept); in a low-discrepancy order (the golden ratio's, from `offset`), so that any run of
+    consecutive ones spans the spread."""
+    order = sorted(range(n), key=lambda i: (offset + i * GOLDEN) % 1.0)
+    quantile = [0.0] * n
+    for r, i in enumerate(order):
+        quantile[i] = 2 * (r + 0.5) / n - 1
+
+    def at(width: float) -> list[int]:
+        out, total = [], 0.0
+        for q in quantile:  # rounded so that every prefix keeps its sum
+            out.append(round(total + mean + width * q) - round(total))
+            total += mean + width * q
+        return [min(high, max(low, v)) for v in out]
+
+    widest = max(0.0, min(mean - low, high - mean))
+    narrow, wide = 0.0, min(widest, 2 * math.sqrt(3) * std)
+    if std <= 0 or float(np.std(at(wide))) <= std:
+        return at(wide if std > 0 else 0.0)
+    for _ in range(WIDTH_STEPS):
+        middle = (narrow + wide) / 2
+        narrow, wide = (middle, wide) if float(np.std(at(middle))) < std else (narrow, middle)
+    return at((narrow + wide) / 2)
 
 
-def scripts(sequences: int, group: int, prompt_tokens: float, turns: float, sampled_tokens: float,
-            observation_tokens: float, max_turn_tokens: int, spread: float = 0.5) -> list[Conversation]:
-    """The scripted conversations of one host's rollout (module docstring); lengths in tokens per trajectory
-    (`observation_tokens` per observation); a turn's tokens spread over (1 +- `spread`) x their mean."""
-    per_turn = sampled_tokens / max(turns, 1.0)
-    spread = max(0.0, min(spread, max_turn_tokens / per_turn - 1))  # the cap keeps the mean
-    prompt = max(1, round(prompt_tokens))
-    turn_counts = _spread(sequences, max(turns, 1.0))
-    golden = (math.sqrt(5) - 1) / 2
-    convs, j = [], 0
-    for i, k in enumerate(turn_counts):
-        lengths = []
-        for _ in range(max(k, 1)):
-            u = (j * golden) % 1.0  # an even spread over [0, 1), whatever the number of turns
-            lengths.append(int(min(max_turn_tokens, max(1, round(per_turn * (1 - spread + 2 * spread * u))))))
-            j += 1
-        ids = tuple([2 + i // group] * prompt)  # a group's samples share their prompt
-        convs.append(Conversation(ids, tuple(lengths), max(1, round(observation_tokens))))
+def scripts(sequences: int, group: int, lengths, max_turns: int, max_turn_tokens: int, max_prompt_tokens: int,
+            max_observation_tokens: int, max_context: int) -> list[Conversation]:
+    """The scripted conversations of one host's rollout at `lengths` (`llds_jax.step_lengths.Lengths`: per
+    trajectory its means and spreads; module docstring), each length within its cap."""
+    groups = -(-sequences // group)
+    prompts = _even(groups, lengths.prompt_tokens, lengths.prompt_tokens_std, 1, max(max_prompt_tokens, 1), 0.5)
+    # A trajectory's turns: at most those whose mean lengths fit the context after the shortest prompt (and
+    # rollout.max_turns + 1), the most to the shortest prompts (the longer ones fill the context sooner), those of
+    # equal prompts in a low-discrepancy order.
+    per_turn = lengths.sampled_tokens / max(lengths.turns, 1.0)
+    fit = (max_context - min(prompts) + lengths.observation_tokens) // max(per_turn + lengths.observation_tokens, 1)
+    most = max(1, math.ceil(lengths.turns), min(max_turns, int(fit)))
+    counts = sorted(_even(sequences, max(lengths.turns, 1.0), lengths.turns_std, 1, most), reverse=True)
+    turns = [0] * sequences
+    for k, i in zip(counts, sorted(range(sequences), key=lambda i: (prompts[i // group], (i * GOLDEN) % 1.0))):
+        turns[i] = k
+    turn_tokens = _even(sum(turns), per_turn, lengths.turn_tokens_std, 1, max_turn_tokens, 0.25)
+    observations = _even(max(sum(turns) - sequences, 1), lengths.observation_tokens, lengths.observation_tokens_std,
+                         1, max(max_observation_tokens, 1), 0.75)
+    convs, t, o = [], 0, 0
+    for i, k in enumerate(turns):
+        ids = tuple([2 + i // group] * prompts[i // group])  # a group's samples share their prompt
+        convs.append(Conversation(ids, tuple(turn_tokens[t:t + k]), tuple(observations[o:o + k - 1])))
+        t, o = t + k, o + k - 1
     return convs
 
 
@@ -161,6 +194,7 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
     runner = ScriptedRunner(convs, config.page_size)
     engine = Engine(runner, None, config)
     turn = [0] * len(convs)
+    starts = [len(conv.prompt) for conv in convs]  # each conversation's context at its turn's start
     waits, in_flight = 0, 0
 
     def admit(seq: int) -> None:
@@ -174,14 +208,16 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
         return turn[seq] < len(convs[seq].turn_tokens)
 
     def extend(seq: int) -> None:
-        conv = convs[seq]
-        context = len(engine.context(seq))
-        kept = conv.turn_tokens[turn[seq] - 1]
-        budget = _budget(config, conv, turn[seq], context + conv.observation_tokens)
+        conv, context = convs[seq], engine.context(seq)
+        observation = conv.observation_tokens[turn[seq] - 1]
+        # The turn's tokens but a closing stop id are kept (the driver's turn cut drops it).
+        kept = len(context) - starts[seq] - (context[-1] == STOP_ID)
+        budget = _budget(config, conv, turn[seq], starts[seq] + kept + observation)
         if budget < 1:
             engine.finish(seq)
             return
-        engine.extend(seq, kept, [TOKEN_ID] * conv.observation_tokens, budget)
+        engine.extend(seq, kept, [TOKEN_ID] * observation, budget)
+        starts[seq] = starts[seq] + kept + observation
 
     if policy == "barrier":
         slots = config.max_seqs
@@ -230,11 +266,10 @@ def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int) -
     return max(0, min(conv.turn_tokens[turn], config.max_context - context))
 
 
-def for_run(cfg, lengths, sequences: int, spread: float = 0.5) -> Schedule:
+def for_run(cfg, lengths, sequences: int) -> Schedule:
     """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
-    (`llds_jax.step_lengths.Lengths`), its engine shaped as the run shapes it (`run_builder.build`). The turns'
-    spread: `spread`, or with a logged decode occupancy the spread whose schedule samples at that occupancy
-    (`OCCUPANCY_STEPS` bisections over [0, 1]: the wider the spread, the longer rows wait for a call's longest)."""
+    (`llds_jax.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
+    (`run_builder.build`)."""
     agent = config_lib.agent_config(cfg)
     if agent.trees:
         raise ValueError("rollout schedule: tree rollouts (rollout.trees) are not modelled")
@@ -243,16 +278,6 @@ def for_run(cfg, lengths, sequences: int, spread: float = 0.5) -> Schedule:
     slots = min(sequences, agent.max_batch_size or sequences)
     engine = engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages)
     policy = "continuous" if agent.continuous_batching else "barrier"
-
-    def at(width: float) -> Schedule:
-        return run(engine, scripts(sequences, cfg.data.samples_per_prompt, lengths.prompt_tokens, lengths.turns,
-                                   lengths.sampled_tokens, lengths.observation_tokens, agent.max_turn_tokens, width),
-                   policy)
-
-    if lengths.decode_occupancy is None:
-        return at(spread)
-    low, high = 0.0, 1.0
-    for _ in range(OCCUPANCY_STEPS):
-        middle = (low + high) / 2
-        low, high = (middle, high) if at(middle).occupancy > lengths.decode_occupancy else (low, middle)
-    return at((low + high) / 2)
+    convs = scripts(sequences, cfg.data.samples_per_prompt, lengths, agent.max_turns + 1, agent.max_turn_tokens,
+                    agent.max_prompt_tokens, agent.max_observation_tokens, agent.max_context_tokens)
+    return run(engine, convs, policy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -31,6 +32,9 @@ DEFAULT_SEARCHES = 1.5
 DEFAULT_TURN_TOKENS = 150.0
 DEFAULT_OBSERVATION_TOKENS = 400.0
 DEFAULT_PROMPT_TOKENS = 250.0
+# - the turns' sampled tokens spread evenly over 0.5 to 1.5 x their mean (a standard deviation of 0.5 / sqrt(3) x
+#   the mean); the prompts, observations and the turns per trajectory not spread (an assumption).
+DEFAULT_TURN_SPREAD = 0.5
 DEFAULTS_SOURCE = ("defaults (assumed, not measured: 1.5 searches and 2.5 turns of 150 tokens per trajectory, "
                    "observations of 400 tokens, prompts of 250)")
 
@@ -46,8 +50,11 @@ class Lengths:
       observation_tokens: tokens of one observation.
       trajectory_tokens: tokens it trains on: its prompt, kept sampled tokens and observations.
       searches: searches it sends.
-      decode_occupancy: the share of the step calls' sample slots (sequence slots x samples of the call's longest)
-        that sampled (`rollout/decode_occupancy`); None: unknown.
+      prompt_tokens_std, turns_std, turn_tokens_std, observation_tokens_std: the spreads (standard deviations,
+        within a host's batch as the schedule drives one host's rollout) of a trajectory's prompt tokens and turns,
+        of a turn's sampled tokens and of an observation's tokens: a
+        barrier's turn round waits for its longest row and a call samples up to its longest sequence's samples, and
+        the token buckets the engine's input calls fall in follow the lengths, not their means.
       padding: the share of the update batch's tokens that are padding (`perf/padding`), 0 when unknown.
       source: where the numbers come from, in words.
     """
@@ -58,7 +65,10 @@ class Lengths:
     observation_tokens: float
     trajectory_tokens: float
     searches: float
-    decode_occupancy: float | None
+    prompt_tokens_std: float
+    turns_std: float
+    turn_tokens_std: float
+    observation_tokens_std: float
     padding: float
     source: str
 
@@ -71,8 +81,8 @@ def defaults(cfg) -> Lengths:
     turn = min(DEFAULT_TURN_TOKENS, r.max_turn_tokens)
     observation = min(DEFAULT_OBSERVATION_TOKENS, r.max_observation_tokens)
     tokens = min(prompt + (searches + 1) * turn + searches * observation, r.max_context_tokens)
-    return Lengths(prompt, searches + 1, (searches + 1) * turn, observation, tokens, searches, None, 0.0,
-                   DEFAULTS_SOURCE)
+    return Lengths(prompt, searches + 1, (searches + 1) * turn, observation, tokens, searches, 0.0, 0.0,
+                   DEFAULT_TURN_SPREAD * turn / math.sqrt(3), 0.0, 0.0, DEFAULTS_SOURCE)
 
 
 def worst_case(cfg) -> Lengths:
@@ -81,13 +91,13 @@ def worst_case(cfg) -> Lengths:
     `rollout.max_context_tokens` in the updates."""
     r = cfg.rollout
     return Lengths(r.max_prompt_tokens, r.max_turns + 1, (r.max_turns + 1) * r.max_turn_tokens,
-                   r.max_observation_tokens, r.max_context_tokens, r.max_turns, None, 0.0,
+                   r.max_observation_tokens, r.max_context_tokens, r.max_turns, 0.0, 0.0, 0.0, 0.0, 0.0,
                    "every turn and every token cap")
 
 
 RUN_KEYS = ("rollout/prompt_tokens", "rollout/turns", "rollout/sampled_tokens", "rollout/observation_tokens",
-            "rollout/searches", "rollout/decode_occupancy", "rollout/trajectories", "perf/tokens_per_s",
-            "perf/step_s")
+            "rollout/searches", "rollout/prompt_tokens_std", "rollout/turns_std", "rollout/turn_tokens_std",
+            "rollout/observation_tokens_std", "rollout/trajectories", "perf/tokens_per_s", "perf/step_s")
 
 
 def _rollout_steps(records: Sequence[Mapping[str, float]], source: str) -> list[Mapping[str, float]]:
@@ -107,7 +117,8 @@ def from_metrics(records: Sequence[Mapping[str, float]], source: str) -> Lengths
     """Mean lengths over a run's per-step metric records (metrics.jsonl's lines; steps without a rollout are
     skipped): per trajectory `rollout/prompt_tokens`, `rollout/sampled_tokens`, `rollout/searches` (the step's
     totals over `rollout/trajectories`), `rollout/turns`, an observation's `rollout/observation_tokens` over the
-    trajectories' turns but their last, `rollout/decode_occupancy`, `perf/padding`, and the trained tokens from
+    trajectories' turns but their last, the spreads (`rollout/prompt_tokens_std`, `rollout/turns_std`,
+    `rollout/turn_tokens_std`, `rollout/observation_tokens_std`), `perf/padding`, and the trained tokens from
     `perf/tokens_per_s` x `perf/step_s` (the batch's real tokens) over the trajectories (InputError naming a missing
     key)."""
     steps = _rollout_steps(records, source)
@@ -124,7 +135,9 @@ def from_metrics(records: Sequence[Mapping[str, float]], source: str) -> Lengths
     return Lengths(per_trajectory("rollout/prompt_tokens"), turns, per_trajectory("rollout/sampled_tokens"),
                    observations / (turns - 1) if turns > 1 else 0.0,
                    _mean(r["perf/tokens_per_s"] * r["perf/step_s"] / r["rollout/trajectories"] for r in steps),
-                   per_trajectory("rollout/searches"), _mean(r["rollout/decode_occupancy"] for r in steps),
+                   per_trajectory("rollout/searches"),
+                   *(_mean(r[f"rollout/{key}_std"] for r in steps)
+                     for key in ("prompt_tokens", "turns", "turn_tokens", "observation_tokens")),
                    _mean(r.get("perf/padding", 0.0) for r in steps),
                    f"{source}: means over its {len(steps)} steps")
 

@@ -284,6 +284,8 @@ def test_launch_compiles_the_flagship_config_for_v5e(paged_model_dir, tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({
         "step": 1, "rollout/prompt_tokens": 32 * 40.0, "rollout/turns": 2.0, "rollout/sampled_tokens": 32 * 24.0,
         "rollout/observation_tokens": 32 * 20.0, "rollout/searches": 32.0, "rollout/decode_occupancy": 0.5,
+        "rollout/prompt_tokens_std": 5.0, "rollout/turns_std": 0.5, "rollout/turn_tokens_std": 3.0,
+        "rollout/observation_tokens_std": 4.0,
         "perf/tokens_per_s": 2048.0,
         "perf/step_s": 1.0, "rollout/trajectories": 32, "perf/padding": 0.0, "rollout/step_calls_16": 20.0,
         "rollout/step_tokens_16": 150.0, "rollout/step_calls_32": 3.0, "rollout/step_tokens_32": 80.0,

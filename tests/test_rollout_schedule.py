@@ -1,7 +1,9 @@
 """The paged engine's step calls at given lengths (llds_jax.rollout_schedule): the scripted conversations keep the
 lengths' means, and the calls of small rollouts equal those worked out by hand from the engine's rules."""
 import dataclasses
+import math
 
+import numpy as np
 import pytest
 
 from llds_jax import rollout_schedule, step_lengths
@@ -15,18 +17,52 @@ def engine(slots, max_context=64, page_size=8):
                         num_pages=slots * max_context // page_size + 1, max_context=max_context)
 
 
+def lengths(prompt, turns, sampled, observation, prompt_std=0.0, turns_std=0.0, turn_std=0.0, observation_std=0.0):
+    """Per trajectory: `prompt` tokens, `turns` turns sampling `sampled` tokens in all, observations of
+    `observation`; the spreads (standard deviations) of each."""
+    return step_lengths.Lengths(prompt, turns, sampled, observation, 0.0, 0.0, prompt_std, turns_std, turn_std,
+                                observation_std, 0.0, "given")
+
+
+def scripts(sequences, group, at, max_turns=4, max_turn_tokens=1000, max_context=10_000):
+    return rollout_schedule.scripts(sequences, group, at, max_turns, max_turn_tokens, 1000, 1000, max_context)
+
+
 def test_scripts_keep_the_mean_lengths_and_share_a_groups_prompt():
-    convs = rollout_schedule.scripts(40, 4, prompt_tokens=100.4, turns=2.5, sampled_tokens=100.0,
-                                     observation_tokens=30.0, max_turn_tokens=60)
+    convs = scripts(40, 4, lengths(100.4, 2.5, 100.0, 30.0, turn_std=40 * 0.5 / math.sqrt(3)), max_turn_tokens=60)
     assert sum(len(c.turn_tokens) for c in convs) == 100  # 2.5 turns each
     assert {len(c.turn_tokens) for c in convs} == {2, 3}
     per_turn = [t for c in convs for t in c.turn_tokens]
-    assert sum(per_turn) / len(per_turn) == pytest.approx(40, rel=0.02)  # 100 tokens over 2.5 turns
+    assert sum(per_turn) == 4000  # 100 tokens over 2.5 turns
     assert min(per_turn) >= 20 and max(per_turn) <= 60  # half to one and a half times the mean
-    assert len({c.prompt for c in convs}) == 10 and all(len(c.prompt) == 100 for c in convs)
+    assert all(len(c.observation_tokens) == len(c.turn_tokens) - 1 and set(c.observation_tokens) == {30}
+               for c in convs)
+    prompts = [len(c.prompt) for c in convs[::4]]
+    assert len({c.prompt for c in convs}) == 10 and sum(prompts) == 1004 and set(prompts) == {100, 101}
     assert convs[0].prompt == convs[3].prompt != convs[4].prompt
-    capped = rollout_schedule.scripts(8, 1, 10, 1.0, 16.0, 5, max_turn_tokens=16)  # the cap keeps the mean
+    capped = scripts(8, 1, lengths(10, 1.0, 16.0, 5, turn_std=10.0), max_turn_tokens=16)  # the cap keeps the mean
     assert [c.turn_tokens for c in capped] == [(16,)] * 8
+
+
+def test_scripts_spread_each_length_as_logged():
+    """Each length spread evenly about its mean at the logged standard deviation (a uniform's: mean +- sqrt(3) std);
+    the most turns to the shortest prompts, and no more than the context holds."""
+    at = lengths(150.0, 2.0, 40.0, 50.0, prompt_std=20 / math.sqrt(3), turns_std=0.6, turn_std=5.0,
+                 observation_std=10.0)
+    convs = scripts(60, 3, at)
+    prompts = [len(c.prompt) for c in convs[::3]]
+    assert np.mean(prompts) == 150 and np.std(prompts) == pytest.approx(20 / math.sqrt(3), rel=0.1)
+    assert min(prompts) >= 130 and max(prompts) <= 170
+    turns = [len(c.turn_tokens) for c in convs]
+    assert np.mean(turns) == 2 and np.std(turns) == pytest.approx(0.6, rel=0.2) and set(turns) == {1, 2, 3}
+    by_prompt = sorted(zip((len(c.prompt) for c in convs), turns))
+    assert np.mean([k for _, k in by_prompt[:20]]) > 2 > np.mean([k for _, k in by_prompt[-20:]])
+    sampled = [t for c in convs for t in c.turn_tokens]
+    assert np.mean(sampled) == 20 and np.std(sampled) == pytest.approx(5.0, rel=0.1)
+    observations = [o for c in convs for o in c.observation_tokens]
+    assert np.mean(observations) == pytest.approx(50, abs=0.02) and np.std(observations) == pytest.approx(10, rel=0.1)
+    # A 260-token context holds two turns (20 tokens each) and an observation (50) after the shortest prompt (130).
+    assert max(len(c.turn_tokens) for c in scripts(60, 3, at, max_context=260)) == 2
 
 
 def test_a_barrier_session_calls_as_worked_out_by_hand():
@@ -34,7 +70,7 @@ def test_a_barrier_session_calls_as_worked_out_by_hand():
     two groups' first samples encode their prompts (20 tokens, bucket 32) and sample 4; call 2: the second samples
     take the first's pages and encode only the last prompt token, the first samples feed their last token (4
     tokens, bucket 4), all sample 4 (the first ones are done); call 3: the second samples' last tokens (2)."""
-    convs = rollout_schedule.scripts(4, 2, 10, 1.0, 8.0, 1, max_turn_tokens=8, spread=0.0)
+    convs = scripts(4, 2, lengths(10, 1.0, 8.0, 1))
     s = rollout_schedule.run(engine(4), convs, "barrier")
     assert s.calls_per_bucket == {32: 1, 4: 2} and s.tokens_per_bucket == {32: 20, 4: 6}
     assert [(c.bucket, c.tokens, c.iterations) for c in s.calls] == [(32, 20, 3), (4, 4, 3), (4, 2, 3)]
@@ -49,18 +85,19 @@ def test_a_continuous_stream_admits_as_slots_free_as_worked_out_by_hand():
     prompt (10 tokens, bucket 16); call 2: sequence 1 shares it, 1 token each (bucket 2), 0 ends; sequence 2 enters:
     call 3: 1's token and 2's prompt (11, bucket 16), 1 ends; 3 enters sharing 2's prompt: call 4 (2 tokens),
     call 5 (3's last token)."""
-    convs = rollout_schedule.scripts(4, 2, 10, 1.0, 8.0, 1, max_turn_tokens=8, spread=0.0)
+    convs = scripts(4, 2, lengths(10, 1.0, 8.0, 1))
     s = rollout_schedule.run(engine(2), convs, "continuous")
     assert [(c.bucket, c.tokens) for c in s.calls] == [(16, 10), (2, 2), (16, 11), (2, 2), (2, 1)]
     assert s.rows_in_flight == 2
 
 
 def test_observations_follow_each_turn_and_a_barrier_waits_for_each_rounds_searches():
-    """Two turns of 4 tokens with a 20-token observation between: after the first round the observations (and the
-    turn's last sampled token) are written, 21 tokens each; one turn round ended with searches."""
-    convs = rollout_schedule.scripts(2, 1, 5, 2.0, 8.0, 20, max_turn_tokens=4, spread=0.0)
+    """Two turns of 4 tokens with a 20-token observation between: after the first round the observations are
+    written, 20 tokens each (the turn's last sampled token, its stop id, is not kept); one turn round ended with
+    searches."""
+    convs = scripts(2, 1, lengths(5, 2.0, 8.0, 20))
     s = rollout_schedule.run(engine(2), convs, "barrier")
-    assert sum(s.tokens_per_bucket.values()) == 2 * 5 + 2 * 21
+    assert sum(s.tokens_per_bucket.values()) == 2 * 5 + 2 * 20
     assert s.search_waits == 1
     with pytest.raises(ValueError, match="policy 'tree' is not modelled"):
         rollout_schedule.run(engine(2), convs, "tree")
@@ -75,11 +112,10 @@ def test_a_runs_schedule_takes_its_engine_shapes_and_policy():
     assert s.policy == "continuous" and s.rows_in_flight == 32
     assert set(s.calls_per_bucket) <= {32, 64, 128, 256, 512, 1024}
     assert all(s.tokens_per_bucket[b] <= b * n for b, n in s.calls_per_bucket.items())
-    # A logged occupancy between those of no spread and the widest: the spread found samples at it.
-    even, wide = (rollout_schedule.for_run(cfg, step_lengths.defaults(cfg), 80, spread).occupancy for spread in (0, 1))
+    # The wider the turns' spread, the more sample slots wait for a call's longest sequence.
+    even, wide = (rollout_schedule.for_run(cfg, dataclasses.replace(step_lengths.defaults(cfg), turn_tokens_std=std),
+                                           80).occupancy for std in (0.0, 80.0))
     assert even > wide
-    logged = dataclasses.replace(step_lengths.defaults(cfg), decode_occupancy=(even + wide) / 2)
-    assert rollout_schedule.for_run(cfg, logged, 80).occupancy == pytest.approx((even + wide) / 2, abs=0.02)
     cfg.rollout.trees = 1
     with pytest.raises(ValueError, match="rollout.trees"):
         rollout_schedule.for_run(cfg, step_lengths.defaults(cfg), 80)

@@ -284,6 +284,7 @@ class Driver:
     def _close(self, seq: int, sample: SampledTurn) -> None:
         conv = self.convs[seq]
         self.steps.stats.sampled_tokens += len(sample.token_ids)
+        self.steps.stats.turn_spread.add(len(sample.token_ids))
         turn, searches, observation = self.steps.close_turn(conv, sample, len(conv.turns) >= self.config.max_turns)
         if searches:
             self._searching[seq] = turn

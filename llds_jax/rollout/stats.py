@@ -7,7 +7,30 @@ device calls; `RolloutStats.metrics` flattens them under the names the trainer h
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
+
+
+@dataclasses.dataclass
+class Spread:
+    """Lengths counted one at a time (their count, sum and sum of squares), for their standard deviation."""
+
+    count: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+
+    def add(self, length: int) -> None:
+        self.count += 1
+        self.total += length
+        self.squares += length * length
+
+    @property
+    def std(self) -> float:
+        """The lengths' (population) standard deviation; 0 before any."""
+        if not self.count:
+            return 0.0
+        mean = self.total / self.count
+        return math.sqrt(max(self.squares / self.count - mean * mean, 0.0))
 
 
 @dataclasses.dataclass
@@ -48,7 +71,11 @@ class RolloutStats:
     (appended to contexts), `searches` (queries sent), `bad_documents` (hits the retriever dropped:
     `search.types.received`), `forked_prefix_tokens` (tree rollouts only, else None: the turn and observation
     tokens each fork shares with its parent up to its node, sampled once and trained again in every leaf that
-    holds them), and the engine's `counts` (device calls and batch tokens per token bucket, sample slots, shared
+    holds them), the spreads (`Spread`: standard deviations) of a conversation's prompt tokens
+    (`prompt_tokens_std`), a turn's sampled tokens (`turn_tokens_std`) and an observation's tokens
+    (`observation_tokens_std`) within the host's batch (averaged over the hosts when logged), which the step
+    estimate's schedule of one host's rollout takes (`llds_jax.rollout_schedule`), and the
+    engine's `counts` (device calls and batch tokens per token bucket, sample slots, shared
     prompt tokens, page copies; `EngineCounts`).
     """
 
@@ -62,6 +89,9 @@ class RolloutStats:
     searches: int = 0
     bad_documents: int = 0
     forked_prefix_tokens: Optional[int] = None
+    prompt_spread: Spread = dataclasses.field(default_factory=Spread)
+    turn_spread: Spread = dataclasses.field(default_factory=Spread)
+    observation_spread: Spread = dataclasses.field(default_factory=Spread)
     counts: EngineCounts = dataclasses.field(default_factory=EngineCounts)
 
     @property
@@ -82,7 +112,8 @@ class RolloutStats:
         return self.counts.sampled_tokens / slots if slots else 0.0
 
     def metrics(self, token_budgets: tuple[int, ...] = ()) -> dict[str, float]:
-        """The stats as the rollout's metrics (floats): seconds, counts, `sampled_tokens_per_s` (per decode
+        """The stats as the rollout's metrics (floats): seconds, counts, the spreads' standard deviations
+        (`prompt_tokens_std`, `turn_tokens_std`, `observation_tokens_std`), `sampled_tokens_per_s` (per decode
         second), `decode_occupancy`, and `step_calls_T` / `step_tokens_T` for every bucket T of `token_budgets`
         (run or not: the same keys on every host)."""
         c = self.counts
@@ -90,7 +121,8 @@ class RolloutStats:
                "search_calls_s": self.search_calls_s, "host_s": self.host_s,
                "sampled_tokens": float(self.sampled_tokens), "prompt_tokens": float(self.prompt_tokens),
                "prompts_cut": float(self.prompts_cut), "observation_tokens": float(self.observation_tokens),
-               "searches": float(self.searches),
+               "searches": float(self.searches), "prompt_tokens_std": self.prompt_spread.std,
+               "turn_tokens_std": self.turn_spread.std, "observation_tokens_std": self.observation_spread.std,
                "bad_documents": float(self.bad_documents),
                "sampled_tokens_per_s": self.sampled_tokens / max(self.decode_s, 1e-9),
                "decode_occupancy": self.decode_occupancy,

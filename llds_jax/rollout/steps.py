@@ -84,6 +84,7 @@ class AgentSteps:
         question was cut to rollout.max_prompt_tokens in prompts_cut."""
         prompt_ids, cut = protocol.fit_prompt(self.tokenizer, example.question, self.config.max_prompt_tokens)
         self.stats.prompt_tokens += len(prompt_ids)
+        self.stats.prompt_spread.add(len(prompt_ids))
         self.stats.prompts_cut += bool(cut)
         return Conversation(prompt_ids, lineage)
 
@@ -138,6 +139,7 @@ class AgentSteps:
                 obs_ids = ids
                 conv.response_len += len(ids)
                 self.stats.observation_tokens += len(ids)
+                self.stats.observation_spread.add(len(ids))
                 turn = dataclasses.replace(turn, observation=observation, observation_ids=tuple(ids),
                                            observation_truncated=truncated)
             else:

@@ -212,12 +212,14 @@ def em_rewards(trajectories: Sequence[Trajectory], empty_answer: str = DEFAULT_E
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Batch means of the per-trajectory statistics (turns, valid actions, valid searches, truncated
-    observations, retriever errors, response length) and the share of each end reason."""
+    observations, retriever errors, response length), the turns' standard deviation (`turns_std`) and the share of
+    each end reason."""
     if not trajectories:
         return {}
     mean = lambda values: float(np.mean(list(values)))
     metrics = {
         "turns": mean(t.num_turns for t in trajectories),
+        "turns_std": float(np.std([t.num_turns for t in trajectories])),
         "valid_actions": mean(t.num_valid_actions for t in trajectories),
         "valid_searches": mean(t.num_valid_searches for t in trajectories),
         "truncated_observations": mean(t.num_truncated_observations for t in trajectories),

@@ -51,10 +51,14 @@ def assert_same_metrics(one: dict, two: dict) -> None:
 # one process and two hosts run the same trajectories in other step calls.
 SCHEDULE_KEYS = ("rollout/step_calls_", "rollout/step_tokens_", "rollout/decode_occupancy", "rollout/page_copies",
                  "rollout/shared_prompt_tokens")
+# Spreads of a host's own batch (standard deviations, averaged over the hosts: what one host's schedule takes), not
+# the whole batch's.
+SPREAD_KEYS = ("rollout/prompt_tokens_std", "rollout/turns_std", "rollout/turn_tokens_std",
+               "rollout/observation_tokens_std")
 
 
 def comparable_metrics(run_dir: str) -> list[dict[str, float]]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS + SCHEDULE_KEYS)}
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS + SCHEDULE_KEYS + SPREAD_KEYS)}
             for r in read_metrics(run_dir)]
 
 

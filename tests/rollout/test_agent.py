@@ -117,7 +117,8 @@ def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
     sampler = doubles.ScriptedSampler(tok, [[INVALID_TURN, SEARCH_TURN, ANSWER_TURN],
                                             [SEARCH_TURN, ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
-    a, b = run(tok, sampler, retriever, [example(0), example(1)]).trajectories
+    result = run(tok, sampler, retriever, [example(0), example(1, "what is the capital city of france")])
+    a, b = result.trajectories
     invalid = tok.encode(INVALID, add_special_tokens=False)
     obs = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
     check_segments(a, [("model", kept_tokens(tok, INVALID_TURN, None)), ("obs", invalid),
@@ -132,6 +133,15 @@ def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
     # Turn 1: only b searches; turn 2: only a. One call per turn.
     assert retriever.calls == [(["capital of france"], 3), (["capital of france"], 3)]
     assert len(sampler.budgets[0]) == 3 and len(sampler.budgets[1]) == 2  # b answered in turn 2 and left
+    # The spreads the step estimate's schedule takes: of the prompts, the turns per trajectory, the turns' sampled
+    # tokens and the observations' tokens.
+    spreads = {k: result.metrics[k] for k in ("prompt_tokens_std", "turns_std", "turn_tokens_std",
+                                              "observation_tokens_std")}
+    assert len(a.prompt_ids) != len(b.prompt_ids)
+    assert spreads == pytest.approx({
+        "prompt_tokens_std": abs(len(a.prompt_ids) - len(b.prompt_ids)) / 2, "turns_std": 0.5,
+        "turn_tokens_std": np.std([t.num_sampled for t in a.turns + b.turns]),
+        "observation_tokens_std": np.std([len(invalid), len(obs), len(obs)])})
 
 
 def test_running_out_of_turns(qwen_tokenizer, doubles):
