@@ -149,7 +149,7 @@ def test_running_out_of_turns(qwen_tokenizer, doubles):
     assert [keep for keep, _ in sampler.extends[0]] == [len(kept)] * 2 and sampler.events[-1] == ("finish", 0)
 
 
-def test_observation_truncation(qwen_tokenizer, doubles):
+def test_observation_truncation(qwen_tokenizer, doubles, caplog):
     tok = qwen_tokenizer
     sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
@@ -162,6 +162,8 @@ def test_observation_truncation(qwen_tokenizer, doubles):
     assert PARIS_OBSERVATION.startswith(tok.decode(full[:12]))
     assert traj.turns[0].observation_truncated and traj.num_truncated_observations == 1
     assert result.metrics["truncated_observations"] == 1.0
+    # The warning names the run-config key a user raises.
+    assert "1 observation(s) cut to rollout.max_observation_tokens=12 tokens" in caplog.text
 
 
 def test_retriever_errors_only_affect_their_sequences(qwen_tokenizer, doubles):
