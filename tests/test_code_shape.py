@@ -49,3 +49,16 @@ def test_every_public_function_is_used_outside_the_tests():
               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
               and not registered(node) and words[node.name] == 1]
     assert unused == []
+
+
+def test_no_date_in_the_code():
+    """Measurements and the dates they were taken on go stale in docstrings and comments: they live in docs/ (the
+    tables of docs/tpu.md, docs/benchmarks.md, docs/evidence.md), which the code points to (issue 57)."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    sources = dict(_sources())
+    configs = os.path.join(ROOT, "configs")
+    for name in os.listdir(configs):
+        if name.endswith(".py"):
+            with open(os.path.join(configs, name), encoding="utf-8") as f:
+                sources[os.path.join("configs", name)] = f.read()
+    assert [path for path, text in sources.items() if date.search(text)] == []
