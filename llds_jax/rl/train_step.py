@@ -22,7 +22,8 @@ The learning rate follows the reference code: linear warmup from 0 counted in ro
 (`lr = base * step / warmup_steps`, the first batch at lr 0), then constant; it is fixed within a batch.
 
 `RLTrainStep.abstract_programs` names every program of the above at abstract arguments (llds_jax/programs.py's
-`CompilablePrograms`), for `--mode=compile`.
+`CompilablePrograms`), for `--mode=compile`: `train_on_batch` and it read one list of the programs
+(`_batch_programs`).
 """
 import contextlib
 import dataclasses
@@ -301,21 +302,16 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         logp_kmt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
         return logp_kmt.reshape(tokens_1kmt.shape)
 
-    def _per_update(self, logp_fn, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
-        """`logp_fn` (a jitted `_logp_impl`) of every update's mini-batch, concatenated: [U, K, micro, T]."""
+    def sequence_logp(self, params: nnx.State, prepared: PreparedBatch, program: Callable | None = None
+                      ) -> jax.Array:
+        """logp of every token of a prepared batch under `params` (no gradient) by `program`, a jitted
+        `_logp_impl` (default the policy's, `_logp`), one call per update's mini-batch. [U, K, micro, T]."""
+        program = self._logp if program is None else program
         batch = prepared.batch
         with self._mesh_context():
             return self._concat_updates(tuple(
-                logp_fn(params, batch.tokens_ukmt, batch.mask_ukmt, prepared.update_rows(u), jnp.int32(u))
+                program(params, batch.tokens_ukmt, batch.mask_ukmt, prepared.update_rows(u), jnp.int32(u))
                 for u in range(prepared.num_updates)))
-
-    def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
-        """logp of every token of a prepared batch under `params` (jitted, no gradient). [U, K, micro, T]."""
-        return self._per_update(self._logp, params, prepared)
-
-    def lld_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
-        """`sequence_logp` with the model computing in float32 (the LLD measurement's log-probs). [U, K, micro, T]."""
-        return self._per_update(self._logp_float32 if self._lld_in_float32 else self._logp, params, prepared)
 
     def _micro_loss(self, params, micro: RolloutBatch, rows: PackedRows | None, old_logp_bt, ref_logp_bt,
                     batch_stats, first_update):
@@ -385,6 +381,22 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             self._update = jax.jit(self._update_impl, donate_argnums=0, out_shardings=(shardings, self._replicated()))
         return self._update
 
+    # ----- the programs of a batch ---------------------------------------------------------------------------------
+    def _batch_programs(self, state: TrainState, with_reference: bool, measure_lld: bool) -> dict[Role, Callable]:
+        """The one list of the jitted programs `train_on_batch` runs on a batch, by role, in the order a run first
+        runs them: `train_on_batch` calls them from it and `_programs` lowers them (so --mode=compile compiles
+        exactly what a step runs). The reference's log-probs only `with_reference`; the LLD measurement's programs
+        only when `measure_lld`, its float32 forward only with a model that does not compute in float32 (else its
+        log-probs are the policy's program's)."""
+        programs = {Role.REFERENCE_LOGP: self._logp} if with_reference else {}
+        programs.update({Role.POLICY_LOGP: self._logp, Role.LIKELIHOOD_METRICS: self._likelihood})
+        if measure_lld and self._lld_in_float32:
+            programs[Role.LLD_LOGP] = self._logp_float32
+        programs[Role.UPDATE] = self._jitted_update(state)
+        if measure_lld:
+            programs[Role.LLD_METRICS] = self._lld
+        return programs
+
     # ----- ahead of time ------------------------------------------------------------------------------------------
     def abstract_programs(self, at: TrainShapes) -> list[AbstractProgram]:
         """Every program `init_state`, `reference_params` and `train_on_batch` run, at abstract values
@@ -408,23 +420,22 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         shapes = f"{batch.num_trajectories} x {batch.length} tokens, micro-batch {batch.micro_batch_size}"
         program = functools.partial(AbstractProgram, shapes=shapes, mesh=self.mesh)
         tokens_mask = (batch.tokens_ukmt, batch.mask_ukmt)
+        args = {  # each role's arguments in `train_on_batch`
+            Role.REFERENCE_LOGP: (ref_params, *tokens_mask, rows, index),
+            Role.POLICY_LOGP: (state.params, *tokens_mask, rows, index),
+            Role.LIKELIHOOD_METRICS: (logp, batch),
+            Role.LLD_LOGP: (state.params, *tokens_mask, rows, index),
+            Role.UPDATE: (state, batch, rows, prepared.batch_stats, logp, None if ref_params is None else logp, index),
+            Role.LLD_METRICS: (logp, logp, batch),
+        }
         programs = [program(Role.OPTIMIZER_INIT, fn=self._init_optimizer(state.params), args=(state.params,))]
         if ref_params is not None:
-            programs += [program(Role.REFERENCE_COPY, fn=self._reference_copier(state.params), args=(state.params,)),
-                         program(Role.REFERENCE_LOGP, fn=self._logp, args=(ref_params, *tokens_mask, rows, index))]
-        programs += [
-            program(Role.POLICY_LOGP, fn=self._logp, args=(state.params, *tokens_mask, rows, index)),
-            program(Role.LIKELIHOOD_METRICS, fn=self._likelihood, args=(logp, batch)),
-        ]
-        if measure_lld and self._lld_in_float32:
-            programs.append(program(Role.LLD_LOGP, fn=self._logp_float32,
-                                    args=(state.params, *tokens_mask, rows, index)))
-        programs.append(program(Role.UPDATE, fn=self._jitted_update(state), detail=f"{prepared.num_updates} per step",
-                                args=(state, batch, rows, prepared.batch_stats, logp,
-                                      None if ref_params is None else logp, index)))
-        if measure_lld:
-            programs.append(program(Role.LLD_METRICS, fn=self._lld, args=(logp, logp, batch)))
-        return programs
+            programs.append(program(Role.REFERENCE_COPY, fn=self._reference_copier(state.params),
+                                    args=(state.params,)))
+        return programs + [
+            program(role, fn=fn, args=args[role],
+                    detail=f"{prepared.num_updates} per step" if role is Role.UPDATE else "")
+            for role, fn in self._batch_programs(state, ref_params is not None, measure_lld).items()]
 
     def compile_row_counts(self, state: TrainState, ref_params: nnx.State | None, num: int, length: int,
                            measure_lld: bool) -> int:
@@ -472,18 +483,21 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             start = time.perf_counter()
             self.compile_row_counts(state, ref_params, batch.num_trajectories, length, measure_lld)
             compile_rows_s = time.perf_counter() - start
+        run = self._batch_programs(state, ref_params is not None, measure_lld)
         start = time.perf_counter()
-        old_logp = self.sequence_logp(state.params, prepared)
-        ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
+        old_logp = self.sequence_logp(state.params, prepared, run[Role.POLICY_LOGP])
+        ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared, run[Role.REFERENCE_LOGP])
         jax.block_until_ready((old_logp, ref_logp))  # once per batch: times the frozen log-probs apart
         logp_s = time.perf_counter() - start
-        before = self._likelihood(old_logp, prepared.batch)
+        before = run[Role.LIKELIHOOD_METRICS](old_logp, prepared.batch)
         # The float32 log-probs before the updates (taken before the updates donate the state): old_logp itself when
-        # the model computes in float32 (the same program on the same parameters), else one float32 forward.
+        # the model computes in float32 (no LLD_LOGP program: the same program on the same parameters), else one
+        # float32 forward.
+        lld_logp = run.get(Role.LLD_LOGP, run[Role.POLICY_LOGP])
         lld_old_logp = None
         if measure_lld:
-            lld_old_logp = self.lld_logp(state.params, prepared) if self._lld_in_float32 else old_logp
-        update = self._jitted_update(state)
+            lld_old_logp = self.sequence_logp(state.params, prepared, lld_logp) if Role.LLD_LOGP in run else old_logp
+        update = run[Role.UPDATE]
         per_update = []
         with self._mesh_context():
             for index in range(prepared.num_updates):
@@ -496,7 +510,8 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         state = state._replace(step=state.step + 1)
         after, delta_traj_b = {}, None
         if measure_lld:
-            delta_traj_b, after = self._lld(self.lld_logp(state.params, prepared), lld_old_logp, prepared.batch)
+            delta_traj_b, after = run[Role.LLD_METRICS](self.sequence_logp(state.params, prepared, lld_logp),
+                                                       lld_old_logp, prepared.batch)
         before, per_update, after, delta_traj_b, total_skips = jax.device_get(
             (before, per_update, after, delta_traj_b, state.nonfinite_count))
         stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}
