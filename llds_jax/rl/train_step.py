@@ -3,7 +3,7 @@
 Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`, `batch` a `RolloutBatch` (llds_jax/rl/batch.py) with
 its rewards and advantages set:
 1. check the batch on the host; the whole-batch statistics of the configured loss terms (`terms.batch_statistics`,
-   e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches K, micro-batch size, ...]
+   e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches X, micro-batch size, ...]
    (llds_jax/rl/batch_layout.py: a `LaidOutBatch`, sharded on the micro-batch axis over the mesh's data axes, so
    every micro-batch spans all devices); with `optim.pack_trajectories`, each micro-batch's trajectories are also
    packed into fewer rows for the forward (llds_jax/rl/packing.py: same micro-batches, same per-token results, less
@@ -11,7 +11,7 @@ its rewards and advantages set:
 2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only, one call per
    update's mini-batch (on its rows);
 3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
-   loss of each of the K micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
+   loss of each of the X micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
    non-finite loss or gradient leaves params and optimizer state unchanged and counts the skip;
 4. optionally (`measure_lld`) logp of the same batch under the new params: Delta_traj and the LLD rate. Both sides
    of Delta_traj run the model in float32 (`lld_logp`): with a bfloat16 compute dtype, the pre-update side is one
@@ -136,7 +136,7 @@ def _fresh_copy(tree, dtype=None):
 
 
 def _flat(x: jax.Array) -> jax.Array:
-    """[U, K, micro, ...] -> [B, ...]."""
+    """[U, X, micro, ...] -> [B, ...]."""
     return x.reshape((-1,) + x.shape[3:])
 
 
@@ -145,18 +145,18 @@ def _float32_compute(cfg):
     return dataclasses.replace(cfg, dtype="float32", attention="auto" if cfg.attention == "cudnn" else cfg.attention)
 
 
-def _likelihood_metrics(old_logp_ukmt: jax.Array, batch: LaidOutBatch) -> dict[str, jax.Array]:
+def _likelihood_metrics(old_logp_uxbt: jax.Array, batch: LaidOutBatch) -> dict[str, jax.Array]:
     """`likelihood_metrics` of a laid-out batch (a trajectory is correct when its reward is > 0)."""
     flat = batch.rollout_batch()
-    return likelihood_metrics(_flat(old_logp_ukmt), flat.loss_mask_bt, flat.action_ids_bt, flat.rewards_b > 0,
+    return likelihood_metrics(_flat(old_logp_uxbt), flat.loss_mask_bt, flat.action_ids_bt, flat.rewards_b > 0,
                               flat.sampler_logp_bt)
 
 
-def _lld_metrics(new_logp_ukmt: jax.Array, old_logp_ukmt: jax.Array, batch: LaidOutBatch
+def _lld_metrics(new_logp_uxbt: jax.Array, old_logp_uxbt: jax.Array, batch: LaidOutBatch
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`lld_metrics` of a laid-out batch: ([B] Delta_traj, metrics)."""
     flat = batch.rollout_batch()
-    return lld_metrics(_flat(new_logp_ukmt), _flat(old_logp_ukmt), flat.loss_mask_bt, flat.rewards_b > 0)
+    return lld_metrics(_flat(new_logp_uxbt), _flat(old_logp_uxbt), flat.loss_mask_bt, flat.rewards_b > 0)
 
 
 def _update_means(per_update: dict[str, np.ndarray]) -> dict[str, float]:
@@ -278,7 +278,7 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     # ----- jitted pieces -------------------------------------------------------------------------------------------
-    def _token_logp(self, params, tokens_mt, mask_mt, rows: PackedRows | None, float32_compute: bool = False):
+    def _token_logp(self, params, tokens_bt, mask_bt, rows: PackedRows | None, float32_compute: bool = False):
         """(logp, entropy) [micro, T] of one micro-batch's trajectories: a forward over the trajectories, or over
         their packed rows (`rows`, one micro-batch's) brought back to the trajectories' layout. `float32_compute`:
         the model computes in float32 whatever its compute dtype."""
@@ -288,29 +288,29 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         logp = functools.partial(model_token_logp, model, temperature=self.objective.temperature,
                                  time_chunk=self.update_cfg.logp_time_chunk, mesh=self.mesh)
         if rows is None:
-            return logp(tokens_mt, mask_mt)
-        logp_rl, entropy_rl = logp(rows.tokens_rl, rows.mask_rl, segment_first_bt=rows.segment_first_rl)
-        return unpack(logp_rl, rows.source_ml), unpack(entropy_rl, rows.source_ml)
+            return logp(tokens_bt, mask_bt)
+        logp_rt, entropy_rt = logp(rows.tokens_rt, rows.mask_rt, segment_first_bt=rows.segment_first_rt)
+        return unpack(logp_rt, rows.source_bt), unpack(entropy_rt, rows.source_bt)
 
-    def _logp_impl(self, params, tokens_ukmt, mask_ukmt, rows: PackedRows | None, index,
+    def _logp_impl(self, params, tokens_uxbt, mask_uxbt, rows: PackedRows | None, index,
                    float32_compute: bool = False):
         """Forward-only logp of update `index`'s mini-batch of a laid-out batch, one micro-batch at a time, on the
-        update's packed rows (`rows`, [1, K, R, L'] arrays) or on its trajectories. [1, K, micro, T]."""
+        update's packed rows (`rows`, [1, X, R, T'] arrays) or on its trajectories. [1, X, micro, T]."""
         take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=index, slice_size=1, axis=0)
-        tokens_1kmt, mask_1kmt = take(tokens_ukmt), take(mask_ukmt)
-        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_1kmt, mask_1kmt, rows))
-        logp_kmt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
-        return logp_kmt.reshape(tokens_1kmt.shape)
+        tokens_1xbt, mask_1xbt = take(tokens_uxbt), take(mask_uxbt)
+        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_1xbt, mask_1xbt, rows))
+        logp_xbt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
+        return logp_xbt.reshape(tokens_1xbt.shape)
 
     def sequence_logp(self, params: nnx.State, prepared: PreparedBatch, program: Callable | None = None
                       ) -> jax.Array:
         """logp of every token of a prepared batch under `params` (no gradient) by `program`, a jitted
-        `_logp_impl` (default the policy's, `_logp`), one call per update's mini-batch. [U, K, micro, T]."""
+        `_logp_impl` (default the policy's, `_logp`), one call per update's mini-batch. [U, X, micro, T]."""
         program = self._logp if program is None else program
         batch = prepared.batch
         with self._mesh_context():
             return self._concat_updates(tuple(
-                program(params, batch.tokens_ukmt, batch.mask_ukmt, prepared.update_rows(u), jnp.int32(u))
+                program(params, batch.tokens_uxbt, batch.mask_uxbt, prepared.update_rows(u), jnp.int32(u))
                 for u in range(prepared.num_updates)))
 
     def _micro_loss(self, params, micro: RolloutBatch, rows: PackedRows | None, old_logp_bt, ref_logp_bt,
@@ -332,15 +332,15 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
     def _update_impl(self, state: TrainState, batch: LaidOutBatch, rows: PackedRows | None, batch_stats, old_logp,
                      ref_logp, index):
         """One optimizer update on mini-batch `index` of a laid-out batch, its forwards on `rows`, that update's
-        packed rows ([1, K, R, L'] arrays), or on its trajectories (None).
+        packed rows ([1, X, R, T'] arrays), or on its trajectories (None).
 
         Update 0 must run on the parameters old_logp was computed with (train_on_batch guarantees it).
         """
-        micro_k = batch.micro_batches(index)
+        micro_x = batch.micro_batches(index)
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        rows_k = jax.tree.map(lambda x: x[0], rows)
-        old_k = take(old_logp)
-        ref_k = None if ref_logp is None else take(ref_logp)
+        rows_x = jax.tree.map(lambda x: x[0], rows)
+        old_x = take(old_logp)
+        ref_x = None if ref_logp is None else take(ref_logp)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
         # Each micro-batch's gradient with respect to the weights cast once to the compute dtype: in bfloat16 it is
         # held in bfloat16 (as the paper's FSDP mixed precision holds it) and summed in float32.
@@ -352,10 +352,10 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             return jax.tree.map(lambda total, g: total + g.astype(total.dtype), grad_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grad_sum, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (micro_k, rows_k, old_k, ref_k))
-        num_micro = loss_k.shape[0]
+        grad_sum, (loss_x, metrics_x) = jax.lax.scan(accumulate, zeros, (micro_x, rows_x, old_x, ref_x))
+        num_micro = loss_x.shape[0]
         grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
-        loss = jnp.mean(loss_k)
+        loss = jnp.mean(loss_x)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -370,7 +370,7 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             step=state.step,
             nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
         )
-        metrics = {name: jnp.mean(value) for name, value in metrics_k.items()}
+        metrics = {name: jnp.mean(value) for name, value in metrics_x.items()}
         metrics.update({"actor/loss": loss, "actor/grad_norm": grad_norm, "actor/lr": lr,
                         "actor/nonfinite": (~finite).astype(jnp.float32)})
         return new_state, metrics
@@ -415,11 +415,11 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         rows = prepared.update_rows(0)
         # The log-probs come out of a jitted program: committed to a device also without a mesh.
         logp_sharding = self.layout.sharding(4) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        logp = jax.ShapeDtypeStruct(batch.tokens_ukmt.shape, jnp.float32, sharding=logp_sharding)
+        logp = jax.ShapeDtypeStruct(batch.tokens_uxbt.shape, jnp.float32, sharding=logp_sharding)
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated())  # as an int32 under the mesh
         shapes = f"{batch.num_trajectories} x {batch.length} tokens, micro-batch {batch.micro_batch_size}"
         program = functools.partial(AbstractProgram, shapes=shapes, mesh=self.mesh)
-        tokens_mask = (batch.tokens_ukmt, batch.mask_ukmt)
+        tokens_mask = (batch.tokens_uxbt, batch.mask_uxbt)
         args = {  # each role's arguments in `train_on_batch`
             Role.REFERENCE_LOGP: (ref_params, *tokens_mask, rows, index),
             Role.POLICY_LOGP: (state.params, *tokens_mask, rows, index),
@@ -520,8 +520,8 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)
         scalars["actor/updates"] = float(prepared.num_updates)
-        forward_tokens = (math.prod(prepared.batch.tokens_ukmt.shape) if prepared.rows is None
-                          else sum(math.prod(rows.tokens_rl.shape) for rows in prepared.rows))
+        forward_tokens = (math.prod(prepared.batch.tokens_uxbt.shape) if prepared.rows is None
+                          else sum(math.prod(rows.tokens_rt.shape) for rows in prepared.rows))
         scalars["perf/padding"] = 1.0 - real_tokens / forward_tokens
         scalars["perf/logp_s"] = logp_s
         scalars["perf/compile_rows_s"] = compile_rows_s

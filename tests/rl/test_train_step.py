@@ -302,7 +302,7 @@ def test_abstract_values_are_those_of_the_real_step(sharded_step, step_batch, me
     assert layout(spec.batch) == layout(prepared.batch)
     assert layout(spec.batch_stats) == layout(prepared.batch_stats) and spec.num_updates == prepared.num_updates == 2
     assert list(spec.batch_stats) == ["answer_beta"]
-    assert spec.batch.tokens_ukmt.sharding.spec == P(None, None, ("data", "fsdp"))
+    assert spec.batch.tokens_uxbt.sharding.spec == P(None, None, ("data", "fsdp"))
 
 
 def test_abstract_programs_are_those_a_step_runs(sharded_step, tiny_model_cfg, mesh8):
