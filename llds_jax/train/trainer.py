@@ -125,8 +125,9 @@ def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HO
     if jax.process_count() == 1:
         return metrics
     keys = sorted(metrics)
-    values_pk = np.asarray(multihost_utils.process_allgather(np.asarray([metrics[k] for k in keys], np.float32)))
-    return {k: float(values_pk[:, i].sum() if k in summed else values_pk[:, i].mean()) for i, k in enumerate(keys)}
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray([metrics[k] for k in keys], np.float32)))
+    # [processes, keys]
+    return {k: float(gathered[:, i].sum() if k in summed else gathered[:, i].mean()) for i, k in enumerate(keys)}
 
 
 def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Runner) -> Retriever:
