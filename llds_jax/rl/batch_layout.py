@@ -79,7 +79,7 @@ class LaidOutBatch:
         """T, the tokens of a trajectory."""
         return self.tokens_uxbt.shape[3]
 
-    def rollout_batch(self) -> RolloutBatch:
+    def flat(self) -> RolloutBatch:
         """The B trajectories in their order, [B, ...] arrays: the batch `of` laid out (also under jit)."""
         return RolloutBatch(*(x.reshape((-1,) + x.shape[3:]) for x in _arrays(self)))
 

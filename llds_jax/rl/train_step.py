@@ -147,7 +147,7 @@ def _float32_compute(cfg):
 
 def _likelihood_metrics(old_logp_uxbt: jax.Array, batch: LaidOutBatch) -> dict[str, jax.Array]:
     """`likelihood_metrics` of a laid-out batch (a trajectory is correct when its reward is > 0)."""
-    flat = batch.rollout_batch()
+    flat = batch.flat()
     return likelihood_metrics(_flat(old_logp_uxbt), flat.loss_mask_bt, flat.action_ids_bt, flat.rewards_b > 0,
                               flat.sampler_logp_bt)
 
@@ -155,7 +155,7 @@ def _likelihood_metrics(old_logp_uxbt: jax.Array, batch: LaidOutBatch) -> dict[s
 def _lld_metrics(new_logp_uxbt: jax.Array, old_logp_uxbt: jax.Array, batch: LaidOutBatch
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`lld_metrics` of a laid-out batch: ([B] Delta_traj, metrics)."""
-    flat = batch.rollout_batch()
+    flat = batch.flat()
     return lld_metrics(_flat(new_logp_uxbt), _flat(old_logp_uxbt), flat.loss_mask_bt, flat.rewards_b > 0)
 
 

@@ -42,7 +42,7 @@ def test_counts_and_placement_of_the_trajectories(step_batch):
 
 def test_host_to_laid_out_to_host_is_the_checked_batch(step_batch):
     checked = step_batch.checked()
-    back = LaidOutBatch.of(checked, (2, 4, 4)).rollout_batch()
+    back = LaidOutBatch.of(checked, (2, 4, 4)).flat()
     assert back.num_trajectories == 32
     assert_batches_equal(back, checked)
 
@@ -66,7 +66,7 @@ def test_laid_out_on_a_mesh_comes_back_to_the_host_batch(step_batch, mesh8):
     assert batch.group_uxb.sharding.spec == P(None, None, ("data", "fsdp"))
     beta = prepared.batch_stats["answer_beta"]
     assert beta.sharding.spec == P() and float(beta) == 0.5
-    assert_batches_equal(jax.device_get(batch).rollout_batch(), step_batch.checked())
+    assert_batches_equal(jax.device_get(batch).flat(), step_batch.checked())
 
 
 def test_packed_rows_per_update(step_batch):
