@@ -1,5 +1,6 @@
 """The package's shape, read from the source: small modules (issue 41), sessions used through their declared
-interface, never probed for attributes, and no public function that only tests call."""
+interface, never probed for attributes, no public function that only tests call, no config field that only tests
+set, no date in the code, and array names whose dimension letters are docs/architecture.md's glossary (issue 57)."""
 import ast
 import collections
 import os
