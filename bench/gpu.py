@@ -4,7 +4,7 @@ GPU is present) so that it runs, and is tested, anywhere.
 
 1. Peaks, measured in this process: an [n, n] @ [n, n] matmul in the compute dtype (FLOP/s) and a device copy of a
    large array (`x + 1`: bytes read + written per second, the HBM bandwidth a kernel can reach).
-2. Train step: one optimizer update of `RLTrainStep` (GRPO + LLDS, K micro-batches, AdamW) on a Qwen2.5 shape with
+2. Train step: one optimizer update of `RLTrainStep` (GRPO + LLDS, X micro-batches, AdamW) on a Qwen2.5 shape with
    random weights, bf16 compute and float32 master weights. Model FLOPs = (6 P + 12 L T N H) per token (see
    bench/train_step.py); MFU = FLOP/s over the measured matmul peak. Then the parts alone (forward, decoder stack,
    log-prob/vocabulary, attention).

@@ -204,8 +204,8 @@ def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 
     trainer = Trainer(cfg)
     if search_latency_s or search_s_per_query:
         trainer.retriever = DelayedRetriever(trainer.retriever, search_latency_s, search_s_per_query)
-    state = trainer.step_fn.init_state()
-    ref_params = trainer.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
+    state = trainer.rl_train_step.init_state()
+    ref_params = trainer.rl_train_step.reference_params(state.params) if cfg.objective.kl_coef else None
     setup["trainer_s"] = time.perf_counter() - start
     ckpt_dir = os.path.join(cfg.run_dir, "step_profile_checkpoints")
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # a reused run folder: start from no saved step

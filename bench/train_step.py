@@ -1,6 +1,6 @@
 """Update throughput and MFU of our jit GRPO + LLDS train step, against the machine's matmul peak and a PyTorch step.
 
-One optimizer update of `RLTrainStep` (the jitted mini-batch update: K micro-batches of forward + backward with
+One optimizer update of `RLTrainStep` (the jitted mini-batch update: X micro-batches of forward + backward with
 gradient accumulation, global-norm clip, AdamW) is timed on a synthetic multi-turn rollout batch, and compared with:
 
 1. the machine's measured peak: the best of a few large square matmuls (`--peak-n`) in the compute dtype, timed in
@@ -187,7 +187,7 @@ class UpdateRunner:
             self.old_logp = self.step.sequence_logp(self.state.params, prepared)
             self.ref_logp = self.step.sequence_logp(ref, prepared)
         else:
-            self.old_logp = self.ref_logp = jnp.zeros(prepared.batch.tokens_ukmt.shape, jnp.float32)
+            self.old_logp = self.ref_logp = jnp.zeros(prepared.batch.tokens_uxbt.shape, jnp.float32)
         if donate:
             jitted = self.step._jitted_update(self.state)
         else:

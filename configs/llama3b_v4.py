@@ -3,9 +3,9 @@
 Prompt as in Search-R1: the tokenizer's own chat template when it has one, else the raw Search-R1 prompt
 (`model.chat_template = ""`: never the Qwen2.5-Instruct template qwen3b_v4.py falls back to).
 
-Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-03): the largest program is the
-rollout's compaction, 26.79 GiB of 30.75 (13% headroom), with sessions of 64 sequences split over each host's 4
-chips by heads; the update 13.46 GiB.
+The rollout copy is split over each host's 4 chips by heads.
+Memory per chip, the largest program and the estimated step time on this slice, as `--mode=compile` prints them:
+docs/tpu.md ("The step at expected lengths: the paged engine", its table of every paper config).
 """
 from configs import qwen3b_v4 as base
 

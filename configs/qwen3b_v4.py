@@ -1,10 +1,10 @@
 """Qwen2.5-3B-Instruct, GRPO + LLDS (lambda 0.2, action gate) on a TPU v4-16 slice (8 chips, 2 hosts); data,
 retrieval and mesh as qwen7b_v4.py.
 
-Memory per chip, compiled for v4:2x2x2 (`--mode=compile`, docs/tpu.md, 2026-12-04): rollout sessions of 128
-sequences on each host's 4 chips as two tensor-parallel pairs (heads split over a pair, rows over the pairs: split
-over all 4 chips, its 2 key/value heads would be held twice each); the largest program is the rollout's compaction,
-18.75 GiB of 30.75 (39% headroom); the update 12.23 GiB.
+Each host samples its sequences on its 4 chips as two tensor-parallel pairs (heads split over a pair, rows over the
+pairs: split over all 4 chips, its 2 key/value heads would be held twice each).
+Memory per chip, the largest program and the estimated step time on this slice, as `--mode=compile` prints them:
+docs/tpu.md ("The step at expected lengths: the paged engine", its table of every paper config).
 """
 from configs import qwen7b_v4 as base
 

@@ -13,12 +13,9 @@ Retrievers (`--config=configs/qwen7b_v4.py:NAME`, default e5_device; the other p
 - bm25_es: BM25 through Elasticsearch (not the paper's retriever: EM and search behaviour differ from its tables).
 - bm25: the embedded BM25 index (`index_builder --to bm25`), same caveat.
 
-Memory per chip, compiled for v4:2x2x4 (`--mode=compile`, docs/tpu.md, "qwen7b_v4 as committed (2026-12-04)"):
-every program fits; the largest is the rollout's compaction of 128 rows, 27.76 GiB of 30.75 (9.7% headroom), the
-update 13.33 GiB (15.94 GiB at micro-batch 32). Each host samples its sessions of 128 sequences on its own 4 chips,
-the rollout copy split over them by heads and MLP width (no weight gathers in the rollout; the copy resharded once
-per step on the chips, 0.06 s), decode reading only the cache's filled blocks; 256 rows would need a 28 GiB cache.
-Estimated rollout share of a step at the worst-case lengths: 33.0% (docs/tpu.md, an estimate, not a measurement).
+Each host samples its own sequences on its own 4 chips, the rollout copy split over them by heads and MLP width.
+Memory per chip, the largest program and the estimated step time on this slice, as `--mode=compile` prints them:
+docs/tpu.md ("The step at expected lengths: the paged engine", its table of every paper config).
 """
 import ml_collections
 

@@ -105,7 +105,7 @@ def _params_for_eval(trainer):
     """The latest checkpoint's parameters, or the initial weights when the run folder has none."""
     from llds_jax.train.checkpoint import Checkpointer
 
-    params = trainer.step_fn.init_state().params
+    params = trainer.rl_train_step.init_state().params
     ckpt = Checkpointer(str(trainer.run_dir / "checkpoints"), save_every=1, keep=1 << 30)
     try:
         restored = ckpt.restore_latest(params)
@@ -232,7 +232,7 @@ def _export(trainer, export_dir: str) -> None:
     if not export_dir:
         raise InputError("--mode=export needs --export_dir")
     params, step = _params_for_eval(trainer)
-    hf_io.save_model(trainer.step_fn.to_model(params), export_dir,
+    hf_io.save_model(trainer.rl_train_step.to_model(params), export_dir,
                      generation_config=hf_io.read_generation_config(trainer.cfg.model.path))
     if not distributed.is_main_process():
         return

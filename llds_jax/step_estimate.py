@@ -39,12 +39,11 @@ from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
 
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on
-# Retrieval's cost per call (issue 55), measured on this project's 2-vCPU machine with faiss on one thread
-# (`python bench/retrieval.py --calls --dense-rows 200000`, docs/benchmarks.md, 2026-12-05). faiss searches a call
-# of fewer than BLAS_MIN_QUERIES queries one query per thread, each scanning every row (its per-query path); a
-# larger call through BLAS, which reads the rows once per block of queries. HNSW64 at efSearch 16 reads a few
-# hundred rows per query (seconds per query at 200,000 rows; its cost grows with about the log of the rows: a lower
-# bound at wiki-18's size).
+# Retrieval's cost per call on one thread, from `python bench/retrieval.py --calls` (the measurements, their machine
+# and date: docs/benchmarks.md). faiss searches a call of fewer than BLAS_MIN_QUERIES queries one query per thread,
+# each scanning every row (its per-query path); a larger call through BLAS, which reads the rows once per block of
+# queries. HNSW64 at efSearch 16 reads a few hundred rows per query; its cost grows with about the log of the rows
+# (HNSW_S_PER_QUERY, at 200,000 rows, is a lower bound at wiki-18's size).
 FLAT_SCAN_S_PER_MROW = 0.575  # one query scanning a million rows, one thread
 FLAT_BLAS_S_PER_QUERY_PER_MROW = 0.0285  # per query and million rows, one thread, faiss's BLAS path
 HNSW_S_PER_QUERY = 1.4e-3  # one thread, 200,000 rows

@@ -66,19 +66,17 @@ default the `steps.csv.gz` next to the runs.csv when there is one; the collapse 
 be the record's); a run both finished here and recorded is reported from here, and the command prints whether its
 numbers reproduce the record's.
 
-Budget (2 cores, about 90 minutes). Measured on 2026-12-02 (OUT/timings.jsonl, two launches at once, nothing else
-running): a 20-step run 145-170 s of the machine (each launch 290-340 s of wall time beside another: stress 289,
-paper_shaped 304, default 343, medians), a seed's world + warm start ~290 s (580 s beside another). Issue 19's full
-design (3 settings; grpo and llds on 8 seeds; grpo_low_lr, grpo_kl10, llds_token, llds_response on 4: 96 runs, 8
-warm starts) takes about 4 h 45 min: it does not fit. What fits, keeping 20 steps per run (the stress collapse of
-docs/demo.md came at step 17) and both controls:
+Budget (2 cores, about 90 minutes; the measured times: docs/evidence.md, "Budget"). Issue 19's full design (3
+settings; grpo and llds on 8 seeds; grpo_low_lr, grpo_kl10, llds_token, llds_response on 4: 96 runs, 8 warm starts)
+does not fit. What fits, keeping 20 steps per run (the stress collapse of docs/demo.md came at step 17) and both
+controls:
 
     python -m llds_jax.apps.demo_study --settings stress,paper_shaped --seeds 4 \
         --arms grpo,llds,grpo_low_lr:2,grpo_kl10:2 --out runs/demo_study
 
 24 runs (per setting: grpo and llds on seeds 0-3, each control on seeds 0-1) and 4 warm starts. A loaded machine
-is slower (a warm start took 842 s next to a CI run): check the printed estimate, or bound the wall time with
-`timeout -s INT 90m` (the outputs then cover the seeds finished). The whole design runs in parts with the same
+is slower: check the printed estimate, or bound the wall time with `timeout -s INT 90m` (the outputs then cover the
+seeds finished). The whole design runs in parts with the same
 `--out`, each part resumable (docs/evidence.md lists the parts run so far), and one table of every finished run:
 
     python -m llds_jax.apps.demo_study --settings stress,default,paper_shaped --seeds 8 \

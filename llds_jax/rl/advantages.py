@@ -32,14 +32,14 @@ def _normalized(rewards_b: jax.Array, ids_b: jax.Array, eps: float, zero_singlet
     num = rewards_b.shape[0]
     # Dense group index in [0, B): valid inside jit because the number of distinct ids is at most B.
     _, group_b = jnp.unique(ids_b, size=num, return_inverse=True)
-    group_b = group_b.reshape(num)
-    count_g = jax.ops.segment_sum(jnp.ones_like(rewards_b), group_b, num_segments=num)
-    mean_g = jax.ops.segment_sum(rewards_b, group_b, num_segments=num) / jnp.maximum(count_g, 1.0)
-    sq_dev_b = (rewards_b - mean_g[group_b]) ** 2
-    var_g = jax.ops.segment_sum(sq_dev_b, group_b, num_segments=num) / jnp.maximum(count_g - 1.0, 1.0)
-    singleton_b = count_g[group_b] < 2
-    mean_b = jnp.where(singleton_b, 0.0, mean_g[group_b])
-    std_b = jnp.where(singleton_b, 1.0, jnp.sqrt(var_g[group_b]))
+    group_b = group_b.reshape(num)  # per-group arrays `_e`: E groups, at most B
+    count_e = jax.ops.segment_sum(jnp.ones_like(rewards_b), group_b, num_segments=num)
+    mean_e = jax.ops.segment_sum(rewards_b, group_b, num_segments=num) / jnp.maximum(count_e, 1.0)
+    sq_dev_b = (rewards_b - mean_e[group_b]) ** 2
+    var_e = jax.ops.segment_sum(sq_dev_b, group_b, num_segments=num) / jnp.maximum(count_e - 1.0, 1.0)
+    singleton_b = count_e[group_b] < 2
+    mean_b = jnp.where(singleton_b, 0.0, mean_e[group_b])
+    std_b = jnp.where(singleton_b, 1.0, jnp.sqrt(var_e[group_b]))
     normalized_b = (rewards_b - mean_b) / (std_b + eps)
     return jnp.where(singleton_b, 0.0, normalized_b) if zero_singletons else normalized_b
 

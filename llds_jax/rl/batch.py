@@ -1,11 +1,11 @@
 """The rollout batch: one typed value that flows rollout -> rewards -> advantages -> update.
 
-The trainer packs a step's trajectories into a `RolloutBatch` (host numpy arrays: B trajectories, L tokens, left or
+The trainer packs a step's trajectories into a `RolloutBatch` (host numpy arrays: B trajectories, T tokens, left or
 right padding), sets its exact-match rewards (`with_rewards`), then its GRPO advantages (`with_advantages`), and the
 train step checks it (`checked`) and lays it out on the device(s) for its updates as a `LaidOutBatch`
-(llds_jax/rl/batch_layout.py: the same fields as [updates U, micro-batches K, micro, ...] arrays). A RolloutBatch is
-a JAX pytree: under jit, a micro-batch of the updates is one (and `jax.lax.scan` takes the K micro-batches of an
-update as one of [K, micro, ...] arrays).
+(llds_jax/rl/batch_layout.py: the same fields as [updates U, micro-batches X, micro, ...] arrays). A RolloutBatch is
+a JAX pytree: under jit, a micro-batch of the updates is one (and `jax.lax.scan` takes the X micro-batches of an
+update as one of [X, micro, ...] arrays).
 """
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:
-    """B trajectories of L tokens (per-token arrays `_bt`, per-trajectory arrays `_b`; numpy or jax arrays).
+    """B trajectories of T tokens (per-token arrays `_bt`, per-trajectory arrays `_b`; numpy or jax arrays).
 
     Attributes:
-      tokens_bt: int32 [B, L] prompt + model turns + observations + padding.
-      mask_bt: float32 [B, L] attention mask, 1 on real tokens.
-      loss_mask_bt: float32 [B, L] 1 on model-generated tokens (whose log-probs are trained); column 0 is 0 (the
+      tokens_bt: int32 [B, T] prompt + model turns + observations + padding.
+      mask_bt: float32 [B, T] attention mask, 1 on real tokens.
+      loss_mask_bt: float32 [B, T] 1 on model-generated tokens (whose log-probs are trained); column 0 is 0 (the
         log-prob of token t comes from the hidden state at t - 1).
-      action_ids_bt: int32 [B, L] 0-based model turn (action) of each loss token, -1 elsewhere.
-      answer_mask_bt: float32 [B, L] 1 on the final `<answer>...</answer>` span's model tokens.
-      sampler_logp_bt: float32 [B, L] the sampler's log-probs of model tokens, 0 elsewhere (for the sampler/trainer
+      action_ids_bt: int32 [B, T] 0-based model turn (action) of each loss token, -1 elsewhere.
+      answer_mask_bt: float32 [B, T] 1 on the final `<answer>...</answer>` span's model tokens.
+      sampler_logp_bt: float32 [B, T] the sampler's log-probs of model tokens, 0 elsewhere (for the sampler/trainer
         gap metric and, with objective.tis_cap > 0, the truncated importance weights of the policy loss).
       group_b: int32 [B] the GRPO group (prompt) of each trajectory, unique over the whole batch.
       search_count_b: float32 [B] `<search>` actions per trajectory.
@@ -77,7 +77,7 @@ class RolloutBatch:
                                  "updates (RolloutBatch.with_rewards / with_advantages)")
         tokens_bt = np.asarray(arrays["tokens_bt"])
         if tokens_bt.ndim != 2:
-            raise ValueError(f"batch.tokens_bt must be [B, L]; got shape {tokens_bt.shape}")
+            raise ValueError(f"batch.tokens_bt must be [B, T]; got shape {tokens_bt.shape}")
         out = {}
         for name, value in arrays.items():
             out[name] = np.asarray(value).astype(_DTYPES[name])

@@ -1,15 +1,15 @@
-"""A checked rollout batch laid out for the updates: U updates of K micro-batches of `micro` trajectories, on the
+"""A checked rollout batch laid out for the updates: U updates of X micro-batches of `micro` trajectories, on the
 device(s), with each update's micro-batches packed into rows when `optim.pack_trajectories` is on.
 
-`RLTrainStep.prepare_batch` (llds_jax/rl/train_step.py) checks a host `RolloutBatch` ([B, L] numpy arrays) and
-hands it to `BatchLayout.lay_out`, which reshapes it into a `LaidOutBatch` (the same fields as [U, K, micro, ...]
-arrays: trajectory b in update b // (K micro), micro-batch (b // micro) % K, place b % micro), places it on the
+`RLTrainStep.prepare_batch` (llds_jax/rl/train_step.py) checks a host `RolloutBatch` ([B, T] numpy arrays) and
+hands it to `BatchLayout.lay_out`, which reshapes it into a `LaidOutBatch` (the same fields as [U, X, micro, ...]
+arrays: trajectory b in update b // (X micro), micro-batch (b // micro) % X, place b % micro), places it on the
 device(s) (the micro axis split over the mesh's data axes, so that every micro-batch spans all devices) and, with
 packing, packs each update's micro-batches into R_u rows (llds_jax/rl/packing.py). `BatchLayout.spec` is the same
 result as ShapeDtypeStructs, for ahead-of-time compilation.
 
-Dimension letters: U updates, K micro-batches per update, m (`micro`) trajectories per micro-batch, T (= L) tokens;
-B = U K m trajectories.
+Dimension letters (docs/architecture.md, "Dimension letters"): U updates, X micro-batches per update, B trajectories
+(of a micro-batch, `micro`, in a laid-out batch; of the whole batch, U X micro, in a `RolloutBatch`), T tokens.
 """
 from __future__ import annotations
 
@@ -33,59 +33,59 @@ from llds_jax.rl.packing import PackedRows, pack, rows_needed
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LaidOutBatch:
-    """A rollout batch's B = U K m trajectories as U updates of K micro-batches of m: `RolloutBatch`'s fields, in
-    its order, with [U, K, m] in place of its leading [B] (numpy or jax arrays, or ShapeDtypeStructs).
+    """A rollout batch's U X micro trajectories as U updates of X micro-batches of `micro`: `RolloutBatch`'s fields,
+    in its order, with [U, X, B] in place of its leading [B] (numpy or jax arrays, or ShapeDtypeStructs).
 
     Attributes:
-      tokens_ukmt, mask_ukmt, loss_mask_ukmt, action_ids_ukmt, answer_mask_ukmt, sampler_logp_ukmt: [U, K, m, T]
+      tokens_uxbt, mask_uxbt, loss_mask_uxbt, action_ids_uxbt, answer_mask_uxbt, sampler_logp_uxbt: [U, X, B, T]
         (`RolloutBatch.tokens_bt` ... `sampler_logp_bt`).
-      group_ukm, search_count_ukm, rewards_ukm, advantages_ukm: [U, K, m] (`RolloutBatch.group_b` ...
+      group_uxb, search_count_uxb, rewards_uxb, advantages_uxb: [U, X, B] (`RolloutBatch.group_b` ...
         `advantages_b`).
     """
 
-    tokens_ukmt: Any
-    mask_ukmt: Any
-    loss_mask_ukmt: Any
-    action_ids_ukmt: Any
-    answer_mask_ukmt: Any
-    sampler_logp_ukmt: Any
-    group_ukm: Any
-    search_count_ukm: Any
-    rewards_ukm: Any
-    advantages_ukm: Any
+    tokens_uxbt: Any
+    mask_uxbt: Any
+    loss_mask_uxbt: Any
+    action_ids_uxbt: Any
+    answer_mask_uxbt: Any
+    sampler_logp_uxbt: Any
+    group_uxb: Any
+    search_count_uxb: Any
+    rewards_uxb: Any
+    advantages_uxb: Any
 
     @classmethod
     def of(cls, batch: RolloutBatch, shape: tuple[int, int, int]) -> LaidOutBatch:
-        """`batch` (rewards and advantages set) laid out as `shape` (U, K, m), U K m its trajectories."""
+        """`batch` (rewards and advantages set) laid out as `shape` (U, X, micro), U X micro its trajectories."""
         return cls(*(x.reshape(shape + x.shape[1:]) for x in _arrays(batch)))
 
     @property
     def num_updates(self) -> int:
         """U."""
-        return self.tokens_ukmt.shape[0]
+        return self.tokens_uxbt.shape[0]
 
     @property
     def micro_batch_size(self) -> int:
-        """m, the trajectories of a micro-batch."""
-        return self.tokens_ukmt.shape[2]
+        """The trajectories of a micro-batch (B of its [U, X, B, T] arrays)."""
+        return self.tokens_uxbt.shape[2]
 
     @property
     def num_trajectories(self) -> int:
-        """B = U K m."""
-        return math.prod(self.tokens_ukmt.shape[:3])
+        """U X micro, the batch's trajectories."""
+        return math.prod(self.tokens_uxbt.shape[:3])
 
     @property
     def length(self) -> int:
         """T, the tokens of a trajectory."""
-        return self.tokens_ukmt.shape[3]
+        return self.tokens_uxbt.shape[3]
 
-    def rollout_batch(self) -> RolloutBatch:
+    def flat(self) -> RolloutBatch:
         """The B trajectories in their order, [B, ...] arrays: the batch `of` laid out (also under jit)."""
         return RolloutBatch(*(x.reshape((-1,) + x.shape[3:]) for x in _arrays(self)))
 
     def micro_batches(self, index: int | jax.Array) -> RolloutBatch:
-        """Update `index`'s K micro-batches stacked (`index` may be traced): a RolloutBatch of [K, m, ...] arrays,
-        which `jax.lax.scan` walks one micro-batch (a RolloutBatch of m trajectories) at a time."""
+        """Update `index`'s X micro-batches stacked (`index` may be traced): a RolloutBatch of [X, B, ...] arrays,
+        which `jax.lax.scan` walks one micro-batch (a RolloutBatch of B trajectories) at a time."""
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
         return RolloutBatch(*(take(x) for x in _arrays(self)))
 
@@ -99,10 +99,10 @@ class PreparedBatch(NamedTuple):
     """A checked rollout batch on the device(s), laid out for the updates.
 
     Attributes:
-      batch: its trajectories as [U, K, m, ...] arrays (the micro axis split over the mesh's data axes).
+      batch: its trajectories as [U, X, B, ...] arrays (the micro axis split over the mesh's data axes).
       batch_stats: the loss terms' whole-batch statistics (`terms.batch_statistics`), replicated scalars.
       rows: with `optim.pack_trajectories`, per update, each of its micro-batches' trajectories packed into R_u
-        rows of L' tokens ([1, K, R_u, L'] and [1, K, m, T] arrays, split like `batch`), which the forwards run on;
+        rows of T' tokens ([1, X, R_u, T'] and [1, X, B, T] arrays, split like `batch`), which the forwards run on;
         None: the forwards run on `batch`.
     """
 
@@ -134,7 +134,7 @@ class BatchLayout:
         self.mesh = mesh
 
     def shape(self, num: int) -> tuple[int, int, int]:
-        """(U, K, m) of a batch of `num` trajectories; ValueError when `num` is no multiple of the mini-batch size
+        """(U, X, micro) of a batch of `num` trajectories; ValueError when `num` is no multiple of the mini-batch size
         or the micro-batch size none of the mesh's data axes size."""
         cfg = self.update_cfg
         if num % cfg.mini_batch_size:
@@ -165,9 +165,9 @@ class BatchLayout:
         rows = None
         if self.update_cfg.pack_trajectories:
             update_rows = (1, shape[1], num_rows or shape[2], self.row_length(length))
-            rows = (PackedRows(tokens_rl=spec(update_rows, jnp.int32), mask_rl=spec(update_rows, jnp.float32),
-                               segment_first_rl=spec(update_rows, jnp.int32),
-                               source_ml=spec((1,) + shape[1:] + (length,), jnp.int32)),) * shape[0]
+            rows = (PackedRows(tokens_rt=spec(update_rows, jnp.int32), mask_rt=spec(update_rows, jnp.float32),
+                               segment_first_rt=spec(update_rows, jnp.int32),
+                               source_bt=spec((1,) + shape[1:] + (length,), jnp.int32)),) * shape[0]
         return PreparedBatch(batch=batch, batch_stats={name: spec((), jnp.float32) for name in stat_names},
                              rows=rows)
 
@@ -177,36 +177,36 @@ class BatchLayout:
 
     def row_counts(self, length: int) -> list[int]:
         """Every packed-row count R_u an update of a batch of `length` tokens can need: the multiples of the
-        data-axes size up to the worst case's (every trajectory `length` tokens long, L' // length to a row)."""
+        data-axes size up to the worst case's (every trajectory `length` tokens long, T' // length to a row)."""
         shards, per_row = self.data_shards(), self.row_length(length) // length
         worst = -(-self.update_cfg.micro_batch_size // per_row)
         return list(range(shards, -(-worst // shards) * shards + 1, shards))
 
     def row_length(self, length: int) -> int:
-        """L' of the packed rows of a batch of `length` tokens: `optim.pack_row_tokens`, at least `length`."""
+        """T' of the packed rows of a batch of `length` tokens: `optim.pack_row_tokens`, at least `length`."""
         return max(self.update_cfg.pack_row_tokens, length)
 
     def _packed_rows(self, laid_out: LaidOutBatch) -> tuple[PackedRows, ...]:
-        """Per update, its micro-batches of a laid-out host batch packed into R_u rows of L' tokens, placed on the
-        device(s) as [1, K, R_u, L'] arrays. R_u: the most rows one of them needs, rounded up to a multiple of the
-        data-axes size (so at most m / shards row counts per batch length, each a compilation of the forwards)."""
+        """Per update, its micro-batches of a laid-out host batch packed into R_u rows of T' tokens, placed on the
+        device(s) as [1, X, R_u, T'] arrays. R_u: the most rows one of them needs, rounded up to a multiple of the
+        data-axes size (so at most micro / shards row counts per batch length, each a compilation of the forwards)."""
         shards = self.data_shards()
         row_length = self.row_length(laid_out.length)
         per_update = []
-        for tokens_kmt, mask_kmt in zip(laid_out.tokens_ukmt, laid_out.mask_ukmt):
-            num_rows = -(-rows_needed(mask_kmt, row_length) // shards) * shards
-            rows = pack(tokens_kmt, mask_kmt, num_rows, row_length)
+        for tokens_xbt, mask_xbt in zip(laid_out.tokens_uxbt, laid_out.mask_uxbt):
+            num_rows = -(-rows_needed(mask_xbt, row_length) // shards) * shards
+            rows = pack(tokens_xbt, mask_xbt, num_rows, row_length)
             per_update.append(jax.tree.map(lambda x: self.put(x[None]), rows))
         return tuple(per_update)
 
     def put(self, array: np.ndarray) -> jax.Array:
-        """[U, K, m, ...] arrays split on the micro axis over the data axes; scalars replicated."""
+        """[U, X, B, ...] arrays split on the micro axis over the data axes; scalars replicated."""
         if self.mesh is None:
             return jnp.asarray(array)
         return jax.device_put(array, self.sharding(array.ndim))
 
     def sharding(self, ndim: int) -> NamedSharding | None:
-        """The layout of a laid-out [U, K, m, ...] array (the micro axis over the data axes); of a scalar (ndim 0):
+        """The layout of a laid-out [U, X, B, ...] array (the micro axis over the data axes); of a scalar (ndim 0):
         replicated. None without a mesh."""
         if self.mesh is None:
             return None

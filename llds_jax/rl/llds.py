@@ -25,7 +25,8 @@ def action_ids_from_loss_mask(loss_mask_bt: jax.Array) -> jax.Array:
 
 
 def action_sums(x_bt: jax.Array, action_ids_bt: jax.Array, loss_mask_bt: jax.Array) -> jax.Array:
-    """Per-row sums of `x * m` over each action: [B, T] where [b, a] is the sum over action a of row b.
+    """Per-row sums of `x * m` over each action: [B, A] (A = T actions, at most one per token) where [b, a] is the
+    sum over action a of row b.
 
     Tokens with m = 0 or an action id outside [0, T) do not count.
     """
@@ -33,16 +34,16 @@ def action_sums(x_bt: jax.Array, action_ids_bt: jax.Array, loss_mask_bt: jax.Arr
     valid_bt = (loss_mask_bt > 0) & (action_ids_bt >= 0) & (action_ids_bt < time)
     slot_bt = jnp.where(valid_bt, action_ids_bt, time)  # slot T collects what does not count, then is dropped
     x_bt = jnp.where(valid_bt, x_bt * loss_mask_bt, 0.0)
-    sums_bs = jax.vmap(lambda x_t, s_t: jax.ops.segment_sum(x_t, s_t, num_segments=time + 1))(x_bt, slot_bt)
-    return sums_bs[:, :time]
+    sums_ba = jax.vmap(lambda x_t, s_t: jax.ops.segment_sum(x_t, s_t, num_segments=time + 1))(x_bt, slot_bt)
+    return sums_ba[:, :time]
 
 
 def _per_token_action_sum(x_bt, action_ids_bt, loss_mask_bt):
     """Each token's action sum of `x * m` (0 on tokens outside any action)."""
     time = x_bt.shape[1]
-    sums_bs = jnp.pad(action_sums(x_bt, action_ids_bt, loss_mask_bt), ((0, 0), (0, 1)))
+    sums_ba = jnp.pad(action_sums(x_bt, action_ids_bt, loss_mask_bt), ((0, 0), (0, 1)))
     slot_bt = jnp.where((action_ids_bt >= 0) & (action_ids_bt < time), action_ids_bt, time)
-    return jnp.take_along_axis(sums_bs, slot_bt, axis=1)
+    return jnp.take_along_axis(sums_ba, slot_bt, axis=1)
 
 
 GATES: Registry[Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = Registry("objective.llds.gate")

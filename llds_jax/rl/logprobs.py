@@ -11,6 +11,9 @@ rows of the group, one chunk at a time), each device computes its vocabulary sha
 log-softmax comes from per-shard max / sum reductions (`pmax` / `psum` of [B, chunk] statistics) over the vocabulary
 axes, after which each device keeps its own rows.
 
+Dimension letters (docs/architecture.md, "Dimension letters"): B rows, T tokens, I time chunks of C tokens, D hidden,
+V vocabulary (a device's shard of it inside the `shard_map`).
+
 Alignment used by the RL code: `logp_bt[:, t] = log p(token t | tokens < t)`, computed from the hidden state at t - 1;
 position 0 has no prediction and holds 0.
 """
@@ -58,10 +61,11 @@ def _chunk_logp_entropy(h_bcd, w_dv, targets_bc, temperature, vocab_axes, row_ax
         # implementation (another on one process than across hosts), which would make the log-probs, and the
         # LLDS gates that compare them, depend on the layout in the last bits. The psum that follows adds one
         # shard's sums to zeros (exact); it marks them as the same on every shard.
-        stats_s3bc = lax.all_gather(jnp.stack([sum_exp_bc, sum_exp_logit_bc, target_logit_bc]), vocab_axes)
+        shard_stats = lax.all_gather(  # [shards, 3, B, C]
+            jnp.stack([sum_exp_bc, sum_exp_logit_bc, target_logit_bc]), vocab_axes)
         first_shard = lax.axis_index(vocab_axes) == 0
         sum_exp_bc, sum_exp_logit_bc, target_logit_bc = lax.psum(
-            jnp.where(first_shard, jnp.sum(stats_s3bc, axis=0), 0.0), vocab_axes)
+            jnp.where(first_shard, jnp.sum(shard_stats, axis=0), 0.0), vocab_axes)
     logsumexp_bc = max_bc + jnp.log(sum_exp_bc)
     logp_bc = target_logit_bc - logsumexp_bc
     entropy_bc = logsumexp_bc - sum_exp_logit_bc / sum_exp_bc
@@ -81,16 +85,16 @@ def _time_chunked(hidden_btd, w_dv, targets_bt, temperature, time_chunk, vocab_a
     pad = num_chunks * chunk - time
     hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
     targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-    hidden_nbcd = hidden_btd.reshape(batch, num_chunks, chunk, dim).swapaxes(0, 1)
-    targets_nbc = targets_bt.reshape(targets_bt.shape[0], num_chunks, chunk).swapaxes(0, 1)
+    hidden_ibcd = hidden_btd.reshape(batch, num_chunks, chunk, dim).swapaxes(0, 1)
+    targets_ibc = targets_bt.reshape(targets_bt.shape[0], num_chunks, chunk).swapaxes(0, 1)
 
     @jax.checkpoint
     def body(h_bcd, t_bc, w):
         return _chunk_logp_entropy(h_bcd, w, t_bc, temperature, vocab_axes, row_axis)
 
-    logp_nbc, entropy_nbc = lax.map(lambda xs: body(xs[0], xs[1], w_dv), (hidden_nbcd, targets_nbc))
-    logp_bt = logp_nbc.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :time]
-    entropy_bt = entropy_nbc.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :time]
+    logp_ibc, entropy_ibc = lax.map(lambda xs: body(xs[0], xs[1], w_dv), (hidden_ibcd, targets_ibc))
+    logp_bt = logp_ibc.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :time]
+    entropy_bt = entropy_ibc.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :time]
     return logp_bt, entropy_bt
 
 

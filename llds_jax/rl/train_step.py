@@ -3,7 +3,7 @@
 Flow of `RLTrainStep.train_on_batch(state, ref_params, batch)`, `batch` a `RolloutBatch` (llds_jax/rl/batch.py) with
 its rewards and advantages set:
 1. check the batch on the host; the whole-batch statistics of the configured loss terms (`terms.batch_statistics`,
-   e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches K, micro-batch size, ...]
+   e.g. LLDS-MA's beta); lay the batch out as [updates U, micro-batches X, micro-batch size, ...]
    (llds_jax/rl/batch_layout.py: a `LaidOutBatch`, sharded on the micro-batch axis over the mesh's data axes, so
    every micro-batch spans all devices); with `optim.pack_trajectories`, each micro-batch's trajectories are also
    packed into fewer rows for the forward (llds_jax/rl/packing.py: same micro-batches, same per-token results, less
@@ -11,7 +11,7 @@ its rewards and advantages set:
 2. old_logp (current params) and ref_logp (frozen reference params), once, jitted, forward only, one call per
    update's mini-batch (on its rows);
 3. U optimizer updates, one per mini-batch, in order (no shuffle, one epoch), all by the same jitted function: the
-   loss of each of the K micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
+   loss of each of the X micro-batches, averaged; gradients averaged the same way; clip to global norm; AdamW. A
    non-finite loss or gradient leaves params and optimizer state unchanged and counts the skip;
 4. optionally (`measure_lld`) logp of the same batch under the new params: Delta_traj and the LLD rate. Both sides
    of Delta_traj run the model in float32 (`lld_logp`): with a bfloat16 compute dtype, the pre-update side is one
@@ -22,7 +22,8 @@ The learning rate follows the reference code: linear warmup from 0 counted in ro
 (`lr = base * step / warmup_steps`, the first batch at lr 0), then constant; it is fixed within a batch.
 
 `RLTrainStep.abstract_programs` names every program of the above at abstract arguments (llds_jax/programs.py's
-`CompilablePrograms`), for `--mode=compile`.
+`CompilablePrograms`), for `--mode=compile`: `train_on_batch` and it read one list of the programs
+(`_batch_programs`).
 """
 import contextlib
 import dataclasses
@@ -135,7 +136,7 @@ def _fresh_copy(tree, dtype=None):
 
 
 def _flat(x: jax.Array) -> jax.Array:
-    """[U, K, micro, ...] -> [B, ...]."""
+    """[U, X, micro, ...] -> [B, ...]."""
     return x.reshape((-1,) + x.shape[3:])
 
 
@@ -144,18 +145,18 @@ def _float32_compute(cfg):
     return dataclasses.replace(cfg, dtype="float32", attention="auto" if cfg.attention == "cudnn" else cfg.attention)
 
 
-def _likelihood_metrics(old_logp_ukmt: jax.Array, batch: LaidOutBatch) -> dict[str, jax.Array]:
+def _likelihood_metrics(old_logp_uxbt: jax.Array, batch: LaidOutBatch) -> dict[str, jax.Array]:
     """`likelihood_metrics` of a laid-out batch (a trajectory is correct when its reward is > 0)."""
-    flat = batch.rollout_batch()
-    return likelihood_metrics(_flat(old_logp_ukmt), flat.loss_mask_bt, flat.action_ids_bt, flat.rewards_b > 0,
+    flat = batch.flat()
+    return likelihood_metrics(_flat(old_logp_uxbt), flat.loss_mask_bt, flat.action_ids_bt, flat.rewards_b > 0,
                               flat.sampler_logp_bt)
 
 
-def _lld_metrics(new_logp_ukmt: jax.Array, old_logp_ukmt: jax.Array, batch: LaidOutBatch
+def _lld_metrics(new_logp_uxbt: jax.Array, old_logp_uxbt: jax.Array, batch: LaidOutBatch
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`lld_metrics` of a laid-out batch: ([B] Delta_traj, metrics)."""
-    flat = batch.rollout_batch()
-    return lld_metrics(_flat(new_logp_ukmt), _flat(old_logp_ukmt), flat.loss_mask_bt, flat.rewards_b > 0)
+    flat = batch.flat()
+    return lld_metrics(_flat(new_logp_uxbt), _flat(old_logp_uxbt), flat.loss_mask_bt, flat.rewards_b > 0)
 
 
 def _update_means(per_update: dict[str, np.ndarray]) -> dict[str, float]:
@@ -277,7 +278,7 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     # ----- jitted pieces -------------------------------------------------------------------------------------------
-    def _token_logp(self, params, tokens_mt, mask_mt, rows: PackedRows | None, float32_compute: bool = False):
+    def _token_logp(self, params, tokens_bt, mask_bt, rows: PackedRows | None, float32_compute: bool = False):
         """(logp, entropy) [micro, T] of one micro-batch's trajectories: a forward over the trajectories, or over
         their packed rows (`rows`, one micro-batch's) brought back to the trajectories' layout. `float32_compute`:
         the model computes in float32 whatever its compute dtype."""
@@ -287,35 +288,30 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         logp = functools.partial(model_token_logp, model, temperature=self.objective.temperature,
                                  time_chunk=self.update_cfg.logp_time_chunk, mesh=self.mesh)
         if rows is None:
-            return logp(tokens_mt, mask_mt)
-        logp_rl, entropy_rl = logp(rows.tokens_rl, rows.mask_rl, segment_first_bt=rows.segment_first_rl)
-        return unpack(logp_rl, rows.source_ml), unpack(entropy_rl, rows.source_ml)
+            return logp(tokens_bt, mask_bt)
+        logp_rt, entropy_rt = logp(rows.tokens_rt, rows.mask_rt, segment_first_bt=rows.segment_first_rt)
+        return unpack(logp_rt, rows.source_bt), unpack(entropy_rt, rows.source_bt)
 
-    def _logp_impl(self, params, tokens_ukmt, mask_ukmt, rows: PackedRows | None, index,
+    def _logp_impl(self, params, tokens_uxbt, mask_uxbt, rows: PackedRows | None, index,
                    float32_compute: bool = False):
         """Forward-only logp of update `index`'s mini-batch of a laid-out batch, one micro-batch at a time, on the
-        update's packed rows (`rows`, [1, K, R, L'] arrays) or on its trajectories. [1, K, micro, T]."""
+        update's packed rows (`rows`, [1, X, R, T'] arrays) or on its trajectories. [1, X, micro, T]."""
         take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=index, slice_size=1, axis=0)
-        tokens_1kmt, mask_1kmt = take(tokens_ukmt), take(mask_ukmt)
-        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_1kmt, mask_1kmt, rows))
-        logp_kmt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
-        return logp_kmt.reshape(tokens_1kmt.shape)
+        tokens_1xbt, mask_1xbt = take(tokens_uxbt), take(mask_uxbt)
+        flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), (tokens_1xbt, mask_1xbt, rows))
+        logp_xbt = jax.lax.map(lambda xs: self._token_logp(params, *xs, float32_compute=float32_compute)[0], flat)
+        return logp_xbt.reshape(tokens_1xbt.shape)
 
-    def _per_update(self, logp_fn, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
-        """`logp_fn` (a jitted `_logp_impl`) of every update's mini-batch, concatenated: [U, K, micro, T]."""
+    def sequence_logp(self, params: nnx.State, prepared: PreparedBatch, program: Callable | None = None
+                      ) -> jax.Array:
+        """logp of every token of a prepared batch under `params` (no gradient) by `program`, a jitted
+        `_logp_impl` (default the policy's, `_logp`), one call per update's mini-batch. [U, X, micro, T]."""
+        program = self._logp if program is None else program
         batch = prepared.batch
         with self._mesh_context():
             return self._concat_updates(tuple(
-                logp_fn(params, batch.tokens_ukmt, batch.mask_ukmt, prepared.update_rows(u), jnp.int32(u))
+                program(params, batch.tokens_uxbt, batch.mask_uxbt, prepared.update_rows(u), jnp.int32(u))
                 for u in range(prepared.num_updates)))
-
-    def sequence_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
-        """logp of every token of a prepared batch under `params` (jitted, no gradient). [U, K, micro, T]."""
-        return self._per_update(self._logp, params, prepared)
-
-    def lld_logp(self, params: nnx.State, prepared: PreparedBatch) -> jax.Array:
-        """`sequence_logp` with the model computing in float32 (the LLD measurement's log-probs). [U, K, micro, T]."""
-        return self._per_update(self._logp_float32 if self._lld_in_float32 else self._logp, params, prepared)
 
     def _micro_loss(self, params, micro: RolloutBatch, rows: PackedRows | None, old_logp_bt, ref_logp_bt,
                     batch_stats, first_update):
@@ -336,15 +332,15 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
     def _update_impl(self, state: TrainState, batch: LaidOutBatch, rows: PackedRows | None, batch_stats, old_logp,
                      ref_logp, index):
         """One optimizer update on mini-batch `index` of a laid-out batch, its forwards on `rows`, that update's
-        packed rows ([1, K, R, L'] arrays), or on its trajectories (None).
+        packed rows ([1, X, R, T'] arrays), or on its trajectories (None).
 
         Update 0 must run on the parameters old_logp was computed with (train_on_batch guarantees it).
         """
-        micro_k = batch.micro_batches(index)
+        micro_x = batch.micro_batches(index)
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        rows_k = jax.tree.map(lambda x: x[0], rows)
-        old_k = take(old_logp)
-        ref_k = None if ref_logp is None else take(ref_logp)
+        rows_x = jax.tree.map(lambda x: x[0], rows)
+        old_x = take(old_logp)
+        ref_x = None if ref_logp is None else take(ref_logp)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
         # Each micro-batch's gradient with respect to the weights cast once to the compute dtype: in bfloat16 it is
         # held in bfloat16 (as the paper's FSDP mixed precision holds it) and summed in float32.
@@ -356,10 +352,10 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             return jax.tree.map(lambda total, g: total + g.astype(total.dtype), grad_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grad_sum, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (micro_k, rows_k, old_k, ref_k))
-        num_micro = loss_k.shape[0]
+        grad_sum, (loss_x, metrics_x) = jax.lax.scan(accumulate, zeros, (micro_x, rows_x, old_x, ref_x))
+        num_micro = loss_x.shape[0]
         grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
-        loss = jnp.mean(loss_k)
+        loss = jnp.mean(loss_x)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -374,7 +370,7 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             step=state.step,
             nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
         )
-        metrics = {name: jnp.mean(value) for name, value in metrics_k.items()}
+        metrics = {name: jnp.mean(value) for name, value in metrics_x.items()}
         metrics.update({"actor/loss": loss, "actor/grad_norm": grad_norm, "actor/lr": lr,
                         "actor/nonfinite": (~finite).astype(jnp.float32)})
         return new_state, metrics
@@ -384,6 +380,22 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             shardings = jax.tree.map(lambda x: x.sharding, state)
             self._update = jax.jit(self._update_impl, donate_argnums=0, out_shardings=(shardings, self._replicated()))
         return self._update
+
+    # ----- the programs of a batch ---------------------------------------------------------------------------------
+    def _batch_programs(self, state: TrainState, with_reference: bool, measure_lld: bool) -> dict[Role, Callable]:
+        """The one list of the jitted programs `train_on_batch` runs on a batch, by role, in the order a run first
+        runs them: `train_on_batch` calls them from it and `_programs` lowers them (so --mode=compile compiles
+        exactly what a step runs). The reference's log-probs only `with_reference`; the LLD measurement's programs
+        only when `measure_lld`, its float32 forward only with a model that does not compute in float32 (else its
+        log-probs are the policy's program's)."""
+        programs = {Role.REFERENCE_LOGP: self._logp} if with_reference else {}
+        programs.update({Role.POLICY_LOGP: self._logp, Role.LIKELIHOOD_METRICS: self._likelihood})
+        if measure_lld and self._lld_in_float32:
+            programs[Role.LLD_LOGP] = self._logp_float32
+        programs[Role.UPDATE] = self._jitted_update(state)
+        if measure_lld:
+            programs[Role.LLD_METRICS] = self._lld
+        return programs
 
     # ----- ahead of time ------------------------------------------------------------------------------------------
     def abstract_programs(self, at: TrainShapes) -> list[AbstractProgram]:
@@ -403,28 +415,27 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         rows = prepared.update_rows(0)
         # The log-probs come out of a jitted program: committed to a device also without a mesh.
         logp_sharding = self.layout.sharding(4) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        logp = jax.ShapeDtypeStruct(batch.tokens_ukmt.shape, jnp.float32, sharding=logp_sharding)
+        logp = jax.ShapeDtypeStruct(batch.tokens_uxbt.shape, jnp.float32, sharding=logp_sharding)
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated())  # as an int32 under the mesh
         shapes = f"{batch.num_trajectories} x {batch.length} tokens, micro-batch {batch.micro_batch_size}"
         program = functools.partial(AbstractProgram, shapes=shapes, mesh=self.mesh)
-        tokens_mask = (batch.tokens_ukmt, batch.mask_ukmt)
+        tokens_mask = (batch.tokens_uxbt, batch.mask_uxbt)
+        args = {  # each role's arguments in `train_on_batch`
+            Role.REFERENCE_LOGP: (ref_params, *tokens_mask, rows, index),
+            Role.POLICY_LOGP: (state.params, *tokens_mask, rows, index),
+            Role.LIKELIHOOD_METRICS: (logp, batch),
+            Role.LLD_LOGP: (state.params, *tokens_mask, rows, index),
+            Role.UPDATE: (state, batch, rows, prepared.batch_stats, logp, None if ref_params is None else logp, index),
+            Role.LLD_METRICS: (logp, logp, batch),
+        }
         programs = [program(Role.OPTIMIZER_INIT, fn=self._init_optimizer(state.params), args=(state.params,))]
         if ref_params is not None:
-            programs += [program(Role.REFERENCE_COPY, fn=self._reference_copier(state.params), args=(state.params,)),
-                         program(Role.REFERENCE_LOGP, fn=self._logp, args=(ref_params, *tokens_mask, rows, index))]
-        programs += [
-            program(Role.POLICY_LOGP, fn=self._logp, args=(state.params, *tokens_mask, rows, index)),
-            program(Role.LIKELIHOOD_METRICS, fn=self._likelihood, args=(logp, batch)),
-        ]
-        if measure_lld and self._lld_in_float32:
-            programs.append(program(Role.LLD_LOGP, fn=self._logp_float32,
-                                    args=(state.params, *tokens_mask, rows, index)))
-        programs.append(program(Role.UPDATE, fn=self._jitted_update(state), detail=f"{prepared.num_updates} per step",
-                                args=(state, batch, rows, prepared.batch_stats, logp,
-                                      None if ref_params is None else logp, index)))
-        if measure_lld:
-            programs.append(program(Role.LLD_METRICS, fn=self._lld, args=(logp, logp, batch)))
-        return programs
+            programs.append(program(Role.REFERENCE_COPY, fn=self._reference_copier(state.params),
+                                    args=(state.params,)))
+        return programs + [
+            program(role, fn=fn, args=args[role],
+                    detail=f"{prepared.num_updates} per step" if role is Role.UPDATE else "")
+            for role, fn in self._batch_programs(state, ref_params is not None, measure_lld).items()]
 
     def compile_row_counts(self, state: TrainState, ref_params: nnx.State | None, num: int, length: int,
                            measure_lld: bool) -> int:
@@ -472,18 +483,21 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             start = time.perf_counter()
             self.compile_row_counts(state, ref_params, batch.num_trajectories, length, measure_lld)
             compile_rows_s = time.perf_counter() - start
+        run = self._batch_programs(state, ref_params is not None, measure_lld)
         start = time.perf_counter()
-        old_logp = self.sequence_logp(state.params, prepared)
-        ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared)
+        old_logp = self.sequence_logp(state.params, prepared, run[Role.POLICY_LOGP])
+        ref_logp = None if ref_params is None else self.sequence_logp(ref_params, prepared, run[Role.REFERENCE_LOGP])
         jax.block_until_ready((old_logp, ref_logp))  # once per batch: times the frozen log-probs apart
         logp_s = time.perf_counter() - start
-        before = self._likelihood(old_logp, prepared.batch)
+        before = run[Role.LIKELIHOOD_METRICS](old_logp, prepared.batch)
         # The float32 log-probs before the updates (taken before the updates donate the state): old_logp itself when
-        # the model computes in float32 (the same program on the same parameters), else one float32 forward.
+        # the model computes in float32 (no LLD_LOGP program: the same program on the same parameters), else one
+        # float32 forward.
+        lld_logp = run.get(Role.LLD_LOGP, run[Role.POLICY_LOGP])
         lld_old_logp = None
         if measure_lld:
-            lld_old_logp = self.lld_logp(state.params, prepared) if self._lld_in_float32 else old_logp
-        update = self._jitted_update(state)
+            lld_old_logp = self.sequence_logp(state.params, prepared, lld_logp) if Role.LLD_LOGP in run else old_logp
+        update = run[Role.UPDATE]
         per_update = []
         with self._mesh_context():
             for index in range(prepared.num_updates):
@@ -496,7 +510,8 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         state = state._replace(step=state.step + 1)
         after, delta_traj_b = {}, None
         if measure_lld:
-            delta_traj_b, after = self._lld(self.lld_logp(state.params, prepared), lld_old_logp, prepared.batch)
+            delta_traj_b, after = run[Role.LLD_METRICS](self.sequence_logp(state.params, prepared, lld_logp),
+                                                       lld_old_logp, prepared.batch)
         before, per_update, after, delta_traj_b, total_skips = jax.device_get(
             (before, per_update, after, delta_traj_b, state.nonfinite_count))
         stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}
@@ -505,8 +520,8 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
         scalars["actor/nonfinite_total"] = float(total_skips)
         scalars["actor/updates"] = float(prepared.num_updates)
-        forward_tokens = (math.prod(prepared.batch.tokens_ukmt.shape) if prepared.rows is None
-                          else sum(math.prod(rows.tokens_rl.shape) for rows in prepared.rows))
+        forward_tokens = (math.prod(prepared.batch.tokens_uxbt.shape) if prepared.rows is None
+                          else sum(math.prod(rows.tokens_rt.shape) for rows in prepared.rows))
         scalars["perf/padding"] = 1.0 - real_tokens / forward_tokens
         scalars["perf/logp_s"] = logp_s
         scalars["perf/compile_rows_s"] = compile_rows_s

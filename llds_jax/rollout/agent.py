@@ -130,14 +130,14 @@ async def rollout_async(sampler: EngineSource, params, tokenizer, retriever: Ret
     if not examples:
         raise ValueError("rollout: no examples")
     stats = RolloutStats(forked_prefix_tokens=0 if config.trees else None)
-    steps = AgentSteps(tokenizer, retriever, config, stats, stopping)
+    agent_steps = AgentSteps(tokenizer, retriever, config, stats, stopping)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
-        engine = sampler.engine(params, steps.stop_matcher())
+        engine = sampler.engine(params, agent_steps.stop_matcher())
         policy = "tree" if config.trees else "continuous" if config.continuous_batching else "barrier"
-        driver = Driver(engine, steps, examples, decode_thread, group_size)
+        driver = Driver(engine, agent_steps, examples, decode_thread, group_size)
         trajectories = await driver.run(policy, rng, first_sequence, between_sessions)
-    if steps.stopping():
+    if agent_steps.stopping():
         return Rollout([], {}, stopped=True)
     stats.counts = engine.counts
     stats.rollout_s = time.perf_counter() - start

@@ -61,8 +61,8 @@ class SearchQueue:
     """Searches of closed turns, sent in as few retriever calls as the engine's pace allows: at most one call in
     flight; the queries queued meanwhile go out together when it is back."""
 
-    def __init__(self, steps: AgentSteps):
-        self.steps = steps
+    def __init__(self, agent_steps: AgentSteps):
+        self.agent_steps = agent_steps
         self._queued: list[tuple[int, str]] = []
         self._call: Optional[tuple[list[int], asyncio.Future]] = None
 
@@ -89,7 +89,7 @@ class SearchQueue:
         if self._call is not None:
             start = time.perf_counter()
             await asyncio.wait({self._call[1]})
-            self.steps.stats.search_s += time.perf_counter() - start
+            self.agent_steps.stats.search_s += time.perf_counter() - start
         return self.collect()
 
     def cancel(self) -> None:
@@ -100,7 +100,7 @@ class SearchQueue:
         if self._call is None and self._queued:
             seqs, queries = [s for s, _ in self._queued], [q for _, q in self._queued]
             self._queued = []
-            self._call = (seqs, asyncio.ensure_future(self.steps.search(queries)))
+            self._call = (seqs, asyncio.ensure_future(self.agent_steps.search(queries)))
 
 
 class Driver:
@@ -108,19 +108,20 @@ class Driver:
 
     Args:
       engine: the rollout engine.
-      steps: the protocol's steps and the rollout's stats.
+      agent_steps: the protocol's steps and the rollout's stats.
       examples: one conversation each; sequence i is examples[i].
       decode_thread: the worker that runs `engine.step`, so that searches go out on the event loop meanwhile.
       group_size: consecutive samples of one GRPO group (`Lineage.group` is global sequence id // group_size).
     """
 
-    def __init__(self, engine: Engine, steps: AgentSteps, examples: Sequence[QAExample],
+    def __init__(self, engine: Engine, agent_steps: AgentSteps, examples: Sequence[QAExample],
                  decode_thread: concurrent.futures.Executor, group_size: int = 1):
-        self.engine, self.steps, self.examples, self.decode_thread = engine, steps, list(examples), decode_thread
-        self.config, self.group_size = steps.config, group_size
+        self.engine, self.agent_steps, self.decode_thread = engine, agent_steps, decode_thread
+        self.examples = list(examples)
+        self.config, self.group_size = agent_steps.config, group_size
         self.first_sequence = 0  # the global sequence id of examples[0] (`run`)
         self.convs: dict[int, Conversation] = {}
-        self.searches = SearchQueue(steps)
+        self.searches = SearchQueue(agent_steps)
         self._searching: dict[int, Turn] = {}  # closed turns waiting for their search
         self._ready: dict[int, tuple[Turn, Optional[str], Optional[str]]] = {}  # turn, observation, error
         self._truncations = 0
@@ -146,10 +147,10 @@ class Driver:
                 await self._sessions(policy, sessions, between_sessions)
         finally:
             self.searches.cancel()
-        self.steps.warn_truncations(self._truncations)
-        if self.steps.stopping():
+        self.agent_steps.warn_truncations(self._truncations)
+        if self.agent_steps.stopping():
             return []
-        return self.steps.trajectories(self.examples, [self.convs[i] for i in range(len(self.examples))])
+        return self.agent_steps.trajectories(self.examples, [self.convs[i] for i in range(len(self.examples))])
 
     # Policies.
 
@@ -158,7 +159,7 @@ class Driver:
         for first, rng, row in sessions:
             if first and between_sessions is not None:
                 between_sessions()
-            if self.steps.stopping():
+            if self.agent_steps.stopping():
                 return
             seqs = list(range(first, min(first + size, len(self.examples))))
             if policy == "tree":
@@ -173,7 +174,7 @@ class Driver:
         keys = np.concatenate([sequence_keys(rng, range(row, row + min(size, len(self.examples) - first)))
                                for first, rng, row in sessions])
         queue = deque(range(len(self.examples)))
-        while not self.steps.stopping():
+        while not self.agent_steps.stopping():
             self._searched(self.searches.collect())
             self._apply_ready(release=True)
             while queue and self.engine.can_admit():
@@ -201,7 +202,7 @@ class Driver:
         key_data = jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
         seed = [int(x) for x in np.asarray(key_data).ravel()]
         for round_index in range(config.tree_rounds):
-            if self.steps.stopping():
+            if self.agent_steps.stopping():
                 return
             for leaf in leaves:
                 leaf.nodes += [(leaf.position, turn) for turn in range(len(leaf.nodes), len(leaf.conv.turns))]
@@ -230,10 +231,10 @@ class Driver:
                 position, key = int(positions[len(new_leaves)]), keys[len(new_leaves)]
                 lineage = dataclasses.replace(parent.conv.lineage, key_data=_key_tuple(key))
                 conv = tree_lib.fork_conversation(parent.conv, turn, lineage)
-                self.steps.stats.forked_prefix_tokens += conv.response_len
+                self.agent_steps.stats.forked_prefix_tokens += conv.response_len
                 self.convs[position] = conv
                 new_leaves.append(tree_lib.Leaf(position, tree, conv, parent.nodes[:turn + 1]))
-                budget = self.steps.budget(conv)
+                budget = self.agent_steps.budget(conv)
                 if budget:
                     self.engine.fork(position, parent.position, turn, key, budget)
                     self._in_engine.add(position)
@@ -245,8 +246,8 @@ class Driver:
 
     async def _barrier_turns(self, release: bool) -> None:
         """Turns of every conversation in the engine until all have ended: each turn waits for all."""
-        while not self.steps.stopping():
-            while self.engine.running and not self.steps.stopping():
+        while not self.agent_steps.stopping():
+            while self.engine.running and not self.agent_steps.stopping():
                 await self._step()
             while self.searches.busy:
                 self._searched(await self.searches.wait())
@@ -261,9 +262,9 @@ class Driver:
         return Lineage(global_id // self.group_size, tree, _key_tuple(key_data))
 
     def _admit(self, seq: int, key_data: np.ndarray) -> None:
-        conv = self.steps.conversation(self.examples[seq], self.lineage(seq, key_data))
+        conv = self.agent_steps.conversation(self.examples[seq], self.lineage(seq, key_data))
         self.convs[seq] = conv
-        budget = self.steps.budget(conv)
+        budget = self.agent_steps.budget(conv)
         if budget:
             self.engine.add_request(seq, conv.prompt_ids, key_data, budget)
             self._in_engine.add(seq)
@@ -283,9 +284,10 @@ class Driver:
 
     def _close(self, seq: int, sample: SampledTurn) -> None:
         conv = self.convs[seq]
-        self.steps.stats.sampled_tokens += len(sample.token_ids)
-        self.steps.stats.turn_spread.add(len(sample.token_ids))
-        turn, searches, observation = self.steps.close_turn(conv, sample, len(conv.turns) >= self.config.max_turns)
+        self.agent_steps.stats.sampled_tokens += len(sample.token_ids)
+        self.agent_steps.stats.turn_spread.add(len(sample.token_ids))
+        last = len(conv.turns) >= self.config.max_turns
+        turn, searches, observation = self.agent_steps.close_turn(conv, sample, last)
         if searches:
             self._searching[seq] = turn
             self.searches.submit(seq, turn.action.content)
@@ -297,9 +299,9 @@ class Driver:
         (`release`: an ended conversation leaves the engine; else it stays for forks)."""
         for seq, (turn, observation, error) in sorted(self._ready.items()):
             conv = self.convs[seq]
-            ids, truncated = self.steps.append_turn(conv, turn, observation, error)
+            ids, truncated = self.agent_steps.append_turn(conv, turn, observation, error)
             self._truncations += truncated
-            budget = self.steps.budget(conv) if ids is not None else 0
+            budget = self.agent_steps.budget(conv) if ids is not None else 0
             if ids is not None and not budget:
                 conv.end_reason = END_CONTEXT_FULL
             if conv.end_reason is None:

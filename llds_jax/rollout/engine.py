@@ -25,8 +25,8 @@ its steps, nor on the scheduling policy. A sequence's K/V written in its pages a
 tokens, so the logits are a full forward's up to float rounding.
 
 The device side is a `StepRunner`: `llds_jax.rollout.runner` runs the model; tests run scripted ones.
-Dimension letters: S sequence slots of a step, T tokens of a step's ragged batch, C samples of one call, P pages
-per sequence.
+Dimension letters (docs/architecture.md, "Dimension letters"): S sequence slots of a step, T tokens of a step's
+ragged batch, C samples of one call, M pages per sequence.
 """
 from __future__ import annotations
 
@@ -52,26 +52,26 @@ class StepBatch:
         of a sequence with q tokens sits at position kv_len - q + i, its RoPE position and its slot in its pages).
       cu_q_lens_s: int32 [S + 1] where each sequence's tokens start in the batch (and end: cu_q_lens[S]).
       kv_lens_s: int32 [S] each sequence's length once its tokens are written.
-      page_table_sp: int32 [S, P] each sequence's pages.
+      page_table_sm: int32 [S, M] each sequence's pages.
       num_seqs: sequences in the batch (the rest of the S rows is padding).
       samples_s: int32 [S] tokens each sequence samples in this call (0: its input is not all in, or padding);
         at most C, the first from the logits of its last batch token, the others each from the logits of the
         token sampled before it.
       key_data_s: uint32 [S, 2] each sequence's PRNG key data.
       count_s: int32 [S] tokens each sequence sampled before this call (the n of fold_in(key, n)).
-      copies_c: int32 [K, 2] (source, target) pages to copy before the batch is written ([0, 0]: none).
+      page_copies: int32 [max_copies, 2] (source, target) pages to copy before the batch is written ([0, 0]: none).
       decode_chunk: C.
     """
 
     tokens_t: np.ndarray
     cu_q_lens_s: np.ndarray
     kv_lens_s: np.ndarray
-    page_table_sp: np.ndarray
+    page_table_sm: np.ndarray
     num_seqs: int
     samples_s: np.ndarray
     key_data_s: np.ndarray
     count_s: np.ndarray
-    copies_c: np.ndarray
+    page_copies: np.ndarray
     decode_chunk: int
 
 
@@ -326,16 +326,16 @@ class Engine:
             kv_lens_s[row] = s.cached + chunk
             samples_s[row], key_data_s[row], count_s[row] = samples, s.key_data, s.sampled
             at += chunk
-        copies_c = np.zeros((cfg.max_copies, 2), np.int32)
+        page_copies = np.zeros((cfg.max_copies, 2), np.int32)
         for i, copy in enumerate(copies):
-            copies_c[i] = copy.source, copy.target
+            page_copies[i] = copy.source, copy.target
         self.counts.page_copies += len(copies)
         self.counts.calls[bucket] = self.counts.calls.get(bucket, 0) + 1
         self.counts.batch_tokens[bucket] = self.counts.batch_tokens.get(bucket, 0) + total
-        page_table_sp = np.zeros((cfg.max_seqs, cfg.pages_per_seq), np.int32)
-        page_table_sp[:len(chosen)] = self.pages.table_array([seq for seq, _, _ in chosen], cfg.pages_per_seq)
-        return StepBatch(tokens_t, cu_q_lens_s, kv_lens_s, page_table_sp, len(chosen),
-                         samples_s, key_data_s, count_s, copies_c, cfg.decode_chunk)
+        page_table_sm = np.zeros((cfg.max_seqs, cfg.pages_per_seq), np.int32)
+        page_table_sm[:len(chosen)] = self.pages.table_array([seq for seq, _, _ in chosen], cfg.pages_per_seq)
+        return StepBatch(tokens_t, cu_q_lens_s, kv_lens_s, page_table_sm, len(chosen),
+                         samples_s, key_data_s, count_s, page_copies, cfg.decode_chunk)
 
     def _absorb(self, chosen, batch: StepBatch, result: StepResult) -> list[tuple[int, SampledTurn]]:
         """Takes a step's samples into the sequences; returns the turns that ended."""

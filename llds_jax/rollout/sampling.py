@@ -6,7 +6,8 @@ float32, what the learner recomputes. Top-k / top-p only restrict which tokens c
 renormalized over the kept set. Greedy decoding reports temperature-1 log-probs. Top-p without top-k takes the
 nucleus by bisection (`nucleus`): no sort of the vocabulary.
 
-Dimension letters: B rows (sequences sampling), K candidates, V vocabulary.
+Dimension letters (docs/architecture.md, "Dimension letters"): B rows (sequences sampling), O candidate tokens
+(the top_k most likely), V vocabulary.
 """
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def sample_tokens(logits_bv: jax.Array, key_b: jax.Array, cfg: SamplingConfig) -
     scaled_bv = logits_bv / cfg.temperature
     logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
     if cfg.top_k:
-        candidates_bk, index_bk = jax.lax.top_k(scaled_bv, min(cfg.top_k, scaled_bv.shape[-1]))  # most likely first
+        candidates_bo, index_bo = jax.lax.top_k(scaled_bv, min(cfg.top_k, scaled_bv.shape[-1]))  # most likely first
         if cfg.top_p < 1:
-            probs_bk = jax.nn.softmax(candidates_bk, axis=-1)
-            mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
-            candidates_bk = jnp.where(mass_before_bk < cfg.top_p, candidates_bk, -jnp.inf)
-        choice_b = _inverse_cdf_draw(key_b, jax.nn.softmax(candidates_bk, axis=-1))
-        tokens_b = jnp.take_along_axis(index_bk, choice_b[:, None], axis=1)[:, 0]
+            probs_bo = jax.nn.softmax(candidates_bo, axis=-1)
+            mass_before_bo = jnp.cumsum(probs_bo, axis=-1) - probs_bo
+            candidates_bo = jnp.where(mass_before_bo < cfg.top_p, candidates_bo, -jnp.inf)
+        choice_b = _inverse_cdf_draw(key_b, jax.nn.softmax(candidates_bo, axis=-1))
+        tokens_b = jnp.take_along_axis(index_bo, choice_b[:, None], axis=1)[:, 0]
     else:
         probs_bv = jax.nn.softmax(scaled_bv, axis=-1)
         if cfg.top_p < 1:
@@ -58,18 +59,18 @@ def _back_to_rows(tokens_b: jax.Array, logp_b: jax.Array) -> tuple[jax.Array, ja
     return parallel.constrain(tokens_b, "batch"), parallel.constrain(logp_b, "batch")
 
 
-def _inverse_cdf_draw(key_b: jax.Array, weights_bk: jax.Array) -> jax.Array:
-    """One categorical draw per row with probabilities proportional to weights_bk (float32 >= 0, a row's sum > 0),
+def _inverse_cdf_draw(key_b: jax.Array, weights_bo: jax.Array) -> jax.Array:
+    """One categorical draw per row with probabilities proportional to weights_bo (float32 >= 0, a row's sum > 0),
     by inverting the CDF with a single uniform per row: the draw is the index in [0, K) of the first cumulative
     weight >= u x the row's total.
 
     Gumbel-max (`jax.random.categorical`) needs K random numbers per row, which at a 152k vocabulary costs more
     than a decode step's forward pass; this needs one. Zero weights are never drawn.
     """
-    cdf_bk = jnp.cumsum(weights_bk, axis=-1)
+    cdf_bo = jnp.cumsum(weights_bo, axis=-1)
     u_b = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(key_b)  # in (0, 1]
-    below_bk = cdf_bk < (u_b * cdf_bk[:, -1])[:, None]
-    return jnp.sum(below_bk, axis=-1, dtype=jnp.int32)
+    below_bo = cdf_bo < (u_b * cdf_bo[:, -1])[:, None]
+    return jnp.sum(below_bo, axis=-1, dtype=jnp.int32)
 
 
 def _logp_of(logp_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:

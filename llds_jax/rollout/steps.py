@@ -151,7 +151,7 @@ class AgentSteps:
 
     def warn_truncations(self, truncations: int) -> None:
         if truncations:
-            log.warning("%d observation(s) cut to agent.max_observation_tokens=%d tokens", truncations,
+            log.warning("%d observation(s) cut to rollout.max_observation_tokens=%d tokens", truncations,
                         self.config.max_observation_tokens)
 
     def fits(self, conv: Conversation, extra: int) -> bool:

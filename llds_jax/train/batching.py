@@ -33,12 +33,12 @@ def training_length(needed: int, used: set[int]) -> int:
     return min((length for length in used if length >= needed), default=needed)
 
 
-def rollout_batch(trajectories: Sequence[Trajectory], pad_id: int, length: int) -> RolloutBatch:
+def padded_batch(trajectories: Sequence[Trajectory], pad_id: int, length: int) -> RolloutBatch:
     """The trajectories right-padded to `length` tokens (pad_id after the end), each in the GRPO group its lineage
     names (`Lineage.group`), without rewards or advantages. A trajectory longer than `length` is an error."""
     longest = max(len(t.tokens) for t in trajectories)
     if longest > length:
-        raise ValueError(f"rollout_batch: a trajectory has {longest} tokens, more than length={length}")
+        raise ValueError(f"padded_batch: a trajectory has {longest} tokens, more than length={length}")
     num = len(trajectories)
     tokens_bt = np.full((num, length), pad_id, np.int32)
     action_ids_bt = np.full((num, length), -1, np.int32)

@@ -60,7 +60,7 @@ from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
 from llds_jax.tokenizer import load_tokenizer
 from llds_jax.train import evaluation, run_config
-from llds_jax.train.batching import global_batch, global_rows, padded_length, rollout_batch, training_length
+from llds_jax.train.batching import global_batch, global_rows, padded_batch, padded_length, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.preemption import PreemptionGuard, StopRequested
@@ -125,8 +125,9 @@ def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HO
     if jax.process_count() == 1:
         return metrics
     keys = sorted(metrics)
-    values_pk = np.asarray(multihost_utils.process_allgather(np.asarray([metrics[k] for k in keys], np.float32)))
-    return {k: float(values_pk[:, i].sum() if k in summed else values_pk[:, i].mean()) for i, k in enumerate(keys)}
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray([metrics[k] for k in keys], np.float32)))
+    # [processes, keys]
+    return {k: float(gathered[:, i].sum() if k in summed else gathered[:, i].mean()) for i, k in enumerate(keys)}
 
 
 def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Runner) -> Retriever:
@@ -157,7 +158,7 @@ class Trainer:
         self.mesh, self.layout = layout.mesh, layout.rollout
         parts = run_builder.build(cfg, layout, run_builder.load_model(cfg, layout),
                                   agent.turn_stop_ids(self.tokenizer))
-        self.step_fn, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
+        self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
         self.agent_cfg = config_lib.agent_config(cfg)
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
@@ -240,15 +241,15 @@ class Trainer:
         rollout_s = time.perf_counter() - start
         shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
         rewards_b = em_rewards(rollout.trajectories, self.cfg.reward.empty_answer)
-        batch = self.rollout_batch(rollout.trajectories).with_rewards(rewards_b)
+        batch = self.training_batch(rollout.trajectories).with_rewards(rewards_b)
         batch = global_batch(batch)  # every host's rows, on every host
         tree_b = global_rows(np.asarray([t.lineage.tree for t in rollout.trajectories], np.int32))
         advantages_b = self._advantages(batch.rewards_b, batch.group_b, tree_b)
         batch = batch.with_advantages(np.asarray(advantages_b))
         lld_every = self.cfg.train.lld_every
-        state, batch_metrics = self.step_fn.train_on_batch(state, ref_params, batch,
-                                                           measure_lld=bool(lld_every) and step % lld_every == 0,
-                                                           between_updates=self.stop_check(guard, "updates"))
+        state, batch_metrics = self.rl_train_step.train_on_batch(
+            state, ref_params, batch, measure_lld=bool(lld_every) and step % lld_every == 0,
+            between_updates=self.stop_check(guard, "updates"))
         self.watchdog.count_updates(batch_metrics.per_update["actor/nonfinite"])
         metrics = self.step_metrics(step, rollout, batch, batch_metrics, time.perf_counter() - start, rollout_s)
         return state, {**metrics, **shape_metrics}, rollout.trajectories
@@ -267,12 +268,12 @@ class Trainer:
             return {"perf/compile_grid_s": time.perf_counter() - grid_start}
         return {}
 
-    def rollout_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
+    def training_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
         """This host's trajectories packed to the step's length (the same on every host: a collective; remembered
         for the resume), each in its GRPO group (`Lineage.group`)."""
         length = training_length(padded_length(trajectories, self.cfg.train.sequence_bucket), self._lengths)
         self._lengths.add(length)
-        return rollout_batch(trajectories, self.pad_id, length)
+        return padded_batch(trajectories, self.pad_id, length)
 
     def step_metrics(self, step: int, rollout: agent.Rollout, batch: RolloutBatch, batch_metrics: BatchMetrics,
                      step_s: float, rollout_s: float) -> dict[str, float]:
@@ -286,7 +287,7 @@ class Trainer:
             "reward/mean": job_rollout_metrics["reward"],
             "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/retrieval_s": job_rollout_metrics["search_s"],
             "perf/tokens_per_s": tokens / step_s, "perf/sequence_length": float(batch.tokens_bt.shape[1]),
-            "optim/learning_rate": float(learning_rate(step - 1, self.step_fn.update_cfg)),
+            "optim/learning_rate": float(learning_rate(step - 1, self.rl_train_step.update_cfg)),
         })
         return metrics
 
@@ -345,8 +346,8 @@ class Trainer:
         except BaseException:
             ckpt.close()
             raise
-        state = self.step_fn.init_state()
-        ref_params = self.step_fn.reference_params(state.params) if cfg.objective.kl_coef else None
+        state = self.rl_train_step.init_state()
+        ref_params = self.rl_train_step.reference_params(state.params) if cfg.objective.kl_coef else None
         state, start = self._restore(ckpt, state)
         # A fresh run that evaluates its start rewrites step 0's record too (the first attempt may have written it).
         first_record = start + 1 if start or not cfg.train.eval_at_start else 0

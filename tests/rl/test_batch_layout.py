@@ -1,4 +1,4 @@
-"""The batch layout: a host rollout batch as U updates of K micro-batches of m trajectories, on the device(s).
+"""The batch layout: a host rollout batch as U updates of X micro-batches of B trajectories, on the device(s).
 
 The shared batch (conftest): 32 trajectories of 24 tokens = 2 updates of 4 micro-batches of 4.
 """
@@ -21,28 +21,28 @@ def assert_batches_equal(got: RolloutBatch, want: RolloutBatch):
 
 
 def test_fields_are_those_of_the_rollout_batch_in_its_order():
-    """The two types convert by position: field k of one is field k of the other ([B, ...] <-> [U, K, m, ...])."""
+    """The two types convert by position: field k of one is field k of the other ([B, ...] <-> [U, X, B, ...])."""
     rollout = [f.name.rsplit("_", 1) for f in dataclasses.fields(RolloutBatch)]
     laid_out = [f.name.rsplit("_", 1) for f in dataclasses.fields(LaidOutBatch)]
     assert [name for name, _ in laid_out] == [name for name, _ in rollout]
-    assert [(b, u) for (_, b), (_, u) in zip(rollout, laid_out)] == [("bt", "ukmt")] * 6 + [("b", "ukm")] * 4
+    assert [(b, u) for (_, b), (_, u) in zip(rollout, laid_out)] == [("bt", "uxbt")] * 6 + [("b", "uxb")] * 4
 
 
 def test_counts_and_placement_of_the_trajectories(step_batch):
-    """Trajectory b goes to update b // (K m), micro-batch (b // m) % K, place b % m; the counts are the laid-out
-    batch's own (a RolloutBatch of the same arrays would count U trajectories)."""
+    """Trajectory b goes to update b // (X micro), micro-batch (b // micro) % X, place b % micro; the counts are the
+    laid-out batch's own (a RolloutBatch of the same arrays would count U trajectories)."""
     laid_out = LaidOutBatch.of(step_batch.checked(), (2, 4, 4))
-    assert (laid_out.num_updates, laid_out.tokens_ukmt.shape[1], laid_out.micro_batch_size) == (2, 4, 4)
+    assert (laid_out.num_updates, laid_out.tokens_uxbt.shape[1], laid_out.micro_batch_size) == (2, 4, 4)
     assert (laid_out.num_trajectories, laid_out.length) == (32, 24)
-    assert laid_out.tokens_ukmt.shape == (2, 4, 4, 24) and laid_out.advantages_ukm.shape == (2, 4, 4)
+    assert laid_out.tokens_uxbt.shape == (2, 4, 4, 24) and laid_out.advantages_uxb.shape == (2, 4, 4)
     for b in (0, 5, 17, 31):
-        np.testing.assert_array_equal(laid_out.tokens_ukmt[b // 16, (b // 4) % 4, b % 4], step_batch.tokens_bt[b])
-        assert laid_out.rewards_ukm[b // 16, (b // 4) % 4, b % 4] == step_batch.rewards_b[b]
+        np.testing.assert_array_equal(laid_out.tokens_uxbt[b // 16, (b // 4) % 4, b % 4], step_batch.tokens_bt[b])
+        assert laid_out.rewards_uxb[b // 16, (b // 4) % 4, b % 4] == step_batch.rewards_b[b]
 
 
 def test_host_to_laid_out_to_host_is_the_checked_batch(step_batch):
     checked = step_batch.checked()
-    back = LaidOutBatch.of(checked, (2, 4, 4)).rollout_batch()
+    back = LaidOutBatch.of(checked, (2, 4, 4)).flat()
     assert back.num_trajectories == 32
     assert_batches_equal(back, checked)
 
@@ -62,22 +62,22 @@ def test_laid_out_on_a_mesh_comes_back_to_the_host_batch(step_batch, mesh8):
     prepared = BatchLayout(unpacked, mesh8).lay_out(step_batch.checked(), {"answer_beta": 0.5})
     batch = prepared.batch
     assert isinstance(batch, LaidOutBatch) and prepared.num_updates == 2 and prepared.rows is None
-    assert batch.mask_ukmt.sharding.spec == P(None, None, ("data", "fsdp"))
-    assert batch.group_ukm.sharding.spec == P(None, None, ("data", "fsdp"))
+    assert batch.mask_uxbt.sharding.spec == P(None, None, ("data", "fsdp"))
+    assert batch.group_uxb.sharding.spec == P(None, None, ("data", "fsdp"))
     beta = prepared.batch_stats["answer_beta"]
     assert beta.sharding.spec == P() and float(beta) == 0.5
-    assert_batches_equal(jax.device_get(batch).rollout_batch(), step_batch.checked())
+    assert_batches_equal(jax.device_get(batch).flat(), step_batch.checked())
 
 
 def test_packed_rows_per_update(step_batch):
-    """With packing: one PackedRows per update, [1, K, R_u, L'] rows and [1, K, m, T] sources."""
+    """With packing: one PackedRows per update, [1, X, R_u, T'] rows and [1, X, B, T] sources."""
     layout = BatchLayout(dataclasses.replace(STEP_UPDATE, pack_trajectories=True, pack_row_tokens=32))
     prepared = layout.lay_out(step_batch.checked(), {})
-    assert [rows.tokens_rl.shape for rows in prepared.rows] == [(1, 4, 3, 32), (1, 4, 2, 32)]
-    assert {rows.source_ml.shape for rows in prepared.rows} == {(1, 4, 4, 24)}
+    assert [rows.tokens_rt.shape for rows in prepared.rows] == [(1, 4, 3, 32), (1, 4, 2, 32)]
+    assert {rows.source_bt.shape for rows in prepared.rows} == {(1, 4, 4, 24)}
     assert prepared.update_rows(1) is prepared.rows[1]
     spec = layout.spec(32, 24, ["answer_beta"])
-    assert [rows.tokens_rl.shape for rows in spec.rows] == [(1, 4, 4, 32)] * 2  # the worst case: a row each
+    assert [rows.tokens_rt.shape for rows in spec.rows] == [(1, 4, 4, 32)] * 2  # the worst case: a row each
     assert spec.batch.num_trajectories == 32 and list(spec.batch_stats) == ["answer_beta"]
 
 

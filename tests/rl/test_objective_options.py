@@ -279,14 +279,14 @@ def test_train_step_runs_with_clip_higher_and_tis(plain_step, tiny_model_cfg, st
     batch = dataclasses.replace(step_batch, sampler_logp_bt=sampler_bt)
     state = step.init_state()
     prepared = step.prepare_batch(batch)
-    old_ukmt = np.asarray(step.sequence_logp(state.params, prepared), np.float64)
+    old_uxbt = np.asarray(step.sequence_logp(state.params, prepared), np.float64)
     laid = prepared.batch
-    m_ukmt = np.asarray(laid.loss_mask_ukmt, np.float64)
-    log_weight_ukmt = old_ukmt - np.asarray(laid.sampler_logp_ukmt, np.float64)
-    per_micro = lambda x_ukmt: (x_ukmt * m_ukmt).sum(axis=(2, 3)) / m_ukmt.sum(axis=(2, 3))  # noqa: E731
-    want_truncated_u = per_micro((log_weight_ukmt > math.log(cap)).astype(np.float64)).mean(axis=1)
-    policy_ukmt = -np.asarray(laid.advantages_ukm, np.float64)[..., None] * np.minimum(np.exp(log_weight_ukmt), cap)
-    want_policy_0 = per_micro(policy_ukmt)[0].mean()
+    m_uxbt = np.asarray(laid.loss_mask_uxbt, np.float64)
+    log_weight_uxbt = old_uxbt - np.asarray(laid.sampler_logp_uxbt, np.float64)
+    per_micro = lambda x_uxbt: (x_uxbt * m_uxbt).sum(axis=(2, 3)) / m_uxbt.sum(axis=(2, 3))  # noqa: E731
+    want_truncated_u = per_micro((log_weight_uxbt > math.log(cap)).astype(np.float64)).mean(axis=1)
+    policy_uxbt = -np.asarray(laid.advantages_uxb, np.float64)[..., None] * np.minimum(np.exp(log_weight_uxbt), cap)
+    want_policy_0 = per_micro(policy_uxbt)[0].mean()
 
     state, metrics = step.train_on_batch(state, step.reference_params(state.params), batch)
     np.testing.assert_allclose(metrics.per_update["actor/tis_truncated"], want_truncated_u, rtol=1e-6)

@@ -26,45 +26,45 @@ def test_first_fit_by_decreasing_length():
 
 def test_pack_places_every_real_token_once_and_unpack_brings_it_back(make_rollout):
     batch = make_rollout(3, 16, 24, 96)  # left and right padding
-    tokens_nml, mask_nml = batch.tokens_bt.reshape(4, 4, 24), batch.mask_bt.reshape(4, 4, 24)
-    num_rows = rows_needed(mask_nml)
+    tokens_xbt, mask_xbt = batch.tokens_bt.reshape(4, 4, 24), batch.mask_bt.reshape(4, 4, 24)
+    num_rows = rows_needed(mask_xbt)
     assert num_rows < 4
-    rows = pack(tokens_nml, mask_nml, num_rows)
-    assert rows.tokens_rl.shape == (4, num_rows, 24) and rows.source_ml.shape == (4, 4, 24)
-    np.testing.assert_array_equal(rows.mask_rl.sum(axis=(1, 2)), mask_nml.sum(axis=(1, 2)))
+    rows = pack(tokens_xbt, mask_xbt, num_rows)
+    assert rows.tokens_rt.shape == (4, num_rows, 24) and rows.source_bt.shape == (4, 4, 24)
+    np.testing.assert_array_equal(rows.mask_rt.sum(axis=(1, 2)), mask_xbt.sum(axis=(1, 2)))
     for n in range(4):
-        real_ml = mask_nml[n] > 0
-        first_real_ml = real_ml & (np.cumsum(real_ml, axis=1) == 1)
+        real_bt = mask_xbt[n] > 0
+        first_real_bt = real_bt & (np.cumsum(real_bt, axis=1) == 1)
         # Every real token but each trajectory's first has a place; the places are distinct and hold the token.
-        np.testing.assert_array_equal(rows.source_ml[n] >= 0, real_ml & ~first_real_ml)
-        places = rows.source_ml[n][rows.source_ml[n] >= 0]
+        np.testing.assert_array_equal(rows.source_bt[n] >= 0, real_bt & ~first_real_bt)
+        places = rows.source_bt[n][rows.source_bt[n] >= 0]
         assert len(set(places.tolist())) == len(places)
-        back_ml = unpack(jnp.asarray(rows.tokens_rl[n], jnp.float32), jnp.asarray(rows.source_ml[n]))
-        np.testing.assert_array_equal(np.asarray(back_ml), np.where(rows.source_ml[n] >= 0, tokens_nml[n], 0))
+        back_bt = unpack(jnp.asarray(rows.tokens_rt[n], jnp.float32), jnp.asarray(rows.source_bt[n]))
+        np.testing.assert_array_equal(np.asarray(back_bt), np.where(rows.source_bt[n] >= 0, tokens_xbt[n], 0))
         # segment_first: each packed token's trajectory starts there (a real token whose predecessor is another
         # trajectory's or none); padding points at itself.
-        first_rl, index_l = rows.segment_first_rl[n], np.arange(24)
-        assert np.all(first_rl <= index_l)
-        np.testing.assert_array_equal(first_rl[rows.mask_rl[n] == 0], np.broadcast_to(index_l, first_rl.shape)[
-            rows.mask_rl[n] == 0])
-        starts = np.sum(first_rl == index_l[None], where=rows.mask_rl[n] > 0)
+        first_rt, index_t = rows.segment_first_rt[n], np.arange(24)
+        assert np.all(first_rt <= index_t)
+        np.testing.assert_array_equal(first_rt[rows.mask_rt[n] == 0], np.broadcast_to(index_t, first_rt.shape)[
+            rows.mask_rt[n] == 0])
+        starts = np.sum(first_rt == index_t[None], where=rows.mask_rt[n] > 0)
         assert starts == 4  # one start per trajectory
-    with pytest.raises(ValueError, match=rf"micro-batch 0 needs {rows_needed(mask_nml[:1])} rows, more than 1"):
-        pack(tokens_nml[:1], mask_nml[:1], 1)
+    with pytest.raises(ValueError, match=rf"micro-batch 0 needs {rows_needed(mask_xbt[:1])} rows, more than 1"):
+        pack(tokens_xbt[:1], mask_xbt[:1], 1)
 
 
 def test_rows_longer_than_the_batch_take_more_trajectories(make_rollout):
     batch = make_rollout(3, 16, 24, 96)
-    tokens_nml, mask_nml = batch.tokens_bt.reshape(4, 4, 24), batch.mask_bt.reshape(4, 4, 24)
-    assert rows_needed(mask_nml, 96) == 1 < rows_needed(mask_nml)  # 4 trajectories of <= 24 tokens in one row
-    rows = pack(tokens_nml, mask_nml, 2, 96)
-    assert rows.tokens_rl.shape == (4, 2, 96) and rows.source_ml.shape == (4, 4, 24)
+    tokens_xbt, mask_xbt = batch.tokens_bt.reshape(4, 4, 24), batch.mask_bt.reshape(4, 4, 24)
+    assert rows_needed(mask_xbt, 96) == 1 < rows_needed(mask_xbt)  # 4 trajectories of <= 24 tokens in one row
+    rows = pack(tokens_xbt, mask_xbt, 2, 96)
+    assert rows.tokens_rt.shape == (4, 2, 96) and rows.source_bt.shape == (4, 4, 24)
     for n in range(4):
-        back_ml = unpack(jnp.asarray(rows.tokens_rl[n], jnp.float32), jnp.asarray(rows.source_ml[n]))
-        np.testing.assert_array_equal(np.asarray(back_ml), np.where(rows.source_ml[n] >= 0, tokens_nml[n], 0))
-    assert rows.mask_rl[:, 1].sum() == 0  # the second row is not needed
+        back_bt = unpack(jnp.asarray(rows.tokens_rt[n], jnp.float32), jnp.asarray(rows.source_bt[n]))
+        np.testing.assert_array_equal(np.asarray(back_bt), np.where(rows.source_bt[n] >= 0, tokens_xbt[n], 0))
+    assert rows.mask_rt[:, 1].sum() == 0  # the second row is not needed
     with pytest.raises(ValueError, match="rows of 16 tokens are shorter than the batch length 24"):
-        pack(tokens_nml, mask_nml, 4, 16)
+        pack(tokens_xbt, mask_xbt, 4, 16)
 
 
 @pytest.mark.slow
@@ -85,15 +85,15 @@ def test_packed_forward_equals_unpacked_values_and_gradients(make_rollout, imple
         return model_token_logp(nnx.merge(graphdef, params), batch.tokens_bt, batch.mask_bt, time_chunk=8)
 
     def packed(params):
-        logp_rl, entropy_rl = model_token_logp(nnx.merge(graphdef, params), rows.tokens_rl, rows.mask_rl,
-                                               time_chunk=8, segment_first_bt=rows.segment_first_rl)
-        return unpack(logp_rl, rows.source_ml), unpack(entropy_rl, rows.source_ml)
+        logp_rt, entropy_rt = model_token_logp(nnx.merge(graphdef, params), rows.tokens_rt, rows.mask_rt,
+                                               time_chunk=8, segment_first_bt=rows.segment_first_rt)
+        return unpack(logp_rt, rows.source_bt), unpack(entropy_rt, rows.source_bt)
 
     def loss(forward, params):
         logp_bt, entropy_bt = forward(params)
         return jnp.sum(weights_bt * (logp_bt + 0.5 * entropy_bt))
 
-    has_prediction = np.asarray(rows.source_ml) >= 0
+    has_prediction = np.asarray(rows.source_bt) >= 0
     for want, got in zip(jax.jit(unpacked)(params), jax.jit(packed)(params)):
         np.testing.assert_allclose(np.asarray(got)[has_prediction], np.asarray(want)[has_prediction], atol=2e-5)
     want_grads = jax.jit(jax.grad(lambda p: loss(unpacked, p)))(params)
@@ -156,7 +156,7 @@ def test_rows_longer_than_the_batch_and_a_row_count_per_update_equal_unpacked(ti
     step = _packed_step(tiny_model_cfg, update=dataclasses.replace(STEP_UPDATE, pack_trajectories=True,
                                                                   pack_row_tokens=32))
     prepared = step.prepare_batch(step_batch)
-    assert [rows.tokens_rl.shape for rows in prepared.rows] == [(1, 4, 3, 32), (1, 4, 2, 32)]
+    assert [rows.tokens_rt.shape for rows in prepared.rows] == [(1, 4, 3, 32), (1, 4, 2, 32)]
     state = step.init_state()
     state, metrics = step.train_on_batch(state, step.reference_params(state.params), step_batch, measure_lld=True)
     _assert_same_step(state, metrics, plain_state, plain_metrics)

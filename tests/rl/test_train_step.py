@@ -2,6 +2,7 @@
 
 The shared steps (conftest) train on 32 trajectories: 2 optimizer updates of 4 micro-batches of 4, lr 1e-3, no warmup.
 """
+import collections
 import dataclasses
 import warnings
 
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from llds_jax.model import Transformer
 from llds_jax.model.transformer import COMPUTE_DTYPE_PARAMS, compute_weights
+from llds_jax.programs import Role
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
@@ -160,17 +162,37 @@ def test_lld_measurement_runs_in_float32_with_a_bfloat16_model(plain_step, step_
 
 
 @pytest.mark.slow
-def test_a_float32_model_measures_lld_with_one_extra_forward(plain_step, step_batch, monkeypatch):
-    """In float32 the log-probs before the updates are old_logp itself (the same program on the same params): the
-    measurement's one extra forward is the one after the updates."""
+def test_a_step_runs_the_programs_abstract_programs_lists(plain_step, step_batch, monkeypatch):
+    """`train_on_batch` runs its programs from the one list `abstract_programs` (what --mode=compile compiles) lowers:
+    the roles it runs are the listed ones but the state's and reference's set-up. A float32 model measures LLD with
+    one extra forward, the policy's program after the updates (the log-probs before them are old_logp itself: no
+    float32 LLD program)."""
     assert not plain_step._lld_in_float32  # a float32 model
-    calls = []
-    measure = plain_step.lld_logp
-    monkeypatch.setattr(plain_step, "lld_logp", lambda *args: calls.append(args) or measure(*args))
+    ran = []
+    listed = plain_step._batch_programs
+
+    class Recorded:
+        def __init__(self, role, fn):
+            self.role, self.fn = role, fn
+
+        def __call__(self, *args):
+            ran.append(self.role)
+            return self.fn(*args)
+
+        def lower(self, *args):
+            return self.fn.lower(*args)
+
+    monkeypatch.setattr(plain_step, "_batch_programs",
+                        lambda *args: {role: Recorded(role, fn) for role, fn in listed(*args).items()})
     state = plain_step.init_state()
     _, metrics = plain_step.train_on_batch(state, plain_step.reference_params(state.params), step_batch,
                                            measure_lld=True)
-    assert len(calls) == 1
+    updates = 2
+    assert collections.Counter(ran) == {Role.POLICY_LOGP: 2 * updates, Role.REFERENCE_LOGP: updates,
+                                        Role.LIKELIHOOD_METRICS: 1, Role.UPDATE: updates, Role.LLD_METRICS: 1}
+    shapes = TrainShapes(step_batch.num_trajectories, step_batch.tokens_bt.shape[1], measure_lld=True)
+    assert set(ran) == {p.role for p in plain_step.abstract_programs(shapes)} - {Role.OPTIMIZER_INIT,
+                                                                                   Role.REFERENCE_COPY}
     assert np.isfinite(metrics.delta_traj_b).all() and "lld/rate" in metrics.scalars
 
 
@@ -280,7 +302,7 @@ def test_abstract_values_are_those_of_the_real_step(sharded_step, step_batch, me
     assert layout(spec.batch) == layout(prepared.batch)
     assert layout(spec.batch_stats) == layout(prepared.batch_stats) and spec.num_updates == prepared.num_updates == 2
     assert list(spec.batch_stats) == ["answer_beta"]
-    assert spec.batch.tokens_ukmt.sharding.spec == P(None, None, ("data", "fsdp"))
+    assert spec.batch.tokens_uxbt.sharding.spec == P(None, None, ("data", "fsdp"))
 
 
 def test_abstract_programs_are_those_a_step_runs(sharded_step, tiny_model_cfg, mesh8):

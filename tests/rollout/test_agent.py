@@ -18,7 +18,7 @@ from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.trajectory import em_rewards, em_score
 from llds_jax.search.types import Document, Retriever, SearchResult
-from llds_jax.train.batching import rollout_batch
+from llds_jax.train.batching import padded_batch
 
 PARIS_DOCS = ['"Paris"\nParis is the capital of France.', '"France"\nFrance is a country.\nIt is in Europe.',
               '"Lyon"\nLyon is a city.', '"Extra"\nNot returned with k = 3.']
@@ -159,7 +159,7 @@ def test_running_out_of_turns(qwen_tokenizer, doubles):
     assert [keep for keep, _ in sampler.extends[0]] == [len(kept)] * 2 and sampler.events[-1] == ("finish", 0)
 
 
-def test_observation_truncation(qwen_tokenizer, doubles):
+def test_observation_truncation(qwen_tokenizer, doubles, caplog):
     tok = qwen_tokenizer
     sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
@@ -172,6 +172,8 @@ def test_observation_truncation(qwen_tokenizer, doubles):
     assert PARIS_OBSERVATION.startswith(tok.decode(full[:12]))
     assert traj.turns[0].observation_truncated and traj.num_truncated_observations == 1
     assert result.metrics["truncated_observations"] == 1.0
+    # The warning names the run-config key a user raises.
+    assert "1 observation(s) cut to rollout.max_observation_tokens=12 tokens" in caplog.text
 
 
 def test_retriever_errors_only_affect_their_sequences(qwen_tokenizer, doubles):
@@ -301,7 +303,7 @@ def test_rollout_batch_and_rewards_of_trajectories(qwen_tokenizer, doubles):
     trajs = run(tok, sampler, doubles.FakeRetriever({"capital of france": PARIS_DOCS}),
                 [example(0), example(1, answers=("Lyon",))]).trajectories
     longest = max(len(t.tokens) for t in trajs)
-    packed = rollout_batch(trajs, tok.pad_token_id, round_up(longest, 64))
+    packed = padded_batch(trajs, tok.pad_token_id, round_up(longest, 64))
     assert packed.tokens_bt.shape == (2, 256) and 192 < longest < 256
     for row, t in enumerate(trajs):
         n = len(t.tokens)
@@ -316,7 +318,7 @@ def test_rollout_batch_and_rewards_of_trajectories(qwen_tokenizer, doubles):
     assert packed.rewards_b is None and packed.advantages_b is None
     np.testing.assert_array_equal(em_rewards(trajs), [1.0, 0.0])
     with pytest.raises(ValueError, match="more than length"):
-        rollout_batch(trajs, tok.pad_token_id, longest - 1)
+        padded_batch(trajs, tok.pad_token_id, longest - 1)
 
 
 # -- a tiny random model through the rollout engine ---------------------------------------------------------------
@@ -397,7 +399,7 @@ class EchoRetriever(Retriever):
 def full_forward_logps(graphdef, params, trajectories, temperatures):
     """For each temperature T, log_softmax(logits / T) at each token from a full forward of each packed row
     (rows one at a time, so only one row's [L, V] logits exist at once)."""
-    packed = rollout_batch(trajectories, 0, round_up(max(len(t.tokens) for t in trajectories), 128))
+    packed = padded_batch(trajectories, 0, round_up(max(len(t.tokens) for t in trajectories), 128))
 
     @jax.jit
     def logps(params, tokens_bt, mask_bt):

@@ -42,11 +42,11 @@ def run(tokenizer, policy_name, n=6, slots=64, retriever=None, examples=None, fi
     examples = examples or [example(i, f"question w{i}", (f"w{i}",)) for i in range(n)]
     engine = ScriptedEngine(tokenizer, policy, slots=slots)
     stats = RolloutStats(forked_prefix_tokens=0 if config.trees else None)
-    steps = AgentSteps(tokenizer, retriever or CountingRetriever(), config, stats)
+    agent_steps = AgentSteps(tokenizer, retriever or CountingRetriever(), config, stats)
 
     async def go():
         with concurrent.futures.ThreadPoolExecutor(1) as thread:
-            return await driver_lib.Driver(engine, steps, examples, thread, group_size).run(
+            return await driver_lib.Driver(engine, agent_steps, examples, thread, group_size).run(
                 policy_name, jax.random.key(0), first_sequence)
 
     return asyncio.run(go()), engine, stats
@@ -137,12 +137,12 @@ def test_trees_fork_from_the_chains_turn_starts_and_keep_every_leaf_until_the_la
 def test_a_stop_request_abandons_the_rollout(qwen_tokenizer):
     config = AgentConfig(max_turns=2, max_turn_tokens=40, max_prompt_tokens=200, max_context_tokens=400)
     engine = ScriptedEngine(qwen_tokenizer, policy, slots=4)
-    steps = AgentSteps(qwen_tokenizer, CountingRetriever(), config, RolloutStats(),
+    agent_steps = AgentSteps(qwen_tokenizer, CountingRetriever(), config, RolloutStats(),
                        stopping=lambda: engine.steps >= 2)
 
     async def go():
         with concurrent.futures.ThreadPoolExecutor(1) as thread:
-            return await driver_lib.Driver(engine, steps, [example(i, f"question w{i}") for i in range(4)],
+            return await driver_lib.Driver(engine, agent_steps, [example(i, f"question w{i}") for i in range(4)],
                                            thread).run("continuous", jax.random.key(0))
 
     assert asyncio.run(go()) == [] and engine.steps == 2

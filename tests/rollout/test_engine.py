@@ -38,14 +38,14 @@ class ScriptedRunner:
     def run(self, params, batch):
         self.batches.append(batch)
         size, chunk = self.config.page_size, batch.decode_chunk
-        for source, target in batch.copies_c:
+        for source, target in batch.page_copies:
             if source or target:
                 self.pool[target] = self.pool[source]
         for row in range(batch.num_seqs):  # token i of q new ones sits at position kv_len - q + i
             first, end = batch.cu_q_lens_s[row], batch.cu_q_lens_s[row + 1]
             for i, token in enumerate(batch.tokens_t[first:end]):
                 pos = batch.kv_lens_s[row] - (end - first) + i
-                self.pool[batch.page_table_sp[row, pos // size], pos % size] = token
+                self.pool[batch.page_table_sm[row, pos // size], pos % size] = token
         s_count = len(batch.samples_s)
         tokens, logps, n = np.zeros((s_count, chunk), np.int32), np.zeros((s_count, chunk), np.float32), \
             np.zeros(s_count, np.int32)
@@ -54,10 +54,10 @@ class ScriptedRunner:
             for i in range(batch.samples_s[row]):
                 if i:  # the previous sample is written, as the decode step does
                     pos = length
-                    self.pool[batch.page_table_sp[row, pos // size], pos % size] = tokens[row, i - 1]
+                    self.pool[batch.page_table_sm[row, pos // size], pos % size] = tokens[row, i - 1]
                     length += 1
                 count = int(batch.count_s[row]) + i
-                token = next_token(self.context(batch.page_table_sp[row], length), batch.key_data_s[row], count)
+                token = next_token(self.context(batch.page_table_sm[row], length), batch.key_data_s[row], count)
                 tokens[row, i], logps[row, i], n[row] = token, logp_of(token, count), i + 1
                 if token == STOP:
                     break

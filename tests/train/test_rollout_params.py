@@ -64,7 +64,7 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
         return run(params, batch)
 
     monkeypatch.setattr(trainer.sampler.runner, "run", recording_run)
-    params = trainer.step_fn.init_state().params
+    params = trainer.rl_train_step.init_state().params
     leaves = jax.tree.leaves(params)
     prompts = next(trainer.data)
     rollouts, compiled = [], []
@@ -73,7 +73,7 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
             rollouts.append(trainer.rollout(params, prompts, jax.random.key(step)))
             trainer.sampler.freeze_shapes()  # as the trainer does after its first rollout
             compiled.append(trainer.sampler.runner.compiles)
-        group_b = trainer.rollout_batch(rollouts[0].trajectories).group_b
+        group_b = trainer.training_batch(rollouts[0].trajectories).group_b
     finally:
         trainer.close()
 

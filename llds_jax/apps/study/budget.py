@@ -3,10 +3,8 @@
 Unit: machine-seconds, the wall time a job adds when the machine runs only it. A job that took S seconds while
 `--jobs J` ran at once counts S / J (the J jobs are assumed to share the machine evenly), so the measured rates
 include whatever running several at once gains. Until the study has timed a job of a kind, the constants below are
-used: they were measured on the 2-core machine running one job at a time, nothing else running (docs/demo.md,
-2026-12-01: two 20-step runs of configs/demo_cpu_grpo.py in 5 min 46 s with the warm start reused; the whole demo
-from an empty runs/ in 7 min 40 s, i.e. ~290 s for the world and the 400-step warm start besides a ~170 s run).
-A loaded machine is slower: a warm start took 842 s on 2026-12-02 next to a CI run.
+used: they were measured on the 2-core machine running one job at a time, nothing else running (where and when:
+docs/evidence.md, "Budget"). A loaded machine is slower.
 
 Each finished job appends a line to `OUT/timings.jsonl`: {"job", "kind" ("run" or "warm_start"), "setting",
 "steps", "seconds", "jobs", "status", "built" (warm start: its folder was not there before)}.
