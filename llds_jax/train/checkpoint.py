@@ -20,8 +20,9 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
 - Every write and read is a bounded storage operation (llds_jax.storage): a failed write (a disk full or
   read-only, a GCS endpoint gone) raises one StorageError naming the step, the folder and the reason, and the
   reports orbax's background threads log about it are dropped (the error reaches the caller at the next save,
-  wait or close); a write or read that stops answering ends the process after `timeout_s`. After a failed write,
-  `close` waits for nothing more.
+  wait or close; a step folder that cannot be made fails `save` itself, and leaves nothing running); a write or
+  read that stops answering ends the process after `timeout_s`. After a failed write, `close` waits for nothing
+  more.
 - On several hosts every process calls `save`, `restore*` and `wait_until_finished` at the same point (each writes
   and reads its own shards; orbax synchronizes them).
 - Each save records two checksums of every array it writes (`checksums`, in the `meta` item); `restore` checks
@@ -245,8 +246,13 @@ class Checkpointer:
         self.failed = False  # a write failed: close() waits for nothing more
         self._pending: int | None = None  # the step whose background save may still run
         drop_orbax_save_reports()
+        # The step's folders are made in `save` (a few mkdirs), not by a background future whose signal every
+        # writer of the step waits for: when that mkdir failed (a disk turned read-only, the folder gone), the
+        # writers waited for orbax's 300 s signal timeout, held the interpreter's exit that long and then dropped
+        # their coroutines ("coroutine ... was never awaited", six blocks in the test suite's output, issue 58).
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
+            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         with self._operation("opening the checkpoint folder"):
