@@ -13,16 +13,20 @@ longer ones fill the context sooner, and no more than the context holds after th
 and observation lengths), the turns' sampled tokens and the observations' tokens (one after each turn but a
 trajectory's last). The spreads matter: a barrier's turn round waits for its longest row and a session for its
 trajectory of most turns, a call samples up to its longest sequence's samples, and the token bucket an input call
-falls in follows the lengths it holds, not their means. A turn ends on a stop id at its length, which is not kept in
-the context (the driver cuts it; the engine samples in calls of `decode_chunk`, so a turn ended by a stop string
-mid-call costs the same calls).
+falls in follows the lengths it holds, not their means. A turn shorter than `rollout.max_turn_tokens` ends on a stop
+id at its length, which is not kept in the context (the driver cuts it; the engine samples in calls of
+`decode_chunk`, so a turn ended by a stop string mid-call costs the same calls); a turn of `rollout.max_turn_tokens`
+ends at its budget and keeps every token, so its last sampled token, not yet written, is written with the
+observation. Of the observations, `Lengths.searches` per trajectory (spread evenly) answer a search; the others are
+the invalid-action message, known when the turn ends (`AgentSteps.close_turn`).
 
 The policies, as `llds_jax.rollout.driver` runs them:
   barrier     sessions of the engine's sequence slots: every conversation of a session samples its turn, then
               every observation is appended, until all have ended.
-  continuous  a conversation enters when the engine can admit it (a slot and its worst-case pages); an
+  continuous  a conversation enters when the engine can admit it (a slot and its worst-case pages); a search's
               observation is appended `search_latency_calls` calls after its turn ended (1: the retriever answers
-              while the next call runs, as a local index does; the search's own seconds are costed apart).
+              while the next call runs, as a local index does; the search's own seconds are costed apart), an
+              invalid action's before the next call.
 Tree rollouts are not modelled.
 
 Units: tokens, pages, calls (device calls of the step program).
@@ -48,12 +52,16 @@ WIDTH_STEPS = 12  # bisections of a spread's width that keep its standard deviat
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-    """One scripted trajectory: its prompt (shared by its group), per turn the tokens it samples, and the tokens of
-    the observation after each turn but its last."""
+    """One scripted trajectory: its prompt (shared by its group), per turn the tokens it samples and whether it ends
+    on a stop id (dropped from the context; else it ends at its budget and keeps every token), and the tokens of the
+    observation after each turn but its last and whether that observation answers a search (else it is the
+    invalid-action message, appended as soon as the turn ends)."""
 
     prompt: tuple[int, ...]
     turn_tokens: tuple[int, ...]
     observation_tokens: tuple[int, ...]
+    stops: tuple[bool, ...]
+    searches: tuple[bool, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,19 +144,27 @@ def scripts(sequences: int, group: int, lengths, max_turns: int, max_turn_tokens
     for k, i in zip(counts, sorted(range(sequences), key=lambda i: (prompts[i // group], (i * GOLDEN) % 1.0))):
         turns[i] = k
     turn_tokens = _even(sum(turns), per_turn, lengths.turn_tokens_std, 1, max_turn_tokens, 0.25)
-    observations = _even(max(sum(turns) - sequences, 1), lengths.observation_tokens, lengths.observation_tokens_std,
+    n_observations = max(sum(turns) - sequences, 1)
+    observations = _even(n_observations, lengths.observation_tokens, lengths.observation_tokens_std,
                          1, max(max_observation_tokens, 1), 0.75)
+    # The observations that answer a search: round(sequences x searches) of them, in a low-discrepancy order.
+    searched = set(sorted(range(n_observations), key=lambda j: (0.125 + j * GOLDEN) % 1.0)[
+        :min(n_observations, round(sequences * lengths.searches))])
     convs, t, o = [], 0, 0
     for i, k in enumerate(turns):
         ids = tuple([2 + i // group] * prompts[i // group])  # a group's samples share their prompt
-        convs.append(Conversation(ids, tuple(turn_tokens[t:t + k]), tuple(observations[o:o + k - 1])))
+        sampled = tuple(turn_tokens[t:t + k])
+        convs.append(Conversation(ids, sampled, tuple(observations[o:o + k - 1]),
+                                  tuple(n < max_turn_tokens for n in sampled),
+                                  tuple(j in searched for j in range(o, o + k - 1))))
         t, o = t + k, o + k - 1
     return convs
 
 
 class ScriptedRunner:
     """The engine's device side for the schedule: each sequence (its key data is (sequence, 0)) samples its
-    script's turns, a turn ending on STOP_ID; records each call (`Call`)."""
+    script's turns, a turn ending on STOP_ID where its script says so (else at its budget); records each call
+    (`Call`)."""
 
     def __init__(self, convs: Sequence[Conversation], page_size: int):
         self.convs, self.page_size = convs, page_size
@@ -162,16 +178,16 @@ class ScriptedRunner:
         for row in range(batch.num_seqs):
             if not batch.samples_s[row]:
                 continue
-            turns = self.convs[int(batch.key_data_s[row, 0])].turn_tokens
-            done, left = int(batch.count_s[row]), 0
-            for length in turns:  # the turn this sample belongs to, and its tokens left
+            conv = self.convs[int(batch.key_data_s[row, 0])]
+            done, left, stops = int(batch.count_s[row]), 0, False
+            for length, stops in zip(conv.turn_tokens, conv.stops):  # the turn this sample belongs to, its tokens left
                 if done < length:
                     left = length - done
                     break
                 done -= length
             n = min(int(batch.samples_s[row]), max(left, 1))
             n_s[row] = n
-            if n == left:
+            if n == left and stops:
                 tokens_sc[row, n - 1] = STOP_ID
         pages = -(-batch.kv_lens_s[:batch.num_seqs] // self.page_size)
         iterations = max(int(n_s.max(initial=0)) - 1, 0)
@@ -187,7 +203,8 @@ class ScriptedRunner:
 def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search_latency_calls: int = 1
         ) -> Schedule:
     """The calls of one rollout of `convs` on an engine of `config` (its stop ids replaced by STOP_ID) under
-    `policy` (module docstring)."""
+    `policy` (module docstring). `search_latency_calls`: the calls a search's observation comes after its turn ended
+    (continuous)."""
     if policy not in POLICIES:
         raise ValueError(f"rollout schedule: policy {policy!r} is not modelled (one of {', '.join(POLICIES)})")
     config = dataclasses.replace(config, stop_ids=(STOP_ID,))
@@ -206,6 +223,10 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
         """Ends the turn just sampled: True when the conversation goes on (an observation follows)."""
         turn[seq] += 1
         return turn[seq] < len(convs[seq].turn_tokens)
+
+    def searched(seq: int) -> bool:
+        """Whether the observation after the turn just closed answers a search."""
+        return convs[seq].searches[turn[seq] - 1]
 
     def extend(seq: int) -> None:
         conv, context = convs[seq], engine.context(seq)
@@ -236,7 +257,7 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
                         engine.finish(seq)
                 if not going:
                     break
-                waits += 1
+                waits += any(searched(seq) for seq in going)  # the round waits for its searches, if any
                 for seq in going:
                     extend(seq)
     else:
@@ -251,7 +272,8 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
             in_flight = max(in_flight, engine.in_flight)
             if engine.running:
                 for seq, _ in engine.step():
-                    waiting.append((seq, calls + 1 + search_latency_calls if close(seq) else calls + 1))
+                    going = close(seq)
+                    waiting.append((seq, calls + 1 + (search_latency_calls if going and searched(seq) else 0)))
                 calls += 1
             elif waiting:
                 calls = min(at for _, at in waiting)

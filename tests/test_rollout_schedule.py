@@ -17,10 +17,11 @@ def engine(slots, max_context=64, page_size=8):
                         num_pages=slots * max_context // page_size + 1, max_context=max_context)
 
 
-def lengths(prompt, turns, sampled, observation, prompt_std=0.0, turns_std=0.0, turn_std=0.0, observation_std=0.0):
+def lengths(prompt, turns, sampled, observation, prompt_std=0.0, turns_std=0.0, turn_std=0.0, observation_std=0.0,
+            searches=0.0):
     """Per trajectory: `prompt` tokens, `turns` turns sampling `sampled` tokens in all, observations of
-    `observation`; the spreads (standard deviations) of each."""
-    return step_lengths.Lengths(prompt, turns, sampled, observation, 0.0, 0.0, prompt_std, turns_std, turn_std,
+    `observation`, `searches` searches; the spreads (standard deviations) of each."""
+    return step_lengths.Lengths(prompt, turns, sampled, observation, 0.0, searches, prompt_std, turns_std, turn_std,
                                 observation_std, 0.0, "given")
 
 
@@ -94,13 +95,42 @@ def test_a_continuous_stream_admits_as_slots_free_as_worked_out_by_hand():
 def test_observations_follow_each_turn_and_a_barrier_waits_for_each_rounds_searches():
     """Two turns of 4 tokens with a 20-token observation between: after the first round the observations are
     written, 20 tokens each (the turn's last sampled token, its stop id, is not kept); one turn round ended with
-    searches."""
-    convs = scripts(2, 1, lengths(5, 2.0, 8.0, 20))
+    searches; without searches (invalid actions) none waits."""
+    convs = scripts(2, 1, lengths(5, 2.0, 8.0, 20, searches=1.0))
     s = rollout_schedule.run(engine(2), convs, "barrier")
     assert sum(s.tokens_per_bucket.values()) == 2 * 5 + 2 * 20
     assert s.search_waits == 1
+    assert rollout_schedule.run(engine(2), scripts(2, 1, lengths(5, 2.0, 8.0, 20)), "barrier").search_waits == 0
     with pytest.raises(ValueError, match="policy 'tree' is not modelled"):
         rollout_schedule.run(engine(2), convs, "tree")
+
+
+def test_searches_are_spread_over_the_observations_and_only_theirs_wait_under_continuous():
+    """Searches per trajectory set how many observations answer a search (at most all); worked out by hand, 2 slots:
+    sequence 0 takes two 4-token turns with a 5-token observation between, sequence 1 one turn of 12 tokens (3 calls
+    of 4 samples). Call 1: both prompts (20 tokens); sequence 0's turn ends. An invalid action's observation is
+    written in call 2 beside sequence 1's token (6 tokens), then sequence 1's last token (1); a search's waits a
+    call: sequence 1's token alone (1), then both (6)."""
+    convs = scripts(4, 1, lengths(10, 3.0, 12.0, 5, searches=1.0))
+    assert sum(sum(c.searches) for c in convs) == 4 and all(len(c.searches) == 2 for c in convs)
+    assert sum(sum(c.searches) for c in scripts(4, 1, lengths(10, 3.0, 12.0, 5, searches=9.0))) == 8
+    assert not any(any(c.searches) for c in scripts(4, 1, lengths(10, 3.0, 12.0, 5)))
+    calls = {}
+    for search in (False, True):
+        convs = [rollout_schedule.Conversation((2,) * 10, (4, 4), (5,), (True, True), (search,)),
+                 rollout_schedule.Conversation((3,) * 10, (12,), (), (True,), ())]
+        calls[search] = [(c.bucket, c.tokens) for c in rollout_schedule.run(engine(2), convs, "continuous").calls]
+    assert calls == {False: [(32, 20), (8, 6), (2, 1)], True: [(32, 20), (2, 1), (8, 6)]}
+
+
+def test_a_turn_at_the_cap_ends_at_its_budget_and_keeps_its_last_token():
+    """A turn of rollout.max_turn_tokens has no stop id: all its tokens are kept, so its last sampled token (not yet
+    written) is written with the observation: one more input token than a stopped turn's."""
+    capped = scripts(1, 1, lengths(10, 2.0, 16.0, 20), max_turn_tokens=8)
+    stopped = scripts(1, 1, lengths(10, 2.0, 16.0, 20), max_turn_tokens=9)
+    assert capped[0].stops == (False, False) and stopped[0].stops == (True, True)
+    tokens = [sum(rollout_schedule.run(engine(1), c, "barrier").tokens_per_bucket.values()) for c in (capped, stopped)]
+    assert tokens == [10 + 1 + 20 + 1 + 1, 10 + 1 + 20 + 1]
 
 
 def test_a_runs_schedule_takes_its_engine_shapes_and_policy():

@@ -9,7 +9,17 @@ What holds beyond that: the decode-only calls (the 6-token bucket, a quarter of 
 turn round's tail, the calls after its last input chunk, whose number follows where each round's prompts and
 observations end against the 64-token steps; the schedule's spread lengths place them close to but not exactly as
 this rollout's (15 predicted against 17 logged, 14 to 18 over the schedule's orders of the same spreads), so they
-are not asserted."""
+are not asserted.
+
+The demo app's shape (a random model: `python -m llds_jax.launch --config=configs/tiny_test.py` at 8 prompts x 4
+samples, 3 turns of 16 tokens, 8 slots): every turn runs to its 16-token budget (no stop id: its last sampled token is
+kept and written with the observation), no action is valid (the observation is the invalid-action message, cut to 48
+tokens, appended as soon as the turn ends: no search to wait for), and a 4th turn answers after max_turns. The schedule
+once waited a call for every observation as for a search's and dropped every turn's last token as a stop id:
+8 + 9 + 3 + 20 + 6 = 46 calls predicted in buckets 8, 64, 128, 256 and 512 against that launch's logged 2 + 3 + 3 +
+20 + 6 = 34; a steered model of that shape reproduces it, and the counts now agree call for call in every bucket."""
+import dataclasses
+
 import jax
 import pytest
 
@@ -18,7 +28,7 @@ from llds_jax import rollout_schedule, step_lengths
 from llds_jax.config import default_config
 from llds_jax.rollout import agent
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
-from tests.rollout.test_agent import EchoRetriever, example
+from tests.rollout.test_agent import NEWLINE, THE, EchoRetriever, example, steered_params
 from tests.rollout.test_paged_engine import sampled, tiny  # noqa: F401  (fixtures)
 
 # 8 questions x 3 samples (prompts of 140 to 200 tokens), 3 search turns of up to 16 tokens, observations of up to
@@ -63,3 +73,48 @@ def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_toke
     for bucket in dominant:
         assert schedule.calls_per_bucket.get(bucket, 0) == pytest.approx(logged[bucket][0], rel=0.1), (
             bucket, schedule.calls_per_bucket, logged)
+
+
+# The demo launch's shape: 8 questions x 4 samples (prompts of 142 to 145 tokens), every turn " the" x 16 (its
+# budget), the invalid-action message cut to 48 tokens (its 48th token ">." is followed by " the" too), 3 turns + the
+# answer turn; 8 slots, 8 samples per call, steps of up to 512 tokens in pages of 16, a 512-token context.
+CUT_MESSAGE_END = 14276  # ">." (the 48th token of protocol.INVALID_ACTION_MESSAGE)
+RUN_ON = {NEWLINE: [THE], THE: [THE], CUT_MESSAGE_END: [THE]}
+DEMO_EXAMPLES = [example(i, "question " + "word " * (6 + i % 4), ("paris",)) for i in range(8) for _ in range(4)]
+
+
+def demo_config(continuous):
+    c = default_config()
+    c.data.prompts_per_step, c.data.samples_per_prompt = 8, 4
+    r = c.rollout
+    r.max_turns, r.max_turn_tokens, r.max_observation_tokens, r.max_prompt_tokens = 3, 16, 48, 256
+    r.max_context_tokens, r.max_response_tokens, r.max_batch_size, r.decode_chunk = 512, 4096, 8, 8
+    r.temperature, r.top_p, r.page_size, r.max_step_tokens, r.continuous_batching = 1.0, 1.0, 16, 512, continuous
+    return c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
+def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_tokenizer, tiny, sampled, continuous):
+    model, graphdef = tiny
+    sampling = dataclasses.replace(sampled[1], decode_chunk=8)
+    params = steered_params(model, steering=RUN_ON)
+    cfg = demo_config(continuous)
+    agent_cfg = config_lib.agent_config(cfg)
+    paging = config_lib.paging_config(cfg)
+    engine = engine_config(agent_cfg, sampling, 8, paging.page_size, paging.max_step_tokens)
+    paged = PagedSampler(graphdef, model.cfg, sampling, engine)
+    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), DEMO_EXAMPLES, jax.random.key(3),
+                           agent_cfg, group_size=4)
+    metrics = result.metrics
+    # The launch's shape: 4 turns of 16 tokens, no search, 3 observations of 48 tokens (cut), each trajectory.
+    assert (metrics["turns"], metrics["turns_std"], metrics["searches"]) == (4.0, 0.0, 0.0)
+    assert (metrics["sampled_tokens"], metrics["observation_tokens"]) == (32 * 64, 32 * 3 * 48)
+    assert metrics["truncated_observations"] == 3.0
+    records = [{**{f"rollout/{k}": v for k, v in metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
+    lengths = step_lengths.from_metrics(records, "the rollout")
+    logged = step_lengths.logged_step_counts(records, "the rollout")
+    schedule = rollout_schedule.for_run(cfg, lengths, len(DEMO_EXAMPLES))
+    assert sum(schedule.tokens_per_bucket.values()) == sum(tokens for _, tokens in logged.values())
+    assert schedule.search_waits == 0
+    assert schedule.calls_per_bucket == {b: calls for b, (calls, _) in logged.items() if calls}, logged
