@@ -11,9 +11,9 @@ two train steps that differ only in the LLDS switch. Timed for each side, in int
 - step: `train_on_batch` with `measure_lld=False` (`train.lld_every = 0`, or a step it skips): the batch laid out,
   old and reference log-probs (two forwards), the likelihood metrics, the U updates, the metrics fetched;
 - step + LLD: `train_on_batch` with `measure_lld=True` (a step `train.lld_every` measures): the same plus the LLD
-  measurement: `lld_logp` after the updates (and before them with a bfloat16 model; a float32 model's log-probs
+  measurement: the LLD forward after the updates (and before them with a bfloat16 model; a float32 model's log-probs
   before the updates are old_logp itself) and `lld_metrics`;
-- LLD forward: one `lld_logp` over the batch (forward only; identical programs on both sides: a noise gauge);
+- LLD forward: one LLD forward over the batch (forward only; identical programs on both sides: a noise gauge);
 - LLD metrics: `lld_metrics` (Delta_traj, LLD rate) of two log-prob arrays.
 
 XLA's cost analysis of each side's compiled update (FLOPs and bytes accessed) is printed too: a count, not a timing,
@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import matmul_params, measure, model_config, synthetic_batch  # noqa: E402
 
 from llds_jax.model import Transformer  # noqa: E402
+from llds_jax.programs import Role  # noqa: E402
 from llds_jax.rl.batch import RolloutBatch  # noqa: E402
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig  # noqa: E402
 from llds_jax.rl.train_step import RLTrainStep  # noqa: E402
@@ -90,7 +91,10 @@ class Side:
         return {key: float(cost.get(key, float("nan"))) for key in ("flops", "bytes accessed")}
 
     def lld_forward(self):
-        return self.step.lld_logp(self.state.params, self.prepared)
+        """The LLD measurement's forward as `train_on_batch` runs it: its own float32 program with a model that
+        does not compute in float32, else the policy's log-probs program."""
+        lld_program = self.step._batch_programs(self.state, False, True).get(Role.LLD_LOGP)
+        return self.step.sequence_logp(self.state.params, self.prepared, lld_program)
 
     def lld_metrics(self):
         return self.step._lld(self.old_logp, self.ref_logp, self.prepared.batch)
@@ -154,7 +158,7 @@ def main(argv=None) -> dict:
     head += f"{'GRPO CPU s':>12}{'LLDS CPU s':>12}{'ratio CPU':>11}" if on_cpu else ""
     print(head)
     labels = {"update": "update (1 jitted mini-batch update)", "step": f"step (train_on_batch, {u} updates)",
-              "step + LLD": "step + LLD measurement", "LLD forward": "  LLD forward (lld_logp, 1 call)",
+              "step + LLD": "step + LLD measurement", "LLD forward": "  LLD forward (1 call)",
               "LLD metrics": "  LLD metrics (lld_metrics)"}
     for part in PARTS:
         g, l = result[part]["GRPO"], result[part]["LLDS"]
@@ -166,7 +170,7 @@ def main(argv=None) -> dict:
         n = 2 if sides[name].step._lld_in_float32 else 1  # a float32 model reuses old_logp before the updates
         print(f"[{name}] the LLD measurement adds {lld.wall - base.wall:.3f} s ({lld.cpu - base.cpu:.3f} CPU s) to a "
               f"step: {(lld.wall - base.wall) / base.wall:+.1%} ({(lld.cpu - base.cpu) / base.cpu:+.1%} CPU); its {n} "
-              f"lld_logp forward(s) alone {n * forward.wall / base.wall:.1%} ({n * forward.cpu / base.cpu:.1%} CPU)")
+              f"LLD forward(s) alone {n * forward.wall / base.wall:.1%} ({n * forward.cpu / base.cpu:.1%} CPU)")
     costs = {name: side.update_cost() for name, side in sides.items()}
     g, l = costs["GRPO"], costs["LLDS"]
     print(f"[xla] compiled update, XLA's cost analysis, GRPO vs LLDS: GFLOP {g['flops'] / 1e9:.4f} vs "

@@ -215,7 +215,7 @@ class Row:
 def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[str, float]:
     """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows[i]` the compiled
     `programs[i]`), of PAGE_POOL (the paged engine's pool, 0 without it), and of INDEX and SESSION when a retrieval
-    search program is among them. Without a reference (no
+    search program is among them (SESSION 0 when no rollout program is). Without a reference (no
     KL term) the params are half the AdamW state (m and v are laid out like them)."""
     by_role = {program.role: row for row, program in zip(rows, programs)}
     opt_state = by_role[Role.OPTIMIZER_INIT].outputs
@@ -226,7 +226,7 @@ def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[s
     search = by_role.get(Role.RETRIEVAL)
     if search is not None:
         sizes[INDEX] = search.arguments
-        sizes[SESSION] = max(row.arguments for row, program in zip(rows, programs) if program.rollout)
+        sizes[SESSION] = max((row.arguments for row, program in zip(rows, programs) if program.rollout), default=0.0)
     return sizes
 
 
