@@ -1,14 +1,16 @@
-"""Servers the tests start or talk to: free loopback ports, polling, a noida-db Elasticsearch-API server, and
-Elasticsearch index clean-up.
+"""Servers and processes the tests start or talk to: free loopback ports, polling, a noida-db Elasticsearch-API
+server, Elasticsearch index clean-up, two-process JAX runs.
 
 Import as `from tests.servers import ...` (pytest.ini puts the repository root on sys.path)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -87,3 +89,23 @@ def delete_es_index(url: str, name: str) -> None:
         client.options(ignore_status=404).indices.delete(index=name)
     finally:
         client.close()
+
+
+def two_process_results(script: str, *args: str, timeout: float) -> list[dict]:
+    """Runs `python script PORT PID *args` as processes 0 and 1 of a two-process JAX run on CPU (4 devices each) and
+    returns each one's JSON printed after "RESULT " (asserting it exited 0, its output in the message)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, script, port, str(pid), *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+        [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        results.append(json.loads(line[len("RESULT "):]))
+    return results

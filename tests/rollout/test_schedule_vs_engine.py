@@ -36,14 +36,20 @@ from tests.rollout.test_paged_engine import sampled, tiny  # noqa: F401  (fixtur
 EXAMPLES = [example(i, "question " + "word " * (9 * i), ("paris",)) for i in range(8) for _ in range(3)]
 
 
-def run_config(continuous):
+def rollout_config(continuous, prompts, samples, **rollout):
+    """The run config of `prompts` x `samples` trajectories with the `rollout` keys given, sampling at temperature
+    1 over the whole vocabulary under `continuous` or barrier scheduling."""
     c = default_config()
-    c.data.prompts_per_step, c.data.samples_per_prompt = 8, 3
-    r = c.rollout
-    r.max_turns, r.max_turn_tokens, r.max_observation_tokens, r.max_prompt_tokens = 3, 16, 100, 200
-    r.max_context_tokens, r.max_response_tokens, r.max_batch_size, r.decode_chunk = 290, 290, 6, 4
-    r.temperature, r.top_p, r.page_size, r.max_step_tokens, r.continuous_batching = 1.0, 1.0, 8, 64, continuous
+    c.data.prompts_per_step, c.data.samples_per_prompt = prompts, samples
+    for key, value in {"temperature": 1.0, "top_p": 1.0, "continuous_batching": continuous, **rollout}.items():
+        c.rollout[key] = value
     return c
+
+
+def run_config(continuous):
+    return rollout_config(continuous, 8, 3, max_turns=3, max_turn_tokens=16, max_observation_tokens=100,
+                          max_prompt_tokens=200, max_context_tokens=290, max_response_tokens=290, max_batch_size=6,
+                          decode_chunk=4, page_size=8, max_step_tokens=64)
 
 
 @pytest.mark.slow
@@ -84,13 +90,9 @@ DEMO_EXAMPLES = [example(i, "question " + "word " * (6 + i % 4), ("paris",)) for
 
 
 def demo_config(continuous):
-    c = default_config()
-    c.data.prompts_per_step, c.data.samples_per_prompt = 8, 4
-    r = c.rollout
-    r.max_turns, r.max_turn_tokens, r.max_observation_tokens, r.max_prompt_tokens = 3, 16, 48, 256
-    r.max_context_tokens, r.max_response_tokens, r.max_batch_size, r.decode_chunk = 512, 4096, 8, 8
-    r.temperature, r.top_p, r.page_size, r.max_step_tokens, r.continuous_batching = 1.0, 1.0, 16, 512, continuous
-    return c
+    return rollout_config(continuous, 8, 4, max_turns=3, max_turn_tokens=16, max_observation_tokens=48,
+                          max_prompt_tokens=256, max_context_tokens=512, max_response_tokens=4096, max_batch_size=8,
+                          decode_chunk=8, page_size=16, max_step_tokens=512)
 
 
 @pytest.mark.slow

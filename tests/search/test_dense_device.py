@@ -5,8 +5,6 @@ run of two processes each searches its own copy."""
 import asyncio
 import json
 import os
-import subprocess
-import sys
 
 import faiss
 import jax
@@ -19,7 +17,7 @@ from llds_jax.search import make_retriever
 from llds_jax.search.dense import read_faiss_index
 from llds_jax.search.device_index import flat_vectors, load
 from llds_jax.search.device_search import ExactSearcher, candidates_program, faiss_order, score_bound
-from tests.servers import free_port
+from tests.servers import two_process_results
 
 DIM = 768
 
@@ -206,20 +204,7 @@ def test_each_host_of_a_two_process_run_searches_its_own_copy(tmp_path, world_e5
     questions = [ex.question for ex in world.test[:24]]
     script = tmp_path / "worker.py"
     script.write_text(TWO_HOSTS_WORKER)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), port, str(pid), folder, e5_folder, json.dumps(questions)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out
-        [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        results.append(json.loads(line[len("RESULT "):]))
+    results = two_process_results(str(script), folder, e5_folder, json.dumps(questions), timeout=240)
     host = make_retriever({"backend": "faiss", "index_path": folder, "encoder_path": e5_folder, "max_length": 64})
 
     async def faiss_ids():

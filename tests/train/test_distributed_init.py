@@ -1,15 +1,11 @@
 """distributed: environment detection, argument checks, and a real two-process run on loopback."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
 
 from llds_jax import distributed
-from tests.servers import free_port
+from tests.servers import two_process_results
 
 
 @pytest.mark.parametrize("env, tpu_vm_workers, reason", [
@@ -79,20 +75,7 @@ WORKER = textwrap.dedent("""
 def test_two_processes_on_loopback(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), port, str(pid)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=50)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out
-        [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        results.append(json.loads(line[len("RESULT "):]))
+    results = two_process_results(str(script), timeout=50)
     common = {"first": True, "again": True, "devices": 8, "local": 4, "processes": 2, "sum": 28.0,
               "any_false": False, "any_one": True, "stop": True}
     assert results[0] == {**common, "main": True, "local_flag": False}
