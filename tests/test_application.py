@@ -131,8 +131,8 @@ def test_model_path_is_left_to_an_app_that_provides_it():
 
 @pytest.mark.parametrize("name, message", [
     ("llds_jax.apps.nonexistent", r"^app 'llds_jax\.apps\.nonexistent' cannot be imported: "),
-    ("llds_jax.train.report", r"^app 'llds_jax\.report' is not an application module: it lacks config_sections, "
-                        r"check_config, provided_keys, paths, prepare_run"),
+    ("llds_jax.train.report", r"^app 'llds_jax\.train\.report' is not an application module: it lacks "
+                              r"config_sections, check_config, provided_keys, paths, prepare_run"),
 ])
 def test_a_bad_app_is_named(name, message):
     cfg = load("base")

@@ -11,6 +11,7 @@ their memory per chip and an estimated step time. A CPU run never loads them.
 The package sits on top of the library: only `llds_jax.launch` imports it (tests/architecture/test_import_graph.py).
 The two leaves it shares with the library stay at the top level: `llds_jax.programs` (the protocol the train step,
 the rollout and the on-chip retriever implement to name their programs) and `llds_jax.topologies` (the TPU slices,
-which `llds_jax.checks` checks `mesh.topology` against); here, a package that imports them would be imported by them.
+which `llds_jax.checks` checks `mesh.topology` against). Inside this package they would make a circle of packages:
+the components and the checks import them, and the compile check imports the components and the checks.
 Import from the defining module (`llds_jax.aot.compile_check`, ...): this package imports nothing.
 """

@@ -1,48 +1,64 @@
 """What the docs point to exists (issue 58, item 15): the README cited `llds-method.md` and code docstrings
 `search-r1-protocol.md`, files of no project; its module map put `protocol.py` under rollout/, where no such file is,
-and missed a dozen top-level modules."""
+and missed a dozen top-level modules. The module map is docs/architecture.md's since issue 57: it names every package
+and module, and every path it names exists."""
 import pathlib
 import re
 import subprocess
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+MAP = "docs/architecture.md"
+CODE = ("llds_jax", "index_builder")
 
 
-def map_rows() -> list[tuple[list[str], str]]:
-    """The module map's rows: the paths of the first column (`llds_jax/...`, `index_builder/`) and the second."""
+def map_rows(text: str) -> list[tuple[str, str]]:
+    """The rows of the "Module map" section of `text`: (the path of the first column, the job of the second)."""
+    section = text.split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
     rows = []
-    for line in (ROOT / "README.md").read_text().splitlines():
-        cells = line.split(" | ")
-        if line.startswith("| `") and len(cells) == 2 and line.endswith(" |"):
-            paths = re.findall(r"`([^`]+)`", cells[0])
-            if paths and all(path.startswith(("llds_jax/", "index_builder/")) for path in paths):
-                rows.append((paths, cells[1]))
+    for line in section.splitlines():
+        row = re.fullmatch(r"\| `([^`]+)` \| (.*) \|", line)
+        if row:
+            rows.append((row.group(1), row.group(2).strip()))
     return rows
 
 
-def test_every_file_a_package_row_names_is_in_that_package():
-    rows = map_rows()
-    assert len(rows) > 10
-    misplaced = []
-    for paths, job in rows:
-        folders = [ROOT / path for path in paths if path.endswith("/")]
-        if not folders:
-            continue
-        for name in re.findall(r"`([\w/]+\.py)`", job):
-            if not any((folder / name).is_file() for folder in folders):
-                misplaced.append(f"{', '.join(paths)}: {name}")
-    assert not misplaced
+def code_paths() -> set[str]:
+    """Every module (`llds_jax/rl/losses.py`) and package (`llds_jax/rl/`) of the code the map covers; a package
+    stands for its __init__.py."""
+    paths = set()
+    for top in CODE:
+        for path in (ROOT / top).rglob("*.py"):
+            relative = path.relative_to(ROOT).as_posix()
+            paths.add(relative[:-len("__init__.py")] if path.name == "__init__.py" else relative)
+    return paths
 
 
-def test_every_top_level_module_and_package_is_in_the_map():
-    named = {path.rstrip("/") for paths, _ in map_rows() for path in paths}
-    library = ROOT / "llds_jax"
-    modules = {f"llds_jax/{path.name}" for path in library.glob("*.py") if path.name != "__init__.py"}
-    packages = {f"llds_jax/{path.name}" for path in library.iterdir() if (path / "__init__.py").is_file()}
-    text = "\n".join(job for _, job in map_rows())
-    # A module the map names inside another row's description (`programs.py` in the compile check's) counts.
-    missing = sorted(m for m in modules | packages if m not in named and f"`{m.split('/')[-1]}`" not in text)
-    assert not missing
+def test_the_reader_of_the_map_takes_its_rows_and_nothing_else():
+    text = ("intro\n## Module map\n\n| path | job |\n|---|---|\n| `llds_jax/rl/` | GRPO |\n"
+            "| `llds_jax/rl/losses.py` | the loss terms |\n\n| `llds_jax/x.py` | after the section |\n")
+    assert map_rows(text.replace("after the section", "in it")) == [
+        ("llds_jax/rl/", "GRPO"), ("llds_jax/rl/losses.py", "the loss terms"), ("llds_jax/x.py", "in it")]
+    assert map_rows(text.replace("\n\n| `llds_jax/x.py`", "\n## Next\n| `llds_jax/x.py`")) == [
+        ("llds_jax/rl/", "GRPO"), ("llds_jax/rl/losses.py", "the loss terms")]
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[tuple[str, str]]:
+    return map_rows((ROOT / MAP).read_text())
+
+
+def test_every_path_the_map_names_exists_once_with_a_job(rows):
+    assert len(rows) > 100
+    paths = [path for path, _ in rows]
+    assert sorted(p for p in set(paths) if paths.count(p) > 1) == []
+    assert [path for path, job in rows if not job] == []
+    assert [path for path in paths if not (ROOT / path).exists()] == []
+
+
+def test_every_module_and_package_is_in_the_map(rows):
+    assert sorted(code_paths() - {path for path, _ in rows}) == []
 
 
 # Where the docs name a file that a command writes rather than one of the project (the study's output folder).
