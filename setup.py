@@ -15,7 +15,7 @@ INSTALL_REQUIRES = [
     "safetensors",
     "tensorboardX",
     "tensorboard",
-    "matplotlib",  # python -m llds_jax.report: PNG plots of a run folder
+    "matplotlib",  # python -m llds_jax.train.report: PNG plots of a run folder
     "numpy",
     "pyarrow",
     "tqdm",

@@ -24,7 +24,7 @@ import time
 
 from etils import epath
 
-from llds_jax import report
+from llds_jax.train import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OVERRIDES = ("sft.enabled=False",)  # the demo's warm start takes minutes and compiles nothing of the RL run

@@ -38,7 +38,7 @@ from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.search.factory import make_retriever
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_AGENT = dict(max_turns=2, max_turn_tokens=32, max_observation_tokens=128, max_prompt_tokens=64,

@@ -1,16 +1,16 @@
 """What LLDS costs per training step at a paper config's shape, compiled, not run: the config's training update
 compiled by XLA's TPU compiler (the libtpu wheel) for its pod topology twice, with `objective.llds.enabled` True
 (the config's LLDS: its lambda and gate) and False (plain GRPO), everything else identical, as `--mode=compile`
-compiles it (`llds_jax.compile_check`: no TPU, no weights read).
+compiles it (`llds_jax.aot.compile_check`: no TPU, no weights read).
 
 For each side:
 - memory per chip, from XLA's memory analysis of the compiled update (as `--mode=compile` reports it): arguments,
   temporaries, resident (the arrays the run keeps in HBM meanwhile that are not its arguments, read off the
   compiled "optimizer init" and "reference copy"), total = arguments + outputs - donated + temporaries + code +
   resident;
-- the roofline ESTIMATE of one call on one chip, read from its HLO (`llds_jax.roofline`): matrix FLOPs, HBM bytes,
+- the roofline ESTIMATE of one call on one chip, read from its HLO (`llds_jax.aot.roofline`): matrix FLOPs, HBM bytes,
   ICI bytes, seconds at the topology generation's peaks;
-- calls per training step (`optim` updates per step, `llds_jax.step_estimate.update_calls`) and the estimated
+- calls per training step (`optim` updates per step, `llds_jax.aot.step_estimate.update_calls`) and the estimated
   update time per step, calls x seconds per call, as the step estimate of `--mode=compile` counts it;
 and LLDS - GRPO and LLDS / GRPO of each.
 
@@ -36,7 +36,8 @@ from typing import Optional, Sequence
 
 import jax
 
-from llds_jax import checks, compile_check, roofline, topologies
+from llds_jax import checks, topologies
+from llds_jax.aot import compile_check, roofline
 from llds_jax.config_file import load_config
 from llds_jax.programs import Role
 

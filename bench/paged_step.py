@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from llds_jax import compile_check, parallel
+from llds_jax import parallel
+from llds_jax.aot import compile_check
 from llds_jax.model import Transformer, pages_spec, preset
 
 GIB = float(1 << 30)

@@ -24,7 +24,7 @@ Prints, for top-3 retrieval:
    `--search-only` runs only the search measurements, on random unit query vectors, without the encoders:
 
     python bench/retrieval.py --search-only --dense-rows 200000 --dense-queries 256 --dense-batch 64
-6. `--calls`: what the step estimate's retrieval line reads (llds_jax/step_estimate.py), faiss on one thread over
+6. `--calls`: what the step estimate's retrieval line reads (llds_jax/aot/step_estimate.py), faiss on one thread over
    `--dense-rows` random unit rows: seconds of a call of 1 query (faiss's per-query path: one scan of every row
    per query), of `--blas-queries` queries (its BLAS path, from 167 queries at 768 dimensions) per query, both per
    million rows, and HNSW64's seconds per query; then the calls a rollout makes (1, 8, 64 queries) on all threads.
@@ -63,7 +63,7 @@ sys.path.insert(0, REPO_ROOT)
 from index_builder.corpus import CorpusReader  # noqa: E402
 from index_builder.to_bm25 import build_bm25  # noqa: E402
 from llds_jax.search.synthetic import SyntheticCorpus  # noqa: E402
-from llds_jax.step_estimate import WIKI18_ROWS  # noqa: E402  (the estimate's retrieval line reads these figures)
+from llds_jax.aot.step_estimate import WIKI18_ROWS  # noqa: E402  (the estimate's retrieval line reads these figures)
 
 TOP_K = 3
 

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from llds_jax import tokenizer as tokenizer_lib
+from llds_jax.model import tokenizer as tokenizer_lib
 from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer, hf_io, to_hf_config
 from llds_jax.rollout import agent

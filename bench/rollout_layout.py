@@ -1,6 +1,6 @@
 """The pod rollout's step program (its largest token bucket) in the training layout against the tensor-parallel one,
 compiled by XLA's TPU compiler for the config's topology (no TPU needed) and compared by the roofline of their HLO
-(an ESTIMATE, not a run: llds_jax.roofline): all-gathered bytes, HBM bytes, estimated time per call (its decode
+(an ESTIMATE, not a run: llds_jax.aot.roofline): all-gathered bytes, HBM bytes, estimated time per call (its decode
 loop counted once) and the ratio.
 
     python bench/rollout_layout.py --config configs/qwen7b_v4.py --baseline-rows 16
@@ -14,7 +14,8 @@ import argparse
 
 import jax
 
-from llds_jax import compile_check, roofline, topologies
+from llds_jax import topologies
+from llds_jax.aot import compile_check, roofline
 from llds_jax.config_file import load_config
 from llds_jax.programs import Role
 

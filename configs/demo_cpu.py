@@ -11,7 +11,7 @@
    learns to copy the name into the query and the answer out of the document), then 80 on the mixed ones (it
    learns to search only now and then). Greedy decoding takes the more likely branch, the guess: test EM is low.
 3. GRPO + LLDS with the real rollout loop (searches hit the embedded index); the test set is evaluated before the
-   first step and after the last, and both are printed side by side. `python -m llds_jax.report runs/demo_cpu`
+   first step and after the last, and both are printed side by side. `python -m llds_jax.train.report runs/demo_cpu`
    draws the plots.
 """
 from llds_jax.apps import demo_config

@@ -12,7 +12,7 @@ skipped (faiss: after the last complete shard of `OUT.partial`). A missing or un
 SIGINT (Ctrl-C, `kill -INT`) stops any build within moments, even one started with SIGINT ignored (as a
 non-interactive shell starts `cmd &`): one line on stderr saying what is left, exit status 130. `--out` is only ever
 created complete (renamed from `OUT.partial`); bm25 removes `OUT.partial`, faiss keeps its complete shards there.
-One build per `--out`: a bm25 or faiss build holds the lease file `OUT.lease` (llds_jax.lease) while it runs; a
+One build per `--out`: a bm25 or faiss build holds the lease file `OUT.lease` (llds_jax.runtime.lease) while it runs; a
 second build on the same `--out` stops with one line naming the first (exit status 2).
 Elasticsearch credentials come from LLDS_ES_API_KEY or LLDS_ES_USER + LLDS_ES_PASSWORD.
 """
@@ -34,7 +34,7 @@ from index_builder.summary import BuildSummary
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_elasticsearch import BulkRejectedError, build_elasticsearch
 from index_builder.to_faiss import build_faiss
-from llds_jax.lease import FolderNotWritableError, Lease, LeaseHeldError
+from llds_jax.runtime.lease import FolderNotWritableError, Lease, LeaseHeldError
 from llds_jax.search.bm25_index import MANIFEST_FILE
 from llds_jax.search.dense_index import BuildSettingsError
 from llds_jax.search.e5 import E5Embedder

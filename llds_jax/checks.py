@@ -15,7 +15,8 @@ import os
 import ml_collections
 
 from llds_jax import config as config_lib
-from llds_jax import application, gcs, parallel, topologies
+from llds_jax import application, parallel, topologies
+from llds_jax.runtime import gcs
 from llds_jax.config import ConfigError
 from llds_jax.model.config import ATTENTION_CHOICES, PRESETS
 from llds_jax.rl.advantages import ADVANTAGES

@@ -19,7 +19,8 @@ from typing import Any
 
 import ml_collections
 
-from llds_jax import bounds, redaction
+from llds_jax import bounds
+from llds_jax.runtime import redaction
 from llds_jax.bounds import ConfigError
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig

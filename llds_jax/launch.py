@@ -10,7 +10,7 @@ Modes: `train` (default; resumes from the run folder's latest checkpoint), `eval
 data.eval_files with the latest checkpoint or the initial weights: EM per data_source), `export` (the latest
 checkpoint's policy as a Hugging Face folder at --export_dir), `sft` (only the supervised warm start), `compile`
 (every program of the run compiled for the TPU topology `--topology` or `mesh.topology` on this machine, with a
-table of memory per chip; exit status 1 when one does not fit: llds_jax.compile_check).
+table of memory per chip; exit status 1 when one does not fit: llds_jax.aot.compile_check).
 
 With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused when cached) and continues from its
 output.
@@ -53,7 +53,8 @@ from absl.logging import converter as absl_converter  # noqa: E402
 from etils import epath  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from llds_jax import config_file, gcs  # noqa: E402 (config_file first: it registers the file-list parser)
+from llds_jax import config_file  # noqa: E402 (config_file first: it registers the file-list parser)
+from llds_jax.runtime import gcs
 from llds_jax.errors import InputError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
@@ -68,15 +69,15 @@ _ESTIMATE_FROM = flags.DEFINE_string("estimate_from", "", "Run folder whose logg
 
 EXIT_BAD_INPUT = 2
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull")
-LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.lease)
+LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.runtime.lease)
 # What a run writes into its folder: one of them marks a folder written before the output marker existed.
 RUN_FOLDER_ENTRIES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", "eval", "assets", "warm_start", "report",
                                 LEASE_FILE})
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from llds_jax.compile_check import CompilerUnavailableError
-    from llds_jax.lease import FolderNotWritableError, LeaseHeldError
+    from llds_jax.aot.compile_check import CompilerUnavailableError
+    from llds_jax.runtime.lease import FolderNotWritableError, LeaseHeldError
     from llds_jax.search.types import RetrieverUnavailableError
     from llds_jax.train.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
     from llds_jax.train.watchdog import NonFiniteError
@@ -128,7 +129,7 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: 
     if mode != "compile":  # compile_check validates against the topology's device count
         checks.validate(cfg)
     if mode == "compile":
-        from llds_jax import compile_check
+        from llds_jax.aot import compile_check
 
         if not (topology or cfg.mesh.topology):
             raise InputError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
@@ -141,7 +142,7 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: 
 
 def _run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """`run` for the modes that load the model, under the command's PreemptionGuard."""
-    from llds_jax import distributed
+    from llds_jax.runtime import distributed
 
     gcs.check_buckets(gcs_paths(cfg, export_dir))  # seconds, where the GCS clients would retry for minutes
 
@@ -168,10 +169,10 @@ def _use_compilation_cache(path: str) -> None:
 
 
 def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str) -> None:
-    """Training holds the run folder's lease (llds_jax.lease: a second run on it stops with one line naming the
+    """Training holds the run folder's lease (llds_jax.runtime.lease: a second run on it stops with one line naming the
     holder) until `stack` closes; eval checks that the run folder is writable, export that --export_dir is. An
-    existing local run folder of files the project did not write is refused first (llds_jax.output_folder)."""
-    from llds_jax import lease, output_folder
+    existing local run folder of files the project did not write is refused first (llds_jax.runtime.output_folder)."""
+    from llds_jax.runtime import lease, output_folder
 
     if mode in ("train", "eval") and not gcs.is_gcs(cfg.run_dir) and os.path.isdir(cfg.run_dir):
         output_folder.claim(cfg.run_dir, f"run_dir {cfg.run_dir}", "run folder",
@@ -187,7 +188,8 @@ def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str)
 
 def _load_and_run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """Builds the trainer (after the application's preparation and the warm start) and runs `mode`."""
-    from llds_jax import application, distributed
+    from llds_jax import application
+    from llds_jax.runtime import distributed
     from llds_jax import config as config_lib
     from llds_jax.train.trainer import Trainer
 
@@ -225,9 +227,9 @@ def _load_and_run(cfg, mode: str, export_dir: str, guard, print_config: bool) ->
 def _export(trainer, export_dir: str) -> None:
     """The latest checkpoint's policy (or the initial weights) as a Hugging Face folder; on several processes all
     of them gather the parameters and process 0 writes."""
-    from llds_jax import distributed
+    from llds_jax.runtime import distributed
     from llds_jax.model import hf_io
-    from llds_jax.tokenizer import save_tokenizer
+    from llds_jax.model.tokenizer import save_tokenizer
 
     if not export_dir:
         raise InputError("--mode=export needs --export_dir")
@@ -243,7 +245,7 @@ def _export(trainer, export_dir: str) -> None:
 def _print_eval(trainer, params, step: int, guard) -> None:
     """Evaluates `params` (every process) and prints the tables (process 0). A stop request abandons the
     evaluation (its searches in flight too) and raises StopRequested."""
-    from llds_jax import distributed
+    from llds_jax.runtime import distributed
     from llds_jax.train import evaluation
     from llds_jax.train.preemption import StopRequested
     from llds_jax.train.trainer import START_EVAL, StepInterrupted
@@ -284,7 +286,7 @@ def main(argv) -> None:
     if not verbosity.present:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from llds_jax.storage import StorageError
+    from llds_jax.runtime.storage import StorageError
     from llds_jax.train.preemption import StopRequested
 
     try:

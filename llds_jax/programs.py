@@ -1,4 +1,4 @@
-"""Programs at abstract arguments: what `--mode=compile` (llds_jax/compile_check.py) lowers and compiles.
+"""Programs at abstract arguments: what `--mode=compile` (llds_jax/aot/compile_check.py) lowers and compiles.
 
 Each part of a run that executes jitted programs implements `CompilablePrograms`: asked at the shapes of a run (its
 own description of them, e.g. the rollout's params, `rl.train_step.TrainShapes`), it names every program
@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 class Role(enum.Enum):
     """What a program does in a run: how `--mode=compile` (what stays resident beside it) and the step estimate
-    (how many times a step calls it, `llds_jax.step_estimate`) read it. The value is its name in their tables."""
+    (how many times a step calls it, `llds_jax.aot.step_estimate`) read it. The value is its name in their tables."""
 
     # the training state, built once
     OPTIMIZER_INIT = "optimizer init"

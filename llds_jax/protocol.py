@@ -5,7 +5,7 @@ docs/method.md); the sampler and the rollout loop build on these functions.
 
 A leaf: it imports nothing of llds_jax, so the data and sft modules that write prompts and observations
 (llds_jax.data.qa, llds_jax.data.synthetic, llds_jax.sft.demonstrations) use it without depending on the rollout
-engine (tests/rollout/test_protocol_leaf.py).
+engine (tests/architecture/test_protocol_leaf.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 documented slice shapes and accelerator-type alias, and the resolution of a topology name.
 
 A leaf (plain Python): the run config is checked against it before anything loads (`llds_jax.checks`), and
-`--mode=compile` (`llds_jax.compile_check`) builds its abstract devices from it.
+`--mode=compile` (`llds_jax.aot.compile_check`) builds its abstract devices from it.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ GCS_BUCKET = "llds-test"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from llds_jax import tokenizer as tokenizer_lib  # noqa: E402
+from llds_jax.model import tokenizer as tokenizer_lib  # noqa: E402
 from tests.run_fixtures import (answer_policy, config_writer, launch, policy, repo_root,  # noqa: E402,F401
                                 tiny_assets, world)
 from tests.servers import NoidaServer, free_port  # noqa: E402

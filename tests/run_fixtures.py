@@ -13,7 +13,7 @@ from llds_jax.data import synthetic
 from llds_jax.data.qa import read_qa
 from llds_jax.data.synthetic import CITIES
 from llds_jax.model import hf_io
-from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
 from tests.e2e.policies import chain_policy, searching_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
 """The application hook (llds_jax.application): a run config's `app` key names a module on top of the library whose
 config sections the schema accepts and whose checks name their keys; and no module of the library imports the
-applications (llds_jax.apps), read from the source like tests/test_import_graph.py."""
+applications (llds_jax.apps), read from the source like tests/architecture/test_import_graph.py."""
 import ast
 import os
 import types
@@ -131,8 +131,8 @@ def test_model_path_is_left_to_an_app_that_provides_it():
 
 @pytest.mark.parametrize("name, message", [
     ("llds_jax.apps.nonexistent", r"^app 'llds_jax\.apps\.nonexistent' cannot be imported: "),
-    ("llds_jax.report", r"^app 'llds_jax\.report' is not an application module: it lacks config_sections, "
-                        r"check_config, provided_keys, paths, prepare_run"),
+    ("llds_jax.train.report", r"^app 'llds_jax\.train\.report' is not an application module: it lacks "
+                              r"config_sections, check_config, provided_keys, paths, prepare_run"),
 ])
 def test_a_bad_app_is_named(name, message):
     cfg = load("base")

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import sequence, stats, steps, table
 from llds_jax.apps.study.auc import trailing_mean
 from llds_jax.apps.study.outcomes import EVAL_EM, LIKELIHOOD, LLD_RATE, REWARD

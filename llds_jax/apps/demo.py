@@ -30,7 +30,7 @@ from flax import nnx
 from index_builder.corpus import CorpusReader
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_faiss import build_faiss
-from llds_jax import distributed, gcs, output_folder
+from llds_jax.runtime import distributed, gcs, output_folder
 from llds_jax.apps.demo_config import (  # noqa: F401  (the application protocol, llds_jax.application)
     DEMO_TOKENIZERS, check_config, config_sections, paths, provided_keys)
 from llds_jax.config import ConfigError
@@ -40,7 +40,7 @@ from llds_jax.rollout.buckets import round_up
 from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.factory import make_retriever
 from llds_jax.sft.demonstrations import write_demonstrations
-from llds_jax.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
 
 log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
@@ -74,8 +74,8 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     (index_builder's folder) embedded by `encoder_path`, or by a small random BERT of e5's layout written there
     ("e5"; needs torch) when it is "". An existing folder built from the same spec is reused; one built from
     another spec is refused (ConfigError naming demo.assets_dir and the settings that differ), as is a folder of
-    files the project did not write (llds_jax.output_folder): nothing is deleted but the entries of an unfinished
-    build of its own.
+    files the project did not write (llds_jax.runtime.output_folder): nothing is deleted but the entries of an
+    unfinished build of its own.
     """
     if spec["tokenizer"] not in DEMO_TOKENIZERS:
         raise ConfigError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")

@@ -3,7 +3,7 @@
     python -m llds_jax.apps.demo_compare [--config=configs/demo_cpu_grpo.py] [--out=runs/demo_compare] [--dry-run]
 
 Runs `python -m llds_jax.launch` twice, one after the other (run folders `<out>/grpo` and `<out>/llds` with the
-study's grpo and llds arms: llds_jax.apps.study.plan.ARMS), then `python -m llds_jax.report <out>/llds --compare
+study's grpo and llds arms: llds_jax.apps.study.plan.ARMS), then `python -m llds_jax.train.report <out>/llds --compare
 <out>/grpo --out <out>/report`. Both runs share the config's `demo.assets_dir` and `sft.output_dir`, so the world and
 the warm start are built once. Extra arguments after `--` go to both launches (e.g. `-- --config.train.total_steps=10`).
 Several seeds, settings and controls: `python -m llds_jax.apps.demo_study`.
@@ -25,7 +25,7 @@ def jobs(config: str, out: str, extra: list[str]) -> list[runner.Job]:
     runs = [runner.Job(arm, (*launch, f"--config.run_dir={folder}",
                              *(f"--config.{o}" for o in plan.ARMS[arm].overrides(cfg)), *extra), None, after)
             for (arm, folder), after in zip(folders.items(), ((), ("grpo",)))]
-    report = (sys.executable, "-m", "llds_jax.report", folders["llds"], "--compare", folders["grpo"], "--out",
+    report = (sys.executable, "-m", "llds_jax.train.report", folders["llds"], "--compare", folders["grpo"], "--out",
               os.path.join(out, "report"))
     return [*runs, runner.Job("report", report, None, ("llds",))]
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from llds_jax.errors import InputError
 from llds_jax.model.bert import load_bert
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer
 
 QUERY_PREFIX = "query: "
 PASSAGE_PREFIX = "passage: "

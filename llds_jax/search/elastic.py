@@ -16,7 +16,7 @@ third decimal. `num_candidates` (at least k) is the per-shard candidate list of 
 
 Credentials come from the environment only and are never logged: `LLDS_ES_API_KEY` (an encoded API key), or
 `LLDS_ES_USER` with `LLDS_ES_PASSWORD` (basic auth). User info in a host URL (`https://elastic:PASSWORD@host:9200`;
-the password may hold unencoded `/ # ? @ :` and spaces, `llds_jax.redaction`) is percent-encoded for the client,
+the password may hold unencoded `/ # ? @ :` and spaces, `llds_jax.runtime.redaction`) is percent-encoded for the client,
 which sends it as basic auth, and is in no message. TLS certificates are verified unless `verify_certs` is false;
 `ca_certs` names a CA bundle file for private CAs.
 
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import elasticsearch
 
-from llds_jax import redaction
+from llds_jax.runtime import redaction
 from llds_jax.errors import InputError
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, check_k, received
@@ -117,7 +117,7 @@ def parse_hosts(hosts: str | Sequence[str]) -> list[str]:
 
 
 def hosts_for_display(hosts: Sequence[str]) -> str:
-    """The host URLs with any user:password@ removed (found as `llds_jax.redaction` finds it; a host without a
+    """The host URLs with any user:password@ removed (found as `llds_jax.runtime.redaction` finds it; a host without a
     scheme, which no client accepts, loses everything up to its last `@`), for messages."""
     shown = [redaction.split_userinfo(host)[0] for host in hosts]
     return ",".join(host if "://" in host else host.rpartition("@")[2] for host in shown)

@@ -36,7 +36,7 @@ Config keys (a dict, or anything with `to_dict()` / `items()` such as ml_collect
     longer one is abandoned as it arrives and its queries fail (`Search failed: ...`, counted as a timeout is).
 - elasticsearch and http, URLs: each needs a scheme (`http://`, `https://`); user info in one
   (`https://elastic:PASSWORD@host:9200`, the password may hold unencoded `/ # ? @ :` and spaces) is sent as basic
-  auth and shown as `***@` in every message (`llds_jax.redaction`); no message quotes a key's value unredacted.
+  auth and shown as `***@` in every message (`llds_jax.runtime.redaction`); no message quotes a key's value unredacted.
 - elasticsearch and http, requests (see retry.py): `timeout_s` (float, 10.0) per attempt, `max_retries` (int, 3),
   `backoff_s` (float, 0.5) first pause before a retry, doubled each time, `max_concurrency` (int, 8) requests in
   flight.
@@ -48,7 +48,7 @@ from typing import Any
 
 import ml_collections
 
-from llds_jax import redaction
+from llds_jax.runtime import redaction
 from llds_jax.bounds import ConfigError
 from llds_jax.search.retry import RequestPolicy
 from llds_jax.search.types import Retriever

@@ -7,7 +7,7 @@ timeout/retry policy of `retry.py`.
 
 User info in the URL (`http://user:password@host:8000/retrieve`, the password may hold unencoded `/ # ? @ :` and
 spaces) is sent as basic auth, never as part of the request URL, and every message shows the URL as
-`llds_jax.redaction.redact` makes it (`http://***@host:8000/retrieve`).
+`llds_jax.runtime.redaction.redact` makes it (`http://***@host:8000/retrieve`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 
 import aiohttp
 
-from llds_jax import redaction
+from llds_jax.runtime import redaction
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, received
 
@@ -49,7 +49,7 @@ def is_permanent(error: BaseException) -> bool:
 def request_target(url: str) -> tuple[str, dict[str, str]]:
     """(`url` without its user info, the request headers: that user info as a basic-auth `Authorization` header,
     UTF-8 as RFC 7617 has it, or none without one); the user info found and percent-decoded as
-    `llds_jax.redaction.credentials` does."""
+    `llds_jax.runtime.redaction.credentials` does."""
     found = redaction.credentials(url)
     if found is None:
         return url, {}

@@ -4,8 +4,8 @@ A call is tried up to `1 + max_retries` times; each attempt is cut off after `ti
 (1-based) it sleeps `backoff_s * 2 ** (i - 1)` seconds. The worst case before giving up is therefore
 `(1 + max_retries) * timeout_s + backoff_s * (2 ** max_retries - 1)` seconds (`RequestPolicy.worst_case_s`).
 
-Every message (the retry warnings, GiveUpError, `describe`) shows URLs as `llds_jax.redaction.redact` makes them: a
-client library's error text may hold the URL with its user info.
+Every message (the retry warnings, GiveUpError, `describe`) shows URLs as `llds_jax.runtime.redaction.redact`
+makes them: a client library's error text may hold the URL with its user info.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from llds_jax import redaction
+from llds_jax.runtime import redaction
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

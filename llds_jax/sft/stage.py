@@ -34,14 +34,15 @@ import optax
 from etils import epath
 from flax import nnx
 
-from llds_jax import gcs, output_folder, parallel
+from llds_jax import parallel
+from llds_jax.runtime import gcs, output_folder
 from llds_jax.bounds import ConfigError
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rollout.buckets import round_up
 from llds_jax.sft.config import SFTConfig
 from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
-from llds_jax.tokenizer import load_tokenizer, save_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
 DONE_FILE = "warm_start.json"

@@ -17,7 +17,7 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
   reports are dropped, `drop_orphaned_read_errors`); once one restores, the unreadable newer steps are moved aside
   to `<step>.unreadable-<unix time>` (so the resumed run can save those step numbers again).
   Each attempt is agreed between hosts (`distributed.any_process`), so all hosts resume from the same step.
-- Every write and read is a bounded storage operation (llds_jax.storage): a failed write (a disk full or
+- Every write and read is a bounded storage operation (llds_jax.runtime.storage): a failed write (a disk full or
   read-only, a GCS endpoint gone) raises one StorageError naming the step, the folder and the reason, and the
   reports orbax's background threads log about it are dropped (the error reaches the caller at the next save,
   wait or close; a step folder that cannot be made fails `save` itself, and leaves nothing running); a write or
@@ -53,7 +53,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from llds_jax import distributed, gcs, storage
+from llds_jax.runtime import distributed, gcs, storage
 from llds_jax.bounds import ConfigError
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class Checkpointer:
       save_every: `should_save(step)` is true every `save_every` steps.
       keep: how many of the newest steps to keep.
       async_save: write in the background (False: `save` returns when the step is on disk).
-      timeout_s: seconds a save, wait, restore or close may take before the process ends (llds_jax.storage).
+      timeout_s: seconds a save, wait, restore or close may take before the process ends (llds_jax.runtime.storage).
     """
 
     def __init__(self, directory: str, save_every: int, keep: int, async_save: bool = True,
@@ -281,7 +281,7 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _operation(self, what: str, convert: bool = True):
-        """A storage operation on the folder (llds_jax.storage); a failure marks the checkpointer failed."""
+        """A storage operation on the folder (llds_jax.runtime.storage); a failure marks the checkpointer failed."""
         try:
             with storage.operation(what, self.directory, self.timeout_s, convert=convert):
                 yield

@@ -36,7 +36,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX import summary
 
-from llds_jax import gcs, storage
+from llds_jax.runtime import gcs, storage
 from llds_jax.errors import InputError
 
 # (label, metric name, format) of the console line; format is "num", "pct" or "si".
@@ -223,7 +223,7 @@ class MetricsWriter:
       console_fields: (label, metric name, "num" | "pct" | "si") of the console line.
       flush_secs: how often files are flushed, in seconds (also on `flush` and `close`).
       clock: seconds, monotonic (for the ETA; injectable for tests).
-      timeout_s: seconds a write may take before the process ends (llds_jax.storage); a failed write raises
+      timeout_s: seconds a write may take before the process ends (llds_jax.runtime.storage); a failed write raises
         StorageError naming the run folder.
     """
 
@@ -259,7 +259,7 @@ class MetricsWriter:
         self._jsonl = _JsonlLog(root / "metrics.jsonl", start_step)  # its errors name the bad line
 
     def _writing(self):
-        """The writes of the metrics as one storage operation on the run folder (llds_jax.storage)."""
+        """The writes of the metrics as one storage operation on the run folder (llds_jax.runtime.storage)."""
         return storage.operation("writing metrics to", self.log_dir, self.timeout_s)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:

@@ -41,7 +41,7 @@ import sys
 import threading
 import types
 
-from llds_jax import distributed, storage
+from llds_jax.runtime import distributed, storage
 
 log = logging.getLogger(__name__)
 

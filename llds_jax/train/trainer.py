@@ -47,7 +47,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from llds_jax import config as config_lib
-from llds_jax import checks, distributed, run_builder, storage
+from llds_jax import checks
+from llds_jax.runtime import distributed, storage
+from llds_jax.train import run_builder
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
 from llds_jax.rl.advantages import ADVANTAGES
@@ -58,7 +60,7 @@ from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer
 from llds_jax.train import evaluation, run_config
 from llds_jax.train.batching import global_batch, global_rows, padded_batch, padded_length, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json

@@ -1,6 +1,6 @@
 """bench/paged_step.py compiles both attention implementations of the ragged step for a v4 topology at tiny shapes:
 the kernel's row holds the Pallas kernel, both hold the same donated pool."""
-from llds_jax import compile_check
+from llds_jax.aot import compile_check
 from tests.bench.loading import load_bench
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from llds_jax.apps import demo_compare
-from llds_jax.tokenizer import chat_template, load_tokenizer
+from llds_jax.model.tokenizer import chat_template, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_test.py")
@@ -59,7 +59,7 @@ def test_world_tokenizer_warm_start_rl_and_report(tmp_path):
     assert code == 0, err[-3000:]
     assert "reusing" in out and "warm start step" not in out
 
-    code, out, err = run("llds_jax.report", str(run_dir))
+    code, out, err = run("llds_jax.train.report", str(run_dir))
     assert code == 0, err[-3000:]
     with open(run_dir / "report" / "summary.md") as f:
         summary = f.read()
@@ -76,7 +76,7 @@ def test_comparison_runs_grpo_then_llds_with_the_same_config_then_the_report(cap
     assert grpo.endswith("--config.objective.llds.enabled=False --config.train.total_steps=3")
     assert llds.endswith("--config.objective.llds.enabled=True --config.objective.llds.lam=0.2 "
                          "--config.objective.llds.gate=action --config.train.total_steps=3")
-    assert report.endswith("llds_jax.report runs/cmp/llds --compare runs/cmp/grpo --out runs/cmp/report")
+    assert report.endswith("llds_jax.train.report runs/cmp/llds --compare runs/cmp/grpo --out runs/cmp/report")
 
 
 def test_comparison_of_a_missing_config_names_it(capsys):

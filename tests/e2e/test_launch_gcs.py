@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llds_jax.apps import demo, demo_config
 from llds_jax.config import ConfigError, default_config
 from llds_jax.model import hf_io
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer
 from llds_jax.train.checkpoint import Checkpointer
 
 

@@ -1,4 +1,4 @@
-"""`python -m llds_jax.report` on the run folder of a real tiny training run (`python -m llds_jax.launch`): every
+"""`python -m llds_jax.train.report` on the run folder of a real tiny training run (`python -m llds_jax.launch`): every
 plot drawn from the metrics the trainer logs, the summary's values equal to the log's and to the final EM."""
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.data.qa import read_qa
 
 
@@ -49,7 +49,7 @@ def trained_run(tmp_path_factory, tiny_assets, answer_policy, config_writer, rep
 
 @pytest.mark.slow
 def test_report_of_a_trained_run(trained_run, repo_root, tmp_path):
-    code, out, err = run_module(repo_root, "llds_jax.report", trained_run)
+    code, out, err = run_module(repo_root, "llds_jax.train.report", trained_run)
     assert code == 0, err[-3000:]
     out_dir = os.path.join(trained_run, "report")
     expected = [os.path.join(out_dir, p.filename) for p in report.PLOTS] + [os.path.join(out_dir, "summary.md")]

@@ -437,7 +437,7 @@ def test_auto_routes_by_the_configured_platform_not_the_backend(monkeypatch):
 
 
 def test_run_builder_model_config_carries_the_devices_platform():
-    from llds_jax import run_builder
+    from llds_jax.train import run_builder
     from llds_jax.config import default_config
 
     cfg = default_config()

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from llds_jax import compile_check, parallel
+from llds_jax import parallel
+from llds_jax.aot import compile_check
 from llds_jax.model import ModelConfig, Transformer, pages_spec
 
 TOKENS, MAX_SEQS, PAGES_PER_SEQ, POOL, Z = 64, 8, 8, 1024, 16

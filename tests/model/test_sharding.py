@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from llds_jax import compile_check, parallel
+from llds_jax import parallel
+from llds_jax.aot import compile_check
 from llds_jax.model import ModelConfig, Transformer, hf_io, init_pages, pages_spec, preset, vocab
 from llds_jax.rl.logprobs import model_token_logp
 from tests.placement import shard_model

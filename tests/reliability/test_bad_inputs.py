@@ -17,7 +17,7 @@ from llds_jax.data import qa
 from llds_jax.data.rewards import em_reward, exact_match
 from llds_jax.model import from_hf_config, hf_io
 from llds_jax.search.synthetic import SyntheticCorpus
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer
 from tests.servers import free_port, http_ok, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -2,7 +2,7 @@
 its objects on disk so that they outlive it): an endpoint that dies, or one that stops answering (the server
 frozen with SIGSTOP). Either way the run ends with one `llds_jax: error:` line naming the endpoint and the
 operation, exit status 2, within a bounded time (`train.storage_timeout_s`, or a few seconds after a SIGTERM),
-and the same command resumes from the checkpoints saved before once the endpoint is back (llds_jax.storage)."""
+and the same command resumes from the checkpoints saved before once the endpoint is back (llds_jax.runtime.storage)."""
 import signal
 import time
 
@@ -111,7 +111,7 @@ def test_an_endpoint_that_fails_ends_the_run_with_one_line_in_bounded_time_and_i
                                                                                           fault, repair, timeout_s):
     """At the default `train.storage_timeout_s` (None: 120 s) the clients retry a dead endpoint for longer (about
     100 s) before the error: still one line, no retry's traceback."""
-    from llds_jax.storage import DEFAULT_TIMEOUT_S
+    from llds_jax.runtime.storage import DEFAULT_TIMEOUT_S
 
     name = f"endpoint_{fault}_{timeout_s or 'default'}"
     settings = {} if timeout_s is None else {"train__storage_timeout_s": timeout_s}
@@ -129,7 +129,7 @@ def test_an_endpoint_that_fails_ends_the_run_with_one_line_in_bounded_time_and_i
 
 @pytest.mark.slow
 def test_sigterm_while_the_endpoint_hangs_ends_the_run_within_the_stop_grace(searching_runs, emulator):
-    from llds_jax.storage import STOP_GRACE_S
+    from llds_jax.runtime.storage import STOP_GRACE_S
 
     with ScriptedRetriever() as server:  # the default storage timeout (120 s): the signal is what ends the wait
         launched = run_until_step_1_is_saved(searching_runs, server, emulator, "endpoint_hangs_sigterm")

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from llds_jax import output_folder
+from llds_jax.runtime import output_folder
 from llds_jax.apps import demo
 from tests.configs import CONFIGS, load
 
@@ -79,8 +79,8 @@ def test_a_run_dir_of_the_users_files_is_refused_and_left_as_it_was(tmp_path):
 
 
 def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llds_jax.report", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "llds_jax.train.report", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
 
 
 def write_run(run_dir, lines: list[bytes]) -> None:
@@ -105,7 +105,7 @@ def test_report_out_naming_a_file_or_a_folder_of_other_files_is_one_line(tmp_pat
     out_file.write_text("my notes")
     proc = report(str(run_dir), "--out", str(out_file))
     assert (proc.returncode, proc.stderr) == (
-        2, f"llds_jax.report: error: --out {out_file} is a file, not a folder: name a folder (or move the file "
+        2, f"llds_jax.train.report: error: --out {out_file} is a file, not a folder: name a folder (or move the file "
            "away)\n")
     assert out_file.read_text() == "my notes"
     papers = tmp_path / "papers"
@@ -114,7 +114,7 @@ def test_report_out_naming_a_file_or_a_folder_of_other_files_is_one_line(tmp_pat
     (papers / "draft.pdf").write_bytes(b"%PDF")
     proc = report(str(run_dir), "--out", str(papers))
     assert (proc.returncode, proc.stderr) == (
-        2, f"llds_jax.report: error: --out {papers} holds files llds_jax did not write (draft.pdf, summary.md): "
+        2, f"llds_jax.train.report: error: --out {papers} holds files llds_jax did not write (draft.pdf, summary.md): "
            "nothing was written or deleted; name an empty or new folder for the report\n")
     assert (papers / "summary.md").read_text() == "my summary"
     proc = report(str(run_dir))  # its own folder, then again: the report's folder is written over

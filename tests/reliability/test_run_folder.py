@@ -1,9 +1,9 @@
 """The run folder as a spot VM and a busy team meet it, with the real command: a second run on a live run folder is
-refused with one line naming the holder (llds_jax.lease) and a dead holder's lease is taken over; a read-only run
-folder is refused before anything is loaded; a run folder that becomes read-only or full in the middle of a run
-ends it with one line and exit status 2, and the same command resumes from the last checkpoint once the disk is
-back. The disk faults are real file systems (a tmpfs remounted read-only, a full tmpfs), so those tests need the
-right to mount (root); elsewhere they are skipped, saying so."""
+refused with one line naming the holder (llds_jax.runtime.lease) and a dead holder's lease is taken over; a
+read-only run folder is refused before anything is loaded; a run folder that becomes read-only or full in the middle
+of a run ends it with one line and exit status 2, and the same command resumes from the last checkpoint once the
+disk is back. The disk faults are real file systems (a tmpfs remounted read-only, a full tmpfs), so those tests need
+the right to mount (root); elsewhere they are skipped, saying so."""
 import json
 import os
 import signal

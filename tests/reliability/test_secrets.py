@@ -2,7 +2,7 @@
 (docs/retrieval.md), holding unencoded `/ # ? @ :` and a space, appears in no output of a real training run and in
 no file of its run folder, also when every search fails and the errors become the policy's observations,
 TensorBoard transcripts and warnings; `config.redacted` is what the run prints and saves, and every retriever
-message shows the URL redacted (`llds_jax.redaction`)."""
+message shows the URL redacted (`llds_jax.runtime.redaction`)."""
 import asyncio
 import base64
 import json

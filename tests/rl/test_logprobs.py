@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from llds_jax import compile_check
+from llds_jax.aot import compile_check
 from llds_jax.model import Transformer
 from llds_jax.rl.logprobs import model_token_logp, token_logp_entropy
 

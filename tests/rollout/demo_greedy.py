@@ -30,7 +30,7 @@ from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.search.factory import make_retriever
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "fixtures", "demo_greedy")

@@ -16,7 +16,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 
 def main(pid: int, port: int) -> None:
-    from llds_jax import distributed
+    from llds_jax.runtime import distributed
 
     distributed.maybe_initialize(f"127.0.0.1:{port}", 2, pid)
     import jax

@@ -24,7 +24,7 @@ import jax
 import pytest
 
 from llds_jax import config as config_lib
-from llds_jax import rollout_schedule, step_lengths
+from llds_jax.aot import rollout_schedule, step_lengths
 from llds_jax.config import default_config
 from llds_jax.rollout import agent
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config

@@ -171,7 +171,7 @@ def test_bad_inputs_name_the_config_key(tmp_path, e5_folder, world_e5_index):
 TWO_HOSTS_WORKER = """
 import asyncio, json, sys
 import jax
-from llds_jax import distributed
+from llds_jax.runtime import distributed
 from llds_jax.search import make_retriever
 
 port, pid, folder, encoder, questions = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5])

@@ -13,7 +13,7 @@ from llds_jax import protocol
 from llds_jax.sft import demonstrations as demos_lib
 from llds_jax.sft import stage
 from llds_jax.sft.demonstrations import read_demonstrations
-from llds_jax.tokenizer import load_tokenizer
+from llds_jax.model.tokenizer import load_tokenizer
 
 RECORD = {"question": "Where was Tova Ren born?",
           "turns": [{"text": "<think> search </think>\n<search> Tova Ren </search>",

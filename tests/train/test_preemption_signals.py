@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from llds_jax import storage
+from llds_jax.runtime import storage
 from llds_jax.train.preemption import PreemptionGuard, StopRequested
 
 

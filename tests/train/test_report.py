@@ -1,4 +1,4 @@
-"""`python -m llds_jax.report`: plots and summary.md of run folders written by the real MetricsWriter; overlays of
+"""`python -m llds_jax.train.report`: plots and summary.md of run folders written by the real MetricsWriter; overlays of
 several runs; skipped plots; corrupted lines; one-line errors with exit status 2 on bad input."""
 import json
 import math
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.config import default_config
 from llds_jax.train.metrics import MetricsWriter
 
@@ -256,19 +256,19 @@ def test_bad_input_is_one_line_with_status_2(tmp_path, capsys, case):
     captured = capsys.readouterr()
     assert captured.out == ""
     error_lines = [line for line in captured.err.splitlines() if "skipped" not in line]
-    assert error_lines == [f"llds_jax.report: error: {expected}"]
+    assert error_lines == [f"llds_jax.train.report: error: {expected}"]
     assert not (run_dir / "report").exists()
 
 
 def test_bad_compare_folder_is_an_error(make_run, tmp_path, capsys):
     missing = str(tmp_path / "nowhere")
     assert report.main([make_run(evals=False), "--compare", missing]) == 2
-    assert capsys.readouterr().err == f"llds_jax.report: error: run folder not found: {missing}\n"
+    assert capsys.readouterr().err == f"llds_jax.train.report: error: run folder not found: {missing}\n"
 
 
 def test_module_command_exit_status(tmp_path):
     missing = str(tmp_path / "nowhere")
-    proc = subprocess.run([sys.executable, "-m", "llds_jax.report", missing], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "llds_jax.train.report", missing], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr == f"llds_jax.report: error: run folder not found: {missing}\n"
+    assert proc.stderr == f"llds_jax.train.report: error: run folder not found: {missing}\n"

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import files, paired, stats
 from llds_jax.apps.study.outcomes import RunResult
 

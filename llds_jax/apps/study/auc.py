@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import stats
 from llds_jax.apps.study.outcomes import DELTA_TRAJ, GRAD_NORM, LIKELIHOOD, LLD_RATE, REF_KL, REWARD, RunResult
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study.outcomes import DELTA_TRAJ, GRAD_NORM, LLD_RATE, RunResult
 
 WARN_STEPS = 2       # consecutive logged values on which a rule must hold

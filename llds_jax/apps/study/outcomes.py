@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import stats
 from llds_jax.apps.study.plan import FINAL_EVAL, Run, StudyError
 

@@ -3,8 +3,8 @@ token-mean log-prob of correct trajectories before the updates, LLD rate), one c
 seed and, for an arm of several seeds, a thick line of their mean; and one PNG per collapsed run
 (`plots/collapses/SETTING_ARM_seed_K.png`) with every per-step diagnostic on one figure, its collapse step and the
 early-warning signals' warnings marked; and, for a setting whose runs evaluated during training and logged their
-budget, greedy test EM against the tokens generated so far (`plots/SETTING_em_vs_tokens.png`). Matplotlib's Figure with the Agg canvas (llds_jax.report.save_figure): no
-display needed."""
+budget, greedy test EM against the tokens generated so far (`plots/SETTING_em_vs_tokens.png`). Matplotlib's
+Figure with the Agg canvas (llds_jax.train.report.save_figure): no display needed."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from etils import epath
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import early_warning
 from llds_jax.apps.study.outcomes import CURVES, EVAL_EM, LIKELIHOOD, LLD_RATE, REWARD, SAMPLED_TOKENS, RunResult
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import files, paired, stats
 from llds_jax.apps.study.outcomes import RunResult
 from llds_jax.apps.study.plan import StudyError

@@ -19,7 +19,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study.auc import trailing_mean
 from llds_jax.apps.study.outcomes import LIKELIHOOD, REWARD, RunResult
 

@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import paired, stats
 from llds_jax.apps.study.outcomes import RunResult
 

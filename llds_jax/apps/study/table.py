@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from llds_jax import report
+from llds_jax.train import report
 from llds_jax.apps.study import paired, stats
 from llds_jax.apps.study.outcomes import CURVES, LLD_RATE, REWARD, RunResult
 from llds_jax.apps.study.plan import ARMS, StudyError

@@ -1,6 +1,6 @@
 """Output folders the project writes into only when they are its own; it never deletes one.
 
-A folder named by a key or a flag (`demo.assets_dir`, `python -m llds_jax.report --out`) may be a user's folder
+A folder named by a key or a flag (`demo.assets_dir`, `python -m llds_jax.train.report --out`) may be a user's folder
 holding their own files. Before writing, `claim` checks that the folder is the project's: it does not exist (it is
 created), it is empty, or it holds the marker file `MARKER` that `claim` writes into every folder it accepts (its
 `kind` says which writer made it: a report folder is not taken for demo assets). A folder that an older version

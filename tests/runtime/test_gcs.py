@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from llds_jax import gcs
+from llds_jax.runtime import gcs
 
 
 def test_existing_buckets_pass(gcs_dir):

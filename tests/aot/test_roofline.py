@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llds_jax import hlo_text, roofline
-from llds_jax.hlo_text import Array
-from llds_jax.roofline import HloCost
+from llds_jax.aot import hlo_text, roofline
+from llds_jax.aot.hlo_text import Array
+from llds_jax.aot.roofline import HloCost
 
 # ----- hand-written HLO ----------------------------------------------------------------------------------------------
 # A [8, 32] x [32, 32] float32 product in a fusion: 2 * 8 * 32 * 32 FLOPs; it reads 1 KiB + 4 KiB, writes 1 KiB.
@@ -354,7 +354,7 @@ def chips():
     """The 4 abstract chips of a v4:2x2x1 slice (XLA's TPU compiler runs here; nothing runs on a TPU), with the
     persistent compilation cache off while the module's TPU programs compile (this machine never runs them)."""
     pytest.importorskip("libtpu")
-    from llds_jax.compile_check import no_persistent_cache_writes, topology_devices
+    from llds_jax.aot.compile_check import no_persistent_cache_writes, topology_devices
 
     jax.config.update("jax_platforms", "cpu")
     with no_persistent_cache_writes():

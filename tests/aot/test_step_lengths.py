@@ -1,4 +1,4 @@
-"""Expected lengths of a step (llds_jax.step_lengths): the defaults, the worst case, a run's logged metrics and step
+"""Expected lengths of a step (llds_jax.aot.step_lengths): the defaults, the worst case, a run's logged metrics and step
 counts, and what they change in the estimate's updates."""
 import dataclasses
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from llds_jax import step_lengths
+from llds_jax.aot import step_lengths
 from tests.configs import load
 
 

@@ -1,11 +1,13 @@
-"""The package's import graph, read from the source (AST, imports inside functions included): no circle, and the
-run-config schema on the lowest floors (it imports only leaves, so a config is checked before anything loads)."""
+"""The package's import graph, read from the source (AST, imports inside functions included): no circle, the
+run-config schema on the lowest floors (it imports only leaves, so a config is checked before anything loads), the
+run's I/O (llds_jax.runtime) a leaf package, the pod tools (llds_jax.aot) on top of the library, and few modules left
+at the top level of the package."""
 import ast
 import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "llds_jax"
 
 
@@ -105,12 +107,42 @@ def test_config_is_on_the_lowest_floors(graph):
     assert _floor(graph, "llds_jax.config") <= 3, {m: _floor(graph, m) for m in graph["llds_jax.config"]}
 
 
+def _package(module: str) -> str:
+    """The node of `module` in the package-level graph: its package of llds_jax, or itself at the top level."""
+    return ".".join(module.split(".")[:2])
+
+
 def test_no_package_imports_upward(graph):
-    """Read with each package of llds_jax (rollout, data, sft, ...) and each top-level module as one node, the
-    graph has no circle either: no module imports a package that imports, directly or not, its own package (the
-    shared leaves, protocol.py and bounds.py, sit at the top level)."""
-    node = lambda module: ".".join(module.split(".")[:2])  # noqa: E731
-    packages = {node(m): set() for m in graph}
+    """Read with each package of llds_jax (rollout, data, sft, aot, runtime, ...) and each top-level module as one
+    node, the graph has no circle either: no module imports a package that imports, directly or not, its own package
+    (the shared leaves, protocol.py, programs.py, topologies.py and bounds.py, sit at the top level)."""
+    packages = {_package(m): set() for m in graph}
     for module, imports in graph.items():
-        packages[node(module)] |= {node(i) for i in imports} - {node(module)}
+        packages[_package(module)] |= {_package(i) for i in imports} - {_package(module)}
     assert _circles(packages) == []
+
+
+def test_the_runs_io_is_a_leaf_package(graph):
+    """llds_jax.runtime (storage, lease, output folders, gs://, redaction, multi-host start-up) imports nothing of
+    llds_jax but the error types and its own modules, so the config schema and every layer above may use it."""
+    runtime = {m for m in graph if _package(m) == "llds_jax.runtime"}
+    assert "llds_jax.runtime.storage" in runtime and "llds_jax.runtime.redaction" in runtime
+    outside = {m: graph[m] - runtime - {"llds_jax.errors"} for m in runtime}
+    assert {m: i for m, i in outside.items() if i} == {}
+
+
+def test_the_pod_tools_sit_on_top_of_the_library(graph):
+    """llds_jax.aot (--mode=compile, the roofline and the step estimate) is reached only through the launcher: no
+    module of the library imports it, and it imports neither the launcher nor an application."""
+    aot = {m for m in graph if _package(m) == "llds_jax.aot"}
+    assert "llds_jax.aot.compile_check" in aot and "llds_jax.aot.roofline" in aot
+    importers = {m for m in graph if m not in aot and graph[m] & aot}
+    assert importers == {"llds_jax.launch"}
+    assert {i for m in aot for i in graph[m] if i == "llds_jax.launch" or _package(i) == "llds_jax.apps"} == set()
+
+
+def test_few_modules_at_the_top_level():
+    """The top of llds_jax/ holds the entry point, the config and the leaves several packages share, at most 12
+    modules; a subsystem of several modules is a package (docs/architecture.md lists them all)."""
+    top = [name for name in os.listdir(os.path.join(ROOT, PACKAGE)) if name.endswith(".py") and name != "__init__.py"]
+    assert len(top) <= 12, sorted(top)

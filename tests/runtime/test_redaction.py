@@ -1,4 +1,4 @@
-"""llds_jax.redaction: URL user info becomes `***` wherever it ends (passwords with unencoded `/ # ? @ :` and
+"""llds_jax.runtime.redaction: URL user info becomes `***` wherever it ends (passwords with unencoded `/ # ? @ :` and
 spaces), URLs without user info are unchanged, and the parts a request needs are split off exactly."""
 import urllib.parse
 
@@ -7,7 +7,7 @@ import urllib3
 import yarl
 
 from llds_jax import config as config_lib
-from llds_jax.redaction import credentials, encoded_userinfo, redact, split_userinfo
+from llds_jax.runtime.redaction import credentials, encoded_userinfo, redact, split_userinfo
 
 # Every character that ends the user info in a naive parser, each between distinct pieces.
 SPECIAL = "Pw1-7c3e/Pw2-91ab#Pw3-5d20?Pw4-e8f6 Pw5-0b4c@Pw6-a1d9:Pw7-66f3"

@@ -13,7 +13,7 @@ Pallas kernels such as splash attention: `HloCost.kernel_calls` counts those ker
 assumes all of a chip's ICI bandwidth serves it. They compare programs and configs, and say which resource bounds
 each.
 
-The HLO text is parsed by `llds_jax.hlo_text`, which says what it reads.
+The HLO text is parsed by `llds_jax.aot.hlo_text`, which says what it reads.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import math
 import re
 from typing import Optional, Sequence, Union
 
-from llds_jax.hlo_text import Computation, Instruction, Module, array_bytes, hbm_bytes, parse_module
+from llds_jax.aot.hlo_text import Computation, Instruction, Module, array_bytes, hbm_bytes, parse_module
 
 # ----- chips ---------------------------------------------------------------------------------------------------------
 

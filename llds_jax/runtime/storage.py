@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import NamedTuple, Optional
 
-from llds_jax import gcs
+from llds_jax.runtime import gcs
 
 DEFAULT_TIMEOUT_S = 120.0
 STOP_GRACE_S = 20.0  # seconds an operation may still take once a stop signal arrived

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from llds_jax import rollout_schedule, step_estimate, step_lengths
+from llds_jax.aot import rollout_schedule, step_estimate, step_lengths
 from llds_jax.model import ModelConfig
 from llds_jax.programs import Role
-from llds_jax.roofline import PEAKS, ChipPeaks, HloCost
+from llds_jax.aot.roofline import PEAKS, ChipPeaks, HloCost
 from tests.configs import load
 
 # Round peaks: 1e12 FLOP/s, 1e9 HBM bytes/s, 1e8 ICI bytes/s.

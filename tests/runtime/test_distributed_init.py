@@ -4,7 +4,7 @@ import textwrap
 import jax
 import pytest
 
-from llds_jax import distributed
+from llds_jax.runtime import distributed
 from tests.servers import two_process_results
 
 
@@ -46,7 +46,7 @@ WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from llds_jax import distributed
+    from llds_jax.runtime import distributed
     from llds_jax.train.preemption import PreemptionGuard
 
     port, pid = sys.argv[1], int(sys.argv[2])

@@ -1,4 +1,4 @@
-"""llds_jax.lease: one writer per folder, on a local disk and on gs:// (the GCS emulator): a live holder is
+"""llds_jax.runtime.lease: one writer per folder, on a local disk and on gs:// (the GCS emulator): a live holder is
 refused by name, a dead one's lease is taken over (a pid that ended, a reused pid, another host's old heartbeat),
 the heartbeat is refreshed, the file is deleted at release, and an unwritable folder is named."""
 import json
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from llds_jax import lease
+from llds_jax.runtime import lease
 
 
 def write_record(path, **fields) -> None:

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 
-from llds_jax import gcs
+from llds_jax.runtime import gcs
 from llds_jax.errors import InputError
 
 QWEN25_SPECIAL_TOKENS = (

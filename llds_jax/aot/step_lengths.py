@@ -1,10 +1,10 @@
-"""The lengths a training step runs at, for the step estimate (`llds_jax.step_estimate`): expected lengths read
+"""The lengths a training step runs at, for the step estimate (`llds_jax.aot.step_estimate`): expected lengths read
 from a run's logged metrics (`--estimate_from=RUN_DIR`) or, without a run, this module's defaults, each saying where
 it comes from; and a run's logged step-program calls and batch tokens per token bucket, to set beside the
 estimate's.
 
 What the lengths change in the estimate:
-- the rollout: the paged engine's calls at these lengths (`llds_jax.rollout_schedule`: prompts, turns and their
+- the rollout: the paged engine's calls at these lengths (`llds_jax.aot.rollout_schedule`: prompts, turns and their
   sampled tokens, observations), each costed at its tokens; retrieval by the searches;
 - the updates: with `optim.pack_trajectories` the trajectories are packed into rows of the compiled length, so
   the forwards and the update follow the mean trajectory's tokens (prompt, sampled and observation tokens), plus

@@ -1,11 +1,11 @@
 """The text of a compiled XLA program (`compiled.as_text()`) parsed into modules, computations, instructions and
-array shapes, for the roofline estimates of `llds_jax.roofline`.
+array shapes, for the roofline estimates of `llds_jax.aot.roofline`.
 
 The HLO text this reads (TPU programs from libtpu 0.0.42, Dec 2026):
 - Layouts carry a memory space, `bf16[256,512]{1,0:T(8,128)(2,1)S(3)}`: S(0) (no S) is HBM; the others are not
   (the on-chip memory XLA's memory-space assignment moves arrays into: S(1) on v5e, S(3) on v4; S(2) sync flags,
   S(6) scalars), so their bytes are no HBM traffic.
-- Compiled while loops carry no `known_trip_count`: `llds_jax.roofline` infers the count from the loop.
+- Compiled while loops carry no `known_trip_count`: `llds_jax.aot.roofline` infers the count from the loop.
 - Matrix products are mostly `convolution`s (`dim_labels=bf_io->bf`); a batched one is a base-dilated
   convolution over the batch (`window={size=4 stride=3 lhs_dilate=4}, dim_labels=0bf_0io->0bf`) or a padded one
   (`window={size=4 pad=3_3 rhs_reversal=1}`), where only the window taps that hit real input elements are

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from llds_jax import tokenizer as tokenizer_lib
+from llds_jax.model import tokenizer as tokenizer_lib
 from tests.configs import load
 
 
@@ -37,7 +37,7 @@ def test_chat_templates_ship_in_package(qwen_tokenizer, qwen_instruct_tokenizer)
 def test_trained_tokenizer_round_trips_and_keeps_protocol_tags_whole(tmp_path):
     from llds_jax.data import synthetic
     from llds_jax import protocol
-    from llds_jax.tokenizer import PROTOCOL_TAGS, load_tokenizer, train_tokenizer
+    from llds_jax.model.tokenizer import PROTOCOL_TAGS, load_tokenizer, train_tokenizer
 
     world = synthetic.make_world(num_people=30, seed=0)
     texts = synthetic.tokenizer_texts(world)

@@ -1,6 +1,6 @@
 """An ESTIMATED training-step time for `--mode=compile`: the rollout as the paged engine runs it at given lengths
-(`llds_jax.rollout_schedule`: its step calls per token bucket), each call costed by a roofline at its tokens, plus
-retrieval where it blocks, plus the updates: each compiled training program's roofline time (`llds_jax.roofline`,
+(`llds_jax.aot.rollout_schedule`: its step calls per token bucket), each call costed by a roofline at its tokens, plus
+retrieval where it blocks, plus the updates: each compiled training program's roofline time (`llds_jax.aot.roofline`,
 read from its HLO) times the calls a step makes of it.
 
 Not a measurement: peak rates are never reached, and the lengths are stated assumptions or a run's logged means.
@@ -33,9 +33,9 @@ import math
 import os
 from collections.abc import Sequence
 
-from llds_jax import rollout_schedule, step_lengths
+from llds_jax.aot import rollout_schedule, step_lengths
 from llds_jax.programs import Role
-from llds_jax.roofline import ChipPeaks, HloCost, roofline_seconds
+from llds_jax.aot.roofline import ChipPeaks, HloCost, roofline_seconds
 
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on

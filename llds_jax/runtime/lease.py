@@ -30,7 +30,7 @@ from typing import Optional
 
 from etils import epath
 
-from llds_jax import storage
+from llds_jax.runtime import storage
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Lease:
       what: how messages name the folder, e.g. "run_dir /runs/x".
       heartbeat_s: seconds between refreshes of the heartbeat.
       stale_after_s: seconds after which another host's lease without a heartbeat is stale.
-      timeout_s: seconds taking or releasing the lease may take before the process ends (llds_jax.storage).
+      timeout_s: seconds taking or releasing the lease may take before the process ends (llds_jax.runtime.storage).
     """
 
     def __init__(self, path: str | os.PathLike, what: str, heartbeat_s: float = HEARTBEAT_S,

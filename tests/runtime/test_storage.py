@@ -1,7 +1,7 @@
-"""llds_jax.storage: a failed write is one StorageError naming the operation, the path (with the GCS endpoint) and
-the reason; a write that stops answering ends the process after its timeout, or STOP_GRACE_S after a stop signal,
-with one line and exit status 2; the Checkpointer reports a failed save as one error of that step and leaves none of
-orbax's threads or coroutines behind."""
+"""llds_jax.runtime.storage: a failed write is one StorageError naming the operation, the path (with the GCS
+endpoint) and the reason; a write that stops answering ends the process after its timeout, or STOP_GRACE_S after a stop
+signal, with one line and exit status 2; the Checkpointer reports a failed save as one error of that step and leaves
+none of orbax's threads or coroutines behind."""
 import gc
 import logging
 import os
@@ -20,7 +20,7 @@ import pytest
 from orbax.checkpoint._src.futures import future as orbax_future
 from orbax.checkpoint._src.multihost import multihost as orbax_multihost
 
-from llds_jax import gcs, storage
+from llds_jax.runtime import gcs, storage
 from llds_jax.train.checkpoint import Checkpointer
 
 
@@ -46,7 +46,7 @@ def run_python(code: str) -> tuple[subprocess.CompletedProcess, float]:
 
 def test_an_operation_that_stops_answering_ends_the_process_with_one_line():
     proc, seconds = run_python(
-        "import time\nfrom llds_jax import storage\n"
+        "import time\nfrom llds_jax.runtime import storage\n"
         "with storage.operation('saving checkpoint step 3 to', '/runs/x', timeout_s=1.0):\n    time.sleep(60)\n")
     assert proc.returncode == 2 and seconds < 30
     assert proc.stderr == ("llds_jax: error: saving checkpoint step 3 to /runs/x: no answer within 1 s; the same "
@@ -55,7 +55,7 @@ def test_an_operation_that_stops_answering_ends_the_process_with_one_line():
 
 def test_a_stop_signal_cuts_the_wait_to_the_stop_grace():
     proc, seconds = run_python(
-        "import time\nfrom llds_jax import storage\nstorage.STOP_GRACE_S = 1.0\n"
+        "import time\nfrom llds_jax.runtime import storage\nstorage.STOP_GRACE_S = 1.0\n"
         "with storage.operation('writing metrics to', '/runs/x', timeout_s=600):\n"
         "    storage.stop_requested()\n    time.sleep(60)\n")
     assert proc.returncode == 2 and seconds < 30

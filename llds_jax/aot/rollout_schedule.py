@@ -1,11 +1,11 @@
-"""The paged engine's step calls at expected lengths, for the step estimate (`llds_jax.step_estimate`): the real
+"""The paged engine's step calls at expected lengths, for the step estimate (`llds_jax.aot.step_estimate`): the real
 engine (`llds_jax.rollout.engine.Engine`: its scheduler, token buckets, page table and GRPO prompt sharing) driven
 by conversations of the expected lengths under a scheduling policy, with a runner that samples scripted turns
 instead of running a model. Every call it makes is recorded with what the roofline needs: its token bucket, its
 real tokens, the pages its sequences read and its decode iterations.
 
 The conversations (`scripts`): one host's `sequences` trajectories in GRPO groups of `group` samples that share a
-prompt; each length at its logged mean and spread (`llds_jax.step_lengths.Lengths`: a standard deviation), its whole
+prompt; each length at its logged mean and spread (`llds_jax.aot.step_lengths.Lengths`: a standard deviation), its whole
 numbers spread evenly about the mean at that standard deviation (a uniform's, mean +- sqrt(3) x std for long
 lengths; narrowed where a cap or 1 would cut one side, so that the mean is kept) in a low-discrepancy order: the
 groups' prompt tokens, the trajectories' turns (whole numbers; the most turns to the shortest prompts, since the
@@ -129,7 +129,7 @@ def _even(n: int, mean: float, std: float, low: int, high: int, offset: float = 
 
 def scripts(sequences: int, group: int, lengths, max_turns: int, max_turn_tokens: int, max_prompt_tokens: int,
             max_observation_tokens: int, max_context: int) -> list[Conversation]:
-    """The scripted conversations of one host's rollout at `lengths` (`llds_jax.step_lengths.Lengths`: per
+    """The scripted conversations of one host's rollout at `lengths` (`llds_jax.aot.step_lengths.Lengths`: per
     trajectory its means and spreads; module docstring), each length within its cap."""
     groups = -(-sequences // group)
     prompts = _even(groups, lengths.prompt_tokens, lengths.prompt_tokens_std, 1, max(max_prompt_tokens, 1), 0.5)
@@ -290,7 +290,7 @@ def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int) -
 
 def for_run(cfg, lengths, sequences: int) -> Schedule:
     """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
-    (`llds_jax.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
+    (`llds_jax.aot.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
     (`run_builder.build`)."""
     agent = config_lib.agent_config(cfg)
     if agent.trees:

@@ -30,11 +30,11 @@ the table and exits with status 1, naming the program and the GiB over. So is a 
 all-gather, all-to-all, collective-permute or reduce-scatter with a weight-shaped operand or result, one layer's or
 the stacked layers'; the rollout copy is not split over the chips, `rollout.tensor_parallel`).
 
-When every program fits, the command also prints estimated step times (`llds_jax.step_estimate`), the paged
-engine's only: the training programs' roofline times read from their HLO (`llds_jax.roofline`) times their calls
-per step, and the rollout as the engine schedules it (`llds_jax.rollout_schedule`: its step calls per token
+When every program fits, the command also prints estimated step times (`llds_jax.aot.step_estimate`), the paged
+engine's only: the training programs' roofline times read from their HLO (`llds_jax.aot.roofline`) times their calls
+per step, and the rollout as the engine schedules it (`llds_jax.aot.rollout_schedule`: its step calls per token
 bucket, each costed at its tokens) with retrieval where it blocks, at the worst case and at expected lengths
-(`llds_jax.step_lengths`: a run's logged ones with `--estimate_from=RUN_DIR`, whose logged step calls are printed
+(`llds_jax.aot.step_lengths`: a run's logged ones with `--estimate_from=RUN_DIR`, whose logged step calls are printed
 beside the predicted ones, else stated defaults).
 """
 from __future__ import annotations
@@ -52,7 +52,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from llds_jax import checks, roofline, rollout_schedule, run_builder, step_estimate, step_lengths, topologies
+from llds_jax import checks, topologies
+from llds_jax.aot import rollout_schedule, roofline, step_estimate, step_lengths
+from llds_jax.train import run_builder
 from llds_jax import config as config_lib
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
@@ -177,7 +179,7 @@ class Program:
     role: Optional[Role] = None  # what it does (`llds_jax.programs.Role`); None: a program of no run
     rollout: bool = False
     pool_bytes: float = 0.0  # the paged engine's page pool per chip (an argument of its rollout programs)
-    calls: float = 0.0  # calls per training step of an HLO-costed program (`llds_jax.step_estimate`)
+    calls: float = 0.0  # calls per training step of an HLO-costed program (`llds_jax.aot.step_estimate`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +200,7 @@ class Row:
     error: str = ""
     gathers: tuple[tuple[str, tuple[int, ...]], ...] = ()
     collectives: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    cost: Any = None  # llds_jax.roofline.HloCost of one call
+    cost: Any = None  # llds_jax.aot.roofline.HloCost of one call
 
     @property
     def gather(self) -> str:
@@ -393,7 +395,7 @@ def _layout_label(layout, hosts: int) -> str:
 def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered at
     the run's largest shapes with abstract arrays (compiling is what takes time); in the order a run first runs
-    them. The run is built as the trainer builds it (`llds_jax.run_builder`), on an abstract model; the samplers
+    them. The run is built as the trainer builds it (`llds_jax.train.run_builder`), on an abstract model; the samplers
     and the train step name their programs at abstract arguments (`abstract_programs`,
     `llds_jax.programs.CompilablePrograms`); what stays resident and the calls per step are added here."""
     hosts = sorted({d.process_index for d in devices})
@@ -468,9 +470,9 @@ def index_source(index_path: str) -> tuple[tuple[int, int], str]:
 
 def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int, layout,
              estimate_from: str = "") -> str:
-    """The step-time estimate (`llds_jax.step_estimate`) of compiled `rows` at `generation`'s peaks: the training
+    """The step-time estimate (`llds_jax.aot.step_estimate`) of compiled `rows` at `generation`'s peaks: the training
     programs' table, the worst-case step and the expected step (at the lengths of the run folder `estimate_from`,
-    else `step_lengths`' defaults), the rollout as the paged engine schedules it (`llds_jax.rollout_schedule`); with
+    else `step_lengths`' defaults), the rollout as the paged engine schedules it (`llds_jax.aot.rollout_schedule`); with
     `estimate_from`, its predicted step calls and batch tokens per token bucket beside the run's logged ones."""
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
                                        p.role)
@@ -504,7 +506,7 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
 def run(cfg, topology: str, estimate_from: str = "") -> int:
     """Compiles every program of `cfg` for `topology` and prints the table; returns the exit status (0: every
     program fits, `EXIT_DOES_NOT_FIT`: one does not). The expected step takes its lengths from the run folder
-    `estimate_from` (its metrics.jsonl), else from `llds_jax.step_lengths`' defaults."""
+    `estimate_from` (its metrics.jsonl), else from `llds_jax.aot.step_lengths`' defaults."""
     jax.config.update("jax_platforms", "cpu")  # the host's own backend; TPU programs are compiled, never run
     devices, nominal = topology_devices(topology)
     checks.validate(cfg, len(devices))

@@ -13,13 +13,15 @@ import sys
 import jax
 import pytest
 
-from llds_jax import compile_check, roofline, run_builder, step_estimate, topologies
+from llds_jax import topologies
+from llds_jax.aot import compile_check, roofline, step_estimate
+from llds_jax.train import run_builder
 from llds_jax.model import ModelConfig, to_hf_config
 from llds_jax.programs import Role
 from llds_jax.rollout.layout import abstract_rollout_params
 from tests.configs import load
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 1 << 30
 # configs/qwen7b_v4.py with its sizes shrunk: 8 prompts x 4 samples, sessions of 16 rows, 2 updates per step.
 SHRINK = {
@@ -330,7 +332,7 @@ def test_tpu_programs_stay_out_of_the_persistent_compilation_cache(tmp_path):
     script = """
 import jax, jax.numpy as jnp, os, sys
 from jax.sharding import SingleDeviceSharding
-from llds_jax import compile_check
+from llds_jax.aot import compile_check
 from llds_jax.programs import Role
 jax.config.update("jax_platforms", "cpu")
 cache = sys.argv[1]

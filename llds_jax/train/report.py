@@ -1,6 +1,6 @@
 """A plain report of a training run folder: PNG plots of its metrics log and a `summary.md`.
 
-    python -m llds_jax.report RUN_DIR [--out DIR] [--compare OTHER_RUN_DIR ...]
+    python -m llds_jax.train.report RUN_DIR [--out DIR] [--compare OTHER_RUN_DIR ...]
 
 Reads what the trainer leaves in a run folder: `metrics.jsonl` (MetricsWriter's per-step log; TensorBoard is not
 read), `config.json`, `checkpoints/` and every `eval/*/results.json` (evaluation.write_results: `eval/step_N` during
@@ -22,7 +22,7 @@ the summary lists each run. A plot or panel whose metrics no run has is skipped,
 
 The paths written are printed, one per line. A missing run folder or a missing / empty metrics file ends the
 command with one line naming the path and exit status 2, and so does an --out that is a file or a folder of
-files the report did not write (llds_jax.output_folder: nothing in it is touched); a corrupted line of a metrics
+files the report did not write (llds_jax.runtime.output_folder: nothing in it is touched); a corrupted line of a metrics
 file (not JSON, not UTF-8) is reported as `file:line` on stderr, skipped and counted in the summary.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 
 from etils import epath
 
-from llds_jax import output_folder
+from llds_jax.runtime import output_folder
 
 METRICS_FILE = "metrics.jsonl"
 EXIT_BAD_INPUT = 2
@@ -517,7 +517,7 @@ def write_report(run_dirs: Sequence[str], out_dir: str | None = None) -> list[st
     out = epath.Path(out_dir) if out_dir else runs[0].folder / "report"
     if "://" not in os.fspath(out):  # local: gs:// has no folders to mix up
         own = {plot.filename for plot in PLOTS} | {"summary.md"}
-        try:  # a folder of the user's own files is never written into (llds_jax.output_folder)
+        try:  # a folder of the user's own files is never written into (llds_jax.runtime.output_folder)
             output_folder.claim(str(out), f"--out {out}", "report", legacy=lambda entries: set(entries) <= own)
         except output_folder.FolderNotOursError as e:
             raise ReportError(str(e)) from None
@@ -535,7 +535,7 @@ def write_report(run_dirs: Sequence[str], out_dir: str | None = None) -> list[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llds_jax.report",
+    parser = argparse.ArgumentParser(prog="python -m llds_jax.train.report",
                                      description="Plots and summary.md of a training run folder.")
     parser.add_argument("run_dir", help="run folder (metrics.jsonl, config.json, eval/, checkpoints/)")
     parser.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
@@ -545,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         paths = write_report([args.run_dir, *args.compare], args.out)
     except ReportError as e:
-        print(f"llds_jax.report: error: {e}", file=sys.stderr)
+        print(f"llds_jax.train.report: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for path in paths:
         print(path)

@@ -1,4 +1,4 @@
-"""The paged engine's step calls at given lengths (llds_jax.rollout_schedule): the scripted conversations keep the
+"""The paged engine's step calls at given lengths (llds_jax.aot.rollout_schedule): the scripted conversations keep the
 lengths' means, and the calls of small rollouts equal those worked out by hand from the engine's rules."""
 import dataclasses
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from llds_jax import rollout_schedule, step_lengths
+from llds_jax.aot import rollout_schedule, step_lengths
 from llds_jax.rollout.engine import EngineConfig
 from llds_jax.rollout.paged_sampler import token_budgets
 from tests.configs import load
