@@ -81,8 +81,12 @@ def test_an_added_reward_moves_the_advantages_and_an_added_hook_sees_every_steps
                                   step_hooks=(*DEFAULT_STEP_HOOKS, record))
     batches = []
     train_on_batch = trainer.rl_train_step.train_on_batch
-    monkeypatch.setattr(trainer.rl_train_step, "train_on_batch",
-                        lambda state, ref, batch, **kw: batches.append(batch) or train_on_batch(state, ref, batch, **kw))
+
+    def recording_train_on_batch(state, ref_params, batch, **kwargs):
+        batches.append(batch)
+        return train_on_batch(state, ref_params, batch, **kwargs)
+
+    monkeypatch.setattr(trainer.rl_train_step, "train_on_batch", recording_train_on_batch)
     try:
         assert trainer.run() == 2
     finally:
