@@ -5,6 +5,8 @@ A `RewardFn` maps this host's trajectories of a step and the run's `reward` conf
 one per trajectory, named by its `__name__`. Several are summed: a trajectory's reward is the sum of the functions'
 rewards (what the advantages normalize, `reward/mean` its batch mean); with more than one, each function's batch
 mean is also logged as `reward/<name>`.
+Evaluations score exact match whatever the training rewards (`eval/em_*`, llds_jax.train.evaluation): the
+paper's metric, comparable across runs.
 """
 from __future__ import annotations
 
