@@ -1,5 +1,7 @@
 """One way to pick an implementation by name: a `Registry` per choice (loss terms, advantage estimators, LLDS gates,
-answer weightings, KL estimators, rewards), filled by a decorator where each implementation is defined.
+answer weightings, KL estimators, aggregations), filled by a decorator where each implementation is defined. Rewards
+and per-step hooks, which the config does not name, are lists the trainer takes instead (llds_jax.train.rewards,
+llds_jax.train.step_hooks).
 
 The run config keeps names only: a choice key's allowed values are declared with its typed field (plain Python, so
 that a config is checked before JAX loads), and tests/rl/test_registries.py checks that each registry holds exactly

@@ -1,21 +1,21 @@
-"""Grouped-query attention: the dense reference, a blockwise (online-softmax) path that never holds [T, S] scores,
+"""Grouped-query attention: the dense reference, a blockwise (online-softmax) path that never holds [T, T'] scores,
 and the fused kernels of TPU (Pallas splash attention) and GPU (cuDNN flash attention) for full forwards.
 
-Which keys a query sees is given by vectors, never by a [B, T, S] mask: key slot s is visible to query t of row b
-iff `key_valid_bs[b, s]` and `query_first_bt[b, t] <= s <= query_slot_bt[b, t]`. A full forward passes query_slot = t
+Which keys a query sees is given by vectors, never by a [B, T, T'] mask: key slot s is visible to query t of row b
+iff `key_valid_bt[b, s]` and `query_first_bt[b, t] <= s <= query_slot_bt[b, t]`. A full forward passes query_slot = t
 and key_valid = the padding mask (causal over real tokens); a row packed with several trajectories passes
 query_first = the first slot of the query's trajectory (its segment), so that no token sees another trajectory's
 (query_first defaults to 0). The model calls it for full forwards alone (`Transformer.hidden`); its ragged steps
 over the paged KV cache attend through `llds_jax.model.paged_attention`, which shares this module's online softmax.
 
-Dimension letters: B batch, T queries, S keys, N query heads, K key/value heads, G = N / K query heads
-per key/value head, H head size.
+Dimension letters: B batch, T queries, T' key slots (tokens of the row too, so written t), N query heads, K key/value
+heads, G = N / K query heads per key/value head, H head size, J key tiles (of T'k slots) of the blockwise path.
 
 Implementations (`ModelConfig.attention`):
-  "xla": dense float32 scores [B, K, G, T, S] and a softmax over them (the reference).
+  "xla": dense float32 scores [B, K, G, T, T'] and a softmax over them (the reference).
   "blockwise": flash-style in plain XLA: a scan over query blocks and, inside, over key blocks with a float32
     running max / sum / accumulator; its own backward (recomputing each tile from q, k, v and the row's
-    log-sum-exp) so neither pass holds more than one [B, K, G, Tq_block, S_block] tile of scores. Tiles that no
+    log-sum-exp) so neither pass holds more than one [B, K, G, Tq_block, T'k_block] tile of scores. Tiles that no
     query of the batch can see (above the causal diagonal, before the segments of a packed row, all padding) are
     skipped.
   "splash": JAX's Pallas splash attention kernel (TPU; float32 softmax statistics, its own backward kernels):
@@ -28,14 +28,14 @@ Implementations (`ModelConfig.attention`):
     `query_seq_lengths` / `key_value_seq_lengths` = the row's real tokens, scattered back; no mask or bias array.
     It has no segments: a packed row (query_first given) runs blockwise instead.
   "auto": on TPU splash, on GPU with a bfloat16 / float16 model cudnn, for full forwards; everything else (and
-    any other platform) blockwise when the dense scores [T, S] would be larger than one tile
-    (T * S > query_block * key_block), else xla.
+    any other platform) blockwise when the dense scores [T, T'] would be larger than one tile
+    (T * T' > query_block * key_block), else xla.
 Routing (`resolve`): splash and cudnn serve full forwards only (`full_forward`: query t at key slot t of the same
 chunk, which `Transformer.hidden` promises); a call that is not one (keys beyond the queries' chunk) takes blockwise
 or xla by the tile rule above. A single query runs dense: its scores are one row.
 
 A query that sees no key (a padding row) gets, from xla and blockwise, the dense path's answer: the uniform average
-of the values of all S slots (float32 softmax over S equal masked scores), with that average's gradient flowing to
+of the values of all T' slots (float32 softmax over T' equal masked scores), with that average's gradient flowing to
 v only. Splash and cudnn give every padding query row (key_valid false at its own slot) zeros, with no gradient;
 their outputs at real query rows match the dense path's.
 """
@@ -92,39 +92,39 @@ def resolve(choice: str, num_queries: int, num_keys: int, query_block: int, key_
     return "blockwise" if num_queries * num_keys > query_block * key_block else "xla"
 
 
-def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, query_slot_bt: jax.Array,
-              key_valid_bs: jax.Array, query_first_bt: jax.Array | None = None, *, implementation: str = "xla",
+def attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, query_slot_bt: jax.Array,
+              key_valid_bt: jax.Array, query_first_bt: jax.Array | None = None, *, implementation: str = "xla",
               query_block: int = 512, key_block: int = 512, full_forward: bool = False,
               platform: Optional[str] = None) -> jax.Array:
     """Grouped-query attention with float32 scores and softmax. Returns [B, T, N, H] in q's dtype.
 
     Args:
-      q_btnh: queries [B, T, N, H] (RoPE applied); k_bskh, v_bskh: keys and values [B, S, K, H], N a multiple of K.
+      q_btnh: queries [B, T, N, H] (RoPE applied); k_btkh, v_btkh: keys and values [B, T', K, H], N a multiple of K.
       query_slot_bt: int32 [B, T], the key slot of each query: it sees the valid slots up to and including this one
         (-1: sees nothing).
-      key_valid_bs: bool [B, S], the slot holds a real key.
+      key_valid_bt: bool [B, T'], the slot holds a real key.
       query_first_bt: int32 [B, T], the first key slot each query may see (its segment's start in a packed row);
         None: 0.
       implementation: "xla" (dense reference), "blockwise", "splash", "cudnn" or "auto" (see `resolve`).
-      query_block, key_block: the largest tile (blockwise): T and S are cut into ceil(T / query_block) and
-        ceil(S / key_block) equal blocks (padded by less than one row per block); splash's blocks (see
+      query_block, key_block: the largest tile (blockwise): T and T' are cut into ceil(T / query_block) and
+        ceil(T' / key_block) equal blocks (padded by less than one row per block); splash's blocks (see
         `splash_attention`).
-      full_forward: the caller promises S == T and query_slot_bt[b, t] == t (keys are this chunk's tokens):
+      full_forward: the caller promises T' == T and query_slot_bt[b, t] == t (keys are this chunk's tokens):
         splash and cudnn may run.
       platform: "cpu" / "gpu" / "tpu", the backend the program is compiled for; None: jax.default_backend().
     """
     platform = platform or jax.default_backend()
-    impl = resolve(implementation, q_btnh.shape[1], k_bskh.shape[1], query_block, key_block,
+    impl = resolve(implementation, q_btnh.shape[1], k_btkh.shape[1], query_block, key_block,
                    full_forward=full_forward, platform=platform, dtype=jnp.dtype(q_btnh.dtype).name,
                    segmented=query_first_bt is not None)
     if impl == "xla":
-        return dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt)
+        return dense_attention(q_btnh, k_btkh, v_btkh, query_slot_bt, key_valid_bt, query_first_bt)
     if impl == "splash":
-        return splash_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, query_first_bt, query_block=query_block,
+        return splash_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, query_first_bt, query_block=query_block,
                                 key_block=key_block, interpret=platform != "tpu")
     if impl == "cudnn":
-        return fused_attention(q_btnh, k_bskh, v_bskh, key_valid_bs, implementation="cudnn")
-    return blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt,
+        return fused_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, implementation="cudnn")
+    return blockwise_attention(q_btnh, k_btkh, v_btkh, query_slot_bt, key_valid_bt, query_first_bt,
                                query_block=query_block, key_block=key_block)
 
 
@@ -132,20 +132,20 @@ def _first_or_zero(query_first_bt, query_slot_bt):
     return jnp.zeros_like(query_slot_bt) if query_first_bt is None else query_first_bt.astype(jnp.int32)
 
 
-def dense_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt=None) -> jax.Array:
-    """The reference: full float32 scores [B, K, G, T, S], masked to float32's lowest value, softmax over S."""
+def dense_attention(q_btnh, k_btkh, v_btkh, query_slot_bt, key_valid_bt, query_first_bt=None) -> jax.Array:
+    """The reference: full float32 scores [B, K, G, T, T'], masked to float32's lowest value, softmax over T'."""
     b, t, n, h = q_btnh.shape
-    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    s, k = k_btkh.shape[1], k_btkh.shape[2]
     index_s = jnp.arange(s, dtype=jnp.int32)[None, None, :]
     first_bt = _first_or_zero(query_first_bt, query_slot_bt)
-    visible_bts = (key_valid_bs[:, None, :] & (index_s <= query_slot_bt[:, :, None])
+    visible_btt = (key_valid_bt[:, None, :] & (index_s <= query_slot_bt[:, :, None])
                    & (index_s >= first_bt[:, :, None]))
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_btkh, preferred_element_type=jnp.float32)
     scores = scores * (h ** -0.5)
-    scores = jnp.where(visible_bts[:, None, None, :, :], scores, _MASKED)
+    scores = jnp.where(visible_btt[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_btkh.dtype), v_btkh)
     return out.reshape(b, t, n, h)
 
 
@@ -226,7 +226,7 @@ def fused_attention(q_btnh, k_btkh, v_btkh, key_valid_bt, *, implementation: str
 
     Each row's real tokens are gathered to its front in order (any padding pattern: left, right, inside), so that
     causal attention limited by `query_seq_lengths` = `key_value_seq_lengths` = the row's real tokens is exactly
-    "real keys s <= t"; no [T, S] mask or bias is built. The outputs are scattered back to their slots.
+    "real keys s <= t"; no [T, T'] mask or bias is built. The outputs are scattered back to their slots.
 
     Args:
       q_btnh: [B, T, N, H]; k_btkh, v_btkh: [B, T, K, H]; key_valid_bt: bool [B, T], the token is real.
@@ -255,25 +255,25 @@ def blocks(length: int, block: int) -> tuple[int, int]:
     return count, -(-length // count)
 
 
-def blockwise_attention(q_btnh, k_bskh, v_bskh, query_slot_bt, key_valid_bs, query_first_bt=None, *,
+def blockwise_attention(q_btnh, k_btkh, v_btkh, query_slot_bt, key_valid_bt, query_first_bt=None, *,
                         query_block: int = 512, key_block: int = 512) -> jax.Array:
     """Online-softmax attention over [query block, key block] tiles; same arguments and result as `attention`."""
     b, t, n, h = q_btnh.shape
-    s, k = k_bskh.shape[1], k_bskh.shape[2]
-    if v_bskh.shape != k_bskh.shape or n % k or query_slot_bt.shape != (b, t) or key_valid_bs.shape != (b, s):
-        raise ValueError(f"attention shapes: q {q_btnh.shape}, k {k_bskh.shape}, v {v_bskh.shape}, "
-                         f"query_slot {query_slot_bt.shape}, key_valid {key_valid_bs.shape}")
+    s, k = k_btkh.shape[1], k_btkh.shape[2]
+    if v_btkh.shape != k_btkh.shape or n % k or query_slot_bt.shape != (b, t) or key_valid_bt.shape != (b, s):
+        raise ValueError(f"attention shapes: q {q_btnh.shape}, k {k_btkh.shape}, v {v_btkh.shape}, "
+                         f"query_slot {query_slot_bt.shape}, key_valid {key_valid_bt.shape}")
     query_first_bt = _first_or_zero(query_first_bt, query_slot_bt)
     if query_first_bt.shape != (b, t):
         raise ValueError(f"attention shapes: query_first {query_first_bt.shape}, expected {(b, t)}")
     # The window [first, slot] of each query as one int32 array [2, B, T].
     window_wbt = jnp.stack([query_first_bt, query_slot_bt.astype(jnp.int32)])
-    return _blockwise(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs.astype(bool), blocks(t, query_block),
+    return _blockwise(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt.astype(bool), blocks(t, query_block),
                       blocks(s, key_block))
 
 
 # Internal layout: queries [nq, B, Tq, K, G, H], their windows [nq, 2, B, Tq] (first, slot), keys / values
-# [nk, B, Sk, K, H], per-row statistics [nq, B, K, G, Tq].
+# [nk, B, T'k, K, H], per-row statistics [nq, B, K, G, Tq].
 
 def _query_blocks(q_btnh, dout_btnh, window_wbt, k: int, qb: tuple[int, int]):
     nq, tq = qb
@@ -289,71 +289,71 @@ def _query_blocks(q_btnh, dout_btnh, window_wbt, k: int, qb: tuple[int, int]):
         2, 0, 1, 3)
 
 
-def _key_blocks(k_bskh, v_bskh, key_valid_bs, kb: tuple[int, int]):
+def _key_blocks(k_btkh, v_btkh, key_valid_bt, kb: tuple[int, int]):
     nk, sk = kb
-    b, s, k, h = k_bskh.shape
+    b, s, k, h = k_btkh.shape
     pad = nk * sk - s
 
-    def split(x):  # [B, S, K, H] -> [nk, B, Sk, K, H]
+    def split(x):  # [B, T', K, H] -> [nk, B, T'k, K, H]
         return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nk, sk, k, h).swapaxes(0, 1)
 
-    valid = jnp.pad(key_valid_bs, ((0, 0), (0, pad))).reshape(b, nk, sk).swapaxes(0, 1)
-    return split(k_bskh), split(v_bskh), valid
+    valid = jnp.pad(key_valid_bt, ((0, 0), (0, pad))).reshape(b, nk, sk).swapaxes(0, 1)
+    return split(k_btkh), split(v_btkh), valid
 
 
-def _active_tiles(window_qwbt, valid_kbs) -> jax.Array:
+def _active_tiles(window_qwbt, valid_jbt) -> jax.Array:
     """bool [nq, nk]: in some row of the batch, key block j holds a valid key inside the span of query block i's
     windows (a superset of the tiles where some query sees some key)."""
-    nk, _, sk = valid_kbs.shape
-    index_ks = jnp.arange(nk * sk, dtype=jnp.int32).reshape(nk, 1, sk)
-    first_valid_kb = jnp.min(jnp.where(valid_kbs, index_ks, jnp.iinfo(jnp.int32).max), axis=-1)
-    last_valid_kb = jnp.max(jnp.where(valid_kbs, index_ks, -1), axis=-1)
+    nk, _, sk = valid_jbt.shape
+    index_j1t = jnp.arange(nk * sk, dtype=jnp.int32).reshape(nk, 1, sk)
+    first_valid_jb = jnp.min(jnp.where(valid_jbt, index_j1t, jnp.iinfo(jnp.int32).max), axis=-1)
+    last_valid_jb = jnp.max(jnp.where(valid_jbt, index_j1t, -1), axis=-1)
     seeing_qwbt = window_qwbt[:, 1:] >= window_qwbt[:, :1]  # queries with a non-empty window
     first_qb = jnp.min(jnp.where(seeing_qwbt[:, 0], window_qwbt[:, 0], jnp.iinfo(jnp.int32).max), axis=-1)
     last_slot_qb = jnp.max(jnp.where(seeing_qwbt[:, 0], window_qwbt[:, 1], -1), axis=-1)
-    return jnp.any((first_valid_kb[None, :, :] <= last_slot_qb[:, None, :])
-                   & (last_valid_kb[None, :, :] >= first_qb[:, None, :]), axis=-1)
+    return jnp.any((first_valid_jb[None, :, :] <= last_slot_qb[:, None, :])
+                   & (last_valid_jb[None, :, :] >= first_qb[:, None, :]), axis=-1)
 
 
-def _tile_scores(q_btkgh, k_bskh, window_wbt, valid_bs, key_start, scale):
-    """Scaled float32 scores [B, K, G, Tq, Sk] of one tile, -inf where not visible."""
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
-    index_s = key_start + jnp.arange(k_bskh.shape[1], dtype=jnp.int32)[None, None, :]
-    visible = (valid_bs[:, None, :] & (index_s >= window_wbt[0][:, :, None])
+def _tile_scores(q_btkgh, k_btkh, window_wbt, valid_bt, key_start, scale):
+    """Scaled float32 scores [B, K, G, Tq, T'k] of one tile, -inf where not visible."""
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_btkh, preferred_element_type=jnp.float32) * scale
+    index_s = key_start + jnp.arange(k_btkh.shape[1], dtype=jnp.int32)[None, None, :]
+    visible = (valid_bt[:, None, :] & (index_s >= window_wbt[0][:, :, None])
                & (index_s <= window_wbt[1][:, :, None]))
     return jnp.where(visible[:, None, None], scores, -jnp.inf)
 
 
-def _online_softmax_step(carry, scores_bkgts, v_bskh):
+def _online_softmax_step(carry, scores_bkgtt, v_btkh):
     """One key tile of the online softmax: the running (max, sum, accumulator) [B, K, G, T] x2 and
-    [B, K, G, T, H] (float32) updated by the tile's scores [B, K, G, T, Sk] (-inf: not visible) and values
-    [B, Sk, K, H]."""
+    [B, K, G, T, H] (float32) updated by the tile's scores [B, K, G, T, T'k] (-inf: not visible) and values
+    [B, T'k, K, H]."""
     m, l, acc = carry
-    m_new = jnp.maximum(m, jnp.max(scores_bkgts, axis=-1))
+    m_new = jnp.maximum(m, jnp.max(scores_bkgtt, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # -inf: nothing seen yet
-    p = jnp.exp(scores_bkgts - m_safe[..., None])
+    p = jnp.exp(scores_bkgtt - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     l = alpha * l + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_btkh.dtype), v_btkh, preferred_element_type=jnp.float32)
     return m_new, l, alpha[..., None] * acc + pv
 
 
-def _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):
+def _forward(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, qb, kb):
     """Returns (out [B, T, N, H] in q's dtype, log-sum-exp [nq, B, K, G, Tq] float32: +inf on rows with no key)."""
     b, t, n, h = q_btnh.shape
-    k = k_bskh.shape[2]
+    k = k_btkh.shape[2]
     scale = h ** -0.5
     # Inside a scan (the layer stack) whose gradient is taken, JAX hoists what depends only on the scan's
-    # invariants (here the mask vectors) out of the loop and stacks it over every tile: [nq, nk, B, K, G, Tq, Sk]
-    # masks and -inf fills, the very [T, S] buffers this path avoids. Tying the vectors to q keeps them in the loop.
-    q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs = jax.lax.optimization_barrier(
-        (q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs))
+    # invariants (here the mask vectors) out of the loop and stacks it over every tile: [nq, nk, B, K, G, Tq, T'k]
+    # masks and -inf fills, the very [T, T'] buffers this path avoids. Tying the vectors to q keeps them in the loop.
+    q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt = jax.lax.optimization_barrier(
+        (q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt))
     q_blocks, _, window_blocks = _query_blocks(q_btnh, None, window_wbt, k, qb)
-    k_blocks, v_blocks, valid_blocks = _key_blocks(k_bskh, v_bskh, key_valid_bs, kb)
+    k_blocks, v_blocks, valid_blocks = _key_blocks(k_btkh, v_btkh, key_valid_bt, kb)
     active = _active_tiles(window_blocks, valid_blocks)
     sk = kb[1]
-    # A query that sees no key: the dense path's uniform softmax over all S slots.
-    uniform_bkh = jnp.mean(v_bskh.astype(jnp.float32), axis=1)
+    # A query that sees no key: the dense path's uniform softmax over all T' slots.
+    uniform_bkh = jnp.mean(v_btkh.astype(jnp.float32), axis=1)
 
     def query_block(_, xs):
         q_i, window_i, active_i = xs
@@ -381,26 +381,26 @@ def _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blockwise(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):
-    return _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb)[0]
+def _blockwise(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, qb, kb):
+    return _forward(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, qb, kb)[0]
 
 
-def _blockwise_fwd(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb):
-    out, lse = _forward(q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, qb, kb)
-    return out, (q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, out, lse)
+def _blockwise_fwd(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, qb, kb):
+    out, lse = _forward(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, qb, kb)
+    return out, (q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, out, lse)
 
 
 def _blockwise_bwd(qb, kb, residuals, dout_btnh):
     """Flash-attention backward: per tile p = exp(scores - lse), dv += p^T dO, ds = p (dO v^T - rowsum(dO O)),
     dq += ds k, dk += ds^T q; an outer scan over key blocks (dk, dv of the block accumulate inside), an inner one
     over query blocks (dq, float32, carried whole)."""
-    q_btnh, k_bskh, v_bskh, window_wbt, key_valid_bs, out_btnh, lse = residuals
+    q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, out_btnh, lse = residuals
     b, t, n, h = q_btnh.shape
-    s, k = k_bskh.shape[1], k_bskh.shape[2]
+    s, k = k_btkh.shape[1], k_btkh.shape[2]
     scale = h ** -0.5
     q_blocks, dout_blocks, window_blocks = _query_blocks(q_btnh, dout_btnh, window_wbt, k, qb)
     _, o_blocks, _ = _query_blocks(q_btnh, out_btnh, window_wbt, k, qb)
-    k_blocks, v_blocks, valid_blocks = _key_blocks(k_bskh, v_bskh, key_valid_bs, kb)
+    k_blocks, v_blocks, valid_blocks = _key_blocks(k_btkh, v_btkh, key_valid_bt, kb)
     active = _active_tiles(window_blocks, valid_blocks)
     sk = kb[1]
     # rowsum(dO * O) per query row [nq, B, K, G, Tq].
@@ -439,11 +439,11 @@ def _blockwise_bwd(qb, kb, residuals, dout_btnh):
     dq = dq.swapaxes(0, 1).reshape(b, qb[0] * qb[1], n, h)[:, :t]
     dk = dk.swapaxes(0, 1).reshape(b, kb[0] * kb[1], k, h)[:, :s]
     dv = dv.swapaxes(0, 1).reshape(b, kb[0] * kb[1], k, h)[:, :s]
-    # Rows with no key took the uniform average of all S values: their cotangent reaches every v by 1 / S.
+    # Rows with no key took the uniform average of all T' values: their cotangent reaches every v by 1 / T'.
     no_key = jnp.isinf(lse)
     d_uniform_bkh = jnp.einsum("qbkgt,qbtkgh->bkh", no_key.astype(jnp.float32), dout_blocks.astype(jnp.float32)) / s
     dv = dv + d_uniform_bkh[:, None]
-    return (dq.astype(q_btnh.dtype), dk.astype(k_bskh.dtype), dv.astype(v_bskh.dtype), None, None)
+    return (dq.astype(q_btnh.dtype), dk.astype(k_btkh.dtype), dv.astype(v_btkh.dtype), None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

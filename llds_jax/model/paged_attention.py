@@ -12,7 +12,7 @@ Implementations:
   "reference": plain XLA, any backend (the engine's path on CPU): the tokens in chunks of `queries_per_block`, and
     for each chunk its tokens' pages in blocks of `kv_pages_per_block` with a float32 online softmax (running max,
     sum and accumulator; the helpers of `attention.blockwise_attention`). Each block gathers, per token, only
-    that block's pages of its sequence ([Tq, pages * Z, C, H]); GQA groups the query heads over their key/value
+    that block's pages of its sequence ([Tq, pages * Z, K', H]); GQA groups the query heads over their key/value
     head, never repeating it. The block loop's trip count is known only at run time: the blocks up to the chunk's
     furthest cache index, so a batch of short sequences reads few pages whatever the page table's width (M * Z
     slots). What it computes is the dense attention of each token over its sequence's cache indices 0 ..
@@ -21,8 +21,9 @@ Implementations:
 Default: the kernel on TPU, the reference elsewhere.
 
 Dimension letters: T ragged batch tokens, S sequences, M pages per sequence, P pool pages (as given: one layer's or
-the stacked pool's `paged_kv.layer_view`), Z tokens per page, N query heads, K key/value heads, C = 2K combined
-heads, H head size.
+the stacked pool's `paged_kv.layer_view`), Z tokens per page, N query heads, K key/value heads (K' = 2K: keys and
+values interleaved, written k), H head size; in the reference, Q query chunks of Tq tokens and key blocks of T'k
+cache slots (tokens, written t).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ IMPLEMENTATIONS = ("kernel", "reference")
 KERNEL_KV_PAGES_PER_BLOCK = 32
 KERNEL_QUERIES_PER_BLOCK = 32
 # The reference's tile when the caller names none: key blocks of about 64 cache slots (at least one page) and
-# chunks of 32 query tokens, so that a tile's gathered keys and values ([32, 64, C, H], 1 MiB at C = 4, H = 32 in
+# chunks of 32 query tokens, so that a tile's gathered keys and values ([32, 64, K', H], 1 MiB at K' = 4, H = 32 in
 # float32) stay in a CPU core's L2 cache (bench/paged_reference.py measured 16 to 256 slots, 16 to 64 tokens).
 REFERENCE_BLOCK_SLOTS = 64
 KERNEL_HEAD_LANES = 128  # the kernel takes heads of a multiple of this many lanes
@@ -60,7 +61,7 @@ def default_implementation(platform: Optional[str] = None, head_dim: int = KERNE
     return "kernel" if tpu and head_dim % KERNEL_HEAD_LANES == 0 else "reference"
 
 
-def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.Array, page_indices_sm: jax.Array,
+def paged_attention(q_tnh: jax.Array, kv_pages_pzkh: jax.Array, kv_lens_s: jax.Array, page_indices_sm: jax.Array,
                     cu_q_lens_s1: jax.Array, num_seqs: jax.Array, *, implementation: Optional[str] = None,
                     kv_pages_per_block: Optional[int] = None, queries_per_block: Optional[int] = None
                     ) -> jax.Array:
@@ -68,7 +69,7 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.A
 
     Args:
       q_tnh: queries [T, N, H] (RoPE applied), N a multiple of K.
-      kv_pages_pzch: pages [P, Z, 2K, H], keys and values interleaved, holding the batch's new keys and values.
+      kv_pages_pzkh: pages [P, Z, 2K, H], keys and values interleaved, holding the batch's new keys and values.
       kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs: the ragged batch (`paged_kv` module docstring): int32
         [S], [S, M], [S + 1], [1]. Entries of page_indices_sm past a sequence's pages are never attended to.
       implementation: "kernel" or "reference" (module docstring); None: `default_implementation()`.
@@ -80,25 +81,25 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.A
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"paged attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     # JAX's own checks of the shapes and dtypes (ValueError naming the argument), for both implementations.
-    rpa.static_validate_inputs(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
+    rpa.static_validate_inputs(q_tnh, kv_pages_pzkh, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
     if implementation == "reference":
-        return reference_paged_attention(q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs,
+        return reference_paged_attention(q_tnh, kv_pages_pzkh, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs,
                                          kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
     t, m = q_tnh.shape[0], page_indices_sm.shape[1]
     kernel = functools.partial(
         rpa.ragged_paged_attention, sm_scale=q_tnh.shape[-1] ** -0.5,
         num_kv_pages_per_block=min(kv_pages_per_block or KERNEL_KV_PAGES_PER_BLOCK, m),
         num_queries_per_block=min(queries_per_block or KERNEL_QUERIES_PER_BLOCK, t))
-    args = (q_tnh, kv_pages_pzch, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
+    args = (q_tnh, kv_pages_pzkh, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
     mesh = parallel.current_mesh()
     if mesh is None:
         return kernel(*args)
-    heads = parallel.fitted(mesh, kv_pages_pzch.shape[2] // 2, "kv_heads")
+    heads = parallel.fitted(mesh, kv_pages_pzkh.shape[2] // 2, "kv_heads")
     return jax.shard_map(kernel, in_specs=(P(None, heads, None), P(None, None, heads, None), P(), P(), P(), P()),
                          out_specs=P(None, heads, None), check_vma=False)(*args)
 
 
-def reference_paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_lens_s: jax.Array,
+def reference_paged_attention(q_tnh: jax.Array, kv_pages_pzkh: jax.Array, kv_lens_s: jax.Array,
                               page_indices_sm: jax.Array, cu_q_lens_s1: jax.Array, num_seqs: jax.Array, *,
                               kv_pages_per_block: Optional[int] = None, queries_per_block: Optional[int] = None
                               ) -> jax.Array:
@@ -107,7 +108,7 @@ def reference_paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_len
     slots past a token's own index (and so past its sequence's kv_len, and page table entries past its pages) get
     probability 0."""
     t, n, h = q_tnh.shape
-    z, c = kv_pages_pzch.shape[1:3]
+    z, c = kv_pages_pzkh.shape[1:3]
     k, m = c // 2, page_indices_sm.shape[1]
     pages_per_block = min(kv_pages_per_block or max(1, REFERENCE_BLOCK_SLOTS // z), m)
     tq = min(queries_per_block or REFERENCE_QUERIES_PER_BLOCK, t)
@@ -124,13 +125,14 @@ def reference_paged_attention(q_tnh: jax.Array, kv_pages_pzch: jax.Array, kv_len
         # One chunk as a batch of tq rows of one query each, in the layout of attention's online-softmax helpers.
         q_t1kgh, last_t, table_tm = xs
         window_wt1 = jnp.stack([jnp.zeros_like(last_t), last_t])[:, :, None]  # sees cache indices 0 .. last
-        all_slots_ts = jnp.ones((tq, sk), bool)
+        all_slots_tt = jnp.ones((tq, sk), bool)
 
         def key_block(j, carry):
-            pages_tb = jax.lax.dynamic_slice_in_dim(table_tm, j * pages_per_block, pages_per_block, axis=1)
-            kv_tskvh = jnp.take(kv_pages_pzch, pages_tb, axis=0, mode="clip").reshape(tq, sk, k, 2, h)
-            scores = _tile_scores(q_t1kgh, kv_tskvh[:, :, :, 0], window_wt1, all_slots_ts, j * sk, h ** -0.5)
-            return _online_softmax_step(carry, scores, kv_tskvh[:, :, :, 1])
+            pages_tm = jax.lax.dynamic_slice_in_dim(table_tm, j * pages_per_block, pages_per_block, axis=1)
+            kv_pages = jnp.take(kv_pages_pzkh, pages_tm, axis=0, mode="clip").reshape(tq, sk, k, 2, h)
+            k_ttkh, v_ttkh = jnp.moveaxis(kv_pages, 3, 0)  # interleaved: each head's key, then its value
+            scores = _tile_scores(q_t1kgh, k_ttkh, window_wt1, all_slots_tt, j * sk, h ** -0.5)
+            return _online_softmax_step(carry, scores, v_ttkh)
 
         count = jnp.minimum(jnp.max(last_t) // sk + 1, num_blocks)  # 0 for a chunk of padding
         stats = jnp.full((tq, k, n // k, 1), -jnp.inf, jnp.float32)

@@ -10,14 +10,14 @@ sequence s sits at cache index (and RoPE position) kv_lens_s[s] - q_len_s + i, q
 cu_q_lens_s1[s]. Two sequences may share full pages (a common prompt prefix: both page tables name them); a sequence
 writes only into pages of its own.
 
-The pool, `kv_pages_lpzch` [L, P, Z, C, H], holds every layer's pages: C = 2K combined heads with keys and values
-interleaved (combined head 2k the keys of key/value head k, 2k + 1 its values), as the kernel reads them. Layer l of
-the pool seen as [L * P, Z, C, H] with page p at row l * P + p is a reshape (`layer_view`), so attention reads a
+The pool, `kv_pages_lpzkh` [L, P, Z, K', H], holds every layer's pages: K' = 2K heads with keys and values
+interleaved (head 2k of K' the keys of key/value head k, 2k + 1 its values), as the kernel reads them. Layer l of
+the pool seen as [L * P, Z, K', H] with page p at row l * P + p is a reshape (`layer_view`), so attention reads a
 layer's pages straight out of the stacked pool and no layer is copied. Split over chips: by key/value heads only
 (`pages_spec`), each chip holding its heads' keys and values of every page.
 
 Dimension letters: T ragged batch tokens, S sequences, M pages per sequence (the page table's width), L layers, P
-pool pages, Z tokens per page, K key/value heads, C = 2K combined heads, H head size.
+pool pages, Z tokens per page, K key/value heads (K' = 2K: keys and values interleaved, written k), H head size.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> 
 
 
 def pages_spec(mesh: Any, num_kv_heads: int) -> P:
-    """The PartitionSpec of a pool [L, P, Z, C, H] on `mesh`: combined heads split as "kv_heads" where those axes
+    """The PartitionSpec of a pool [L, P, Z, K', H] on `mesh`: its K' heads split as "kv_heads" where those axes
     divide the K key/value heads (each chip then holds whole heads: the keys and the values of each), else
     replicated; layers, pages and page slots never split."""
     return P(None, None, None, parallel.fitted(mesh, num_kv_heads, "kv_heads"), None)
@@ -73,24 +73,24 @@ def token_layout(cu_q_lens_s1: jax.Array, kv_lens_s: jax.Array, page_indices_sm:
     return seq_t, position_t, slot_t, valid_t
 
 
-def write_kv(kv_pages_lpzch: jax.Array, layer: jax.Array, k_tkh: jax.Array, v_tkh: jax.Array, slot_t: jax.Array
+def write_kv(kv_pages_lpzkh: jax.Array, layer: jax.Array, k_tkh: jax.Array, v_tkh: jax.Array, slot_t: jax.Array
              ) -> jax.Array:
     """Writes the keys and values of T tokens into layer `layer` (int32 scalar, may be traced) of the pool, token t
-    at flat slot slot_t[t] = page * Z + offset (-1: padding, dropped). One scatter of [T, C, H] rows, in place where
+    at flat slot slot_t[t] = page * Z + offset (-1: padding, dropped). One scatter of [T, K', H] rows, in place where
     the pool is donated or a loop carry; every other entry keeps its value. Slots of real tokens are distinct.
 
     k_tkh, v_tkh: [T, K, H] (cast to the pool's dtype). Returns the pool.
     """
-    _, p, z, c, h = kv_pages_lpzch.shape
+    _, p, z, c, h = kv_pages_lpzkh.shape
     t = slot_t.shape[0]
-    kv_tch = jnp.stack([k_tkh, v_tkh], axis=2).reshape(t, c, h).astype(kv_pages_lpzch.dtype)
+    kv_tkh = jnp.stack([k_tkh, v_tkh], axis=2).reshape(t, c, h).astype(kv_pages_lpzkh.dtype)
     page_t = jnp.where(slot_t >= 0, slot_t // z, p)  # padding: a page past the pool, which the scatter drops
-    return kv_pages_lpzch.at[layer, page_t, slot_t % z].set(kv_tch, mode="drop")
+    return kv_pages_lpzkh.at[layer, page_t, slot_t % z].set(kv_tkh, mode="drop")
 
 
-def layer_view(kv_pages_lpzch: jax.Array, page_indices_sm: jax.Array, layer: jax.Array
+def layer_view(kv_pages_lpzkh: jax.Array, page_indices_sm: jax.Array, layer: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
-    """Layer `layer` of the pool as attention reads it: (the pool as [L * P, Z, C, H], a reshape, and the page
+    """Layer `layer` of the pool as attention reads it: (the pool as [L * P, Z, K', H], a reshape, and the page
     table with each entry moved to that layer's rows, int32 [S, M])."""
-    l, p = kv_pages_lpzch.shape[:2]
-    return kv_pages_lpzch.reshape(l * p, *kv_pages_lpzch.shape[2:]), page_indices_sm + layer * p
+    l, p = kv_pages_lpzkh.shape[:2]
+    return kv_pages_lpzkh.reshape(l * p, *kv_pages_lpzkh.shape[2:]), page_indices_sm + layer * p

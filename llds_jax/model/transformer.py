@@ -195,7 +195,7 @@ class Transformer(nnx.Module):
         logits_btv = jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
         return parallel.constrain(logits_btv, None, None, "vocab")
 
-    def ragged_step(self, tokens_t: jax.Array, kv_pages_lpzch: jax.Array, kv_lens_s: jax.Array,
+    def ragged_step(self, tokens_t: jax.Array, kv_pages_lpzkh: jax.Array, kv_lens_s: jax.Array,
                     page_indices_sm: jax.Array, cu_q_lens_s1: jax.Array, num_seqs: jax.Array, *,
                     implementation: Optional[str] = None, kv_pages_per_block: Optional[int] = None,
                     queries_per_block: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
@@ -207,7 +207,7 @@ class Transformer(nnx.Module):
 
         Args:
           tokens_t: int32 [T], the new tokens of sequences 0 .. num_seqs - 1 back to back, then padding.
-          kv_pages_lpzch: the pool [L, P, Z, 2K, H] (`paged_kv.init_pages`).
+          kv_pages_lpzkh: the pool [L, P, Z, 2K, H] (`paged_kv.init_pages`).
           kv_lens_s: int32 [S], each sequence's cached tokens after this batch's are written.
           page_indices_sm: int32 [S, M], each sequence's pages in order (pages may be shared between sequences
             for a common prefix; a sequence's new tokens go to pages of its own).
@@ -221,7 +221,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         t = tokens_t.shape[0]
         _, position_t, slot_t, _ = paged_kv.token_layout(cu_q_lens_s1, kv_lens_s, page_indices_sm, num_seqs, t,
-                                                         kv_pages_lpzch.shape[2])
+                                                         kv_pages_lpzkh.shape[2])
         cos, sin = rope_lib.rope_angles(position_t[None], rope_lib.inverse_frequencies(cfg))
         attend = functools.partial(paged_attention, implementation=implementation or default_implementation(
             cfg.attention_platform, cfg.head_dim), kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
@@ -242,7 +242,7 @@ class Transformer(nnx.Module):
             return (_block_tail(cfg, x_1td, out_tnh[None], p, w), pages), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x_1td, pages), _ = jax.lax.scan(body, (self._embed(tokens_t[None]), laid_out(kv_pages_lpzch)),
+        (x_1td, pages), _ = jax.lax.scan(body, (self._embed(tokens_t[None]), laid_out(kv_pages_lpzkh)),
                                          (self.layers.arrays(), layers))
         last_s = jnp.clip(cu_q_lens_s1[1:] - 1, 0, t - 1)
         hidden_1sd = rms_norm(x_1td[:, last_s], self.final_norm.get_value(), cfg.rms_norm_eps)

@@ -13,7 +13,7 @@ The group's rows are looked up a time chunk at a time (`LOOKUP_CHUNK` tokens of 
 (qwen7b_v4's update, 16 rows of 4096 tokens per fsdp group: 0.11 GiB in float32 instead of 0.88 GiB, and again for
 the gathered gradient).
 
-Dimension letters: B batch, T tokens, V vocabulary, D hidden.
+Dimension letters: B batch, T tokens, V vocabulary, D hidden, I time chunks of the lookup, C a chunk's tokens.
 """
 from __future__ import annotations
 
@@ -62,10 +62,10 @@ def embed_lookup(table_vd: jax.Array, tokens_bt: jax.Array, dtype: jnp.dtype) ->
         rows, time = tokens_bt.shape
         num_chunks = -(-time // LOOKUP_CHUNK)
         chunk = -(-time // num_chunks)  # equal chunks of at most LOOKUP_CHUNK
-        tokens_nbc = jnp.pad(tokens_bt, ((0, 0), (0, num_chunks * chunk - time))).reshape(
+        tokens_ibc = jnp.pad(tokens_bt, ((0, 0), (0, num_chunks * chunk - time))).reshape(
             rows, num_chunks, chunk).swapaxes(0, 1)
-        x_nbcd = lax.map(functools.partial(shard_lookup, table_vd), tokens_nbc)
-        return x_nbcd.swapaxes(0, 1).reshape(rows, num_chunks * chunk, -1)[:, :time]
+        x_ibcd = lax.map(functools.partial(shard_lookup, table_vd), tokens_ibc)
+        return x_ibcd.swapaxes(0, 1).reshape(rows, num_chunks * chunk, -1)[:, :time]
 
     return jax.shard_map(chunked_lookup, in_specs=(parallel.spec("vocab", None), P(batch_axes, None)),
                          out_specs=P(batch_axes, None, None))(table_vd, tokens_bt)

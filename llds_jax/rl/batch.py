@@ -1,11 +1,11 @@
 """The rollout batch: one typed value that flows rollout -> rewards -> advantages -> update.
 
 The trainer packs a step's trajectories into a `RolloutBatch` (host numpy arrays: B trajectories, T tokens, left or
-right padding), sets its exact-match rewards (`with_rewards`), then its GRPO advantages (`with_advantages`), and the
-train step checks it (`checked`) and lays it out on the device(s) for its updates as a `LaidOutBatch`
-(llds_jax/rl/batch_layout.py: the same fields as [updates U, micro-batches X, micro, ...] arrays). A RolloutBatch is
-a JAX pytree: under jit, a micro-batch of the updates is one (and `jax.lax.scan` takes the X micro-batches of an
-update as one of [X, micro, ...] arrays).
+right padding), sets its rewards (`with_rewards`: the trainer's reward functions summed, exact match by default),
+then its GRPO advantages (`with_advantages`), and the train step checks it (`checked`) and lays it out on the
+device(s) for its updates as a `LaidOutBatch` (llds_jax/rl/batch_layout.py: the same fields as [updates U,
+micro-batches X, micro, ...] arrays). A RolloutBatch is a JAX pytree: under jit, a micro-batch of the updates is one
+(and `jax.lax.scan` takes the X micro-batches of an update as one of [X, micro, ...] arrays).
 """
 from __future__ import annotations
 

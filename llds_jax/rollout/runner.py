@@ -13,8 +13,8 @@ Sequence s samples its i-th token of the call with fold_in(key_s, count_s + i) (
 sampling distribution's log-probs over the full vocabulary, top-p / top-k only restricting the draw).
 
 Dimension letters (docs/architecture.md, "Dimension letters"): T ragged batch tokens, S sequence slots, C samples
-per call, M pages per sequence, L layers, P pool pages, Z tokens per page, V vocabulary; the pool's `kv_pages_lpzch`
-keeps the model's name (its C: keys and values interleaved, `llds_jax.model.paged_kv`).
+per call, M pages per sequence, L layers, P pool pages, Z tokens per page, V vocabulary; the pool's `kv_pages_lpzkh`
+keeps the model's name (its K' = 2K: keys and values interleaved, `llds_jax.model.paged_kv`).
 """
 from __future__ import annotations
 
@@ -37,15 +37,15 @@ from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.engine import EngineConfig, StepBatch, StepResult
 
 
-def copy_pages(kv_pages_lpzch: jax.Array, page_copies: jax.Array) -> jax.Array:
+def copy_pages(kv_pages_lpzkh: jax.Array, page_copies: jax.Array) -> jax.Array:
     """Copies every layer's page page_copies[i, 0] to page page_copies[i, 1], in order ([0, 0]: a no-op)."""
     def one(pages, copy):
         return jax.lax.dynamic_update_index_in_dim(
             pages, jax.lax.dynamic_index_in_dim(pages, copy[0], axis=1, keepdims=False), copy[1], axis=1), None
-    return jax.lax.scan(one, kv_pages_lpzch, page_copies)[0]
+    return jax.lax.scan(one, kv_pages_lpzkh, page_copies)[0]
 
 
-def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pages_lpzch, tokens_t, cu_q_lens_s1,
+def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pages_lpzkh, tokens_t, cu_q_lens_s1,
                  kv_lens_s, page_table_sm, num_seqs, samples_s, key_data_s, count_s, page_copies):
     """One engine step (module docstring). Returns (pool, tokens int32 [S, C], log-probs float32 [S, C], samples
     taken int32 [S])."""
@@ -53,7 +53,7 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pa
     s = samples_s.shape[0]
     stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
     keys_s = jax.random.wrap_key_data(key_data_s)
-    pages = copy_pages(kv_pages_lpzch, page_copies)
+    pages = copy_pages(kv_pages_lpzkh, page_copies)
     logits_sv, pages = model.ragged_step(tokens_t, pages, kv_lens_s, page_table_sm, cu_q_lens_s1, num_seqs)
 
     def draw(logits_sv, i):

@@ -108,10 +108,11 @@ class FaissRetriever(LocalRetriever):
         return self._docs.max_record_bytes
 
     def top_k(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rows [Q, k] int64, -1 where the index has fewer; scores [Q, k] float32) of the best k per query."""
-        query_qd = self.embedder.embed_queries(queries)
-        scores_qk, rows_qk = self.index.search(query_qd, k)
-        return rows_qk, scores_qk
+        """(rows [B, O] int64, -1 where the index has fewer; scores [B, O] float32) of the best O = k per query (B:
+        the queries, O: the top k)."""
+        query_bd = self.embedder.embed_queries(queries)
+        scores_bo, rows_bo = self.index.search(query_bd, k)
+        return rows_bo, scores_bo
 
     def _top_k_rows(self, queries: list[str], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return zip(*self.top_k(queries, k))

@@ -70,8 +70,8 @@ class DeviceFlatRetriever(LocalRetriever):
 
     def top_k(self, queries: Sequence[str], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per query (rows [<= k] int64, exact scores [<= k] float32), faiss IndexFlatIP's order."""
-        query_qd = self.embedder.embed_queries(queries)
-        return [(a.ids, a.scores.astype(np.float32)) for a in self.searcher.search(query_qd, k)]
+        query_bd = self.embedder.embed_queries(queries)
+        return [(a.ids, a.scores.astype(np.float32)) for a in self.searcher.search(query_bd, k)]
 
     def _top_k_rows(self, queries: list[str], k: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return iter(self.top_k(queries, k))

@@ -93,9 +93,9 @@ class E5Embedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """[len(texts), D] float32 unit vectors of the texts as given (no prefix added)."""
-        out_nd = np.zeros((len(texts), self.dim), np.float32)
+        out_bd = np.zeros((len(texts), self.dim), np.float32)
         if not texts:
-            return out_nd
+            return out_bd
         ids = self.tokenize(texts)
         order = np.argsort([len(t) for t in ids], kind="stable")
         pending = []
@@ -103,8 +103,8 @@ class E5Embedder:
             rows = order[start:start + self.batch_size]
             pending.append((rows, self._embed_batch([ids[i] for i in rows])))  # dispatched asynchronously
         for rows, emb_bd in pending:
-            out_nd[rows] = np.asarray(emb_bd)[:len(rows)]
-        return out_nd
+            out_bd[rows] = np.asarray(emb_bd)[:len(rows)]
+        return out_bd
 
     def _embed_batch(self, ids: list[list[int]]) -> jax.Array:
         """Embeddings [B', D] of one batch padded to its bucket (B' >= len(ids) rows; the first len(ids) are real)."""

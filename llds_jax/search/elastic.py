@@ -179,12 +179,12 @@ class ElasticsearchRetriever(BatchedRetriever):
         if self.embedder is None or not queries:
             return await super().search(queries, k)
         try:
-            query_qd = await asyncio.get_running_loop().run_in_executor(
+            query_bd = await asyncio.get_running_loop().run_in_executor(
                 self._embedding, self.embedder.embed_queries, queries)
         except Exception as e:  # a failure becomes an error result, never a crash
             message = f"{self._where}: embedding the queries failed: {describe(e)}"
             return [SearchResult([], message) for _ in queries]
-        bodies = [knn_body(v, k, field=self.vector_field, num_candidates=self.num_candidates) for v in query_qd]
+        bodies = [knn_body(v, k, field=self.vector_field, num_candidates=self.num_candidates) for v in query_bd]
         n = self.batch_size
         answers = await asyncio.gather(*(self._msearch(bodies[i:i + n]) for i in range(0, len(bodies), n)))
         return [result for batch in answers for result in batch]

@@ -58,6 +58,14 @@ class StopRequested(Exception):
         self.signal_name, self.phase = signal_name, phase
 
 
+class StepInterrupted(Exception):
+    """A stop signal arrived in the middle of a training step; `phase` is "rollout", "updates" or "evaluation"."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
 def _reports_no_stop(record: logging.LogRecord) -> bool:
     """False for a log record about a StopRequested (asyncio's report of the stop landing in its transport)."""
     return not (record.exc_info and isinstance(record.exc_info[1], StopRequested))

@@ -57,7 +57,7 @@ from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
 from llds_jax.rollout.layout import rollout_params
-from llds_jax.rollout.trajectory import Trajectory, em_rewards
+from llds_jax.rollout.trajectory import Trajectory
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
 from llds_jax.model.tokenizer import load_tokenizer
@@ -65,19 +65,13 @@ from llds_jax.train import evaluation, run_config
 from llds_jax.train.batching import global_batch, global_rows, padded_batch, padded_length, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
-from llds_jax.train.preemption import PreemptionGuard, StopRequested
+from llds_jax.train.preemption import PreemptionGuard, StepInterrupted, StopRequested
+from llds_jax.train.rewards import DEFAULT_REWARD_FNS, RewardFn, summed_rewards
+from llds_jax.train.step_hooks import DEFAULT_STEP_HOOKS, FinishedStep, StepHook
 from llds_jax.train.watchdog import Watchdog, search_counts
 
 log = logging.getLogger(__name__)
 START_EVAL = "start"  # eval/<this>/ holds the evaluation of the starting policy (train.eval_at_start)
-
-
-class StepInterrupted(Exception):
-    """A stop signal arrived in the middle of a step; `phase` is "rollout" or "updates"."""
-
-    def __init__(self, phase: str):
-        super().__init__(phase)
-        self.phase = phase
 
 
 @dataclasses.dataclass
@@ -145,10 +139,17 @@ def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Run
 
 
 class Trainer:
-    """Builds every component of a run from its config; `run()` trains, `evaluate()` evaluates."""
+    """Builds every component of a run from its config; `run()` trains, `evaluate()` evaluates.
 
-    def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True):
+    `reward_fns`: the rewards of a step's trajectories, summed (llds_jax.train.rewards; exact match by default).
+    `step_hooks`: what runs after each step, in order (llds_jax.train.step_hooks; by default the evaluation, the
+    metrics record, the transcripts and the watchdog's check)."""
+
+    def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True,
+                 reward_fns: Sequence[RewardFn] = DEFAULT_REWARD_FNS,
+                 step_hooks: Sequence[StepHook] = DEFAULT_STEP_HOOKS):
         self.cfg = cfg
+        self.reward_fns, self.step_hooks = tuple(reward_fns), tuple(step_hooks)
         checks.validate(cfg, jax.device_count())
         self.run_dir = epath.Path(cfg.run_dir)
         self.is_main = distributed.is_main_process()
@@ -242,7 +243,7 @@ class Trainer:
                                stopping=(lambda: guard.requested) if self.stops_within_step(guard) else None)
         rollout_s = time.perf_counter() - start
         shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
-        rewards_b = em_rewards(rollout.trajectories, self.cfg.reward.empty_answer)
+        rewards_b, reward_means = summed_rewards(self.reward_fns, rollout.trajectories, self.cfg.reward)
         batch = self.training_batch(rollout.trajectories).with_rewards(rewards_b)
         batch = global_batch(batch)  # every host's rows, on every host
         tree_b = global_rows(np.asarray([t.lineage.tree for t in rollout.trajectories], np.int32))
@@ -254,6 +255,8 @@ class Trainer:
             between_updates=self.stop_check(guard, "updates"))
         self.watchdog.count_updates(batch_metrics.per_update["actor/nonfinite"])
         metrics = self.step_metrics(step, rollout, batch, batch_metrics, time.perf_counter() - start, rollout_s)
+        if reward_means:  # several rewards: each one's mean over the job
+            metrics.update({f"reward/{name}": v for name, v in combine_over_processes(reward_means, ()).items()})
         return state, {**metrics, **shape_metrics}, rollout.trajectories
 
     def after_rollout(self, trajectories: Sequence[Trajectory], step: int, rollout_s: float,
@@ -337,7 +340,7 @@ class Trainer:
             return self._run(guard)
 
     def _run(self, guard: PreemptionGuard) -> int:
-        """The step loop: restore, the start's evaluation, then each step with its hooks (`_after_step`) and its
+        """The step loop: restore, the start's evaluation, then each step with its hooks (`step_hooks`) and its
         save, until the last step or a stop; returns the last step run."""
         cfg = self.cfg
         timeout_s = cfg.train.storage_timeout_s
@@ -377,7 +380,9 @@ class Trainer:
                     raise RetrieverUnavailableError(f"{e}; the run is saved before step {step}: the same "
                                                     f"command resumes there") from None
                 del pre_step
-                self._after_step(step, state, metrics, trajectories, writer, guard)
+                finished = FinishedStep(self, step, state, metrics, trajectories, writer, guard)
+                for hook in self.step_hooks:
+                    hook(finished)
                 stop = guard.should_stop()
                 if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
                     self._save(ckpt, writer, step, state, self.data.state())
@@ -435,20 +440,6 @@ class Trainer:
         print(f"llds_jax: resumed from step {start} of {self.run_dir}", file=sys.stderr, flush=True)
         return state, start
 
-    def _after_step(self, step: int, state: TrainState, metrics: dict[str, float], trajectories,
-                    writer: MetricsWriter, guard: PreemptionGuard) -> None:
-        """The hooks of a finished step, in order: the periodic evaluation (its metrics join the step's), the
-        step's metrics record, the transcripts and the watchdog's check of the updated params."""
-        t = self.cfg.train
-        if t.eval_every and step % t.eval_every == 0 and self.eval_examples:
-            self._evaluate_step(state, step, metrics, guard)
-        writer.write(step, metrics)
-        if t.transcripts_every and step % t.transcripts_every == 0:
-            writer.write_texts(step, {
-                f"transcripts/{i}": evaluation.transcript_text(traj, self.tokenizer, self.cfg.reward.empty_answer)
-                for i, traj in enumerate(trajectories[:t.num_transcripts])})
-        self.watchdog.check_updates(state.params, step)
-
     def _evaluate_start(self, state: TrainState, writer: MetricsWriter, guard: PreemptionGuard) -> None:
         """The evaluation of the starting policy (train.eval_at_start) as step 0's record; a stop request abandons
         it and ends the run with StopRequested (nothing to save: a rerun repeats it)."""
@@ -457,17 +448,6 @@ class Trainer:
                                           self.run_dir / "eval" / START_EVAL, stopping=lambda: guard.requested))
         except StepInterrupted:
             raise StopRequested(guard.signal_name, "the evaluation of the start") from None
-
-    def _evaluate_step(self, state: TrainState, step: int, metrics: dict[str, float],
-                       guard: PreemptionGuard) -> None:
-        """The periodic evaluation after `step` (train.eval_every), its metrics added to `metrics`; a stop request
-        abandons it (the step is then saved without them)."""
-        stopping = (lambda: guard.requested) if self.stops_within_step(guard) else None
-        try:
-            metrics.update(self.evaluate(state.params, self.eval_subset(self.cfg.train.eval_max_examples),
-                                         self.run_dir / "eval" / f"step_{step}", stopping=stopping))
-        except StepInterrupted:
-            log.warning("stop requested during the evaluation after step %d: abandoned it", step)
 
     def _save(self, ckpt: Checkpointer, writer: MetricsWriter, step: int, state: TrainState,
               data_state: dict) -> None:
