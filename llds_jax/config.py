@@ -113,9 +113,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.tree_forks = AgentConfig.tree_forks
     c.rollout.tree_select = AgentConfig.tree_select  # "uniform" (Tree-GRPO) or "entropy" (ARPO-like)
     c.rollout.tree_entropy_tokens = AgentConfig.tree_entropy_tokens  # first tokens after a node that score it
-    # ----- partial rollouts (issue 59; rollout/partial.py, docs/rollout.md): start ceil(over_sampling x prompts)
-    # groups, train the first complete ones, carry the rest (needs objective.tis_cap > 0); a carried group whose
-    # oldest turn lags more than max_staleness policy versions is dropped (counted, logged).
+    # ----- partial rollouts (issue 59; rollout/partial.py, docs/partial-rollouts.md): start
+    # ceil(over_sampling x prompts) groups, train the first complete ones, carry the rest (needs objective.tis_cap > 0);
+    # a carried group whose oldest turn lags more than max_staleness policy versions is dropped (counted, logged).
     c.rollout.partial = PartialConfig.partial
     c.rollout.over_sampling = PartialConfig.over_sampling
     c.rollout.max_staleness = PartialConfig.max_staleness

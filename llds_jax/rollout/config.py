@@ -90,7 +90,7 @@ OVER_SAMPLING = bounds.Range(lambda v: v >= 1, ">= 1")
 
 @dataclasses.dataclass(frozen=True)
 class PartialConfig:
-    """Partial rollouts (`llds_jax.rollout.partial`, docs/rollout.md "Partial rollouts").
+    """Partial rollouts (`llds_jax.rollout.partial`, docs/partial-rollouts.md).
 
     Attributes:
       partial: start more groups than a step trains on, end the rollout once enough are complete and carry the
