@@ -170,3 +170,14 @@ def test_partial_config_errors_name_the_run_keys():
     cfg.rollout.over_sampling, cfg.rollout.max_staleness = 2.0, -1
     with pytest.raises(ConfigError, match=r"rollout.max_staleness must be >= 0, got -1"):
         config_lib.check_views(cfg)
+    cfg.rollout.trees = 1
+    with pytest.raises(ConfigError, match=r"rollout.partial carries chains, not trees: set rollout.trees 0"):
+        config_lib.check_partial(cfg)
+
+
+def test_the_engine_has_a_slot_for_every_conversation_a_partial_step_starts():
+    cfg = config_lib.default_config()
+    cfg.data.prompts_per_step, cfg.data.samples_per_prompt = 6, 5
+    assert config_lib.rollout_sequences(cfg, 2) == 15
+    cfg.rollout.partial, cfg.rollout.over_sampling = True, 1.5
+    assert config_lib.rollout_sequences(cfg, 2) == 5 * 5  # ceil(1.5 x 3) groups of 5 on each of 2 hosts
