@@ -36,7 +36,7 @@ import numpy as np
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout import tree as tree_lib
 from llds_jax.rollout.interfaces import Engine, SampledTurn
-from llds_jax.rollout.partial import StepPlan
+from llds_jax.rollout.partial import CarriedConversation, StepPlan
 from llds_jax.rollout.steps import AgentSteps, Conversation
 from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Lineage, Trajectory, Turn
 
@@ -305,8 +305,8 @@ class Driver:
                                     sampled=carried.sampled)
             self._in_engine.add(seq)
 
-    def _resumed_conversation(self, seq: int, carried) -> Conversation:
-        """The driver's record of a carried conversation (`partial.CarriedConversation`) at position seq."""
+    def _resumed_conversation(self, seq: int, carried: CarriedConversation) -> Conversation:
+        """The driver's record of a carried conversation at position seq."""
         return Conversation(list(carried.prompt_ids), self.lineage(seq, np.asarray(carried.key_data, np.uint32)),
                             list(carried.turns), carried.response_len, carried.end_reason)
 

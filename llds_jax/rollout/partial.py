@@ -47,6 +47,7 @@ import numpy as np
 from llds_jax.data.qa import QAExample
 from llds_jax.protocol import Action
 from llds_jax.rollout.config import PartialConfig
+from llds_jax.rollout.steps import Conversation
 from llds_jax.rollout.trajectory import Lineage, Trajectory, Turn, build_trajectory
 
 log = logging.getLogger(__name__)
@@ -185,14 +186,14 @@ def plan_step(carry: Carry, draw: Callable[[], Sequence[QAExample]], cfg: Partia
                         "partial/groups_started": float(len(groups))})
 
 
-def settle(plan: StepPlan, convs: Mapping[int, Any], tokenizer, first_group: int, max_staleness: int
+def settle(plan: StepPlan, convs: Mapping[int, Conversation], tokenizer, first_group: int, max_staleness: int
            ) -> tuple[list[Trajectory], Carry, dict[str, float]]:
     """The step's trajectories, the carry and the partial metrics (module docstring, 5).
 
     Args:
       plan: the step's plan.
-      convs: position -> the driver's conversation (`steps.Conversation`) of every position that started; a
-        conversation has ended when its `end_reason` is set.
+      convs: position -> the driver's conversation of every position that started; it has ended when its
+        `end_reason` is set.
       tokenizer: builds the trajectories (`trajectory.build_trajectory`).
       first_group: the global number of this host's first trained group (its lineage group; a trajectory's tree is
         its global row).
@@ -229,21 +230,20 @@ def settle(plan: StepPlan, convs: Mapping[int, Any], tokenizer, first_group: int
 def staleness_metrics(trajectories: Sequence[Trajectory], version: int, max_staleness: int) -> dict[str, float]:
     """Over the trained (model) tokens of `trajectories` trained at step `version`: the mean and max staleness,
     the share sampled by an older policy and the histogram `partial/staleness_<s>` (s = 0..max_staleness)."""
-    tokens_s = np.zeros(max_staleness + 1, np.int64)
+    tokens = np.zeros(max_staleness + 1, np.int64)  # trained tokens by staleness
     for trajectory in trajectories:
         for turn in trajectory.turns:
-            tokens_s[version - turn.version] += len(turn.token_ids)
-    total = max(int(tokens_s.sum()), 1)
-    shares_s = tokens_s / total
-    present = np.flatnonzero(tokens_s)
-    metrics = {"partial/staleness_mean": float(np.arange(max_staleness + 1) @ shares_s),
+            tokens[version - turn.version] += len(turn.token_ids)
+    shares = tokens / max(int(tokens.sum()), 1)
+    present = np.flatnonzero(tokens)
+    metrics = {"partial/staleness_mean": float(np.arange(max_staleness + 1) @ shares),
                "partial/staleness_max": float(present[-1]) if len(present) else 0.0,
-               "partial/stale_token_share": float(shares_s[1:].sum())}
-    metrics.update({f"partial/staleness_{s}": float(shares_s[s]) for s in range(max_staleness + 1)})
+               "partial/stale_token_share": float(shares[1:].sum())}
+    metrics.update({f"partial/staleness_{s}": float(shares[s]) for s in range(max_staleness + 1)})
     return metrics
 
 
-def _carried(member: CarriedConversation, conv: Any) -> CarriedConversation:
+def _carried(member: CarriedConversation, conv: Optional[Conversation]) -> CarriedConversation:
     """`member` after this step: as it was when it did not start (conv None), else the conversation's record."""
     if conv is None:
         return member
