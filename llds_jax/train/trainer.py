@@ -95,7 +95,7 @@ class PreStep:
     data: dict
     unsaved: bool
     copy: Optional[TrainState]
-    carry: Carry = Carry()
+    carry: Carry
 
 
 def host_copy(tree):
