@@ -24,7 +24,7 @@ from llds_jax.runtime import redaction
 from llds_jax.bounds import ConfigError
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, EMPTY_ANSWER_RULES
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
-from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, PagingConfig, PartialConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
 
 
@@ -114,6 +114,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.tree_forks = AgentConfig.tree_forks
     c.rollout.tree_select = AgentConfig.tree_select  # "uniform" (Tree-GRPO) or "entropy" (ARPO-like)
     c.rollout.tree_entropy_tokens = AgentConfig.tree_entropy_tokens  # first tokens after a node that score it
+    # ----- partial rollouts (issue 59; rollout/partial.py, docs/partial-rollouts.md): start
+    # ceil(over_sampling x prompts) groups, train the first complete ones, carry the rest (needs objective.tis_cap > 0);
+    # a carried group whose oldest turn lags more than max_staleness policy versions is dropped (counted, logged).
+    c.rollout.partial = PartialConfig.partial
+    c.rollout.over_sampling = PartialConfig.over_sampling
+    c.rollout.max_staleness = PartialConfig.max_staleness
+    # ----- end of partial rollouts
 
     c.objective = ml_collections.ConfigDict()
     # "grpo": rewards normalized within each prompt's group; "tree_grpo": plus within each tree of a tree rollout
@@ -344,7 +351,8 @@ CHAT_TEMPLATES = ("base", "instruct", "")
 
 # The typed views whose fields declare their own run keys' ranges and choices (llds_jax.bounds); `check` reads those
 # declarations, so each bounded key is declared once: there, or below for the keys of no view.
-VIEWS = (AgentConfig, SamplingConfig, PagingConfig, ObjectiveConfig, LLDSConfig, UpdateConfig, SFTConfig)
+VIEWS = (AgentConfig, SamplingConfig, PagingConfig, PartialConfig, ObjectiveConfig, LLDSConfig, UpdateConfig,
+         SFTConfig)
 
 # (keys, test, what the value must be): the bounds of the keys of no view, which a run would otherwise crash on (or
 # fail late) without naming the key. Every bounded number must also be finite.
@@ -458,9 +466,39 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
         agent_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_partial(cfg)
     for key in ("warmup_steps", "curriculum_steps"):
         if cfg.sft[key] > cfg.sft.steps:
             raise ConfigError(f"sft.{key} ({cfg.sft[key]}) must be at most sft.steps ({cfg.sft.steps})")
+
+
+# ----- partial rollouts (issue 59) ----------------------------------------------------------------------------------
+def check_partial(cfg: ml_collections.ConfigDict) -> None:
+    """rollout.partial's combinations: a behaviour correction for its older tokens, and chains (no trees)."""
+    r = cfg.rollout
+    if not r.partial:
+        return
+    if not cfg.objective.tis_cap:
+        raise ConfigError("rollout.partial trains tokens sampled by older policies: set objective.tis_cap > 0 (e.g. "
+                          "2.0), the truncated weight exp(old_logp - sampler_logp) that corrects for their behaviour "
+                          "policy")
+    if r.trees:
+        raise ConfigError("rollout.partial carries chains, not trees: set rollout.trees 0 or rollout.partial False")
+
+
+def partial_config(cfg: ml_collections.ConfigDict) -> PartialConfig:
+    r = cfg.rollout
+    return PartialConfig(partial=r.partial, over_sampling=r.over_sampling, max_staleness=r.max_staleness)
+
+
+def rollout_sequences(cfg: ml_collections.ConfigDict, process_count: int = 1) -> int:
+    """Conversations one host's rollout starts per step (its engine's sequence slots without rollout.max_batch_size):
+    its share of the batch, or with rollout.partial ceil(rollout.over_sampling x its prompts) groups' worth."""
+    prompts = cfg.data.prompts_per_step // process_count
+    if cfg.rollout.partial:
+        prompts = math.ceil(cfg.rollout.over_sampling * prompts)
+    return prompts * cfg.data.samples_per_prompt
+# ----- end of partial rollouts
 
 
 def objective_config(cfg: ml_collections.ConfigDict) -> ObjectiveConfig:

@@ -6,13 +6,14 @@ import pytest
 
 from llds_jax import config as config_lib
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
-from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, PagingConfig, PartialConfig, SamplingConfig
 from llds_jax.sft.config import SFTConfig
 
 # (typed view, its run-config section). ModelConfig is not among them: it is the checkpoint's architecture, and a
 # run sets every one of its numerics fields from the `model` section (llds_jax.model.run_overrides).
 VIEWS = ((ObjectiveConfig, "objective"), (LLDSConfig, "objective.llds"), (UpdateConfig, "optim"),
-         (AgentConfig, "rollout"), (SamplingConfig, "rollout"), (PagingConfig, "rollout"), (SFTConfig, "sft"))
+         (AgentConfig, "rollout"), (SamplingConfig, "rollout"), (PagingConfig, "rollout"), (PartialConfig, "rollout"),
+         (SFTConfig, "sft"))
 
 
 def _shared_defaults(view, section) -> list[tuple[str, object, object]]:
@@ -33,6 +34,7 @@ def test_a_view_built_from_the_default_config_is_the_views_default():
     cfg = config_lib.default_config()
     assert config_lib.objective_config(cfg) == ObjectiveConfig()
     assert config_lib.agent_config(cfg) == AgentConfig()
+    assert config_lib.partial_config(cfg) == PartialConfig()
     assert config_lib.sampling_config(cfg, stop_ids=()) == SamplingConfig()
     defaults = dataclasses.replace(config_lib.update_config(cfg), warmup_steps=UpdateConfig.warmup_steps)
     assert defaults == UpdateConfig()

@@ -61,7 +61,8 @@ def likelihood_metrics(
       scalars: `lld/logp_sum_{correct,incorrect}` (mean over trajectories of the summed old_logp),
       `lld/logp_mean_{correct,incorrect}` (of the per-trajectory token mean), `lld/logp_mean_{first,later}_action`
       (per-trajectory token mean over the first / later actions, averaged over trajectories that have them) and, with
-      sampler log-probs, `lld/sampler_gap` = token mean of (old - sampler) and `lld/sampler_abs_gap` of |old - sampler|.
+      sampler log-probs, `lld/sampler_gap` = token mean of (old - sampler) and `lld/sampler_abs_gap` of |old - sampler|,
+      and `lld/is_ess` (`importance_ess`).
     """
     mask_bt = loss_mask_bt.astype(jnp.float32)
     correct_b = correct_b.astype(bool)
@@ -84,7 +85,21 @@ def likelihood_metrics(
         gap_bt = old_logp_bt - sampler_logp_bt
         metrics["lld/sampler_gap"] = aggregate(gap_bt, mask_bt, "token-mean")
         metrics["lld/sampler_abs_gap"] = aggregate(jnp.abs(gap_bt), mask_bt, "token-mean")
+        metrics["lld/is_ess"] = importance_ess(gap_bt, mask_bt)
     return metrics
+
+
+def importance_ess(log_w_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    """The normalised effective sample size of the importance weights w = exp(log_w) over the N masked tokens:
+    `(sum w)^2 / (N sum w^2)`, in [1/N, 1] (1: equal weights). With log_w = old_logp - sampler_logp these are the
+    weights that correct the behaviour (sampling) policy to the one the step starts from: ~1 on a synchronous
+    batch, lower the more off-policy its tokens are (rollout.partial's carried ones). Computed with the largest
+    log-weight subtracted (the ratio does not change), so it never overflows; NaN without a masked token. []."""
+    mask_bt = mask_bt.astype(jnp.float32)
+    log_w_bt = jnp.where(mask_bt > 0, log_w_bt, -jnp.inf)
+    w_bt = jnp.exp(log_w_bt - jnp.max(log_w_bt)) * mask_bt
+    count = jnp.sum(mask_bt)
+    return jnp.sum(w_bt) ** 2 / (count * jnp.sum(w_bt ** 2))
 
 
 def update_metrics(inputs: LossInputs, cfg: ObjectiveConfig) -> dict[str, jax.Array]:

@@ -44,6 +44,7 @@ from llds_jax.data.qa import QAExample
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.driver import Driver
 from llds_jax.rollout.interfaces import EngineSource
+from llds_jax.rollout.partial import Carry, StepPlan, settle
 from llds_jax.rollout.stats import RolloutStats
 from llds_jax.rollout.steps import AgentSteps
 from llds_jax.rollout.trajectory import Trajectory, rollout_metrics
@@ -57,12 +58,14 @@ class Rollout:
     tokens/s, decode occupancy, the step programs' calls and tokens per token bucket).
 
     `stopped`: the rollout was abandoned on a stop request (`rollout(stopping=...)`): no trajectories, no metrics.
+    `carry`: a partial step's groups left for the next steps (`rollout.partial`); None without a plan.
     """
 
     trajectories: list[Trajectory]
     metrics: dict[str, float]
     stats: Optional[RolloutStats] = None
     stopped: bool = False
+    carry: Optional[Carry] = None
 
     def __repr__(self) -> str:
         # Short: asyncio.Runner.run formats the finished task, result included, when it restores the SIGINT
@@ -90,7 +93,8 @@ def turn_stop_ids(tokenizer) -> tuple[int, ...]:
 def rollout(sampler: EngineSource, params, tokenizer, retriever: Retriever, examples: Sequence[QAExample],
             rng: jax.Array, config: AgentConfig, runner: Optional[asyncio.Runner] = None, first_sequence: int = 0,
             between_sessions: Optional[Callable[[], None]] = None,
-            stopping: Optional[Callable[[], bool]] = None, group_size: int = 1) -> Rollout:
+            stopping: Optional[Callable[[], bool]] = None, group_size: int = 1, version: int = 0,
+            plan: Optional[StepPlan] = None, first_group: int = 0, max_staleness: int = 0) -> Rollout:
     """Runs the agent loop for `examples` (repeat an example for several samples; they share its uid).
 
     Args:
@@ -113,19 +117,25 @@ def rollout(sampler: EngineSource, params, tokenizer, retriever: Retriever, exam
         agrees on the stop with the other hosts: this one returns at once, they finish theirs).
       group_size: consecutive samples that form one GRPO group (global sequence id // group_size is a
         trajectory's group: `trajectory.Lineage`); with `config.trees`, a prompt's tree leaves.
+      version: the policy version its turns record (`Turn.version`: the training step).
+      plan: a partial step's plan (`rollout.partial`; `examples` must be `plan.examples`): its carried
+        conversations resume first and the rollout ends once `plan.prompts` groups are complete; the Rollout then
+        holds the first complete groups' trajectories, renumbered from group `first_group`, and its `carry`
+        (`partial.settle`, whose staleness histogram ends at `max_staleness`).
     With `config.continuous_batching` the examples run as one stream (policy `continuous`); with `config.trees`
     each session's examples (whole groups of `config.tree_group` samples of one question) grow as trees (`tree`);
     else in turn-synchronous sessions (`barrier`). Returns a Rollout with one trajectory per example, in order.
     """
     coro = rollout_async(sampler, params, tokenizer, retriever, examples, rng, config, first_sequence,
-                         between_sessions, stopping, group_size)
+                         between_sessions, stopping, group_size, version, plan, first_group, max_staleness)
     return runner.run(coro) if runner is not None else asyncio.run(coro)
 
 
 async def rollout_async(sampler: EngineSource, params, tokenizer, retriever: Retriever,
                         examples: Sequence[QAExample], rng: jax.Array, config: AgentConfig, first_sequence: int = 0,
                         between_sessions: Optional[Callable[[], None]] = None,
-                        stopping: Optional[Callable[[], bool]] = None, group_size: int = 1) -> Rollout:
+                        stopping: Optional[Callable[[], bool]] = None, group_size: int = 1, version: int = 0,
+                        plan: Optional[StepPlan] = None, first_group: int = 0, max_staleness: int = 0) -> Rollout:
     """`rollout` as a coroutine."""
     if not examples:
         raise ValueError("rollout: no examples")
@@ -135,12 +145,15 @@ async def rollout_async(sampler: EngineSource, params, tokenizer, retriever: Ret
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-decode") as decode_thread:
         engine = sampler.engine(params, agent_steps.stop_matcher())
         policy = "tree" if config.trees else "continuous" if config.continuous_batching else "barrier"
-        driver = Driver(engine, agent_steps, examples, decode_thread, group_size)
+        driver = Driver(engine, agent_steps, examples, decode_thread, group_size, version, plan)
         trajectories = await driver.run(policy, rng, first_sequence, between_sessions)
     if agent_steps.stopping():
         return Rollout([], {}, stopped=True)
+    carry, partial_metrics = None, {}
+    if plan is not None:
+        trajectories, carry, partial_metrics = settle(plan, driver.convs, tokenizer, first_group, max_staleness)
     stats.counts = engine.counts
     stats.rollout_s = time.perf_counter() - start
     metrics = {**rollout_metrics(trajectories), **stats.metrics(sampler.token_budgets),
-               "trajectories": float(len(trajectories))}
-    return Rollout(trajectories, metrics, stats)
+               "trajectories": float(len(trajectories)), **partial_metrics}
+    return Rollout(trajectories, metrics, stats, carry=carry)

@@ -83,6 +83,35 @@ class AgentConfig:
                              f"rollout.max_context_tokens ({self.max_context_tokens})")
 
 
+# ----- partial rollouts (issue 59; llds_jax/rollout/partial.py): rollout.partial, rollout.over_sampling,
+# rollout.max_staleness --------------------------------------------------------------------------------------------
+OVER_SAMPLING = bounds.Range(lambda v: v >= 1, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialConfig:
+    """Partial rollouts (`llds_jax.rollout.partial`, docs/partial-rollouts.md).
+
+    Attributes:
+      partial: start more groups than a step trains on, end the rollout once enough are complete and carry the
+        unfinished conversations into the next steps (needs objective.tis_cap > 0: their older tokens' behaviour
+        correction).
+      over_sampling: groups started per step, in units of the step's prompts (ceil(over_sampling x P)).
+      max_staleness: the most policy versions a trained token may lag behind the step that trains it; a carried
+        group older than that is dropped (counted in `partial/dropped`).
+    """
+
+    SECTION = "rollout"
+
+    partial: bool = False
+    over_sampling: float = field(2.0, OVER_SAMPLING)
+    max_staleness: int = field(1, NON_NEGATIVE)
+
+    def __post_init__(self):
+        bounds.check(self)
+# ----- end of partial rollouts -------------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are drawn and how the decode loop is shaped.

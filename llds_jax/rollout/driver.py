@@ -14,6 +14,11 @@ are ready go to the retriever in one call while the engine decodes (`SearchQueue
 host index scans its rows once per call, not once per decode chunk). A query's result does not depend on the call
 that carried it, and a conversation samples from its own PRNG stream in calls aligned to its turn's start, so the
 policies give the same trajectories; only the waiting differs.
+
+A partial step (`rollout.partial`, `rollout.partial.StepPlan`) resumes its carried conversations first (their
+tokens re-admitted, their KV recomputed, their PRNG streams going on) and ends once the plan's groups are complete
+(the cut: after each turn round of the barrier policy, after each engine step of the continuous one); the step's
+trajectories and what it carries are `partial.settle`'s.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout import tree as tree_lib
 from llds_jax.rollout.interfaces import Engine, SampledTurn
+from llds_jax.rollout.partial import CarriedConversation, StepPlan
 from llds_jax.rollout.steps import AgentSteps, Conversation
 from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Lineage, Trajectory, Turn
 
@@ -112,13 +118,20 @@ class Driver:
       examples: one conversation each; sequence i is examples[i].
       decode_thread: the worker that runs `engine.step`, so that searches go out on the event loop meanwhile.
       group_size: consecutive samples of one GRPO group (`Lineage.group` is global sequence id // group_size).
+      version: the policy version of the turns it samples (`Turn.version`: the training step).
+      plan: a partial step's plan (its examples are `plan.examples`, its carried conversations resumed first); None:
+        every example runs to its end.
     """
 
     def __init__(self, engine: Engine, agent_steps: AgentSteps, examples: Sequence[QAExample],
-                 decode_thread: concurrent.futures.Executor, group_size: int = 1):
+                 decode_thread: concurrent.futures.Executor, group_size: int = 1, version: int = 0,
+                 plan: Optional[StepPlan] = None):
         self.engine, self.agent_steps, self.decode_thread = engine, agent_steps, decode_thread
         self.examples = list(examples)
-        self.config, self.group_size = agent_steps.config, group_size
+        self.config, self.group_size, self.version, self.plan = agent_steps.config, group_size, version, plan
+        self._carried = plan.carried if plan is not None else {}
+        self._ended_in_group: dict[int, int] = {}  # group position -> its conversations that ended
+        self._complete_groups = 0
         self.first_sequence = 0  # the global sequence id of examples[0] (`run`)
         self.convs: dict[int, Conversation] = {}
         self.searches = SearchQueue(agent_steps)
@@ -135,8 +148,13 @@ class Driver:
         (`session_stream`; the sessions are those of `max_batch_size`, whatever the policy). `between_sessions` is
         called before every session but the first (barrier and tree); what it raises ends the rollout. Each
         conversation's `Lineage` is set as it is created: group (global id // group_size), tree (global id //
-        the leaves of a tree with `rollout.trees`, else the global id; a fork takes its parent's) and key."""
+        the leaves of a tree with `rollout.trees`, else the global id; a fork takes its parent's) and key.
+        With a plan, returns [] (`partial.settle` takes the complete groups from `convs`)."""
         self.first_sequence = first_sequence
+        for seq, carried in self._carried.items():
+            if carried.end_reason is not None:  # finished, waiting for its group: never re-enters the engine
+                self.convs[seq] = self._resumed_conversation(seq, carried)
+                self._ended(seq)
         size = self.config.max_batch_size or len(self.examples)
         sessions = [(first, *session_stream(rng, first_sequence + first, self.config.max_batch_size))
                     for first in range(0, len(self.examples), size)]
@@ -148,7 +166,7 @@ class Driver:
         finally:
             self.searches.cancel()
         self.agent_steps.warn_truncations(self._truncations)
-        if self.agent_steps.stopping():
+        if self.agent_steps.stopping() or self.plan is not None:
             return []
         return self.agent_steps.trajectories(self.examples, [self.convs[i] for i in range(len(self.examples))])
 
@@ -159,7 +177,7 @@ class Driver:
         for first, rng, row in sessions:
             if first and between_sessions is not None:
                 between_sessions()
-            if self.agent_steps.stopping():
+            if self.agent_steps.stopping() or self._cut():
                 return
             seqs = list(range(first, min(first + size, len(self.examples))))
             if policy == "tree":
@@ -177,6 +195,8 @@ class Driver:
         while not self.agent_steps.stopping():
             self._searched(self.searches.collect())
             self._apply_ready(release=True)
+            if self._cut():
+                return
             while queue and self.engine.can_admit():
                 seq = queue.popleft()
                 self._admit(seq, keys[seq])
@@ -254,6 +274,8 @@ class Driver:
             if not self._ready:
                 return
             self._apply_ready(release)
+            if self._cut():
+                return
 
     def lineage(self, seq: int, key_data: np.ndarray) -> Lineage:
         """The lineage of a conversation of examples[seq] (not a fork) sampling with `key_data`."""
@@ -262,14 +284,41 @@ class Driver:
         return Lineage(global_id // self.group_size, tree, _key_tuple(key_data))
 
     def _admit(self, seq: int, key_data: np.ndarray) -> None:
-        conv = self.agent_steps.conversation(self.examples[seq], self.lineage(seq, key_data))
+        """Starts examples[seq] sampling with `key_data`, or resumes its carried conversation (its own key)."""
+        if seq in self.convs:  # a carried conversation that had finished
+            return
+        carried = self._carried.get(seq)
+        if carried is None:
+            conv = self.agent_steps.conversation(self.examples[seq], self.lineage(seq, key_data))
+        else:
+            conv = self._resumed_conversation(seq, carried)
         self.convs[seq] = conv
         budget = self.agent_steps.budget(conv)
-        if budget:
+        if not budget:
+            conv.end_reason = END_CONTEXT_FULL
+            self._ended(seq)
+        elif carried is None:
             self.engine.add_request(seq, conv.prompt_ids, key_data, budget)
             self._in_engine.add(seq)
-        else:
-            conv.end_reason = END_CONTEXT_FULL
+        else:  # its tokens re-encoded under this rollout's params; its PRNG stream goes on
+            self.engine.add_request(seq, carried.context_ids, np.asarray(carried.key_data, np.uint32), budget,
+                                    sampled=carried.sampled)
+            self._in_engine.add(seq)
+
+    def _resumed_conversation(self, seq: int, carried: CarriedConversation) -> Conversation:
+        """The driver's record of a carried conversation at position seq."""
+        return Conversation(list(carried.prompt_ids), self.lineage(seq, np.asarray(carried.key_data, np.uint32)),
+                            list(carried.turns), carried.response_len, carried.end_reason)
+
+    def _ended(self, seq: int) -> None:
+        """Counts seq's conversation as ended (for the cut: a group is complete once all its samples ended)."""
+        group = seq // self.group_size
+        self._ended_in_group[group] = self._ended_in_group.get(group, 0) + 1
+        self._complete_groups += self._ended_in_group[group] == self.group_size
+
+    def _cut(self) -> bool:
+        """Whether a partial step's rollout has the complete groups it needs."""
+        return self.plan is not None and self._complete_groups >= self.plan.prompts
 
     async def _step(self) -> None:
         loop = asyncio.get_running_loop()
@@ -288,6 +337,7 @@ class Driver:
         self.agent_steps.stats.turn_spread.add(len(sample.token_ids))
         last = len(conv.turns) >= self.config.max_turns
         turn, searches, observation = self.agent_steps.close_turn(conv, sample, last)
+        turn = dataclasses.replace(turn, version=self.version)
         if searches:
             self._searching[seq] = turn
             self.searches.submit(seq, turn.action.content)
@@ -306,7 +356,9 @@ class Driver:
                 conv.end_reason = END_CONTEXT_FULL
             if conv.end_reason is None:
                 self.engine.extend(seq, len(turn.token_ids), ids, budget)
-            elif release:
+                continue
+            self._ended(seq)
+            if release:
                 self.engine.finish(seq)
                 self._in_engine.discard(seq)
         self._ready.clear()

@@ -1,9 +1,12 @@
 """The rollout engine over a paged KV cache: sequences enter, take turns, are extended, forked and leave; every
 `step()` is one device call of a ragged batch at a token budget.
 
-  add_request(seq, prompt_ids, key, budget)   a new conversation; its first turn may sample `budget` tokens.
-                                              A prompt another sequence in flight has already encoded is not
+  add_request(seq, prompt_ids, key, budget,  a new conversation; its first turn may sample `budget` tokens.
+              sampled=0)                      A prompt another sequence in flight has already encoded is not
                                               encoded again: the new sequence shares its pages (a GRPO group).
+                                              `sampled`: tokens the conversation sampled before (a conversation
+                                              resumed from its tokens, `rollout.partial`: its KV is recomputed,
+                                              its PRNG stream goes on at fold_in(key, sampled)).
   step()                                      one device call (`StepRunner.run`): the pending tokens of the
                                               sequences in flight (a decoding sequence's last sampled token,
                                               prompt and observation chunks up to the token budget), then up to
@@ -189,9 +192,10 @@ class Engine:
         worst = self.pages.pages_for(self.config.max_context)
         return len(self._seqs) < self.config.max_seqs and (len(self._seqs) + 1) * worst <= self.config.num_pages - 1
 
-    def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: np.ndarray, budget: int) -> None:
+    def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: np.ndarray, budget: int,
+                    sampled: int = 0) -> None:
         self._check_new(seq, budget, len(prompt_ids))
-        state = _Sequence(list(prompt_ids), np.asarray(key_data, np.uint32).reshape(2), budget,
+        state = _Sequence(list(prompt_ids), np.asarray(key_data, np.uint32).reshape(2), budget, sampled=sampled,
                           prompt=tuple(prompt_ids))
         state.turn_starts.append(len(state.tokens))
         self._seqs[seq] = state

@@ -43,7 +43,10 @@ class Engine(Protocol):
         """Whether one more sequence fits now."""
         ...
 
-    def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: Any, budget: int) -> None: ...
+    def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: Any, budget: int, sampled: int = 0) -> None:
+        """A new sequence of context `prompt_ids`; `sampled`: tokens it sampled before (its PRNG stream goes on at
+        fold_in(key, sampled): a conversation resumed from its tokens, its KV recomputed)."""
+        ...
 
     def extend(self, seq: int, keep: int, observation_ids: Sequence[int], budget: int) -> None:
         """After seq's turn ended: keep its first `keep` tokens, append the observation, start the next turn."""

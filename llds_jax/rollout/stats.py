@@ -74,7 +74,7 @@ class RolloutStats:
     holds them), the spreads (`Spread`: standard deviations) of a conversation's prompt tokens
     (`prompt_tokens_std`), a turn's sampled tokens (`turn_tokens_std`) and an observation's tokens
     (`observation_tokens_std`) within the host's batch (averaged over the hosts when logged), which the step
-    estimate's schedule of one host's rollout takes (`llds_jax.rollout_schedule`), and the
+    estimate's schedule of one host's rollout takes (`llds_jax.aot.rollout_schedule`), and the
     engine's `counts` (device calls and batch tokens per token bucket, sample slots, shared
     prompt tokens, page copies; `EngineCounts`).
     """

@@ -51,6 +51,8 @@ class Turn:
       observation_ids: its tokens as appended (after truncation).
       observation_truncated: the observation was cut to the observation token limit.
       search_error: the retriever's error for this turn's search, if any.
+      version: the policy version that sampled it: the training step whose rollout ran it (`rollout.partial`
+        carries unfinished conversations into later steps, whose turns then come from several versions).
     """
 
     token_ids: tuple[int, ...]
@@ -63,6 +65,7 @@ class Turn:
     observation_ids: tuple[int, ...] = ()
     observation_truncated: bool = False
     search_error: Optional[str] = None
+    version: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

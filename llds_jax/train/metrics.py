@@ -59,6 +59,10 @@ BUDGET_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("search", "searches", "rollout/searches"),
     ("trajectory", "trajectories", "rollout/trajectories"),
     ("forked-prefix token trained again", "forked-prefix tokens trained again", "rollout/forked_prefix_tokens"),
+    # partial rollouts (rollout.partial, llds_jax/rollout/partial.py)
+    ("conversation resumed", "conversations resumed", "rollout/partial/resumed"),
+    ("conversation carried on", "conversations carried on", "rollout/partial/carried"),
+    ("conversation dropped as stale", "conversations dropped as stale", "rollout/partial/dropped"),
 )
 
 

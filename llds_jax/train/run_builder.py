@@ -99,7 +99,7 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
     graphdef = layout.rollout.graphdef(nnx.split(model)[0])
     paging = config_lib.paging_config(cfg)
     shapes = []
-    for evaluation, sequences in ((False, config_lib.rollout_batch_size(cfg) // jax.process_count()),
+    for evaluation, sequences in ((False, config_lib.rollout_sequences(cfg, jax.process_count())),
                                   (True, cfg.eval.batch_size)):
         agent = config_lib.agent_config(cfg, evaluation=evaluation)
         sampling = config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation)

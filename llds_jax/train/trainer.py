@@ -27,6 +27,10 @@ or its own tensor-parallel copy on a mesh of the same devices.
 (`layout.cast_params`, on the training mesh, before any gather: the host-local copy is half the size), and the
 rollout engine's step programs run on those arrays; old / reference / policy log-probs and the updates use the
 training params.
+
+`rollout.partial` (llds_jax/rollout/partial.py): each step starts ceil(rollout.over_sampling x prompts) groups,
+carried ones first, trains the first complete ones and carries the rest (`self.carry`); the carry is part of every
+checkpoint (meta `partial`), and a step that ends early saves the carry from before it with its data position.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
 from llds_jax.rollout.layout import rollout_params
+from llds_jax.rollout.partial import Carry, StepPlan, plan_step
 from llds_jax.rollout.trajectory import Trajectory
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.types import Retriever, RetrieverUnavailableError
@@ -80,12 +85,13 @@ class PreStep:
 
     `unsaved`: that step is not in the checkpoint folder yet (step 0, the run's start, never needs saving: a rerun
     reproduces it). `copy`: a host copy of its state (`host_copy`), taken when a stop between updates, after the
-    state was donated, may need it; else None."""
+    state was donated, may need it; else None. `carry`: the partial rollouts' carried groups before the step."""
 
     step: int
     data: dict
     unsaved: bool
     copy: Optional[TrainState]
+    carry: Carry
 
 
 def host_copy(tree):
@@ -110,7 +116,10 @@ def read_examples(files: Sequence[str], what: str, empty_answer: str) -> list[QA
 # Rollout metrics that add up over hosts: the decode rate and the budget's counts (agent.Rollout).
 HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens", "prompts_cut", "observation_tokens",
                        "searches",
-                       "trajectories", "bad_documents", "forked_prefix_tokens")
+                       "trajectories", "bad_documents", "forked_prefix_tokens",
+                       # partial rollouts' counts (rollout/partial.py)
+                       "partial/dropped", "partial/resumed", "partial/reprefill_tokens", "partial/groups_started",
+                       "partial/carried", "partial/carried_groups")
 
 
 def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HOST_SUMMED_METRICS
@@ -164,6 +173,8 @@ class Trainer:
         self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
         self.agent_cfg = config_lib.agent_config(cfg)
+        self.partial_cfg = config_lib.partial_config(cfg)
+        self.carry = Carry()  # the partial rollouts' groups carried into the next step
         self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
         rule = cfg.reward.empty_answer
         self.eval_examples = read_examples(cfg.data.eval_files, "eval_files", rule) if cfg.data.eval_files else []
@@ -195,16 +206,35 @@ class Trainer:
 
     def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array,
                 between_sessions: Optional[Callable[[], None]] = None,
-                stopping: Optional[Callable[[], bool]] = None) -> agent.Rollout:
+                stopping: Optional[Callable[[], bool]] = None, version: int = 0,
+                plan: Optional[StepPlan] = None) -> agent.Rollout:
         """n samples of each of this host's prompts through the agent loop (the samples of the step's prompt i,
         numbered over every host, form GRPO group i: `Lineage.group`); sequence ids count from this host's first
-        row of the global batch. `between_sessions` and `stopping`: as for `agent.rollout`."""
+        row of the global batch. `between_sessions` and `stopping`: as for `agent.rollout`; `version`: the step.
+        A partial step (`plan`, rollout.partial) runs the plan's groups instead of `prompts` and trains its first
+        `plan.prompts` complete ones (this host's groups numbered from its first of the global batch)."""
         n = self.cfg.data.samples_per_prompt
-        examples = [ex for ex in prompts for _ in range(n)]
+        examples = plan.examples if plan is not None else [ex for ex in prompts for _ in range(n)]
+        first_group = jax.process_index() * (plan.prompts if plan is not None else len(prompts))
         return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, examples,
                              rng, self.agent_cfg, runner=self.runner,
                              first_sequence=jax.process_index() * len(examples), between_sessions=between_sessions,
-                             stopping=stopping, group_size=n)
+                             stopping=stopping, group_size=n, version=version, plan=plan, first_group=first_group,
+                             max_staleness=self.partial_cfg.max_staleness)
+
+    def step_rollout(self, params, step: int, between_sessions: Optional[Callable[[], None]] = None,
+                     stopping: Optional[Callable[[], bool]] = None) -> agent.Rollout:
+        """Step `step`'s rollout: of the next prompts, or with rollout.partial of the step's plan (`plan_step`: the
+        carried groups first, fresh prompts up to the over-sampling), its carry kept for the next step."""
+        rng = jax.random.fold_in(self.base_rng, step)
+        if not self.partial_cfg.partial:
+            return self.rollout(params, next(self.data), rng, between_sessions, stopping, version=step)
+        plan = plan_step(self.carry, lambda: next(self.data), self.partial_cfg, self.data.batch_size //
+                         jax.process_count(), self.cfg.data.samples_per_prompt, step)
+        rollout = self.rollout(params, (), rng, between_sessions, stopping, version=step, plan=plan)
+        if not rollout.stopped:
+            self.carry = rollout.carry
+        return rollout
 
     def stop_check(self, guard: Optional[PreemptionGuard], phase: str) -> Optional[Callable[[], None]]:
         """A function that raises StepInterrupted(phase) when a stop was requested on any host (a collective), or
@@ -238,9 +268,8 @@ class Trainer:
         module docstring); RetrieverUnavailableError comes before the updates when the watchdog ends the run."""
         start = time.perf_counter()
         in_rollout = self.stop_check(guard, "rollout")
-        rollout = self.rollout(state.params, next(self.data), jax.random.fold_in(self.base_rng, step),
-                               between_sessions=in_rollout,
-                               stopping=(lambda: guard.requested) if self.stops_within_step(guard) else None)
+        rollout = self.step_rollout(state.params, step, between_sessions=in_rollout,
+                                    stopping=(lambda: guard.requested) if self.stops_within_step(guard) else None)
         rollout_s = time.perf_counter() - start
         shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
         rewards_b, reward_means = summed_rewards(self.reward_fns, rollout.trajectories, self.cfg.reward)
@@ -366,7 +395,7 @@ class Trainer:
             for step in range(start + 1, cfg.train.total_steps + 1):
                 unsaved = step - 1 > saved
                 pre_step = PreStep(step - 1, self.data.state(), unsaved,
-                                   host_copy(state) if unsaved and cfg.train.stop_within_step else None)
+                                   host_copy(state) if unsaved and cfg.train.stop_within_step else None, self.carry)
                 try:
                     state, metrics, trajectories = self.train_step(state, ref_params, step, guard)
                 except StepInterrupted as stop:  # between updates `state` is donated already: save the copy
@@ -385,7 +414,7 @@ class Trainer:
                     hook(finished)
                 stop = guard.should_stop()
                 if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
-                    self._save(ckpt, writer, step, state, self.data.state())
+                    self._save(ckpt, writer, step, state, self.data.state(), self.carry)
                     saved = step
                 if stop:
                     log.warning("stop requested: saved step %d, exiting", step)
@@ -422,6 +451,7 @@ class Trainer:
         self.data.check(meta["data"])
         rng_from_json(meta["rng"])
         int(meta["nonfinite_count"])
+        Carry.from_json(meta.get("partial", {"groups": []}))
 
     def _restore(self, ckpt: Checkpointer, state: TrainState) -> tuple[TrainState, int]:
         """`state` from the run folder's latest checkpoint, with the data order, the random stream and the
@@ -433,6 +463,11 @@ class Trainer:
         self.data.restore(restored.meta["data"])
         self.base_rng = rng_from_json(restored.meta["rng"])
         self._lengths = set(restored.meta.get("lengths", ()))  # the resumed steps pad as the first attempt did
+        self.carry = Carry.from_json(restored.meta.get("partial", {"groups": []}))
+        if self.carry.groups and not self.partial_cfg.partial:
+            log.warning("the checkpoint of step %d carries %d partial-rollout group(s); rollout.partial is off: "
+                        "they are dropped", restored.step, len(self.carry.groups))
+            self.carry = Carry()
         state = state._replace(
             params=restored.params, opt_state=restored.opt_state,
             step=jax.device_put(np.int32(start), state.step.sharding),
@@ -450,19 +485,19 @@ class Trainer:
             raise StopRequested(guard.signal_name, "the evaluation of the start") from None
 
     def _save(self, ckpt: Checkpointer, writer: MetricsWriter, step: int, state: TrainState,
-              data_state: dict) -> None:
-        """Saves `step` (`state`, the data position after it, the rng); the metrics written so far reach the disk
-        first, so that every saved step's metrics are in the log."""
+              data_state: dict, carry: Carry) -> None:
+        """Saves `step` (`state`, the data position and the partial rollouts' carry after it, the rng); the metrics
+        written so far reach the disk first, so that every saved step's metrics are in the log."""
         writer.flush()
         ckpt.save(step, state.params, state.opt_state, {
             "data": data_state, "rng": rng_to_json(self.base_rng), "lengths": sorted(self._lengths),
-            "nonfinite_count": int(jax.device_get(state.nonfinite_count))})
+            "nonfinite_count": int(jax.device_get(state.nonfinite_count)), "partial": carry.to_json()})
 
     def _save_pre_step(self, ckpt: Checkpointer, writer: MetricsWriter, pre_step: PreStep,
                        state: TrainState) -> None:
         """Saves `state`, the state from before an unfinished step, unless that step is saved already."""
         if pre_step.unsaved:
-            self._save(ckpt, writer, pre_step.step, state, pre_step.data)
+            self._save(ckpt, writer, pre_step.step, state, pre_step.data, pre_step.carry)
 
     def close(self) -> None:
         self.runner.run(self.retriever.close())

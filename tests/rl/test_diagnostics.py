@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
-from llds_jax.rl.diagnostics import likelihood_metrics, lld_metrics, update_metrics
+from llds_jax.rl.diagnostics import importance_ess, likelihood_metrics, lld_metrics, update_metrics
 from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.terms import LossInputs
 
@@ -33,10 +33,30 @@ def test_likelihood_metrics(make_rollout):
         "lld/logp_mean_later_actions": np.mean(later),
         "lld/sampler_gap": ((old - sampler) * m).sum() / m.sum(),
         "lld/sampler_abs_gap": (np.abs(old - sampler) * m).sum() / m.sum(),
+        "lld/is_ess": ess_oracle(old - sampler, m),
     }
     assert set(got) == set(want)
     for key, value in want.items():
         np.testing.assert_allclose(float(got[key]), value, rtol=1e-5, err_msg=key)
+
+
+def ess_oracle(log_w_bt, mask_bt):
+    """(sum w)^2 / (N sum w^2) over the masked tokens, in float64."""
+    w = np.exp(np.asarray(log_w_bt, np.float64)[np.asarray(mask_bt) > 0])
+    return w.sum() ** 2 / (len(w) * (w ** 2).sum())
+
+
+def test_importance_ess_against_numpy():
+    rng = np.random.default_rng(3)
+    mask = (rng.uniform(size=(6, 40)) < 0.6).astype(np.float32)
+    for scale in (0.0, 0.05, 1.0, 4.0):
+        log_w = rng.normal(0, scale, mask.shape).astype(np.float32)
+        got = float(jax.jit(importance_ess)(log_w, mask))
+        np.testing.assert_allclose(got, ess_oracle(log_w, mask), rtol=1e-5, err_msg=str(scale))
+    assert float(importance_ess(np.zeros((2, 3), np.float32), np.ones((2, 3)))) == 1.0  # equal weights
+    # One token carries all the weight: 1/N. Huge log-weights do not overflow; masked-out ones do not count.
+    log_w = np.array([[400.0, 0.0, 0.0, 900.0]], np.float32)
+    assert float(importance_ess(log_w, np.array([[1, 1, 1, 0]]))) == np.float32(1 / 3)
 
 
 def test_lld_rate_counts_strict_decreases_and_ties_apart():

@@ -45,7 +45,7 @@ class ScriptedEngine:
         s.turn_starts.append(s.turn_start)
         self.most_in_flight = max(self.most_in_flight, len(self.seqs))
 
-    def add_request(self, seq, prompt_ids, key_data, budget):
+    def add_request(self, seq, prompt_ids, key_data, budget, sampled=0):
         assert seq not in self.seqs and len(self.seqs) < self.slots
         self.events.append((self.steps, "add", seq))
         self.seqs[seq] = _Seq(list(prompt_ids), budget, [])

@@ -143,6 +143,10 @@ def test_budget_line_says_one_search_and_several_searches():
     assert budget_line(3, trees).endswith("1 trajectory, 1,234 forked-prefix tokens trained again")
     # issue 58 item 10: prompts whose question was cut are counted, when there are any
     assert budget_line(3, {**one, "rollout/prompts_cut": 0.0}) == budget_line(3, one)
+    partial = {**one, "rollout/partial/resumed": 3.0, "rollout/partial/carried": 1.0,
+               "rollout/partial/dropped": 2.0}  # rollout.partial only
+    assert budget_line(3, partial).endswith("1 trajectory, 3 conversations resumed, 1 conversation carried on, "
+                                            "2 conversations dropped as stale")
     assert budget_line(3, {**one, "rollout/prompts_cut": 2.0}).split(", ")[2] == (
         "2 prompts cut to rollout.max_prompt_tokens (their questions' start)")
 

@@ -1,0 +1,69 @@
+"""rollout.partial in real runs (the searching policy, the scripted retriever; tests/reliability/conftest.py): at
+over-sampling 1 a run trains what the synchronous run trains, bit for bit; a SIGTERM among the updates of a step
+that resumes carried conversations saves the carry from before it, and the resumed run equals an uninterrupted
+one bit for bit (params and every metric)."""
+import re
+
+import numpy as np
+import pytest
+
+from tests.e2e.runs import comparable, finish, read_metrics, steps_saved
+from tests.reliability.scripted_retriever import ScriptedRetriever
+from tests.reliability.test_stops import TIMEOUT_S, assert_stopped_in_time, final_params
+
+TIS = {"objective__tis_cap": 2.0}  # rollout.partial needs the behaviour correction
+# A run whose cut leaves conversations mid-way: every conversation of a step in one session (sessions would
+# complete whole sessions, carrying only prompts not started), groups of one sample and 4 turns (the searching
+# policy seldom answers before its last turn), 8 x 4 started for 4 trained: step 1's cut comes before its last turn
+# round, step 2 resumes what it carried, step 3 drops what step 1 left (2 versions old).
+CARRYING = {**TIS, "rollout__partial": True, "rollout__max_batch_size": 0, "data__prompts_per_step": 4,
+            "data__samples_per_prompt": 1, "rollout__over_sampling": 8.0, "rollout__max_turns": 3}
+
+
+def result(searching_runs, name, model_dir):
+    run_dir = searching_runs.run_dir(name)
+    return (read_metrics(run_dir), *final_params(run_dir, model_dir))
+
+
+def assert_same_run(got, want, ignore=()):
+    (records, step, params), (want_records, want_step, want_params) = got, want
+    strip = lambda r: {k: v for k, v in comparable(r).items() if not k.startswith(ignore)}  # noqa: E731
+    assert [strip(r) for r in records] == [strip(r) for r in want_records]
+    assert step == want_step and params.keys() == want_params.keys()
+    for key in params:
+        np.testing.assert_array_equal(params[key], want_params[key], err_msg=str(key))
+
+
+@pytest.mark.slow
+def test_over_sampling_1_trains_what_the_synchronous_run_trains(searching_runs, policy):
+    with ScriptedRetriever() as server:
+        finish([searching_runs.start(server.config(), "sync_tis", **TIS)], TIMEOUT_S)
+        finish([searching_runs.start(server.config(), "partial_1", **TIS, rollout__partial=True,
+                                     rollout__over_sampling=1.0, rollout__max_staleness=0)], TIMEOUT_S)
+    sync, partial = (result(searching_runs, name, policy[0]) for name in ("sync_tis", "partial_1"))
+    assert all(r["rollout/partial/carried"] == r["rollout/partial/dropped"] == 0 for r in partial[0])
+    assert_same_run(partial, sync, ignore=("rollout/partial/",))
+
+
+@pytest.mark.slow
+def test_sigterm_while_carrying_conversations_saves_the_carry_and_resumes_bitwise(searching_runs, policy):
+    with ScriptedRetriever() as server:
+        finish([searching_runs.start(server.config(), "partial_reference", **CARRYING)], TIMEOUT_S)
+        reference = result(searching_runs, "partial_reference", policy[0])
+        first, second, third = reference[0]
+        assert first["rollout/partial/carried"] > 0 and second["rollout/partial/resumed"] > 0
+        assert second["rollout/partial/stale_token_share"] > 0 and third["rollout/partial/dropped"] > 0
+
+        run_dir = searching_runs.run_dir("partial_update_stop")
+        # SIGTERM once 2 of step 2's 4 updates are done (tests/reliability/sigterm_at_update.py): the state, data
+        # position and carry from before step 2 are saved; the rerun resumes step 1's carried conversations again.
+        launched = searching_runs.start(server.config(), "partial_update_stop", **CARRYING,
+                                        launcher=("-m", "tests.reliability.sigterm_at_update", "2", "2"))
+        launched.process.wait(TIMEOUT_S)
+        signalled = re.search(r"SIGTERM sent at monotonic (\S+)", launched.output())
+        assert signalled, launched.output()[-4000:]
+        output = assert_stopped_in_time(launched, float(signalled.group(1)))
+        assert "stop requested during the updates of step 2: saved the state before it, exiting" in output
+        assert steps_saved(run_dir) == [1]
+        finish([searching_runs.start(server.config(), "partial_update_stop", **CARRYING)], TIMEOUT_S)
+    assert_same_run(result(searching_runs, "partial_update_stop", policy[0]), reference)
