@@ -374,7 +374,8 @@ def for_run(cfg, lengths, sequences: int) -> Schedule:
 
 # ----- partial rollouts (issue 59): over-sample, cut at the batch, carry the tail -------------------------------------
 
-PARTIAL_STEPS = 5  # steps of a simulated partial run: the first starts from nothing, the others are its steady state
+PARTIAL_STEPS = 6  # steps of a simulated partial run
+PARTIAL_WARMUP = 2  # its first steps, left out of its steady state: the first carries nothing in and more out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,6 +397,7 @@ class PartialStep:
     Attributes:
       schedule: its rollout's calls, up to the cut (`Schedule.sequences`: the trajectories it trains, P x group).
       started: groups it ran (carried first, then fresh): ceil(over_sampling x P).
+      trained: groups it trains: P.
       resumed: carried conversations it resumed with their tokens (at least one complete turn).
       reprefill_tokens: their contexts' tokens (prompt, complete turns and observations), encoded again.
       carried: conversations it hands to the next step with their tokens (unfinished, at least one complete turn).
@@ -405,6 +407,7 @@ class PartialStep:
 
     schedule: Schedule
     started: int
+    trained: int
     resumed: int
     reprefill_tokens: int
     carried: int
@@ -434,7 +437,7 @@ def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int,
     Which groups complete first follows the spreads: a group completes with its slowest sample, so at the cut
     the groups of short samples (few turns, short turns) are trained and those of long ones carried, to be
     trained the next step (or dropped, past `max_staleness`). Without spreads (every sample alike) the groups
-    complete in the order they start and little is carried.
+    complete in the order they start: the first P started are trained.
     """
     if over_sampling < 1:
         raise ValueError(f"partial rollouts: over_sampling {over_sampling} is below 1")
@@ -467,10 +470,10 @@ def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int,
             advanced = any(new > old for new, old in zip(now, g.turns))  # a turn of this step's is complete
             carry.append(_Group(g.script, now, tuple(progress.ended[seq] for seq in seqs),
                                 step if g.version is None and advanced else g.version))
-        out.append(PartialStep(dataclasses.replace(schedule, sequences=prompts * group), len(groups), len(resumed),
-                               sum(context_tokens(convs[seq], turns[seq]) for seq in resumed),
-                               sum(t > 0 and not e for g in carry for t, e in zip(g.turns, g.ended)), len(carry),
-                               dropped))
+        carried = sum(t > 0 and not e for g in carry for t, e in zip(g.turns, g.ended))
+        out.append(PartialStep(dataclasses.replace(schedule, sequences=prompts * group), len(groups), trained,
+                               len(resumed), sum(context_tokens(convs[seq], turns[seq]) for seq in resumed),
+                               carried, len(carry), dropped))
     return out
 
 

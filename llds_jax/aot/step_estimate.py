@@ -200,6 +200,72 @@ def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: Chi
                        "blocks")
 
 
+PARTIAL_OVER_SAMPLING = (1.5, 2.0)  # the what-if's over-sampling factors (issue 59's)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialTime:
+    """A partial run's steady state (`rollout_schedule.partial_run`): means per step over its steps after
+    `rollout_schedule.PARTIAL_WARMUP`.
+
+    Attributes:
+      over_sampling: its groups started per step over those trained.
+      rollout: seconds of the rollout's calls up to the cut, and retrieval's blocking ones (`rollout_time`).
+      started: groups started (carried and fresh); trained: groups trained (P).
+      resumed: carried conversations resumed with their tokens; reprefill_tokens: their contexts' tokens.
+      carried: conversations handed on with their tokens; dropped: groups dropped for staleness.
+    """
+
+    over_sampling: float
+    rollout: float
+    started: float
+    trained: float
+    resumed: float
+    reprefill_tokens: float
+    carried: float
+    dropped: float
+
+
+def partial_time(steps: Sequence[rollout_schedule.PartialStep], over_sampling: float, cost: StepCost,
+                 peaks: ChipPeaks, cfg, generation: str, searches: float,
+                 device_search: ProgramCost | None = None) -> PartialTime:
+    """The steady state of a partial run's `steps` at `over_sampling`: each step's rollout costed as `rollout_time`
+    costs a synchronous one (its searches those of the trajectories it trains), averaged over the steps after
+    `rollout_schedule.PARTIAL_WARMUP`."""
+    steady = steps[rollout_schedule.PARTIAL_WARMUP:]
+    if not steady:
+        raise ValueError(f"partial_time: {len(steps)} steps, none after the first "
+                         f"{rollout_schedule.PARTIAL_WARMUP}")
+
+    def mean(values) -> float:
+        return sum(values) / len(steady)
+
+    times = [rollout_time(step.schedule, cost, peaks, cfg, generation, searches, device_search) for step in steady]
+    return PartialTime(over_sampling, mean(t.device + t.retrieval for t in times), mean(s.started for s in steady),
+                       mean(s.trained for s in steady),
+                       mean(s.resumed for s in steady), mean(s.reprefill_tokens for s in steady),
+                       mean(s.carried for s in steady), mean(s.dropped for s in steady))
+
+
+def format_partial(sync: RolloutTime, partials: Sequence[PartialTime], reshard: float, updates: float,
+                   groups: int) -> str:
+    """What-if lines of partial rollouts (issue 59) beside the synchronous step of `sync`'s rollout, `groups`
+    groups (P) trained per step: each over-sampling's steady-state rollout and step (`partial_time`)."""
+    sync_rollout = sync.device + sync.retrieval + reshard
+    lines = [f"  partial rollouts (what-if, issue 59's rollout.partial): the steady state, means of steps "
+             f"{rollout_schedule.PARTIAL_WARMUP + 1}-{rollout_schedule.PARTIAL_STEPS} of a simulated run "
+             "(max_staleness 1), an estimate, not a measurement",
+             f"    synchronous        rollout {sync_rollout:6.1f} s, step {sync_rollout + updates:6.1f} s: {groups} groups "
+             "trained; the rollout ends with its slowest conversation"]
+    for p in partials:
+        rollout = p.rollout + reshard
+        lines.append(f"    over-sampling {p.over_sampling:<4g} rollout {rollout:6.1f} s ({rollout / sync_rollout - 1:+.1%}), "
+                     f"step {rollout + updates:6.1f} s: {p.trained:.0f} of {p.started:.0f} groups trained; "
+                     f"{p.resumed:.1f} conversations resumed ({p.reprefill_tokens:,.0f} tokens re-prefilled), "
+                     f"{p.carried:.1f} carried on, {p.dropped:.1f} groups dropped")
+    return "\n".join(lines)
+
+
 def host_call_seconds(index_rows: int, queries: float, vcpus: int, hnsw: bool) -> float:
     """Seconds of one faiss call of `queries` queries on a host of `vcpus` threads: HNSW and Flat's per-query path
     one query per thread (ceil(queries / vcpus) rounds); Flat's BLAS path (>= BLAS_MIN_QUERIES) its measured
