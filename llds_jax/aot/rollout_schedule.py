@@ -29,6 +29,11 @@ The policies, as `llds_jax.rollout.driver` runs them:
               invalid action's before the next call.
 Tree rollouts are not modelled.
 
+Partial rollouts (issue 59, `partial_run`): a few steps that each start ceil(over_sampling x P) groups (the carried
+ones first), cut the rollout once P groups are complete, and carry the rest to the next step, where the carried
+conversations resume at their last complete turn with their contexts encoded again (re-prefilled); the steps
+after the first ones are the steady state the estimate reports (`llds_jax.aot.step_estimate.partial_time`).
+
 Units: tokens, pages, calls (device calls of the step program).
 """
 from __future__ import annotations

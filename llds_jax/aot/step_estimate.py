@@ -23,6 +23,10 @@ Not a measurement: peak rates are never reached, and the lengths are stated assu
 - The updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
   (`train.lld_every`) its two float32 forwards per update and its metrics, spread over the steps between; at
   expected lengths scaled by the trained tokens' share of the compiled length (`step_lengths.update_share`).
+- Partial rollouts (issue 59), a what-if beside the expected step: the rollout of a simulated run's steady state
+  (`rollout_schedule.partial_run`: the calls up to the cut, the carried conversations' re-prefill among them),
+  costed as above, at over-sampling 1.5 and 2 (`partial_time`, `format_partial`); the updates unchanged (P groups
+  trained either way; the trained trajectories' lengths, which a cut biases toward the short, are not followed).
 - Hosts sample their own sequences at the same time (a step's rollout is one host's); evaluation is left out
   (it runs every `train.eval_every` steps); the weight reshard runs once per step, in the rollout.
 """
