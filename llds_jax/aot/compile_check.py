@@ -504,7 +504,8 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     partials = []
     for over_sampling in step_estimate.PARTIAL_OVER_SAMPLING:
         started = math.ceil(over_sampling * prompts) * cfg.data.samples_per_prompt
-        steps = rollout_schedule.partial_for_run(cfg, expected, sequences, over_sampling)
+        steps = rollout_schedule.partial_for_run(cfg, expected, sequences, over_sampling,
+                                                 step_estimate.PARTIAL_MAX_STALENESS)
         partials.append(step_estimate.partial_time(
             steps, over_sampling, dataclasses.replace(cost, slots=min(started, cfg.rollout.max_batch_size or started)),
             peaks, cfg, generation, expected.searches, device_search))

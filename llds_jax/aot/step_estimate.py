@@ -205,6 +205,7 @@ def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: Chi
 
 
 PARTIAL_OVER_SAMPLING = (1.5, 2.0)  # the what-if's over-sampling factors (issue 59's)
+PARTIAL_MAX_STALENESS = 1  # its rollout.max_staleness (policy versions; the key's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,27 +247,29 @@ def partial_time(steps: Sequence[rollout_schedule.PartialStep], over_sampling: f
 
     times = [rollout_time(step.schedule, cost, peaks, cfg, generation, searches, device_search) for step in steady]
     return PartialTime(over_sampling, mean(t.device + t.retrieval for t in times), mean(s.started for s in steady),
-                       mean(s.trained for s in steady),
-                       mean(s.resumed for s in steady), mean(s.reprefill_tokens for s in steady),
+                       mean(s.trained for s in steady), mean(s.resumed for s in steady),
+                       mean(s.reprefill_tokens for s in steady),
                        mean(s.carried for s in steady), mean(s.dropped for s in steady))
 
 
 def format_partial(sync: RolloutTime, partials: Sequence[PartialTime], reshard: float, updates: float,
                    groups: int) -> str:
     """What-if lines of partial rollouts (issue 59) beside the synchronous step of `sync`'s rollout, `groups`
-    groups (P) trained per step: each over-sampling's steady-state rollout and step (`partial_time`)."""
+    groups (P) trained per step: each over-sampling's steady-state rollout and step (`partial_time`), each rollout
+    with the weight reshard's `reshard` seconds, each step with the updates' `updates` seconds."""
     sync_rollout = sync.device + sync.retrieval + reshard
     lines = [f"  partial rollouts (what-if, issue 59's rollout.partial): the steady state, means of steps "
              f"{rollout_schedule.PARTIAL_WARMUP + 1}-{rollout_schedule.PARTIAL_STEPS} of a simulated run "
-             "(max_staleness 1), an estimate, not a measurement",
-             f"    synchronous        rollout {sync_rollout:6.1f} s, step {sync_rollout + updates:6.1f} s: {groups} groups "
-             "trained; the rollout ends with its slowest conversation"]
+             f"(max_staleness {PARTIAL_MAX_STALENESS}), an estimate, not a measurement",
+             f"    synchronous        rollout {sync_rollout:6.1f} s, step {sync_rollout + updates:6.1f} s: "
+             f"{groups} groups trained; the rollout ends with its slowest conversation"]
     for p in partials:
         rollout = p.rollout + reshard
-        lines.append(f"    over-sampling {p.over_sampling:<4g} rollout {rollout:6.1f} s ({rollout / sync_rollout - 1:+.1%}), "
-                     f"step {rollout + updates:6.1f} s: {p.trained:.0f} of {p.started:.0f} groups trained; "
-                     f"{p.resumed:.1f} conversations resumed ({p.reprefill_tokens:,.0f} tokens re-prefilled), "
-                     f"{p.carried:.1f} carried on, {p.dropped:.1f} groups dropped")
+        lines.append(f"    over-sampling {p.over_sampling:<4g} rollout {rollout:6.1f} s "
+                     f"({rollout / sync_rollout - 1:+.1%}), step {rollout + updates:6.1f} s: {p.trained:.0f} of "
+                     f"{p.started:.0f} groups trained; {p.resumed:.1f} conversations resumed "
+                     f"({p.reprefill_tokens:,.0f} tokens re-prefilled), {p.carried:.1f} carried on, "
+                     f"{p.dropped:.1f} groups dropped")
     return "\n".join(lines)
 
 

@@ -200,7 +200,8 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     at = lines.index(expected)
     assert lines[at + 1].startswith("  partial rollouts (what-if, issue 59's rollout.partial): the steady state")
     assert lines[at + 2].startswith("    synchronous        rollout ")
-    assert lines[at + 3].startswith("    over-sampling 1.5  rollout ") and lines[at + 4].startswith("    over-sampling 2 ")
+    assert lines[at + 3].startswith("    over-sampling 1.5  rollout ")
+    assert lines[at + 4].startswith("    over-sampling 2    rollout ")
 
 
 def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
