@@ -29,6 +29,11 @@ The policies, as `llds_jax.rollout.driver` runs them:
               invalid action's before the next call.
 Tree rollouts are not modelled.
 
+Partial rollouts (issue 59, `partial_run`): a few steps that each start ceil(over_sampling x P) groups (the carried
+ones first), cut the rollout once P groups are complete, and carry the rest to the next step, where the carried
+conversations resume at their last complete turn with their contexts encoded again (re-prefilled); the steps
+after the first ones are the steady state the estimate reports (`llds_jax.aot.step_estimate.partial_time`).
+
 Units: tokens, pages, calls (device calls of the step program).
 """
 from __future__ import annotations
@@ -164,10 +169,12 @@ def scripts(sequences: int, group: int, lengths, max_turns: int, max_turn_tokens
 class ScriptedRunner:
     """The engine's device side for the schedule: each sequence (its key data is (sequence, 0)) samples its
     script's turns, a turn ending on STOP_ID where its script says so (else at its budget); records each call
-    (`Call`)."""
+    (`Call`). `offsets`: per sequence the tokens its script sampled before it entered this engine (a resumed
+    conversation's complete turns; None: none)."""
 
-    def __init__(self, convs: Sequence[Conversation], page_size: int):
+    def __init__(self, convs: Sequence[Conversation], page_size: int, offsets: Sequence[int] | None = None):
         self.convs, self.page_size = convs, page_size
+        self.offsets = offsets or [0] * len(convs)
         self.calls: list[Call] = []
 
     def run(self, params, batch: StepBatch) -> StepResult:
@@ -178,8 +185,9 @@ class ScriptedRunner:
         for row in range(batch.num_seqs):
             if not batch.samples_s[row]:
                 continue
-            conv = self.convs[int(batch.key_data_s[row, 0])]
-            done, left, stops = int(batch.count_s[row]), 0, False
+            seq = int(batch.key_data_s[row, 0])
+            conv = self.convs[seq]
+            done, left, stops = int(batch.count_s[row]) + self.offsets[seq], 0, False
             for length, stops in zip(conv.turn_tokens, conv.stops):  # the turn this sample belongs to, its tokens left
                 if done < length:
                     left = length - done
@@ -200,24 +208,73 @@ class ScriptedRunner:
         return StepResult(tokens_sc, np.zeros((s, c), np.float32), n_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where each conversation of a rollout stands when it ends (at its cut, `_drive`).
+
+    Attributes:
+      turns: per conversation its complete turns: those whose observation was appended, and its last once it
+        ended (a turn in flight at the cut, or ended but waiting for its observation, is not complete).
+      ended: per conversation whether it ended (its last turn, or its context full).
+    """
+
+    turns: tuple[int, ...]
+    ended: tuple[bool, ...]
+
+
 def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search_latency_calls: int = 1
         ) -> Schedule:
     """The calls of one rollout of `convs` on an engine of `config` (its stop ids replaced by STOP_ID) under
     `policy` (module docstring). `search_latency_calls`: the calls a search's observation comes after its turn ended
     (continuous)."""
+    return _drive(config, convs, policy, search_latency_calls)[0]
+
+
+def context_tokens(conv: Conversation, turns: int) -> int:
+    """Tokens of `conv`'s context after its first `turns` turns (not its last) and their observations: what a
+    conversation resumed there re-encodes (each turn's sampled tokens but a closing stop id)."""
+    return len(conv.prompt) + sum(n - stop + o for n, stop, o in
+                                  zip(conv.turn_tokens[:turns], conv.stops, conv.observation_tokens))
+
+
+def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, search_latency_calls: int = 1,
+           group: int = 1, needed: int | None = None, turns: Sequence[int] | None = None,
+           ended: Sequence[bool] | None = None) -> tuple[Schedule, Progress]:
+    """`run`, and where each conversation stands at the end. A partial step's rollout (`partial_run`): conversation
+    i starts after its first `turns[i]` turns (resumed: its context, `context_tokens`, encoded as a new request's
+    prompt, its own tokens so that no other sequence shares it; its script goes on at turn `turns[i]`) or, where
+    `ended[i]`, has ended before (it never enters the engine); the rollout is cut once `needed` groups of `group`
+    consecutive conversations have ended (checked after each turn round of `barrier`, after each call of
+    `continuous`, where the driver checks it: `llds_jax.rollout.driver`; None: every conversation runs to its
+    end)."""
     if policy not in POLICIES:
         raise ValueError(f"rollout schedule: policy {policy!r} is not modelled (one of {', '.join(POLICIES)})")
     config = dataclasses.replace(config, stop_ids=(STOP_ID,))
-    runner = ScriptedRunner(convs, config.page_size)
+    turn = list(turns or [0] * len(convs))  # each conversation's turns closed
+    done = list(ended or [False] * len(convs))  # whether each has ended
+    complete = list(turn)  # its complete turns (`Progress.turns`)
+    runner = ScriptedRunner(convs, config.page_size, [sum(c.turn_tokens[:t]) for c, t in zip(convs, turn)])
     engine = Engine(runner, None, config)
-    turn = [0] * len(convs)
-    starts = [len(conv.prompt) for conv in convs]  # each conversation's context at its turn's start
+    starts = [context_tokens(conv, t) for conv, t in zip(convs, turn)]  # each context at its turn's start
+    filler = max((max(conv.prompt) for conv in convs), default=STOP_ID) + 1  # a resumed context's own tokens
+    groups_ended = [0] * -(-len(convs) // group)
+    for seq, gone in enumerate(done):
+        groups_ended[seq // group] += gone
     waits, in_flight = 0, 0
 
     def admit(seq: int) -> None:
         conv = convs[seq]
-        engine.add_request(seq, conv.prompt, np.array([seq, 0], np.uint32), _budget(config, conv, 0,
-                                                                                    len(conv.prompt)))
+        prompt = conv.prompt + (filler + seq,) * (starts[seq] - len(conv.prompt))
+        engine.add_request(seq, prompt, np.array([seq, 0], np.uint32), _budget(config, conv, turn[seq], starts[seq]))
+
+    def end(seq: int) -> None:
+        """The conversation has ended: it leaves the engine."""
+        engine.finish(seq)
+        done[seq], complete[seq] = True, turn[seq]
+        groups_ended[seq // group] += 1
+
+    def cut() -> bool:
+        return needed is not None and sum(n == group for n in groups_ended) >= needed
 
     def close(seq: int) -> bool:
         """Ends the turn just sampled: True when the conversation goes on (an observation follows)."""
@@ -235,38 +292,45 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
         kept = len(context) - starts[seq] - (context[-1] == STOP_ID)
         budget = _budget(config, conv, turn[seq], starts[seq] + kept + observation)
         if budget < 1:
-            engine.finish(seq)
+            end(seq)
             return
         engine.extend(seq, kept, [TOKEN_ID] * observation, budget)
         starts[seq] = starts[seq] + kept + observation
+        complete[seq] = turn[seq]
 
     if policy == "barrier":
         slots = config.max_seqs
         for first in range(0, len(convs), slots):
-            session = range(first, min(first + slots, len(convs)))
+            if cut():
+                break
+            session = [seq for seq in range(first, min(first + slots, len(convs))) if not done[seq]]
             for seq in session:
                 admit(seq)
             in_flight = max(in_flight, engine.in_flight)
             while True:
-                ended = []
+                closed = []
                 while engine.running:
-                    ended += [seq for seq, _ in engine.step()]
-                going = [seq for seq in ended if close(seq)]
-                for seq in ended:
+                    closed += [seq for seq, _ in engine.step()]
+                going = [seq for seq in closed if close(seq)]
+                for seq in closed:
                     if seq not in going:
-                        engine.finish(seq)
+                        end(seq)
                 if not going:
                     break
                 waits += any(searched(seq) for seq in going)  # the round waits for its searches, if any
                 for seq in going:
                     extend(seq)
+                if cut():
+                    break
     else:
-        queue, waiting, calls = deque(range(len(convs))), [], 0
+        queue, waiting, calls = deque(seq for seq in range(len(convs)) if not done[seq]), [], 0
         while True:
             due = [seq for seq, at in waiting if at <= calls]
             waiting = [(seq, at) for seq, at in waiting if at > calls]
             for seq in due:
-                extend(seq) if turn[seq] < len(convs[seq].turn_tokens) else engine.finish(seq)
+                extend(seq) if turn[seq] < len(convs[seq].turn_tokens) else end(seq)
+            if cut():
+                break
             while queue and engine.can_admit():
                 admit(queue.popleft())
             in_flight = max(in_flight, engine.in_flight)
@@ -279,8 +343,9 @@ def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search
                 calls = min(at for _, at in waiting)
             else:
                 break
-    return Schedule(tuple(runner.calls), dict(engine.counts.calls), dict(engine.counts.batch_tokens), len(convs),
-                    policy, in_flight, waits, engine.counts.sampled_tokens / max(engine.counts.sample_slots, 1))
+    schedule = Schedule(tuple(runner.calls), dict(engine.counts.calls), dict(engine.counts.batch_tokens), len(convs),
+                        policy, in_flight, waits, engine.counts.sampled_tokens / max(engine.counts.sample_slots, 1))
+    return schedule, Progress(tuple(complete), tuple(done))
 
 
 def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int) -> int:
@@ -288,18 +353,141 @@ def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int) -
     return max(0, min(conv.turn_tokens[turn], config.max_context - context))
 
 
-def for_run(cfg, lengths, sequences: int) -> Schedule:
-    """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
-    (`llds_jax.aot.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
-    (`run_builder.build`)."""
+def _setup(cfg, lengths, sequences: int, started: int) -> tuple[EngineConfig, list[Conversation], str]:
+    """The engine of one host's training rollout of a run of `cfg` starting `started` trajectories (its slots:
+    `rollout.max_batch_size`, else all of them), the scripted conversations of a batch of `sequences` trajectories
+    at `lengths` and the run's policy."""
     agent = config_lib.agent_config(cfg)
     if agent.trees:
         raise ValueError("rollout schedule: tree rollouts (rollout.trees) are not modelled")
     paging = config_lib.paging_config(cfg)
     sampling = config_lib.sampling_config(cfg, (STOP_ID,))
-    slots = min(sequences, agent.max_batch_size or sequences)
+    slots = min(started, agent.max_batch_size or started)
     engine = engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages)
     policy = "continuous" if agent.continuous_batching else "barrier"
     convs = scripts(sequences, cfg.data.samples_per_prompt, lengths, agent.max_turns + 1, agent.max_turn_tokens,
                     agent.max_prompt_tokens, agent.max_observation_tokens, agent.max_context_tokens)
-    return run(engine, convs, policy)
+    return engine, convs, policy
+
+
+def for_run(cfg, lengths, sequences: int) -> Schedule:
+    """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
+    (`llds_jax.aot.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
+    (`run_builder.build`)."""
+    return run(*_setup(cfg, lengths, sequences, sequences))
+
+
+# ----- partial rollouts (issue 59): over-sample, cut at the batch, carry the tail -------------------------------------
+
+PARTIAL_STEPS = 6  # steps of a simulated partial run
+PARTIAL_WARMUP = 2  # its first steps, left out of its steady state: the first carries nothing in and more out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """A GRPO group of a partial run: which group of the batch's scripts its samples follow, per sample its
+    complete turns (where it resumes) and whether it ended, and the step of its oldest complete turn (None:
+    none yet)."""
+
+    script: int
+    turns: tuple[int, ...]
+    ended: tuple[bool, ...]
+    version: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialStep:
+    """One step of a partial run (`partial_run`).
+
+    Attributes:
+      schedule: its rollout's calls, up to the cut (`Schedule.sequences`: the trajectories it trains, P x group).
+      started: groups it ran (carried first, then fresh): ceil(over_sampling x P).
+      trained: groups it trains: P.
+      resumed: carried conversations it resumed with their tokens (at least one complete turn).
+      reprefill_tokens: their contexts' tokens (prompt, complete turns and observations), encoded again.
+      carried: conversations it hands to the next step with their tokens (unfinished, at least one complete turn).
+      carried_groups: groups it hands to the next step (started, not trained: complete ones past the P trained too).
+      dropped: carried groups dropped at its start, older than max_staleness.
+    """
+
+    schedule: Schedule
+    started: int
+    trained: int
+    resumed: int
+    reprefill_tokens: int
+    carried: int
+    carried_groups: int
+    dropped: int
+
+
+def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int, policy: str, over_sampling: float,
+                max_staleness: int = 1, steps: int = PARTIAL_STEPS, search_latency_calls: int = 1
+                ) -> list[PartialStep]:
+    """`steps` steps of partial rollouts (issue 59; `rollout.partial` as llds_jax/rollout/partial.py runs it), each
+    training P = len(batch) / group groups, on an engine of `config` under `policy`.
+
+    The prompts: a stream of batches, each scripted as `batch` (the synchronous step's conversations, `scripts`:
+    the same lengths every batch, its groups in its order). Step k (from 0):
+      1. the carried groups come first, in order; one whose oldest complete turn was sampled more than
+         `max_staleness` steps before k is dropped (its work lost);
+      2. fresh groups from the stream follow, up to ceil(over_sampling x P) groups;
+      3. the rollout (`_drive`): the carried conversations resume first, at their last complete turn (a turn in
+         flight at the cut, or waiting for its observation, is sampled again: the same tokens, from the same
+         PRNG draws), their context re-encoded as a prompt (the KV recomputed under the new weights); those that
+         ended never re-enter; it is cut once P groups are complete (every sample ended), checked after each turn
+         round of `barrier`, after each call of `continuous`;
+      4. the first P complete groups in the step's order are trained; every other group is carried.
+    With `over_sampling` 1 nothing is left at the cut: each step is `run(config, batch, policy)`, call for call.
+
+    Which groups complete first follows the spreads: a group completes with its slowest sample, so at the cut
+    the groups of short samples (few turns, short turns) are trained and those of long ones carried, to be
+    trained the next step (or dropped, past `max_staleness`). Without spreads (every sample alike) the groups
+    complete in the order they start: the first P started are trained.
+    """
+    if over_sampling < 1:
+        raise ValueError(f"partial rollouts: over_sampling {over_sampling} is below 1")
+    prompts = len(batch) // group
+    size = math.ceil(over_sampling * prompts)
+    carry: list[_Group] = []
+    fresh, out = 0, []
+    for step in range(steps):
+        groups = [g for g in carry if g.version is None or step - g.version <= max_staleness]
+        dropped = len(carry) - len(groups)
+        while len(groups) < size:
+            groups.append(_Group(fresh % prompts, (0,) * group, (False,) * group, None))
+            fresh += 1
+        convs, turns, ended = [], [], []
+        for position, g in enumerate(groups):
+            for m in range(group):
+                conv = batch[g.script * group + m]
+                convs.append(dataclasses.replace(conv, prompt=(2 + position,) * len(conv.prompt)))  # its own prompt
+            turns += g.turns
+            ended += g.ended
+        resumed = [seq for seq, (t, e) in enumerate(zip(turns, ended)) if t and not e]
+        schedule, progress = _drive(config, convs, policy, search_latency_calls, group, prompts, turns, ended)
+        carry, trained = [], 0
+        for position, g in enumerate(groups):
+            seqs = range(position * group, (position + 1) * group)
+            if all(progress.ended[seq] for seq in seqs) and trained < prompts:
+                trained += 1
+                continue
+            now = tuple(progress.turns[seq] for seq in seqs)
+            advanced = any(new > old for new, old in zip(now, g.turns))  # a turn of this step's is complete
+            carry.append(_Group(g.script, now, tuple(progress.ended[seq] for seq in seqs),
+                                step if g.version is None and advanced else g.version))
+        carried = sum(t > 0 and not e for g in carry for t, e in zip(g.turns, g.ended))
+        out.append(PartialStep(dataclasses.replace(schedule, sequences=prompts * group), len(groups), trained,
+                               len(resumed), sum(context_tokens(convs[seq], turns[seq]) for seq in resumed),
+                               carried, len(carry), dropped))
+    return out
+
+
+def partial_for_run(cfg, lengths, sequences: int, over_sampling: float, max_staleness: int = 1,
+                    steps: int = PARTIAL_STEPS) -> list[PartialStep]:
+    """`partial_run` for one host of a run of `cfg` training `sequences` trajectories per step at `lengths`
+    (`for_run`'s engine and conversations; the engine's slots `rollout.max_batch_size`, else every trajectory
+    started: ceil(over_sampling x P) groups)."""
+    group = cfg.data.samples_per_prompt
+    started = math.ceil(over_sampling * (sequences // group)) * group
+    engine, convs, policy = _setup(cfg, lengths, sequences, started)
+    return partial_run(engine, convs, group, policy, over_sampling, max_staleness, steps)

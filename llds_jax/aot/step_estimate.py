@@ -23,6 +23,10 @@ Not a measurement: peak rates are never reached, and the lengths are stated assu
 - The updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
   (`train.lld_every`) its two float32 forwards per update and its metrics, spread over the steps between; at
   expected lengths scaled by the trained tokens' share of the compiled length (`step_lengths.update_share`).
+- Partial rollouts (issue 59), a what-if beside the expected step: the rollout of a simulated run's steady state
+  (`rollout_schedule.partial_run`: the calls up to the cut, the carried conversations' re-prefill among them),
+  costed as above, at over-sampling 1.5 and 2 (`partial_time`, `format_partial`); the updates unchanged (P groups
+  trained either way; the trained trajectories' lengths, which a cut biases toward the short, are not followed).
 - Hosts sample their own sequences at the same time (a step's rollout is one host's); evaluation is left out
   (it runs every `train.eval_every` steps); the weight reshard runs once per step, in the rollout.
 """
@@ -198,6 +202,75 @@ def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: Chi
                        f"{queries:,.0f} searches in at least {calls:,.1f} calls of {per_call:,.0f} (the rows in "
                        f"flight) x {how} = {busy:.1f} s busy beside {device:.1f} s of device time; what exceeds it "
                        "blocks")
+
+
+PARTIAL_OVER_SAMPLING = (1.5, 2.0)  # the what-if's over-sampling factors (issue 59's)
+PARTIAL_MAX_STALENESS = 1  # its rollout.max_staleness (policy versions; the key's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialTime:
+    """A partial run's steady state (`rollout_schedule.partial_run`): means per step over its steps after
+    `rollout_schedule.PARTIAL_WARMUP`.
+
+    Attributes:
+      over_sampling: its groups started per step over those trained.
+      rollout: seconds of the rollout's calls up to the cut, and retrieval's blocking ones (`rollout_time`).
+      started: groups started (carried and fresh); trained: groups trained (P).
+      resumed: carried conversations resumed with their tokens; reprefill_tokens: their contexts' tokens.
+      carried: conversations handed on with their tokens; dropped: groups dropped for staleness.
+    """
+
+    over_sampling: float
+    rollout: float
+    started: float
+    trained: float
+    resumed: float
+    reprefill_tokens: float
+    carried: float
+    dropped: float
+
+
+def partial_time(steps: Sequence[rollout_schedule.PartialStep], over_sampling: float, cost: StepCost,
+                 peaks: ChipPeaks, cfg, generation: str, searches: float,
+                 device_search: ProgramCost | None = None) -> PartialTime:
+    """The steady state of a partial run's `steps` at `over_sampling`: each step's rollout costed as `rollout_time`
+    costs a synchronous one (its searches those of the trajectories it trains), averaged over the steps after
+    `rollout_schedule.PARTIAL_WARMUP`."""
+    steady = steps[rollout_schedule.PARTIAL_WARMUP:]
+    if not steady:
+        raise ValueError(f"partial_time: {len(steps)} steps, none after the first "
+                         f"{rollout_schedule.PARTIAL_WARMUP}")
+
+    def mean(values) -> float:
+        return sum(values) / len(steady)
+
+    times = [rollout_time(step.schedule, cost, peaks, cfg, generation, searches, device_search) for step in steady]
+    return PartialTime(over_sampling, mean(t.device + t.retrieval for t in times), mean(s.started for s in steady),
+                       mean(s.trained for s in steady), mean(s.resumed for s in steady),
+                       mean(s.reprefill_tokens for s in steady),
+                       mean(s.carried for s in steady), mean(s.dropped for s in steady))
+
+
+def format_partial(sync: RolloutTime, partials: Sequence[PartialTime], reshard: float, updates: float,
+                   groups: int) -> str:
+    """What-if lines of partial rollouts (issue 59) beside the synchronous step of `sync`'s rollout, `groups`
+    groups (P) trained per step: each over-sampling's steady-state rollout and step (`partial_time`), each rollout
+    with the weight reshard's `reshard` seconds, each step with the updates' `updates` seconds."""
+    sync_rollout = sync.device + sync.retrieval + reshard
+    lines = [f"  partial rollouts (what-if, issue 59's rollout.partial): the steady state, means of steps "
+             f"{rollout_schedule.PARTIAL_WARMUP + 1}-{rollout_schedule.PARTIAL_STEPS} of a simulated run "
+             f"(max_staleness {PARTIAL_MAX_STALENESS}), an estimate, not a measurement",
+             f"    synchronous        rollout {sync_rollout:6.1f} s, step {sync_rollout + updates:6.1f} s: "
+             f"{groups} groups trained; the rollout ends with its slowest conversation"]
+    for p in partials:
+        rollout = p.rollout + reshard
+        lines.append(f"    over-sampling {p.over_sampling:<4g} rollout {rollout:6.1f} s "
+                     f"({rollout / sync_rollout - 1:+.1%}), step {rollout + updates:6.1f} s: {p.trained:.0f} of "
+                     f"{p.started:.0f} groups trained; {p.resumed:.1f} conversations resumed "
+                     f"({p.reprefill_tokens:,.0f} tokens re-prefilled), {p.carried:.1f} carried on, "
+                     f"{p.dropped:.1f} groups dropped")
+    return "\n".join(lines)
 
 
 def host_call_seconds(index_rows: int, queries: float, vcpus: int, hnsw: bool) -> float:

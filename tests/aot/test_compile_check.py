@@ -161,7 +161,8 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     """The rollout is one step program per token bucket (training's 16 slots doubling to
     64 tokens, evaluation's 8 to 64), each calling the ragged paged attention kernel on the chips, its page pool
     split over the key/value heads; every program fits, the table counts the rollout programs, and the step
-    estimate runs the engine's schedule at the worst case and the defaults, its calls per token bucket costed."""
+    estimate runs the engine's schedule at the worst case and the defaults, its calls per token bucket costed, and
+    the partial rollouts' what-if after the expected step."""
     cfg = flagship(paged_model_dir, **PAGED)
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = compile_check.build_programs(cfg, devices)
@@ -195,6 +196,12 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
            "decode iterations, seconds" in lines
     expected = next(line for line in lines if line.startswith("  expected step: rollout "))
     assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
+    # Then the partial rollouts' what-if (issue 59): the synchronous rollout, then over-sampling 1.5 and 2.
+    at = lines.index(expected)
+    assert lines[at + 1].startswith("  partial rollouts (what-if, issue 59's rollout.partial): the steady state")
+    assert lines[at + 2].startswith("    synchronous        rollout ")
+    assert lines[at + 3].startswith("    over-sampling 1.5  rollout ")
+    assert lines[at + 4].startswith("    over-sampling 2    rollout ")
 
 
 def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():

@@ -149,3 +149,57 @@ def test_a_runs_schedule_takes_its_engine_shapes_and_policy():
     cfg.rollout.trees = 1
     with pytest.raises(ValueError, match="rollout.trees"):
         rollout_schedule.for_run(cfg, step_lengths.defaults(cfg), 80)
+
+
+@pytest.mark.parametrize("policy", rollout_schedule.POLICIES)
+def test_partial_rollouts_at_over_sampling_1_are_the_synchronous_schedule(policy):
+    """Over-sampling 1 starts the step's P groups and cuts once all are complete: every step is the synchronous
+    rollout, call for call (barrier in sessions of 4 slots, continuous through 4 slots), nothing carried."""
+    batch = scripts(24, 3, lengths(12, 2.5, 30.0, 9, prompt_std=2.0, turns_std=0.8, turn_std=6.0), max_context=64)
+    synchronous = rollout_schedule.run(engine(4), batch, policy)
+    steps = rollout_schedule.partial_run(engine(4), batch, 3, policy, 1.0, steps=2)
+    assert [step.schedule.calls for step in steps] == [synchronous.calls] * 2
+    assert [(s.started, s.trained, s.resumed, s.carried, s.carried_groups, s.dropped) for s in steps] == [
+        (8, 8, 0, 0, 0, 0)] * 2
+
+
+def partial_batch():
+    """P = 2 groups of 2 samples with 10-token prompts: group A's samples each one turn of 8 tokens; group B's
+    first sample a turn of 4, a 5-token observation, a turn of 12, its second one turn of 4."""
+    a = rollout_schedule.Conversation((2,) * 10, (8,), (), (True,), ())
+    b0 = rollout_schedule.Conversation((3,) * 10, (4, 12), (5,), (True, True), (False,))
+    b1 = rollout_schedule.Conversation((3,) * 10, (4,), (), (True,), ())
+    return [a, a, b0, b1]
+
+
+def test_partial_rollouts_cut_once_P_groups_are_complete_as_worked_out_by_hand():
+    """Over-sampling 2 (continuous, 8 slots, 4 samples per call): step 0 starts A, B, A', B' (8 conversations).
+    Call 1: the four first samples' prompts (40 tokens); B0 and B'0 end their first turn. Call 2: A0 and A'0's
+    last tokens, the shared prompts' last tokens (4), B0 and B'0's observations (5 each): 16 tokens; A0, A'0, B1,
+    B'1 end. Call 3 (4 tokens): A1 and A'1 end, so A and A' are complete: the cut. B0 and B'0 are carried at their
+    complete turn (their second turn's 8 tokens sampled so far are drawn again). Step 1 resumes them first: their
+    contexts (10 + 3 kept + 5 = 18 tokens each, the 36 re-prefill tokens) with the fresh A and B's first prompts in
+    call 1 (56 tokens); each samples the 12 tokens not sampled before (3 calls of 4), and the carried B, B' complete
+    at call 3 (as does the fresh A, carried complete to the next step, with the fresh B's first sample)."""
+    steps = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, steps=2)
+    assert [(c.bucket, c.tokens) for c in steps[0].schedule.calls] == [(64, 40), (16, 16), (8, 4)]
+    assert [(c.bucket, c.tokens) for c in steps[1].schedule.calls] == [(64, 56), (16, 10), (8, 4)]
+    assert rollout_schedule.context_tokens(partial_batch()[2], 1) == 18
+    assert [(s.started, s.trained, s.resumed, s.reprefill_tokens, s.carried, s.carried_groups) for s in steps] == [
+        (4, 2, 0, 0, 2, 2), (4, 2, 2, 36, 1, 2)]
+    assert steps[0].schedule.sequences == 4  # the trajectories trained
+    # Barrier: the cut after the turn round in which A and A' complete (every turn ended, the observations written).
+    barrier = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "barrier", 2.0, steps=2)
+    assert [(c.bucket, c.tokens) for c in barrier[0].schedule.calls] == [(64, 40), (8, 6), (8, 2)]
+    assert (barrier[1].resumed, barrier[1].reprefill_tokens, barrier[1].schedule.calls[0].tokens) == (2, 36, 56)
+
+
+def test_a_carried_group_older_than_max_staleness_is_dropped():
+    """B and B' carry a turn sampled at step 0: at max_staleness 0 step 1 drops them, starts four fresh groups and
+    runs as step 0 did; at 1 they are resumed."""
+    stale = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, max_staleness=0, steps=2)
+    assert [(s.dropped, s.resumed) for s in stale] == [(0, 0), (2, 0)]
+    assert stale[1].schedule.calls == stale[0].schedule.calls
+    assert rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, steps=2)[1].dropped == 0
+    with pytest.raises(ValueError, match="over_sampling 0.5 is below 1"):
+        rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 0.5)

@@ -152,3 +152,31 @@ def test_retrieval_seconds_by_backend(monkeypatch):
         0.0, "no measured cost per call for retriever 'bm25' (not counted)")
 
 
+
+
+def test_a_partial_runs_steady_state_averages_the_steps_after_the_warmup_and_prints_beside_the_synchronous():
+    """Each step's calls at 1 s each (retrieval off: no searches); the first PARTIAL_WARMUP steps are left out of
+    the means. The lines: the synchronous rollout (its device and retrieval seconds plus the reshard) and the step
+    with the updates, then each over-sampling's steady state with its change against the synchronous rollout."""
+    cfg = load("qwen7b_v4")
+    one_second = step_estimate.StepCost(1e9, 0, 0, 0, 0, 4)
+    warmup = rollout_schedule.PARTIAL_WARMUP
+
+    def step(calls, resumed, reprefill, carried, dropped):
+        return rollout_schedule.PartialStep(schedule("continuous", [rollout_schedule.Call(64, 10, 0, 0, 0)] * calls),
+                                            started=6, trained=4, resumed=resumed, reprefill_tokens=reprefill,
+                                            carried=carried, carried_groups=2, dropped=dropped)
+
+    steps = [step(50, 0, 0, 9, 0)] * warmup + [step(8, 2, 100, 3, 0), step(10, 4, 300, 5, 1)]
+    p = step_estimate.partial_time(steps, 1.5, one_second, PEAKS_1, cfg, "v4", 0.0)
+    assert p == step_estimate.PartialTime(1.5, rollout=9.0, started=6, trained=4, resumed=3, reprefill_tokens=200,
+                                          carried=4, dropped=0.5)
+    with pytest.raises(ValueError, match="none after the first"):
+        step_estimate.partial_time(steps[:warmup], 1.5, one_second, PEAKS_1, cfg, "v4", 0.0)
+    lines = step_estimate.format_partial(step_estimate.RolloutTime({64: 10.0}, 0.0, ""), [p], 0.5, 20.0,
+                                         4).splitlines()
+    assert "an estimate, not a measurement" in lines[0]
+    assert lines[1].split() == ["synchronous", "rollout", "10.5", "s,", "step", "30.5", "s:", "4", "groups",
+                                "trained;", "the", "rollout", "ends", "with", "its", "slowest", "conversation"]
+    assert lines[2] == ("    over-sampling 1.5  rollout    9.5 s (-9.5%), step   29.5 s: 4 of 6 groups trained; 3.0 "
+                        "conversations resumed (200 tokens re-prefilled), 4.0 carried on, 0.5 groups dropped")
