@@ -473,8 +473,8 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     """The step-time estimate (`llds_jax.aot.step_estimate`) of compiled `rows` at `generation`'s peaks: the training
     programs' table, the worst-case step and the expected step (at the lengths of the run folder `estimate_from`,
     else `step_lengths`' defaults), the rollout as the paged engine schedules it (`llds_jax.aot.rollout_schedule`); what
-    partial rollouts would make of the expected step's rollout (`rollout_schedule.partial_for_run` at
-    `step_estimate.PARTIAL_OVER_SAMPLING`); with `estimate_from`, its predicted step calls and batch tokens per token
+    partial rollouts make of the expected step's rollout (`rollout_schedule.partial_for_run` at the config's
+    rollout.over_sampling when rollout.partial is on, else at `step_estimate.PARTIAL_OVER_SAMPLING`); with `estimate_from`, its predicted step calls and batch tokens per token
     bucket beside the run's logged ones."""
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
                                        p.role)
@@ -499,18 +499,19 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
         updates = step_estimate.part_seconds(costs, peaks, dict.fromkeys(step_estimate.FORWARDS, share))
         lines.append(step_estimate.format_step(label, schedule, time_, worst_updates[step_estimate.RESHARD],
                                                updates[step_estimate.UPDATES], lengths))
-    # What partial rollouts would make of the expected step (issue 59): the rollout cut at the batch's completion.
+    # What partial rollouts make of the expected step (issue 59): the rollout cut at the batch's completion, at the
+    # config's rollout.over_sampling when rollout.partial is on, else at the what-if's factors.
     prompts = sequences // cfg.data.samples_per_prompt
     partials = []
-    for over_sampling in step_estimate.PARTIAL_OVER_SAMPLING:
+    for over_sampling in step_estimate.partial_factors(cfg):
         started = math.ceil(over_sampling * prompts) * cfg.data.samples_per_prompt
-        steps = rollout_schedule.partial_for_run(cfg, expected, sequences, over_sampling,
-                                                 step_estimate.PARTIAL_MAX_STALENESS)
+        steps = rollout_schedule.partial_for_run(cfg, expected, sequences, over_sampling, cfg.rollout.max_staleness)
         partials.append(step_estimate.partial_time(
             steps, over_sampling, dataclasses.replace(cost, slots=min(started, cfg.rollout.max_batch_size or started)),
             peaks, cfg, generation, expected.searches, device_search))
     lines.append(step_estimate.format_partial(time_, partials, worst_updates[step_estimate.RESHARD],
-                                              updates[step_estimate.UPDATES], prompts))
+                                              updates[step_estimate.UPDATES], prompts, cfg.rollout.max_staleness,
+                                              what_if=not cfg.rollout.partial))
     if records is not None:
         lines.append(step_estimate.format_counts(schedule, step_lengths.logged_step_counts(records, estimate_from),
                                                  estimate_from))

@@ -23,9 +23,10 @@ Not a measurement: peak rates are never reached, and the lengths are stated assu
 - The updates: `optim` updates per step, each with its reference and policy log-probs; the LLD measurement
   (`train.lld_every`) its two float32 forwards per update and its metrics, spread over the steps between; at
   expected lengths scaled by the trained tokens' share of the compiled length (`step_lengths.update_share`).
-- Partial rollouts (issue 59), a what-if beside the expected step: the rollout of a simulated run's steady state
+- Partial rollouts (issue 59) beside the expected step: the rollout of a simulated run's steady state
   (`rollout_schedule.partial_run`: the calls up to the cut, the carried conversations' re-prefill among them),
-  costed as above, at over-sampling 1.5 and 2 (`partial_time`, `format_partial`); the updates unchanged (P groups
+  costed as above, at the config's rollout.over_sampling when rollout.partial is on, else a what-if at 1.5 and 2
+  (`partial_time`, `format_partial`); the updates unchanged (P groups
   trained either way; the trained trajectories' lengths, which a cut biases toward the short, are not followed).
 - Hosts sample their own sequences at the same time (a step's rollout is one host's); evaluation is left out
   (it runs every `train.eval_every` steps); the weight reshard runs once per step, in the rollout.
@@ -204,8 +205,13 @@ def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: Chi
                        "blocks")
 
 
-PARTIAL_OVER_SAMPLING = (1.5, 2.0)  # the what-if's over-sampling factors (issue 59's)
-PARTIAL_MAX_STALENESS = 1  # its rollout.max_staleness (policy versions; the key's default)
+PARTIAL_OVER_SAMPLING = (1.5, 2.0)  # the what-if's over-sampling factors (issue 59's), for a config without partial
+
+
+def partial_factors(cfg) -> tuple[float, ...]:
+    """The over-sampling factors the estimate simulates: the config's rollout.over_sampling when rollout.partial is
+    on, else the what-if's `PARTIAL_OVER_SAMPLING`."""
+    return (float(cfg.rollout.over_sampling),) if cfg.rollout.partial else PARTIAL_OVER_SAMPLING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,14 +259,16 @@ def partial_time(steps: Sequence[rollout_schedule.PartialStep], over_sampling: f
 
 
 def format_partial(sync: RolloutTime, partials: Sequence[PartialTime], reshard: float, updates: float,
-                   groups: int) -> str:
-    """What-if lines of partial rollouts (issue 59) beside the synchronous step of `sync`'s rollout, `groups`
-    groups (P) trained per step: each over-sampling's steady-state rollout and step (`partial_time`), each rollout
-    with the weight reshard's `reshard` seconds, each step with the updates' `updates` seconds."""
+                   groups: int, max_staleness: int, what_if: bool) -> str:
+    """Lines of partial rollouts (issue 59) beside the synchronous step of `sync`'s rollout, `groups` groups (P)
+    trained per step: each over-sampling's steady-state rollout and step (`partial_time`, carried groups dropped
+    past `max_staleness` policy versions), each rollout with the weight reshard's `reshard` seconds, each step with
+    the updates' `updates` seconds; `what_if`: the config does not turn rollout.partial on."""
     sync_rollout = sync.device + sync.retrieval + reshard
-    lines = [f"  partial rollouts (what-if, issue 59's rollout.partial): the steady state, means of steps "
+    which = "what-if, rollout.partial is off" if what_if else "rollout.partial"
+    lines = [f"  partial rollouts ({which}): the steady state, means of steps "
              f"{rollout_schedule.PARTIAL_WARMUP + 1}-{rollout_schedule.PARTIAL_STEPS} of a simulated run "
-             f"(max_staleness {PARTIAL_MAX_STALENESS}), an estimate, not a measurement",
+             f"(max_staleness {max_staleness}), an estimate, not a measurement",
              f"    synchronous        rollout {sync_rollout:6.1f} s, step {sync_rollout + updates:6.1f} s: "
              f"{groups} groups trained; the rollout ends with its slowest conversation"]
     for p in partials:

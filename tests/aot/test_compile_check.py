@@ -198,7 +198,7 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
     # Then the partial rollouts' what-if (issue 59): the synchronous rollout, then over-sampling 1.5 and 2.
     at = lines.index(expected)
-    assert lines[at + 1].startswith("  partial rollouts (what-if, issue 59's rollout.partial): the steady state")
+    assert lines[at + 1].startswith("  partial rollouts (what-if, rollout.partial is off): the steady state")
     assert lines[at + 2].startswith("    synchronous        rollout ")
     assert lines[at + 3].startswith("    over-sampling 1.5  rollout ")
     assert lines[at + 4].startswith("    over-sampling 2    rollout ")

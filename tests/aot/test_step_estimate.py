@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from llds_jax import config as config_lib
 from llds_jax.aot import rollout_schedule, step_estimate, step_lengths
 from llds_jax.model import ModelConfig
 from llds_jax.programs import Role
@@ -174,9 +175,17 @@ def test_a_partial_runs_steady_state_averages_the_steps_after_the_warmup_and_pri
     with pytest.raises(ValueError, match="none after the first"):
         step_estimate.partial_time(steps[:warmup], 1.5, one_second, PEAKS_1, cfg, "v4", 0.0)
     lines = step_estimate.format_partial(step_estimate.RolloutTime({64: 10.0}, 0.0, ""), [p], 0.5, 20.0,
-                                         4).splitlines()
-    assert "an estimate, not a measurement" in lines[0]
+                                         4, 1, what_if=True).splitlines()
+    assert lines[0].startswith("  partial rollouts (what-if, rollout.partial is off): ")
+    assert "(max_staleness 1), an estimate, not a measurement" in lines[0]
     assert lines[1].split() == ["synchronous", "rollout", "10.5", "s,", "step", "30.5", "s:", "4", "groups",
                                 "trained;", "the", "rollout", "ends", "with", "its", "slowest", "conversation"]
     assert lines[2] == ("    over-sampling 1.5  rollout    9.5 s (-9.5%), step   29.5 s: 4 of 6 groups trained; 3.0 "
                         "conversations resumed (200 tokens re-prefilled), 4.0 carried on, 0.5 groups dropped")
+
+
+def test_the_estimate_simulates_the_configs_over_sampling_when_partial_is_on_else_the_what_if():
+    cfg = config_lib.default_config()
+    assert step_estimate.partial_factors(cfg) == (1.5, 2.0)
+    cfg.rollout.partial, cfg.rollout.over_sampling = True, 3.0
+    assert step_estimate.partial_factors(cfg) == (3.0,)
