@@ -40,7 +40,7 @@ def test_tpu_configs_validate_on_their_slice(name):
     assert topologies.chips(cfg.mesh.topology) == TPU_DEVICES[name]  # the slice --mode=compile checks
     assert cfg.model.preset == PRESETS[name]
     assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
-    assert config_lib.update_config(cfg).warmup_steps == 286  # 28.5% of 1005 rollout batches
+    assert config_lib.typed(cfg).optim.warmup_steps == 286  # 28.5% of 1005 rollout batches
     assert (cfg.model.param_dtype, cfg.rollout.params_dtype) == ("float32", "bfloat16")  # bf16 host-local copies
 
 
@@ -208,7 +208,7 @@ def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and
     assert config_lib.updates_per_step(paper) == 10 and config_lib.rollout_batch_size(paper) == 80
     assert paper.optim.mini_batch_size // paper.data.samples_per_prompt == 2
     assert paper.optim.mini_batch_size % paper.data.samples_per_prompt == 0
-    assert config_lib.update_config(paper).warmup_steps == 5 and paper.optim.learning_rate == demo.optim.learning_rate
+    assert config_lib.typed(paper).optim.warmup_steps == 5 and paper.optim.learning_rate == demo.optim.learning_rate
     assert paper.demo.to_dict() == demo.demo.to_dict() and paper.sft.to_dict() == demo.sft.to_dict()
 
 

@@ -54,6 +54,7 @@ from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
+from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.trajectory import Trajectory, em_rewards
 from llds_jax.search.factory import make_retriever
@@ -160,8 +161,8 @@ class Trainer:
                                   agent.turn_stop_ids(self.tokenizer))
         self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
-        self.agent_cfg = config_lib.agent_config(cfg)
-        self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
+        run = config_lib.typed(cfg)
+        self.agent_cfg, self.eval_agent_cfg = AgentConfig.of(run), AgentConfig.of(run, evaluation=True)
         rule = cfg.reward.empty_answer
         self.eval_examples = read_examples(cfg.data.eval_files, "eval_files", rule) if cfg.data.eval_files else []
         if training:
