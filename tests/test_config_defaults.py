@@ -100,6 +100,13 @@ def test_the_runs_views_take_its_other_sections_keys():
     assert (run.objective.temperature, run.optim.warmup_steps) == (0.7, 5)
 
 
+def test_the_readme_config_table_is_generated_from_the_declarations():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert config_lib.with_table(readme) == readme, "regenerate it: python -m llds_jax.config README.md"
+    assert "| `rollout.max_turns` | 3 | >= 0 | turns whose search is executed" in readme
+
+
 def test_the_table_has_a_row_per_key_with_its_default_and_rule():
     rows = config_lib.table().splitlines()[2:]
     assert [row.split(" | ")[0].strip("| `") for row in rows] == declared_keys()
