@@ -6,9 +6,9 @@ A section class (a `Section`) names its run-config section (`SECTION`, e.g. "rol
 `field(default, RANGE, doc=...)`, `field(default, choices=(...), doc=...)` or, for a nested section,
 `section(cls, doc=...)`. A class that takes a key another class declares (a typed view such as
 `rollout.config.SamplingConfig`, whose `temperature` is `rollout.temperature`) says so with `same(owner, name)`: the
-owner's default, rule and doc, under the owner's key. A plain dataclass field (no metadata) is not a run key.
-`llds_jax.config` builds the run config and its table of keys from these declarations
-(tests/test_config_defaults.py walks them).
+owner's default, rule and doc, under the owner's key. A plain dataclass field (no metadata) is not a run key. The
+declarations are `llds_jax.config.sections`'; `llds_jax.config` builds the run config and its table of keys from
+them (tests/test_config_defaults.py walks them).
 
 A leaf (it imports only the leaf `errors`), so that every module can raise `ConfigError` without importing the schema.
 """

@@ -30,13 +30,19 @@ def dataclasses_of(modules=MODULES) -> list[type]:
                   key=lambda cls: cls.__qualname__)
 
 
-def declared_keys(cls=config_lib.RunConfig, prefix="") -> list[str]:
-    """The run keys the section `cls` and its nested sections declare."""
-    keys = []
+def declared_defaults(cls=config_lib.RunConfig, prefix="") -> dict[str, object]:
+    """Run key -> declared default of every key the section `cls` and its nested sections declare, in order."""
+    defaults = {}
     for f in bounds.declarations(cls):
-        keys += (declared_keys(f.metadata["section"], f"{prefix}{f.name}.") if "section" in f.metadata
-                 else [f"{prefix}{f.name}"])
-    return keys
+        if "section" in f.metadata:
+            defaults.update(declared_defaults(f.metadata["section"], f"{prefix}{f.name}."))
+        else:
+            defaults[f"{prefix}{f.name}"] = f.default
+    return defaults
+
+
+def declared_keys(cls=config_lib.RunConfig) -> list[str]:
+    return list(declared_defaults(cls))
 
 
 def _flat(cfg, prefix=""):
@@ -48,6 +54,8 @@ def _flat(cfg, prefix=""):
 
 def test_the_default_config_is_the_declared_keys():
     assert sorted(_flat(config_lib.default_config())) == sorted(declared_keys())
+    cfg = config_lib.default_config()
+    assert {key: config_lib.value(cfg, key) for key in declared_keys()} == declared_defaults()
     assert sorted(_flat(demo_config.section())) == sorted(declared_keys(demo_config.DemoConfig))
     assert len(declared_keys()) > 100
 
@@ -96,8 +104,10 @@ def test_a_view_built_from_the_default_config_is_the_views_default():
 def test_the_runs_views_take_its_other_sections_keys():
     cfg = config_lib.default_config()
     cfg.rollout.temperature, cfg.optim.warmup_ratio, cfg.train.total_steps = 0.7, 0.5, 11
+    cfg.run_dir, cfg.seed, cfg.rollout.max_prompt_tokens, cfg.optim.logp_time_chunk = "r", 3, 100, 64
     run = config_lib.typed(cfg)
     assert (run.objective.temperature, run.optim.warmup_steps) == (0.7, 5)
+    assert (run.sft.seed, run.sft.max_prompt_tokens, run.sft.logp_time_chunk) == (3, 100, 64)
 
 
 def test_the_readme_config_table_is_generated_from_the_declarations():

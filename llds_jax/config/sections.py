@@ -338,7 +338,7 @@ class SFTConfig(bounds.Section):
     Attributes:
       max_prompt_tokens: prompts keep their last this many tokens, as in the rollout (`rollout.max_prompt_tokens`).
       logp_time_chunk: time chunk of the log-probs (`optim.logp_time_chunk`).
-      seed: data order (the run's `seed`).
+      seed: data order (the run's `seed`, which `RunConfig` sets).
     """
 
     SECTION = "sft"
@@ -401,8 +401,9 @@ class RunConfig(bounds.Section):
     """A whole run config, typed: the top-level keys, one field per section and the rules across sections. Its
     defaults are the paper's (docs/method.md): GRPO + LLDS as the reference code runs it.
 
-    Two fields of its sections' views are the run's, set here: `objective.temperature` (rollout.temperature) and
-    `optim.warmup_steps` (optim.warmup_ratio x train.total_steps, rounded down).
+    The fields of its sections that are the run's are set here: `objective.temperature` (rollout.temperature),
+    `optim.warmup_steps` (optim.warmup_ratio x train.total_steps, rounded down) and the warm start's prompt cut,
+    log-prob chunk and seed (rollout.max_prompt_tokens, optim.logp_time_chunk, seed).
     """
 
     run_dir: str = field("runs/default", doc="local folder or gs://bucket/path: checkpoints, events, metrics, config")
@@ -444,3 +445,5 @@ class RunConfig(bounds.Section):
         warmup_steps = int(math.floor(o.warmup_ratio * self.train.total_steps))
         object.__setattr__(self, "optim", dataclasses.replace(o, warmup_steps=warmup_steps))
         object.__setattr__(self, "objective", dataclasses.replace(self.objective, temperature=r.temperature))
+        object.__setattr__(self, "sft", dataclasses.replace(
+            self.sft, max_prompt_tokens=r.max_prompt_tokens, logp_time_chunk=o.logp_time_chunk, seed=self.seed))

@@ -34,12 +34,13 @@ import optax
 from etils import epath
 from flax import nnx
 
+from llds_jax import config as config_lib
 from llds_jax import gcs, output_folder, parallel
 from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import SFTConfig
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rollout.buckets import round_up
-from llds_jax.config.sections import SFTConfig
 from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
 from llds_jax.tokenizer import load_tokenizer, save_tokenizer
 
@@ -194,15 +195,13 @@ def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTC
 
 
 def sft_config(cfg: ml_collections.ConfigDict) -> SFTConfig:
-    """A run config's `sft` section as the stage takes it: output_dir defaults to <run_dir>/warm_start, the prompt
-    cut, log-prob chunk and seed are the run's; ConfigError unless it can run (`SFTConfig.check_runnable`)."""
-    s = cfg.sft
-    section = {**s.to_dict(), "data_files": tuple(s.data_files), "curriculum_files": tuple(s.curriculum_files),
-               "output_dir": s.output_dir or f"{cfg.run_dir}/warm_start"}
-    out = SFTConfig(**section, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                    logp_time_chunk=cfg.optim.logp_time_chunk, seed=cfg.seed)
-    out.check_runnable()
-    return out
+    """A run config's `sft` section as the stage takes it (`llds_jax.config.typed`: with the run's prompt cut,
+    log-prob chunk and seed), its output folder <run_dir>/warm_start when sft.output_dir is ""; ConfigError unless
+    it can run (`SFTConfig.check_runnable`)."""
+    sft = config_lib.typed(cfg).sft
+    sft = dataclasses.replace(sft, output_dir=sft.output_dir or f"{cfg.run_dir}/warm_start")
+    sft.check_runnable()
+    return sft
 
 
 def encode_all(demos: list[Demonstration], tokenizer, cfg: SFTConfig) -> list[tuple[np.ndarray, np.ndarray]]:
