@@ -15,7 +15,7 @@ import argparse
 import jax
 
 from llds_jax import compile_check, roofline, topologies
-from llds_jax.config_file import load_config
+from llds_jax.config.loader import load_config
 from llds_jax.programs import Role
 
 

@@ -12,8 +12,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from llds_jax import application, checks, config_file, topologies
+from llds_jax import application, checks, topologies
 from llds_jax import config as config_lib
+from llds_jax.config import loader
 from llds_jax.data.rewards import em_reward
 from tests.configs import CONFIGS, load
 
@@ -366,7 +367,7 @@ def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
 ])
 def test_an_unknown_key_suggests_the_nearest(override, message):
     with pytest.raises(KeyError) as raised:
-        config_file.load_config(os.path.join(CONFIGS, "demo_cpu.py"), [override])
+        loader.load_config(os.path.join(CONFIGS, "demo_cpu.py"), [override])
     assert raised.value.args[0] == message
 
 

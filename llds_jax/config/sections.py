@@ -95,7 +95,7 @@ class DistributedConfig(bounds.Section):
 @dataclasses.dataclass(frozen=True)
 class DataConfig(bounds.Section):
     """The `data` section. File lists are tuples: on the command line comma-separated paths, repeated flags or a
-    tuple literal (llds_jax.config_file); a config file may assign a list."""
+    tuple literal (llds_jax.config.loader); a config file may assign a list."""
 
     SECTION = "data"
 
