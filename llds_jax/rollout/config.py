@@ -13,6 +13,7 @@ from llds_jax import bounds
 from llds_jax.bounds import same
 from llds_jax.config.sections import RolloutConfig, RunConfig, tree_leaves
 
+
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
     """The multi-turn protocol's limits, as `RolloutConfig` declares them (each field is the `rollout` key of its
