@@ -54,6 +54,7 @@ from jax.sharding import SingleDeviceSharding
 
 from llds_jax import checks, roofline, rollout_schedule, run_builder, step_estimate, step_lengths, topologies
 from llds_jax import config as config_lib
+from llds_jax.config.sections import RolloutConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
@@ -479,7 +480,7 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     peaks = roofline.PEAKS[generation]
     sequences = config_lib.rollout_batch_size(cfg) // hosts
     step_row, step_program = next((r, p) for r, p in zip(rows, programs) if p.role is Role.ROLLOUT_STEP)
-    paging = PagingConfig.of(config_lib.typed(cfg).rollout)
+    paging = PagingConfig.of(config_lib.build(RolloutConfig, cfg.rollout))
     slots = min(sequences, cfg.rollout.max_batch_size or sequences)
     cost = step_estimate.step_cost(layout.rollout.model_cfg, layout.rollout.tensor,
                                    step_row.arguments - step_program.pool_bytes, paging.page_size, slots)

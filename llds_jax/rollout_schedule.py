@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llds_jax import config as config_lib
+from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
 from llds_jax.rollout.engine import Engine, EngineConfig, StepBatch, StepResult
 from llds_jax.rollout.paged_sampler import engine_config
@@ -293,12 +294,12 @@ def for_run(cfg, lengths, sequences: int) -> Schedule:
     """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
     (`llds_jax.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
     (`run_builder.build`)."""
-    run = config_lib.typed(cfg)
-    agent = AgentConfig.of(run)
+    rollout = config_lib.build(RolloutConfig, cfg.rollout)
+    agent = AgentConfig.of(rollout)
     if agent.trees:
         raise ValueError("rollout schedule: tree rollouts (rollout.trees) are not modelled")
-    paging = PagingConfig.of(run.rollout)
-    sampling = SamplingConfig.of(run.rollout, (STOP_ID,))
+    paging = PagingConfig.of(rollout)
+    sampling = SamplingConfig.of(rollout, (STOP_ID,))
     slots = min(sequences, agent.max_batch_size or sequences)
     engine = engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages)
     policy = "continuous" if agent.continuous_batching else "barrier"

@@ -96,15 +96,15 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
           ) -> RunParts:
     """The train step over `model` (loaded, or `abstract_model`) and the two samplers stopping a turn at
     `stop_ids` (the tokenizer's; a program's shapes do not depend on them)."""
-    run = config_lib.typed(cfg)
-    step = RLTrainStep(model, run.objective, run.optim, layout.mesh)
+    typed_cfg = config_lib.typed(cfg)
+    step = RLTrainStep(model, typed_cfg.objective, typed_cfg.optim, layout.mesh)
     graphdef = layout.rollout.graphdef(nnx.split(model)[0])
-    paging = PagingConfig.of(run.rollout)
+    paging = PagingConfig.of(typed_cfg.rollout)
     shapes = []
     for evaluation, sequences in ((False, config_lib.rollout_batch_size(cfg) // jax.process_count()),
                                   (True, cfg.eval.batch_size)):
-        agent = AgentConfig.of(run, evaluation=evaluation)
-        sampling = SamplingConfig.of(run.rollout, stop_ids, greedy=evaluation)
+        agent = AgentConfig.of(typed_cfg.rollout, typed_cfg.eval if evaluation else None)
+        sampling = SamplingConfig.of(typed_cfg.rollout, stop_ids, greedy=evaluation)
         slots = min(sequences, agent.max_batch_size or sequences)
         shapes.append((sampling, engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens,
                                                paging.num_pages)))

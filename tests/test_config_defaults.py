@@ -93,8 +93,8 @@ def test_a_view_takes_the_declaration_of_each_key_it_has():
 def test_a_view_built_from_the_default_config_is_the_views_default():
     run = config_lib.typed(config_lib.default_config())
     assert run.objective == ObjectiveConfig()
-    assert AgentConfig.of(run) == AgentConfig()
-    assert AgentConfig.of(run, evaluation=True) == AgentConfig(max_turns=run.eval.max_turns)
+    assert AgentConfig.of(run.rollout) == AgentConfig()
+    assert AgentConfig.of(run.rollout, run.eval) == AgentConfig(max_turns=run.eval.max_turns)
     assert SamplingConfig.of(run.rollout, stop_ids=()) == SamplingConfig()
     assert PagingConfig.of(run.rollout) == PagingConfig()
     assert dataclasses.replace(run.optim, warmup_steps=0) == UpdateConfig()

@@ -11,7 +11,7 @@ import dataclasses
 
 from llds_jax import bounds
 from llds_jax.bounds import same
-from llds_jax.config.sections import RolloutConfig, RunConfig, tree_leaves
+from llds_jax.config.sections import EvalConfig, RolloutConfig, tree_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +38,12 @@ class AgentConfig:
     tree_entropy_tokens: int = same(RolloutConfig, "tree_entropy_tokens")
 
     @classmethod
-    def of(cls, run: RunConfig, evaluation: bool = False) -> AgentConfig:
-        """The agent loop of a typed run config: training's, or an evaluation's (eval.max_turns, chains)."""
-        limits = {f.name: getattr(run.rollout, f.name) for f in dataclasses.fields(cls)}
-        if evaluation:
-            limits.update(max_turns=run.eval.max_turns, trees=0)
+    def of(cls, rollout: RolloutConfig, evaluation: EvalConfig | None = None) -> AgentConfig:
+        """The agent loop of a `rollout` section: training's, or with the `eval` section an evaluation's
+        (eval.max_turns, chains)."""
+        limits = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls)}
+        if evaluation is not None:
+            limits.update(max_turns=evaluation.max_turns, trees=0)
         return cls(**limits)
 
     @property

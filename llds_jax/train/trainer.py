@@ -161,8 +161,9 @@ class Trainer:
                                   agent.turn_stop_ids(self.tokenizer))
         self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
-        run = config_lib.typed(cfg)
-        self.agent_cfg, self.eval_agent_cfg = AgentConfig.of(run), AgentConfig.of(run, evaluation=True)
+        typed_cfg = config_lib.typed(cfg)
+        self.agent_cfg = AgentConfig.of(typed_cfg.rollout)
+        self.eval_agent_cfg = AgentConfig.of(typed_cfg.rollout, typed_cfg.eval)
         rule = cfg.reward.empty_answer
         self.eval_examples = read_examples(cfg.data.eval_files, "eval_files", rule) if cfg.data.eval_files else []
         if training:

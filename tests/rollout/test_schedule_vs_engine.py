@@ -59,7 +59,7 @@ def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_toke
     model, graphdef = tiny
     params, sampling = sampled
     cfg = run_config(continuous)
-    agent_cfg = AgentConfig.of(config_lib.typed(cfg))
+    agent_cfg = AgentConfig.of(config_lib.typed(cfg).rollout)
     paging = PagingConfig.of(config_lib.typed(cfg).rollout)
     engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
     paged = PagedSampler(graphdef, model.cfg, sampling, engine)
@@ -103,7 +103,7 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     sampling = dataclasses.replace(sampled[1], decode_chunk=8)
     params = steered_params(model, steering=RUN_ON)
     cfg = demo_config(continuous)
-    agent_cfg = AgentConfig.of(config_lib.typed(cfg))
+    agent_cfg = AgentConfig.of(config_lib.typed(cfg).rollout)
     paging = PagingConfig.of(config_lib.typed(cfg).rollout)
     engine = engine_config(agent_cfg, sampling, 8, paging.page_size, paging.max_step_tokens)
     paged = PagedSampler(graphdef, model.cfg, sampling, engine)
