@@ -24,7 +24,7 @@ from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax.model.attention import attention
 from llds_jax.programs import Role
-from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
+from llds_jax.config.sections import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.train_step import RLTrainStep, TrainShapes
 
 MIB = 2.0 ** 20

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step as bench_train  # noqa: E402  (bench/train_step.py)
 
 from llds_jax.model import ModelConfig, Transformer, preset  # noqa: E402
-from llds_jax.rl.config import ObjectiveConfig, UpdateConfig  # noqa: E402
+from llds_jax.config.sections import ObjectiveConfig, UpdateConfig  # noqa: E402
 from llds_jax.rollout.config import SamplingConfig  # noqa: E402
 from llds_jax.rollout.driver import sequence_keys  # noqa: E402
 from llds_jax.rollout.engine import Engine, EngineConfig  # noqa: E402

@@ -43,7 +43,7 @@ from train_step import matmul_params, measure, model_config, synthetic_batch  # 
 from llds_jax.model import Transformer  # noqa: E402
 from llds_jax.programs import Role  # noqa: E402
 from llds_jax.rl.batch import RolloutBatch  # noqa: E402
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig  # noqa: E402
+from llds_jax.config.sections import LLDSConfig, ObjectiveConfig, UpdateConfig  # noqa: E402
 from llds_jax.rl.train_step import RLTrainStep  # noqa: E402
 
 SIDES = ("GRPO", "LLDS")

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step as bench_train  # noqa: E402  (bench/train_step.py)
 
 from llds_jax.model import ModelConfig, Transformer, hf_io  # noqa: E402
-from llds_jax.rl.config import ObjectiveConfig, UpdateConfig  # noqa: E402
+from llds_jax.config.sections import ObjectiveConfig, UpdateConfig  # noqa: E402
 
 MIB = 2**20
 

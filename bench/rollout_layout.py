@@ -16,7 +16,7 @@ import jax
 
 from llds_jax import topologies
 from llds_jax.aot import compile_check, roofline
-from llds_jax.config_file import load_config
+from llds_jax.config.loader import load_config
 from llds_jax.programs import Role
 
 

@@ -63,7 +63,7 @@ from typing import Any, Optional, Sequence
 import jax
 import ml_collections
 
-from llds_jax.config_file import load_config  # the run config as the launch command reads it
+from llds_jax.config.loader import load_config  # the run config as the launch command reads it
 from llds_jax.search.types import Retriever
 
 PHASES = ("rollout/decode", "rollout/host", "rollout/retrieval_wait", "rollout/compile_grid",

@@ -48,7 +48,7 @@ from llds_jax.model import ModelConfig, Transformer
 from llds_jax.model.attention import attention
 from llds_jax.rl.advantages import grpo_advantages
 from llds_jax.rl.batch import RolloutBatch
-from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
+from llds_jax.config.sections import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.logprobs import token_logp_entropy
 from llds_jax.rl.train_step import RLTrainStep

@@ -1,9 +1,9 @@
 """A whole run config validated before anything heavy runs (launch, the trainer, `--mode=compile`).
 
-`llds_jax.config` is a leaf: it checks what it knows (schema, bounds, its own choices and combinations). This module
-sits above the components a config names and checks it against them: the registered implementations
-(`llds_jax.registry`: loss terms, advantage estimators, LLDS gates and answer weightings, KL estimators,
-aggregations), the attention kernels, the model presets, the retriever backend's options, the TPU topologies, the
+`llds_jax.config` is on the lowest floors: it checks what the declarations say (schema, bounds, choices and the
+combinations of the typed config). This module sits above the components a config names and checks it against them:
+the registered implementations (`llds_jax.registry`: loss terms, advantage estimators, LLDS gates and answer
+weightings, KL estimators, aggregations), the model presets, the retriever backend's options, the TPU topologies, the
 local model folders and, once the device count is known, the mesh; and it loads the application the config's `app` key names
 (llds_jax.application), whose sections and checks `config.check` adds. Every error is a `config.ConfigError`
 naming the run-config key.
@@ -18,7 +18,7 @@ from llds_jax import config as config_lib
 from llds_jax import application, parallel, topologies
 from llds_jax.runtime import gcs
 from llds_jax.config import ConfigError
-from llds_jax.model.config import ATTENTION_CHOICES, PRESETS
+from llds_jax.model.config import PRESETS
 from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.llds import ANSWER_WEIGHTINGS, GATES
 from llds_jax.rl.losses import KL_ESTIMATORS  # (also registers the built-in loss terms, "llds" among them)
@@ -38,7 +38,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     config_lib.check(cfg, app)
     for registry in (LOSS_TERMS, ADVANTAGES, GATES, ANSWER_WEIGHTINGS, KL_ESTIMATORS, AGGREGATIONS):
         config_lib.check_choice(cfg, registry.key, registry.names())
-    config_lib.check_choice(cfg, "model.attention", ATTENTION_CHOICES)
     try:
         retriever = resolve_config(cfg.retriever)  # keys and types of the chosen backend
     except ValueError as e:
@@ -62,12 +61,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     if cfg.optim.micro_batch_size % (data * fsdp):
         raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
                           f"mesh's batch axes data x fsdp = {data * fsdp}")
-    # The typed views check their own fields again (their messages name their own fields, which config.check has
-    # already covered under the run-config keys).
-    config_lib.objective_config(cfg)
-    config_lib.update_config(cfg)
-    config_lib.agent_config(cfg)
-    config_lib.agent_config(cfg, evaluation=True)
 
 
 def _check_retry_budget(policy: RequestPolicy, search_timeout_s: float) -> None:
@@ -84,7 +77,7 @@ def _check_retry_budget(policy: RequestPolicy, search_timeout_s: float) -> None:
 
 def _check_model_folders(cfg: ml_collections.ConfigDict, provided: tuple[str, ...]) -> None:
     """The local folders that model.path and model.tokenizer_path name exist (a gs:// path's bucket is checked by
-    the launcher, llds_jax.gcs; a key in `provided`, the application's, is set when the run starts)."""
+    the launcher, llds_jax.runtime.gcs; a key in `provided`, the application's, is set when the run starts)."""
     for key in ("model.path", "model.tokenizer_path"):
         path = config_lib.value(cfg, key)
         if path and key not in provided and not gcs.is_gcs(path) and not os.path.isdir(path):

@@ -23,7 +23,7 @@ whole config is validated (llds_jax.checks.validate) before anything heavy runs:
 A file-list key (a tuple: `data.train_files`, `data.eval_files`, `sft.data_files`, `sft.curriculum_files`) takes
 comma-separated paths on the command line (`--config.data.train_files=a.parquet,gs://b/b.parquet`), repeated flags
 (their paths add up) or a Python tuple (`"('a.parquet', 'b.parquet')"`, the way to give a path holding a comma);
-llds_jax.config_file reads the config file and words what goes wrong in it.
+llds_jax.config.loader reads the config file and words what goes wrong in it.
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ from absl.logging import converter as absl_converter  # noqa: E402
 from etils import epath  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from llds_jax import config_file  # noqa: E402 (config_file first: it registers the file-list parser)
-from llds_jax.runtime import gcs
+from llds_jax.config import loader  # noqa: E402 (first: it registers the file-list parser)
+from llds_jax.runtime import gcs  # noqa: E402
 from llds_jax.errors import InputError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
@@ -309,28 +309,28 @@ def main(argv) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors (llds_jax.config_file): a config file that is missing, has a syntax
+    """absl flag parsing with one-line errors (llds_jax.config.loader): a config file that is missing, has a syntax
     error or is not UTF-8, or whose code raises (a value of the wrong type assigned to a key names the key in full);
     an override key that does not exist or a value of the wrong type; an argument that is not a flag."""
     if any(arg in HELP_FLAGS for arg in argv[1:]):
         print(__doc__.strip())
         print(f"\nFlags:\n{flags.FLAGS.module_help(sys.modules[__name__])}")
         sys.exit(0)
-    path = config_file.config_path(argv)
-    message = config_file.file_problem(path) if path else None
+    path = loader.config_path(argv)
+    message = loader.file_problem(path) if path else None
     if message is None:
         if path:
-            config_file.import_config_package(path)
+            loader.import_config_package(path)
         try:
             rest = flags.FLAGS(argv)
             if path:
-                config_file.loaded(_CONFIG.value)
+                loader.loaded(_CONFIG.value)
         except Exception as e:  # the config file's code may raise anything
-            message = config_file.parse_error(e, argv, path)
+            message = loader.parse_error(e, argv, path)
         else:
             if len(rest) == 1:
                 return rest
-            message = config_file.unexpected_arguments(rest[1:])
+            message = loader.unexpected_arguments(rest[1:])
     print(f"llds_jax: error: {message}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 

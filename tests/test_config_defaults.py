@@ -1,40 +1,130 @@
-"""One source of defaults: every field of a typed view that the run config also has takes the schema's default, so
-code that builds a view directly (tests, benchmarks) runs what production runs."""
+"""One declaration per config key (issue 57): every key of the run config is a field of exactly one section class
+(llds_jax.bounds.field: its default, range or choices, doc), `default_config()` is built from those declarations, a
+typed view takes a key's declaration instead of repeating its default, and the README's config table is generated
+from the docs."""
 import dataclasses
+import inspect
+import os
 
 import pytest
 
+from llds_jax import bounds
 from llds_jax import config as config_lib
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
-from llds_jax.rollout.config import AgentConfig, PagingConfig, PartialConfig, SamplingConfig
-from llds_jax.sft.config import SFTConfig
+from llds_jax.apps import demo_config
+from llds_jax.config import sections
+from llds_jax.config.sections import ObjectiveConfig, UpdateConfig
+from llds_jax.model import config as model_config
+from llds_jax.rollout import config as rollout_config
+from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
 
-# (typed view, its run-config section). ModelConfig is not among them: it is the checkpoint's architecture, and a
-# run sets every one of its numerics fields from the `model` section (llds_jax.model.run_overrides).
-VIEWS = ((ObjectiveConfig, "objective"), (LLDSConfig, "objective.llds"), (UpdateConfig, "optim"),
-         (AgentConfig, "rollout"), (SamplingConfig, "rollout"), (PagingConfig, "rollout"), (PartialConfig, "rollout"),
-         (SFTConfig, "sft"))
-
-
-def _shared_defaults(view, section) -> list[tuple[str, object, object]]:
-    """(field, the view's default, the schema's default) of each defaulted field the section also has."""
-    schema = config_lib.value(config_lib.default_config(), section)
-    return [(f.name, f.default, schema[f.name]) for f in dataclasses.fields(view)
-            if f.default is not dataclasses.MISSING and f.name in schema]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The modules that hold config dataclasses: the sections and the views that take their keys.
+MODULES = (sections, rollout_config, model_config, demo_config)
+# Views whose default differs from the declaration's, on purpose (ModelConfig's docstring says why).
+OTHER_DEFAULTS = {("ModelConfig", "dtype"), ("ModelConfig", "remat")}
 
 
-@pytest.mark.parametrize("view,section", VIEWS, ids=[view.__name__ for view, _ in VIEWS])
-def test_the_views_defaults_are_the_schemas(view, section):
-    shared = _shared_defaults(view, section)
-    assert len(shared) >= 3  # the section really is the view's
-    assert [(name, mine, schema) for name, mine, schema in shared if mine != schema] == []
+def dataclasses_of(modules=MODULES) -> list[type]:
+    return sorted({obj for module in modules for obj in vars(module).values()
+                   if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__},
+                  key=lambda cls: cls.__qualname__)
+
+
+def declared_defaults(cls=config_lib.RunConfig, prefix="") -> dict[str, object]:
+    """Run key -> declared default of every key the section `cls` and its nested sections declare, in order."""
+    defaults = {}
+    for f in bounds.declarations(cls):
+        if "section" in f.metadata:
+            defaults.update(declared_defaults(f.metadata["section"], f"{prefix}{f.name}."))
+        else:
+            defaults[f"{prefix}{f.name}"] = f.default
+    return defaults
+
+
+def declared_keys(cls=config_lib.RunConfig) -> list[str]:
+    return list(declared_defaults(cls))
+
+
+def _flat(cfg, prefix=""):
+    out = []
+    for key, value in cfg.items():
+        out += _flat(value, f"{prefix}{key}.") if hasattr(value, "items") else [f"{prefix}{key}"]
+    return out
+
+
+def test_the_default_config_is_the_declared_keys():
+    assert sorted(_flat(config_lib.default_config())) == sorted(declared_keys())
+    cfg = config_lib.default_config()
+    assert {key: config_lib.value(cfg, key) for key in declared_keys()} == declared_defaults()
+    assert sorted(_flat(demo_config.section())) == sorted(declared_keys(demo_config.DemoConfig))
+    assert len(declared_keys()) > 100
+
+
+def test_every_key_is_declared_once_with_a_one_line_doc():
+    declarations = [(bounds.key_of(cls, f), cls.__name__) for cls in dataclasses_of()
+                    for f in bounds.declarations(cls) if "section" not in f.metadata]
+    keys = [key for key, _ in declarations]
+    assert sorted(key for key in set(keys) if keys.count(key) > 1) == []
+    assert sorted(set(keys)) == sorted(declared_keys() + [f"demo.{k}" for k in declared_keys(demo_config.DemoConfig)])
+    for cls in dataclasses_of():
+        for f in bounds.declarations(cls):
+            assert f.metadata["doc"] and "\n" not in f.metadata["doc"], (cls.__name__, f.name)
+
+
+def test_a_view_takes_the_declaration_of_each_key_it_has():
+    """A field named like a key of a section the class belongs to or takes keys from is that key's declaration or
+    refers to it (`bounds.same`), with the declaration's default: no default is written twice."""
+    declared = set(declared_keys())
+    repeated, other_default = [], []
+    for cls in dataclasses_of():
+        owners = {bounds.key_of(cls, f).rpartition(".")[0] for f in dataclasses.fields(cls) if f.metadata}
+        for f in dataclasses.fields(cls):
+            if "key" in f.metadata:
+                owner = config_lib.value(config_lib.default_config(), f.metadata["key"])
+                if f.default != owner and (cls.__name__, f.name) not in OTHER_DEFAULTS:
+                    other_default.append((cls.__name__, f.name))
+            elif not f.metadata and any(f"{owner}.{f.name}" in declared for owner in owners):
+                repeated.append((cls.__name__, f.name))
+    assert repeated == [] and other_default == []
+    assert sorted(model_config.RUN_FIELDS) == sorted(sections.ModelRunConfig.__dataclass_fields__.keys()
+                                                     - {"path", "tokenizer_path", "chat_template", "preset"})
 
 
 def test_a_view_built_from_the_default_config_is_the_views_default():
+    run = config_lib.typed(config_lib.default_config())
+    assert run.objective == ObjectiveConfig()
+    assert AgentConfig.of(run.rollout) == AgentConfig()
+    assert AgentConfig.of(run.rollout, run.eval) == AgentConfig(max_turns=run.eval.max_turns)
+    assert SamplingConfig.of(run.rollout, stop_ids=()) == SamplingConfig()
+    assert PagingConfig.of(run.rollout) == PagingConfig()
+    assert dataclasses.replace(run.optim, warmup_steps=0) == UpdateConfig()
+    assert run.optim.warmup_steps == 286  # 0.285 x 1005 steps, rounded down
+
+
+def test_the_runs_views_take_its_other_sections_keys():
     cfg = config_lib.default_config()
-    assert config_lib.objective_config(cfg) == ObjectiveConfig()
-    assert config_lib.agent_config(cfg) == AgentConfig()
-    assert config_lib.partial_config(cfg) == PartialConfig()
-    assert config_lib.sampling_config(cfg, stop_ids=()) == SamplingConfig()
-    defaults = dataclasses.replace(config_lib.update_config(cfg), warmup_steps=UpdateConfig.warmup_steps)
-    assert defaults == UpdateConfig()
+    cfg.rollout.temperature, cfg.optim.warmup_ratio, cfg.train.total_steps = 0.7, 0.5, 11
+    cfg.run_dir, cfg.seed, cfg.rollout.max_prompt_tokens, cfg.optim.logp_time_chunk = "r", 3, 100, 64
+    run = config_lib.typed(cfg)
+    assert (run.objective.temperature, run.optim.warmup_steps) == (0.7, 5)
+    assert (run.sft.seed, run.sft.max_prompt_tokens, run.sft.logp_time_chunk) == (3, 100, 64)
+
+
+def test_the_readme_config_table_is_generated_from_the_declarations():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert config_lib.with_table(readme) == readme, "regenerate it: python -m llds_jax.config README.md"
+    assert "| `rollout.max_turns` | 3 | >= 0 | turns whose search is executed" in readme
+
+
+def test_the_table_has_a_row_per_key_with_its_default_and_rule():
+    rows = config_lib.table().splitlines()[2:]
+    assert [row.split(" | ")[0].strip("| `") for row in rows] == declared_keys()
+    assert "| `objective.llds.lam` | 0.2 | >= 0 | " in config_lib.table()
+    assert "| `model.chat_template` | base | base / instruct / \"\" | " in config_lib.table()
+
+
+@pytest.mark.parametrize("cls", [c for c in dataclasses_of() if getattr(c, "SECTION", None) is not None],
+                         ids=lambda c: c.__name__)
+def test_each_sections_defaults_pass_its_checks(cls):
+    cls()  # a section at its defaults builds (its bounds and rules hold)

@@ -12,8 +12,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from llds_jax import application, checks, config_file, topologies
+from llds_jax import application, checks, topologies
 from llds_jax import config as config_lib
+from llds_jax.config import loader
 from llds_jax.data.rewards import em_reward
 from tests.configs import CONFIGS, load
 
@@ -40,7 +41,7 @@ def test_tpu_configs_validate_on_their_slice(name):
     assert topologies.chips(cfg.mesh.topology) == TPU_DEVICES[name]  # the slice --mode=compile checks
     assert cfg.model.preset == PRESETS[name]
     assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
-    assert config_lib.update_config(cfg).warmup_steps == 286  # 28.5% of 1005 rollout batches
+    assert config_lib.typed(cfg).optim.warmup_steps == 286  # 28.5% of 1005 rollout batches
     assert (cfg.model.param_dtype, cfg.rollout.params_dtype) == ("float32", "bfloat16")  # bf16 host-local copies
 
 
@@ -208,7 +209,7 @@ def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and
     assert config_lib.updates_per_step(paper) == 10 and config_lib.rollout_batch_size(paper) == 80
     assert paper.optim.mini_batch_size // paper.data.samples_per_prompt == 2
     assert paper.optim.mini_batch_size % paper.data.samples_per_prompt == 0
-    assert config_lib.update_config(paper).warmup_steps == 5 and paper.optim.learning_rate == demo.optim.learning_rate
+    assert config_lib.typed(paper).optim.warmup_steps == 5 and paper.optim.learning_rate == demo.optim.learning_rate
     assert paper.demo.to_dict() == demo.demo.to_dict() and paper.sft.to_dict() == demo.sft.to_dict()
 
 
@@ -366,7 +367,7 @@ def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
 ])
 def test_an_unknown_key_suggests_the_nearest(override, message):
     with pytest.raises(KeyError) as raised:
-        config_file.load_config(os.path.join(CONFIGS, "demo_cpu.py"), [override])
+        loader.load_config(os.path.join(CONFIGS, "demo_cpu.py"), [override])
     assert raised.value.args[0] == message
 
 

@@ -56,9 +56,11 @@ from llds_jax import checks, topologies
 from llds_jax.aot import rollout_schedule, roofline, step_estimate, step_lengths
 from llds_jax.train import run_builder
 from llds_jax import config as config_lib
+from llds_jax.config.sections import RolloutConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
+from llds_jax.rollout.config import PagingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
 from llds_jax.search import dense_index, device_index, device_search
 from llds_jax.search.dense import read_faiss_index
@@ -482,7 +484,7 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     peaks = roofline.PEAKS[generation]
     sequences = config_lib.rollout_batch_size(cfg) // hosts
     step_row, step_program = next((r, p) for r, p in zip(rows, programs) if p.role is Role.ROLLOUT_STEP)
-    paging = config_lib.paging_config(cfg)
+    paging = PagingConfig.of(config_lib.build(RolloutConfig, cfg.rollout))
     slots = min(sequences, cfg.rollout.max_batch_size or sequences)
     cost = step_estimate.step_cost(layout.rollout.model_cfg, layout.rollout.tensor,
                                    step_row.arguments - step_program.pool_bytes, paging.page_size, slots)

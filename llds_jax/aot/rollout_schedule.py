@@ -46,6 +46,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from llds_jax import config as config_lib
+from llds_jax.config.sections import RolloutConfig
+from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
 from llds_jax.rollout.engine import Engine, EngineConfig, StepBatch, StepResult
 from llds_jax.rollout.paged_sampler import engine_config
 
@@ -357,11 +359,12 @@ def _setup(cfg, lengths, sequences: int, started: int) -> tuple[EngineConfig, li
     """The engine of one host's training rollout of a run of `cfg` starting `started` trajectories (its slots:
     `rollout.max_batch_size`, else all of them), the scripted conversations of a batch of `sequences` trajectories
     at `lengths` and the run's policy."""
-    agent = config_lib.agent_config(cfg)
+    rollout = config_lib.build(RolloutConfig, cfg.rollout)
+    agent = AgentConfig.of(rollout)
     if agent.trees:
         raise ValueError("rollout schedule: tree rollouts (rollout.trees) are not modelled")
-    paging = config_lib.paging_config(cfg)
-    sampling = config_lib.sampling_config(cfg, (STOP_ID,))
+    paging = PagingConfig.of(rollout)
+    sampling = SamplingConfig.of(rollout, (STOP_ID,))
     slots = min(started, agent.max_batch_size or started)
     engine = engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages)
     policy = "continuous" if agent.continuous_batching else "barrier"

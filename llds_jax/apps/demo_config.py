@@ -9,9 +9,13 @@ llds_jax.apps.demo (the application module `app` names) offers these to the laun
 """
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
+from llds_jax import bounds
 from llds_jax import config as config_lib
+from llds_jax.bounds import AT_LEAST_1, POSITIVE, UNIT_INTERVAL, field
 from llds_jax.config import ConfigError
 
 APP = "llds_jax.apps.demo"  # the run config's `app` value of the demo
@@ -22,45 +26,46 @@ DEMO_TOKENIZERS = ("qwen2.5", "world")
 DEMO_RETRIEVERS = ("bm25", "e5_device")
 
 
+@dataclasses.dataclass(frozen=True)
+class DemoConfig(bounds.Section):
+    """The `demo` section: self-contained assets (llds_jax.apps.demo); off for real runs."""
+
+    SECTION = "demo"
+
+    enabled: bool = field(False, doc="build the demo's world, index, tokenizer, policy and demonstrations")
+    assets_dir: str = field("", doc="where they go (\"\": <run_dir>/assets; runs may share one)")
+    num_people: int = field(200, AT_LEAST_1, doc="people of the generated world")
+    tokenizer: str = field("qwen2.5", choices=DEMO_TOKENIZERS,
+                           doc="the real Qwen2.5 tokenizer, or a BPE trained on the generated world")
+    vocab_size: int = field(2048, AT_LEAST_1, doc="entries of the world tokenizer")
+    search_fraction: float = field(0.3, UNIT_INTERVAL, doc="share of demonstrations that search (the rest guess)")
+    hidden_size: int = field(64, AT_LEAST_1, doc="the random policy's width")
+    num_layers: int = field(2, AT_LEAST_1, doc="the random policy's layers")
+    num_heads: int = field(4, AT_LEAST_1, doc="the random policy's attention heads")
+    num_kv_heads: int = field(2, AT_LEAST_1, doc="the random policy's key/value heads")
+    intermediate_size: int = field(128, AT_LEAST_1, doc="the random policy's MLP width")
+    initializer_range: float = field(0.02, POSITIVE, doc="std of the random policy's initial weights "
+                                                         "(model.initializer_range)")
+    retriever: str = field("bm25", choices=DEMO_RETRIEVERS, doc="BM25 over the world, or its e5 Flat index searched "
+                                                                "on the devices (e5_device)")
+    encoder_path: str = field("", doc="e5 folder of demo.retriever e5_device (\"\": a small random BERT, needs "
+                                      "torch)")
+
+
 def section() -> ml_collections.ConfigDict:
     """The `demo` section at its defaults (llds_jax.apps.demo reads it)."""
-    d = ml_collections.ConfigDict()     # self-contained assets (llds_jax.apps.demo); off for real runs
-    d.enabled = False
-    d.assets_dir = ""                   # default <run_dir>/assets (runs may share one)
-    d.num_people = 200
-    d.tokenizer = "qwen2.5"             # or "world": a BPE trained on the generated world (llds_jax.apps.demo)
-    d.vocab_size = 2048                 # entries of the world tokenizer
-    d.search_fraction = 0.3             # share of demonstrations that search (the rest guess)
-    d.hidden_size = 64
-    d.num_layers = 2
-    d.num_heads = 4
-    d.num_kv_heads = 2
-    d.intermediate_size = 128
-    d.initializer_range = 0.02          # std of the random policy's initial weights (model.initializer_range)
-    d.retriever = "bm25"                # or "e5_device": the world's e5 Flat index searched on the devices
-    d.encoder_path = ""                 # e5 folder of demo.retriever e5_device; "": a small random BERT (needs torch)
-    return d
+    return config_lib.as_config_dict(DemoConfig())
 
 
 def config_sections() -> dict[str, ml_collections.ConfigDict]:
     return {"demo": section()}
 
 
-_BOUNDS = (
-    (("demo.num_people", "demo.vocab_size", "demo.hidden_size", "demo.num_layers", "demo.num_heads",
-      "demo.num_kv_heads", "demo.intermediate_size"), lambda v: v >= 1, ">= 1"),
-    (("demo.initializer_range",), lambda v: v > 0, "> 0"),
-    (("demo.search_fraction",), lambda v: 0 <= v <= 1, "in [0, 1]"),
-)
-
-
 def check_config(cfg: ml_collections.ConfigDict) -> None:
     """The `demo` section's bounds and choices; ConfigError naming the key."""
     if "demo" not in cfg:
         raise ConfigError(f"app {APP!r} needs the config section 'demo' (llds_jax.apps.demo_config.section())")
-    config_lib.check_bounds(cfg, _BOUNDS)
-    config_lib.check_choice(cfg, "demo.tokenizer", DEMO_TOKENIZERS)
-    config_lib.check_choice(cfg, "demo.retriever", DEMO_RETRIEVERS)
+    config_lib.build(DemoConfig, cfg.demo)
 
 
 def provided_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:

@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.bounds import ConfigError
-from llds_jax.model.config import ATTENTION_CHOICES as CHOICES  # "auto" and IMPLEMENTATIONS
+from llds_jax.config.sections import ATTENTION_CHOICES as CHOICES  # "auto" and IMPLEMENTATIONS
 
 IMPLEMENTATIONS = ("xla", "blockwise", "splash", "cudnn")
 HALF_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes

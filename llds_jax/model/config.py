@@ -6,11 +6,11 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
-from llds_jax.bounds import ConfigError
+from llds_jax.bounds import ConfigError, same
+from llds_jax.config.sections import ATTENTION_CHOICES, ModelRunConfig
 from llds_jax.errors import InputError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-ATTENTION_CHOICES = ("auto", "xla", "blockwise", "splash", "cudnn")  # ModelConfig.attention: llds_jax.model.attention
 PLATFORMS = ("cpu", "gpu", "tpu")  # ModelConfig.attention_platform
 
 
@@ -27,6 +27,12 @@ class Llama3RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of one decoder.
+
+    The fields a run sets from its `model` section (`RUN_FIELDS`: dtype, param_dtype, scan_layers, remat, attention
+    and its blocks, mlp_chunks) take that section's declarations (`llds_jax.config.sections.ModelRunConfig`), except
+    two defaults: `dtype` float32 and `remat` False, the numerics of a model built outside a run (tests, export, a
+    checkpoint read alone); a run sets every one of them from its section (`run_overrides`), whose defaults are a
+    training run's.
 
     Attributes:
       model_type: "qwen2" (Qwen2 / Qwen2.5) or "llama" (Llama-3.x); used for export.
@@ -72,15 +78,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     model_type: str = "qwen2"
-    param_dtype: str = "float32"
-    dtype: str = "float32"
-    scan_layers: bool = True
-    remat: bool = False
-    attention: str = "auto"
-    attention_query_block: int = 512
-    attention_key_block: int = 512
+    param_dtype: str = same(ModelRunConfig, "param_dtype")
+    dtype: str = same(ModelRunConfig, "dtype", default="float32")
+    scan_layers: bool = same(ModelRunConfig, "scan_layers")
+    remat: bool = same(ModelRunConfig, "remat", default=False)
+    attention: str = same(ModelRunConfig, "attention")
+    attention_query_block: int = same(ModelRunConfig, "attention_query_block")
+    attention_key_block: int = same(ModelRunConfig, "attention_key_block")
     attention_platform: Optional[str] = None
-    mlp_chunks: int = 1
+    mlp_chunks: int = same(ModelRunConfig, "mlp_chunks")
     initializer_range: float = 0.02
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, tuple[int, ...], None] = None
@@ -160,8 +166,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 # The ModelConfig fields a run's `model` section sets on top of the checkpoint's architecture (numerics and
 # execution), under the same names.
-RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention", "attention_query_block",
-              "attention_key_block", "mlp_chunks")
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if "key" in f.metadata)
 
 
 def run_overrides(model_section: Mapping[str, Any]) -> dict[str, Any]:

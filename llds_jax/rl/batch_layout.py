@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax.bounds import ConfigError
 from llds_jax.rl.batch import RolloutBatch, batch_dtype
-from llds_jax.rl.config import UpdateConfig
+from llds_jax.config.sections import UpdateConfig
 from llds_jax.rl.logprobs import mesh_batch_axes
 from llds_jax.rl.packing import PackedRows, pack, rows_needed
 

@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.config.sections import ObjectiveConfig
 from llds_jax.rl.llds import action_sums, llds_gate
 from llds_jax.rl.losses import kl_penalty_bt, policy_ratio, sampler_log_ratio
 from llds_jax.rl.terms import LossInputs, aggregate

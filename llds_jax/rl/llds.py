@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llds_jax.registry import Registry
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
+from llds_jax.config.sections import LLDSConfig, ObjectiveConfig
 from llds_jax.rl.terms import LossInputs, aggregate, register_loss_term
 
 
@@ -69,7 +69,7 @@ def _token_gate(delta_bt, loss_mask_bt, action_ids_bt):
 
 def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) -> jax.Array:
     """The gate g_t in {0, 1}: `m_t * 1[A >= 0] * test`, test per `gate` ("action", "response" or "token": one of
-    `rl.config.GATES`, which `LLDSConfig` checks).
+    `GATES`, which `llds_jax.checks` checks objective.llds.gate against).
 
     Args:
       delta_bt: [B, T] old_logp - logp (treated as a constant).

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax import parallel
-from llds_jax.rl.config import DEFAULT_TIME_CHUNK
+from llds_jax.config.sections import DEFAULT_TIME_CHUNK
 
 def _chunk_logp_entropy(h_bcd, w_dv, targets_bc, temperature, vocab_axes, row_axis):
     """log p(target) and entropy for one time chunk of the local rows [b, c].

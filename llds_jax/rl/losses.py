@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from llds_jax.registry import Registry
 from llds_jax.rl import llds  # noqa: F401  (registers the "llds" term)
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.config.sections import ObjectiveConfig
 from llds_jax.rl.terms import LossInputs, aggregate, LOSS_TERMS, register_loss_term
 
 # exp() argument bound for k3: exp(20) - 21 is far above any clamp, so the value is unchanged and the gradient

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from llds_jax.registry import Registry
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.config.sections import ObjectiveConfig
 
 
 class LossInputs(NamedTuple):

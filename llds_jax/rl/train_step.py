@@ -45,7 +45,7 @@ from llds_jax.model.transformer import compute_weights
 from llds_jax.programs import AbstractProgram, CompilablePrograms, Role
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.batch_layout import BatchLayout, LaidOutBatch, PreparedBatch
-from llds_jax.rl.config import ObjectiveConfig, UpdateConfig
+from llds_jax.config.sections import ObjectiveConfig, UpdateConfig
 from llds_jax.rl.diagnostics import DISPLACEMENT_METRICS, likelihood_metrics, lld_metrics, update_metrics
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.losses import objective_loss

@@ -34,13 +34,14 @@ import optax
 from etils import epath
 from flax import nnx
 
+from llds_jax import config as config_lib
 from llds_jax import parallel
 from llds_jax.runtime import gcs, output_folder
 from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import SFTConfig
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rollout.buckets import round_up
-from llds_jax.sft.config import SFTConfig
 from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
 from llds_jax.model.tokenizer import load_tokenizer, save_tokenizer
 
@@ -111,7 +112,8 @@ def fingerprint(cfg: SFTConfig, model_path: str, tokenizer_path: str, model_over
     """sha256 over the settings, the starting checkpoint's and tokenizer's paths and the data files' bytes."""
     digest = hashlib.sha256()
     settings = dataclasses.asdict(cfg)
-    settings.pop("log_every")
+    for key in ("enabled", "log_every"):  # not what is trained
+        settings.pop(key)
     digest.update(json.dumps([settings, model_path, tokenizer_path, model_overrides], sort_keys=True).encode())
     for path in cfg.data_files + (cfg.curriculum_files if cfg.curriculum_steps else ()):
         digest.update(epath.Path(path).read_bytes())
@@ -194,16 +196,13 @@ def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTC
 
 
 def sft_config(cfg: ml_collections.ConfigDict) -> SFTConfig:
-    """The typed view of a run config's `sft` section (output_dir defaults to <run_dir>/warm_start)."""
-    s = cfg.sft
-    return SFTConfig(
-        data_files=tuple(s.data_files), output_dir=s.output_dir or f"{cfg.run_dir}/warm_start",
-        curriculum_files=tuple(s.curriculum_files), curriculum_steps=s.curriculum_steps, steps=s.steps,
-        batch_size=s.batch_size, learning_rate=s.learning_rate, warmup_steps=s.warmup_steps,
-        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, max_length=s.max_length,
-        max_prompt_tokens=cfg.rollout.max_prompt_tokens, sequence_bucket=s.sequence_bucket,
-        min_score=s.min_score, logp_time_chunk=cfg.optim.logp_time_chunk,
-        log_every=s.log_every, seed=cfg.seed)
+    """A run config's `sft` section as the stage takes it (`llds_jax.config.typed`: with the run's prompt cut,
+    log-prob chunk and seed), its output folder <run_dir>/warm_start when sft.output_dir is ""; ConfigError unless
+    it can run (`SFTConfig.check_runnable`)."""
+    sft = config_lib.typed(cfg).sft
+    sft = dataclasses.replace(sft, output_dir=sft.output_dir or f"{cfg.run_dir}/warm_start")
+    sft.check_runnable()
+    return sft
 
 
 def encode_all(demos: list[Demonstration], tokenizer, cfg: SFTConfig) -> list[tuple[np.ndarray, np.ndarray]]:

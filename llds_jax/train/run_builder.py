@@ -23,6 +23,7 @@ from llds_jax import config as config_lib
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, from_hf_config, hf_io, preset, run_overrides
 from llds_jax.rl.train_step import RLTrainStep
+from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import RolloutLayout, make_layout
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.runner import PagePool, pool_shape
@@ -95,14 +96,15 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
           ) -> RunParts:
     """The train step over `model` (loaded, or `abstract_model`) and the two samplers stopping a turn at
     `stop_ids` (the tokenizer's; a program's shapes do not depend on them)."""
-    step = RLTrainStep(model, config_lib.objective_config(cfg), config_lib.update_config(cfg), layout.mesh)
+    typed_cfg = config_lib.typed(cfg)
+    step = RLTrainStep(model, typed_cfg.objective, typed_cfg.optim, layout.mesh)
     graphdef = layout.rollout.graphdef(nnx.split(model)[0])
-    paging = config_lib.paging_config(cfg)
+    paging = PagingConfig.of(typed_cfg.rollout)
     shapes = []
     for evaluation, sequences in ((False, config_lib.rollout_sequences(cfg, jax.process_count())),
                                   (True, cfg.eval.batch_size)):
-        agent = config_lib.agent_config(cfg, evaluation=evaluation)
-        sampling = config_lib.sampling_config(cfg, stop_ids, evaluation=evaluation)
+        agent = AgentConfig.of(typed_cfg.rollout, typed_cfg.eval if evaluation else None)
+        sampling = SamplingConfig.of(typed_cfg.rollout, stop_ids, greedy=evaluation)
         slots = min(sequences, agent.max_batch_size or sequences)
         shapes.append((sampling, engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens,
                                                paging.num_pages)))

@@ -60,6 +60,7 @@ from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
+from llds_jax.rollout.config import AgentConfig, PartialConfig
 from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.partial import Carry, StepPlan, plan_step
 from llds_jax.rollout.trajectory import Trajectory
@@ -172,10 +173,11 @@ class Trainer:
                                   agent.turn_stop_ids(self.tokenizer))
         self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
-        self.agent_cfg = config_lib.agent_config(cfg)
-        self.partial_cfg = config_lib.partial_config(cfg)
+        typed_cfg = config_lib.typed(cfg)
+        self.agent_cfg = AgentConfig.of(typed_cfg.rollout)
+        self.partial_cfg = PartialConfig.of(typed_cfg.rollout)
         self.carry = Carry()  # the partial rollouts' groups carried into the next step
-        self.eval_agent_cfg = config_lib.agent_config(cfg, evaluation=True)
+        self.eval_agent_cfg = AgentConfig.of(typed_cfg.rollout, typed_cfg.eval)
         rule = cfg.reward.empty_answer
         self.eval_examples = read_examples(cfg.data.eval_files, "eval_files", rule) if cfg.data.eval_files else []
         if training:

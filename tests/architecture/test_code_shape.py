@@ -114,8 +114,9 @@ def test_the_dimension_letters_of_array_names_are_the_glossarys():
 def test_every_config_field_is_set_by_the_shipped_code():
     """A field of a config dataclass (a class named ...Config) that no shipped code sets, by keyword, by name in a
     string outside the class (a key read from a file; the class's own checks name every field) or as a run-config
-    key of that name (a view built from a section's dict), is a knob only tests turn: it goes, with what only it
+    key of that name (a section built from the run config, the library's or an application's), is a knob only tests turn: it goes, with what only it
     reaches (issue 57)."""
+    from llds_jax.apps import demo_config
     from llds_jax.config import default_config
 
     def keys(section):
@@ -126,7 +127,7 @@ def test_every_config_field_is_set_by_the_shipped_code():
         for sub, _, files in os.walk(os.path.join(ROOT, folder)):
             shipped.update({os.path.join(sub, name): open(os.path.join(sub, name), encoding="utf-8").read()
                             for name in files if name.endswith(".py")})
-    set_names = keys(default_config())
+    set_names = keys(default_config()) | keys(demo_config.section())  # the library's keys and the demo's
     for text in shipped.values():
         tree = ast.parse(text)
         in_configs = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name.endswith("Config")

@@ -99,12 +99,14 @@ def _floor(graph: dict[str, set[str]], module: str) -> int:
 
 
 def test_config_is_on_the_lowest_floors(graph):
-    """llds_jax.config sits on the third floor at most: the leaf llds_jax.errors (the error types), llds_jax.bounds
-    and the topology catalogue above it alone, the typed views above those (they declare their keys' bounds with
-    llds_jax.bounds), so that a config is checked before anything heavy loads."""
+    """llds_jax.config sits on the fourth floor at most: the leaf llds_jax.errors (the error types), llds_jax.bounds
+    and the topology catalogue above it alone, the reward's rules (llds_jax.data.rewards) above bounds, the
+    declarations (llds_jax.config.sections) above those, so that a config is checked before anything heavy
+    loads."""
     assert _floor(graph, "llds_jax.errors") == 0
     assert graph["llds_jax.topologies"] == graph["llds_jax.bounds"] == {"llds_jax.errors"}
-    assert _floor(graph, "llds_jax.config") <= 3, {m: _floor(graph, m) for m in graph["llds_jax.config"]}
+    assert _floor(graph, "llds_jax.config.sections") <= 3
+    assert _floor(graph, "llds_jax.config") <= 4, {m: _floor(graph, m) for m in graph["llds_jax.config"]}
 
 
 def _package(module: str) -> str:

@@ -20,7 +20,7 @@ def test_overrides_take_the_type_of_the_key_and_name_unknown_keys():
     bench = load_bench("step_profile")
     args = bench.parse_args(["--config", str(TINY), "--override", "rollout.top_p=1", "--config.train.lld_every=0",
                              "--override", "data.train_files=a.parquet,b.parquet", "--config.model.remat=true"])
-    cfg = bench.load_config(args.config, args.override)  # llds_jax.config_file.load_config: as the launch command reads
+    cfg = bench.load_config(args.config, args.override)  # llds_jax.config.loader.load_config: as the launch command reads
     assert cfg.rollout.top_p == 1.0 and isinstance(cfg.rollout.top_p, float)
     assert cfg.train.lld_every == 0 and cfg.model.remat is True
     assert list(cfg.data.train_files) == ["a.parquet", "b.parquet"]

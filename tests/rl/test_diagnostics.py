@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
+from llds_jax.config.sections import LLDSConfig, ObjectiveConfig
 from llds_jax.rl.diagnostics import importance_ess, likelihood_metrics, lld_metrics, update_metrics
 from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.terms import LossInputs

@@ -12,7 +12,7 @@ from flax import nnx
 
 from llds_jax.model import Transformer
 from llds_jax.bounds import ConfigError
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
+from llds_jax.config.sections import LLDSConfig, ObjectiveConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask, answer_beta, llds_batch_statistics, llds_loss
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.losses import objective_loss

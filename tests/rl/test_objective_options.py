@@ -16,7 +16,7 @@ from flax import nnx
 
 from llds_jax import config as config_lib
 from llds_jax.model import Transformer
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.config.sections import ObjectiveConfig
 from llds_jax.rl.diagnostics import update_metrics
 from llds_jax.rl.llds import action_ids_from_loss_mask, answer_beta
 from llds_jax.rl.losses import objective_loss, policy_loss, tis_weight
@@ -257,7 +257,7 @@ def test_config_errors_name_the_key(changes, key):
 def test_run_config_options_reach_the_objective():
     cfg = config_lib.default_config()
     cfg.objective.clip_ratio_high, cfg.objective.tis_cap = CLIP_HIGH, 2.0
-    objective = config_lib.objective_config(cfg)
+    objective = config_lib.typed(cfg).objective
     assert (objective.clip_ratio_high, objective.tis_cap) == (CLIP_HIGH, 2.0)
     assert objective.clip_range() == (1.0 - objective.clip_ratio, 1.0 + CLIP_HIGH)
     assert ObjectiveConfig(tis_cap=1.0).tis_cap == 1.0  # the smallest cap: weights above 1 are truncated

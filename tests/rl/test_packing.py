@@ -10,7 +10,7 @@ from flax import nnx
 from tests.rl.conftest import STEP_UPDATE, TINY_MODEL
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.config.sections import ObjectiveConfig
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.packing import first_fit_rows, pack, rows_needed, unpack
 from llds_jax.rl.train_step import RLTrainStep

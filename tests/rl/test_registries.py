@@ -9,7 +9,7 @@ from llds_jax import checks, config
 from llds_jax.bounds import ConfigError
 from llds_jax.registry import Registry
 from llds_jax.rl.advantages import ADVANTAGES
-from llds_jax.rl.config import ObjectiveConfig
+from llds_jax.config.sections import ObjectiveConfig
 from llds_jax.rl.llds import ANSWER_WEIGHTINGS, GATES
 from llds_jax.rl.losses import KL_ESTIMATORS, kl_penalty_bt
 from llds_jax.rl.terms import AGGREGATIONS, LOSS_TERMS

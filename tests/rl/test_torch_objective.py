@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig
+from llds_jax.config.sections import LLDSConfig, ObjectiveConfig
 from llds_jax.rl.losses import objective_loss
 from llds_jax.rl.terms import LossInputs, batch_statistics
 

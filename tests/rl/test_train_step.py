@@ -18,7 +18,7 @@ from llds_jax.model import Transformer
 from llds_jax.model.transformer import COMPUTE_DTYPE_PARAMS, compute_weights
 from llds_jax.programs import Role
 from llds_jax.rl.advantages import grpo_advantages
-from llds_jax.rl.config import LLDSConfig, ObjectiveConfig, UpdateConfig
+from llds_jax.config.sections import LLDSConfig, ObjectiveConfig, UpdateConfig
 from llds_jax.rl.llds import action_ids_from_loss_mask
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.rl.losses import objective_loss

@@ -14,6 +14,7 @@ from llds_jax.model import ModelConfig, Transformer
 from llds_jax import protocol
 from llds_jax.rollout import agent
 from llds_jax.rollout.buckets import round_up
+from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.trajectory import em_rewards, em_score
@@ -290,7 +291,7 @@ def test_agent_config_errors_name_the_key():
     with pytest.raises(ValueError, match="rollout.max_turn_tokens"):
         AgentConfig(max_turn_tokens=0)
     with pytest.raises(ValueError, match="rollout.max_prompt_tokens"):
-        AgentConfig(max_prompt_tokens=4096, max_context_tokens=4096)
+        RolloutConfig(max_prompt_tokens=4096, max_context_tokens=4096)
 
 
 def test_turn_stop_ids(qwen_tokenizer, qwen_instruct_tokenizer):

@@ -173,18 +173,18 @@ def test_partial_config_errors_name_the_run_keys():
     cfg = config_lib.default_config()
     cfg.rollout.partial = True
     with pytest.raises(ConfigError, match=r"rollout.partial .* objective.tis_cap > 0"):
-        config_lib.check_partial(cfg)
+        config_lib.typed(cfg)
     cfg.objective.tis_cap = 2.0
-    config_lib.check_partial(cfg)
+    config_lib.typed(cfg)
     cfg.rollout.over_sampling = 0.5
     with pytest.raises(ConfigError, match=r"rollout.over_sampling must be >= 1, got 0.5"):
-        config_lib.check_views(cfg)
+        config_lib.typed(cfg)
     cfg.rollout.over_sampling, cfg.rollout.max_staleness = 2.0, -1
     with pytest.raises(ConfigError, match=r"rollout.max_staleness must be >= 0, got -1"):
-        config_lib.check_views(cfg)
+        config_lib.typed(cfg)
     cfg.rollout.trees = 1
     with pytest.raises(ConfigError, match=r"rollout.partial carries chains, not trees: set rollout.trees 0"):
-        config_lib.check_partial(cfg)
+        config_lib.typed(cfg)
 
 
 def test_the_engine_has_a_slot_for_every_conversation_a_partial_step_starts():

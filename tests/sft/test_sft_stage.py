@@ -88,7 +88,7 @@ def test_curriculum_serves_its_first_batches_then_the_rest():
     batches = stage.curriculum(stage.Batches(first, 1, 4, 0, seed=0), 3, stage.Batches(rest, 1, 4, 0, seed=0))
     assert [int(next(batches)["tokens_bt"][0, 0]) for _ in range(6)] == [7, 7, 7, 9, 9, 9]
     with pytest.raises(ValueError, match="curriculum_files is empty"):
-        stage.SFTConfig(data_files=("a",), output_dir="o", curriculum_steps=2)
+        stage.SFTConfig(data_files=("a",), output_dir="o", curriculum_steps=2).check_runnable()
     with pytest.raises(ValueError, match=r"sft.curriculum_steps \(300\) must be at most sft.steps \(200\)"):
         stage.SFTConfig(data_files=("a",), output_dir="o", curriculum_files=("b",), curriculum_steps=300)
 

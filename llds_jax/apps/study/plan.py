@@ -223,9 +223,9 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def load(config: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-    """The run config of a config file (`PATH[:ARGS]`) with `KEY=VALUE` overrides (llds_jax.config_file.load_config);
+    """The run config of a config file (`PATH[:ARGS]`) with `KEY=VALUE` overrides (llds_jax.config.loader.load_config);
     StudyError naming the file, key or value when it cannot be loaded."""
-    from llds_jax.config_file import file_of, load_config
+    from llds_jax.config.loader import file_of, load_config
     if not os.path.isfile(file_of(config)):
         raise StudyError(f"config file not found: {file_of(config)}")
     try:
