@@ -3,9 +3,10 @@ answer weightings, KL estimators, aggregations), filled by a decorator where eac
 and per-step hooks, which the config does not name, are lists the trainer takes instead (llds_jax.train.rewards,
 llds_jax.train.step_hooks).
 
-The run config keeps names only: a choice key's allowed values are declared with its typed field (plain Python, so
-that a config is checked before JAX loads), and tests/rl/test_registries.py checks that each registry holds exactly
-those names. Adding an implementation is one decorated function in one file (and its name in the field's choices).
+The run config keeps names only: a choice key's field (llds_jax.config.sections) declares its default name, and
+the key's registry, filled where the implementations are defined, is the list of allowed names: `checks.validate`
+looks the config's name up in it before anything heavy runs, naming the key (tests/rl/test_registries.py).
+Adding an implementation is one decorated function in one file.
 
 A leaf: it imports only `bounds`, for the error that names the run-config key.
 """

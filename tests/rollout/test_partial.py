@@ -182,7 +182,7 @@ def test_partial_config_errors_name_the_run_keys():
     cfg.rollout.over_sampling, cfg.rollout.max_staleness = 2.0, -1
     with pytest.raises(ConfigError, match=r"rollout.max_staleness must be >= 0, got -1"):
         config_lib.typed(cfg)
-    cfg.rollout.trees = 1
+    cfg.rollout.max_staleness, cfg.rollout.trees = 1, 1
     with pytest.raises(ConfigError, match=r"rollout.partial carries chains, not trees: set rollout.trees 0"):
         config_lib.typed(cfg)
 
