@@ -1,0 +1,52 @@
+"""bench/partial_rollouts.py: its per-arm summary against a hand computation, and the whole bench at its smallest
+settings (slow: three trainers compile)."""
+import pytest
+
+from tests.bench.loading import load_bench
+
+
+def test_arms_differ_in_partial_and_over_sampling_alone():
+    bench = load_bench("partial_rollouts")
+    assert bench.arms([1.5, 2.0]) == {
+        "sync": ["rollout.partial=False"],
+        "partial x1.5": ["rollout.partial=True", "rollout.over_sampling=1.5"],
+        "partial x2": ["rollout.partial=True", "rollout.over_sampling=2.0"]}
+
+
+def test_summary_leaves_step_one_out_sums_the_counts_and_weighs_tokens_per_s_by_seconds():
+    bench = load_bench("partial_rollouts")
+    step = {"perf/rollout_s": 1.0, "reward/mean": 0.5, "lld/is_ess": 1.0, "rollout/partial/staleness_mean": 0.0,
+            "rollout/partial/stale_token_share": 0.0, "rollout/partial/resumed": 0.0, "rollout/partial/dropped": 0.0}
+    records = [{**step, "perf/step_s": 60.0, "compile_s": 50.0, "step_s_less_compiles": 10.0, "trained_tokens": 1.0,
+                "rollout/partial/carried": 100.0},
+               {**step, "perf/step_s": 2.0, "compile_s": 0.0, "step_s_less_compiles": 2.0, "trained_tokens": 400.0,
+                "rollout/partial/carried": 8.0, "lld/is_ess": 0.9, "rollout/partial/staleness_mean": 0.2},
+               {**step, "perf/step_s": 3.0, "compile_s": 1.0, "step_s_less_compiles": 2.0, "trained_tokens": 600.0,
+                "rollout/partial/carried": 4.0, "lld/is_ess": 0.8, "rollout/partial/staleness_mean": 0.4}]
+    got = bench.summary(records)
+    assert got["first_step_s"] == 60.0 and got["steps"] == 2
+    assert got["perf/step_s"] == 2.5 and got["compile_s"] == 0.5 and got["step_s_less_compiles"] == 2.0
+    assert got["tokens_per_s"] == 1000.0 / 5.0  # steps 2-3: 1000 tokens in 5 s
+    assert got["rollout/partial/carried"] == 12.0  # a sum over steps 2-3
+    assert got["lld/is_ess"] == pytest.approx(0.85) and got["rollout/partial/staleness_mean"] == pytest.approx(0.3)
+    sync = bench.summary([{k: v for k, v in r.items() if not k.startswith("rollout/partial/")} for r in records])
+    assert sync["rollout/partial/carried"] == 0.0  # a synchronous step logs no partial metric: it carries nothing
+    lines = bench.format_table({"sync": sync, "partial x2": got})
+    assert lines[-1].startswith("partial x2 / sync: seconds per step 1.00x,")
+
+
+@pytest.mark.slow
+def test_the_bench_prints_each_arm_side_by_side_and_the_ratios(capsys):
+    bench = load_bench("partial_rollouts")
+    tiny = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "optim.mini_batch_size=8",
+            "optim.micro_batch_size=8"]
+    results = bench.main(["--steps", "2", "--over-sampling", "2", *(a for o in tiny for a in ("--override", o))])
+    printed = capsys.readouterr().out
+    assert list(results) == ["sync", "partial x2"]
+    for label, _, _ in bench.ROWS:
+        assert f"\n{label}" in printed
+    assert "partial x2 / sync: seconds per step " in printed and "trained tokens per second " in printed
+    # 4 groups of 4 started, 2 trained: the other 2 groups' 8 conversations are carried; sync carries none
+    assert results["partial x2"]["rollout/partial/carried"] == 8.0 and results["sync"]["rollout/partial/carried"] == 0
+    assert results["sync"]["rollout/partial/staleness_mean"] == 0.0 and results["sync"]["lld/is_ess"] > 0.99
+    assert all(r["tokens_per_s"] > 0 for r in results.values())
