@@ -7,16 +7,16 @@ over the demo's world, 4 updates per step) started from the demo's seed-0 warm s
 (tests/rollout/fixtures/demo_greedy/policy, over a world built here from the same seed: no warm start is trained),
 trained `--steps` steps; the arms: "sync" (`rollout.partial` False), then "partial x1.5" and "partial x2" (`--over-
 sampling`; `rollout.max_staleness` at its default 1). Step 1 compiles (the engine's token buckets, the packed-row
-counts): it is printed apart, and every mean is over steps 2..N.
+counts): it is printed apart.
 
-Printed per arm (means over steps 2..N): seconds per step (`perf/step_s`: rollout, rewards, log-probs, updates),
-the XLA compilation inside it (a training batch of a length not seen before compiles in any step) and the step
-less it, the seconds of its rollout (`perf/rollout_s`), trained tokens per second (the loss mask's tokens over the step's seconds),
-conversations resumed / carried / dropped (sums over steps 2..N), the staleness of the trained tokens (mean, in
+Printed per arm (means over the steady steps: those after the first that compiled nothing; a training batch longer
+than any before compiles its programs in any step, 50-80 s on this CPU, so such a step is counted and left out):
+seconds per step (`perf/step_s`: rollout, rewards, log-probs, updates), the seconds of its rollout
+(`perf/rollout_s`), trained tokens per second (the loss mask's tokens over the steps' seconds), conversations resumed / carried / dropped (sums over the steady steps), the staleness of the trained tokens (mean, in
 policy versions), the share of them sampled by an older policy, and the importance weights' effective sample size
 `lld/is_ess` (1: the sampler's and the trainer's log-probs agree); then partial / sync for the seconds and tokens/s.
 
-    python bench/partial_rollouts.py                      # 4 steps per arm, over-sampling 1.5 and 2
+    python bench/partial_rollouts.py                      # 6 steps per arm, over-sampling 1.5 and 2
     python bench/partial_rollouts.py --steps 6 --override rollout.continuous_batching=False
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import ml_collections
 
@@ -43,10 +43,8 @@ WARM_START = os.path.join(ROOT, "tests", "rollout", "fixtures", "demo_greedy", "
 # rollouts are for; --override rollout.continuous_batching=False measures the barrier one).
 COMMON = ("seed=0", "sft.enabled=False", "train.eval_at_start=False",
           "rollout.continuous_batching=True")
-# (label, metric, how the steps 2..N combine: "mean" or "sum"), as printed
+# (label, metric, how the steady steps combine: "mean", "sum", or "ratio": tokens_per_s, `summary`'s), as printed
 ROWS = (("seconds per step", "perf/step_s", "mean"),
-        ("  of it XLA compiling", "compile_s", "mean"),
-        ("  less the compiling", "step_s_less_compiles", "mean"),
         ("rollout seconds per step", "perf/rollout_s", "mean"),
         ("trained tokens per second", "tokens_per_s", "ratio"),
         ("conversations resumed", "rollout/partial/resumed", "sum"),
@@ -56,7 +54,7 @@ ROWS = (("seconds per step", "perf/step_s", "mean"),
         ("stale token share", "rollout/partial/stale_token_share", "mean"),
         ("lld/is_ess", "lld/is_ess", "mean"),
         ("reward", "reward/mean", "mean"))
-RATIOS = ("perf/step_s", "step_s_less_compiles", "perf/rollout_s", "tokens_per_s")  # printed as partial / sync
+RATIOS = ("perf/step_s", "perf/rollout_s", "tokens_per_s")  # printed as partial / sync
 
 
 def arms(over_sampling: Sequence[float]) -> dict[str, list[str]]:
@@ -69,9 +67,8 @@ def arms(over_sampling: Sequence[float]) -> dict[str, list[str]]:
 
 def run_arm(cfg: ml_collections.ConfigDict, steps: int, log=print) -> list[dict[str, float]]:
     """Trains `steps` steps of `cfg` (its run_dir and demo.assets_dir set) from a fresh trainer; returns each step's
-    metrics: the trainer's, plus `trained_tokens` (the loss mask's tokens), `compile_s` (seconds of the step's XLA
-    backend compilations: a training batch of a new length compiles its programs in any step) and
-    `step_s_less_compiles` (`perf/step_s` less `compile_s`)."""
+    metrics: the trainer's, plus `trained_tokens` (the loss mask's tokens) and `compile_s` (seconds of the step's XLA
+    backend compilations: a training batch longer than any before compiles its programs in any step)."""
     from llds_jax import application
     from llds_jax.train.trainer import Trainer
 
@@ -89,7 +86,6 @@ def run_arm(cfg: ml_collections.ConfigDict, steps: int, log=print) -> list[dict[
                 state, metrics, _ = trainer.train_step(state, ref_params, step)
                 metrics["trained_tokens"] = metrics["perf/tokens_per_s"] * metrics["perf/step_s"]
                 metrics["compile_s"] = sum(seconds for _, seconds in compiles.since(mark)[0])
-                metrics["step_s_less_compiles"] = metrics["perf/step_s"] - metrics["compile_s"]
                 records.append(metrics)
                 log(f"  step {step}: {time.perf_counter() - start:.1f} s ({metrics['compile_s']:.1f} s compiling), "
                     f"rollout {metrics['perf/rollout_s']:.1f} s, {metrics['trained_tokens']:.0f} trained tokens, "
@@ -100,12 +96,17 @@ def run_arm(cfg: ml_collections.ConfigDict, steps: int, log=print) -> list[dict[
 
 
 def summary(records: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Each ROWS metric over the steps after the first (all of them when there is one): "mean" its mean, "sum" its
-    sum (0 for a metric the arm did not log: a synchronous step carries nothing), `tokens_per_s` the trained tokens
-    over the seconds of those steps."""
-    steady = records[1:] or records
+    """Each ROWS metric over the steady steps, those after the first that compiled nothing (the steps after the
+    first when every one compiled): "mean" its mean, "sum" its sum (0 for a metric the arm did not log: a
+    synchronous step carries nothing), `tokens_per_s` the trained tokens over the seconds of those steps;
+    `first_step_s` (seconds), `steps` (how many steady steps), `compiling_steps` (steps after the first left out:
+    they compiled) and `compiling_s` (their seconds, summed)."""
+    later = records[1:] or records
+    steady = [r for r in later if not r["compile_s"]] or later
+    compiling = [r for r in records[1:] if r["compile_s"]]
     out = {"tokens_per_s": sum(r["trained_tokens"] for r in steady) / sum(r["perf/step_s"] for r in steady),
-           "first_step_s": records[0]["perf/step_s"], "steps": len(steady)}
+           "first_step_s": records[0]["perf/step_s"], "steps": len(steady), "compiling_steps": len(compiling),
+           "compiling_s": sum(r["perf/step_s"] for r in compiling)}
     for _, metric, how in ROWS:
         if how == "ratio":
             continue
@@ -114,11 +115,18 @@ def summary(records: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _compiling(result: dict[str, float]) -> str:
+    """`N (S s)`: the later steps that compiled (left out of the means) and their seconds."""
+    return f"{result['compiling_steps']:.0f} ({result['compiling_s']:.1f} s)"
+
+
 def format_table(results: dict[str, dict[str, float]]) -> list[str]:
     """The side-by-side rows, then partial / sync of the seconds and tokens/s for each partial arm."""
     names = list(results)
     lines = [f"{'':<28}" + "".join(f"{name:>14}" for name in names),
-             f"{'step 1 seconds (compiles)':<28}" + "".join(f"{results[n]['first_step_s']:>14.2f}" for n in names)]
+             f"{'step 1 seconds (compiles)':<28}" + "".join(f"{results[n]['first_step_s']:>14.2f}" for n in names),
+             f"{'later steps that compiled':<28}" + "".join(f"{_compiling(results[n]):>14}" for n in names),
+             f"{'steady steps (the means)':<28}" + "".join(f"{results[n]['steps']:>14d}" for n in names)]
     for label, metric, _ in ROWS:
         lines.append(f"{label:<28}" + "".join(f"{results[n][metric]:>14.3f}" for n in names))
     sync = results["sync"]
@@ -133,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[str, float]]:
     """Runs every arm; prints the table and returns arm -> `summary`."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG, help="run config file (default: configs/demo_cpu.py)")
-    p.add_argument("--steps", type=int, default=4, help="steps per arm, the first one's compile reported apart")
+    p.add_argument("--steps", type=int, default=6, help="steps per arm, the first one's compile reported apart")
     p.add_argument("--over-sampling", type=float, nargs="+", default=[1.5, 2.0], help="the partial arms")
     p.add_argument("--tis-cap", type=float, default=2.0, help="objective.tis_cap of every arm (partial needs > 0)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -156,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[str, float]]:
     import jax
 
     print(f"partial rollouts vs synchronous: {os.path.relpath(args.config, ROOT)}, {args.steps} steps per arm (means "
-          f"over steps 2-{args.steps}), {cfg.data.prompts_per_step} x {cfg.data.samples_per_prompt} trajectories "
+          f"over the steady steps), {cfg.data.prompts_per_step} x {cfg.data.samples_per_prompt} trajectories "
           f"trained per step; {jax.devices()[0].platform} x{jax.device_count()}")
     for line in format_table(results):
         print(line, flush=True)

@@ -13,26 +13,31 @@ def test_arms_differ_in_partial_and_over_sampling_alone():
         "partial x2": ["rollout.partial=True", "rollout.over_sampling=2.0"]}
 
 
-def test_summary_leaves_step_one_out_sums_the_counts_and_weighs_tokens_per_s_by_seconds():
+def test_summary_leaves_out_step_one_and_steps_that_compiled_and_weighs_tokens_per_s_by_seconds():
     bench = load_bench("partial_rollouts")
     step = {"perf/rollout_s": 1.0, "reward/mean": 0.5, "lld/is_ess": 1.0, "rollout/partial/staleness_mean": 0.0,
-            "rollout/partial/stale_token_share": 0.0, "rollout/partial/resumed": 0.0, "rollout/partial/dropped": 0.0}
-    records = [{**step, "perf/step_s": 60.0, "compile_s": 50.0, "step_s_less_compiles": 10.0, "trained_tokens": 1.0,
+            "rollout/partial/stale_token_share": 0.0, "rollout/partial/resumed": 0.0, "rollout/partial/dropped": 0.0,
+            "compile_s": 0.0}
+    records = [{**step, "perf/step_s": 60.0, "compile_s": 50.0, "trained_tokens": 1.0,
                 "rollout/partial/carried": 100.0},
-               {**step, "perf/step_s": 2.0, "compile_s": 0.0, "step_s_less_compiles": 2.0, "trained_tokens": 400.0,
-                "rollout/partial/carried": 8.0, "lld/is_ess": 0.9, "rollout/partial/staleness_mean": 0.2},
-               {**step, "perf/step_s": 3.0, "compile_s": 1.0, "step_s_less_compiles": 2.0, "trained_tokens": 600.0,
-                "rollout/partial/carried": 4.0, "lld/is_ess": 0.8, "rollout/partial/staleness_mean": 0.4}]
+               {**step, "perf/step_s": 2.0, "trained_tokens": 400.0, "rollout/partial/carried": 8.0,
+                "lld/is_ess": 0.9, "rollout/partial/staleness_mean": 0.2},
+               {**step, "perf/step_s": 55.0, "compile_s": 51.0, "trained_tokens": 500.0,
+                "rollout/partial/carried": 16.0},
+               {**step, "perf/step_s": 3.0, "trained_tokens": 600.0, "rollout/partial/carried": 4.0,
+                "lld/is_ess": 0.8, "rollout/partial/staleness_mean": 0.4}]
     got = bench.summary(records)
-    assert got["first_step_s"] == 60.0 and got["steps"] == 2
-    assert got["perf/step_s"] == 2.5 and got["compile_s"] == 0.5 and got["step_s_less_compiles"] == 2.0
-    assert got["tokens_per_s"] == 1000.0 / 5.0  # steps 2-3: 1000 tokens in 5 s
-    assert got["rollout/partial/carried"] == 12.0  # a sum over steps 2-3
+    assert (got["first_step_s"], got["steps"], got["compiling_steps"], got["compiling_s"]) == (60.0, 2, 1, 55.0)
+    assert got["perf/step_s"] == 2.5  # steps 2 and 4; step 3 compiled
+    assert got["tokens_per_s"] == 1000.0 / 5.0  # steps 2 and 4: 1000 tokens in 5 s
+    assert got["rollout/partial/carried"] == 12.0  # a sum over steps 2 and 4
     assert got["lld/is_ess"] == pytest.approx(0.85) and got["rollout/partial/staleness_mean"] == pytest.approx(0.3)
     sync = bench.summary([{k: v for k, v in r.items() if not k.startswith("rollout/partial/")} for r in records])
     assert sync["rollout/partial/carried"] == 0.0  # a synchronous step logs no partial metric: it carries nothing
     lines = bench.format_table({"sync": sync, "partial x2": got})
-    assert lines[-1].startswith("partial x2 / sync: seconds per step 1.00x,")
+    assert "1 (55.0 s)" in lines[2] and lines[-1].startswith("partial x2 / sync: seconds per step 1.00x,")
+    every = bench.summary([records[0], records[2]])  # every later step compiled: the means are over them
+    assert (every["steps"], every["perf/step_s"]) == (1, 55.0)
 
 
 @pytest.mark.slow
