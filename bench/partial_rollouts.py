@@ -10,7 +10,7 @@ sampling`; `rollout.max_staleness` at its default 1). Step 1 compiles (the engin
 counts): it is printed apart.
 
 Printed per arm (means over the steady steps: those after the first that compiled nothing; a training batch longer
-than any before compiles its programs in any step, 50-80 s on this CPU, so such a step is counted and left out):
+than any before compiles its programs in any step, 1-2 minutes on this CPU, so such a step is counted and left out):
 seconds per step (`perf/step_s`: rollout, rewards, log-probs, updates), the seconds of its rollout
 (`perf/rollout_s`), trained tokens per second (the loss mask's tokens over the steps' seconds), conversations resumed / carried / dropped (sums over the steady steps), the staleness of the trained tokens (mean, in
 policy versions), the share of them sampled by an older policy, and the importance weights' effective sample size
