@@ -12,8 +12,9 @@ counts): it is printed apart.
 Printed per arm (means over the steady steps: those after the first that compiled nothing; a training batch longer
 than any before compiles its programs in any step, 1-2 minutes on this CPU, so such a step is counted and left out):
 seconds per step (`perf/step_s`: rollout, rewards, log-probs, updates), the seconds of its rollout
-(`perf/rollout_s`), trained tokens per second (the loss mask's tokens over the steps' seconds), conversations resumed / carried / dropped (sums over the steady steps), the staleness of the trained tokens (mean, in
-policy versions), the share of them sampled by an older policy, and the importance weights' effective sample size
+(`perf/rollout_s`), trained tokens per second (the loss mask's tokens over the steps' seconds), conversations
+resumed / carried / dropped (sums over the steady steps), the staleness of the trained tokens (mean, in policy
+versions), the share of them sampled by an older policy, and the importance weights' effective sample size
 `lld/is_ess` (1: the sampler's and the trainer's log-probs agree); then partial / sync for the seconds and tokens/s.
 
     python bench/partial_rollouts.py                      # 6 steps per arm, over-sampling 1.5 and 2
@@ -157,8 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="partial_bench_") as work:
         assets = args.assets_dir or os.path.join(work, "world")
         for name, overrides in arms(args.over_sampling).items():
-            cfg = load_config(args.config, [*common, *overrides, f"run_dir={os.path.join(work, name.replace(' ', '_'))}",
-                                            f"demo.assets_dir={assets}"])
+            run_dir = os.path.join(work, name.replace(" ", "_"))
+            cfg = load_config(args.config, [*common, *overrides, f"run_dir={run_dir}", f"demo.assets_dir={assets}"])
             print(f"{name}: {', '.join([*common, *overrides])}", flush=True)
             results[name] = summary(run_arm(cfg, args.steps, log=lambda line: print(line, flush=True)))
     import jax

@@ -1,8 +1,15 @@
 """bench/partial_rollouts.py: its per-arm summary against a hand computation, and the whole bench at its smallest
 settings (slow: three trainers compile)."""
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 from tests.bench.loading import load_bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_arms_differ_in_partial_and_over_sampling_alone():
@@ -41,17 +48,24 @@ def test_summary_leaves_out_step_one_and_steps_that_compiled_and_weighs_tokens_p
 
 
 @pytest.mark.slow
-def test_the_bench_prints_each_arm_side_by_side_and_the_ratios(capsys):
-    bench = load_bench("partial_rollouts")
+def test_the_bench_prints_each_arm_side_by_side_and_the_ratios():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, like a plain user run (the demo config's mesh is one device)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     tiny = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "optim.mini_batch_size=8",
             "optim.micro_batch_size=8"]
-    results = bench.main(["--steps", "2", "--over-sampling", "2", *(a for o in tiny for a in ("--override", o))])
-    printed = capsys.readouterr().out
-    assert list(results) == ["sync", "partial x2"]
+    cmd = [sys.executable, str(ROOT / "bench" / "partial_rollouts.py"), "--steps", "2", "--over-sampling", "2",
+           *(a for o in tiny for a in ("--override", o))]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line[:28].strip(): line[28:].split() for line in proc.stdout.splitlines()}
+    assert rows[""] == ["sync", "partial", "x2"]
+    bench = load_bench("partial_rollouts")
     for label, _, _ in bench.ROWS:
-        assert f"\n{label}" in printed
-    assert "partial x2 / sync: seconds per step " in printed and "trained tokens per second " in printed
+        assert len(rows[label.strip()]) == 2, proc.stdout
     # 4 groups of 4 started, 2 trained: the other 2 groups' 8 conversations are carried; sync carries none
-    assert results["partial x2"]["rollout/partial/carried"] == 8.0 and results["sync"]["rollout/partial/carried"] == 0
-    assert results["sync"]["rollout/partial/staleness_mean"] == 0.0 and results["sync"]["lld/is_ess"] > 0.99
-    assert all(r["tokens_per_s"] > 0 for r in results.values())
+    assert rows["conversations carried"] == ["0.000", "8.000"]
+    assert rows["staleness mean (versions)"][0] == "0.000" and float(rows["lld/is_ess"][0]) > 0.99
+    assert all(float(v) > 0 for v in rows["trained tokens per second"])
+    assert "partial x2 / sync: seconds per step " in proc.stdout and "trained tokens per second " in proc.stdout
