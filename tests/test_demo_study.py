@@ -479,7 +479,8 @@ def test_collapse_is_an_endpoint_to_ask_for_whose_sign_flip_test_is_mcnemars():
     assert collapse.sign_flip_p == 2 * 0.5 ** 4
     assert paired.parse_endpoints("final_em, collapsed") == ("collapsed", "final_em")  # ENDPOINTS order
     known = ("collapsed, lasting_collapse, lasting_decline, final_em, last3_em, last3_two_hop_em, peak_em, "
-             "lld_rate_mean, lld_rate_common, tokens_generated, searches_per_trajectory, step_s")
+             "lld_rate_mean, lld_rate_common, tokens_generated, searches_per_trajectory, step_s, rollout_s, "
+             "tokens_per_s")
     with pytest.raises(plan.StudyError, match=f"--endpoints: 'reward'; known: {known}"):
         paired.parse_endpoints("reward,final_em")
     assert paired.comparisons(results, ["grpo"])[0].endpoint == "final_em"  # the default family: no collapse
@@ -499,6 +500,70 @@ def test_the_budget_endpoints_are_read_off_the_runs_logged_rollout_counts():
         m: (steps, [v / 2 for v in values]) for m, (steps, values) in curves.items()}})], ["grpo"],
         paired.parse_endpoints("tokens_generated,step_s"))
     assert [(c.endpoint, c.differences) for c in found] == [("tokens_generated", [2984.0]), ("step_s", [11.0])]
+
+
+def test_the_speed_endpoints_are_read_off_steps_2_on_and_tokens_per_s_weighs_each_step_by_its_seconds():
+    """Rollout seconds per step (the mean of `perf/rollout_s` from step 2 on) and trained tokens per second (the
+    steps' trained tokens over their seconds: sum of tokens/s x seconds over sum of seconds, steps 2 on): issue 59's
+    comparison of synchronous and partial rollouts; None for runs that did not log them."""
+    curves = {outcomes.STEP_S: ([1, 2, 3], [90.0, 20.0, 30.0]), outcomes.ROLLOUT_S: ([1, 2, 3], [60.0, 8.0, 12.0]),
+              outcomes.TOKENS_PER_S: ([1, 2, 3], [10.0, 100.0, 50.0])}
+    base = _result("partial2", 0, 0.5)
+    run = dataclasses.replace(base, curves={**base.curves, **curves})
+    # steps 2-3: (100 x 20 + 50 x 30) trained tokens in 20 + 30 seconds = 70 per second (the mean of the rates: 75)
+    assert (run.step_s, run.rollout_s, run.tokens_per_s) == (25.0, 10.0, 70.0)
+    bare = _result("sync_tis", 0, 0.5)
+    assert (bare.rollout_s, bare.tokens_per_s) == (None, None)
+    no_seconds = dataclasses.replace(base, curves={**base.curves, outcomes.TOKENS_PER_S: curves[outcomes.TOKENS_PER_S]})
+    assert no_seconds.tokens_per_s is None  # tokens/s without the step's seconds weigh nothing
+    control = dataclasses.replace(bare, curves={**bare.curves, outcomes.STEP_S: ([1, 2, 3], [90.0, 40.0, 40.0]),
+                                                outcomes.ROLLOUT_S: ([1, 2, 3], [60.0, 20.0, 20.0]),
+                                                outcomes.TOKENS_PER_S: ([1, 2, 3], [10.0, 50.0, 50.0])})
+    found = paired.comparisons([control, run], ["sync_tis"], paired.parse_endpoints("step_s,rollout_s,tokens_per_s"))
+    assert [(c.arm, c.control, c.endpoint, c.differences) for c in found] == [
+        ("partial2", "sync_tis", "step_s", [-15.0]), ("partial2", "sync_tis", "rollout_s", [-10.0]),
+        ("partial2", "sync_tis", "tokens_per_s", [20.0])]
+
+
+def test_the_speed_curves_survive_the_steps_file(tmp_path):
+    """A recorded report (recompute.sh: runs.csv and steps.csv.gz) gives the speed endpoints of the runs as read."""
+    base = _result("partial2", 0, 0.5)
+    run = dataclasses.replace(base, curves={**base.curves, outcomes.STEP_S: ([1, 2], [9.0, 4.0]),
+                                            outcomes.ROLLOUT_S: ([1, 2], [6.0, 1.5]),
+                                            outcomes.TOKENS_PER_S: ([1, 2], [100.0, 250.0])})
+    path = steps.write([run], str(tmp_path))
+    bare = dataclasses.replace(run, curves={metric: ([], []) for metric in outcomes.CURVES})
+    (read,) = steps.attach([bare], steps.read(path), path)
+    assert (read.step_s, read.rollout_s, read.tokens_per_s) == (4.0, 1.5, 250.0)
+
+
+def test_the_partial_rollout_arms_differ_only_in_partial_rollouts():
+    """sync_tis and partial2 (issue 59's comparison): GRPO + LLDS with the same TIS cap on the continuous policy;
+    partial2 alone starts 2x the groups and carries the unfinished ones; both make valid runs of the stress setting."""
+    from llds_jax import application
+    from llds_jax import config as config_lib
+
+    stress = plan.load(STRESS, [])
+    sync, partial = (plan.load(STRESS, plan.ARMS[arm].overrides(stress)) for arm in ("sync_tis", "partial2"))
+    for cfg in (sync, partial):
+        config_lib.check(cfg, application.load(cfg))
+        assert cfg.objective.llds.enabled and cfg.objective.llds.lam == 0.2 and cfg.objective.tis_cap == 2.0
+        assert cfg.rollout.continuous_batching
+    assert not sync.rollout.partial
+    assert (partial.rollout.partial, partial.rollout.over_sampling, partial.rollout.max_staleness) == (True, 2.0, 1)
+    assert config_lib.rollout_sequences(partial) == 2 * config_lib.rollout_sequences(sync) == 128
+    differ = {key for key, value in _flat(partial.to_dict()).items() if _flat(sync.to_dict()).get(key) != value}
+    assert differ == {"rollout.partial"}  # partial2 sets over_sampling 2 and max_staleness 1: today's defaults
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def test_paired_table_is_written_as_markdown_csv_and_json(tmp_path):

@@ -217,3 +217,24 @@ def test_the_registered_study_is_32_runs_of_200_steps_at_lr_2e4_evaluated_every_
         assert (llds.enabled, llds.lam, llds.gate) == ((True, 0.2, "action") if run.arm == "llds" else
                                                       (False, llds.lam, llds.gate))
     assert sorted(study.warm_starts) == list(range(4, 20))
+
+
+def test_the_registered_partial_rollout_comparison_is_16_runs_of_20_steps_and_8_warm_starts(tmp_path, capsys):
+    """docs/evidence.md's registration of issue 59's comparison: setting stress, arms sync_tis and partial2, seeds
+    0-7, primary final_em, the timing family; its --dry-run plans 16 runs and 8 warm starts and starts nothing."""
+    out = str(tmp_path / "partial_study")
+    argv = ["--settings", "stress", "--arms", "sync_tis,partial2", "--seeds", "8", "--out", out,
+            "--controls", "sync_tis", "--primary", "final_em", "--endpoints", "step_s,rollout_s,tokens_per_s"]
+    assert demo_study.main([*argv, "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert f"study {out}: 16 runs over 8 seeds; 0 finished (skipped), 16 to run, 8 worlds + warm starts to build" \
+        in printed
+    assert printed.count("--mode=sft") == 8 and sum(line.startswith("+ ") for line in printed.splitlines()) == 24
+    assert not os.path.exists(out)
+    study = plan.make_plan(out, plan.parse_settings("stress"), plan.parse_arms("sync_tis,partial2"),
+                           plan.parse_seeds("8"))
+    assert [(r.arm, r.seed) for r in study.runs] == [(a, s) for a in ("sync_tis", "partial2") for s in range(8)]
+    for run in study.runs:
+        cfg = plan.load(run.config, run.overrides)
+        assert (cfg.train.total_steps, cfg.train.eval_every, cfg.seed) == (20, 0, run.seed) and cfg.train.final_eval
+        assert cfg.rollout.partial == (run.arm == "partial2") and cfg.objective.tis_cap == 2.0

@@ -23,12 +23,15 @@ SAMPLED_TOKENS = "rollout/sampled_tokens"  # tokens the step's rollout generated
 SEARCHES = "rollout/searches"       # queries the step's rollout sent
 TRAJECTORIES = "rollout/trajectories"  # trajectories the step's rollout obtained
 STEP_S = "perf/step_s"              # the step's wall seconds
+ROLLOUT_S = "perf/rollout_s"        # the wall seconds of the step's rollout (a part of STEP_S)
+TOKENS_PER_S = "perf/tokens_per_s"  # the step's trained tokens (its loss mask's) per wall second of the step
 LAST_EVALUATIONS = 3                # last3_em and last3_two_hop_em: the mean of this many last evaluations
 # The per-step metrics a RunResult holds: the plots read the first three, the collapse rule REWARD.
 CURVES = (REWARD, LIKELIHOOD, LLD_RATE, DELTA_TRAJ, GRAD_NORM, REF_KL)
 # Held (and kept in steps.csv.gz) only by runs that logged them: a study without evaluations during training keeps
 # the files of CURVES alone.
-OPTIONAL_CURVES = (EVAL_EM, EVAL_EM_TWO_HOP, SAMPLED_TOKENS, SEARCHES, TRAJECTORIES, STEP_S)
+OPTIONAL_CURVES = (EVAL_EM, EVAL_EM_TWO_HOP, SAMPLED_TOKENS, SEARCHES, TRAJECTORIES, STEP_S, ROLLOUT_S,
+                   TOKENS_PER_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,23 @@ class RunResult:
         """Mean wall seconds per step from step 2 on (step 1 compiles); None for a run that did not log them."""
         seconds = [s for step, s in zip(*self.curves.get(STEP_S, ([], []))) if step > 1]
         return float(np.mean(seconds)) if seconds else None
+
+    @property
+    def rollout_s(self) -> float | None:
+        """Mean wall seconds of a step's rollout from step 2 on (step 1 compiles); None for a run that did not log
+        them."""
+        seconds = [s for step, s in zip(*self.curves.get(ROLLOUT_S, ([], []))) if step > 1]
+        return float(np.mean(seconds)) if seconds else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Trained tokens per wall second from step 2 on (step 1 compiles): the steps' trained tokens (each step's
+        tokens/s times its seconds) over their seconds, so a long step weighs as its time; None for a run that did not
+        log both."""
+        seconds = dict(zip(*self.curves.get(STEP_S, ([], []))))
+        rates = [(rate, seconds[step]) for step, rate in zip(*self.curves.get(TOKENS_PER_S, ([], [])))
+                 if step > 1 and step in seconds]
+        return float(sum(r * s for r, s in rates) / sum(s for _, s in rates)) if rates else None
 
     @property
     def has_curves(self) -> bool:

@@ -27,7 +27,8 @@ ENDPOINTS = {"collapsed": "collapse (1: collapsed)", "lasting_collapse": "lastin
              "last3_two_hop_em": "two-hop greedy EM, mean of the last 3 evaluations", "peak_em": "peak greedy EM",
              "lld_rate_mean": "mean LLD rate", "lld_rate_common": "mean LLD rate on common steps",
              "tokens_generated": "tokens generated", "searches_per_trajectory": "searches per trajectory",
-             "step_s": "seconds per step"}
+             "step_s": "seconds per step", "rollout_s": "rollout seconds per step",
+             "tokens_per_s": "trained tokens per second"}
 DEFAULT_ENDPOINTS = ("final_em", "lld_rate_mean")
 PAIRWISE = ("lld_rate_common",)  # endpoints that exist only for a pair of runs
 CONTROL_PREFIX = "grpo"

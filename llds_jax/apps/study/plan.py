@@ -46,6 +46,12 @@ class Arm:
 
 _GRPO = {"objective.llds.enabled": False}
 _LLDS = {"objective.llds.enabled": True, "objective.llds.lam": 0.2, "objective.llds.gate": "action"}
+# partial rollouts (docs/partial-rollouts.md, issue 59): both arms GRPO + LLDS (the llds arm) with the behaviour
+# correction rollout.partial needs (truncated importance sampling, cap 2), on the continuous policy (where a partial
+# step's cut comes the moment its last needed group completes); only partial2 over-samples (2x the step's groups)
+# and carries the unfinished conversations, at most 1 policy version old
+_SYNC_TIS = {**_LLDS, "objective.tis_cap": 2.0, "rollout.continuous_batching": True}
+_PARTIAL2 = {**_SYNC_TIS, "rollout.partial": True, "rollout.over_sampling": 2.0, "rollout.max_staleness": 1}
 _TREES = {"rollout.trees": 2, "rollout.tree_forks": 3, "data.samples_per_prompt": 8,
           "objective.advantages": "tree_grpo"}
 ARMS: dict[str, Arm] = {arm.name: arm for arm in (
@@ -71,6 +77,10 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("llds_trees_quarter", "GRPO + LLDS on tree rollouts, 1 tree x (1 + 3) leaves",
         {**_LLDS, **_TREES, "rollout.trees": 1, "data.samples_per_prompt": 4},
         {"optim.mini_batch_size": 0.5, "optim.micro_batch_size": 0.5}),
+    Arm("sync_tis", "GRPO + LLDS with truncated importance sampling (cap 2), continuous rollouts, synchronous",
+        _SYNC_TIS),
+    Arm("partial2", "sync_tis with partial rollouts: 2x the groups started, the unfinished carried (staleness <= 1)",
+        _PARTIAL2),
 )}
 # The gate ablation's action arm is the llds arm itself (the same overrides): one run folder, not two.
 ARM_ALIASES = {"llds_action": "llds"}

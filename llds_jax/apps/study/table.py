@@ -217,6 +217,9 @@ _OPTIONAL_ENDPOINT_DEFINITIONS = {
     "tokens_generated": "tokens a run's training rollouts generated over all its steps (`rollout/sampled_tokens`)",
     "searches_per_trajectory": "searches a run's training rollouts sent per trajectory obtained, over all its steps",
     "step_s": "a run's mean wall seconds per step from step 2 on (`perf/step_s`; step 1 compiles)",
+    "rollout_s": "a run's mean wall seconds of a step's rollout from step 2 on (`perf/rollout_s`)",
+    "tokens_per_s": "a run's trained tokens (the loss mask's) per wall second over steps 2 on: the sum of each step's "
+                    "`perf/tokens_per_s` x `perf/step_s` over the sum of their `perf/step_s`",
 }
 
 
