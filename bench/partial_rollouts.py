@@ -34,7 +34,7 @@ import ml_collections
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_profile import CompileCounter  # noqa: E402  (XLA compilations per step)
-from llds_jax.config_file import load_config  # noqa: E402  (the run config as the launch command reads it)
+from llds_jax.config.loader import load_config  # noqa: E402  (the run config as the launch command reads it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "demo_cpu.py")
