@@ -323,7 +323,7 @@ def test_llds_beta_comes_from_the_whole_batch_through_the_terms_hook(make_rollou
 
 
 @pytest.mark.parametrize("make, key", [
-    (lambda: ObjectiveConfig(temperature=0.0), "objective.temperature"),
+    (lambda: ObjectiveConfig(temperature=0.0), "rollout.temperature"),  # the run key it takes
     (lambda: LLDSConfig(lam=-0.1), "llds.lam"),
 ])
 def test_config_errors_name_the_key(make, key):  # (names of implementations: tests/rl/test_registries.py)

@@ -26,6 +26,7 @@ import pytest
 from llds_jax import config as config_lib
 from llds_jax.aot import rollout_schedule, step_lengths
 from llds_jax.config import default_config
+from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, PagingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
@@ -59,8 +60,8 @@ def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_toke
     model, graphdef = tiny
     params, sampling = sampled
     cfg = run_config(continuous)
-    agent_cfg = AgentConfig.of(config_lib.typed(cfg).rollout)
-    paging = PagingConfig.of(config_lib.typed(cfg).rollout)
+    rollout = config_lib.build(RolloutConfig, cfg.rollout)  # the rollout section alone, as rollout_schedule reads it
+    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
     engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
     paged = PagedSampler(graphdef, model.cfg, sampling, engine)
     result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(3), agent_cfg)
@@ -103,8 +104,8 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     sampling = dataclasses.replace(sampled[1], decode_chunk=8)
     params = steered_params(model, steering=RUN_ON)
     cfg = demo_config(continuous)
-    agent_cfg = AgentConfig.of(config_lib.typed(cfg).rollout)
-    paging = PagingConfig.of(config_lib.typed(cfg).rollout)
+    rollout = config_lib.build(RolloutConfig, cfg.rollout)  # the rollout section alone, as rollout_schedule reads it
+    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
     engine = engine_config(agent_cfg, sampling, 8, paging.page_size, paging.max_step_tokens)
     paged = PagedSampler(graphdef, model.cfg, sampling, engine)
     result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), DEMO_EXAMPLES, jax.random.key(3),
