@@ -28,6 +28,22 @@ def tiny_config():
     return module.get_config()
 
 
+def tiny_trainer_config(assets, run_dir: str):
+    """The tiny config over `assets` (`tiny_assets`) for a Trainer built in the test's process: no demo, the run
+    folder `run_dir`, every device on fsdp, 4 samples per prompt and updates of 8 (a multiple of the 8 batch shards,
+    as validation asks)."""
+    cfg = tiny_config()
+    cfg.demo.enabled = False
+    cfg.model.path = assets["model"]
+    cfg.data.train_files, cfg.data.eval_files = [assets["train"]], [assets["test"]]
+    cfg.retriever.index_dir = assets["index"]
+    cfg.run_dir = run_dir
+    cfg.mesh.fsdp = -1
+    cfg.data.samples_per_prompt = 4
+    cfg.optim.mini_batch_size = cfg.optim.micro_batch_size = 8
+    return cfg
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """World files, BM25 index and a random 1-layer policy at the tiny config's sizes, built once before any run

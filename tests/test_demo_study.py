@@ -15,6 +15,7 @@ import pytest
 
 from llds_jax.apps import demo_study
 from llds_jax.apps.study import arms, budget, outcomes, paired, plan, plots, runner, stats, steps, table
+from llds_jax.train.run_config import flat
 from llds_jax.apps.study.outcomes import DELTA_TRAJ, GRAD_NORM, LIKELIHOOD, LLD_RATE, REF_KL, REWARD, RunResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -552,18 +553,9 @@ def test_the_partial_rollout_arms_differ_only_in_partial_rollouts():
     assert not sync.rollout.partial
     assert (partial.rollout.partial, partial.rollout.over_sampling, partial.rollout.max_staleness) == (True, 2.0, 1)
     assert config_lib.rollout_sequences(partial) == 2 * config_lib.rollout_sequences(sync) == 128
-    differ = {key for key, value in _flat(partial.to_dict()).items() if _flat(sync.to_dict()).get(key) != value}
+    differ = {key for key, value in flat(partial.to_dict()).items() if flat(sync.to_dict()).get(key) != value}
     assert differ == {"rollout.partial"}  # partial2 sets over_sampling 2 and max_staleness 1: today's defaults
 
-
-def _flat(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def test_paired_table_is_written_as_markdown_csv_and_json(tmp_path):

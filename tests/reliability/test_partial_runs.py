@@ -2,14 +2,13 @@
 over-sampling 1 a run trains what the synchronous run trains, bit for bit; a SIGTERM among the updates of a step
 that resumes carried conversations saves the carry from before it, and the resumed run equals an uninterrupted
 one bit for bit (params and every metric)."""
-import re
 
 import numpy as np
 import pytest
 
 from tests.e2e.runs import comparable, finish, read_metrics, steps_saved
 from tests.reliability.scripted_retriever import ScriptedRetriever
-from tests.reliability.test_stops import TIMEOUT_S, assert_stopped_in_time, final_params
+from tests.reliability.test_stops import TIMEOUT_S, final_params, stopped_during_updates
 
 TIS = {"objective__tis_cap": 2.0}  # rollout.partial needs the behaviour correction
 # A run whose cut leaves conversations mid-way: every conversation of a step in one session (sessions would
@@ -57,13 +56,7 @@ def test_sigterm_while_carrying_conversations_saves_the_carry_and_resumes_bitwis
         run_dir = searching_runs.run_dir("partial_update_stop")
         # SIGTERM once 2 of step 2's 4 updates are done (tests/reliability/sigterm_at_update.py): the state, data
         # position and carry from before step 2 are saved; the rerun resumes step 1's carried conversations again.
-        launched = searching_runs.start(server.config(), "partial_update_stop", **CARRYING,
-                                        launcher=("-m", "tests.reliability.sigterm_at_update", "2", "2"))
-        launched.process.wait(TIMEOUT_S)
-        signalled = re.search(r"SIGTERM sent at monotonic (\S+)", launched.output())
-        assert signalled, launched.output()[-4000:]
-        output = assert_stopped_in_time(launched, float(signalled.group(1)))
-        assert "stop requested during the updates of step 2: saved the state before it, exiting" in output
+        stopped_during_updates(searching_runs, server, "partial_update_stop", 2, 2, **CARRYING)
         assert steps_saved(run_dir) == [1]
         finish([searching_runs.start(server.config(), "partial_update_stop", **CARRYING)], TIMEOUT_S)
     assert_same_run(result(searching_runs, "partial_update_stop", policy[0]), reference)

@@ -57,6 +57,21 @@ def assert_stopped_in_time(launched, signalled_at: float) -> str:
     return output
 
 
+def stopped_during_updates(searching_runs, server, name: str, step: int, updates: int, **settings) -> str:
+    """Launches run `name` under tests/reliability/sigterm_at_update.py, which sends SIGTERM once `updates` of step
+    `step`'s updates are done; asserts the run stopped in time (`assert_stopped_in_time`), saving the state from
+    before that step. Returns its output."""
+    launched = searching_runs.start(server.config(), name, **settings,
+                                    launcher=("-m", "tests.reliability.sigterm_at_update", str(step), str(updates)))
+    launched.process.wait(TIMEOUT_S)
+    signalled = re.search(r"SIGTERM sent at monotonic (\S+)", launched.output())
+    assert signalled, launched.output()[-4000:]
+    output = assert_stopped_in_time(launched, float(signalled.group(1)))
+    assert (f"stop requested during the updates of step {step}: saved the state before it, exiting"
+            in output), output[-4000:]
+    return output
+
+
 @pytest.mark.slow
 def test_sigterm_during_a_rollout_saves_the_step_before_and_resumes_bitwise(searching_runs, reference,
                                                                             policy):
@@ -90,14 +105,7 @@ def test_sigterm_during_the_updates_saves_the_step_before_and_resumes_bitwise(se
                                                                              policy):
     run_dir = searching_runs.run_dir("update_stop")
     with ScriptedRetriever() as server:
-        # SIGTERM once 5 of step 2's 32 updates are done (tests/reliability/sigterm_at_update.py).
-        launched = searching_runs.start(server.config(), "update_stop",
-                                        launcher=("-m", "tests.reliability.sigterm_at_update", "2", "5"))
-        launched.process.wait(TIMEOUT_S)
-        signalled = re.search(r"SIGTERM sent at monotonic (\S+)", launched.output())
-        assert signalled, launched.output()[-4000:]
-        output = assert_stopped_in_time(launched, float(signalled.group(1)))
-        assert "stop requested during the updates of step 2: saved the state before it, exiting" in output
+        output = stopped_during_updates(searching_runs, server, "update_stop", 2, 5)  # 5 of step 2's 32 updates
         assert "training stopped after step 1 of 3" in output
         assert steps_saved(run_dir) == [1]
         finish([searching_runs.start(server.config(), "update_stop")], TIMEOUT_S)

@@ -11,7 +11,7 @@ from llds_jax.rl.advantages import GRPO_EPS
 from llds_jax.train import trainer as trainer_lib
 from llds_jax.train.rewards import DEFAULT_REWARD_FNS, exact_match, summed_rewards
 from llds_jax.train.step_hooks import DEFAULT_STEP_HOOKS
-from tests.run_fixtures import tiny_config
+from tests.run_fixtures import tiny_config, tiny_trainer_config
 
 
 def even_tokens(trajectories, reward_cfg):
@@ -63,15 +63,7 @@ def test_an_added_reward_moves_the_advantages_and_an_added_hook_sees_every_steps
     records: each step's batch carries the summed rewards and their NumPy GRPO advantages; the hook runs after
     each step, after the default ones (the evaluation's metrics of step 2 are there), with the metrics the log
     holds."""
-    cfg = tiny_config()
-    cfg.demo.enabled = False
-    cfg.model.path = tiny_assets["model"]
-    cfg.data.train_files, cfg.data.eval_files = [tiny_assets["train"]], [tiny_assets["test"]]
-    cfg.retriever.index_dir = tiny_assets["index"]
-    cfg.run_dir = str(tmp_path / "run")
-    cfg.mesh.fsdp = -1
-    cfg.data.samples_per_prompt = 4
-    cfg.optim.mini_batch_size = cfg.optim.micro_batch_size = 8  # a multiple of the 8 batch shards (validation)
+    cfg = tiny_trainer_config(tiny_assets, str(tmp_path / "run"))
     seen = []
 
     def record(done):

@@ -9,7 +9,7 @@ import pytest
 from llds_jax.rollout import layout as layout_lib
 from llds_jax.rollout.driver import sequence_keys
 from llds_jax.train import trainer as trainer_lib
-from tests.run_fixtures import tiny_config
+from tests.run_fixtures import tiny_trainer_config
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
@@ -40,15 +40,7 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     first rollout's grid no step program compiled for the second; the training params are the same float32 arrays
     afterwards. Each trajectory's lineage: its prompt's group (what the trainer's batch groups it by), its own tree,
     its sequence's key."""
-    cfg = tiny_config()
-    cfg.demo.enabled = False
-    cfg.model.path = tiny_assets["model"]
-    cfg.data.train_files, cfg.data.eval_files = [tiny_assets["train"]], [tiny_assets["test"]]
-    cfg.retriever.index_dir = tiny_assets["index"]
-    cfg.run_dir = str(tmp_path / "run")
-    cfg.mesh.fsdp = -1
-    cfg.data.samples_per_prompt = 4
-    cfg.optim.mini_batch_size = cfg.optim.micro_batch_size = 8  # a multiple of the 8 batch shards (validation)
+    cfg = tiny_trainer_config(tiny_assets, str(tmp_path / "run"))
     cfg.rollout.params_dtype = "bfloat16"
     cfg.rollout.max_batch_size = 4
     cfg.rollout.decode_chunk = 2  # 8-token turns: up to 4 chunks a turn
