@@ -899,6 +899,9 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     trees = os.path.join(evidence, "tree_study")
     same += [(os.path.join(trees, name), tmp_path / "tree_study" / name)
              for name in ("runs.csv", "steps.csv.gz", "table.md", "paired.md", "arms.md", "survival.md", "sequence.md")]
+    partial = os.path.join(evidence, "partial_study")
+    same += [(os.path.join(partial, name), tmp_path / "partial_study" / name)
+             for name in ("runs.csv", "steps.csv.gz", "table.md", "primary.md", "paired.md", "arms.md")]
     for committed, produced in same:
         with open(committed, "rb") as f:
             assert f.read() == produced.read_bytes(), committed

@@ -65,8 +65,7 @@ S=configs/demo_cpu_late_collapse.py
     --recorded "$EVIDENCE/tree_study/runs.csv" --controls llds \
     --endpoints final_em,peak_em,tokens_generated,searches_per_trajectory,step_s,collapsed
 # Issue 59's registered comparison of synchronous and partial rollouts (docs/evidence.md; 20 steps, seeds 0-7, two
-# arms): not run yet. This line is uncommented in the commit that adds docs/evidence/partial_study/runs.csv and
-# steps.csv.gz:
-# "$PYTHON" -m llds_jax.apps.demo_study --settings stress --arms sync_tis,partial2 --seeds 8 \
-#     --out "$OUT/partial_study" --report --recorded "$EVIDENCE/partial_study/runs.csv" \
-#     --controls sync_tis --primary final_em --endpoints step_s,rollout_s,tokens_per_s
+# arms).
+"$PYTHON" -m llds_jax.apps.demo_study --settings stress --arms sync_tis,partial2 --seeds 8 \
+    --out "$OUT/partial_study" --report --recorded "$EVIDENCE/partial_study/runs.csv" \
+    --controls sync_tis --primary final_em --endpoints step_s,rollout_s,tokens_per_s

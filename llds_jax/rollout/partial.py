@@ -118,7 +118,7 @@ class Carry:
     groups: tuple[CarriedGroup, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able record (the checkpoint's `partial` meta): log-probs as Python floats, which hold float32
+        """A JSON-able record (this host's `partial` record in the checkpoint): log-probs as Python floats, which hold float32
         values exactly."""
         return {"groups": [[_member_to_json(m) for m in group.members] for group in self.groups]}
 

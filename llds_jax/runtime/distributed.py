@@ -122,6 +122,13 @@ def any_process(flag: bool) -> bool:
     return bool(np.asarray(flags).any())
 
 
+def largest(value: int) -> int:
+    """The largest `value` of every process; every process must call it at the same point (a collective)."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.array([value], np.int64))))
+
+
 def barrier(name: str) -> None:
     """Waits until every process reaches the barrier `name` (a no-op for one process)."""
     if jax.process_count() > 1:

@@ -16,15 +16,13 @@ from jax.experimental import multihost_utils
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rollout import buckets
 from llds_jax.rollout.trajectory import Trajectory
+from llds_jax.runtime import distributed
 
 
 def padded_length(trajectories: Sequence[Trajectory], bucket: int) -> int:
     """The longest trajectory of every host, rounded up to a multiple of `bucket` (a collective on several
     hosts: every process calls it at the same point)."""
-    longest = max(len(t.tokens) for t in trajectories)
-    if jax.process_count() > 1:
-        longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
-    return buckets.round_up(longest, bucket)
+    return buckets.round_up(distributed.largest(max(len(t.tokens) for t in trajectories)), bucket)
 
 
 def training_length(needed: int, used: set[int]) -> int:

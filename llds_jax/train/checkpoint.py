@@ -1,8 +1,11 @@
-"""Orbax checkpoints of a run: parameters, optimizer state and a small JSON record, saved asynchronously.
+"""Orbax checkpoints of a run: parameters, optimizer state, the run's and each host's JSON records, saved async.
 
-A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<dir>/<step>/`) with three items:
-`params` and `opt_state` (pytrees of sharded jax arrays, e.g. an `nnx.State` and an optax state) and `meta`
-(JSON: `{"step": step, "meta": {...}}`: data-iterator state, rng, counters; anything small).
+A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<dir>/<step>/`) with up to four
+items: `params` and `opt_state` (pytrees of sharded jax arrays, e.g. an `nnx.State` and an optax state), `meta`
+(JSON: `{"step": step, "meta": {...}}`: data-iterator state, rng, counters; anything small; orbax writes it from
+process 0 alone) and `hosts`, each process's own record (`host_meta`: what differs between hosts, e.g. a host's
+carried partial rollouts; JSON of each process, space-padded to the longest, as one uint8 array of a row per
+process, the row written and read by its own process).
 
 - Saving is asynchronous: `save` returns once the arrays are copied to host memory (they may be donated or deleted
   right after) and the files are written in the background; `wait_until_finished()` blocks until the last save is
@@ -24,7 +27,8 @@ A run folder (local path or `gs://...`) holds one sub-folder per saved step (`<d
   read that stops answering ends the process after `timeout_s`. After a failed write, `close` waits for nothing
   more.
 - On several hosts every process calls `save`, `restore*` and `wait_until_finished` at the same point (each writes
-  and reads its own shards; orbax synchronizes them).
+  and reads its own shards; orbax synchronizes them). A step restored on another number of processes than saved it
+  has no host records for them (`Restored.host_meta` None, `Restored.host_count` the saving processes).
 - Each save records two checksums of every array it writes (`checksums`, in the `meta` item); `restore` checks
   them, and a step whose data changed after the save (flipped bytes: before issue 58 they were loaded as weights
   without a word) fails with ChecksumMismatchError naming the array: `restore_latest` falls back to the previous
@@ -52,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llds_jax.runtime import distributed, gcs, storage
 from llds_jax.bounds import ConfigError
@@ -141,12 +146,16 @@ def drop_orphaned_read_errors() -> None:
 
 
 class Restored(NamedTuple):
-    """A restored checkpoint: its step, params, opt_state (None when not asked for) and the saved `meta` dict."""
+    """A restored checkpoint: its step, params, opt_state (None when not asked for), the saved `meta` dict, this
+    process's `host_meta` (None: the step has no host records, or `host_count` processes saved it and another number
+    restores it) and `host_count` (the processes that saved host records; 0: none)."""
 
     step: int
     params: Any
     opt_state: Any
     meta: dict[str, Any]
+    host_meta: dict[str, Any] | None = None
+    host_count: int = 0
 
 
 class CheckpointUnreadableError(RuntimeError):
@@ -222,6 +231,28 @@ def _on_device(x: Any) -> bool:
     return getattr(getattr(x, "sharding", None), "memory_kind", None) in (None, "device")
 
 
+def _processes_sharding() -> NamedSharding:
+    """A [processes, bytes] array's sharding: row p on process p's devices (replicated over them)."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("processes", "local"))
+    return NamedSharding(mesh, PartitionSpec("processes", None))
+
+
+def host_records(record: Mapping[str, Any]) -> jax.Array:
+    """Every process's `record` (JSON, space-padded to the longest; a collective) as a uint8 array [processes,
+    bytes], row p from process p."""
+    data = np.frombuffer(json.dumps(record).encode(), np.uint8)
+    row = np.full((1, distributed.largest(data.size)), ord(" "), np.uint8)
+    row[0, :data.size] = data
+    return jax.make_array_from_process_local_data(_processes_sharding(), row, (jax.process_count(),
+                                                                                  row.shape[1]))
+
+
+def own_record(records: jax.Array) -> dict[str, Any]:
+    """This process's record of `host_records`' array (laid out by `_processes_sharding`)."""
+    return json.loads(np.asarray(records.addressable_shards[0].data)[0].tobytes().decode())
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints (see the module docstring).
 
@@ -254,7 +285,7 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True,
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler()}
+                    "meta": ocp.JsonCheckpointHandler(), "hosts": ocp.StandardCheckpointHandler()}
         with self._operation("opening the checkpoint folder"):
             self._manager = self._open_manager(options, handlers)
 
@@ -300,21 +331,30 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, params: Any, opt_state: Any, meta: Mapping[str, Any]) -> bool:
+    def save(self, step: int, params: Any, opt_state: Any, meta: Mapping[str, Any],
+             host_meta: Mapping[str, Any] | None = None) -> bool:
         """Starts saving `step`; returns False (and saves nothing) when that step already exists.
 
         Args:
           params, opt_state: pytrees of jax arrays (any sharding).
-          meta: JSON-serializable dict (raises TypeError naming the key that is not).
+          meta: JSON-serializable dict, the same on every process (process 0's is written).
+          host_meta: this process's own JSON-serializable dict (the `hosts` item), or None for no host records;
+            None on every process or on none. Raises TypeError naming the key that is not serializable.
         """
-        for key, value in meta.items():
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"checkpoint meta[{key!r}] is not JSON-serializable: {e}") from None
-        sums = {"params": checksums(params), "opt_state": checksums(opt_state)}  # checked by `restore`
+        for name, record in (("meta", meta), ("host_meta", host_meta or {})):
+            for key, value in record.items():
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError) as e:
+                    raise TypeError(f"checkpoint {name}[{key!r}] is not JSON-serializable: {e}") from None
+        arrays = {"params": params, "opt_state": opt_state}
+        if host_meta is not None:
+            arrays["hosts"] = {"records": host_records(host_meta)}
+        sums = {name: checksums(tree) for name, tree in arrays.items()}  # checked by `restore`
         items = {"params": ocp.args.StandardSave(params),
                  "meta": ocp.args.JsonSave({"step": step, "meta": dict(meta), "checksums": sums})}
+        if host_meta is not None:
+            items["hosts"] = ocp.args.StandardSave(arrays["hosts"])
         if jax.tree.leaves(opt_state):  # a stateless optimizer (e.g. optax.sgd) has nothing to save
             items["opt_state"] = ocp.args.StandardSave(opt_state)
         self.wait_until_finished()  # a failure of the previous save is reported as that step's
@@ -331,10 +371,11 @@ class Checkpointer:
         self._pending = None
 
     def restore(self, step: int, params_target: Any, opt_state_target: Any = None,
-                check_meta: Callable[[dict], None] | None = None) -> Restored:
+                check_meta: Callable[[dict, dict | None], None] | None = None) -> Restored:
         """Restores `step` onto the targets' shardings; `opt_state_target=None` skips the optimizer state;
-        `check_meta(meta)` raises ValueError (or KeyError, TypeError) when the step's record cannot be resumed from
-        (the trainer's: a data position out of range), re-raised as ValueError naming the step's meta item.
+        `check_meta(meta, host_meta)` raises ValueError (or KeyError, TypeError) when the step's records cannot be
+        resumed from (the trainer's: a data position out of range), re-raised as ValueError naming the step's meta
+        item. `host_meta` is this process's record (None: see `Restored`).
 
         The targets are pytrees of `jax.Array`s or `jax.ShapeDtypeStruct`s with shardings, shaped like what was
         saved (e.g. `jax.eval_shape` of the jitted initializer with `out_shardings`, or the live fresh state).
@@ -345,21 +386,38 @@ class Checkpointer:
         saved = self._manager.item_metadata(step)
         for name, target in targets.items():
             self._check_target(step, name, saved.get(name), target)
+        records_shape = self._records_shape(step, saved.get("hosts"))
+        host_count = records_shape[0] if records_shape else 0
+        if host_count == jax.process_count():
+            targets["hosts"] = {"records": jax.ShapeDtypeStruct(records_shape, np.uint8,
+                                                                sharding=_processes_sharding())}
         items = {name: ocp.args.StandardRestore(target) for name, target in targets.items()}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
         record = restored.meta
         if not isinstance(record, dict) or record.get("step") != step or not isinstance(record.get("meta"), dict):
             raise ValueError(f"{self.directory / str(step)}/meta: expected {{'step': {step}, 'meta': {{...}}}}, "
                              f"got {record!r}")
-        try:
-            if check_meta is not None:
-                check_meta(record["meta"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{self.directory / str(step)}/meta: {describe(e)}") from None
         for name in targets:  # a step saved before issue 58 has no checksums
             self._check_sums(step, name, restored[name], record.get("checksums", {}).get(name))
+        host_meta = own_record(restored.hosts["records"]) if "hosts" in targets else None
+        try:
+            if check_meta is not None:
+                check_meta(record["meta"], host_meta)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.directory / str(step)}/meta: {describe(e)}") from None
         opt_state = restored.opt_state if "opt_state" in targets else opt_state_target  # None or leafless
-        return Restored(step=step, params=restored.params, opt_state=opt_state, meta=record["meta"])
+        return Restored(step=step, params=restored.params, opt_state=opt_state, meta=record["meta"],
+                        host_meta=host_meta, host_count=host_count)
+
+    def _records_shape(self, step: int, saved: Any) -> tuple[int, int] | None:
+        """The shape [processes, bytes] of the step's host records (None: it has none)."""
+        if saved is None:
+            return None
+        shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(saved)]
+        if len(shapes) != 1 or len(shapes[0]) != 2:
+            raise ValueError(f"{self.directory / str(step)}/hosts: expected one array [processes, bytes], got "
+                             f"shapes {shapes}")
+        return shapes[0]
 
     def _check_sums(self, step: int, name: str, tree: Any, saved: list | None) -> None:
         """Raises ChecksumMismatchError naming the first array of `tree` whose checksums are not `saved`'s (before
@@ -388,7 +446,7 @@ class Checkpointer:
                                               f"{tuple(have.shape)}, the restore target has {tuple(want.shape)}")
 
     def restore_latest(self, params_target: Any, opt_state_target: Any = None,
-                       check_meta: Callable[[dict], None] | None = None) -> Restored | None:
+                       check_meta: Callable[[dict, dict | None], None] | None = None) -> Restored | None:
         """Restores the newest readable step (None when the folder has no step); see `restore`. A step whose record
         `check_meta` refuses counts as unreadable (issue 58: a data position out of range failed every rerun).
 
@@ -401,7 +459,7 @@ class Checkpointer:
             return self._restore_latest(params_target, opt_state_target, check_meta)
 
     def _restore_latest(self, params_target: Any, opt_state_target: Any,
-                        check_meta: Callable[[dict], None] | None) -> Restored | None:
+                        check_meta: Callable[[dict, dict | None], None] | None) -> Restored | None:
         failures = {}
         for step in reversed(self.all_steps()):
             error = None

@@ -29,8 +29,10 @@ rollout engine's step programs run on those arrays; old / reference / policy log
 training params.
 
 `rollout.partial` (llds_jax/rollout/partial.py): each step starts ceil(rollout.over_sampling x prompts) groups,
-carried ones first, trains the first complete ones and carries the rest (`self.carry`); the carry is part of every
-checkpoint (meta `partial`), and a step that ends early saves the carry from before it with its data position.
+carried ones first, trains the first complete ones and carries the rest (`self.carry`). Each host carries its own
+groups and draws its own fresh prompts, so its carry and its data position are its own record in every checkpoint
+(the `hosts` item, llds_jax/train/checkpoint.py); a step that ends early saves the carry from before it with its
+data position.
 """
 from __future__ import annotations
 
@@ -447,13 +449,16 @@ class Trainer:
             if changed:
                 print(run_config.notice(self.run_dir, latest, changed), file=sys.stderr, flush=True)
 
-    def _check_meta(self, meta: dict) -> None:
-        """Raises ValueError, KeyError or TypeError when a checkpoint's record cannot be resumed from (its data
-        position, rng or counter missing or out of range): the checkpointer then falls back to the step before."""
+    def _check_meta(self, meta: dict, host_meta: Optional[dict]) -> None:
+        """Raises ValueError, KeyError or TypeError when a checkpoint's records cannot be resumed from (a data
+        position, the rng, the counter or this host's carry missing or out of range): the checkpointer then falls
+        back to the step before."""
         self.data.check(meta["data"])
         rng_from_json(meta["rng"])
         int(meta["nonfinite_count"])
-        Carry.from_json(meta.get("partial", {"groups": []}))
+        if host_meta is not None:
+            self.data.check(host_meta["data"])
+            Carry.from_json(host_meta["partial"])
 
     def _restore(self, ckpt: Checkpointer, state: TrainState) -> tuple[TrainState, int]:
         """`state` from the run folder's latest checkpoint, with the data order, the random stream and the
@@ -462,10 +467,18 @@ class Trainer:
         if restored is None:
             return state, 0
         start = restored.step
-        self.data.restore(restored.meta["data"])
         self.base_rng = rng_from_json(restored.meta["rng"])
         self._lengths = set(restored.meta.get("lengths", ()))  # the resumed steps pad as the first attempt did
-        self.carry = Carry.from_json(restored.meta.get("partial", {"groups": []}))
+        if restored.host_meta is not None:
+            self.data.restore(restored.host_meta["data"])
+            self.carry = Carry.from_json(restored.host_meta["partial"])
+        else:
+            self.data.restore(restored.meta["data"])
+            self.carry = Carry()
+            if restored.host_count and self.partial_cfg.partial:
+                log.warning("the checkpoint of step %d was saved by %d processes and is resumed by %d: the hosts' "
+                            "carried partial-rollout groups are dropped, the prompts resume at process 0's position",
+                            restored.step, restored.host_count, jax.process_count())
         if self.carry.groups and not self.partial_cfg.partial:
             log.warning("the checkpoint of step %d carries %d partial-rollout group(s); rollout.partial is off: "
                         "they are dropped", restored.step, len(self.carry.groups))
@@ -491,9 +504,9 @@ class Trainer:
         """Saves `step` (`state`, the data position and the partial rollouts' carry after it, the rng); the metrics
         written so far reach the disk first, so that every saved step's metrics are in the log."""
         writer.flush()
-        ckpt.save(step, state.params, state.opt_state, {
-            "data": data_state, "rng": rng_to_json(self.base_rng), "lengths": sorted(self._lengths),
-            "nonfinite_count": int(jax.device_get(state.nonfinite_count)), "partial": carry.to_json()})
+        meta = {"data": data_state, "rng": rng_to_json(self.base_rng), "lengths": sorted(self._lengths),
+                "nonfinite_count": int(jax.device_get(state.nonfinite_count))}
+        ckpt.save(step, state.params, state.opt_state, meta, host_meta={"data": data_state, "partial": carry.to_json()})
 
     def _save_pre_step(self, ckpt: Checkpointer, writer: MetricsWriter, pre_step: PreStep,
                        state: TrainState) -> None:

@@ -104,7 +104,7 @@ def test_a_data_position_out_of_range_falls_back_to_the_previous_step_naming_the
         json.dump(record, f)
     reopened = Checkpointer(directory, save_every=1, keep=3, async_save=False)
     with caplog.at_level(logging.WARNING):
-        restored = reopened.restore_latest(params, None, check_meta=lambda meta: data.check(meta["data"]))
+        restored = reopened.restore_latest(params, None, check_meta=lambda meta, host_meta: data.check(meta["data"]))
     reopened.close()
     assert restored.step == 1 and restored.meta["data"]["position"] == 4
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

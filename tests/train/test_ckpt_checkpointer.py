@@ -216,11 +216,29 @@ def test_empty_folder_restores_nothing(tmp_path, mesh):
     assert Checkpointer(str(tmp_path / "run"), save_every=1, keep=2).restore_latest({"x": x}) is None
 
 
+def test_a_host_record_round_trips_and_reaches_check_meta(tmp_path, mesh):
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    ckpt = Checkpointer(str(tmp_path), save_every=1, keep=3)
+    ckpt.save(1, {"x": x}, (), {"n": 1})
+    ckpt.save(2, {"x": x + 1}, (), {"n": 2}, host_meta={"partial": {"groups": [["é"]]}, "data": {"position": 3}})
+    ckpt.wait_until_finished()
+    checked = []
+    restored = ckpt.restore_latest({"x": x}, check_meta=lambda meta, host_meta: checked.append((meta, host_meta)))
+    assert (restored.step, restored.host_meta, restored.host_count) == (
+        2, {"partial": {"groups": [["é"]]}, "data": {"position": 3}}, 1)
+    assert checked == [({"n": 2}, restored.host_meta)]
+    first = ckpt.restore(1, {"x": x})
+    assert (first.meta, first.host_meta, first.host_count) == ({"n": 1}, None, 0)  # saved without host records
+    ckpt.close()
+
+
 def test_clear_errors(tmp_path, mesh):
     ckpt = Checkpointer(str(tmp_path), save_every=1, keep=1)
     x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
     with pytest.raises(TypeError, match="checkpoint meta\\['rng'\\] is not JSON-serializable"):
         ckpt.save(1, {"x": x}, {}, {"rng": np.zeros(2)})
+    with pytest.raises(TypeError, match="checkpoint host_meta\\['carry'\\] is not JSON-serializable"):
+        ckpt.save(1, {"x": x}, {}, {}, host_meta={"carry": {1, 2}})
     with pytest.raises(ValueError, match="checkpoint restore params\\['layers'\\]\\['w'\\] has no sharding"):
         abstract_like({"layers": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}}, "params")
     with pytest.raises(ValueError, match="checkpoint.keep must be positive, got 0"):
