@@ -1,14 +1,15 @@
 """rollout.partial in real runs (the searching policy, the scripted retriever; tests/reliability/conftest.py): at
 over-sampling 1 a run trains what the synchronous run trains, bit for bit; a SIGTERM among the updates of a step
 that resumes carried conversations saves the carry from before it, and the resumed run equals an uninterrupted
-one bit for bit (params and every metric)."""
+one bit for bit (params and every metric); on two hosts, each resumes its own carry and data position."""
 
 import numpy as np
 import pytest
 
-from tests.e2e.runs import comparable, finish, read_metrics, steps_saved
+from tests.e2e.runs import comparable, finish, host_args, read_metrics, steps_saved
 from tests.reliability.scripted_retriever import ScriptedRetriever
 from tests.reliability.test_stops import TIMEOUT_S, final_params, stopped_during_updates
+from tests.servers import free_port
 
 TIS = {"objective__tis_cap": 2.0}  # rollout.partial needs the behaviour correction
 # A run whose cut leaves conversations mid-way: every conversation of a step in one session (sessions would
@@ -60,3 +61,26 @@ def test_sigterm_while_carrying_conversations_saves_the_carry_and_resumes_bitwis
         assert steps_saved(run_dir) == [1]
         finish([searching_runs.start(server.config(), "partial_update_stop", **CARRYING)], TIMEOUT_S)
     assert_same_run(result(searching_runs, "partial_update_stop", policy[0]), reference)
+
+
+@pytest.mark.slow
+def test_two_hosts_each_resume_their_own_carry_as_the_uninterrupted_run(searching_runs, policy):
+    """Two processes (one CPU device each), 2 prompts of the step per host: each host carries its own conversations
+    and draws its own prompts, so each resumes its own record of step 1's checkpoint (before, every host resumed
+    host 0's carry and data position) and step 2 equals the uninterrupted two-host run's, bit for bit."""
+    two_hosts = {**CARRYING, "mesh__fsdp": -1, "optim__mini_batch_size": 2, "optim__micro_batch_size": 2,
+                 "train__checkpoint_every": 1}
+
+    def run(server, name: str, steps: int) -> list[str]:
+        port = free_port()
+        return finish([searching_runs.start(server.config(), name, *host_args(port, pid), **two_hosts,
+                                            train__total_steps=steps) for pid in (0, 1)], TIMEOUT_S)
+
+    with ScriptedRetriever() as server:
+        run(server, "partial_two_hosts", 2)
+        run(server, "partial_two_hosts_resumed", 1)
+        outputs = run(server, "partial_two_hosts_resumed", 2)
+    assert all("resumed from step 1" in output for output in outputs)
+    reference = result(searching_runs, "partial_two_hosts", policy[0])
+    assert reference[0][0]["rollout/partial/carried"] > 0 and reference[0][1]["rollout/partial/resumed"] > 0
+    assert_same_run(result(searching_runs, "partial_two_hosts_resumed", policy[0]), reference)
