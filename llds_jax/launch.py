@@ -286,7 +286,7 @@ def main(argv) -> None:
     if not verbosity.present:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from llds_jax.runtime.storage import StorageError
+    from llds_jax.runtime.storage import StorageError, error_line
     from llds_jax.train.preemption import StopRequested
 
     try:
@@ -299,8 +299,7 @@ def main(argv) -> None:
         # the warm start on a loaded 2-core machine (issue 58), a third of a spot VM's notice.
         os._exit(0)
     except StorageError as e:  # at once: the interpreter's exit would wait for storage threads that may hang
-        print(f"llds_jax: error: {e}; the same command resumes from the newest complete checkpoint",
-              file=sys.stderr, flush=True)
+        print(error_line(e), file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_BAD_INPUT)
     except _known_errors() as e:

@@ -64,6 +64,7 @@ class Emulator:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-server-", suffix=".log")
         self._process: subprocess.Popen | None = None
+        self.paused = False  # frozen by `pause`
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Starts the server and waits (at most `timeout_s` seconds) until it answers."""
@@ -126,6 +127,7 @@ class Emulator:
     def pause(self) -> None:
         """Freezes the server (SIGSTOP): connections are accepted and never answered, an endpoint that hangs."""
         self._process.send_signal(signal.SIGSTOP)
+        self.paused = True
 
     def resume(self, timeout_s: float = 10.0) -> None:
         """Unfreezes a paused server (SIGCONT) and waits (at most `timeout_s` seconds) until it answers.
@@ -134,6 +136,7 @@ class Emulator:
         their metadata (see `kill`); with the client gone (the tests resume only after the run ended), those files
         are removed as `kill` removes them."""
         self._process.send_signal(signal.SIGCONT)
+        self.paused = False
         if not self._await_answer(timeout_s):
             raise RuntimeError(f"fake-gcs-server on {self.url} did not answer within {timeout_s} s of SIGCONT")
         if self.root:

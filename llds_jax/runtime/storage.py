@@ -13,6 +13,11 @@ Storage fails in two ways a long run must survive without losing what it saved (
   default) ends the process from a monitor thread, with one line and exit status 2, since the thread that waits
   for storage cannot be interrupted. Once a stop signal arrived (`stop_requested`), operations get at most
   STOP_GRACE_S seconds more: a spot VM gives about 30 s.
+An operation begun while a StorageError is being handled (a write on the way out of the failed run: the metrics'
+last flush, releasing the run folder's lease) gets at most AFTER_FAILURE_S seconds, and if it does not end by then
+the process ends with the failure's own line. Before, such a write waited its whole timeout on the endpoint that had
+just failed (a run whose endpoint died ended 154 s after it in CI, at the default 120 s), and its line, when it
+overran, replaced the failure's.
 
 Usage:
   with storage.operation("saving checkpoint step 3", path, timeout_s=120):
@@ -34,6 +39,7 @@ from llds_jax.runtime import gcs
 
 DEFAULT_TIMEOUT_S = 120.0
 STOP_GRACE_S = 20.0  # seconds an operation may still take once a stop signal arrived
+AFTER_FAILURE_S = 5.0  # seconds for an operation begun while a StorageError is being handled
 EXIT_STATUS = 2  # as the command's other one-line errors
 _POLL_S = 0.25
 
@@ -70,11 +76,17 @@ def reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+def error_line(failure: StorageError) -> str:
+    """The command's one line for a failed storage operation."""
+    return f"llds_jax: error: {failure}; the same command resumes from the newest complete checkpoint"
+
+
 class _Operation(NamedTuple):
     what: str
     path: str
     started: float  # time.monotonic()
     timeout_s: float
+    failure: Optional[StorageError]  # the failure being handled when it began: the line to end with
 
 
 class _Monitor:
@@ -120,11 +132,15 @@ _MONITOR = _Monitor()
 
 
 def _expire(operation: _Operation, now: float) -> None:
-    """Ends the process: one line naming the operation that stopped answering, exit status 2."""
-    after_stop = "" if _MONITOR.stop_at is None else " (a stop was requested: nothing more can be saved)"
-    print(f"llds_jax: error: {operation.what} {where(operation.path)}: no answer within "
-          f"{now - operation.started:.0f} s{after_stop}; the same command resumes from the newest complete "
-          f"checkpoint", file=sys.stderr, flush=True)
+    """Ends the process, exit status 2, with one line: naming the operation that stopped answering, or the failure
+    it was begun on the way out of."""
+    if operation.failure is None:
+        after_stop = "" if _MONITOR.stop_at is None else " (a stop was requested: nothing more can be saved)"
+        failure = StorageError(f"{operation.what} {where(operation.path)}: no answer within "
+                               f"{now - operation.started:.0f} s{after_stop}")
+    else:
+        failure = operation.failure
+    print(error_line(failure), file=sys.stderr, flush=True)
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     os._exit(EXIT_STATUS)
@@ -145,9 +161,14 @@ def clear_stop_request() -> None:
 def operation(what: str, path: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S,
               convert: bool = True) -> Iterator[None]:
     """Runs the block as the storage operation `what` on `path`: a block running longer than `timeout_s` ends the
-    process; with `convert`, any exception it raises becomes StorageError ("{what} {where(path)} failed: {reason}"),
-    else it passes unchanged (a reader that judges its errors itself, e.g. Checkpointer.restore_latest)."""
-    key = _MONITOR.begin(_Operation(what, os.fspath(path), time.monotonic(), timeout_s))
+    process (AFTER_FAILURE_S when begun while a StorageError is being handled); with `convert`, any exception it
+    raises becomes StorageError ("{what} {where(path)} failed: {reason}"), else it passes unchanged (a reader that
+    judges its errors itself, e.g. Checkpointer.restore_latest)."""
+    handling = sys.exc_info()[1]
+    failure = handling if isinstance(handling, StorageError) else None
+    if failure is not None:
+        timeout_s = min(timeout_s, AFTER_FAILURE_S)
+    key = _MONITOR.begin(_Operation(what, os.fspath(path), time.monotonic(), timeout_s, failure))
     try:
         yield
     except StorageError:
