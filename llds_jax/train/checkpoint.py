@@ -238,10 +238,23 @@ def _processes_sharding() -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec("processes", None))
 
 
-def host_records(record: Mapping[str, Any]) -> jax.Array:
-    """Every process's `record` (JSON, space-padded to the longest; a collective) as a uint8 array [processes,
-    bytes], row p from process p."""
-    data = np.frombuffer(json.dumps(record).encode(), np.uint8)
+def json_bytes(name: str, record: Mapping[str, Any]) -> bytes:
+    """`record` as JSON (UTF-8); raises TypeError naming `name` and the key whose value is not serializable."""
+    try:
+        return json.dumps(record).encode()
+    except (TypeError, ValueError):
+        for key, value in record.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"checkpoint {name}[{key!r}] is not JSON-serializable: {e}") from None
+        raise
+
+
+def host_records(encoded: bytes) -> jax.Array:
+    """Every process's record `encoded` (JSON bytes, space-padded to the longest; a collective) as a uint8 array
+    [processes, bytes], row p from process p."""
+    data = np.frombuffer(encoded, np.uint8)
     row = np.full((1, distributed.largest(data.size)), ord(" "), np.uint8)
     row[0, :data.size] = data
     return jax.make_array_from_process_local_data(_processes_sharding(), row, (jax.process_count(),
@@ -341,15 +354,10 @@ class Checkpointer:
           host_meta: this process's own JSON-serializable dict (the `hosts` item), or None for no host records;
             None on every process or on none. Raises TypeError naming the key that is not serializable.
         """
-        for name, record in (("meta", meta), ("host_meta", host_meta or {})):
-            for key, value in record.items():
-                try:
-                    json.dumps(value)
-                except (TypeError, ValueError) as e:
-                    raise TypeError(f"checkpoint {name}[{key!r}] is not JSON-serializable: {e}") from None
+        json_bytes("meta", meta)
         arrays = {"params": params, "opt_state": opt_state}
         if host_meta is not None:
-            arrays["hosts"] = {"records": host_records(host_meta)}
+            arrays["hosts"] = {"records": host_records(json_bytes("host_meta", host_meta))}
         sums = {name: checksums(tree) for name, tree in arrays.items()}  # checked by `restore`
         items = {"params": ocp.args.StandardSave(params),
                  "meta": ocp.args.JsonSave({"step": step, "meta": dict(meta), "checksums": sums})}
