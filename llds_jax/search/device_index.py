@@ -1,9 +1,9 @@
 """An exact inner-product index's vectors on the chips: read from the float32 Flat file a faiss retriever reads,
 stored in bfloat16 or int8 (per-row scales), sharded by rows over a mesh's devices, loaded in chunks.
 
-Layout: the N rows are cut into `shards` (the devices) of S = blocks x B rows each (`IndexLayout`); shard p holds
-rows [p * S, (p + 1) * S), the rows past N are zeros (the search masks them). A search scores one block of B rows
-at a time, so its temporaries are [queries, B] whatever the index size.
+Layout: the N rows are cut into `shards` (the devices) of S = K blocks x R rows each (`IndexLayout`); shard p holds
+rows [p * S, (p + 1) * S), the rows past N are zeros (the search masks them). A search scores one block of R rows
+at a time, so its temporaries are [Q, R] (Q queries) whatever the index size.
 
 Each stored row x̂ approximates the float32 row x; what the search's exactness proof needs is kept on the host:
 `error_max` = max over rows of ||x - x̂||_2 and `norm_max` = max over rows of ||x̂||_2 (float64, from the rows as

@@ -43,29 +43,30 @@ UNIT_ROUNDOFF = 2.0 ** -24  # float32
 
 
 def _local_candidates(vectors_sd, scales_s, query_qd, *, lay: IndexLayout, m: int):
-    """This shard's best min(m, S) (scores [Q, m'] float32, global row ids [Q, m'] int32), block by block."""
+    """This shard's best min(m, S) (scores [Q, m'] float32, global row ids [Q, m'] int32), block by block: each of
+    its K blocks of R rows gives its best (at most M), pooled over the blocks (M' = K x min(m, R)), then cut to m."""
     shard = jax.lax.axis_index(AXIS)
     per_block = min(m, lay.block_rows)
-    blocks_bbd = vectors_sd.reshape(lay.blocks, lay.block_rows, lay.dim)
-    scales_bb = None if scales_s is None else scales_s.reshape(lay.blocks, lay.block_rows)
+    blocks_krd = vectors_sd.reshape(lay.blocks, lay.block_rows, lay.dim)
+    scales_kr = None if scales_s is None else scales_s.reshape(lay.blocks, lay.block_rows)
 
     def block(b):
-        rows_bd = blocks_bbd[b].astype(jnp.bfloat16)  # int8 codes are exact in bfloat16
-        scores_qb = jnp.einsum("qd,bd->qb", query_qd, rows_bd, preferred_element_type=jnp.float32)
-        if scales_bb is not None:
-            scores_qb = scores_qb * scales_bb[b][None, :]
-        ids_b = shard * lay.shard_rows + b * lay.block_rows + jnp.arange(lay.block_rows, dtype=jnp.int32)
-        scores_qb = jnp.where(ids_b[None, :] < lay.rows, scores_qb, -jnp.inf)
-        top_qm, at_qm = jax.lax.top_k(scores_qb, per_block)
-        return top_qm, ids_b[at_qm]
+        rows_rd = blocks_krd[b].astype(jnp.bfloat16)  # int8 codes are exact in bfloat16
+        scores_qr = jnp.einsum("qd,rd->qr", query_qd, rows_rd, preferred_element_type=jnp.float32)
+        if scales_kr is not None:
+            scores_qr = scores_qr * scales_kr[b][None, :]
+        ids_r = shard * lay.shard_rows + b * lay.block_rows + jnp.arange(lay.block_rows, dtype=jnp.int32)
+        scores_qr = jnp.where(ids_r[None, :] < lay.rows, scores_qr, -jnp.inf)
+        top_qm, at_qm = jax.lax.top_k(scores_qr, per_block)
+        return top_qm, ids_r[at_qm]
 
-    top_bqm, ids_bqm = jax.lax.map(block, jnp.arange(lay.blocks))
+    top_kqm, ids_kqm = jax.lax.map(block, jnp.arange(lay.blocks))
     q = query_qd.shape[0]
-    top_qn = top_bqm.transpose(1, 0, 2).reshape(q, lay.blocks * per_block)
-    ids_qn = ids_bqm.transpose(1, 0, 2).reshape(q, lay.blocks * per_block)
+    pooled_top_qm = top_kqm.transpose(1, 0, 2).reshape(q, lay.blocks * per_block)
+    pooled_ids_qm = ids_kqm.transpose(1, 0, 2).reshape(q, lay.blocks * per_block)
     keep = min(m, lay.blocks * per_block)
-    top_qm, at_qm = jax.lax.top_k(top_qn, keep)
-    return top_qm, jnp.take_along_axis(ids_qn, at_qm, axis=1)
+    top_qm, at_qm = jax.lax.top_k(pooled_top_qm, keep)
+    return top_qm, jnp.take_along_axis(pooled_ids_qm, at_qm, axis=1)
 
 
 def candidates_fn(lay: IndexLayout, mesh, m: int):
@@ -76,10 +77,11 @@ def candidates_fn(lay: IndexLayout, mesh, m: int):
     in_specs = (P(AXIS, None), P(AXIS) if int8 else None, P(None, None))
 
     def search(vectors, scales, query_qd):
-        top_qn, ids_qn = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
-                                       out_specs=(P(None, AXIS), P(None, AXIS)))(vectors, scales, query_qd)
-        top_qm, at_qm = jax.lax.top_k(top_qn, min(m, top_qn.shape[1]))
-        return top_qm, jnp.take_along_axis(ids_qn, at_qm, axis=1)
+        pooled_top_qm, pooled_ids_qm = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                                                     out_specs=(P(None, AXIS), P(None, AXIS)))(vectors, scales,
+                                                                                               query_qd)
+        top_qm, at_qm = jax.lax.top_k(pooled_top_qm, min(m, pooled_top_qm.shape[1]))
+        return top_qm, jnp.take_along_axis(pooled_ids_qm, at_qm, axis=1)
 
     return search
 

@@ -72,42 +72,39 @@ SUFFIX = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*_([a-z1]{2,6})\b")
 UNREAD = set("aeiouy")  # letters the names cannot show (docs/architecture.md, "Dimension letters")
 
 
-def _glossary() -> tuple[dict[str, set[str]], list[tuple[str, list[str], set[str]]]]:
-    """docs/architecture.md's "Dimension letters": letter -> the packages it is used in, and the rows of modules
-    not renamed yet (module, names, the letters with a second meaning there)."""
+def _glossary() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """docs/architecture.md's "Dimension letters": letter -> the packages it is used in with its global meaning,
+    and letter -> the packages that give it a meaning of their own."""
     with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
         section = f.read().split("## Dimension letters", 1)[1]
-    letters, pending = {}, []
+    letters, own = {}, collections.defaultdict(set)
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and re.fullmatch(r"[A-Z]", cells[0]):
             letters[cells[0].lower()] = {p.strip() for p in cells[2].split(",")}
-        elif len(cells) == 3 and cells[0].startswith("llds_jax/"):
-            pending.append((cells[0], re.findall(r"`(\w+)`", cells[1]),
-                            {m.lower() for m in re.findall(r"\b([A-Z]): ", cells[2])}))
-    return letters, pending
+        elif len(cells) == 3 and re.fullmatch(r"[A-Z]", cells[1]):
+            own[cells[1].lower()].add(cells[0])
+    return letters, dict(own)
 
 
 def test_the_dimension_letters_of_array_names_are_the_glossarys():
     """Every letter of an array name's dimension suffix is in docs/architecture.md's glossary, used in exactly the
     packages it lists (issue 57: one meaning per letter; a letter taken up in another package is looked up there
-    first), but in the modules of its "not renamed yet" table, whose names must still be there (else the row
-    goes)."""
-    letters, pending = _glossary()
-    sources = {path.replace(os.sep, "/"): text for path, text in _sources().items()}
-    assert [(module, name) for module, names, _ in pending for name in names
-            if not re.search(rf"\b{name}\b", sources[module])] == []
-    second_meaning = {(module, letter) for module, _, module_letters in pending for letter in module_letters}
+    first), or in a package whose own table gives it a meaning there (and then in no other package under that
+    meaning: the global table does not list it)."""
+    letters, own = _glossary()
     used: dict[str, set[str]] = collections.defaultdict(set)
-    for module, text in sources.items():
-        parts = module.split("/")
+    for module, text in _sources().items():
+        parts = module.split(os.sep)
         package = parts[1] if len(parts) > 2 else "top level"
         for suffix in set(SUFFIX.findall(text)):
             if re.search("[aeiouy]", suffix) or suffix in NOT_DIMENSIONS:
                 continue
-            used.update({letter: used[letter] | {package} for letter in suffix.replace("1", "")
-                         if (module, letter) not in second_meaning})
+            used.update({letter: used[letter] | {package} for letter in suffix.replace("1", "")})
     documented = {letter: packages for letter, packages in letters.items() if letter not in UNREAD}
+    for letter, packages in own.items():
+        assert not packages & documented.get(letter, set()), (letter, packages)
+        documented[letter] = documented.get(letter, set()) | packages
     assert dict(used) == documented
 
 

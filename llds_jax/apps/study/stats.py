@@ -43,8 +43,8 @@ def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, resamp
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     rng = np.random.default_rng(seed)
-    means_r = values_n[rng.integers(0, values_n.size, size=(resamples, values_n.size))].mean(axis=1)
-    low, high = np.quantile(means_r, [(1 - confidence) / 2, (1 + confidence) / 2])
+    means_b = values_n[rng.integers(0, values_n.size, size=(resamples, values_n.size))].mean(axis=1)
+    low, high = np.quantile(means_b, [(1 - confidence) / 2, (1 + confidence) / 2])
     return float(low), float(high)
 
 
@@ -62,8 +62,8 @@ def _sign_sums(d_n: np.ndarray, resamples: int, seed: int) -> tuple[np.ndarray, 
     if n <= SIGN_FLIP_EXACT_N:
         bits_an = (np.arange(2 ** n)[:, None] >> np.arange(n)) & 1
         return (1 - 2 * bits_an) @ d_n, 0
-    signs_rn = np.random.default_rng(seed).choice([-1.0, 1.0], size=(resamples, n))
-    return signs_rn @ d_n, 1
+    signs_bn = np.random.default_rng(seed).choice([-1.0, 1.0], size=(resamples, n))
+    return signs_bn @ d_n, 1
 
 
 def sign_flip_p(differences: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
