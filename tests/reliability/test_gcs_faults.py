@@ -112,8 +112,8 @@ def test_an_endpoint_that_fails_ends_the_run_with_one_line_in_bounded_time_and_i
                                                                                           fault, repair, timeout_s):
     """At the default `train.storage_timeout_s` (None: 120 s) the clients retry a dead endpoint for longer (about
     100 s) before the error: still one line, no retry's traceback. The writes on the way out (the lease's release)
-    get AFTER_FAILURE_S more: before, they waited their whole timeout on the dead endpoint (154 s after the fault in
-    CI, with the lease's line instead of the save's)."""
+    get AFTER_FAILURE_S more: before, they could wait their whole timeout on the dead endpoint (the run ended 154 s
+    after the fault in CI)."""
     from llds_jax.runtime.storage import AFTER_FAILURE_S, DEFAULT_TIMEOUT_S
 
     name = f"endpoint_{fault}_{timeout_s or 'default'}"
