@@ -15,8 +15,9 @@ Storage fails in two ways a long run must survive without losing what it saved (
   STOP_GRACE_S seconds more: a spot VM gives about 30 s.
 An operation begun while a StorageError is being handled (a write on the way out of the failed run: the metrics'
 last flush, releasing the run folder's lease) gets at most AFTER_FAILURE_S seconds, and if it does not end by then
-the process ends with the failure's own line. Before, such a write waited its whole timeout on the endpoint that had
-just failed (a run whose endpoint died ended 154 s after it in CI, at the default 120 s), and its line, when it
+the process ends with the failure's own line; but a checkpoint save in flight (`saves_state`) keeps its whole
+timeout: it is what the run resumes from. Before, every such write waited its whole timeout on the endpoint that
+had just failed (a run whose endpoint died ended 154 s after it in CI, at the default 120 s), and its line, when it
 overran, replaced the failure's.
 
 Usage:
@@ -158,14 +159,14 @@ def clear_stop_request() -> None:
 
 
 @contextlib.contextmanager
-def operation(what: str, path: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S,
-              convert: bool = True) -> Iterator[None]:
+def operation(what: str, path: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S, convert: bool = True,
+              saves_state: bool = False) -> Iterator[None]:
     """Runs the block as the storage operation `what` on `path`: a block running longer than `timeout_s` ends the
-    process (AFTER_FAILURE_S when begun while a StorageError is being handled); with `convert`, any exception it
-    raises becomes StorageError ("{what} {where(path)} failed: {reason}"), else it passes unchanged (a reader that
-    judges its errors itself, e.g. Checkpointer.restore_latest)."""
+    process (AFTER_FAILURE_S when begun while a StorageError is being handled, unless it `saves_state`: a
+    checkpoint's); with `convert`, any exception it raises becomes StorageError ("{what} {where(path)} failed:
+    {reason}"), else it passes unchanged (a reader that judges its errors itself, e.g. Checkpointer.restore_latest)."""
     handling = sys.exc_info()[1]
-    failure = handling if isinstance(handling, StorageError) else None
+    failure = handling if isinstance(handling, StorageError) and not saves_state else None
     if failure is not None:
         timeout_s = min(timeout_s, AFTER_FAILURE_S)
     key = _MONITOR.begin(_Operation(what, os.fspath(path), time.monotonic(), timeout_s, failure))

@@ -325,9 +325,10 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _operation(self, what: str, convert: bool = True):
-        """A storage operation on the folder (llds_jax.runtime.storage); a failure marks the checkpointer failed."""
+        """A storage operation on the folder (llds_jax.runtime.storage) that saves state: on the way out of another
+        write's failure a save in flight keeps its whole timeout; a failure marks the checkpointer failed."""
         try:
-            with storage.operation(what, self.directory, self.timeout_s, convert=convert):
+            with storage.operation(what, self.directory, self.timeout_s, convert=convert, saves_state=True):
                 yield
         except storage.StorageError:
             self.failed = True

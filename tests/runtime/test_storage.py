@@ -65,10 +65,11 @@ def test_a_stop_signal_cuts_the_wait_to_the_stop_grace():
 
 
 def test_a_write_on_the_way_out_of_a_failure_gets_seconds_and_ends_with_the_failures_line():
-    """The run's save fails; its lease is released as the error propagates, on the endpoint that failed, which
-    does not answer: the process ends AFTER_FAILURE_S later with the save's line (before: the lease's whole
-    timeout, 120 s by default, then a line naming the lease). A write after the failure was handled gets its whole
-    timeout (the 2 s write below ends: a failure is no state of the process)."""
+    """A metrics write fails; as the error propagates, the checkpoint save in flight is waited for (2 s, past
+    AFTER_FAILURE_S: a save keeps its whole timeout) and the lease is released on the endpoint that failed, which
+    does not answer: the process ends AFTER_FAILURE_S later with the metrics' line (before: the lease's whole
+    timeout, 120 s by default, then a line naming the lease). A write after a failure was handled gets its whole
+    timeout (the first 2 s write below ends: a failure is no state of the process)."""
     proc, seconds = run_python(
         "import contextlib, time\nfrom llds_jax.runtime import storage\nstorage.AFTER_FAILURE_S = 1.0\n"
         "try:\n    with storage.operation('saving checkpoint step 2 to', '/runs/x', timeout_s=600):\n"
@@ -77,11 +78,14 @@ def test_a_write_on_the_way_out_of_a_failure_gets_seconds_and_ends_with_the_fail
         "@contextlib.contextmanager\ndef lease():\n    try:\n        yield\n    finally:\n"
         "        with storage.operation('releasing the lease', '/runs/x/lease.json', timeout_s=600):\n"
         "            time.sleep(60)\n"
-        "with lease():\n    with storage.operation('saving checkpoint step 3 to', '/runs/x', timeout_s=600):\n"
-        "        raise OSError(28, 'No space left on device')\n")
-    assert proc.returncode == 2 and 2 < seconds < 30, (seconds, proc.stderr)
-    assert proc.stderr == ("llds_jax: error: saving checkpoint step 3 to /runs/x failed: No space left on device; "
-                           "the same command resumes from the newest complete checkpoint\n")
+        "with lease():\n    try:\n        with storage.operation('writing metrics to', '/runs/x', timeout_s=600):\n"
+        "            raise OSError(28, 'No space left on device')\n    finally:\n"
+        "        with storage.operation('saving checkpoint step 3 to', '/runs/x', 600, saves_state=True):\n"
+        "            time.sleep(2)\n        print('step 3 saved', flush=True)\n")
+    assert proc.returncode == 2 and 5 < seconds < 30, (seconds, proc.stderr)
+    assert proc.stdout == "step 3 saved\n"
+    assert proc.stderr == ("llds_jax: error: writing metrics to /runs/x failed: No space left on device; the same "
+                           "command resumes from the newest complete checkpoint\n")
 
 
 def _folder_becomes_a_file(folder, monkeypatch):
