@@ -16,9 +16,9 @@ Storage fails in two ways a long run must survive without losing what it saved (
 An operation begun while a StorageError is being handled (a write on the way out of the failed run: the metrics'
 last flush, releasing the run folder's lease) gets at most AFTER_FAILURE_S seconds, and if it does not end by then
 the process ends with the failure's own line; but a checkpoint save in flight (`saves_state`) keeps its whole
-timeout: it is what the run resumes from. Before, every such write waited its whole timeout on the endpoint that
-had just failed (a run whose endpoint died ended 154 s after it in CI, at the default 120 s), and its line, when it
-overran, replaced the failure's.
+timeout, counted from the save's start (`started`): it is what the run resumes from. Before, every such write
+waited its whole timeout from its own start (a run whose endpoint died ended 154 s after it in CI, at the default
+120 s: a metrics write failed after the clients' retries, then the wait for the save in flight began its 120 s).
 
 Usage:
   with storage.operation("saving checkpoint step 3", path, timeout_s=120):
@@ -160,16 +160,19 @@ def clear_stop_request() -> None:
 
 @contextlib.contextmanager
 def operation(what: str, path: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S, convert: bool = True,
-              saves_state: bool = False) -> Iterator[None]:
+              saves_state: bool = False, started: Optional[float] = None) -> Iterator[None]:
     """Runs the block as the storage operation `what` on `path`: a block running longer than `timeout_s` ends the
     process (AFTER_FAILURE_S when begun while a StorageError is being handled, unless it `saves_state`: a
     checkpoint's); with `convert`, any exception it raises becomes StorageError ("{what} {where(path)} failed:
-    {reason}"), else it passes unchanged (a reader that judges its errors itself, e.g. Checkpointer.restore_latest)."""
+    {reason}"), else it passes unchanged (a reader that judges its errors itself, e.g. Checkpointer.restore_latest).
+    `started` (time.monotonic(); None: now) is when the operation began, for a wait on work begun earlier (a
+    checkpoint's background save): its timeout counts from there."""
     handling = sys.exc_info()[1]
     failure = handling if isinstance(handling, StorageError) and not saves_state else None
     if failure is not None:
         timeout_s = min(timeout_s, AFTER_FAILURE_S)
-    key = _MONITOR.begin(_Operation(what, os.fspath(path), time.monotonic(), timeout_s, failure))
+    key = _MONITOR.begin(_Operation(what, os.fspath(path), time.monotonic() if started is None else started,
+                                    timeout_s, failure))
     try:
         yield
     except StorageError:

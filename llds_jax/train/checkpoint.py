@@ -289,6 +289,7 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.failed = False  # a write failed: close() waits for nothing more
         self._pending: int | None = None  # the step whose background save may still run
+        self._pending_since = 0.0  # time.monotonic() its save began: its deadline counts from there
         drop_orbax_save_reports()
         # The step's folders are made in `save` (a few mkdirs), not by a background future whose signal every
         # writer of the step waits for: when that mkdir failed (a disk turned read-only, the folder gone), the
@@ -324,11 +325,13 @@ class Checkpointer:
         return manager
 
     @contextlib.contextmanager
-    def _operation(self, what: str, convert: bool = True):
-        """A storage operation on the folder (llds_jax.runtime.storage) that saves state: on the way out of another
-        write's failure a save in flight keeps its whole timeout; a failure marks the checkpointer failed."""
+    def _operation(self, what: str, convert: bool = True, since: float | None = None):
+        """A storage operation on the folder (llds_jax.runtime.storage) that saves state, begun at `since`
+        (time.monotonic(); None: now): on the way out of another write's failure a save in flight keeps its whole
+        timeout; a failure marks the checkpointer failed."""
         try:
-            with storage.operation(what, self.directory, self.timeout_s, convert=convert, saves_state=True):
+            with storage.operation(what, self.directory, self.timeout_s, convert=convert, saves_state=True,
+                                   started=since):
                 yield
         except storage.StorageError:
             self.failed = True
@@ -367,15 +370,20 @@ class Checkpointer:
         if jax.tree.leaves(opt_state):  # a stateless optimizer (e.g. optax.sgd) has nothing to save
             items["opt_state"] = ocp.args.StandardSave(opt_state)
         self.wait_until_finished()  # a failure of the previous save is reported as that step's
+        since = time.monotonic()
         with self._operation(f"saving checkpoint step {step} to"):
             saved = self._manager.save(step, args=ocp.args.Composite(**items))
-        self._pending = step if saved else None
+        self._pending, self._pending_since = (step, since) if saved else (None, 0.0)
         return saved
 
     def wait_until_finished(self) -> None:
-        """Blocks until the last save is complete on disk (and old steps are deleted)."""
-        with self._operation(f"saving checkpoint step {self._pending} to" if self._pending is not None
-                             else "writing checkpoints to"):
+        """Blocks until the last save is complete on disk (and old steps are deleted), at most the storage timeout
+        from the save's start."""
+        if self._pending is None:
+            operation = self._operation("writing checkpoints to")
+        else:
+            operation = self._operation(f"saving checkpoint step {self._pending} to", since=self._pending_since)
+        with operation:
             self._manager.wait_until_finished()
         self._pending = None
 

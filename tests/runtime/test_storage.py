@@ -53,6 +53,19 @@ def test_an_operation_that_stops_answering_ends_the_process_with_one_line():
                            "command resumes from the newest complete checkpoint\n")
 
 
+def test_a_wait_on_work_begun_earlier_counts_its_timeout_from_that_start():
+    """A checkpoint's background save is waited for later (at the next save, or on the way out): its deadline
+    counts from the save's start (before: from the wait's, so a save begun before a fault could end the run a
+    whole timeout after the write that failed first)."""
+    proc, seconds = run_python(
+        "import time\nfrom llds_jax.runtime import storage\n"
+        "with storage.operation('saving checkpoint step 3 to', '/runs/x', timeout_s=101.0,\n"
+        "                       started=time.monotonic() - 100.0):\n    time.sleep(200)\n")
+    assert proc.returncode == 2 and seconds < 30
+    assert proc.stderr == ("llds_jax: error: saving checkpoint step 3 to /runs/x: no answer within 101 s; the same "
+                           "command resumes from the newest complete checkpoint\n")
+
+
 def test_a_stop_signal_cuts_the_wait_to_the_stop_grace():
     proc, seconds = run_python(
         "import time\nfrom llds_jax.runtime import storage\nstorage.STOP_GRACE_S = 1.0\n"
