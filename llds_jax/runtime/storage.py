@@ -16,7 +16,7 @@ Storage fails in two ways a long run must survive without losing what it saved (
 An operation begun while a StorageError is being handled (a write on the way out of the failed run: the metrics'
 last flush, releasing the run folder's lease) gets at most AFTER_FAILURE_S seconds, and if it does not end by then
 the process ends with the failure's own line; but a checkpoint save in flight (`saves_state`) keeps its whole
-timeout, counted from the save's start (`started`): it is what the run resumes from. Before, every such write
+timeout, counted from the save's start (`work_began`): it is what the run resumes from. Before, every such write
 waited its whole timeout from its own start (a run whose endpoint died ended 154 s after it in CI, at the default
 120 s: a metrics write failed after the clients' retries, then the wait for the save in flight began its 120 s).
 
@@ -160,19 +160,23 @@ def clear_stop_request() -> None:
 
 @contextlib.contextmanager
 def operation(what: str, path: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S, convert: bool = True,
-              saves_state: bool = False, started: Optional[float] = None) -> Iterator[None]:
+              saves_state: bool = False, work_began: Optional[float] = None) -> Iterator[None]:
     """Runs the block as the storage operation `what` on `path`: a block running longer than `timeout_s` ends the
-    process (AFTER_FAILURE_S when begun while a StorageError is being handled, unless it `saves_state`: a
-    checkpoint's); with `convert`, any exception it raises becomes StorageError ("{what} {where(path)} failed:
+    process; with `convert`, any exception it raises becomes StorageError ("{what} {where(path)} failed:
     {reason}"), else it passes unchanged (a reader that judges its errors itself, e.g. Checkpointer.restore_latest).
-    `started` (time.monotonic(); None: now) is when the operation began, for a wait on work begun earlier (a
-    checkpoint's background save): its timeout counts from there."""
+
+    Begun while a StorageError is being handled (on the way out of the failed run), it gets at most AFTER_FAILURE_S
+    seconds, unless it `saves_state` (a checkpoint's): then its timeout counts from `work_began` (time.monotonic()
+    when the work it waits for began: a background save), but leaves it at least AFTER_FAILURE_S seconds."""
+    now = time.monotonic()
+    started, failure = now, None
     handling = sys.exc_info()[1]
-    failure = handling if isinstance(handling, StorageError) and not saves_state else None
-    if failure is not None:
-        timeout_s = min(timeout_s, AFTER_FAILURE_S)
-    key = _MONITOR.begin(_Operation(what, os.fspath(path), time.monotonic() if started is None else started,
-                                    timeout_s, failure))
+    if isinstance(handling, StorageError):
+        if not saves_state:
+            failure, timeout_s = handling, min(timeout_s, AFTER_FAILURE_S)
+        elif work_began is not None:
+            started = min(now, max(work_began, now - timeout_s + AFTER_FAILURE_S))
+    key = _MONITOR.begin(_Operation(what, os.fspath(path), started, timeout_s, failure))
     try:
         yield
     except StorageError:

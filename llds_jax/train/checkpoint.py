@@ -289,7 +289,7 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.failed = False  # a write failed: close() waits for nothing more
         self._pending: int | None = None  # the step whose background save may still run
-        self._pending_since = 0.0  # time.monotonic() its save began: its deadline counts from there
+        self._pending_since = 0.0  # time.monotonic() its save began (`wait_until_finished`)
         drop_orbax_save_reports()
         # The step's folders are made in `save` (a few mkdirs), not by a background future whose signal every
         # writer of the step waits for: when that mkdir failed (a disk turned read-only, the folder gone), the
@@ -325,13 +325,13 @@ class Checkpointer:
         return manager
 
     @contextlib.contextmanager
-    def _operation(self, what: str, convert: bool = True, since: float | None = None):
-        """A storage operation on the folder (llds_jax.runtime.storage) that saves state, begun at `since`
-        (time.monotonic(); None: now): on the way out of another write's failure a save in flight keeps its whole
-        timeout; a failure marks the checkpointer failed."""
+    def _operation(self, what: str, convert: bool = True, work_began: float | None = None):
+        """A storage operation on the folder (llds_jax.runtime.storage) that saves state: on the way out of another
+        write's failure a save in flight keeps its timeout, counted from `work_began` (the save's start); a
+        failure marks the checkpointer failed."""
         try:
             with storage.operation(what, self.directory, self.timeout_s, convert=convert, saves_state=True,
-                                   started=since):
+                                   work_began=work_began):
                 yield
         except storage.StorageError:
             self.failed = True
@@ -377,12 +377,13 @@ class Checkpointer:
         return saved
 
     def wait_until_finished(self) -> None:
-        """Blocks until the last save is complete on disk (and old steps are deleted), at most the storage timeout
-        from the save's start."""
+        """Blocks until the last save is complete on disk (and old steps are deleted); on the way out of a failure,
+        at most the storage timeout from the save's start."""
         if self._pending is None:
             operation = self._operation("writing checkpoints to")
         else:
-            operation = self._operation(f"saving checkpoint step {self._pending} to", since=self._pending_since)
+            operation = self._operation(f"saving checkpoint step {self._pending} to",
+                                        work_began=self._pending_since)
         with operation:
             self._manager.wait_until_finished()
         self._pending = None

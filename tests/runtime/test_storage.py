@@ -53,15 +53,22 @@ def test_an_operation_that_stops_answering_ends_the_process_with_one_line():
                            "command resumes from the newest complete checkpoint\n")
 
 
-def test_a_wait_on_work_begun_earlier_counts_its_timeout_from_that_start():
-    """A checkpoint's background save is waited for later (at the next save, or on the way out): its deadline
-    counts from the save's start (before: from the wait's, so a save begun before a fault could end the run a
-    whole timeout after the write that failed first)."""
+def test_on_the_way_out_the_wait_for_a_save_counts_its_timeout_from_the_saves_start():
+    """A checkpoint's background save is waited for later. In a running run the wait gets its whole timeout (a save
+    that ended long ago may still delete old steps). On the way out of a failure it counts from the save's start,
+    with at least AFTER_FAILURE_S left (before: from the wait's start, a whole timeout after the write that failed
+    first: 154 s after a dead endpoint in CI, at the default 120 s)."""
     proc, seconds = run_python(
-        "import time\nfrom llds_jax.runtime import storage\n"
-        "with storage.operation('saving checkpoint step 3 to', '/runs/x', timeout_s=101.0,\n"
-        "                       started=time.monotonic() - 100.0):\n    time.sleep(200)\n")
+        "import time\nfrom llds_jax.runtime import storage\nstorage.AFTER_FAILURE_S = 1.0\n"
+        "with storage.operation('saving checkpoint step 2 to', '/runs/x', timeout_s=10.0, saves_state=True,\n"
+        "                       work_began=time.monotonic() - 100.0):\n    time.sleep(2)\n"
+        "print('the running wait ended', flush=True)\n"
+        "try:\n    with storage.operation('writing metrics to', '/runs/x'):\n"
+        "        raise OSError(28, 'No space left on device')\nfinally:\n"
+        "    with storage.operation('saving checkpoint step 3 to', '/runs/x', timeout_s=101.0, saves_state=True,\n"
+        "                           work_began=time.monotonic() - 1000.0):\n        time.sleep(200)\n")
     assert proc.returncode == 2 and seconds < 30
+    assert proc.stdout == "the running wait ended\n"
     assert proc.stderr == ("llds_jax: error: saving checkpoint step 3 to /runs/x: no answer within 101 s; the same "
                            "command resumes from the newest complete checkpoint\n")
 
