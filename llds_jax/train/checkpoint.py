@@ -289,7 +289,7 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.failed = False  # a write failed: close() waits for nothing more
         self._pending: int | None = None  # the step whose background save may still run
-        self._pending_since = 0.0  # time.monotonic() its save began (`wait_until_finished`)
+        self._pending_since: float | None = None  # time.monotonic() its save began (`wait_until_finished`)
         drop_orbax_save_reports()
         # The step's folders are made in `save` (a few mkdirs), not by a background future whose signal every
         # writer of the step waits for: when that mkdir failed (a disk turned read-only, the folder gone), the
@@ -373,20 +373,16 @@ class Checkpointer:
         since = time.monotonic()
         with self._operation(f"saving checkpoint step {step} to"):
             saved = self._manager.save(step, args=ocp.args.Composite(**items))
-        self._pending, self._pending_since = (step, since) if saved else (None, 0.0)
+        self._pending, self._pending_since = (step, since) if saved else (None, None)
         return saved
 
     def wait_until_finished(self) -> None:
         """Blocks until the last save is complete on disk (and old steps are deleted); on the way out of a failure,
         at most the storage timeout from the save's start."""
-        if self._pending is None:
-            operation = self._operation("writing checkpoints to")
-        else:
-            operation = self._operation(f"saving checkpoint step {self._pending} to",
-                                        work_began=self._pending_since)
-        with operation:
+        what = "writing checkpoints to" if self._pending is None else f"saving checkpoint step {self._pending} to"
+        with self._operation(what, work_began=self._pending_since):
             self._manager.wait_until_finished()
-        self._pending = None
+        self._pending = self._pending_since = None
 
     def restore(self, step: int, params_target: Any, opt_state_target: Any = None,
                 check_meta: Callable[[dict, dict | None], None] | None = None) -> Restored:
