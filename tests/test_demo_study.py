@@ -843,7 +843,7 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
 
 # What the evidence page's tables are rows of: the settings of its three studies.
 EVIDENCE_SETTINGS = {"stress", "default", "paper_shaped", "lr1e3", "collapse", "lr5e4", "lr6e4", "lr7e4", "lr8e4",
-                     "late_collapse", "long_lr2e4"}
+                     "late_collapse", "long_lr2e4", "good_lr"}
 
 
 def _decoy_pythons(folder) -> dict[str, str]:
@@ -902,6 +902,10 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
     partial = os.path.join(evidence, "partial_study")
     same += [(os.path.join(partial, name), tmp_path / "partial_study" / name)
              for name in ("runs.csv", "steps.csv.gz", "table.md", "primary.md", "paired.md", "arms.md")]
+    good_lr = os.path.join(evidence, "good_lr", "study")
+    same += [(os.path.join(good_lr, name), tmp_path / "good_lr_study" / name)
+             for name in ("runs.csv", "steps.csv.gz", "table.md", "primary.md", "paired.md", "arms.md", "survival.md",
+                          "sequence.md", "auc.md", "early_warning.md")]
     for committed, produced in same:
         with open(committed, "rb") as f:
             assert f.read() == produced.read_bytes(), committed

@@ -1,6 +1,6 @@
 """Issue 56's re-readings of the late-collapse study and the chain-vs-tree study (not pre-registered), printed from
 the committed records alone: python docs/evidence/readings.py (from the repository root); and the curves of its
-good-learning-rate calibration.
+good-learning-rate calibration and of its study.
 
 Late-collapse study (docs/evidence/late_collapse/study/): how the LLDS runs declined; the collapse counts at other
 reward thresholds of the rule (llds_jax/apps/study/stats.py: reward below the threshold on 3 consecutive steps, or a
@@ -11,6 +11,9 @@ every evaluation, the mean of the last 3 against the middle of the horizon, the 
 Issue 56's registered design: the minimum detectable effect of its primary endpoint (the mean of the last 3
 evaluations' EM, LLDS minus GRPO, 16 paired seeds) at 80% power, from the calibration's spread, and the simulated power
 of the exact sign-flip tests there.
+Issue 56's study (docs/evidence/good_lr/study/): per arm its registered descriptive counts (collapse steps and
+declines, transient or lasting); not pre-registered, each seed's mean of the last 3 evaluations and each arm's mean
+greedy EM at every evaluation, with the paired differences.
 Tree study (docs/evidence/tree_study/): the paired EM differences at every evaluation, the power of the primary test
 against a 5-point difference, seconds per step. docs/evidence.md and docs/tree-rollouts.md quote these lines
 (tests/test_demo_study.py checks the table rows).
@@ -37,6 +40,7 @@ POWER_DRAWS = 200_000
 MIDDLE = (90, 100, 110)    # the calibration's middle evaluations, against its last 3
 QUARTERS = ((1, 50), (51, 100), (101, 150), (151, 200))
 STUDY_SEEDS = 16           # issue 56's registered paired seeds
+GOOD_LR_ARMS = ("grpo", "llds")  # its arms, control first
 NI_MARGIN = 0.02           # its registered non-inferiority margin
 EXACT_DRAWS = 2000         # simulated studies per power of an exact sign-flip test
 
@@ -211,6 +215,49 @@ def good_lr_design() -> list[str]:
     return lines
 
 
+def good_lr_study(folder: str = os.path.join("good_lr", "study")) -> list[str]:
+    """Issue 56's study: per arm the registered descriptive counts (collapse steps and declines by the studies'
+    rules, and how many of them the lasting rules drop as transient); not pre-registered, per seed the mean of the
+    last 3 evaluations, and per evaluation each arm's mean greedy EM with the paired difference."""
+    results = load(folder)
+    arm = {name: sorted((r for r in results if r.arm == name), key=lambda r: r.seed) for name in GOOD_LR_ARMS}
+    control, treated = (arm[name] for name in GOOD_LR_ARMS)
+    if [r.seed for r in control] != [r.seed for r in treated]:
+        raise ValueError(f"{folder}: the arms' seeds differ: {[r.seed for r in control]} vs {[r.seed for r in treated]}")
+    rows = []
+    for name, runs in arm.items():
+        collapses = [r for r in runs if r.collapse_step is not None]
+        declines = {r.seed: (stats.decline_step(*r.curves[REWARD]), r.lasting_decline) for r in runs}
+        declines = {seed: found for seed, found in declines.items() if found[0] is not None}
+        rows.append([name, str(len(runs)), str(len(collapses)), str(sum(r.lasting_collapse for r in runs)),
+                     str(sum(not r.lasting_collapse for r in collapses)), str(len(declines)),
+                     str(sum(r.lasting_decline for r in runs)), str(sum(not lasting for _, lasting in declines.values())),
+                     ", ".join(f"seed {seed} at {step}" + (" (lasting)" if lasting else "")
+                               for seed, (step, lasting) in declines.items()) or "—"])
+    lines = ["good-learning-rate study: collapses and declines per arm (registered, descriptive)", ""]
+    lines += report.markdown_table(
+        ["arm", "runs", "collapse step (studies' rule)", "lasting collapses", "transient collapses",
+         "declines (3-step reward below half its running peak)", "lasting declines", "transient dips",
+         "declined at"], rows)
+    lines += ["", "per seed, the mean of the last 3 evaluations (not pre-registered):", ""]
+    lines += report.markdown_table(
+        ["seed", *(f"{name} last-3 EM" for name in GOOD_LR_ARMS), "difference"],
+        [[str(c.seed), f"{c.last3_em:.3f}", f"{t.last3_em:.3f}", f"{t.last3_em - c.last3_em:+.3f}"]
+         for c, t in zip(control, treated)])
+    em = {r.name: dict(zip(*r.curves[EVAL_EM])) for r in results}
+    evaluations = sorted(step for step in em[control[0].name] if step > 0)
+    rows = []
+    for step in evaluations:
+        d = np.array([em[t.name][step] - em[c.name][step] for c, t in zip(control, treated)])
+        low, high = stats.t_interval(d)
+        rows.append([str(step), *(f"{np.mean([em[r.name][step] for r in runs]):.3f}" for runs in (control, treated)),
+                     f"{d.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({(d > 0).sum()} / {(d < 0).sum()})"])
+    lines += ["", "mean greedy EM of each arm at each evaluation, and llds minus grpo on the same seeds: mean [95% t "
+                  "interval] (seeds higher / lower) (not pre-registered):", ""]
+    lines += report.markdown_table(["step", *GOOD_LR_ARMS, "llds minus grpo"], rows)
+    return lines
+
+
 def _power(sd: float, n: int, effect: float) -> float:
     """Monte Carlo power of the two-sided paired t test at 0.05 with n differences of this sd, against `effect`."""
     draws = np.random.default_rng(0).normal(effect, sd, size=(POWER_DRAWS, n))
@@ -251,7 +298,8 @@ def trees() -> list[str]:
 
 
 def main() -> int:
-    print("\n".join(late_collapse() + [""] + trees() + [""] + long_horizon_calibration() + [""] + good_lr_design()))
+    print("\n".join(late_collapse() + [""] + trees() + [""] + long_horizon_calibration() + [""] + good_lr_design()
+                    + [""] + good_lr_study()))
     return 0
 
 

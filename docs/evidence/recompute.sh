@@ -3,7 +3,7 @@
 # where the study kept them, per-step metrics in steps.csv.gz), without a run folder: the 96-run study of
 # 2026-12-02, its gate ablation on seeds 0-3 alone, the calibration of the collapse regime, the 48-run collapse
 # study of issue 33, issue 40's re-reading of it (LLD rate on common steps), issue 40's calibration and its
-# late-collapse study, issue 56's calibration at a good learning rate; and issue 42's chain-vs-tree study, whose
+# late-collapse study, issue 56's calibration at a good learning rate and its study; and issue 42's chain-vs-tree study, whose
 # tables are in docs/tree-rollouts.md. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence);
 # the .md files there are the committed ones byte for byte, and every table row of docs/evidence.md (and of the tree
 # study in docs/tree-rollouts.md) is a row of one of them (tests/test_demo_study.py checks both). Run from
@@ -69,3 +69,7 @@ S=configs/demo_cpu_late_collapse.py
 "$PYTHON" -m llds_jax.apps.demo_study --settings stress --arms sync_tis,partial2 --seeds 8 \
     --out "$OUT/partial_study" --report --recorded "$EVIDENCE/partial_study/runs.csv" \
     --controls sync_tis --primary final_em --endpoints step_s,rollout_s,tokens_per_s
+# Issue 56's pre-registered good-learning-rate study (docs/evidence.md; 200 steps, seeds 4-19, two arms).
+"$PYTHON" -m llds_jax.apps.demo_study --settings good_lr --seeds 4-19 --arms grpo,llds --out "$OUT/good_lr_study" \
+    --report --recorded "$EVIDENCE/good_lr/study/runs.csv" --controls grpo --primary last3_em --margin 0.02 \
+    --endpoints lasting_collapse,lasting_decline,last3_two_hop_em,peak_em,lld_rate_common
