@@ -841,7 +841,7 @@ def test_the_committed_calibration_of_the_collapse_study_recomputes_to_its_commi
         assert os.path.getsize(figure) > 50_000, figure
 
 
-# What the evidence page's tables are rows of: the settings of its three studies.
+# What the evidence page's tables are rows of: the settings of its studies.
 EVIDENCE_SETTINGS = {"stress", "default", "paper_shaped", "lr1e3", "collapse", "lr5e4", "lr6e4", "lr7e4", "lr8e4",
                      "late_collapse", "long_lr2e4", "good_lr"}
 

@@ -215,25 +215,31 @@ def good_lr_design() -> list[str]:
     return lines
 
 
-def good_lr_study(folder: str = os.path.join("good_lr", "study")) -> list[str]:
+def _paired_cell(d: np.ndarray) -> str:
+    """Paired differences over seeds as 'mean [95% t interval] (seeds higher / lower)'."""
+    low, high = stats.t_interval(d)
+    return f"{d.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({(d > 0).sum()} / {(d < 0).sum()})"
+
+
+def good_lr_study() -> list[str]:
     """Issue 56's study: per arm the registered descriptive counts (collapse steps and declines by the studies'
     rules, and how many of them the lasting rules drop as transient); not pre-registered, per seed the mean of the
     last 3 evaluations, and per evaluation each arm's mean greedy EM with the paired difference."""
-    results = load(folder)
+    results = load(os.path.join("good_lr", "study"))
     arm = {name: sorted((r for r in results if r.arm == name), key=lambda r: r.seed) for name in GOOD_LR_ARMS}
     control, treated = (arm[name] for name in GOOD_LR_ARMS)
     if [r.seed for r in control] != [r.seed for r in treated]:
-        raise ValueError(f"{folder}: the arms' seeds differ: {[r.seed for r in control]} vs {[r.seed for r in treated]}")
+        raise ValueError(f"good_lr/study: the arms' seeds differ: {[r.seed for r in control]} vs "
+                         f"{[r.seed for r in treated]}")
     rows = []
     for name, runs in arm.items():
         collapses = [r for r in runs if r.collapse_step is not None]
-        declines = {r.seed: (stats.decline_step(*r.curves[REWARD]), r.lasting_decline) for r in runs}
-        declines = {seed: found for seed, found in declines.items() if found[0] is not None}
+        declines = [(r, step) for r in runs if (step := stats.decline_step(*r.curves[REWARD])) is not None]
         rows.append([name, str(len(runs)), str(len(collapses)), str(sum(r.lasting_collapse for r in runs)),
                      str(sum(not r.lasting_collapse for r in collapses)), str(len(declines)),
-                     str(sum(r.lasting_decline for r in runs)), str(sum(not lasting for _, lasting in declines.values())),
-                     ", ".join(f"seed {seed} at {step}" + (" (lasting)" if lasting else "")
-                               for seed, (step, lasting) in declines.items()) or "—"])
+                     str(sum(r.lasting_decline for r in runs)), str(sum(not r.lasting_decline for r, _ in declines)),
+                     ", ".join(f"seed {r.seed} at {step}" + (" (lasting)" if r.lasting_decline else "")
+                               for r, step in declines) or "—"])
     lines = ["good-learning-rate study: collapses and declines per arm (registered, descriptive)", ""]
     lines += report.markdown_table(
         ["arm", "runs", "collapse step (studies' rule)", "lasting collapses", "transient collapses",
@@ -249,9 +255,8 @@ def good_lr_study(folder: str = os.path.join("good_lr", "study")) -> list[str]:
     rows = []
     for step in evaluations:
         d = np.array([em[t.name][step] - em[c.name][step] for c, t in zip(control, treated)])
-        low, high = stats.t_interval(d)
         rows.append([str(step), *(f"{np.mean([em[r.name][step] for r in runs]):.3f}" for runs in (control, treated)),
-                     f"{d.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({(d > 0).sum()} / {(d < 0).sum()})"])
+                     _paired_cell(d)])
     lines += ["", "mean greedy EM of each arm at each evaluation, and llds minus grpo on the same seeds: mean [95% t "
                   "interval] (seeds higher / lower) (not pre-registered):", ""]
     lines += report.markdown_table(["step", *GOOD_LR_ARMS, "llds minus grpo"], rows)
@@ -280,9 +285,7 @@ def trees() -> list[str]:
     for step in evaluations:
         cells = [str(step)]
         for name in TREE_ARMS:
-            d = np.array([em[(name, s)][step] - em[("llds", s)][step] for s in seeds])
-            low, high = stats.t_interval(d)
-            cells.append(f"{d.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({(d > 0).sum()} / {(d < 0).sum()})")
+            cells.append(_paired_cell(np.array([em[(name, s)][step] - em[("llds", s)][step] for s in seeds])))
         rows.append(cells)
     lines += report.markdown_table(["step", *(f"{name} minus llds" for name in TREE_ARMS)], rows)
     final = {(r.arm, r.seed): r.final_em for r in results}

@@ -3,11 +3,11 @@
 # where the study kept them, per-step metrics in steps.csv.gz), without a run folder: the 96-run study of
 # 2026-12-02, its gate ablation on seeds 0-3 alone, the calibration of the collapse regime, the 48-run collapse
 # study of issue 33, issue 40's re-reading of it (LLD rate on common steps), issue 40's calibration and its
-# late-collapse study, issue 56's calibration at a good learning rate and its study; and issue 42's chain-vs-tree study, whose
-# tables are in docs/tree-rollouts.md. Each report goes to its own folder under OUT (default /tmp/llds_jax_evidence);
-# the .md files there are the committed ones byte for byte, and every table row of docs/evidence.md (and of the tree
-# study in docs/tree-rollouts.md) is a row of one of them (tests/test_demo_study.py checks both). Run from
-# the repository root: sh docs/evidence/recompute.sh [OUT]
+# late-collapse study, issue 56's calibration at a good learning rate and its study; and issue 42's chain-vs-tree
+# study, whose tables are in docs/tree-rollouts.md. Each report goes to its own folder under OUT (default
+# /tmp/llds_jax_evidence); the .md files there are the committed ones byte for byte, and every table row of
+# docs/evidence.md (and of the tree study in docs/tree-rollouts.md) is a row of one of them (tests/test_demo_study.py
+# checks both). Run from the repository root: sh docs/evidence/recompute.sh [OUT]
 # The interpreter is $PYTHON when set (a virtual environment that is not activated:
 # PYTHON=/path/to/venv/bin/python sh docs/evidence/recompute.sh), else the first of python3 and python on PATH that
 # imports llds_jax.
