@@ -919,13 +919,17 @@ def test_every_table_row_of_the_evidence_page_is_recomputed_from_the_committed_r
 
 
 def test_the_pages_re_readings_are_printed_from_the_committed_records():
-    """Issue 56's re-readings (not pre-registered): every table line `python docs/evidence/readings.py` prints is a
-    line of docs/evidence.md or docs/tree-rollouts.md, and the pages have all of them."""
+    """Issues 56's and 66's re-readings (not pre-registered): every table line `python docs/evidence/readings.py`
+    prints is a line of docs/evidence.md or docs/tree-rollouts.md, and the pages have all of them: issue 66's are
+    the good-learning-rate study's realised spread against its registered power assumption, and the partial-rollout
+    comparison's trained trajectory lengths, rollout seconds and searches per seed."""
     proc = subprocess.run([sys.executable, os.path.join("docs", "evidence", "readings.py")], cwd=ROOT,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(printed) >= 15, proc.stdout
+    rows = {line.split(" | ")[0] for line in printed}
+    assert {"| 16, all", "| 15, without seed 4", "| trained tokens per trajectory, steps 1-5"} <= rows, proc.stdout
     pages = ""
     for page in ("evidence.md", "tree-rollouts.md"):
         with open(os.path.join(ROOT, "docs", page)) as f:

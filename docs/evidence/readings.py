@@ -15,11 +15,17 @@ Issue 56's study (docs/evidence/good_lr/study/): per arm its registered descript
 declines, transient or lasting); not pre-registered, each seed's mean of the last 3 evaluations and each arm's mean
 greedy EM at every evaluation, with the paired differences.
 Tree study (docs/evidence/tree_study/): the paired EM differences at every evaluation, the power of the primary test
-against a 5-point difference, seconds per step. docs/evidence.md and docs/tree-rollouts.md quote these lines
-(tests/test_demo_study.py checks the table rows).
+against a 5-point difference, seconds per step.
+Issue 66's readings (not pre-registered): of issue 56's study, the spread its primary endpoint had against the one its
+registration assumed (each arm's sd, their correlation across seeds, the paired differences' sd and the minimum
+detectable effect at it, with and without GRPO's collapsed seed 4); of issue 59's comparison
+(docs/evidence/partial_study/), per seed the trained tokens per trajectory in the first steps, the rollout seconds,
+the searches sent and the final EM, and the paired differences of the first.
+docs/evidence.md and docs/tree-rollouts.md quote these lines (tests/test_demo_study.py checks the table rows).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -28,7 +34,8 @@ import numpy as np
 from llds_jax.train import report
 from llds_jax.apps.study import sequence, stats, steps, table
 from llds_jax.apps.study.auc import trailing_mean
-from llds_jax.apps.study.outcomes import EVAL_EM, LIKELIHOOD, LLD_RATE, REWARD
+from llds_jax.apps.study.outcomes import (EVAL_EM, LIKELIHOOD, LLD_RATE, REWARD, SEARCHES, STEP_S, TOKENS_PER_S,
+                                          TRAJECTORIES)
 
 EVIDENCE = os.path.dirname(os.path.abspath(__file__))
 LATE_ARMS = ("grpo", "llds", "llds_lam1", "grpo_low_lr", "grpo_clip_higher")
@@ -43,6 +50,9 @@ STUDY_SEEDS = 16           # issue 56's registered paired seeds
 GOOD_LR_ARMS = ("grpo", "llds")  # its arms, control first
 NI_MARGIN = 0.02           # its registered non-inferiority margin
 EXACT_DRAWS = 2000         # simulated studies per power of an exact sign-flip test
+TARGET_MDE = 0.05          # the effect a next registration at that setting would want to detect
+PARTIAL_ARMS = ("sync_tis", "partial2")  # issue 59's comparison, control first
+EARLY = (1, 5)             # its first steps (inclusive), where the cut's choice of groups shows most
 
 
 def load(folder: str):
@@ -177,6 +187,18 @@ def _exact_power(sd: float, n: int, effect: float, margin: float = 0.0) -> float
     return rejected / EXACT_DRAWS
 
 
+def _t_multiplier(n: int) -> float:
+    """t(0.975, n - 1) + t(0.80, n - 1): the minimum detectable effect at 80% power, two-sided 0.05, of n paired
+    differences, in units of their sd / sqrt(n)."""
+    return stats.t_quantile(0.95, n - 1) + stats.t_quantile(0.6, n - 1)
+
+
+def _mde(sd: float, n: int) -> float:
+    """The minimum detectable effect (EM) of the registered designs' paired test: n pairs whose differences have
+    this sd (EM)."""
+    return _t_multiplier(n) * sd / np.sqrt(n)
+
+
 def good_lr_design() -> list[str]:
     results = sorted(load(os.path.join("long_horizon", "calibration")), key=lambda r: r.seed)
     between = float(np.std([r.last3_em for r in results], ddof=1))
@@ -186,12 +208,12 @@ def good_lr_design() -> list[str]:
         windows.append(np.array([em[step] for step in range(30, 201, 10)]).reshape(6, 3).mean(axis=1))
     within = float(np.sqrt(np.mean([w.var(ddof=1) for w in windows])))
     n = STUDY_SEEDS
-    multiplier = stats.t_quantile(0.95, n - 1) + stats.t_quantile(0.6, n - 1)
+    multiplier = _t_multiplier(n)
     rows = []
     assumptions = (("runs of a seed independent: sqrt(2) x the between-seed sd of the last-3 mean", between),
                    ("sqrt(2) x the within-run sd of a 3-evaluation mean (steps 30-200, pooled)", within))
     for label, sd in ((label, np.sqrt(2) * sd) for label, sd in assumptions):
-        mde = multiplier * sd / np.sqrt(n)
+        mde = _mde(sd, n)
         rows.append([label, f"{sd:.3f}", f"{mde:.3f}", f"{_exact_power(sd, n, mde):.2f}",
                      f"{_exact_power(sd, n, 0.0, NI_MARGIN):.2f}"])
     lines = [f"issue 56's design: {n} paired seeds, the primary endpoint's minimum detectable effect at 80% power", ""]
@@ -221,16 +243,23 @@ def _paired_cell(d: np.ndarray) -> str:
     return f"{d.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({(d > 0).sum()} / {(d < 0).sum()})"
 
 
+def _paired_arms(results, names: tuple[str, str], folder: str):
+    """(control's runs, the arm's runs) of a study's records, each by seed; ValueError naming `folder` when the two
+    arms' seeds differ."""
+    control, treated = (sorted((r for r in results if r.arm == name), key=lambda r: r.seed) for name in names)
+    if [r.seed for r in control] != [r.seed for r in treated]:
+        raise ValueError(f"{folder}: the arms' seeds differ: {[r.seed for r in control]} vs "
+                         f"{[r.seed for r in treated]}")
+    return control, treated
+
+
 def good_lr_study() -> list[str]:
     """Issue 56's study: per arm the registered descriptive counts (collapse steps and declines by the studies'
     rules, and how many of them the lasting rules drop as transient); not pre-registered, per seed the mean of the
     last 3 evaluations, and per evaluation each arm's mean greedy EM with the paired difference."""
     results = load(os.path.join("good_lr", "study"))
-    arm = {name: sorted((r for r in results if r.arm == name), key=lambda r: r.seed) for name in GOOD_LR_ARMS}
+    arm = dict(zip(GOOD_LR_ARMS, _paired_arms(results, GOOD_LR_ARMS, "good_lr/study")))
     control, treated = (arm[name] for name in GOOD_LR_ARMS)
-    if [r.seed for r in control] != [r.seed for r in treated]:
-        raise ValueError(f"good_lr/study: the arms' seeds differ: {[r.seed for r in control]} vs "
-                         f"{[r.seed for r in treated]}")
     rows = []
     for name, runs in arm.items():
         collapses = [r for r in runs if r.collapse_step is not None]
@@ -260,6 +289,83 @@ def good_lr_study() -> list[str]:
     lines += ["", "mean greedy EM of each arm at each evaluation, and llds minus grpo on the same seeds: mean [95% t "
                   "interval] (seeds higher / lower) (not pre-registered):", ""]
     lines += report.markdown_table(["step", *GOOD_LR_ARMS, "llds minus grpo"], rows)
+    return lines
+
+
+def good_lr_spread() -> list[str]:
+    """Issue 56's study against its registration's power assumption (not pre-registered): the primary endpoint's
+    spread per arm (sd of the last-3 EM over seeds), the arms' correlation across seeds, the paired differences' sd
+    and estimate, the MDE at that sd, and the paired seeds that sd needs for an MDE of TARGET_MDE; with every seed
+    and without those whose control run collapsed for good (GRPO seed 4)."""
+    control, treated = _paired_arms(load(os.path.join("good_lr", "study")), GOOD_LR_ARMS, "good_lr/study")
+    collapsed = [c.seed for c in control if c.lasting_collapse]
+    rows = []
+    for label, skipped in (("all", []), (f"without seed {', '.join(map(str, collapsed))}", collapsed)):
+        pairs = [(c.last3_em, t.last3_em) for c, t in zip(control, treated) if c.seed not in skipped]
+        control_em, treated_em = (np.array(column) for column in zip(*pairs))
+        d = treated_em - control_em
+        sd = float(d.std(ddof=1))
+        needed = next(n for n in itertools.count(2) if _mde(sd, n) <= TARGET_MDE)
+        rows.append([f"{len(d)}, {label}", f"{control_em.std(ddof=1):.3f}", f"{treated_em.std(ddof=1):.3f}",
+                     f"{np.corrcoef(control_em, treated_em)[0, 1]:.3f}", f"{sd:.3f}", _paired_cell(d),
+                     f"{_mde(sd, len(d)):.3f}", str(needed)])
+    lines = ["good-learning-rate study: the primary endpoint's spread against the registration's assumption (not "
+             "pre-registered)", ""]
+    lines += report.markdown_table(
+        ["seeds", *(f"{name}: sd of the last-3 EM" for name in GOOD_LR_ARMS), "correlation of the arms across seeds",
+         "sd of the paired differences", "llds minus grpo: mean [95% t interval] (higher / lower)",
+         "MDE at that sd", f"paired seeds for an MDE of {TARGET_MDE} at that sd"], rows)
+    return lines
+
+
+def _trained_per_trajectory(result, first: int, last: int) -> float:
+    """A run's trained tokens (its loss masks': each step's tokens per second times its seconds, a count) per
+    trajectory trained, over steps first-last (inclusive)."""
+    span = range(first, last + 1)
+    seconds, rates, trajectories = (dict(zip(*result.curves[m])) for m in (STEP_S, TOKENS_PER_S, TRAJECTORIES))
+    return sum(round(rates[s] * seconds[s]) for s in span) / sum(trajectories[s] for s in span)
+
+
+def partial_study() -> list[str]:
+    """Issue 59's comparison (not pre-registered): per seed each arm's trained tokens per trajectory in steps 1-5,
+    and in step 1 (no carried conversation yet), mean rollout seconds (steps 2 on), searches sent and final EM; the
+    paired differences of the trained tokens per trajectory, and the rollout seconds without the seeds whose partial
+    run sent no search (seed 1)."""
+    control, treated = _paired_arms(load("partial_study"), PARTIAL_ARMS, "partial_study")
+    searchless = [t.seed for t in treated if not sum(t.curves[SEARCHES][1])]
+    first, last = EARLY
+    total = max(control[0].curves[STEP_S][0])
+    rows = [[str(c.seed), *(f"{_trained_per_trajectory(r, first, last):.1f}" for r in (c, t)),
+             *(f"{_trained_per_trajectory(r, first, first):.1f}" for r in (c, t)),
+             *(f"{r.rollout_s:.3f}" for r in (c, t)), f"{t.rollout_s / c.rollout_s:.2f}",
+             *(f"{sum(r.curves[SEARCHES][1]):,.0f}" for r in (c, t)), *(f"{r.final_em:.3f}" for r in (c, t))]
+            for c, t in zip(control, treated)]
+    lines = ["synchronous vs partial comparison, per seed (not pre-registered)", ""]
+    lines += report.markdown_table(
+        ["seed", *(f"{name}: trained tokens per trajectory, steps {first}-{last}" for name in PARTIAL_ARMS),
+         *(f"{name}: trained tokens per trajectory, step {first}" for name in PARTIAL_ARMS),
+         *(f"{name}: rollout seconds per step" for name in PARTIAL_ARMS),
+         f"rollout seconds, {PARTIAL_ARMS[1]} / {PARTIAL_ARMS[0]}",
+         *(f"{name}: searches sent, {total} steps" for name in PARTIAL_ARMS),
+         *(f"{name}: final EM" for name in PARTIAL_ARMS)], rows)
+    differences = (  # (endpoint, its value of a run, the seeds left out)
+        (f"trained tokens per trajectory, steps {first}-{last}", lambda r: _trained_per_trajectory(r, first, last), []),
+        (f"trained tokens per trajectory, step {first}", lambda r: _trained_per_trajectory(r, first, first), []),
+        (f"trained tokens per trajectory, steps {last + 1}-{total}",
+         lambda r: _trained_per_trajectory(r, last + 1, total), []),
+        (f"rollout seconds per step, without seed {', '.join(map(str, searchless))}", lambda r: r.rollout_s,
+         searchless))
+    rows = []
+    for label, value, skipped in differences:
+        d = np.array([value(t) - value(c) for c, t in zip(control, treated) if c.seed not in skipped])
+        rows.append([label, str(len(d)), _paired_cell(d), f"{stats.sign_flip_p(d):.4f}"])
+    lines += ["", f"{PARTIAL_ARMS[1]} minus {PARTIAL_ARMS[0]} on the same seeds (not pre-registered):", ""]
+    lines += report.markdown_table(
+        ["endpoint", "seeds", "mean [95% t interval] (higher / lower)", "exact sign-flip p, two-sided"], rows)
+    ratios = [np.mean([getattr(t, m) for t in treated]) / np.mean([getattr(c, m) for c in control])
+              for m in ("tokens_per_s", "rollout_s", "step_s")]
+    lines += ["", f"- {PARTIAL_ARMS[1]} / {PARTIAL_ARMS[0]}, means over seeds: trained tokens per second, rollout "
+                  "seconds, seconds per step: " + " ".join(f"{ratio:.3f}" for ratio in ratios)]
     return lines
 
 
@@ -302,7 +408,7 @@ def trees() -> list[str]:
 
 def main() -> int:
     print("\n".join(late_collapse() + [""] + trees() + [""] + long_horizon_calibration() + [""] + good_lr_design()
-                    + [""] + good_lr_study()))
+                    + [""] + good_lr_study() + [""] + good_lr_spread() + [""] + partial_study()))
     return 0
 
 
