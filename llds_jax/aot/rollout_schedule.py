@@ -81,6 +81,9 @@ class Call:
       pages_read: pages its ragged forward reads (each sequence's pages up to its length).
       iterations: decode iterations after the ragged forward (its most samples of a sequence, minus 1).
       iteration_pages_read: pages all its decode iterations read together (each active sequence's pages).
+      q_lens, kv_lens, samples: per sequence of its ragged batch (the first num_seqs of the S rows) its new tokens,
+        its length once they are written and the tokens it sampled in the call (decode iteration i runs every
+        slot, those with more than i samples sampling at kv_len + i: `llds_jax.aot.step_estimate.FaithfulCost`).
     """
 
     bucket: int
@@ -88,6 +91,9 @@ class Call:
     pages_read: int
     iterations: int
     iteration_pages_read: int
+    q_lens: tuple[int, ...] = ()
+    kv_lens: tuple[int, ...] = ()
+    samples: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +211,10 @@ class ScriptedRunner:
         lens = batch.kv_lens_s[:batch.num_seqs]
         iteration_pages = sum(int(np.sum(-(-(lens + i) // self.page_size) * (n_s[:batch.num_seqs] > i)))
                               for i in range(1, iterations + 1))
+        q_lens = np.diff(batch.cu_q_lens_s[:batch.num_seqs + 1])
         self.calls.append(Call(len(batch.tokens_t), int(batch.cu_q_lens_s[batch.num_seqs]), int(pages.sum()),
-                               iterations, iteration_pages))
+                               iterations, iteration_pages, tuple(q_lens.tolist()), tuple(lens.tolist()),
+                               tuple(n_s[:batch.num_seqs].tolist())))
         return StepResult(tokens_sc, np.zeros((s, c), np.float32), n_s)
 
 
