@@ -212,3 +212,16 @@ def test_a_call_the_model_does_not_take_is_refused():
         kernel_cost.kernel_call(shape, 16, (5, 0), (20, 9))
     with pytest.raises(ValueError, match="tokens in an operand of 16"):
         kernel_cost.kernel_call(shape, 16, (10, 10), (20, 20))
+
+
+def test_a_qwen7b_v4_decode_iteration_moves_whole_blocks_for_every_slot():
+    """qwen7b_v4 on one chip of its 4 (7 query heads, 1 key/value head of 128, bfloat16, pages of 64 slots, 64 per
+    sequence) at the kernel's default tile: a decode iteration of its 128 slots, each under 2,048 slots long, copies
+    one kv block of 32 pages (2,048 slots) per slot and layer, 3.76 GB over 28 layers where the sequences at 900
+    slots hold 15 pages each (1.76 GB), and computes a 32-token q block against 2,048 keys per slot: 842 GFLOP."""
+    shape = kernel_cost.KernelShape(7, 1, 128, 64, 64, "bfloat16", paged_attention.KERNEL_KV_PAGES_PER_BLOCK,
+                                    paged_attention.KERNEL_QUERIES_PER_BLOCK)
+    call = kernel_cost.kernel_call(shape, 128, [1] * 128, [900] * 128)
+    assert (shape.heads_blocks, call.grid_steps, call.page_copies, call.useful_page_copies) == (1, 4, 4096, 1920)
+    assert 28 * call.pool_bytes == 28 * 128 * 32 * 64 * 2 * 128 * 2 == pytest.approx(3.758e9, rel=1e-3)
+    assert 28 * call.flops == 28 * 128 * 4 * 32 * 7 * 2048 * 128 == pytest.approx(841.8e9, rel=1e-3)
