@@ -2,7 +2,8 @@
 engine (`llds_jax.rollout.engine.Engine`: its scheduler, token buckets, page table and GRPO prompt sharing) driven
 by conversations of the expected lengths under a scheduling policy, with a runner that samples scripted turns
 instead of running a model. Every call it makes is recorded with what the roofline needs: its token bucket, its
-real tokens, the pages its sequences read and its decode iterations.
+real tokens, the pages its sequences read and its decode iterations, and per sequence its new tokens, its length
+and its samples (what the kernel-faithful estimate costs the attention kernel's calls from).
 
 The conversations (`scripts`): one host's `sequences` trajectories in GRPO groups of `group` samples that share a
 prompt; each length at its logged mean and spread (`llds_jax.aot.step_lengths.Lengths`: a standard deviation), its whole
