@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from llds_jax import checks, topologies
+from llds_jax import checks, parallel, topologies
 from llds_jax.aot import rollout_schedule, roofline, step_estimate, step_lengths
 from llds_jax.train import run_builder
 from llds_jax import config as config_lib
@@ -60,7 +60,7 @@ from llds_jax.config.sections import RolloutConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
-from llds_jax.rollout.config import PagingConfig
+from llds_jax.rollout.config import PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
 from llds_jax.search import dense_index, device_index, device_search
 from llds_jax.search.dense import read_faiss_index
@@ -474,20 +474,27 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
              estimate_from: str = "") -> str:
     """The step-time estimate (`llds_jax.aot.step_estimate`) of compiled `rows` at `generation`'s peaks: the training
     programs' table, the worst-case step and the expected step (at the lengths of the run folder `estimate_from`,
-    else `step_lengths`' defaults), the rollout as the paged engine schedules it (`llds_jax.aot.rollout_schedule`); what
-    partial rollouts make of the expected step's rollout (`rollout_schedule.partial_for_run` at the config's
-    rollout.over_sampling when rollout.partial is on, else at `step_estimate.PARTIAL_OVER_SAMPLING`); with `estimate_from`, its predicted step calls and batch tokens per token
-    bucket beside the run's logged ones."""
+    else `step_lengths`' defaults), the rollout as the paged engine schedules it (`llds_jax.aot.rollout_schedule`),
+    each step ideal (`format_step`) then kernel-faithful (`format_faithful`: each call as the attention kernel runs
+    it, each term with its source); what partial rollouts make of the expected step's rollout
+    (`rollout_schedule.partial_for_run` at the config's rollout.over_sampling when rollout.partial is on, else at
+    `step_estimate.PARTIAL_OVER_SAMPLING`; ideal); with `estimate_from`, its predicted step calls and batch tokens
+    per token bucket beside the run's logged ones."""
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
                                        p.role)
              for r, p in zip(rows, programs)]
     peaks = roofline.PEAKS[generation]
     sequences = config_lib.rollout_batch_size(cfg) // hosts
     step_row, step_program = next((r, p) for r, p in zip(rows, programs) if p.role is Role.ROLLOUT_STEP)
-    paging = PagingConfig.of(config_lib.build(RolloutConfig, cfg.rollout))
+    rollout_cfg = config_lib.build(RolloutConfig, cfg.rollout)
+    paging = PagingConfig.of(rollout_cfg)
     slots = min(sequences, cfg.rollout.max_batch_size or sequences)
     cost = step_estimate.step_cost(layout.rollout.model_cfg, layout.rollout.tensor,
                                    step_row.arguments - step_program.pool_bytes, paging.page_size, slots)
+    faithful = step_estimate.faithful_cost(cost, layout.rollout.model_cfg, layout.rollout.tensor, paging.page_size,
+                                           -(-rollout_cfg.max_context_tokens // paging.page_size),
+                                           parallel.axis_size(layout.rollout.mesh, "sampled_rows"),
+                                           SamplingConfig.of(rollout_cfg, PLACEHOLDER_STOP_IDS))
     device_search = next((c for c in costs if c.role is Role.RETRIEVAL), None)
     worst_updates = step_estimate.part_seconds(costs, peaks)
     lines = [step_estimate.format_programs(costs, peaks, generation)]
@@ -501,6 +508,10 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
         updates = step_estimate.part_seconds(costs, peaks, dict.fromkeys(step_estimate.FORWARDS, share))
         lines.append(step_estimate.format_step(label, schedule, time_, worst_updates[step_estimate.RESHARD],
                                                updates[step_estimate.UPDATES], lengths))
+        lines.append(step_estimate.format_faithful(label, faithful,
+                                                   step_estimate.faithful_time(schedule, faithful, peaks), time_,
+                                                   worst_updates[step_estimate.RESHARD],
+                                                   updates[step_estimate.UPDATES]))
     # What partial rollouts make of the expected step (issue 59): the rollout cut at the batch's completion, at the
     # config's rollout.over_sampling when rollout.partial is on, else at the what-if's factors.
     prompts = sequences // cfg.data.samples_per_prompt

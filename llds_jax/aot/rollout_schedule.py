@@ -2,7 +2,8 @@
 engine (`llds_jax.rollout.engine.Engine`: its scheduler, token buckets, page table and GRPO prompt sharing) driven
 by conversations of the expected lengths under a scheduling policy, with a runner that samples scripted turns
 instead of running a model. Every call it makes is recorded with what the roofline needs: its token bucket, its
-real tokens, the pages its sequences read and its decode iterations.
+real tokens, the pages its sequences read and its decode iterations, and per sequence its new tokens, its length
+and its samples (what the kernel-faithful estimate costs the attention kernel's calls from).
 
 The conversations (`scripts`): one host's `sequences` trajectories in GRPO groups of `group` samples that share a
 prompt; each length at its logged mean and spread (`llds_jax.aot.step_lengths.Lengths`: a standard deviation), its whole
@@ -81,6 +82,9 @@ class Call:
       pages_read: pages its ragged forward reads (each sequence's pages up to its length).
       iterations: decode iterations after the ragged forward (its most samples of a sequence, minus 1).
       iteration_pages_read: pages all its decode iterations read together (each active sequence's pages).
+      q_lens, kv_lens, samples: per sequence of its ragged batch (the first num_seqs of the S rows) its new tokens,
+        its length once they are written and the tokens it sampled in the call (decode iteration i runs every
+        slot, those with more than i samples sampling at kv_len + i: `llds_jax.aot.step_estimate.FaithfulCost`).
     """
 
     bucket: int
@@ -88,6 +92,9 @@ class Call:
     pages_read: int
     iterations: int
     iteration_pages_read: int
+    q_lens: tuple[int, ...] = ()
+    kv_lens: tuple[int, ...] = ()
+    samples: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +212,10 @@ class ScriptedRunner:
         lens = batch.kv_lens_s[:batch.num_seqs]
         iteration_pages = sum(int(np.sum(-(-(lens + i) // self.page_size) * (n_s[:batch.num_seqs] > i)))
                               for i in range(1, iterations + 1))
+        q_lens = np.diff(batch.cu_q_lens_s[:batch.num_seqs + 1])
         self.calls.append(Call(len(batch.tokens_t), int(batch.cu_q_lens_s[batch.num_seqs]), int(pages.sum()),
-                               iterations, iteration_pages))
+                               iterations, iteration_pages, tuple(q_lens.tolist()), tuple(lens.tolist()),
+                               tuple(n_s[:batch.num_seqs].tolist())))
         return StepResult(tokens_sc, np.zeros((s, c), np.float32), n_s)
 
 

@@ -30,6 +30,15 @@ Not a measurement: peak rates are never reached, and the lengths are stated assu
   trained either way; the trained trajectories' lengths, which a cut biases toward the short, are not followed).
 - Hosts sample their own sequences at the same time (a step's rollout is one host's); evaluation is left out
   (it runs every `train.eval_every` steps); the weight reshard runs once per step, in the rollout.
+- Kernel-faithful (issue 67, `FaithfulCost`, printed beside the ideal above by `format_faithful`): the same
+  schedule's calls costed as the step program runs them: each layer's attention as JAX's ragged paged attention
+  kernel executes it at the tile it is called with (`llds_jax.aot.kernel_cost`: whole kv blocks copied, pages past
+  a sequence's end included; whole q blocks against whole kv blocks on the MXU), every one of the S slots in every
+  decode iteration, the KV write, the copy-on-write scan, the sampler's passes over the vocabulary, the
+  all-reduces; each op by its own roofline, the ops in series. Each term names its source (`TERM_SOURCES`: "HLO",
+  "kernel grid", "program"); the host's time per call and retrieval in series with the calls are "measured"
+  terms, placeholders until a bench measures them (the host's 0 s, retrieval the ideal's blocking seconds), and
+  the collectives' latency is not costed. The partial rollouts' what-if stays ideal.
 """
 from __future__ import annotations
 
@@ -38,9 +47,14 @@ import math
 import os
 from collections.abc import Sequence
 
-from llds_jax.aot import rollout_schedule, step_lengths
+import numpy as np
+
+from llds_jax.aot import kernel_cost, rollout_schedule, step_lengths
+from llds_jax.model import paged_attention
 from llds_jax.programs import Role
 from llds_jax.aot.roofline import ChipPeaks, HloCost, roofline_seconds
+from llds_jax.rollout import nucleus
+from llds_jax.rollout.config import SamplingConfig
 
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on
@@ -139,11 +153,18 @@ class StepCost:
     ici_bytes_per_token: float
     slots: int
 
+    def flops(self, tokens: int) -> float:
+        """Matrix FLOPs of one forward of `tokens` tokens: the layers' and the output projection's of every slot."""
+        return tokens * self.flops_per_token + self.slots * self.logit_flops_per_slot
+
+    def all_reduce_seconds(self, tokens: int, peaks: ChipPeaks) -> float:
+        """Seconds of one forward's tensor-parallel all-reduces over ICI."""
+        return tokens * self.ici_bytes_per_token / peaks.ici_bandwidth
+
     def forward_seconds(self, tokens: int, pages: float, peaks: ChipPeaks) -> float:
         """Seconds of one forward of `tokens` tokens whose sequences read `pages` pages."""
-        flops = tokens * self.flops_per_token + self.slots * self.logit_flops_per_slot
         hbm = self.weight_bytes + pages * self.page_bytes
-        return max(flops / peaks.flops, hbm / peaks.hbm_bandwidth) + tokens * self.ici_bytes_per_token / peaks.ici_bandwidth
+        return max(self.flops(tokens) / peaks.flops, hbm / peaks.hbm_bandwidth) + self.all_reduce_seconds(tokens, peaks)
 
     def call_seconds(self, call: rollout_schedule.Call, peaks: ChipPeaks) -> float:
         """Seconds of one step call: its ragged forward at its bucket, then its decode iterations at S slots."""
@@ -351,4 +372,180 @@ def format_counts(schedule: rollout_schedule.Schedule, logged: dict[int, tuple[f
                      f"{schedule.tokens_per_bucket.get(bucket, 0):>10,} vs {tokens:>12,.1f}")
     total = sum(c for c, _ in logged.values())
     lines.append(f"  all    {len(schedule.calls):>8,} vs {total:>10,.1f}")
+    return "\n".join(lines)
+
+
+# ----- the step call as the kernel runs it (issue 67) ----------------------------------------------------------------
+
+# Where a term of the kernel-faithful estimate comes from: modelled from the compiled program's HLO (its FLOPs equal
+# the HLO's, its weight bytes are the program's arguments), from the kernel's grid (`kernel_cost`), counted from the
+# step program's code at its shapes, or measured (a bench's figure; a placeholder until one is).
+HLO, KERNEL_GRID, PROGRAM, MEASURED = "HLO", "kernel grid", "program", "measured"
+# The sampler's passes over a row's float32 logits per draw (`rollout.sampling.sample_tokens`), reads and writes of
+# [rows, V] each: a softmax or log-softmax 3 (the row's max, its sum of exponentials, the result written); the
+# inverse-CDF draw 3 (the cumulative sum read and written, the count below u read); the nucleus' bisection
+# `nucleus.BISECTION_STEPS` masked sums and its kept set 2 (read, written); greedy's argmax 1, top-k's 1.
+SOFTMAX_PASSES, DRAW_PASSES, KEPT_SET_PASSES, ARGMAX_PASSES, TOP_K_PASSES = 3, 3, 2, 1, 1
+
+
+def sampler_passes(sampling: SamplingConfig) -> int:
+    """Passes over a row's vocabulary of one draw of `sampling` (the log-probs' log-softmax included)."""
+    if sampling.greedy:
+        return SOFTMAX_PASSES + ARGMAX_PASSES
+    if sampling.top_k:
+        return SOFTMAX_PASSES + TOP_K_PASSES
+    nucleus_passes = nucleus.BISECTION_STEPS + KEPT_SET_PASSES if sampling.top_p < 1 else 0
+    return 2 * SOFTMAX_PASSES + nucleus_passes + DRAW_PASSES
+
+
+# The terms of a step call, each with its source.
+LAYERS, ATTENTION, KV_WRITE, COPIES, SAMPLER, ALL_REDUCE = (
+    "layers (matrices, weights)", "attention kernel", "KV write", "copy-on-write scan", "sampler",
+    "tensor-parallel all-reduces")
+TERM_SOURCES = {LAYERS: HLO, ATTENTION: KERNEL_GRID, KV_WRITE: PROGRAM, COPIES: PROGRAM, SAMPLER: PROGRAM,
+                ALL_REDUCE: PROGRAM}
+
+
+@dataclasses.dataclass(frozen=True)
+class FaithfulCost:
+    """A step call on one chip as the shipped kernel runs it (issue 67): `StepCost`'s forwards, each layer's
+    attention costed from the kernel's grid (`kernel_cost`) instead of the pages the sequences hold, every one of
+    the S slots in every decode iteration (those no longer sampling at kv_len 1: `rollout.runner.step_program`),
+    and the work around it. Each of its ops is costed by its own roofline, max(FLOPs / peak, bytes / bandwidth),
+    and the ops add up (a layer's attention waits for its projections, the sampler for the logits).
+
+    Attributes:
+      step: the forward's layers (`StepCost`: FLOPs as the HLO's, the weights' bytes, the all-reduces).
+      kernel: one layer's kernel calls on the chip (its heads, pages and tile).
+      layers: L, kernel calls per forward.
+      kv_write_bytes_per_token: every layer's keys and values of one token on the chip (the scatter into the pool;
+        padding tokens dropped, each decode iteration writes all S rows).
+      sampler_passes: a draw's passes over its logits (`sampler_passes`).
+      logits_bytes: the chip's share of a draw's float32 logits [S, V] (the rows split over every mesh axis:
+        "sampled_rows").
+    """
+
+    step: StepCost
+    kernel: kernel_cost.KernelShape
+    layers: int
+    kv_write_bytes_per_token: float
+    sampler_passes: int
+    logits_bytes: float
+
+    def forward_terms(self, tokens: int, written: int, q_lens, kv_lens, peaks: ChipPeaks
+                      ) -> tuple[dict[str, float], kernel_cost.KernelCall]:
+        """Seconds per term of one forward of `tokens` tokens (the q operand), `written` of them real, over
+        sequences of `q_lens` new tokens and `kv_lens` slots; and one layer's kernel call."""
+        s = self.step
+        call = kernel_cost.kernel_call(self.kernel, tokens, q_lens, kv_lens)
+        return {LAYERS: max(s.flops(tokens) / peaks.flops, s.weight_bytes / peaks.hbm_bandwidth),
+                ATTENTION: self.layers * max(call.flops / peaks.flops, call.hbm_bytes / peaks.hbm_bandwidth),
+                KV_WRITE: written * self.kv_write_bytes_per_token / peaks.hbm_bandwidth,
+                SAMPLER: self.sampler_passes * self.logits_bytes / peaks.hbm_bandwidth,
+                ALL_REDUCE: s.all_reduce_seconds(tokens, peaks)}, call
+
+    def call_terms(self, call: rollout_schedule.Call, peaks: ChipPeaks) -> tuple[dict[str, float], KernelTally]:
+        """Seconds per term of one step call (its copy-on-write scan over the S page copies it is compiled with,
+        its ragged forward at its bucket, then its decode iterations over every slot), and its kernel calls'
+        work over all its layers."""
+        slots = self.step.slots
+        terms, first = self.forward_terms(call.bucket, call.tokens, call.q_lens, call.kv_lens, peaks)
+        terms[COPIES] = slots * 2 * self.step.page_bytes / peaks.hbm_bandwidth  # each copy read and written
+        tally = KernelTally.of(first, self.layers)
+        kv_lens = np.ones(slots, np.int64)
+        for i in range(1, call.iterations + 1):
+            kv_lens[:len(call.kv_lens)] = np.where(np.asarray(call.samples) > i, np.asarray(call.kv_lens) + i, 1)
+            more, kernel = self.forward_terms(slots, slots, np.ones(slots, np.int64), kv_lens, peaks)
+            terms = {name: seconds + more.get(name, 0.0) for name, seconds in terms.items()}
+            tally = tally + KernelTally.of(kernel, self.layers)
+        return terms, tally
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTally:
+    """Kernel calls' work added up (`kernel_cost.KernelCall`): grid steps, pages copied, of which the pages the
+    sequences hold, bytes copied from the pool, MXU FLOPs."""
+
+    grid_steps: int = 0
+    page_copies: int = 0
+    useful_page_copies: int = 0
+    pool_bytes: float = 0.0
+    flops: float = 0.0
+
+    @classmethod
+    def of(cls, call: kernel_cost.KernelCall, layers: int) -> KernelTally:
+        """`call` made once in each of `layers` layers."""
+        return cls(layers * call.grid_steps, layers * call.page_copies, layers * call.useful_page_copies,
+                   layers * call.pool_bytes, layers * call.flops)
+
+    def __add__(self, other: KernelTally) -> KernelTally:
+        return KernelTally(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
+
+def faithful_cost(step: StepCost, model_cfg, tensor: int, page_size: int, pages_per_seq: int, row_shards: int,
+                  sampling: SamplingConfig, kv_pages_per_block: int = paged_attention.KERNEL_KV_PAGES_PER_BLOCK,
+                  queries_per_block: int = paged_attention.KERNEL_QUERIES_PER_BLOCK) -> FaithfulCost:
+    """The `FaithfulCost` of `step` (`step_cost`'s) for a rollout model of `model_cfg` over `tensor` chips (its
+    heads split over them), pages of `page_size` slots, `pages_per_seq` per sequence, the sampled rows split
+    `row_shards` ways, drawn as `sampling` says, at the kernel's tile (default: what `paged_attention` passes when
+    the runner names none, as today)."""
+    m = model_cfg
+    kernel = kernel_cost.KernelShape(m.num_heads // tensor, m.num_kv_heads // tensor, m.head_dim, page_size,
+                                     pages_per_seq, m.dtype, kv_pages_per_block, queries_per_block)
+    rows = -(-step.slots // row_shards)
+    return FaithfulCost(step, kernel, m.num_layers, m.num_layers * kernel.page_bytes / page_size,
+                        sampler_passes(sampling), rows * m.vocab_size * 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class FaithfulTime:
+    """A rollout's device seconds per term (`TERM_SOURCES`) as the kernel runs its calls, and its kernel calls'
+    work (`KernelTally`)."""
+
+    terms: dict[str, float]
+    kernel: KernelTally
+
+    @property
+    def device(self) -> float:
+        return sum(self.terms.values())
+
+
+def faithful_time(schedule: rollout_schedule.Schedule, cost: FaithfulCost, peaks: ChipPeaks) -> FaithfulTime:
+    """Every call of `schedule` costed by `cost` (`FaithfulCost.call_terms`), added up."""
+    terms, tally = dict.fromkeys(TERM_SOURCES, 0.0), KernelTally()
+    for call in schedule.calls:
+        more, kernel = cost.call_terms(call, peaks)
+        terms = {name: seconds + more[name] for name, seconds in terms.items()}
+        tally = tally + kernel
+    return FaithfulTime(terms, tally)
+
+
+def format_faithful(label: str, cost: FaithfulCost, time: FaithfulTime, ideal: RolloutTime, reshard: float,
+                    updates: float) -> str:
+    """The lines of one step estimate as the kernel runs its calls, beside the ideal one (`format_step`'s, whose
+    rollout is `ideal`): each term with its source and seconds, the placeholders of the measured terms, and the
+    step with the rollout's share of it, the ideal's beside it."""
+    k, tally = cost.kernel, time.kernel
+    useful = tally.useful_page_copies / max(tally.page_copies, 1)
+    notes = {ATTENTION: f"{tally.grid_steps:,} grid steps, {tally.pool_bytes / 1e9:,.1f} GB of pages copied "
+                        f"({useful:.0%} of them pages the sequences hold), {tally.flops / 1e12:,.1f} TFLOP on the MXU",
+             SAMPLER: f"{cost.sampler_passes} passes per draw over the chip's rows of float32 logits"}
+    lines = [f"  {label} step, kernel-faithful (issue 67): each call as JAX's ragged paged attention runs it, at the "
+             f"tile {k.kv_pages_per_block} kv pages x {k.queries_per_block} queries, pages of {k.page_size} slots, "
+             "every slot in every decode iteration: term, source, seconds"]
+    for name, source in TERM_SOURCES.items():
+        note = f"  ({notes[name]})" if name in notes else ""
+        lines.append(f"    {name:<30} {source:<12} {time.terms[name]:8.2f} s{note}")
+    lines += [f"    {'host time between calls':<30} {MEASURED:<12} placeholder: 0 s (not yet measured: a bench of the "
+              "engine's host time per call)",
+              f"    {'retrieval':<30} {MEASURED:<12} placeholder: the ideal's {ideal.retrieval:.1f} s (not yet "
+              "measured in series with the calls)",
+              f"    {'collectives latency':<30} {'-':<12} not costed"]
+    rollout = time.device + ideal.retrieval + reshard
+    step = rollout + updates
+    ideal_rollout = ideal.device + ideal.retrieval + reshard
+    lines.append(f"  {label} step, kernel-faithful: rollout {rollout:.1f} s (device {time.device:.1f} s, retrieval "
+                 f"{ideal.retrieval:.1f} s, weight reshard {reshard:.2f} s) + updates {updates:.1f} s = {step:.1f} s; "
+                 f"rollout {rollout / step:.1%} of the step (ideal: {ideal_rollout / (ideal_rollout + updates):.1%}; "
+                 "an estimate, not a measurement)")
     return "\n".join(lines)

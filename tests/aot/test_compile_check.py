@@ -162,7 +162,7 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     64 tokens, evaluation's 8 to 64), each calling the ragged paged attention kernel on the chips, its page pool
     split over the key/value heads; every program fits, the table counts the rollout programs, and the step
     estimate runs the engine's schedule at the worst case and the defaults, its calls per token bucket costed, and
-    the partial rollouts' what-if after the expected step."""
+    the partial rollouts' what-if after the expected step, ideal then kernel-faithful."""
     cfg = flagship(paged_model_dir, **PAGED)
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = compile_check.build_programs(cfg, devices)
@@ -196,8 +196,18 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
            "decode iterations, seconds" in lines
     expected = next(line for line in lines if line.startswith("  expected step: rollout "))
     assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
-    # Then the partial rollouts' what-if (issue 59): the synchronous rollout, then over-sampling 1.5 and 2.
+    # Then the same step as the kernel runs its calls (issue 67): at the tile the runner passes today (none: the
+    # kernel's 32 x 32), each term with its source, the measured ones placeholders, the ideal share beside it.
     at = lines.index(expected)
+    assert lines[at + 1].startswith("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged "
+                                    "attention runs it, at the tile 32 kv pages x 32 queries, pages of 16 slots")
+    assert [line[35:47].strip() for line in lines[at + 2:at + 11]] == [  # the source column
+        "HLO", "kernel grid", "program", "program", "program", "program", "measured", "measured", "-"]
+    assert lines[at + 3].startswith("    attention kernel ")
+    faithful = lines[at + 11]
+    assert faithful.startswith("  expected step, kernel-faithful: rollout ") and "(ideal: " in faithful
+    # Then the partial rollouts' what-if (issue 59): the synchronous rollout, then over-sampling 1.5 and 2.
+    at = lines.index(faithful)
     assert lines[at + 1].startswith("  partial rollouts (what-if, rollout.partial is off): the steady state")
     assert lines[at + 2].startswith("    synchronous        rollout ")
     assert lines[at + 3].startswith("    over-sampling 1.5  rollout ")

@@ -79,6 +79,17 @@ def test_a_barrier_session_calls_as_worked_out_by_hand():
     # and 14 tokens (2 pages each).
     assert [c.pages_read for c in s.calls[:2]] == [4, 8]
     assert (s.rows_in_flight, s.search_waits) == (4, 0)
+    # Per sequence of each call (for the kernel-faithful estimate): call 1 the two prompts, 4 samples each; call 2
+    # one token each, all sampling 4, call 3 the second samples' last tokens; every call's counts follow from them.
+    assert (s.calls[0].q_lens, s.calls[0].kv_lens, s.calls[0].samples) == ((10, 10), (10, 10), (4, 4))
+    assert (s.calls[1].q_lens, s.calls[1].samples) == ((1, 1, 1, 1), (4, 4, 4, 4))
+    assert s.calls[2].q_lens == (1, 1)
+    for c in s.calls:
+        kv = np.asarray(c.kv_lens)
+        assert (sum(c.q_lens), int(np.sum(-(-kv // 8))), max(c.samples) - 1) == (c.tokens, c.pages_read,
+                                                                                  c.iterations)
+        assert c.iteration_pages_read == sum(int(np.sum(-(-(kv + i) // 8) * (np.asarray(c.samples) > i)))
+                                             for i in range(1, c.iterations + 1))
 
 
 def test_a_continuous_stream_admits_as_slots_free_as_worked_out_by_hand():

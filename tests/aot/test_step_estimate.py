@@ -8,6 +8,7 @@ from llds_jax import config as config_lib
 from llds_jax.aot import rollout_schedule, step_estimate, step_lengths
 from llds_jax.model import ModelConfig
 from llds_jax.programs import Role
+from llds_jax.rollout.config import SamplingConfig
 from llds_jax.aot.roofline import PEAKS, ChipPeaks, HloCost
 from tests.configs import load
 
@@ -189,3 +190,80 @@ def test_the_estimate_simulates_the_configs_over_sampling_when_partial_is_on_els
     assert step_estimate.partial_factors(cfg) == (1.5, 2.0)
     cfg.rollout.partial, cfg.rollout.over_sampling = True, 3.0
     assert step_estimate.partial_factors(cfg) == (3.0,)
+
+
+def test_a_draw_makes_the_samplers_passes_over_its_rows_vocabulary():
+    """The log-softmax and softmax (3 passes each: max, sum, result), the inverse-CDF draw (3), the nucleus' 30
+    bisection sums and its kept set (2); greedy: the log-softmax and the argmax; top-k: the log-softmax and top_k."""
+    sampling = SamplingConfig(top_p=0.95, top_k=0)
+    assert step_estimate.sampler_passes(sampling) == 3 + 3 + 30 + 2 + 3
+    assert step_estimate.sampler_passes(dataclasses.replace(sampling, top_p=1.0)) == 3 + 3 + 3
+    assert step_estimate.sampler_passes(dataclasses.replace(sampling, greedy=True)) == 3 + 1
+    assert step_estimate.sampler_passes(dataclasses.replace(sampling, top_k=50)) == 3 + 1
+
+
+def faithful_tiny(tensor=2):
+    """`tiny_cost`'s model over 2 chips (2 query heads and 1 key/value head each, heads of 16, bfloat16), pages of
+    8 slots, 8 per sequence, the tile 2 pages x 4 queries, its 4 rows of logits split 2 ways, top-p sampling."""
+    cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                           head_dim=16, num_layers=2, dtype="bfloat16")
+    return step_estimate.faithful_cost(tiny_cost(tensor), cfg, tensor, page_size=8, pages_per_seq=8, row_shards=2,
+                                       sampling=SamplingConfig(top_p=0.95, top_k=0), kv_pages_per_block=2,
+                                       queries_per_block=4)
+
+
+def test_a_call_as_the_kernel_runs_it_costs_whole_blocks_every_slot_and_the_work_around_the_layers():
+    """A call at the 16-token bucket of two sequences (8 tokens at 8 slots, 3 at 20; sampling 1 and 3 tokens), then
+    2 decode iterations of the 4 slots. Per chip a page is 8 slots x 2 rows x 16 x 2 bytes = 512 bytes, a kv block
+    2 pages (16 slots), a q block 4 tokens. The forward: sequence 0 visited by q blocks 0 and 1 (1 kv block each),
+    sequence 1 by block 2 (2 kv blocks): 4 visits, 8 page copies of which 5 pages held; 4 q blocks copied in and out.
+    Each decode iteration: one q block of the 4 slots, sequence 1 at 21 then 22 slots (2 kv blocks), the other three
+    rows at kv_len 1 (1 each): 5 visits, 10 page copies of which 6 held. Two layers. PEAKS_1: 1e12 FLOP/s, 1e9 B/s,
+    1e8 ICI B/s."""
+    cost = faithful_tiny()
+    call = rollout_schedule.Call(16, 11, 4, 2, 7, q_lens=(8, 3), kv_lens=(8, 20), samples=(1, 3))
+    terms, tally = cost.call_terms(call, PEAKS_1)
+    flops_forward = 4 * 4 * 4 * 2 * 16 * 16  # visits x (QK^T, PV: 4 FLOPs) x bq x heads x block slots x H
+    flops_decode = 5 * 4 * 4 * 2 * 16 * 16
+    q_out = 2 * 4 * 2 * 16 * 2  # one q block in and out: 4 tokens x 2 heads x 16 x 2 bytes
+    assert tally == step_estimate.KernelTally(grid_steps=2 * (4 + 1 + 1), page_copies=2 * (8 + 10 + 10),
+                                              useful_page_copies=2 * (5 + 6 + 6),
+                                              pool_bytes=2 * (8 + 10 + 10) * 512.0,
+                                              flops=2.0 * (flops_forward + 2 * flops_decode))
+    attention = 2 * ((8 * 512 + 4 * q_out) + 2 * (10 * 512 + q_out)) / 1e9  # memory-bound at these sizes
+    assert terms == {
+        step_estimate.LAYERS: pytest.approx(3 * 1e6 / 1e9),  # three forwards, each reading the weights
+        step_estimate.ATTENTION: pytest.approx(attention),
+        step_estimate.KV_WRITE: pytest.approx((11 + 4 + 4) * 2 * 2 * 16 * 2 / 1e9),  # real tokens, then every slot
+        step_estimate.COPIES: pytest.approx(4 * 2 * cost.step.page_bytes / 1e9),  # S copies, each read and written
+        step_estimate.SAMPLER: pytest.approx(3 * 41 * 2 * 640 * 4 / 1e9),  # 3 draws of 2 rows per chip
+        step_estimate.ALL_REDUCE: pytest.approx((16 + 4 + 4) * cost.step.ici_bytes_per_token / 1e8)}
+    time = step_estimate.faithful_time(schedule("continuous", [call, call]), cost, PEAKS_1)
+    assert time.device == pytest.approx(2 * sum(terms.values()))
+    assert time.kernel == tally + tally
+
+
+def test_the_faithful_lines_name_each_terms_source_and_keep_the_ideal_share_beside():
+    cost = faithful_tiny()
+    time = step_estimate.FaithfulTime(dict(zip(step_estimate.TERM_SOURCES, (4.0, 3.0, 0.5, 0.25, 1.5, 0.75))),
+                                      step_estimate.KernelTally(10, 100, 25, 2e9, 3e12))
+    ideal = step_estimate.RolloutTime({128: 5.0}, 1.0, "")
+    lines = step_estimate.format_faithful("expected", cost, time, ideal, 0.5, 13.5).splitlines()
+    assert lines[0].startswith("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged attention "
+                               "runs it, at the tile 2 kv pages x 4 queries, pages of 8 slots")
+    assert lines[1:7] == [
+        "    layers (matrices, weights)     HLO              4.00 s",
+        "    attention kernel               kernel grid      3.00 s  (10 grid steps, 2.0 GB of pages copied (25% of "
+        "them pages the sequences hold), 3.0 TFLOP on the MXU)",
+        "    KV write                       program          0.50 s",
+        "    copy-on-write scan             program          0.25 s",
+        "    sampler                        program          1.50 s  (41 passes per draw over the chip's rows of "
+        "float32 logits)",
+        "    tensor-parallel all-reduces    program          0.75 s"]
+    assert [line.split()[:2] for line in lines[7:10]] == [["host", "time"], ["retrieval", "measured"],
+                                                          ["collectives", "latency"]]
+    assert "placeholder" in lines[7] and "placeholder: the ideal's 1.0 s" in lines[8]
+    # Device 10 s + retrieval 1 s + reshard 0.5 s = 11.5 s, + 13.5 s = 25 s; ideal (5 + 1 + 0.5) / 20 = 32.5%.
+    assert lines[10] == ("  expected step, kernel-faithful: rollout 11.5 s (device 10.0 s, retrieval 1.0 s, weight "
+                         "reshard 0.50 s) + updates 13.5 s = 25.0 s; rollout 46.0% of the step (ideal: 32.5%; an "
+                         "estimate, not a measurement)")
