@@ -18,7 +18,8 @@ process, the row written and read by its own process).
   corrupted after it was written) is reported with a one-line warning naming the step and the error (`describe`),
   and the previous step is tried (the reads orbax left in flight then fail against its closed event loop: those
   reports are dropped, `drop_orphaned_read_errors`); once one restores, the unreadable newer steps are moved aside
-  to `<step>.unreadable-<unix time>` (so the resumed run can save those step numbers again).
+  to `<step>.unreadable-<unix time>` (so the resumed run can save those step numbers again). The oldest step's
+  warning says that nothing is left to fall back to: the restore fails (CheckpointUnreadableError), moving nothing.
   Each attempt is agreed between hosts (`distributed.any_process`), so all hosts resume from the same step.
 - Every write and read is a bounded storage operation (llds_jax.runtime.storage): a failed write (a disk full or
   read-only, a GCS endpoint gone) raises one StorageError naming the step, the folder and the reason, and the
@@ -513,7 +514,8 @@ class Checkpointer:
     def _restore_latest(self, params_target: Any, opt_state_target: Any,
                         check_meta: Callable[[dict, dict | None], None] | None) -> Restored | None:
         failures = {}
-        for step in reversed(self.all_steps()):
+        steps = self.all_steps()
+        for step in reversed(steps):
             error = None
             try:
                 restored = self.restore(step, params_target, opt_state_target, check_meta)
@@ -528,8 +530,9 @@ class Checkpointer:
                     self._manager.reload()
                 return restored
             reason = describe(error) if error is not None else "it failed on another host"
-            log.warning("checkpoint step %d in %s is unreadable (%s); falling back to the previous step",
-                        step, self.directory, reason)
+            then = ("falling back to the previous step" if step != steps[0] else
+                    "it is the oldest step: nothing to fall back to, the restore fails and no step is moved aside")
+            log.warning("checkpoint step %d in %s is unreadable (%s); %s", step, self.directory, reason, then)
             failures[step] = reason
         if failures:
             raise CheckpointUnreadableError(f"no readable checkpoint in {self.directory}: " +

@@ -12,7 +12,7 @@ import pytest
 
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample
-from llds_jax.train.checkpoint import MAX_REASON_CHARS, Checkpointer, checksums
+from llds_jax.train.checkpoint import MAX_REASON_CHARS, Checkpointer, CheckpointUnreadableError, checksums
 from tests.e2e.runs import finish, read_metrics
 from tests.reliability.scripted_retriever import ScriptedRetriever
 from tests.reliability.test_partial_runs import assert_same_run, result
@@ -204,6 +204,27 @@ def test_a_checkpoint_of_the_version_before_the_record_checksum_resumes(tmp_path
     restored, warnings = restore_with_warnings(directory, caplog)
     assert (restored.step, restored.meta["data"]["position"], restored.host_meta["data"]["position"]) == (2, 32, 32)
     assert warnings == []
+
+
+def test_the_oldest_steps_warning_says_that_nothing_is_left_to_fall_back_to(tmp_path, caplog):
+    """Issue 66: the oldest step's warning said "falling back to the previous step" where there was none; the
+    restore then fails as a whole, moving nothing."""
+    directory = str(tmp_path / "checkpoints")
+    save_two_steps(directory)
+    for step in ("1", "2"):
+        flip_bytes(os.path.join(directory, step, "params"))
+    with pytest.raises(CheckpointUnreadableError, match=f"no readable checkpoint in {directory}: step 2: "
+                                                        "ChecksumMismatchError: .*; step 1: ChecksumMismatchError"):
+        restore_with_warnings(directory, caplog)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    reason = ("(ChecksumMismatchError: {directory}/{step}/params: params['w'] does not match the checksum saved with "
+              "it (its data changed after the save))")
+    assert warnings == [
+        f"checkpoint step 2 in {directory} is unreadable {reason.format(directory=directory, step=2)}; falling back "
+        "to the previous step",
+        f"checkpoint step 1 in {directory} is unreadable {reason.format(directory=directory, step=1)}; it is the "
+        "oldest step: nothing to fall back to, the restore fails and no step is moved aside"]
+    assert sorted(os.listdir(directory)) == ["1", "2"]
 
 
 @pytest.fixture(scope="module")
