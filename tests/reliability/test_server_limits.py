@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -366,8 +367,10 @@ def health(url: str) -> dict:
         return json.loads(response.read())
 
 
-def test_connections_that_never_finish_their_headers_are_dropped_and_counted(corpus_index):
-    process, url = start_server(corpus_index[1], *SLOW)
+def test_connections_that_never_finish_their_headers_are_dropped_and_counted_in_few_lines(corpus_index):
+    """Issue 66: each drop was one warning line (3,500 lines for 3,500 clients). The first drop after a quiet spell
+    is one line naming the client, the others one summary line per --slow-client-summary-s that had any."""
+    process, url = start_server(corpus_index[1], *SLOW, "--slow-client-summary-s", "2")
     try:
         silent, partial = [connect(url) for _ in range(20)], [connect(url) for _ in range(20)]
         for sock in partial:
@@ -377,10 +380,20 @@ def test_connections_that_never_finish_their_headers_are_dropped_and_counted(cor
         assert time.monotonic() - started < 5
         assert health(url)["slow_clients_dropped"] == 40
         assert post(url, json.dumps({"queries": ["alpha"], "topk": 1}).encode())[0] == 200  # still serving
+        time.sleep(max(0.0, started + 5.5 - time.monotonic()))  # the summary at ~2 s, then a quiet 2 s
+        assert closed_by_server(connect(url)) == b""  # after the quiet spell: one line of its own again
+        assert health(url)["slow_clients_dropped"] == 41
     finally:
         process.terminate()
         _, err = process.communicate(timeout=10)
-    assert err.count("no complete request headers within 1 s (--header-timeout-s)") == 40
+    lines = [line.split(" WARNING __main__: ", 1)[1] for line in err.splitlines() if "slow client" in line]
+    reason = "no complete request headers within 1 s (--header-timeout-s)"
+    first = rf"dropped a slow client 127\.0\.0\.1:\d+: {re.escape(reason)}; {{}} slow client\(s\) dropped so far " \
+            r"\(more within 2 s are summed up in one line\)"
+    assert len(lines) == 3, err
+    assert re.fullmatch(first.format(1), lines[0]), lines[0]
+    assert lines[1] == f"dropped 39 more slow client(s) in 2 s (39 x {reason}); 40 slow client(s) dropped so far"
+    assert re.fullmatch(first.format(41), lines[2]), lines[2]
     assert "Traceback" not in err
 
 
