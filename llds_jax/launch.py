@@ -247,12 +247,12 @@ def _print_eval(trainer, params, step: int, guard) -> None:
     evaluation (its searches in flight too) and raises StopRequested."""
     from llds_jax.runtime import distributed
     from llds_jax.train import evaluation
-    from llds_jax.train.preemption import StopRequested
+    from llds_jax.train.preemption import ABANDON_EVALUATION, StopRequested
     from llds_jax.train.trainer import START_EVAL, StepInterrupted
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
     examples = trainer.eval_subset(trainer.cfg.eval.max_examples)
-    guard.defer()
+    guard.defer(ABANDON_EVALUATION)
     try:
         metrics = trainer.evaluate(params, examples, out_dir, prefix="eval", stopping=lambda: guard.requested)
     except StepInterrupted:

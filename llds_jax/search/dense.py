@@ -120,7 +120,9 @@ class FaissRetriever(LocalRetriever):
 
 def read_checked_index(index_path: str, encoder_path: str, corpus_path: str, mmap: bool) -> tuple[Any, str]:
     """(the faiss index of `index_path`, its file): a file, or the project's index folder, checked against the
-    encoder's dimension (read first, before anything heavy); a bare index file needs `corpus_path`."""
+    encoder's dimension (read first, before anything heavy) and refused when it holds no vectors (before issue 66
+    it served empty results and its check failed with "OSError: [Errno 22] Invalid argument"); a bare index file
+    needs `corpus_path`."""
     dim = encoder_dim(encoder_path)
     folder = os.path.isdir(index_path)
     file = dense_index.index_file(index_path) if folder else index_path
@@ -128,5 +130,8 @@ def read_checked_index(index_path: str, encoder_path: str, corpus_path: str, mma
         raise ConfigError(f"faiss index {index_path} is a file: retriever.corpus_path must name its corpus"
                           " (wiki-18.jsonl, row i = line i)")
     index = read_faiss_index(file, mmap=mmap)
+    if index.ntotal == 0:
+        raise InputError(f"faiss index {file} (retriever.index_path) is empty: it holds no vectors, so a search "
+                         "would find nothing; build it over a corpus with passages")
     check_compatible(index, file, dim, encoder_path)
     return index, file

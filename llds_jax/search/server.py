@@ -24,8 +24,10 @@ at once, so a request holds at most its encoded answer (<= --max-response-bytes)
 answer is JSON in UTF-8 (as Search-R1's FastAPI server sends it), sent without being copied whole.
 Slow clients (`Limits.header_timeout_s`, `--header-timeout-s`, 10 s; `body_timeout_s`, `--body-timeout-s`, 30 s):
 a connection whose request headers are not complete in time is closed, a request whose body is not in time gets
-408 and its connection closed; each is one warning line and counted (`slow_clients_dropped` in /health). A client
-that closes its connection mid-body is one info line (before: a 29-line traceback).
+408 and its connection closed; each is counted (`slow_clients_dropped` in /health). The first drop is one warning
+line, the drops after it one summary line per `--slow-client-summary-s` (60 s) that had any (`SlowClients`; before
+issue 66, 3,500 slow clients wrote 3,500 lines). A client that closes its connection mid-body is one info line
+(before: a 29-line traceback).
 A start-up failure (bad config, missing index, unavailable backend, address in use) is one line on stderr,
 `python -m llds_jax.search.server: error: <reason>`, and exit status 2.
 """
@@ -60,6 +62,7 @@ SCORED_EXTRA_BYTES = len('{"document": , "score": }') + SCORE_CHARS
 # Documents one backend call may return (it gets CHUNK_DOCUMENTS // topk queries, at least one): what a request
 # holds in memory as Python objects at a time, ~9 MB of wiki-18 passages.
 CHUNK_DOCUMENTS = 8192
+SLOW_CLIENT_SUMMARY_S = 60.0  # seconds between the summary lines of dropped slow clients (`SlowClients`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +85,36 @@ class Limits:
 
 
 class SlowClients:
-    """Counts the connections dropped for being slow (`header_timeout_s`, `body_timeout_s`), each logged in one
-    line; /health reports the count."""
+    """Counts the connections dropped for being slow (`header_timeout_s`, `body_timeout_s`); /health reports the
+    count. A drop after a quiet spell is one warning line naming the client; the drops after it are summed up, one
+    line every `summary_s` seconds that had any (by reason), so that a flood of slow clients is a count, not a
+    line each. Called on the event loop."""
 
-    def __init__(self):
+    def __init__(self, summary_s: float):
         self.dropped = 0
+        self.summary_s = summary_s
+        self._unreported: collections.Counter[str] = collections.Counter()  # drops since the last line, by reason
+        self._summary: asyncio.TimerHandle | None = None  # the next summary line; None: quiet, log the next drop
 
     def drop(self, peer: object, why: str) -> None:
         self.dropped += 1
-        log.warning("dropped a slow client %s: %s; %d slow client(s) dropped so far", _peer(peer), why, self.dropped)
+        if self._summary is not None:
+            self._unreported[why] += 1
+            return
+        log.warning("dropped a slow client %s: %s; %d slow client(s) dropped so far (more within %g s are summed "
+                    "up in one line)", _peer(peer), why, self.dropped, self.summary_s)
+        self._summary = asyncio.get_running_loop().call_later(self.summary_s, self._summarize)
+
+    def _summarize(self) -> None:
+        """The summary line of the drops since the last line, if any; then the next one, or quiet."""
+        if not self._unreported:
+            self._summary = None
+            return
+        reasons = "; ".join(f"{count} x {why}" for why, count in self._unreported.items())
+        log.warning("dropped %d more slow client(s) in %g s (%s); %d slow client(s) dropped so far",
+                    self._unreported.total(), self.summary_s, reasons, self.dropped)
+        self._unreported.clear()
+        self._summary = asyncio.get_running_loop().call_later(self.summary_s, self._summarize)
 
 
 def _peername(request: web.Request) -> object:
@@ -288,10 +312,12 @@ async def _send(request: web.Request, body: ResponseBody) -> web.StreamResponse:
     return response
 
 
-def build_app(retriever: Retriever, *, default_topk: int = 3, limits: Limits = Limits()) -> web.Application:
-    """The aiohttp application serving `retriever` under `limits`; it closes the retriever on cleanup."""
+def build_app(retriever: Retriever, *, default_topk: int = 3, limits: Limits = Limits(),
+              slow_client_summary_s: float = SLOW_CLIENT_SUMMARY_S) -> web.Application:
+    """The aiohttp application serving `retriever` under `limits`; it closes the retriever on cleanup. Dropped slow
+    clients are summed up in one log line per `slow_client_summary_s` seconds (`SlowClients`)."""
     document_bytes = getattr(retriever, "max_document_bytes", None)  # the embedded backends know it
-    slow = SlowClients()
+    slow = SlowClients(slow_client_summary_s)
 
     async def retrieve(request: web.Request) -> web.StreamResponse:
         try:
@@ -414,8 +440,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--body-timeout-s", type=float, default=limits.body_timeout_s,
                         help=f"seconds a request has to send its body, else 408 and the connection closed (default "
                              f"{limits.body_timeout_s:g})")
+    parser.add_argument("--slow-client-summary-s", type=float, default=SLOW_CLIENT_SUMMARY_S,
+                        help="seconds between the log lines that sum up the slow clients dropped after the first "
+                             f"one (default {SLOW_CLIENT_SUMMARY_S:g})")
     args = parser.parse_args(argv)
-    for name in ("topk", *(f.name for f in dataclasses.fields(Limits))):
+    for name in ("topk", "slow_client_summary_s", *(f.name for f in dataclasses.fields(Limits))):
         value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
         if name.endswith("_s") and not (0 < value < float("inf")):
             parser.error(f"{flag} must be finite and > 0, got {value}")
@@ -458,7 +487,8 @@ def main(argv: list[str] | None = None) -> None:
             await retriever.close()
             raise
         log.info("serving backend %s at http://%s:%d/retrieve", retriever.backend, args.host, args.port)
-        return build_app(retriever, default_topk=args.topk, limits=limits)
+        return build_app(retriever, default_topk=args.topk, limits=limits,
+                         slow_client_summary_s=args.slow_client_summary_s)
 
     try:
         cfg = config_from_args(args)

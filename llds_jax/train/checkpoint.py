@@ -18,7 +18,8 @@ process, the row written and read by its own process).
   corrupted after it was written) is reported with a one-line warning naming the step and the error (`describe`),
   and the previous step is tried (the reads orbax left in flight then fail against its closed event loop: those
   reports are dropped, `drop_orphaned_read_errors`); once one restores, the unreadable newer steps are moved aside
-  to `<step>.unreadable-<unix time>` (so the resumed run can save those step numbers again).
+  to `<step>.unreadable-<unix time>` (so the resumed run can save those step numbers again). The oldest step's
+  warning says that nothing is left to fall back to: the restore fails (CheckpointUnreadableError), moving nothing.
   Each attempt is agreed between hosts (`distributed.any_process`), so all hosts resume from the same step.
 - Every write and read is a bounded storage operation (llds_jax.runtime.storage): a failed write (a disk full or
   read-only, a GCS endpoint gone) raises one StorageError naming the step, the folder and the reason, and the
@@ -33,6 +34,12 @@ process, the row written and read by its own process).
   them, and a step whose data changed after the save (flipped bytes: before issue 58 they were loaded as weights
   without a word) fails with ChecksumMismatchError naming the array: `restore_latest` falls back to the previous
   step as for any unreadable one. Steps saved before the checksums existed are restored unchecked.
+- The `meta` item's record itself (the rng, the data position, the counters, the arrays' checksums) carries the
+  SHA-256 of its canonical JSON (`record_sha256`); a record that no longer matches it fails with
+  ChecksumMismatchError naming the file, and so falls back like damaged arrays (before issue 66 one flipped bit of
+  the saved rng resumed on another random stream without a word). A record saved before that checksum existed
+  (issue 66) is read unchecked when its keys are those that version wrote, and refused otherwise (a flipped bit in
+  a key's name).
 - Restored arrays take the shardings of the targets (`jax.Array`s or `jax.ShapeDtypeStruct`s with a `sharding`),
   so they land on the mesh. A target without a sharding, or with other array shapes than saved (another model
   config), is an error of its own, never taken for an unreadable step.
@@ -40,6 +47,7 @@ process, the row written and read by its own process).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -193,7 +201,21 @@ def rng_from_json(record: Mapping[str, Any]) -> jax.Array:
 
 
 class ChecksumMismatchError(ValueError):
-    """A restored array differs from what was saved (its bytes damaged after the save): the step is unusable."""
+    """A restored array or the step's record differs from what was saved (its bytes damaged after the save): the
+    step is unusable."""
+
+
+META_FILE = "meta/metadata"  # where orbax's JsonCheckpointHandler writes the `meta` item, in a step's folder
+RECORD_SHA256 = "record_sha256"  # the key of the record's own checksum (the function `record_sha256`)
+# The keys of a record saved before its checksum existed: since issue 58 (the arrays' checksums), and before it.
+UNCHECKED_RECORD_KEYS = ({"step", "meta", "checksums"}, {"step", "meta"})
+
+
+def record_sha256(record: Mapping[str, Any]) -> str:
+    """The SHA-256 (hex) of `record`'s canonical JSON (keys sorted), leaving out the key RECORD_SHA256. The same
+    for a record and its JSON read back (`meta` holds JSON types: string keys, lists)."""
+    rest = {key: value for key, value in record.items() if key != RECORD_SHA256}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 @jax.jit
@@ -358,13 +380,13 @@ class Checkpointer:
           host_meta: this process's own JSON-serializable dict (the `hosts` item), or None for no host records;
             None on every process or on none. Raises TypeError naming the key that is not serializable.
         """
-        json_bytes("meta", meta)
+        meta = json.loads(json_bytes("meta", meta))  # as `restore` reads it back (string keys, lists)
         arrays = {"params": params, "opt_state": opt_state}
         if host_meta is not None:
             arrays["hosts"] = {"records": host_records(json_bytes("host_meta", host_meta))}
-        sums = {name: checksums(tree) for name, tree in arrays.items()}  # checked by `restore`
+        record = {"step": step, "meta": meta, "checksums": {name: checksums(tree) for name, tree in arrays.items()}}
         items = {"params": ocp.args.StandardSave(params),
-                 "meta": ocp.args.JsonSave({"step": step, "meta": dict(meta), "checksums": sums})}
+                 "meta": ocp.args.JsonSave({**record, RECORD_SHA256: record_sha256(record)})}  # checked by `restore`
         if host_meta is not None:
             items["hosts"] = ocp.args.StandardSave(arrays["hosts"])
         if jax.tree.leaves(opt_state):  # a stateless optimizer (e.g. optax.sgd) has nothing to save
@@ -411,6 +433,7 @@ class Checkpointer:
         if not isinstance(record, dict) or record.get("step") != step or not isinstance(record.get("meta"), dict):
             raise ValueError(f"{self.directory / str(step)}/meta: expected {{'step': {step}, 'meta': {{...}}}}, "
                              f"got {record!r}")
+        self._check_record(step, record)
         for name in targets:  # a step saved before issue 58 has no checksums
             self._check_sums(step, name, restored[name], record.get("checksums", {}).get(name))
         host_meta = own_record(restored.hosts["records"]) if "hosts" in targets else None
@@ -432,6 +455,22 @@ class Checkpointer:
             raise ValueError(f"{self.directory / str(step)}/hosts: expected one array [processes, bytes], got "
                              f"shapes {shapes}")
         return shapes[0]
+
+    def _check_record(self, step: int, record: dict) -> None:
+        """Raises ChecksumMismatchError naming the step's META_FILE when `record` does not match its RECORD_SHA256
+        (before issue 66, one flipped bit of the saved rng resumed on another random stream without a word), or,
+        without one, when its keys are not those of a record saved before the checksum existed."""
+        where = str(self.directory / str(step) / META_FILE)
+        if RECORD_SHA256 not in record:
+            if set(record) not in UNCHECKED_RECORD_KEYS:
+                raise ChecksumMismatchError(f"{where}: the record has no {RECORD_SHA256} and unknown keys "
+                                            f"{sorted(set(record) - UNCHECKED_RECORD_KEYS[0])} (its data changed "
+                                            "after the save)")
+            return
+        if record[RECORD_SHA256] != record_sha256(record):
+            raise ChecksumMismatchError(f"{where}: the record (the rng, data position, counters and the arrays' "
+                                        "checksums) does not match the checksum saved with it (its data changed "
+                                        "after the save)")
 
     def _check_sums(self, step: int, name: str, tree: Any, saved: list | None) -> None:
         """Raises ChecksumMismatchError naming the first array of `tree` whose checksums are not `saved`'s (before
@@ -475,7 +514,8 @@ class Checkpointer:
     def _restore_latest(self, params_target: Any, opt_state_target: Any,
                         check_meta: Callable[[dict, dict | None], None] | None) -> Restored | None:
         failures = {}
-        for step in reversed(self.all_steps()):
+        steps = self.all_steps()
+        for step in reversed(steps):
             error = None
             try:
                 restored = self.restore(step, params_target, opt_state_target, check_meta)
@@ -490,8 +530,9 @@ class Checkpointer:
                     self._manager.reload()
                 return restored
             reason = describe(error) if error is not None else "it failed on another host"
-            log.warning("checkpoint step %d in %s is unreadable (%s); falling back to the previous step",
-                        step, self.directory, reason)
+            then = ("falling back to the previous step" if step != steps[0] else
+                    "it is the oldest step: nothing to fall back to, the restore fails and no step is moved aside")
+            log.warning("checkpoint step %d in %s is unreadable (%s); %s", step, self.directory, reason, then)
             failures[step] = reason
         if failures:
             raise CheckpointUnreadableError(f"no readable checkpoint in {self.directory}: " +

@@ -10,7 +10,10 @@ phase of a run (docs/reliability.md). The guard is installed when the command st
   reports an unusable backend): any error that leaves the guard after such a signal ends as `StopRequested`.
 - **defer** (the training loop, `defer()`): the handler only records the signal; the loop polls
   `guard.should_stop()` between sampler sessions, between updates and at the end of each step, saves a checkpoint
-  and exits 0. Searches in flight are abandoned (`requested`), never retried, once a stop is requested.
+  and exits 0. Searches in flight are abandoned (`requested`), never retried, once a stop is requested. The
+  evaluation of the start and the final one (`defer(ABANDON_EVALUATION)`) poll it too but have nothing to save:
+  the signal's log line says what the stop does (before issue 66 it said "checkpoint, then exit" where nothing was
+  saved).
 
 A second SIGINT raises KeyboardInterrupt at once, so Ctrl-C twice still aborts a hung run.
 
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 RERAISE_S = 0.005  # seconds until a StopRequested that a callback dropped is raised again
+SAVE_AND_EXIT = "checkpoint, then exit"  # what a stop in defer mode does: the training loop's
+ABANDON_EVALUATION = "the evaluation is abandoned; nothing to save, then exit"  # an evaluation's without a step
 
 
 class StopRequested(Exception):
@@ -79,6 +84,7 @@ class PreemptionGuard:
         self.signal_name: str | None = None  # name of the first signal received, e.g. "SIGTERM"
         self.phase = phase
         self._abort = True
+        self._on_stop = SAVE_AND_EXIT  # what a stop in defer mode does, for the signal's log line
         self._aborted_phase: str | None = None  # the phase a signal in abort mode interrupted
         self._previous: dict[int, object] = {}
         self._previous_hook = sys.unraisablehook
@@ -120,12 +126,13 @@ class PreemptionGuard:
             self._aborted_phase = phase
             raise StopRequested(self.signal_name, phase)
 
-    def defer(self) -> None:
-        """Defer mode: a signal is recorded for `should_stop()` and `requested`; the caller saves and exits.
-        Raises StopRequested if a signal came in abort mode and the code it landed in swallowed the exception."""
+    def defer(self, on_stop: str = SAVE_AND_EXIT) -> None:
+        """Defer mode: a signal is recorded for `should_stop()` and `requested`; the caller does `on_stop` (said in
+        the signal's log line) and exits. Raises StopRequested if a signal came in abort mode and the code it
+        landed in swallowed the exception."""
         if self._aborted_phase is not None:
             raise StopRequested(self.signal_name, self._aborted_phase)
-        self._abort = False
+        self._abort, self._on_stop = False, on_stop
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -142,7 +149,7 @@ class PreemptionGuard:
             if self._abort:
                 self._aborted_phase = self.phase
                 raise StopRequested(name, self.phase)
-            log.warning("received %s: stopping (checkpoint, then exit)", name)
+            log.warning("received %s: stopping (%s)", name, self._on_stop)
 
     def _unraisable(self, unraisable) -> None:
         """sys.unraisablehook while the guard is active: a StopRequested a callback could not raise is raised again

@@ -73,7 +73,7 @@ from llds_jax.train import evaluation, run_config
 from llds_jax.train.batching import global_batch, global_rows, padded_batch, padded_length, training_length
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
-from llds_jax.train.preemption import PreemptionGuard, StepInterrupted, StopRequested
+from llds_jax.train.preemption import ABANDON_EVALUATION, PreemptionGuard, StepInterrupted, StopRequested
 from llds_jax.train.rewards import DEFAULT_REWARD_FNS, RewardFn, summed_rewards
 from llds_jax.train.step_hooks import DEFAULT_STEP_HOOKS, FinishedStep, StepHook
 from llds_jax.train.watchdog import Watchdog, search_counts
@@ -393,9 +393,9 @@ class Trainer:
                                timeout_s=timeout_s)
         step = saved = start
         try:
-            guard.defer()
             if start == 0 and cfg.train.eval_at_start and self.eval_examples:
                 self._evaluate_start(state, writer, guard)
+            guard.defer()
             for step in range(start + 1, cfg.train.total_steps + 1):
                 unsaved = step - 1 > saved
                 pre_step = PreStep(step - 1, self.data.state(), unsaved,
@@ -493,6 +493,7 @@ class Trainer:
     def _evaluate_start(self, state: TrainState, writer: MetricsWriter, guard: PreemptionGuard) -> None:
         """The evaluation of the starting policy (train.eval_at_start) as step 0's record; a stop request abandons
         it and ends the run with StopRequested (nothing to save: a rerun repeats it)."""
+        guard.defer(ABANDON_EVALUATION)
         try:
             writer.write(0, self.evaluate(state.params, self.eval_subset(self.cfg.eval.max_examples),
                                           self.run_dir / "eval" / START_EVAL, stopping=lambda: guard.requested))

@@ -2,12 +2,13 @@
 response bytes, each refused with a JSON error naming the flag, its value and what the request had; the server
 keeps serving. A request at the default limits (4096 queries x top 100) is refused before any search when its answer
 could pass --max-response-bytes, and served in bounded memory when it cannot (RSS <= 150 MB over idle). A body
-nesting JSON too deeply is a 400. Start-up failures (missing index, address in use) are one line on stderr and exit
-status 2."""
+nesting JSON too deeply is a 400. Start-up failures (missing index, an empty e5 index, address in use) are one line
+on stderr and exit status 2."""
 import asyncio
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,14 +16,16 @@ import time
 import urllib.error
 import urllib.request
 
+import faiss
 import pytest
 from aiohttp import web
 
 from index_builder.__main__ import main as index_builder_main
-from llds_jax.search import Document, Retriever, SearchResult
+from llds_jax.errors import InputError
+from llds_jax.search import Document, Retriever, SearchResult, make_retriever
 from llds_jax.search.docstore import DOCS_FILE, DocStore, DocStoreWriter
 from llds_jax.search.server import Limits, build_app
-from llds_jax.search.synthetic import SyntheticCorpus
+from llds_jax.search.synthetic import SyntheticCorpus, write_random_bert
 from tests.servers import free_port, http_ok, wait_until
 
 PROG = "python -m llds_jax.search.server"
@@ -286,6 +289,44 @@ def test_missing_index_is_one_line_and_exit_2(tmp_path):
                                                  " `python -m index_builder --to bm25 ...`)\n")
 
 
+@pytest.fixture(scope="module")
+def empty_e5_index(tmp_path_factory):
+    """(faiss file, corpus, encoder folder): a Flat inner-product index of no vectors as faiss writes it, beside a
+    corpus of one passage, and a tiny random e5 encoder of the index's 32 dimensions."""
+    folder = tmp_path_factory.mktemp("empty_e5")
+    index, corpus = str(folder / "e5_Flat.index"), folder / "corpus.jsonl"
+    faiss.write_index(faiss.IndexFlatIP(32), index)
+    corpus.write_text(json.dumps({"id": "0", "contents": "a passage"}) + "\n")
+    return index, str(corpus), write_random_bert(str(folder / "e5"), hidden_size=32)
+
+
+EMPTY_INDEX = ("faiss index {} (retriever.index_path) is empty: it holds no vectors, so a search would find nothing; "
+               "build it over a corpus with passages")
+
+
+@pytest.mark.parametrize("backend", ["faiss", "e5_device"])
+def test_an_empty_e5_index_is_refused_at_construction_naming_the_file(empty_e5_index, backend):
+    """Issue 66: the retriever was built, its searches returned empty lists and its check then failed with
+    "OSError: [Errno 22] Invalid argument"."""
+    index, corpus, encoder = empty_e5_index
+    with pytest.raises(InputError) as refused:
+        make_retriever({"backend": backend, "index_path": index, "corpus_path": corpus, "encoder_path": encoder,
+                        "max_length": 64})
+    assert str(refused.value) == EMPTY_INDEX.format(index)
+
+
+def test_a_server_over_an_empty_e5_index_is_one_line_and_exit_2(empty_e5_index):
+    """Before: "... cannot serve searches: OSError: [Errno 22] Invalid argument", after loading the encoder."""
+    index, corpus, encoder = empty_e5_index
+    command = [sys.executable, "-m", "llds_jax.search.server", "--port", str(free_port()), "--set", "backend=faiss",
+               "--set", f"index_path={index}", "--set", f"corpus_path={corpus}", "--set", f"encoder_path={encoder}",
+               "--set", "max_length=64"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith(PROG)]  # faiss logs its loading before
+    assert (done.returncode, errors) == (2, [f"{PROG}: error: {EMPTY_INDEX.format(index)}"]), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_port_in_use_is_one_line_and_exit_2(corpus_index):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -326,8 +367,10 @@ def health(url: str) -> dict:
         return json.loads(response.read())
 
 
-def test_connections_that_never_finish_their_headers_are_dropped_and_counted(corpus_index):
-    process, url = start_server(corpus_index[1], *SLOW)
+def test_connections_that_never_finish_their_headers_are_dropped_and_counted_in_few_lines(corpus_index):
+    """Issue 66: each drop was one warning line (3,500 lines for 3,500 clients). The first drop after a quiet spell
+    is one line naming the client, the others one summary line per --slow-client-summary-s that had any."""
+    process, url = start_server(corpus_index[1], *SLOW, "--slow-client-summary-s", "2")
     try:
         silent, partial = [connect(url) for _ in range(20)], [connect(url) for _ in range(20)]
         for sock in partial:
@@ -337,10 +380,20 @@ def test_connections_that_never_finish_their_headers_are_dropped_and_counted(cor
         assert time.monotonic() - started < 5
         assert health(url)["slow_clients_dropped"] == 40
         assert post(url, json.dumps({"queries": ["alpha"], "topk": 1}).encode())[0] == 200  # still serving
+        time.sleep(max(0.0, started + 5.5 - time.monotonic()))  # the summary at ~2 s, then a quiet 2 s
+        assert closed_by_server(connect(url)) == b""  # after the quiet spell: one line of its own again
+        assert health(url)["slow_clients_dropped"] == 41
     finally:
         process.terminate()
         _, err = process.communicate(timeout=10)
-    assert err.count("no complete request headers within 1 s (--header-timeout-s)") == 40
+    lines = [line.split(" WARNING __main__: ", 1)[1] for line in err.splitlines() if "slow client" in line]
+    reason = "no complete request headers within 1 s (--header-timeout-s)"
+    first = rf"dropped a slow client 127\.0\.0\.1:\d+: {re.escape(reason)}; {{}} slow client\(s\) dropped so far " \
+            r"\(more within 2 s are summed up in one line\)"
+    assert len(lines) == 3, err
+    assert re.fullmatch(first.format(1), lines[0]), lines[0]
+    assert lines[1] == f"dropped 39 more slow client(s) in 2 s (39 x {reason}); 40 slow client(s) dropped so far"
+    assert re.fullmatch(first.format(41), lines[2]), lines[2]
     assert "Traceback" not in err
 
 

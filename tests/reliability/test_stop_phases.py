@@ -19,6 +19,8 @@ from tests.reliability.scripted_retriever import ScriptedRetriever
 from tests.reliability.test_stops import TIMEOUT_S, assert_stopped_in_time
 
 PHASE_MARKS = ("-m", "tests.reliability.phase_marks")
+# The signal's log line in an evaluation that has no step to save (before issue 66: "(checkpoint, then exit)").
+ABANDONED = "received SIGTERM: stopping (the evaluation is abandoned; nothing to save, then exit)"
 
 
 def default_policy(server: ScriptedRetriever) -> dict:
@@ -39,6 +41,11 @@ def sigterm_and_hang_when(server: ScriptedRetriever, launched: list, condition) 
 
     server.on_request = on_request
     return sent
+
+
+def signal_lines(output: str) -> list[str]:
+    """The log lines of the stop signal's arrival, from "received" on."""
+    return [line[line.index("received SIG"):] for line in output.splitlines() if "received SIG" in line]
 
 
 def stop_in(searching_runs, name: str, condition, **settings) -> tuple[str, str]:
@@ -78,6 +85,7 @@ def test_sigterm_during_the_evaluation_of_the_start_exits_0(searching_runs):
     output, run_dir = stop_in(searching_runs, "start_eval_stop", lambda q, out: "EVALUATION start STARTS" in out,
                               train__eval_at_start=True, eval__max_examples=4)
     assert "llds_jax: stopped by SIGTERM during the evaluation of the start: nothing to save" in output
+    assert signal_lines(output) == [ABANDONED]
     assert steps_saved(run_dir) == []
 
 
@@ -86,6 +94,7 @@ def test_sigterm_during_the_evaluation_after_a_step_saves_that_step(searching_ru
     output, run_dir = stop_in(searching_runs, "step_eval_stop", lambda q, out: "EVALUATION step_1 STARTS" in out,
                               train__eval_every=1, train__eval_max_examples=4)
     assert "stop requested during the evaluation after step 1: abandoned it" in output
+    assert signal_lines(output) == ["received SIGTERM: stopping (checkpoint, then exit)"]
     assert "training stopped after step 1 of 3" in output
     assert steps_saved(run_dir) == [1]
     assert [r["step"] for r in read_metrics(run_dir)] == [1]
@@ -95,12 +104,14 @@ def test_sigterm_during_the_evaluation_after_a_step_saves_that_step(searching_ru
 @pytest.mark.slow
 def test_sigterm_during_the_final_evaluation_exits_0_within_the_bound(searching_runs):
     """Issue 58 item 7: clean but 18 s after the signal (the interpreter's teardown garbage-collected every JAX
-    array and program; the command now ends with os._exit once the stop line is printed)."""
+    array and program; the command now ends with os._exit once the stop line is printed). Issue 66: the signal's
+    line said "(checkpoint, then exit)" where nothing is saved."""
     output, run_dir = stop_in(searching_runs, "final_eval_stop", lambda q, out: "EVALUATION final_step_3 STARTS" in out,
                               train__final_eval=True, eval__max_examples=4)
     assert "training stopped after step 3 of 3" in output
     assert ("llds_jax: stopped by SIGTERM during the evaluation: nothing to save; the same command starts again"
             in output)
+    assert signal_lines(output) == [ABANDONED]
     assert steps_saved(run_dir) == [3]
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 
