@@ -26,10 +26,6 @@ T = TypeVar("T")
 
 SEARCH_ERROR_OBSERVATION = "\n\n<information>Search failed: {error}</information>\n\n"
 MAX_ERROR_CHARS = 200
-# Characters of an observation tokenized per token of rollout.max_observation_tokens: the longest token of the
-# Qwen2.5 vocabulary (128 characters). The tokens kept are those of the whole text unless one word (a run without a
-# space or punctuation) crosses the cut; the work is bounded however long the text.
-MAX_CHARS_PER_TOKEN = 128
 SEARCH_ABANDONED = "abandoned: the run is stopping"  # the error of a search cut off by a stop request
 STOP_POLL_S = 0.1  # how often a search in flight checks for a stop request (seconds)
 
@@ -130,8 +126,9 @@ class AgentSteps:
         obs_ids, truncated = None, False
         if observation is not None:
             # Tokenized from a prefix long enough for the token budget (MAX_CHARS_PER_TOKEN), never the whole text:
-            # a document may be huge.
-            chars = self.config.max_observation_tokens * MAX_CHARS_PER_TOKEN
+            # a document may be huge. The tokens kept are those of the whole text unless one word (a run without a
+            # space or punctuation) crosses the cut.
+            chars = self.config.max_observation_tokens * protocol.MAX_CHARS_PER_TOKEN
             ids = self.tokenizer.encode(observation[:chars], add_special_tokens=False)
             truncated = len(ids) > self.config.max_observation_tokens or len(observation) > chars
             ids = ids[:self.config.max_observation_tokens]
