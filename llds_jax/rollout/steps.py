@@ -70,6 +70,7 @@ class AgentSteps:
                  stopping: Optional[Callable[[], bool]] = None):
         self.tokenizer, self.retriever, self.config, self.stats = tokenizer, retriever, config, stats
         self._stopping = stopping
+        self._prompts: dict[str, tuple[tuple[int, ...], int]] = {}  # question -> fit_prompt's (ids, tokens cut)
 
     def stopping(self) -> bool:
         """Whether a stop was requested: abandon the rollout."""
@@ -77,12 +78,21 @@ class AgentSteps:
 
     def conversation(self, example: QAExample, lineage: Lineage) -> Conversation:
         """A new conversation of `example`; its prompt's tokens count in the stats' prompt_tokens, and a prompt whose
-        question was cut to rollout.max_prompt_tokens in prompts_cut."""
-        prompt_ids, cut = protocol.fit_prompt(self.tokenizer, example.question, self.config.max_prompt_tokens)
+        question was cut to rollout.max_prompt_tokens in prompts_cut (each conversation counts)."""
+        prompt_ids, cut = self._prompt(example.question)
         self.stats.prompt_tokens += len(prompt_ids)
         self.stats.prompt_spread.add(len(prompt_ids))
         self.stats.prompts_cut += bool(cut)
-        return Conversation(prompt_ids, lineage)
+        return Conversation(list(prompt_ids), lineage)
+
+    def _prompt(self, question: str) -> tuple[tuple[int, ...], int]:
+        """`protocol.fit_prompt` of `question` (its prompt's token ids, the question's tokens cut), fitted once per
+        rollout: a group's samples and any repeat of the question share the fit (fitting an over-long question
+        encodes its whole text twice)."""
+        if question not in self._prompts:
+            ids, cut = protocol.fit_prompt(self.tokenizer, question, self.config.max_prompt_tokens)
+            self._prompts[question] = tuple(ids), cut
+        return self._prompts[question]
 
     def budget(self, conv: Conversation) -> int:
         """Tokens the conversation's next turn may sample (0: it is full)."""
