@@ -126,7 +126,7 @@ HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens"
                        "trajectories", "bad_documents", "forked_prefix_tokens",
                        # partial rollouts' counts (rollout/partial.py)
                        "partial/dropped", "partial/resumed", "partial/reprefill_tokens", "partial/groups_started",
-                       "partial/carried", "partial/carried_groups")
+                       "partial/carried", "partial/carried_groups", "partial/dropped_group_size")
 
 
 def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HOST_SUMMED_METRICS
