@@ -35,6 +35,9 @@ ANSWER_CLOSE = "</answer>"
 STOP_STRINGS = (SEARCH_CLOSE, ANSWER_CLOSE)
 
 DEFAULT_MAX_PROMPT_TOKENS = 2048
+# Characters a token spans at most: the longest token of the Qwen2.5 vocabulary (128 characters). A text's last k
+# tokens lie within its last k x MAX_CHARS_PER_TOKEN characters.
+MAX_CHARS_PER_TOKEN = 128
 
 _ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
@@ -45,6 +48,31 @@ def make_prompt(question: str) -> str:
     if not question:
         raise ValueError("make_prompt: the question is empty")
     return _prompt_text(question)
+
+
+def bounded_question(question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> str:
+    """`question` unchanged when its stripped text is at most `max_question_chars` characters, else that text's
+    last so many characters: its start cut, as `fit_prompt` cuts it. Questions are bounded when they are read, so
+    that fitting one costs at most that much text (a 1 MB question took seconds to fit).
+
+    What fit_prompt keeps is unchanged. It reads whether the whole prompt fits, and the question's last
+    max_prompt_tokens tokens. A question longer than the bound has more than 2 x max_prompt_tokens tokens (no
+    token spans more than MAX_CHARS_PER_TOKEN characters), bounded or not: its prompt is cut either way (and
+    counted in the rollout's prompts_cut). Its last max_prompt_tokens tokens lie in the last half of the bound. A
+    byte-level BPE (Qwen2.5, Llama 3) splits text at spaces and punctuation before it merges, so the bounded text's
+    tokens are the whole question's from the first split after the cut on: the kept tokens differ only when one
+    word (a run without a space or punctuation) of more than max_prompt_tokens x MAX_CHARS_PER_TOKEN characters
+    (262,144 at the default 2048 tokens) crosses the cut.
+    """
+    limit = max_question_chars(max_prompt_tokens)
+    stripped = question.strip()
+    return stripped[-limit:] if len(stripped) > limit else question
+
+
+def max_question_chars(max_prompt_tokens: int) -> int:
+    """The characters of a question `bounded_question` keeps at most: 2 x max_prompt_tokens x MAX_CHARS_PER_TOKEN
+    (twice the text the prompt's question tokens can span)."""
+    return 2 * max_prompt_tokens * MAX_CHARS_PER_TOKEN
 
 
 def _prompt_text(question: str) -> str:
@@ -84,7 +112,10 @@ def fit_prompt(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PR
     if len(kept(0)) > max_prompt_tokens:
         raise ValueError(f"the prompt's instruction alone is {len(kept(0))} tokens, more than max_prompt_tokens = "
                          f"{max_prompt_tokens}")
-    lo, hi = 0, len(question_ids) - 1  # kept(lo) fits; the largest n that fits is searched (lengths grow with n)
+    # kept(lo) fits; the largest n that fits is searched (lengths grow with n, up to a character split between two
+    # tokens), n at most max_prompt_tokens (n tokens re-encode to about n: more cannot fit), so that what is kept
+    # depends on the question's last max_prompt_tokens tokens only, not on its length (`bounded_question`).
+    lo, hi = 0, min(len(question_ids) - 1, max_prompt_tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if len(kept(mid)) <= max_prompt_tokens:

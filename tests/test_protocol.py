@@ -217,3 +217,38 @@ def test_cut_turn_tokens_multibyte_and_no_tag(qwen_tokenizer):
     ids = _ids(tok, "<think>still thinking", tok.eos_token_id)
     assert protocol.cut_turn_tokens(ids, tok) == protocol.TurnCut(len(ids), "<think>still thinking")
     assert protocol.cut_turn_tokens([], tok) == protocol.TurnCut(0, "")
+
+
+LONG_TEXTS = {  # pasted pages: prose and numbers, CJK sentences, emoji and line breaks, trailing blanks
+    "prose": "The 1984 census, page 12: 3,456 people (est.) lived in the valley; most farmed. ",
+    "cjk": "北京是中国的首都，也是一座历史悠久的城市。人口约两千万。",
+    "emoji": "Great 🙂🙂 day\n\n- item one\n- item two\t(tab)\n",
+    "blanks": "word " * 7 + "   \n",
+}
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+@pytest.mark.parametrize("kind", sorted(LONG_TEXTS))
+def test_a_question_bounded_as_it_is_read_keeps_the_tokens_fit_prompt_keeps(qwen_tokenizer, chat_template, kind):
+    """Issue 66: a 1 MB question is bounded when it is read (its last max_prompt_tokens x 128 characters); the
+    prompt fit_prompt makes of it is the whole question's, token for token, wherever the cut lands."""
+    tok = copy.deepcopy(qwen_tokenizer)
+    if not chat_template:
+        tok.chat_template = None
+    max_prompt_tokens = 256
+    limit = protocol.max_question_chars(max_prompt_tokens)
+    assert limit == 2 * max_prompt_tokens * 128
+    for shift in range(3):  # the cut lands at another character of the text
+        question = "x" * shift + LONG_TEXTS[kind] * (3 * limit // len(LONG_TEXTS[kind])) + " who founded Acme"
+        bounded = protocol.bounded_question(question, max_prompt_tokens)
+        assert bounded == question.strip()[-limit:]
+        ids, cut = protocol.fit_prompt(tok, question, max_prompt_tokens)
+        bounded_ids, bounded_cut = protocol.fit_prompt(tok, bounded, max_prompt_tokens)
+        assert bounded_ids == ids and cut > bounded_cut > 0
+
+
+def test_a_question_within_the_bound_is_read_unchanged():
+    limit = protocol.max_question_chars(4)
+    for question in ("  who wrote hamlet \n", " " * 3 * limit + "a" * limit + "\n"):
+        assert protocol.bounded_question(question, 4) == question
+    assert protocol.bounded_question("b" + "a" * limit, 4) == "a" * limit

@@ -10,6 +10,10 @@ matched by any answer that normalizes to nothing too. With the rule "search_r1" 
 paper's code) such rows are kept, as Search-R1 keeps them; with "zero" no answer can earn reward on them, and
 they are skipped. Either way one warning per file counts them and names the first ones. A file that is not
 parquet/JSONL, or has no usable row, raises ValueError naming it.
+
+A question longer than the prompt can use (`protocol.bounded_question`: 2 x rollout.max_prompt_tokens x 128
+characters) is cut to its end as it is read, which changes no token the prompt keeps; one warning per file counts
+and names them.
 """
 from __future__ import annotations
 
@@ -26,10 +30,10 @@ from etils import epath
 from llds_jax.data.jsonl import iter_jsonl
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, normalize_answer
 from llds_jax.errors import InputError
-from llds_jax.protocol import make_prompt
+from llds_jax.protocol import DEFAULT_MAX_PROMPT_TOKENS, bounded_question, make_prompt, max_question_chars
 
 log = logging.getLogger(__name__)
-_NAMED_SKIPS = 3  # skipped rows the warning names
+_NAMED_ROWS = 3  # the rows a warning names
 
 REQUIRED_COLUMNS = ("question", "data_source")
 _ANSWERS = "golden_answers"
@@ -60,15 +64,19 @@ class QAExample:
     id: str | None = None
 
 
-def read_qa(path: str | os.PathLike, empty_answer: str = DEFAULT_EMPTY_ANSWER) -> list[QAExample]:
+def read_qa(path: str | os.PathLike, empty_answer: str = DEFAULT_EMPTY_ANSWER,
+            max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[QAExample]:
     """Reads a Search-R1 QA file (local or gs://); `.parquet` or `.jsonl` decides the format. `empty_answer`: the
-    reward rule (`reward.empty_answer`), which decides whether rows with only empty gold answers are kept."""
+    reward rule (`reward.empty_answer`), which decides whether rows with only empty gold answers are kept;
+    `max_prompt_tokens` (`rollout.max_prompt_tokens`) bounds the questions (`protocol.bounded_question`)."""
     path = os.fspath(path)
     if path.endswith(".parquet"):
-        return _examples(path, _parquet_rows(path), skip_empty_golds=empty_answer == "zero")
-    if path.endswith(".jsonl"):
-        return _examples(path, _jsonl_rows(path), skip_empty_golds=empty_answer == "zero")
-    raise InputError(f"{path}: unknown QA file format (expected .parquet or .jsonl)")
+        rows = _parquet_rows(path)
+    elif path.endswith(".jsonl"):
+        rows = _jsonl_rows(path)
+    else:
+        raise InputError(f"{path}: unknown QA file format (expected .parquet or .jsonl)")
+    return _examples(path, rows, skip_empty_golds=empty_answer == "zero", max_prompt_tokens=max_prompt_tokens)
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
@@ -101,8 +109,9 @@ def _check_columns(where: str, names: Iterable[str]) -> None:
             f"{where}: missing required column '{_ANSWERS}' (and no '{_ANSWERS_FALLBACK}' to fall back on)")
 
 
-def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: bool) -> list[QAExample]:
-    examples, empty_golds = [], []
+def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: bool, max_prompt_tokens: int
+              ) -> list[QAExample]:
+    examples, empty_golds, long_questions = [], [], []
     for row, (where, record) in enumerate(rows):
         question = _string(where, "question", record["question"])
         if not question.strip():  # before: "make_prompt: the question is empty" at the first rollout, no row named
@@ -113,17 +122,19 @@ def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: boo
             empty_golds.append(where)
             if skip_empty_golds:
                 continue
+        bounded = bounded_question(question, max_prompt_tokens)
+        if bounded != question:
+            long_questions.append(where)
         examples.append(QAExample(
             uid=f"{data_source}-{row}",
-            question=question,
+            question=bounded,
             golden_answers=golden_answers,
             data_source=data_source,
             id=None if record.get("id") is None else str(record["id"]),
         ))
     counted = ""
     if empty_golds:
-        named = "; ".join(empty_golds[:_NAMED_SKIPS]) + ("; ..." if len(empty_golds) > _NAMED_SKIPS else "")
-        rows = f"{len(empty_golds)} row" + ("s" if len(empty_golds) > 1 else "")
+        named, rows = _named(empty_golds), _rows(empty_golds)
         if skip_empty_golds:
             counted = (f"skipped {rows} whose golden answers are all empty once normalized"
                        f" (blank, articles or punctuation only): {named}")
@@ -135,7 +146,22 @@ def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: boo
         raise InputError(f"{path}: no examples" + (f"; {counted}" if counted else ""))
     if counted:
         log.warning(counted)
+    if long_questions:
+        limit = f"{max_question_chars(max_prompt_tokens):,}"
+        log.warning(f"the questions of {_rows(long_questions)} are longer than {limit} characters; each keeps its "
+                    f"last {limit} (its start cut as the prompt of rollout.max_prompt_tokens = {max_prompt_tokens} "
+                    f"would cut it, keeping the same tokens): {_named(long_questions)}")
     return examples
+
+
+def _named(rows: list[str]) -> str:
+    """The first _NAMED_ROWS of `rows` (where each is), "; ..." when there are more."""
+    return "; ".join(rows[:_NAMED_ROWS]) + ("; ..." if len(rows) > _NAMED_ROWS else "")
+
+
+def _rows(rows: list[str]) -> str:
+    """'1 row' or 'N rows'."""
+    return f"{len(rows)} row" + ("s" if len(rows) > 1 else "")
 
 
 def _string(where: str, column: str, value: Any) -> str:

@@ -184,6 +184,8 @@ class Driver:
                 await self._trees(seqs, rng, row)
                 continue
             for seq, key in zip(seqs, sequence_keys(rng, [row + seq - first for seq in seqs])):
+                if self.agent_steps.stopping():  # between admissions: a prompt may take seconds to fit
+                    return
                 self._admit(seq, key)
             await self._barrier_turns(release=True)
 

@@ -7,7 +7,9 @@ staleness-0 tokens.
 
 One step k (`plan_step`, the driver's cut, then `settle`):
   1. the carried groups (oldest first) whose oldest turn is more than `rollout.max_staleness` versions old are
-     dropped: counted (`partial/dropped`, conversations) and logged, never trained;
+     dropped: counted (`partial/dropped`, conversations) and logged, never trained; so are, in a run resumed with
+     another `data.samples_per_prompt`, the carried groups of the old size that started (`partial/dropped_group_size`;
+     one not started is carried on at the new size);
   2. fresh prompts (whole batches of the prompt iterator, in its seeded order) are appended until the step holds
      `ceil(rollout.over_sampling x P)` groups (P: the step's prompts on this host); the step starts those, the rest
      stays pending (not started, no tokens);
@@ -118,8 +120,8 @@ class Carry:
     groups: tuple[CarriedGroup, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able record (this host's `partial` record in the checkpoint): log-probs as Python floats, which hold float32
-        values exactly."""
+        """A JSON-able record (this host's `partial` record in the checkpoint): log-probs as Python floats, which hold
+        float32 values exactly."""
         return {"groups": [[_member_to_json(m) for m in group.members] for group in self.groups]}
 
     @classmethod
@@ -138,8 +140,10 @@ class StepPlan:
       group_size: samples per group (n); the rollout's examples are each group's n members, group after group.
       prompts: P, the groups the step trains on (its cut).
       version: the step (the version its turns get).
-      metrics: `partial/dropped` (conversations dropped for staleness), `partial/resumed` (carried conversations
-        resumed), `partial/reprefill_tokens` (their contexts' tokens encoded again), `partial/groups_started`.
+      metrics: `partial/dropped` (conversations dropped for staleness), `partial/dropped_group_size` (carried
+        conversations dropped because data.samples_per_prompt changed: `_regrouped`), `partial/resumed` (carried
+        conversations resumed), `partial/reprefill_tokens` (their contexts' tokens encoded again),
+        `partial/groups_started`.
     """
 
     groups: tuple[CarriedGroup, ...]
@@ -162,10 +166,12 @@ class StepPlan:
 
 def plan_step(carry: Carry, draw: Callable[[], Sequence[QAExample]], cfg: PartialConfig, prompts: int,
               group_size: int, version: int) -> StepPlan:
-    """Step `version`'s plan (module docstring, 1-2): `carry`'s stale groups dropped, fresh prompts (`draw()`: the
-    next batch of the prompt iterator) appended up to ceil(over_sampling x prompts) groups."""
+    """Step `version`'s plan (module docstring, 1-2): `carry`'s groups of another size regrouped
+    (`_regrouped`), its stale groups dropped, fresh prompts (`draw()`: the next batch of the prompt iterator)
+    appended up to ceil(over_sampling x prompts) groups."""
+    same_size, dropped_size = _regrouped(carry, group_size, version)
     kept, dropped = [], 0
-    for group in carry.groups:
+    for group in same_size:
         oldest = group.oldest_version
         if oldest is not None and version - oldest > cfg.max_staleness:
             dropped += group.started
@@ -181,9 +187,32 @@ def plan_step(carry: Carry, draw: Callable[[], Sequence[QAExample]], cfg: Partia
     resumed = [m for group in groups for m in group.members if m.started and m.end_reason is None]
     return StepPlan(groups=groups, pending=tuple(kept[started:]), group_size=group_size, prompts=prompts,
                     version=version, metrics={
-                        "partial/dropped": float(dropped), "partial/resumed": float(len(resumed)),
+                        "partial/dropped": float(dropped), "partial/dropped_group_size": float(dropped_size),
+                        "partial/resumed": float(len(resumed)),
                         "partial/reprefill_tokens": float(sum(len(m.context_ids) for m in resumed)),
                         "partial/groups_started": float(len(groups))})
+
+
+def _regrouped(carry: Carry, group_size: int, version: int) -> tuple[list[CarriedGroup], int]:
+    """`carry`'s groups as groups of `group_size` samples (data.samples_per_prompt), and the conversations dropped.
+
+    A run resumed with another data.samples_per_prompt carries groups of the size it was saved with. A group none
+    of whose samples started is its prompt only: it is carried on at the new size. A group with started samples
+    cannot be trained as a group of the new size (its samples' advantages are relative to each other): it is
+    dropped, its started conversations counted (`partial/dropped_group_size`) and logged in one warning line.
+    """
+    kept, dropped, groups = [], 0, 0
+    for group in carry.groups:
+        if len(group.members) == group_size:
+            kept.append(group)
+        elif group.started:
+            dropped, groups = dropped + group.started, groups + 1
+        else:
+            kept.append(CarriedGroup((CarriedConversation(group.members[0].example),) * group_size))
+    if dropped:
+        log.warning("step %d: dropped %d carried conversation(s) of %d group(s) sampled as groups of another size "
+                    "than data.samples_per_prompt = %d", version, dropped, groups, group_size)
+    return kept, dropped
 
 
 def settle(plan: StepPlan, convs: Mapping[int, Conversation], tokenizer, first_group: int, max_staleness: int

@@ -26,10 +26,6 @@ T = TypeVar("T")
 
 SEARCH_ERROR_OBSERVATION = "\n\n<information>Search failed: {error}</information>\n\n"
 MAX_ERROR_CHARS = 200
-# Characters of an observation tokenized per token of rollout.max_observation_tokens: the longest token of the
-# Qwen2.5 vocabulary (128 characters). The tokens kept are those of the whole text unless one word (a run without a
-# space or punctuation) crosses the cut; the work is bounded however long the text.
-MAX_CHARS_PER_TOKEN = 128
 SEARCH_ABANDONED = "abandoned: the run is stopping"  # the error of a search cut off by a stop request
 STOP_POLL_S = 0.1  # how often a search in flight checks for a stop request (seconds)
 
@@ -74,6 +70,7 @@ class AgentSteps:
                  stopping: Optional[Callable[[], bool]] = None):
         self.tokenizer, self.retriever, self.config, self.stats = tokenizer, retriever, config, stats
         self._stopping = stopping
+        self._prompts: dict[str, tuple[tuple[int, ...], int]] = {}  # question -> fit_prompt's (ids, tokens cut)
 
     def stopping(self) -> bool:
         """Whether a stop was requested: abandon the rollout."""
@@ -81,12 +78,21 @@ class AgentSteps:
 
     def conversation(self, example: QAExample, lineage: Lineage) -> Conversation:
         """A new conversation of `example`; its prompt's tokens count in the stats' prompt_tokens, and a prompt whose
-        question was cut to rollout.max_prompt_tokens in prompts_cut."""
-        prompt_ids, cut = protocol.fit_prompt(self.tokenizer, example.question, self.config.max_prompt_tokens)
+        question was cut to rollout.max_prompt_tokens in prompts_cut (each conversation counts)."""
+        prompt_ids, cut = self._prompt(example.question)
         self.stats.prompt_tokens += len(prompt_ids)
         self.stats.prompt_spread.add(len(prompt_ids))
         self.stats.prompts_cut += bool(cut)
-        return Conversation(prompt_ids, lineage)
+        return Conversation(list(prompt_ids), lineage)
+
+    def _prompt(self, question: str) -> tuple[tuple[int, ...], int]:
+        """`protocol.fit_prompt` of `question` (its prompt's token ids, the question's tokens cut), fitted once per
+        rollout: a group's samples and any repeat of the question share the fit (fitting an over-long question
+        encodes its whole text twice)."""
+        if question not in self._prompts:
+            ids, cut = protocol.fit_prompt(self.tokenizer, question, self.config.max_prompt_tokens)
+            self._prompts[question] = tuple(ids), cut
+        return self._prompts[question]
 
     def budget(self, conv: Conversation) -> int:
         """Tokens the conversation's next turn may sample (0: it is full)."""
@@ -130,8 +136,9 @@ class AgentSteps:
         obs_ids, truncated = None, False
         if observation is not None:
             # Tokenized from a prefix long enough for the token budget (MAX_CHARS_PER_TOKEN), never the whole text:
-            # a document may be huge.
-            chars = self.config.max_observation_tokens * MAX_CHARS_PER_TOKEN
+            # a document may be huge. The tokens kept are those of the whole text unless one word (a run without a
+            # space or punctuation) crosses the cut.
+            chars = self.config.max_observation_tokens * protocol.MAX_CHARS_PER_TOKEN
             ids = self.tokenizer.encode(observation[:chars], add_special_tokens=False)
             truncated = len(ids) > self.config.max_observation_tokens or len(observation) > chars
             ids = ids[:self.config.max_observation_tokens]

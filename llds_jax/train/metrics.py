@@ -63,6 +63,9 @@ BUDGET_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("conversation resumed", "conversations resumed", "rollout/partial/resumed"),
     ("conversation carried on", "conversations carried on", "rollout/partial/carried"),
     ("conversation dropped as stale", "conversations dropped as stale", "rollout/partial/dropped"),
+    ("conversation dropped (sampled in a group of another data.samples_per_prompt)",
+     "conversations dropped (sampled in groups of another data.samples_per_prompt)",
+     "rollout/partial/dropped_group_size"),
 )
 
 
@@ -113,7 +116,7 @@ def console_line(step: int, scalars: Mapping[str, float], fields: Sequence[tuple
         parts.append(f"ETA {format_duration(eta_seconds)}")
     return "  ".join(parts)
 
-SHOWN_WHEN_NONZERO = ("rollout/prompts_cut",)  # budget fields the line leaves out at 0
+SHOWN_WHEN_NONZERO = ("rollout/prompts_cut", "rollout/partial/dropped_group_size")  # budget fields left out at 0
 
 
 def budget_line(step: int, scalars: Mapping[str, float]) -> str | None:

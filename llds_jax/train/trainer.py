@@ -58,6 +58,7 @@ from llds_jax.runtime import distributed, storage
 from llds_jax.train import run_builder
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
+from llds_jax.protocol import DEFAULT_MAX_PROMPT_TOKENS
 from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
@@ -103,16 +104,19 @@ def host_copy(tree):
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
 
 
-def read_examples(files: Sequence[str], what: str, empty_answer: str) -> list[QAExample]:
+def read_examples(files: Sequence[str], what: str, empty_answer: str,
+                  max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[QAExample]:
     """QA examples of several files, uids made unique across files (`empty_answer`: `reward.empty_answer`, which
-    decides whether rows no non-empty answer can match are kept, data.qa.read_qa)."""
+    decides whether rows no non-empty answer can match are kept; `max_prompt_tokens`: rollout.max_prompt_tokens,
+    which bounds the questions; data.qa.read_qa)."""
     if not files:
         raise config_lib.ConfigError(f"data.{what} lists no files")
     examples = []
     for index, path in enumerate(files):
         if not epath.Path(path).exists():
             raise FileNotFoundError(f"data.{what}: file not found: {path}")
-        examples += [dataclasses.replace(ex, uid=f"{index}:{ex.uid}") for ex in read_qa(path, empty_answer)]
+        examples += [dataclasses.replace(ex, uid=f"{index}:{ex.uid}")
+                     for ex in read_qa(path, empty_answer, max_prompt_tokens)]
     return examples
 
 
@@ -122,7 +126,7 @@ HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens"
                        "trajectories", "bad_documents", "forked_prefix_tokens",
                        # partial rollouts' counts (rollout/partial.py)
                        "partial/dropped", "partial/resumed", "partial/reprefill_tokens", "partial/groups_started",
-                       "partial/carried", "partial/carried_groups")
+                       "partial/carried", "partial/carried_groups", "partial/dropped_group_size")
 
 
 def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HOST_SUMMED_METRICS
@@ -181,9 +185,11 @@ class Trainer:
         self.carry = Carry()  # the partial rollouts' groups carried into the next step
         self.eval_agent_cfg = AgentConfig.of(typed_cfg.rollout, typed_cfg.eval)
         rule = cfg.reward.empty_answer
-        self.eval_examples = read_examples(cfg.data.eval_files, "eval_files", rule) if cfg.data.eval_files else []
+        prompt_tokens = cfg.rollout.max_prompt_tokens
+        self.eval_examples = (read_examples(cfg.data.eval_files, "eval_files", rule, prompt_tokens)
+                              if cfg.data.eval_files else [])
         if training:
-            self.data = PromptIterator(read_examples(cfg.data.train_files, "train_files", rule),
+            self.data = PromptIterator(read_examples(cfg.data.train_files, "train_files", rule, prompt_tokens),
                                        batch_size=cfg.data.prompts_per_step, seed=cfg.seed,
                                        process_index=jax.process_index(), process_count=jax.process_count())
         # Last: nothing below raises, so an open retriever always reaches `close` (unclosed client sessions are

@@ -1,5 +1,7 @@
-"""Search-R1 QA files: writer/reader round trips (local and gs://) and error messages."""
+"""Search-R1 QA files: writer/reader round trips (local and gs://), error messages, over-long questions."""
+import dataclasses
 import json
+import logging
 import re
 
 import pyarrow as pa
@@ -141,3 +143,25 @@ def test_single_string_answer_and_unknown_format(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no examples"):
         qa.read_qa(tmp_path / "empty.jsonl")
+
+
+@pytest.mark.parametrize("suffix,writer", [(".parquet", qa.write_qa_parquet), (".jsonl", write_qa_jsonl)])
+def test_a_1_mb_question_is_bounded_as_it_is_read_and_counted_in_one_line(tmp_path, caplog, suffix, writer):
+    """Issue 66: a 1 MB question cost seconds to fit, once per sample. It keeps its last 2 x max_prompt_tokens x 128
+    characters (the prompt keeps the same tokens: tests/test_protocol.py); one warning line counts such rows."""
+    page = ("a pasted page of text, " * 50_000)[:1_000_000] + " who founded Acme?\n"
+    long_examples = [qa.QAExample(f"nq-{i}", page, ("x",), "nq", f"test_{i}") for i in range(4)]
+    path = tmp_path / f"test{suffix}"
+    writer(path, [*long_examples, *EXAMPLES[:1]])
+    with caplog.at_level(logging.WARNING, logger="llds_jax.data.qa"):
+        examples = qa.read_qa(path, "search_r1", 256)
+    limit = 2 * 256 * 128
+    assert [ex.question for ex in examples] == [page.strip()[-limit:]] * 4 + [EXAMPLES[0].question]
+    assert examples[0].question.endswith(" who founded Acme?") and len(examples[0].question) == 65_536
+    where = [f"{path}:{row}" if suffix == ".jsonl" else f"{path}: row {row - 1}" for row in (1, 2, 3)]
+    assert caplog.messages == [
+        "the questions of 4 rows are longer than 65,536 characters; each keeps its last 65,536 (its start cut as the"
+        f" prompt of rollout.max_prompt_tokens = 256 would cut it, keeping the same tokens): {'; '.join(where)}; ..."]
+    files = [str(path)]
+    assert read_examples(files, "train_files", "search_r1", 256) == [
+        dataclasses.replace(ex, uid=f"0:{ex.uid}") for ex in examples]

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from llds_jax.protocol import Action
+from llds_jax.protocol import MAX_CHARS_PER_TOKEN, Action
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.stats import RolloutStats
-from llds_jax.rollout.steps import MAX_CHARS_PER_TOKEN, AgentSteps, Conversation
+from llds_jax.rollout.steps import AgentSteps, Conversation
 from llds_jax.rollout.trajectory import Lineage, Turn
 from llds_jax.search.http import HttpRetriever
 from llds_jax.search.retry import RequestPolicy

@@ -84,3 +84,29 @@ def test_two_hosts_each_resume_their_own_carry_as_the_uninterrupted_run(searchin
     reference = result(searching_runs, "partial_two_hosts", policy[0])
     assert reference[0][0]["rollout/partial/carried"] > 0 and reference[0][1]["rollout/partial/resumed"] > 0
     assert_same_run(result(searching_runs, "partial_two_hosts_resumed", policy[0]), reference)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_group_size_drops_the_carried_conversations_with_a_count_and_a_warning(searching_runs):
+    """Issue 66: a partial run resumed with another data.samples_per_prompt lost 28 of 64 carried conversations,
+    counted nowhere (its groups of the old size were laid out as groups of the new one). A started group of the old
+    size cannot be trained as a group of the new one: each of its started conversations is dropped and counted
+    (`partial/dropped_group_size`, on the budget line), in one warning line."""
+    saved = {**CARRYING, "data__samples_per_prompt": 2, "train__checkpoint_every": 1}
+    run_dir = searching_runs.run_dir("partial_group_size")
+    with ScriptedRetriever() as server:
+        finish([searching_runs.start(server.config(), "partial_group_size", **saved, train__total_steps=1)],
+               TIMEOUT_S)
+        (output,) = finish([searching_runs.start(server.config(), "partial_group_size",
+                                                 **{**saved, "data__samples_per_prompt": 1}, train__total_steps=2)],
+                           TIMEOUT_S)
+    first, second = read_metrics(run_dir)
+    carried, groups = int(first["rollout/partial/carried"]), int(first["rollout/partial/carried_groups"])
+    assert carried > groups > 0  # groups of 2 carried, some with both samples started
+    assert (second.get("rollout/partial/dropped_group_size"), second["rollout/partial/resumed"],
+            second["rollout/partial/dropped"]) == (carried, 0, 0)
+    assert output.count("carried conversation(s)") == 1
+    assert (f"step 2: dropped {carried} carried conversation(s) of {groups} group(s) sampled as groups of another "
+            "size than data.samples_per_prompt = 1") in output
+    assert (f"{carried} conversations dropped (sampled in groups of another data.samples_per_prompt)"
+            in output.split("step 2 budget: ")[1].splitlines()[0])

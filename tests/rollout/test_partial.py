@@ -53,8 +53,9 @@ def test_over_sampling_1_is_the_synchronous_rollout_bit_for_bit(qwen_tokenizer, 
     assert_same(partial.trajectories, sync.trajectories)
     assert partial.carry == Carry()
     assert {k: v for k, v in partial.metrics.items() if k.startswith("partial/")} == {
-        "partial/dropped": 0.0, "partial/resumed": 0.0, "partial/reprefill_tokens": 0.0,
-        "partial/groups_started": 2.0, "partial/carried": 0.0, "partial/carried_groups": 0.0,
+        "partial/dropped": 0.0, "partial/dropped_group_size": 0.0, "partial/resumed": 0.0,
+        "partial/reprefill_tokens": 0.0, "partial/groups_started": 2.0, "partial/carried": 0.0,
+        "partial/carried_groups": 0.0,
         "partial/staleness_mean": 0.0, "partial/staleness_max": 0.0, "partial/stale_token_share": 0.0,
         "partial/staleness_0": 1.0, "partial/staleness_1": 0.0}
     timing = {"rollout_s", "decode_s", "search_s", "search_calls_s", "host_s", "sampled_tokens_per_s"}
@@ -152,14 +153,34 @@ def test_a_group_past_the_staleness_bound_is_dropped_and_counted(caplog):
     assert plan.groups == (fresh_enough, not_started) + tuple(
         CarriedGroup((CarriedConversation(q),) * N) for q in QUESTIONS[:2])
     assert plan.pending == ()
-    assert plan.metrics == {"partial/dropped": 2.0, "partial/resumed": 1.0, "partial/reprefill_tokens": 9.0,
-                            "partial/groups_started": 4.0}
+    assert plan.metrics == {"partial/dropped": 2.0, "partial/dropped_group_size": 0.0, "partial/resumed": 1.0,
+                            "partial/reprefill_tokens": 9.0, "partial/groups_started": 4.0}
     assert "dropped 2 carried conversation(s) older than rollout.max_staleness = 1" in caplog.text
     assert plan.carried == {0: fresh_enough.members[0]}
     assert plan.carried[0].sampled == 6 and plan.carried[0].context_ids == [1, 2, 3, 5, 6, 7, 5, 6, 7]
     # At staleness 0 every carried group with a sampled turn goes; over-sampling draws whole batches.
     plan = plan_step(Carry((stale, fresh_enough, not_started)), draws(), PartialConfig(True, 1.5, 0), 3, N, 4)
     assert plan.metrics["partial/dropped"] == 3.0 and len(plan.groups) == 5 and len(plan.pending) == 0
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_carried_groups_of_another_group_size_are_dropped_and_counted_or_regrouped(caplog, group_size):
+    """A run resumed with another data.samples_per_prompt (issue 66: 28 of 64 carried conversations vanished,
+    counted nowhere): a started group of the old size (2) is dropped, its started conversations counted and warned
+    of in one line; a group not started is its prompt only and is carried on at the new size."""
+    finished = CarriedGroup((member(2, "answer"), member(2)))
+    half_started = CarriedGroup((member(2), CarriedConversation(example(9))))
+    not_started = CarriedGroup((CarriedConversation(example(8)),) * 2)
+    plan = plan_step(Carry((finished, half_started, not_started)), draws(), PartialConfig(True, 2.0, 1), PROMPTS,
+                     group_size, version=3)
+    fresh = tuple(CarriedGroup((CarriedConversation(q),) * group_size) for q in QUESTIONS[:4])  # 2 draws
+    assert plan.groups + plan.pending == (CarriedGroup((CarriedConversation(example(8)),) * group_size),) + fresh
+    assert all(len(group.members) == group_size for group in plan.groups)
+    assert (plan.metrics["partial/dropped_group_size"], plan.metrics["partial/dropped"],
+            plan.metrics["partial/resumed"], plan.carried) == (3.0, 0.0, 0.0, {})
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"step 3: dropped 3 carried conversation(s) of 2 group(s) sampled as groups of another "
+                        f"size than data.samples_per_prompt = {group_size}"]
 
 
 def test_the_carry_record_round_trips_exactly():
