@@ -39,6 +39,12 @@ def tree_leaves(trees: int, tree_rounds: int, tree_forks: int) -> int:
     return trees * (1 + tree_rounds * tree_forks)
 
 
+def pool_pages(sequences: int, max_context_tokens: int, page_size: int) -> int:
+    """Pages of a paged KV pool (llds_jax.rollout.pages) that holds `sequences` sequences of `max_context_tokens`
+    tokens each in pages of `page_size` slots, beside the padding page: what the rollout engine reserves."""
+    return sequences * -(-max_context_tokens // page_size) + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelRunConfig(bounds.Section):
     """The run config's `model` section: the checkpoint a run starts from and how the run computes with it (the
@@ -197,6 +203,12 @@ class RolloutConfig(bounds.Section):
                               f"rollout.max_context_tokens ({self.max_context_tokens})")
         if self.partial and self.trees:
             raise ConfigError("rollout.partial carries chains, not trees: set rollout.trees 0 or rollout.partial False")
+        one = pool_pages(1, self.max_context_tokens, self.page_size)
+        if 0 < self.num_pages < one:
+            raise ConfigError(f"rollout.num_pages ({self.num_pages}) cannot hold one sequence of "
+                              f"rollout.max_context_tokens ({self.max_context_tokens}): it needs at least {one} pages "
+                              f"({one - 1} of rollout.page_size {self.page_size} slots and the padding page; 0: sized "
+                              "to fit)")
 
 
 @dataclasses.dataclass(frozen=True)

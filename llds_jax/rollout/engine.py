@@ -6,14 +6,17 @@
                                               encoded again: the new sequence shares its pages (a GRPO group).
                                               `sampled`: tokens the conversation sampled before (a conversation
                                               resumed from its tokens, `rollout.partial`: its KV is recomputed,
-                                              its PRNG stream goes on at fold_in(key, sampled)).
+                                              its PRNG stream goes on at fold_in(key, sampled)). Refused
+                                              (as a fork is) when the pool cannot hold one more sequence at
+                                              max_context beside those in flight (`can_admit`).
   step()                                      one device call (`StepRunner.run`): the pending tokens of the
                                               sequences in flight (a decoding sequence's last sampled token,
                                               prompt and observation chunks up to the token budget), then up to
                                               `decode_chunk` samples of every sequence whose input is all in.
                                               Returns the turns that ended: on a stop id, at the turn's budget, or
                                               once the turn's text holds a stop string (`StopMatcher`, fed only the
-                                              new tokens).
+                                              new tokens). A step that can schedule nothing while sequences run
+                                              raises, naming the pool's and the sequences' state.
   extend(seq, keep, observation_ids, budget)  after an ended turn: keeps the turn's first `keep` tokens (the rest is
                                               rolled back), appends the observation, starts the next turn.
   fork(seq, source, at_turn, key, budget)     a new sequence whose context is `source`'s at the start of its turn
@@ -42,6 +45,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from llds_jax.rollout.interfaces import SampledTurn, StopMatcher
+from llds_jax.config.sections import pool_pages
 from llds_jax.rollout.pages import PageCopy, PageTable
 from llds_jax.rollout.stats import EngineCounts
 
@@ -106,7 +110,7 @@ class EngineConfig:
         at least max_seqs (every decoding sequence's pending token fits).
       decode_chunk: samples per call of a decoding sequence (C).
       page_size: token slots per page.
-      num_pages: pages in the pool.
+      num_pages: pages in the pool, the padding page included; at least one sequence's at max_context.
       max_context: the most tokens one sequence holds (its page table's P = max_context / page_size).
       stop_ids: token ids that end a turn (sampled, returned with the turn, never written to the cache).
     """
@@ -123,6 +127,11 @@ class EngineConfig:
     def pages_per_seq(self) -> int:
         return -(-self.max_context // self.page_size)
 
+    def holds(self, sequences: int) -> bool:
+        """Whether the pool holds `sequences` sequences at max_context beside the padding page (the worst case
+        every admission reserves)."""
+        return pool_pages(sequences, self.max_context, self.page_size) <= self.num_pages
+
     @property
     def max_copies(self) -> int:
         """Page copies one step can make: one per sequence (the page its write starts in)."""
@@ -132,6 +141,10 @@ class EngineConfig:
         if list(self.token_budgets) != sorted(set(self.token_budgets)) or self.token_budgets[-1] < self.max_seqs:
             raise ValueError(f"EngineConfig: token_budgets {self.token_budgets} must ascend and reach max_seqs "
                              f"{self.max_seqs}")
+        if not self.holds(1):
+            raise ValueError(f"EngineConfig: num_pages {self.num_pages} cannot hold one sequence of max_context "
+                             f"{self.max_context}: it needs {self.pages_per_seq + 1} ({self.pages_per_seq} pages of "
+                             f"{self.page_size} slots and the padding page)")
 
 
 class _State(enum.Enum):
@@ -189,8 +202,7 @@ class Engine:
 
     def can_admit(self) -> bool:
         """Whether one more sequence fits: a free slot and its worst-case pages beside every other sequence's."""
-        worst = self.pages.pages_for(self.config.max_context)
-        return len(self._seqs) < self.config.max_seqs and (len(self._seqs) + 1) * worst <= self.config.num_pages - 1
+        return len(self._seqs) < self.config.max_seqs and self.config.holds(len(self._seqs) + 1)
 
     def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: np.ndarray, budget: int,
                     sampled: int = 0) -> None:
@@ -251,6 +263,9 @@ class Engine:
         self._take_shared_prompts()
         chosen = self._schedule()
         if not chosen:
+            if self.running:
+                raise RuntimeError(f"Engine.step: nothing can be scheduled while {self.running} sequences run "
+                                   f"({self._state()})")
             return []
         batch = self._batch(chosen)
         start = time.perf_counter()
@@ -277,9 +292,6 @@ class Engine:
             end = s.cached + chunk + max(samples - 1, 0)
             needed = self.pages.pages_to_write(seq, end)
             if needed > pages_left:
-                if s.state is _State.DECODE:
-                    raise RuntimeError(f"Engine: the pool ({cfg.num_pages} pages) cannot hold sequence {seq}'s "
-                                       "next tokens: admit fewer sequences")
                 continue
             pages_left -= needed
             budget -= chunk
@@ -378,11 +390,23 @@ class Engine:
     def _check_new(self, seq: int, budget: int, length: int) -> None:
         if seq in self._seqs:
             raise ValueError(f"Engine: sequence {seq} is already in flight")
-        if len(self._seqs) == self.config.max_seqs:
-            raise ValueError(f"Engine: all {self.config.max_seqs} sequence slots are taken")
-        if length < 1 or budget < 1 or length + budget > self.config.max_context:
+        cfg = self.config
+        if len(self._seqs) == cfg.max_seqs:
+            raise ValueError(f"Engine: all {cfg.max_seqs} sequence slots are taken")
+        if not cfg.holds(len(self._seqs) + 1):
+            raise ValueError(f"Engine: sequence {seq} does not fit: the pool's {cfg.num_pages} pages hold "
+                             f"{(cfg.num_pages - 1) // cfg.pages_per_seq} sequences at max_context {cfg.max_context} "
+                             f"({cfg.pages_per_seq} pages of {cfg.page_size} slots each, and the padding page), and "
+                             f"{len(self._seqs)} are in flight")
+        if length < 1 or budget < 1 or length + budget > cfg.max_context:
             raise ValueError(f"Engine: sequence {seq}: {length} context tokens + a turn of {budget} exceed the "
-                             f"engine's {self.config.max_context}")
+                             f"engine's {cfg.max_context}")
+
+    def _state(self) -> str:
+        """The pool and each sequence in flight: its state, tokens cached of its context, pages held."""
+        seqs = "; ".join(f"sequence {seq} {s.state.value} {s.cached}/{len(s.tokens)} tokens cached, "
+                         f"{len(self.pages.pages(seq))} pages" for seq, s in self._seqs.items())
+        return f"{self.pages.free_pages} of {self.config.num_pages} pages free; {seqs}"
 
     def _share(self, seq: int, source: int, length: int) -> None:
         if seq in self.pages:

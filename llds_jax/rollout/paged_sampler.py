@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from jax.sharding import Mesh
 
+from llds_jax.config.sections import pool_pages
 from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
@@ -34,10 +35,9 @@ def token_budgets(max_seqs: int, max_step_tokens: int) -> tuple[int, ...]:
 def engine_config(agent: AgentConfig, sampling: SamplingConfig, max_seqs: int, page_size: int,
                   max_step_tokens: int, num_pages: int = 0) -> EngineConfig:
     """The engine's shapes for a run (see the module docstring)."""
-    pages_per_seq = -(-agent.max_context_tokens // page_size)
     return EngineConfig(max_seqs=max_seqs, token_budgets=token_budgets(max_seqs, max(max_step_tokens, max_seqs)),
                         decode_chunk=sampling.decode_chunk, page_size=page_size,
-                        num_pages=num_pages or max_seqs * pages_per_seq + 1,
+                        num_pages=num_pages or pool_pages(max_seqs, agent.max_context_tokens, page_size),
                         max_context=agent.max_context_tokens, stop_ids=sampling.stop_ids)
 
 
