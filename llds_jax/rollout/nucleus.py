@@ -32,8 +32,8 @@ Bisection: non-negative float32 values are ordered as their int32 bit patterns, 
 whose bit patterns are the integers 0 .. 0x3F800000 (1.0): 0x3F800001 <= 2**30 candidates. A bisection step keeps
 the smallest candidate satisfying S < q(top_p) inside its interval and halves the interval's size (n to at most
 ceil(n / 2)), so BISECTION_STEPS = 30 steps narrow 2**30 candidates to the one. Each step is one pass over the
-vocabulary, two masked int32 sums (the words of each q_i): O(30 V) per row instead of a sort's O(V log V) with its
-data movement.
+vocabulary, one reduction of two int32 words per token (each q_i's, computed in the pass): O(30 V) per row instead
+of a sort's O(V log V) with its data movement.
 
 Dimension letters: B rows, V vocabulary (or a row's candidates).
 """
