@@ -52,14 +52,16 @@ def logit_rows(rs: np.random.RandomState, vocab: int) -> np.ndarray:
 def test_kept_set_and_renormalized_probabilities_are_the_sorted_rules(vocab):
     """The kept set is {p >= the smallest probability the sorted rule keeps}: the sorted rule's set plus the tokens
     tied with its last one; the threshold is that probability exactly. Rows and top_p values where a boundary mass
-    lies within float32 rounding of top_p are not drawn here (the margin is checked)."""
+    lies within the rule's precision of top_p (`nucleus`: top_p taken as float32, masses exact to V x 2**-43) are
+    skipped (the margin is checked): at 151,936 tokens, margins down to 9e-8 are checked."""
     probs_bv = softmax32(logit_rows(np.random.RandomState(vocab), vocab))
+    mass_unit = 2.0**-(nucleus.PROB_LEAD_BITS + nucleus.WORD_BITS)  # 2**-43
     grew_by_ties = 0
     for top_p in TOP_PS:
         threshold_b = np.asarray(jax.jit(nucleus.nucleus_threshold, static_argnums=1)(probs_bv, top_p))
         kept_bv = np.asarray(jax.jit(nucleus.nucleus_probs, static_argnums=1)(probs_bv, top_p))
         for b, probs_v in enumerate(probs_bv):
-            if boundary_margin(probs_v, top_p) < 1e-5:
+            if boundary_margin(probs_v, top_p) < abs(top_p - np.float32(top_p)) + vocab * mass_unit:
                 continue
             sorted_kept = sorted_nucleus(probs_v, top_p)
             smallest = probs_v[sorted_kept].min()
@@ -113,3 +115,59 @@ def test_draws_follow_the_renormalized_nucleus_and_report_full_vocabulary_logps(
     assert stats.chisquare(counts[kept], expected).pvalue > 1e-3
     full_logp_v = np.log(probs_v.astype(np.float64))
     np.testing.assert_allclose(logps, full_logp_v[tokens], atol=1e-5)
+
+
+def boundary_logits(rs: np.random.RandomState, vocab: int, top_p: float) -> tuple[np.ndarray, float]:
+    """A row of logits (float32 [vocab]) whose mass above its level of tied tokens is float32(top_p) to within
+    float32 rounding, and that mass less float32(top_p) (float64): vocab / 500 tokens above the level, vocab / 50 at
+    it (~10% of the mass: whether they are kept moves most draws), the rest far below; the largest logit solved for
+    in float64, then rounded to float32."""
+    level = -1.0
+    head, ties = vocab // 500, vocab // 50
+    row_v = np.concatenate([np.clip(rs.randn(head) + 3, 0, None), np.full(ties, level),
+                            np.clip(0.7 * rs.randn(vocab - head - ties) - 7, None, level - 2)])[rs.permutation(vocab)]
+    weights_v = np.exp(row_v)
+    above_v, largest = row_v > level, np.argmax(row_v)
+    rest_above, below = weights_v[above_v].sum() - weights_v[largest], weights_v[~above_v].sum()
+    target = float(np.float32(top_p))
+    row_v[largest] = np.log((target * (rest_above + below) - rest_above) / (1 - target))
+    row_v = row_v.astype(np.float32)
+    weights_v = np.exp(row_v.astype(np.float64))
+    return row_v, weights_v[above_v].sum() / weights_v.sum() - target
+
+
+@pytest.mark.parametrize("vocab", [1000, pytest.param(151_936, marks=pytest.mark.slow)])
+def test_a_rows_kept_set_and_token_do_not_depend_on_its_batch(vocab):
+    """Eight rows whose mass above a level of tied tokens is within float32 rounding of top_p: alone and inside batches
+    of 8, 32 and 128 (random rows beside them, the eight at random places), each row's threshold and kept
+    probabilities, and from its logits with its own key its sampled token and log-prob, are the same bit for bit.
+    The rows are at the boundary: some keep their tied tokens, some do not. (With float32 sums, XLA's CPU reduction
+    of a row differs in its last bits between batch shapes: at 151,936 tokens five of the eight rows' thresholds
+    and kept sets moved inside the batches of 32 and 128, at 1,000 tokens two rows' tokens inside each batch.)"""
+    top_p, probes = 0.9, 8
+    rs = np.random.RandomState(vocab)
+    rows = [boundary_logits(rs, vocab, top_p) for _ in range(probes)]
+    assert max(abs(margin) for _, margin in rows) < 2**-24  # float32's spacing at top_p
+    logits_pv = np.stack([row_v for row_v, _ in rows])
+    probs_pv = softmax32(logits_pv)
+    keys = jax.random.split(jax.random.key(0), probes + 128)  # the eight rows' own, then their neighbours'
+    threshold = jax.jit(nucleus.nucleus_threshold, static_argnums=1)
+    kept = jax.jit(nucleus.nucleus_probs, static_argnums=1)
+    sample = jax.jit(lambda logits_bv, key_b: sample_tokens(logits_bv, key_b, SamplingConfig(top_p=top_p)))
+
+    def each_row(probs_bv, logits_bv, key_b):
+        arrays = (threshold(probs_bv, top_p), kept(probs_bv, top_p), *sample(logits_bv, key_b))
+        return [tuple(np.asarray(a)[b] for a in arrays) for b in range(len(probs_bv))]
+
+    alone = [each_row(probs_pv[p:p + 1], logits_pv[p:p + 1], keys[p:p + 1])[0] for p in range(probes)]
+    assert len({int(np.count_nonzero(kept_v)) for _, kept_v, _, _ in alone}) == 2  # tied tokens kept, or not
+    for batch in (8, 32, 128):
+        places = rs.permutation(batch)[:probes]
+        logits_bv = (3 * rs.randn(batch, vocab)).astype(np.float32)
+        logits_bv[places] = logits_pv
+        probs_bv = np.array(softmax32(logits_bv))
+        probs_bv[places] = probs_pv
+        together = each_row(probs_bv, logits_bv, keys[probes:probes + batch].at[places].set(keys[:probes]))
+        for p, place in enumerate(places):
+            for got, want in zip(together[place], alone[p]):
+                np.testing.assert_array_equal(got, want, err_msg=f"row {p} at {place} of a batch of {batch}")

@@ -10,6 +10,7 @@ from flax import nnx
 
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer
+from llds_jax.rollout import sampling
 from llds_jax.rollout.config import SamplingConfig
 from llds_jax.rollout.engine import EngineConfig
 from llds_jax.rollout.runner import DeviceRunner
@@ -63,6 +64,39 @@ def test_greedy_takes_argmax_with_temperature_one_logp():
     tokens, logps = draw(logits, SamplingConfig(greedy=True, temperature=0.5), n=4)
     assert (tokens == 1).all()
     np.testing.assert_allclose(logps, np.asarray(jax.nn.log_softmax(logits))[1], atol=1e-6)
+
+
+def exact_cdf(probs_v: np.ndarray) -> np.ndarray:
+    """The draw's CDF (float32 [V]): each probability's floor(p x 2**43) summed exactly (int64), then rounded to
+    float32 as `nucleus.to_float` rounds its two carried words."""
+    prefix_v = np.cumsum(np.floor(probs_v.astype(np.float64) * 2.0**43).astype(np.int64))
+    return ((prefix_v & (2**13 - 1)).astype(np.float32) * np.float32(2.0**-43)
+            + (prefix_v >> 13).astype(np.float32) * np.float32(2.0**-30))
+
+
+def test_the_draw_is_the_first_token_whose_exact_cumulative_mass_reaches_u_times_the_total():
+    """4,096 draws from each of four rows of 1,300 candidates (three chunks of the draw's 512, the last padded): each
+    is the first token whose exact cumulative mass, rounded to float32, is >= u x the total (u = 1 - the key's
+    uniform), as NumPy computes it in int64. Rows: one token of half the mass then 1,299 equal ones (where a float32
+    cumsum drifts: it drew another token for one of the 4,096 keys), a random one, six tokens at chunk edges, and a
+    sparse one summing to 0.9."""
+    candidates, n = 1300, 4096
+    rs = np.random.RandomState(0)
+    drifting = np.full(candidates, 0.5 / (candidates - 1), np.float32)
+    drifting[0] = 0.5
+    edges = np.zeros(candidates, np.float32)
+    edges[[3, 511, 512, 1023, 1024, 1299]] = [0.1, 0.2, 0.3, 0.15, 0.05, 0.2]
+    spread = rs.exponential(size=candidates)
+    sparse = (rs.rand(candidates) < 0.1) * rs.rand(candidates)
+    rows = [drifting, (spread / spread.sum()).astype(np.float32), edges,
+            (sparse / sparse.sum() * 0.9).astype(np.float32)]
+    keys = jax.random.split(jax.random.key(1), n)
+    u = 1 - np.asarray(jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(keys))
+    draw = jax.jit(sampling._inverse_cdf_draw)
+    for probs_v in rows:
+        cdf_v = exact_cdf(probs_v)
+        expected = np.argmax(cdf_v[None] >= (u * cdf_v[-1])[:, None], axis=1)
+        np.testing.assert_array_equal(np.asarray(draw(keys, jnp.broadcast_to(probs_v, (n, candidates)))), expected)
 
 
 def test_config_errors_name_the_key():
