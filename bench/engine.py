@@ -1,6 +1,9 @@
 """The demo's rollout under each scheduling policy of the rollout engine, side by side in one process: seconds per
 rollout, decode occupancy, programs compiled, and whether the chains are token-identical to the barrier policy's
-with the same sessions (the same PRNG streams).
+with the same sessions (the same PRNG streams); per device call, the host's milliseconds (the rollout's seconds
+neither in the engine's device calls nor waiting for a search: scheduling, cutting and parsing turns, observations)
+and the device's, and the share of the rollout the device sat idle (1 - device seconds / rollout seconds; the host
+and device take turns, so it is the host's share plus the searches' wait).
 
 The rollout is the demo's training rollout (configs/demo_cpu.py: 8 questions x 8 samples at temperature 1, two
 searching turns of up to 32 tokens, observations of up to 128, top-1 BM25 retrieval over the demo's world, decode
@@ -95,14 +98,16 @@ def main(argv=None) -> dict:
     print(f"demo rollout: {len(examples)} sequences ({args.questions} questions x {args.samples}), temperature 1, "
           f"best of {args.repeats}; {jax.devices()[0].device_kind}")
     print(f"{'policy':<14} {'s/rollout':>9} {'vs barrier':>10} {'occupancy':>9} {'programs':>8} {'compile s':>9} "
-          f"{'identical':>9} (continuous: to barrier {args.rows}; barrier {args.rows}: to barrier, other streams)")
+          f"{'identical':>9} {'host ms/call':>12} {'device ms/call':>14} {'device idle':>11} "
+          f"(continuous: to barrier {args.rows}; barrier {args.rows}: to barrier, other streams)")
     barrier = results["barrier"]
     for name, r in results.items():
         reference = results[f"barrier {args.rows}"] if name.startswith("continuous") else barrier
         same = "-" if name == "tree" else (f"{sum(a == b for a, b in zip(reference['tokens'], r['tokens']))}"
                                            f"/{len(examples)}")
         print(f"{name:<14} {r['seconds']:9.2f} {barrier['seconds'] / r['seconds']:9.2f}x {r['occupancy']:9.1%} "
-              f"{r['programs']:8d} {r['compile_s']:9.1f} {same:>9}")
+              f"{r['programs']:8d} {r['compile_s']:9.1f} {same:>9} {r['host_ms']:12.2f} {r['device_ms']:14.2f} "
+              f"{r['idle']:11.1%}")
     return results
 
 
@@ -123,7 +128,11 @@ def measure(sampler, params, tokenizer, index: str, examples, config: AgentConfi
             seconds.append(time.perf_counter() - start)
             if run == 0:
                 sampler.freeze_shapes()  # as the trainer does after its first rollout: no compile in a timed run
+    stats = result.stats  # of the last run
+    calls = sum(stats.counts.calls.values())
     return {"seconds": min(seconds[1:]), "occupancy": result.metrics["decode_occupancy"],
+            "host_ms": stats.host_s / calls * 1e3, "device_ms": stats.decode_s / calls * 1e3,
+            "idle": 1 - stats.decode_s / stats.rollout_s,
             "programs": len(compiles), "compile_s": sum(compiles),
             "tokens": [t.tokens.tolist() for t in result.trajectories]}
 

@@ -163,7 +163,8 @@ class _Sequence:
     sampled: int = 0          # tokens sampled so far, every turn (the n of fold_in)
     turn_starts: list[int] = dataclasses.field(default_factory=list)  # context length at each turn's start
     turn_logps: list[float] = dataclasses.field(default_factory=list)
-    prompt: Optional[tuple[int, ...]] = None  # its prompt (None for a fork): others with it share its pages
+    prompt: Optional[bytes] = None  # its prompt's ids as bytes (None for a fork): others with it share its pages
+    prompt_len: int = 0
 
     @property
     def turn_start(self) -> int:
@@ -208,7 +209,7 @@ class Engine:
                     sampled: int = 0) -> None:
         self._check_new(seq, budget, len(prompt_ids))
         state = _Sequence(list(prompt_ids), np.asarray(key_data, np.uint32).reshape(2), budget, sampled=sampled,
-                          prompt=tuple(prompt_ids))
+                          prompt=np.asarray(prompt_ids, np.int64).tobytes(), prompt_len=len(prompt_ids))
         state.turn_starts.append(len(state.tokens))
         self._seqs[seq] = state
         self.pages.add(seq)
@@ -260,8 +261,8 @@ class Engine:
 
     def step(self) -> list[tuple[int, SampledTurn]]:
         """One device call; returns (sequence, its turn) for the turns that ended in it, in sequence order."""
-        self._take_shared_prompts()
-        chosen = self._schedule()
+        waiting = self._take_shared_prompts()
+        chosen = self._schedule(waiting)
         if not chosen:
             if self.running:
                 raise RuntimeError(f"Engine.step: nothing can be scheduled while {self.running} sequences run "
@@ -275,16 +276,15 @@ class Engine:
 
     # Scheduling.
 
-    def _schedule(self) -> list[tuple[int, int, int]]:
+    def _schedule(self, waiting: set[int]) -> list[tuple[int, int, int]]:
         """(sequence, tokens written, samples) of the next step: every decoding sequence's pending token, then
-        input chunks in sequence order while the token budget, the slots and the pool allow."""
+        input chunks in sequence order while the token budget, the slots and the pool allow; the sequences in
+        `waiting` wait for another's prompt pages (`_take_shared_prompts`)."""
         cfg = self.config
         budget, chosen, pages_left = cfg.token_budgets[-1], [], self.pages.free_pages
         order = sorted(self._seqs.items(), key=lambda item: (item[1].state is not _State.DECODE, item[0]))
         for seq, s in order:
-            if s.state is _State.ENDED or len(chosen) == cfg.max_seqs or budget == 0:
-                continue
-            if s.state is _State.INPUT and self._shares_later(seq, s):
+            if s.state is _State.ENDED or len(chosen) == cfg.max_seqs or budget == 0 or seq in waiting:
                 continue
             pending = len(s.tokens) - s.cached
             chunk = min(pending, budget) if s.state is _State.INPUT else pending
@@ -298,29 +298,31 @@ class Engine:
             chosen.append((seq, chunk, samples))
         return chosen
 
-    def _shares_later(self, seq: int, s: _Sequence) -> bool:
-        """Whether an unencoded sequence waits for one added before it with the same prompt that has not encoded
-        it yet: it then takes that one's pages instead of encoding the prompt itself."""
-        if s.cached or s.prompt is None or len(s.prompt) < 2:
-            return False
-        for key, other in self._seqs.items():
-            if key == seq:
-                return False
-            if other.prompt == s.prompt and other.cached < len(s.prompt) - 1:
-                return True
-        return False
-
-    def _take_shared_prompts(self) -> None:
+    def _take_shared_prompts(self) -> set[int]:
         """Unencoded sequences whose prompt another sequence has encoded take its pages (all but the last prompt
-        token, which each encodes itself for its own first logits)."""
+        token, which each encodes itself for its own first logits). Returns the unencoded sequences that wait for
+        one added before them with the same prompt, which has not encoded it yet: they take its pages once it has.
+        One pass over the sequences, the prompts looked up by their bytes (O(S) per step)."""
+        donors: dict[bytes, int] = {}  # a prompt -> a sequence holding its pages
+        first: dict[bytes, int] = {}   # a prompt -> the first sequence added with it
+        unencoded = []
         for seq, s in self._seqs.items():
-            if s.state is not _State.INPUT or s.cached or s.prompt is None or len(s.prompt) < 2:
+            if s.prompt is None or s.prompt_len < 2:
                 continue
-            donor = next((key for key, other in self._seqs.items() if key != seq and other.prompt == s.prompt
-                          and other.cached >= len(s.prompt) - 1), None)
+            first.setdefault(s.prompt, seq)
+            if s.cached >= s.prompt_len - 1:
+                donors.setdefault(s.prompt, seq)
+            elif not s.cached and s.state is _State.INPUT:
+                unencoded.append((seq, s))
+        waiting = set()
+        for seq, s in unencoded:
+            donor = donors.get(s.prompt)
             if donor is not None:
-                self._share(seq, donor, len(s.prompt) - 1)
-                self.counts.shared_prompt_tokens += len(s.prompt) - 1
+                self._share(seq, donor, s.prompt_len - 1)
+                self.counts.shared_prompt_tokens += s.prompt_len - 1
+            elif first[s.prompt] != seq:
+                waiting.add(seq)
+        return waiting
 
     def _batch(self, chosen: list[tuple[int, int, int]]) -> StepBatch:
         cfg = self.config
@@ -357,16 +359,17 @@ class Engine:
         """Takes a step's samples into the sequences; returns the turns that ended."""
         self.counts.sample_slots += self.config.max_seqs * int(np.max(result.n_s, initial=0))
         sampled: list[tuple[int, list[int]]] = []
+        n_s, tokens_sc, logps_sc = result.n_s.tolist(), result.tokens_sc.tolist(), result.logps_sc.tolist()
         for row, (seq, chunk, samples) in enumerate(chosen):
             s = self._seqs[seq]
             s.cached += chunk
             if not samples:
                 self.pages.truncate(seq, s.cached)
                 continue
-            n = int(result.n_s[row])
-            new = [int(t) for t in result.tokens_sc[row, :n]]
+            n = n_s[row]
+            new = tokens_sc[row][:n]
             s.tokens += new
-            s.turn_logps += [float(x) for x in result.logps_sc[row, :n]]
+            s.turn_logps += logps_sc[row][:n]
             s.sampled += n
             s.budget -= n
             s.cached += n - 1  # every sample but the last was written by the call's decode steps

@@ -48,7 +48,7 @@ class PageTable:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"PageTable: needs at least 2 pages of at least 1 slot, got {num_pages} x {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
-        self._refs = np.zeros(num_pages, np.int32)
+        self._refs = [0] * num_pages  # a Python list: the host reads it one page at a time
         self._free = list(range(num_pages - 1, PADDING_PAGE, -1))  # popped from the end: page 1 first
         self._pages: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
@@ -85,7 +85,8 @@ class PageTable:
                              f"{self._lengths[source]}")
         self.add(seq)
         pages = self._pages[source][:self.pages_for(length)]
-        self._refs[pages] += 1
+        for page in pages:
+            self._refs[page] += 1
         self._pages[seq], self._lengths[seq] = list(pages), length
 
     def pages_to_write(self, seq: int, end: int) -> int:

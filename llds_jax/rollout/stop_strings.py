@@ -52,7 +52,7 @@ class StopMatcher:
     """Per-sequence incremental stop-string matching (see the module docstring).
 
     Args:
-      tokenizer: a Hugging Face tokenizer (`batch_decode`).
+      tokenizer: a Hugging Face tokenizer (`batch_decode`, or its Rust `backend_tokenizer`'s `decode_batch`).
       stop_strings: the strings that end a turn (none may hold U+FFFD).
     """
 
@@ -60,6 +60,7 @@ class StopMatcher:
         if not stop_strings or any(not s or HELD in s for s in stop_strings):
             raise ValueError(f"StopMatcher: stop strings must be non-empty and hold no U+FFFD, got {stop_strings!r}")
         self._tokenizer, self._stops = tokenizer, tuple(stop_strings)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._keep = max(map(len, self._stops)) - 1  # characters of earlier text a new stop string may start in
         self._turns: dict[Hashable, _Turn] = {}
 
@@ -95,6 +96,11 @@ class StopMatcher:
         return [turn.finished for turn in turns]
 
     def _decode(self, windows: list[list[int]]) -> list[str]:
+        """`batch_decode(windows, skip_special_tokens=True, clean_up_tokenization_spaces=False)`; for a tokenizer
+        with a Rust backend, that backend's own batch decode (what transformers' decode calls for each window without
+        the clean-up, minus its per-id Python conversions)."""
+        if self._backend is not None:
+            return self._backend.decode_batch(windows, skip_special_tokens=True)
         return self._tokenizer.batch_decode(windows, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _probe(self, turn: _Turn, since_clean: str) -> None:
