@@ -142,10 +142,7 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: 
 
 def _run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """`run` for the modes that load the model, under the command's PreemptionGuard."""
-    import jax
-
     from llds_jax.runtime import distributed
-    from llds_jax.train import run_builder
 
     gcs.check_buckets(gcs_paths(cfg, export_dir))  # seconds, where the GCS clients would retry for minutes
 
@@ -155,7 +152,6 @@ def _run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     guard.reinstall()  # over the SIGTERM handler of jax.distributed's preemption notifier
     if cfg.compilation_cache_dir:  # before the first program compiles
         _use_compilation_cache(cfg.compilation_cache_dir)
-    run_builder.check_pool(cfg, jax.process_count())  # with the host count known, before anything heavy
     with contextlib.ExitStack() as stack:
         if distributed.is_main_process():  # before anything heavy: one writer per run folder, and writable
             _claim_outputs(stack, cfg, mode, export_dir)

@@ -342,7 +342,7 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
                 extend(seq) if turn[seq] < len(convs[seq].turn_tokens) else end(seq)
             if cut():
                 break
-            while queue and engine.can_admit():
+            while queue and engine.can_admit(starts[queue[0]]):
                 admit(queue.popleft())
             in_flight = max(in_flight, engine.in_flight)
             if engine.running:

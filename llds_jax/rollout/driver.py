@@ -199,7 +199,7 @@ class Driver:
             self._apply_ready(release=True)
             if self._cut():
                 return
-            while queue and self.engine.can_admit():
+            while queue and self.engine.can_admit(self._context_tokens(queue[0])):
                 seq = queue.popleft()
                 self._admit(seq, keys[seq])
             if self.engine.running:
@@ -306,6 +306,14 @@ class Driver:
             self.engine.add_request(seq, carried.context_ids, np.asarray(carried.key_data, np.uint32), budget,
                                     sampled=carried.sampled)
             self._in_engine.add(seq)
+
+    def _context_tokens(self, seq: int) -> int:
+        """Tokens examples[seq] brings to the engine when admitted: its carried context, or its prompt (0: a carried
+        conversation that had finished, which never enters)."""
+        if seq in self.convs:
+            return 0
+        carried = self._carried.get(seq)
+        return len(carried.context_ids) if carried is not None else self.agent_steps.prompt_len(self.examples[seq])
 
     def _resumed_conversation(self, seq: int, carried: CarriedConversation) -> Conversation:
         """The driver's record of a carried conversation at position seq."""

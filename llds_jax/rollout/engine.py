@@ -6,28 +6,38 @@
                                               encoded again: the new sequence shares its pages (a GRPO group).
                                               `sampled`: tokens the conversation sampled before (a conversation
                                               resumed from its tokens, `rollout.partial`: its KV is recomputed,
-                                              its PRNG stream goes on at fold_in(key, sampled)). Refused
-                                              (as a fork is) when the pool cannot hold one more sequence at
-                                              max_context beside those in flight (`can_admit`).
+                                              its PRNG stream goes on at fold_in(key, sampled)). It takes
+                                              pages as it writes (`can_admit` says whether the pool has room).
   step()                                      one device call (`StepRunner.run`): the pending tokens of the
                                               sequences in flight (a decoding sequence's last sampled token,
                                               prompt and observation chunks up to the token budget), then up to
                                               `decode_chunk` samples of every sequence whose input is all in.
                                               Returns the turns that ended: on a stop id, at the turn's budget, or
                                               once the turn's text holds a stop string (`StopMatcher`, fed only the
-                                              new tokens). A step that can schedule nothing while sequences run
-                                              raises, naming the pool's and the sequences' state.
+                                              new tokens). When a sequence needs a page and none is free, the
+                                              most recently admitted sequence is preempted (below).
   extend(seq, keep, observation_ids, budget)  after an ended turn: keeps the turn's first `keep` tokens (the rest is
                                               rolled back), appends the observation, starts the next turn.
   fork(seq, source, at_turn, key, budget)     a new sequence whose context is `source`'s at the start of its turn
-                                              `at_turn` (a tree's node): a page table, at most one page copied.
+                                              `at_turn` (a tree's node): a page table, at most one page copied
+                                              (its context encoded again if `source` was preempted).
   finish(seq)                                 the sequence leaves; its pages go back to the pool.
   update_params(params)                       the policy for the next steps.
+
+Pages by use, preemption by recompute. A sequence holds the pages of the tokens it has written, no more: admission
+(`can_admit`) asks only that the free pages cover the context every admitted sequence has yet to write, the new one's
+and a watermark (WATERMARK of the pool), and that no preempted sequence waits. When a step cannot give a decoding
+sequence the pages of its next tokens (or can schedule nothing at all), the most recently admitted sequence that
+holds pages is preempted: its pages go back to the pool and its tokens stay on the host; it re-encodes its whole
+context when it is scheduled again (with its group's shared prompt pages when a sample holds them) and samples on
+from where it stopped. Each preemption counts in `EngineCounts.preemptions`. A pool that holds one sequence at
+max_context (EngineConfig's check) always makes progress: the oldest sequence is never preempted for a younger one.
 
 Exactness. Sequence s samples its n-th token (n counting every token it sampled, rolled-back ones included) with
 the PRNG key fold_in(key_s, n), and each turn is sampled in calls of `decode_chunk` tokens from its own start, the
 stop strings checked after each call: the tokens a sequence samples do not depend on which other sequences share
-its steps, nor on the scheduling policy. A sequence's K/V written in its pages are those of a full forward of its
+its steps, nor on the scheduling policy, nor on preemption (a preempted decoding sequence stops between calls, so its
+turn's calls stay aligned to the turn's start). A sequence's K/V written in its pages are those of a full forward of its
 tokens, so the logits are a full forward's up to float rounding.
 
 The device side is a `StepRunner`: `llds_jax.rollout.runner` runs the model; tests run scripted ones.
@@ -48,6 +58,8 @@ from llds_jax.rollout.interfaces import SampledTurn, StopMatcher
 from llds_jax.config.sections import pool_pages
 from llds_jax.rollout.pages import PageCopy, PageTable
 from llds_jax.rollout.stats import EngineCounts
+
+WATERMARK = 0.01  # the share of the pool's pages that admission leaves free for the sequences' growth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +139,6 @@ class EngineConfig:
     def pages_per_seq(self) -> int:
         return -(-self.max_context // self.page_size)
 
-    def holds(self, sequences: int) -> bool:
-        """Whether the pool holds `sequences` sequences at max_context beside the padding page (the worst case
-        every admission reserves)."""
-        return pool_pages(sequences, self.max_context, self.page_size) <= self.num_pages
-
     @property
     def max_copies(self) -> int:
         """Page copies one step can make: one per sequence (the page its write starts in)."""
@@ -141,7 +148,7 @@ class EngineConfig:
         if list(self.token_budgets) != sorted(set(self.token_budgets)) or self.token_budgets[-1] < self.max_seqs:
             raise ValueError(f"EngineConfig: token_budgets {self.token_budgets} must ascend and reach max_seqs "
                              f"{self.max_seqs}")
-        if not self.holds(1):
+        if pool_pages(1, self.max_context, self.page_size) > self.num_pages:
             raise ValueError(f"EngineConfig: num_pages {self.num_pages} cannot hold one sequence of max_context "
                              f"{self.max_context}: it needs {self.pages_per_seq + 1} ({self.pages_per_seq} pages of "
                              f"{self.page_size} slots and the padding page)")
@@ -165,6 +172,7 @@ class _Sequence:
     turn_logps: list[float] = dataclasses.field(default_factory=list)
     prompt: Optional[bytes] = None  # its prompt's ids as bytes (None for a fork): others with it share its pages
     prompt_len: int = 0
+    order: int = 0            # admission order: the most recent is preempted first
 
     @property
     def turn_start(self) -> int:
@@ -188,6 +196,9 @@ class Engine:
         self.counts = EngineCounts()
         self._seqs: dict[int, _Sequence] = {}
         self._stop_ids = frozenset(config.stop_ids)
+        self._admitted = 0  # sequences admitted so far (each one's `order`)
+        self._preempted: set[int] = set()  # preempted sequences not scheduled again yet
+        self._watermark = max(1, round(WATERMARK * (config.num_pages - 1)))
 
     # The protocol (rollout.interfaces.Engine).
 
@@ -201,9 +212,14 @@ class Engine:
         """Sequences holding a slot (ended ones included, until extended or finished)."""
         return len(self._seqs)
 
-    def can_admit(self) -> bool:
-        """Whether one more sequence fits: a free slot and its worst-case pages beside every other sequence's."""
-        return len(self._seqs) < self.config.max_seqs and self.config.holds(len(self._seqs) + 1)
+    def can_admit(self, context_tokens: int) -> bool:
+        """Whether a sequence of `context_tokens` tokens to encode may enter now: a free slot, no preempted sequence
+        waiting to come back, and free pages for the context every sequence in flight has yet to write, this one's
+        and the watermark."""
+        if len(self._seqs) == self.config.max_seqs or self._preempted:
+            return False
+        owed = sum(max(0, self.pages.pages_for(len(s.tokens)) - self.pages.held(seq)) for seq, s in self._seqs.items())
+        return owed + self.pages.pages_for(context_tokens) + self._watermark <= self.pages.free_pages
 
     def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: np.ndarray, budget: int,
                     sampled: int = 0) -> None:
@@ -211,7 +227,7 @@ class Engine:
         state = _Sequence(list(prompt_ids), np.asarray(key_data, np.uint32).reshape(2), budget, sampled=sampled,
                           prompt=np.asarray(prompt_ids, np.int64).tobytes(), prompt_len=len(prompt_ids))
         state.turn_starts.append(len(state.tokens))
-        self._seqs[seq] = state
+        self._enter(seq, state)
         self.pages.add(seq)
         self._reset_matcher(seq)
 
@@ -237,17 +253,18 @@ class Engine:
         parent = self._seqs[source]
         length = parent.turn_starts[at_turn]
         self._check_new(seq, budget, length)
-        if parent.cached < length - 1:
-            raise ValueError(f"Engine.fork: sequence {source} has encoded {parent.cached} tokens, not the "
-                             f"{length - 1} before its turn {at_turn}")
         state = _Sequence(parent.tokens[:length], np.asarray(key_data, np.uint32).reshape(2), budget,
                           turn_starts=parent.turn_starts[:at_turn + 1])
-        self._seqs[seq] = state
-        self._share(seq, source, length - 1)
+        self._enter(seq, state)
+        if parent.cached >= length - 1:
+            self._share(seq, source, length - 1)
+        else:  # the parent was preempted: the fork encodes its context itself
+            self.pages.add(seq)
         self._reset_matcher(seq)
 
     def finish(self, seq: int) -> None:
         del self._seqs[seq]
+        self._preempted.discard(seq)
         self.pages.free(seq)
         if self.stop_matcher is not None:
             self.stop_matcher.forget(seq)
@@ -261,8 +278,7 @@ class Engine:
 
     def step(self) -> list[tuple[int, SampledTurn]]:
         """One device call; returns (sequence, its turn) for the turns that ended in it, in sequence order."""
-        waiting = self._take_shared_prompts()
-        chosen = self._schedule(waiting)
+        chosen = self._schedule()
         if not chosen:
             if self.running:
                 raise RuntimeError(f"Engine.step: nothing can be scheduled while {self.running} sequences run "
@@ -276,12 +292,31 @@ class Engine:
 
     # Scheduling.
 
-    def _schedule(self, waiting: set[int]) -> list[tuple[int, int, int]]:
-        """(sequence, tokens written, samples) of the next step: every decoding sequence's pending token, then
-        input chunks in sequence order while the token budget, the slots and the pool allow; the sequences in
-        `waiting` wait for another's prompt pages (`_take_shared_prompts`)."""
+    def _schedule(self) -> list[tuple[int, int, int]]:
+        """(sequence, tokens written, samples) of the next step (`_plan`), preempting sequences (`_victim`) while a
+        decoding sequence cannot have the pages of its next tokens, or while nothing at all can be scheduled. Each
+        preemption leaves one sequence fewer holding pages, so the loop ends."""
+        waiting = self._take_shared_prompts()  # once: a sequence preempted below shares nothing again this step
+        while True:
+            chosen, blocked = self._plan(waiting)
+            decoding = [seq for seq in blocked if self._seqs[seq].state is _State.DECODE]
+            if not decoding and (chosen or not blocked):
+                break
+            short = min(decoding or blocked, key=lambda seq: self._seqs[seq].order)
+            victim = self._victim(short, progressing=bool(chosen))
+            if victim is None:
+                break
+            self._preempt(victim)
+        for seq, _, _ in chosen:
+            self._preempted.discard(seq)
+        return chosen
+
+    def _plan(self, waiting: set[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """(the step's (sequence, tokens written, samples): every decoding sequence's pending token, then input
+        chunks in sequence order while the token budget, the slots and the pool allow; the sequences that could
+        not have their pages). The sequences in `waiting` wait for another's prompt pages (`_take_shared_prompts`)."""
         cfg = self.config
-        budget, chosen, pages_left = cfg.token_budgets[-1], [], self.pages.free_pages
+        budget, chosen, blocked, pages_left = cfg.token_budgets[-1], [], [], self.pages.free_pages
         order = sorted(self._seqs.items(), key=lambda item: (item[1].state is not _State.DECODE, item[0]))
         for seq, s in order:
             if s.state is _State.ENDED or len(chosen) == cfg.max_seqs or budget == 0 or seq in waiting:
@@ -292,11 +327,38 @@ class Engine:
             end = s.cached + chunk + max(samples - 1, 0)
             needed = self.pages.pages_to_write(seq, end)
             if needed > pages_left:
+                blocked.append(seq)
                 continue
             pages_left -= needed
             budget -= chunk
             chosen.append((seq, chunk, samples))
-        return chosen
+        return chosen, blocked
+
+    def _victim(self, short: int, progressing: bool) -> Optional[int]:
+        """The sequence to preempt for `short`, which cannot have its pages: the most recently admitted sequence
+        holding pages that entered after it; else `short` itself when others progress; else (nothing can be
+        scheduled) the most recently admitted one whose turn has ended. None: nothing holds pages to give."""
+        holders = [(s.order, seq) for seq, s in self._seqs.items() if seq != short and self.pages.held(seq)]
+        younger = [(order, seq) for order, seq in holders if order > self._seqs[short].order]
+        if younger:
+            return max(younger)[1]
+        if not progressing:
+            ended = [(order, seq) for order, seq in holders if self._seqs[seq].state is _State.ENDED]
+            if ended:
+                return max(ended)[1]
+        return short if self.pages.held(short) else None
+
+    def _preempt(self, seq: int) -> None:
+        """Gives back every page of `seq`; its tokens stay, to be encoded again when it is next scheduled (a decoding
+        sequence samples on after them; an ended one waits for extend or finish as before)."""
+        s = self._seqs[seq]
+        self.pages.free(seq)
+        self.pages.add(seq)
+        s.cached = 0
+        if s.state is _State.DECODE:
+            s.state = _State.INPUT
+        self._preempted.add(seq)
+        self.counts.preemptions += 1
 
     def _take_shared_prompts(self) -> set[int]:
         """Unencoded sequences whose prompt another sequence has encoded take its pages (all but the last prompt
@@ -304,16 +366,17 @@ class Engine:
         one added before them with the same prompt, which has not encoded it yet: they take its pages once it has.
         One pass over the sequences, the prompts looked up by their bytes (O(S) per step)."""
         donors: dict[bytes, int] = {}  # a prompt -> a sequence holding its pages
-        first: dict[bytes, int] = {}   # a prompt -> the first sequence added with it
+        first: dict[bytes, int] = {}   # a prompt -> the first sequence added with it that will encode it
         unencoded = []
         for seq, s in self._seqs.items():
             if s.prompt is None or s.prompt_len < 2:
                 continue
-            first.setdefault(s.prompt, seq)
             if s.cached >= s.prompt_len - 1:
                 donors.setdefault(s.prompt, seq)
-            elif not s.cached and s.state is _State.INPUT:
-                unencoded.append((seq, s))
+            elif s.state is _State.INPUT:  # (an ended sequence without it was preempted: it encodes nothing now)
+                first.setdefault(s.prompt, seq)
+                if not s.cached:
+                    unencoded.append((seq, s))
         waiting = set()
         for seq, s in unencoded:
             donor = donors.get(s.prompt)
@@ -396,11 +459,6 @@ class Engine:
         cfg = self.config
         if len(self._seqs) == cfg.max_seqs:
             raise ValueError(f"Engine: all {cfg.max_seqs} sequence slots are taken")
-        if not cfg.holds(len(self._seqs) + 1):
-            raise ValueError(f"Engine: sequence {seq} does not fit: the pool's {cfg.num_pages} pages hold "
-                             f"{(cfg.num_pages - 1) // cfg.pages_per_seq} sequences at max_context {cfg.max_context} "
-                             f"({cfg.pages_per_seq} pages of {cfg.page_size} slots each, and the padding page), and "
-                             f"{len(self._seqs)} are in flight")
         if length < 1 or budget < 1 or length + budget > cfg.max_context:
             raise ValueError(f"Engine: sequence {seq}: {length} context tokens + a turn of {budget} exceed the "
                              f"engine's {cfg.max_context}")
@@ -408,8 +466,14 @@ class Engine:
     def _state(self) -> str:
         """The pool and each sequence in flight: its state, tokens cached of its context, pages held."""
         seqs = "; ".join(f"sequence {seq} {s.state.value} {s.cached}/{len(s.tokens)} tokens cached, "
-                         f"{len(self.pages.pages(seq))} pages" for seq, s in self._seqs.items())
+                         f"{self.pages.held(seq)} pages" for seq, s in self._seqs.items())
         return f"{self.pages.free_pages} of {self.config.num_pages} pages free; {seqs}"
+
+    def _enter(self, seq: int, state: _Sequence) -> None:
+        """A new sequence in flight, the most recently admitted."""
+        state.order = self._admitted
+        self._admitted += 1
+        self._seqs[seq] = state
 
     def _share(self, seq: int, source: int, length: int) -> None:
         if seq in self.pages:

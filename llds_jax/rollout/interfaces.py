@@ -39,8 +39,8 @@ class Engine(Protocol):
         """Sequences whose turn has not ended."""
         ...
 
-    def can_admit(self) -> bool:
-        """Whether one more sequence fits now."""
+    def can_admit(self, context_tokens: int) -> bool:
+        """Whether one more sequence, of `context_tokens` tokens to encode, may enter now."""
         ...
 
     def add_request(self, seq: int, prompt_ids: Sequence[int], key_data: Any, budget: int, sampled: int = 0) -> None:

@@ -68,6 +68,10 @@ class PageTable:
         """The sequence's page table (a copy)."""
         return list(self._pages[seq])
 
+    def held(self, seq: int) -> int:
+        """Pages the sequence holds."""
+        return len(self._pages[seq])
+
     def length(self, seq: int) -> int:
         """Slots the sequence holds (written, or readied by `write`)."""
         return self._lengths[seq]

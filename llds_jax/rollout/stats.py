@@ -45,6 +45,7 @@ class EngineCounts:
       page_copies: pages copied on write.
       shared_prompt_tokens: prompt tokens a sequence took from another's pages instead of encoding them.
       device_s: seconds in the runner's calls (the device's work and its dispatch).
+      preemptions: sequences whose pages were taken back for another's (re-encoded when scheduled again).
     """
 
     calls: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -54,6 +55,7 @@ class EngineCounts:
     page_copies: int = 0
     shared_prompt_tokens: int = 0
     device_s: float = 0.0
+    preemptions: int = 0
 
 
 @dataclasses.dataclass

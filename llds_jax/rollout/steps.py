@@ -85,6 +85,10 @@ class AgentSteps:
         self.stats.prompts_cut += bool(cut)
         return Conversation(list(prompt_ids), lineage)
 
+    def prompt_len(self, example: QAExample) -> int:
+        """Tokens of `example`'s prompt (fitted once per rollout, as `conversation` takes it; nothing counted)."""
+        return len(self._prompt(example.question)[0])
+
     def _prompt(self, question: str) -> tuple[tuple[int, ...], int]:
         """`protocol.fit_prompt` of `question` (its prompt's token ids, the question's tokens cut), fitted once per
         rollout: a group's samples and any repeat of the question share the fit (fitting an over-long question

@@ -60,7 +60,7 @@ class ScriptedTurnEngine:
     def running(self) -> int:
         return sum(not t.ended for t in self.turns.values())
 
-    def can_admit(self) -> bool:
+    def can_admit(self, context_tokens: int) -> bool:
         return True
 
     def _script(self, seq: int) -> list:

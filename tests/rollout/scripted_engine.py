@@ -34,7 +34,7 @@ class ScriptedEngine:
     def running(self) -> int:
         return sum(not s.ended for s in self.seqs.values())
 
-    def can_admit(self) -> bool:
+    def can_admit(self, context_tokens: int) -> bool:
         return len(self.seqs) < self.slots
 
     def _begin(self, seq: int) -> None:

@@ -211,7 +211,50 @@ def test_finish_and_roll_back_give_every_page_back():
     conversations(engine, PLAN, turns=2)
     for seq in PLAN:
         engine.finish(seq)
-    assert engine.pages.free_pages == 127 and engine.running == 0 and engine.can_admit()
+    assert engine.pages.free_pages == 127 and engine.running == 0 and engine.can_admit(64)
+
+
+@pytest.mark.parametrize("num_pages", [17, 20, 26])
+def test_turns_through_a_pool_small_enough_to_preempt_equal_sampling_from_the_true_context(num_pages):
+    # 17 pages of 4 slots hold one sequence at max_context 64 beside the padding page: every sequence is preempted
+    # (its pages given back, its context encoded again later) while another needs pages.
+    engine, runner = make(max_seqs=6, budgets=(6, 12, 32), page_size=4, num_pages=num_pages)
+    assert conversations(engine, PLAN) == reference(PLAN)
+    assert engine.counts.preemptions > 0
+    for seq in PLAN:
+        engine.finish(seq)
+    assert engine.pages.free_pages == num_pages - 1  # no page lost to a preemption
+
+
+def test_a_fork_of_a_preempted_parent_encodes_the_parents_context_and_samples_as_from_it():
+    engine, _ = make(max_seqs=4, page_size=4, num_pages=17)
+    turns = conversations(engine, {0: list(range(1, 11))}, turns=2)  # sequence 0 ends turn 1 holding its pages
+    parent = engine.context(0)
+    engine.add_request(1, list(range(100, 160)), key(1), 4)  # 60 tokens: 15 of the 16 free pages and more
+    run_until_ended(engine)  # nothing else can run: the ended sequence 0 is preempted for sequence 1
+    assert engine.counts.preemptions == 1 and engine.pages.held(0) == 0
+    engine.finish(1)
+    start = len(parent) - len(turns[0][1])  # turn 1 began after the prompt, half of turn 0 and an observation
+    engine.fork(9, 0, 1, key(9), 6)
+    forked = run_until_ended(engine)[9]
+    assert engine.context(9)[:start] == parent[:start]
+    ref = Reference()
+    ref.add(9, parent[:start], key(9))
+    assert list(forked.token_ids) == ref.turn(9, 6, 3, lambda toks: 7 in toks)
+
+
+def test_admission_takes_what_sequences_still_have_to_write_and_waits_for_preempted_ones():
+    engine, _ = make(max_seqs=6, page_size=4, num_pages=33)  # 32 pages to hand out; the watermark keeps 1
+    assert engine.can_admit(31 * 4) and not engine.can_admit(31 * 4 + 1)
+    engine.add_request(0, list(range(1, 61)), key(0), 4)  # owes 15 pages before it has written a token
+    assert engine.can_admit(16 * 4) and not engine.can_admit(16 * 4 + 1)
+    engine.add_request(1, list(range(1, 61)), key(1), 4)
+    run_until_ended(engine)  # the two share the prompt's pages
+    assert engine.counts.preemptions == 0 and engine.counts.shared_prompt_tokens == 59
+    engine.add_request(2, list(range(200, 261)), key(2), 3)
+    engine.add_request(3, list(range(300, 361)), key(3), 3)
+    run_until_ended(engine)  # 2 and 3 cannot both be held beside 0 and 1: the younger is preempted
+    assert engine.counts.preemptions >= 1 and not engine.can_admit(1)  # and is waiting to come back
 
 
 def test_errors_name_the_problem():
