@@ -20,10 +20,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from llds_jax import config as config_lib
+from llds_jax.config import ConfigError
+from llds_jax.config.sections import pool_pages
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, from_hf_config, hf_io, preset, run_overrides
 from llds_jax.rl.train_step import RLTrainStep
-from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import RolloutLayout, make_layout
 from llds_jax.rollout.engine import EngineConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
@@ -100,11 +102,13 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
     typed_cfg = config_lib.typed(cfg)
     step = RLTrainStep(model, typed_cfg.objective, typed_cfg.optim, layout.mesh)
     graphdef = layout.rollout.graphdef(nnx.split(model)[0])
+    check_pool(cfg, jax.process_count())
     shapes = rollout_shapes(cfg, jax.process_count(), stop_ids)
     largest = max((engine for _, engine in shapes), key=lambda engine: engine.num_pages)
     pool = PagePool(pool_shape(layout.rollout.model_cfg, largest, layout.rollout.mesh))  # shared: never run at once
+    tiles = KernelTiles.of(typed_cfg.rollout)
     return RunParts(step, *[PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine, layout.rollout.mesh,
-                                         pool) for sampling, engine in shapes])
+                                         pool, tiles) for sampling, engine in shapes])
 
 
 def rollout_shapes(cfg: ml_collections.ConfigDict, process_count: int, stop_ids: tuple[int, ...] = ()
@@ -125,3 +129,26 @@ def rollout_shapes(cfg: ml_collections.ConfigDict, process_count: int, stop_ids:
                                                paging.num_pages)))
     return shapes
 
+
+def check_pool(cfg: ml_collections.ConfigDict, process_count: int) -> None:
+    """Raises ConfigError naming rollout.num_pages when the pool cannot hold what a host's rollouts admit at once:
+    the barrier and tree policies admit a whole session (every slot of the training rollout's engine or of the
+    evaluation's, which share the pool) at its worst case, rollout.max_context_tokens each; the continuous policy
+    admits what fits (the pool must hold one sequence: `RolloutConfig`)."""
+    r = cfg.rollout
+    if not r.num_pages or r.continuous_batching:
+        return
+    (_, train), (_, evaluation) = rollout_shapes(cfg, process_count)
+    over_sampling = " x rollout.over_sampling" if r.partial else ""
+    sessions = [(train, "training rollout", "tree" if r.trees else "barrier",
+                 f"a host's data.prompts_per_step{over_sampling} x data.samples_per_prompt"),
+                (evaluation, "evaluation", "barrier", "eval.batch_size")]
+    engine, what, policy, source = max(sessions, key=lambda session: session[0].max_seqs)
+    need = pool_pages(engine.max_seqs, engine.max_context, engine.page_size)
+    if r.num_pages < need:
+        source = "rollout.max_batch_size" if r.max_batch_size == engine.max_seqs else source
+        raise ConfigError(f"rollout.num_pages ({r.num_pages}) cannot hold a session of the {policy} policy: the "
+                          f"{what}'s {engine.max_seqs} sequences ({source}) at rollout.max_context_tokens "
+                          f"({r.max_context_tokens}) need {engine.max_seqs} x {engine.pages_per_seq} pages of "
+                          f"rollout.page_size {r.page_size} slots and the padding page, at least {need} (0: sized to "
+                          "fit; or rollout.continuous_batching, which admits what fits)")
