@@ -69,8 +69,15 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
 
 
 def provided_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
-    """With `demo.enabled`, the demo points model.path at its generated policy."""
-    return ("model.path",) if cfg.demo.enabled else ()
+    """With `demo.enabled`, the demo points model.path at its generated policy, the data files and the retriever
+    (the section) at its world, and the warm start's empty file lists at its demonstrations (llds_jax.apps.demo
+    `prepare`)."""
+    if not cfg.demo.enabled:
+        return ()
+    sft = cfg.sft
+    return ("model.path", "data.train_files", "data.eval_files", "retriever",
+            *(("sft.data_files",) if sft.enabled and not sft.data_files else ()),
+            *(("sft.curriculum_files",) if sft.enabled and sft.curriculum_steps and not sft.curriculum_files else ()))
 
 
 def paths(cfg: ml_collections.ConfigDict) -> dict[str, str]:
