@@ -48,8 +48,8 @@ class DemoConfig(bounds.Section):
                                                          "(model.initializer_range)")
     retriever: str = field("bm25", choices=DEMO_RETRIEVERS, doc="BM25 over the world, or its e5 Flat index searched "
                                                                 "on the devices (e5_device)")
-    encoder_path: str = field("", doc="e5 folder of demo.retriever e5_device (\"\": a small random BERT, needs "
-                                      "torch)")
+    encoder_path: str = field("", doc="e5 folder of demo.retriever e5_device (\"\": a small random BERT, "
+                                      "written into the assets)")
 
 
 def section() -> ml_collections.ConfigDict:
