@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import ml_collections
+from ml_collections import config_dict
 
 from llds_jax import bounds
 from llds_jax import config as config_lib
@@ -50,6 +51,18 @@ class DemoConfig(bounds.Section):
                                                                 "on the devices (e5_device)")
     encoder_path: str = field("", doc="e5 folder of demo.retriever e5_device (\"\": a small random BERT, "
                                       "written into the assets)")
+
+
+def per_retriever(c: ml_collections.ConfigDict, path: str) -> config_dict.FieldReference:
+    """`path` for the BM25 demo, `<path>_<demo.retriever>` for another retriever, as a value ml_collections
+    computes when it is read: a variant given on the command line (`--config.demo.retriever=e5_device`) gets
+    folders of its own and never writes into the BM25 demo's (issue 66); a key set itself (`--config.run_dir=...`)
+    keeps what it is set to."""
+    return c.demo.get_ref("retriever")._apply_op(_variant_path, path)
+
+
+def _variant_path(retriever: str, path: str) -> str:
+    return path if retriever == "bm25" else f"{path}_{retriever}"
 
 
 def section() -> ml_collections.ConfigDict:
