@@ -72,9 +72,9 @@ def test_the_e5_demo_after_the_bm25_demo_leaves_its_results_byte_identical(tmp_p
     e5 = launch(tmp_path, "demo_cpu.py", *SMALL, "--config.demo.retriever=e5_device",
                 "--config.demo.assets_dir=runs/demo_world_e5", launcher="tests.reliability.without_torch")
     assert e5.returncode == 0, e5.stderr[-4000:]
-    assert "warm start: done in" in e5.stdout and "run folder runs/demo_cpu_e5_device" in e5.stdout
     after = digests(tmp_path / "runs")
     assert {path: digest for path, digest in after.items() if path in bm25} == bm25
+    assert "warm start: done in" in e5.stdout and "run folder runs/demo_cpu_e5_device" in e5.stdout
     assert sorted({path.split("/")[0] for path in after}) == ["demo_cpu", "demo_cpu_e5_device", "demo_world",
                                                               "demo_world_e5"]
     assert os.path.exists(tmp_path / "runs" / "demo_world_e5" / "warm_start" / "warm_start.json")
