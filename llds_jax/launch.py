@@ -70,9 +70,9 @@ _ESTIMATE_FROM = flags.DEFINE_string("estimate_from", "", "Run folder whose logg
 EXIT_BAD_INPUT = 2
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull")
 LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.runtime.lease)
-# What a run writes into its folder: one of them marks a folder written before the output marker existed.
-RUN_FOLDER_ENTRIES = frozenset({"checkpoints", "metrics.jsonl", "tensorboard", "eval", "assets", "warm_start", "report",
-                                LEASE_FILE})
+# What a run writes into its folder (with the default demo.assets_dir and sft.output_dir, and the report's folder).
+RUN_FOLDER_ENTRIES = frozenset({"config.json", "checkpoints", "metrics.jsonl", "tensorboard", "eval", "assets",
+                                "warm_start", "report", LEASE_FILE})
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -174,20 +174,44 @@ def _use_compilation_cache(path: str) -> None:
 
 def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str) -> None:
     """Training holds the run folder's lease (llds_jax.runtime.lease: a second run on it stops with one line naming the
-    holder) until `stack` closes; eval checks that the run folder is writable, export that --export_dir is. An
-    existing local run folder of files the project did not write is refused first (llds_jax.runtime.output_folder)."""
+    holder) until `stack` closes; eval checks that the run folder is writable, export that --export_dir is. First,
+    before anything loads, a local run folder or --export_dir that is not provably the project's, or a run folder
+    whose run trained on other settings (llds_jax.train.run_config.trained_on), is refused in one line with nothing
+    in it written (llds_jax.runtime.output_folder)."""
     from llds_jax.runtime import lease, output_folder
+    from llds_jax.train import run_config
 
-    if mode in ("train", "eval") and not gcs.is_gcs(cfg.run_dir) and os.path.isdir(cfg.run_dir):
-        output_folder.claim(cfg.run_dir, f"run_dir {cfg.run_dir}", "run folder",
-                            legacy=lambda entries: bool(RUN_FOLDER_ENTRIES & set(entries)))
+    if mode in ("train", "eval") and not gcs.is_gcs(cfg.run_dir):
+        spec = run_config.trained_on(run_config.as_json(cfg), cfg)
+        output_folder.claim(cfg.run_dir, "run_dir", _run_folder(cfg), spec)
     if mode == "train":
         stack.enter_context(lease.Lease(epath.Path(cfg.run_dir) / LEASE_FILE, what=f"run_dir {cfg.run_dir}",
                                         timeout_s=cfg.train.storage_timeout_s))
     elif mode == "eval":
         lease.check_writable(cfg.run_dir, f"run_dir {cfg.run_dir}")
-    elif mode == "export" and export_dir:
-        lease.check_writable(export_dir, f"--export_dir {export_dir}")
+    elif mode == "export" and export_dir:  # none: _export says so
+        if gcs.is_gcs(export_dir):
+            lease.check_writable(export_dir, f"--export_dir {export_dir}")
+        else:
+            output_folder.claim(export_dir, "--export_dir", output_folder.Kind("export"))
+
+
+def _run_folder(cfg):
+    """The run folder's `output_folder.Kind` for a run of `cfg`: a folder of an older version (before the marker)
+    is proven by its config.json, a run config of the project's, beside entries a run writes; the run it holds
+    trained on what that config.json says."""
+    from llds_jax.runtime import output_folder
+    from llds_jax.train import run_config
+
+    def recorded(run_dir: str) -> dict | None:
+        config = run_config.recorded_config(run_dir)
+        return None if config is None else run_config.trained_on(config, cfg)
+
+    return output_folder.Kind(
+        "run folder", recorded=recorded,
+        strangers=output_folder.proven_by(
+            lambda run_dir: run_config.recorded_config(run_dir) is not None,
+            lambda entry: entry in RUN_FOLDER_ENTRIES or run_config.is_before_file(entry)))
 
 
 def _load_and_run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
