@@ -144,7 +144,8 @@ class RolloutConfig(bounds.Section):
     max_turns: int = field(3, NON_NEGATIVE, doc="turns whose search is executed; one final turn (no search) follows")
     max_turn_tokens: int = field(500, AT_LEAST_1, doc="new tokens per turn")
     max_observation_tokens: int = field(500, AT_LEAST_1, doc="observation tokens kept (the first ones)")
-    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="the prompt keeps its last this many tokens")
+    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="a prompt's most tokens: an over-long question loses its "
+                                   "start, never the instruction or the template")
     max_context_tokens: int = field(4096, AT_LEAST_1, doc="cap on a sequence's prompt + response tokens")
     max_response_tokens: int = field(4096, AT_LEAST_1,
                                      doc="cap on a sequence's response tokens (model and observations)")
@@ -356,7 +357,8 @@ class SFTConfig(bounds.Section):
     """The `sft` section; cached by its settings (`llds_jax.sft.stage.fingerprint`).
 
     Attributes:
-      max_prompt_tokens: prompts keep their last this many tokens, as in the rollout (`rollout.max_prompt_tokens`).
+      max_prompt_tokens: a prompt's most tokens, its question cut from the start, as in the rollout
+        (`rollout.max_prompt_tokens`).
       logp_time_chunk: time chunk of the log-probs (`optim.logp_time_chunk`).
       seed: data order (the run's `seed`, which `RunConfig` sets).
     """
