@@ -23,7 +23,7 @@ from llds_jax import config as config_lib
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, from_hf_config, hf_io, preset, run_overrides
 from llds_jax.rl.train_step import RLTrainStep
-from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import RolloutLayout, make_layout
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.runner import PagePool, pool_shape
@@ -110,5 +110,6 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
                                                paging.num_pages)))
     largest = max((engine for _, engine in shapes), key=lambda engine: engine.num_pages)
     pool = PagePool(pool_shape(layout.rollout.model_cfg, largest, layout.rollout.mesh))  # shared: never run at once
+    tiles = KernelTiles.of(typed_cfg.rollout)
     return RunParts(step, *[PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine, layout.rollout.mesh,
-                                         pool) for sampling, engine in shapes])
+                                         pool, tiles) for sampling, engine in shapes])
