@@ -60,8 +60,9 @@ from llds_jax.config.sections import RolloutConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
-from llds_jax.rollout.config import PagingConfig, SamplingConfig
+from llds_jax.rollout.config import KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
+from llds_jax.rollout.runner import decode_batches
 from llds_jax.search import dense_index, device_index, device_search
 from llds_jax.search.dense import read_faiss_index
 from llds_jax.search.factory import resolve_config
@@ -494,7 +495,8 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     faithful = step_estimate.faithful_cost(cost, layout.rollout.model_cfg, layout.rollout.tensor, paging.page_size,
                                            -(-rollout_cfg.max_context_tokens // paging.page_size),
                                            parallel.axis_size(layout.rollout.mesh, "sampled_rows"),
-                                           SamplingConfig.of(rollout_cfg, PLACEHOLDER_STOP_IDS))
+                                           SamplingConfig.of(rollout_cfg, PLACEHOLDER_STOP_IDS),
+                                           KernelTiles.of(rollout_cfg), decode_batches(layout.rollout.mesh, slots))
     device_search = next((c for c in costs if c.role is Role.RETRIEVAL), None)
     worst_updates = step_estimate.part_seconds(costs, peaks)
     lines = [step_estimate.format_programs(costs, peaks, generation)]

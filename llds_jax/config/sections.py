@@ -161,6 +161,14 @@ class RolloutConfig(bounds.Section):
     max_step_tokens: int = field(512, AT_LEAST_1, doc="the most tokens one engine step's ragged batch holds (step "
                                                       "programs compiled at the sequence slots doubling up to it)")
     num_pages: int = field(0, NON_NEGATIVE, doc="pages in the pool (0: every sequence slot's worst case)")
+    kv_pages_per_block: int = field(0, NON_NEGATIVE, doc="pages of keys per block of the paged attention (the TPU "
+                                                         "kernel's tile) in a step's ragged forward above the slots' "
+                                                         "bucket (0: its default)")
+    queries_per_block: int = field(0, NON_NEGATIVE, doc="query tokens per block there (0: its default)")
+    decode_kv_pages_per_block: int = field(0, NON_NEGATIVE, doc="pages of keys per block of the paged attention in "
+                                                                "decode iterations and the slots' bucket (0: its "
+                                                                "default)")
+    decode_queries_per_block: int = field(0, NON_NEGATIVE, doc="query tokens per block there (0: its default)")
     params_dtype: str = field("float32", choices=ROLLOUT_PARAMS_DTYPES,
                               doc="the rollout's copy of the params, cast once per step (no wider than "
                                   "model.param_dtype)")

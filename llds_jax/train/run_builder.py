@@ -25,7 +25,7 @@ from llds_jax.config.sections import pool_pages
 from llds_jax import parallel
 from llds_jax.model import ModelConfig, Transformer, from_hf_config, hf_io, preset, run_overrides
 from llds_jax.rl.train_step import RLTrainStep
-from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import RolloutLayout, make_layout
 from llds_jax.rollout.engine import EngineConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
@@ -106,8 +106,9 @@ def build(cfg: ml_collections.ConfigDict, layout: RunLayout, model: Transformer,
     shapes = rollout_shapes(cfg, jax.process_count(), stop_ids)
     largest = max((engine for _, engine in shapes), key=lambda engine: engine.num_pages)
     pool = PagePool(pool_shape(layout.rollout.model_cfg, largest, layout.rollout.mesh))  # shared: never run at once
+    tiles = KernelTiles.of(typed_cfg.rollout)
     return RunParts(step, *[PagedSampler(graphdef, layout.rollout.model_cfg, sampling, engine, layout.rollout.mesh,
-                                         pool) for sampling, engine in shapes])
+                                         pool, tiles) for sampling, engine in shapes])
 
 
 def rollout_shapes(cfg: ml_collections.ConfigDict, process_count: int, stop_ids: tuple[int, ...] = ()

@@ -196,11 +196,13 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
            "decode iterations, seconds" in lines
     expected = next(line for line in lines if line.startswith("  expected step: rollout "))
     assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
-    # Then the same step as the kernel runs its calls (issue 67): at the tile the runner passes today (none: the
-    # kernel's 32 x 32), each term with its source, the measured ones placeholders, the ideal share beside it.
+    # Then the same step as the kernel runs its calls (issue 67): at the config's tiles, each term with its source,
+    # the measured ones placeholders, the ideal share beside it.
     at = lines.index(expected)
     assert lines[at + 1].startswith("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged "
-                                    "attention runs it, at the tile 32 kv pages x 32 queries, pages of 16 slots")
+                                    "attention runs it, at the tile 16 kv pages x 32 queries (the slots' bucket and "
+                                    "decode iterations: 8 x 8), pages of 16 slots, each decode iteration over its "
+                                    "sampling rows in one batch")
     assert [line[35:47].strip() for line in lines[at + 2:at + 11]] == [  # the source column
         "HLO", "kernel grid", "program", "program", "program", "program", "measured", "measured", "-"]
     assert lines[at + 3].startswith("    attention kernel ")
