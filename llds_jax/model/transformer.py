@@ -245,7 +245,7 @@ class Transformer(nnx.Module):
         b, t = tokens_bt.shape
         layout = functools.partial(paged_kv.token_layout, num_tokens=t, page_size=kv_pages_lpzkh.shape[2])
         _, position_bt, slot_bt, _ = jax.vmap(layout)(cu_q_lens_bs1, kv_lens_bs, page_indices_bsm, num_seqs_b1)
-        rows = _row_shards(b * t, "batch")  # R: the layers' rows as [R, B x T / R]
+        rows = _row_shards(b * t, "batch")  # the layers' input: `rows` forward rows of B x T / rows tokens
         cos, sin = rope_lib.rope_angles(position_bt.reshape(rows, -1), rope_lib.inverse_frequencies(cfg))
         slot_u = slot_bt.reshape(-1)
         implementation = implementation or default_implementation(cfg.attention_platform, cfg.head_dim)
@@ -257,32 +257,32 @@ class Transformer(nnx.Module):
         def laid_out(pages):  # the pool split by key/value heads under a mesh
             return pages if mesh is None else parallel.constrain_spec(pages, pool_spec)
 
-        def every_token(a_rtkh):  # one layer's keys or values of every batch's tokens, [B x T, K, H], on each chip
-            a_ukh = a_rtkh.reshape(b * t, *a_rtkh.shape[2:])
+        def every_token(a_btkh):  # one layer's keys or values of every batch's tokens, [B x T, K, H], on each chip
+            a_ukh = a_btkh.reshape(b * t, *a_btkh.shape[2:])
             return a_ukh if mesh is None else parallel.constrain_spec(a_ukh, P(None, pool_spec[3], None))
 
         def body(carry, xs):  # the pool (every layer) rides in the carry and is written in place
-            x_rtd, pages = carry
+            x_btd, pages = carry
             p, layer = xs
             w = _compute_weights(cfg, p)
-            q, k, v = _qkv(cfg, x_rtd, p, w, cos, sin)
+            q, k, v = _qkv(cfg, x_btd, p, w, cos, sin)
             pages = paged_kv.write_kv(pages, layer, every_token(k), every_token(v), slot_u)
             pages_pzch, indices_bsm = paged_kv.layer_view(pages, page_indices_bsm, layer)
             out_btnh = attend(q.reshape(b, t, *q.shape[2:]), pages_pzch, kv_lens_bs, indices_bsm, cu_q_lens_bs1,
                               num_seqs_b1)
-            return (_block_tail(cfg, x_rtd, out_btnh.reshape(q.shape), p, w), pages), None
+            return (_block_tail(cfg, x_btd, out_btnh.reshape(q.shape), p, w), pages), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x_rtd, pages), _ = jax.lax.scan(body, (self._embed(tokens_bt.reshape(rows, -1)), laid_out(kv_pages_lpzkh)),
+        (x_btd, pages), _ = jax.lax.scan(body, (self._embed(tokens_bt.reshape(rows, -1)), laid_out(kv_pages_lpzkh)),
                                          (self.layers.arrays(), layers))
         s = kv_lens_bs.shape[1]
         last_bs = jnp.arange(b)[:, None] * t + jnp.clip(cu_q_lens_bs1[:, 1:] - 1, 0, t - 1)
-        hidden_ud = rms_norm(x_rtd.reshape(b * t, -1)[last_bs.reshape(-1)], self.final_norm.get_value(),
+        hidden_ud = rms_norm(x_btd.reshape(b * t, -1)[last_bs.reshape(-1)], self.final_norm.get_value(),
                              cfg.rms_norm_eps)
-        logits_rsv = self.logits(hidden_ud.reshape(_row_shards(b * s, "logit_rows"), -1, hidden_ud.shape[-1]),
+        row_logits_bsv = self.logits(hidden_ud.reshape(_row_shards(b * s, "logit_rows"), -1, hidden_ud.shape[-1]),
                                  rows="logit_rows")
         real_bs = jnp.arange(s) < num_seqs_b1
-        return jnp.where(real_bs[..., None], logits_rsv.reshape(b, s, -1), 0.0), laid_out(pages)
+        return jnp.where(real_bs[..., None], row_logits_bsv.reshape(b, s, -1), 0.0), laid_out(pages)
 
 
 def _row_shards(rows: int, logical: str) -> int:

@@ -22,7 +22,7 @@ row and batch it runs in.
 
 Dimension letters (docs/architecture.md, "Dimension letters"): T ragged batch tokens, S sequence slots, C samples
 per call, M pages per sequence, L layers, P pool pages, Z tokens per page, V vocabulary, B a decode iteration's
-ragged batches, N a decode iteration's rows (B x S / B, in batch order); the pool's `kv_pages_lpzkh` keeps the
+ragged batches (a decode iteration's S rows in batch order are written s too); the pool's `kv_pages_lpzkh` keeps the
 model's name (its K' = 2K: keys and values interleaved, `llds_jax.model.paged_kv`).
 """
 from __future__ import annotations
@@ -69,9 +69,9 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, forward_tile:
     logits_sv, pages = model.ragged_step(tokens_t, pages, kv_lens_s, page_table_sm, cu_q_lens_s1, num_seqs,
                                          **forward_tile.kwargs())
 
-    def draw(logits_nv, i, rows_n):  # the i-th samples of the slots `rows_n`, from their logits
-        keys = jax.vmap(jax.random.fold_in)(keys_s[rows_n], (count_s[rows_n] + i).astype(jnp.uint32))
-        return sampling.sample_tokens(logits_nv, keys, cfg)
+    def draw(logits_sv, i, slots_s):  # the i-th samples of the slots `slots_s`, from their logits
+        keys = jax.vmap(jax.random.fold_in)(keys_s[slots_s], (count_s[slots_s] + i).astype(jnp.uint32))
+        return sampling.sample_tokens(logits_sv, keys, cfg)
 
     every_row = jnp.arange(s, dtype=jnp.int32)
     token_s, logp_s = draw(logits_sv, 0, every_row)
@@ -95,8 +95,8 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, forward_tile:
             tokens_sc[:, i - 1][slots_bs], pages, jnp.where(active_s, kv_len_s, 1)[slots_bs],
             jnp.where(active_s[:, None], page_table_sm, 0)[slots_bs], one_each_bs1, num_seqs_b1,
             **decode_tile.kwargs())
-        token_n, logp_n = draw(logits_bsv.reshape(s, -1), i, slots_bs.reshape(-1))
-        token_s, logp_s = token_n[row_s], logp_n[row_s]  # the slots back in order
+        batch_token_s, batch_logp_s = draw(logits_bsv.reshape(s, -1), i, slots_bs.reshape(-1))
+        token_s, logp_s = batch_token_s[row_s], batch_logp_s[row_s]  # the slots back in order
         tokens_sc = tokens_sc.at[:, i].set(jnp.where(active_s, token_s, 0))
         logps_sc = logps_sc.at[:, i].set(jnp.where(active_s, logp_s, 0.0))
         taken_s = taken_s + active_s
@@ -123,9 +123,9 @@ def decode_rows(active_s: jax.Array, batches: int) -> tuple[jax.Array, jax.Array
     sampling_rows = jnp.sum(sampling_s)
     place_s = jnp.where(active_s, jnp.cumsum(sampling_s), sampling_rows + jnp.cumsum(1 - sampling_s)) - 1
     row_s = place_s % batches * (s // batches) + place_s // batches
-    slot_n = jnp.zeros(s, jnp.int32).at[row_s].set(jnp.arange(s, dtype=jnp.int32))
+    slot_s = jnp.zeros(s, jnp.int32).at[row_s].set(jnp.arange(s, dtype=jnp.int32))
     num_seqs_b = (sampling_rows - jnp.arange(batches, dtype=jnp.int32) + batches - 1) // batches
-    return slot_n.reshape(batches, s // batches), row_s, jnp.maximum(num_seqs_b, 1)[:, None]
+    return slot_s.reshape(batches, s // batches), row_s, jnp.maximum(num_seqs_b, 1)[:, None]
 
 
 def decode_batches(mesh: Optional[Mesh], slots: int) -> int:
