@@ -101,9 +101,9 @@ def abstract_programs(cfg: BertConfig, device, shapes: set[tuple[int, int]]) -> 
     programs = []
     for rows, tokens in sorted(shapes):
         ids = jax.ShapeDtypeStruct((rows, tokens), jnp.int32, sharding=on_chip)
-        where = (f"{rows} texts x {tokens} tokens, BERT {cfg.num_layers} layers x {cfg.hidden_size} in {cfg.dtype},"
-                 " on the host's first chip")
-        programs.append(AbstractProgram(Role.QUERY_ENCODER, where, embed, (state, ids, ids),
+        text = (f"{rows} texts x {tokens} tokens, BERT {cfg.num_layers} layers x {cfg.hidden_size} in {cfg.dtype},"
+                " on the host's first chip")
+        programs.append(AbstractProgram(Role.QUERY_ENCODER, text, embed, (state, ids, ids),
                                         detail=f"{rows} x {tokens}"))
     return programs
 
