@@ -18,6 +18,13 @@ The programs, at the config's largest shapes (the worst case a long run can reac
   evaluation (greedy, `eval.batch_size` slots); the page pool, shared by both, resident beside every program; their
   params in `rollout.params_dtype`, as the trainer casts them (with bfloat16 on float32 master weights, half the
   bytes);
+- the retriever's programs on each host's chips, at every shape its calls can reach (a call holds at most the
+  searches of the sequences in flight, one each: the larger engine's slots, training's or evaluation's): with
+  `retriever.backend = "e5_device"` the search (`search.device_search.reachable_shapes`: every batch bucket up to
+  `retriever.search_batch` at every candidate count of its passes, for the rollout's top k and the start-up
+  check's); with an e5 encoder on the chips (e5_device, faiss, elasticsearch with `encoder_path`) the query
+  encoder on the host's first chip (`search.e5.reachable_shapes`: every batch bucket up to
+  `retriever.encoder_batch_size` at every length bucket up to `retriever.max_length`);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
   reference, the likelihood metrics, one optimizer update with all its micro-batches and the LLD metrics, at the
   longest training batch (`rollout.max_context_tokens` rounded up to `train.sequence_bucket`).
@@ -42,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
@@ -57,13 +65,14 @@ from llds_jax.aot import rollout_schedule, roofline, step_estimate, step_lengths
 from llds_jax.train import run_builder
 from llds_jax import config as config_lib
 from llds_jax.config.sections import RolloutConfig
+from llds_jax.model.bert import BertConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
 from llds_jax.rollout.config import KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
 from llds_jax.rollout.runner import decode_batches
-from llds_jax.search import dense_index, device_index, device_search
+from llds_jax.search import dense_index, device_index, device_search, e5, local
 from llds_jax.search.dense import read_faiss_index
 from llds_jax.search.factory import resolve_config
 
@@ -157,9 +166,12 @@ def parse_required_bytes(message: str) -> Optional[float]:
 # included): "reference copy" reads the params and writes the reference, "optimizer init" writes the state.
 PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
 # With the retriever on the chips (`retriever.backend = "e5_device"`): its index shard stays in HBM for the whole run
-# (INDEX: the search program's arguments, the shard and one batch of queries), and its search runs while a rollout
-# session holds its KV cache and rollout params (SESSION: the largest rollout program's arguments).
-INDEX, SESSION = "retrieval index", "rollout session"
+# (INDEX: the first search program's arguments, the shard and one batch of queries), and its search runs while a
+# rollout session holds its KV cache and rollout params (SESSION: the largest rollout program's arguments). An e5
+# query encoder on the chips keeps its parameters on each host's first chip for the whole run (ENCODER: the first,
+# smallest encoder program's arguments, the parameters and one batch of token ids and masks) and runs, like the
+# search, beside a rollout session.
+INDEX, SESSION, ENCODER = "retrieval index", "rollout session", "query encoder"
 PAGE_POOL = "page pool"  # the paged engine's KV cache: allocated once, resident beside every other program
 # What stays in HBM beside each training program without being its argument (the update: the reference, REFERENCE
 # by default); a rollout program keeps OPT_STATE and REFERENCE, and PARAMS too when the rollout has its own copy.
@@ -219,20 +231,33 @@ class Row:
 
 def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[str, float]:
     """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows[i]` the compiled
-    `programs[i]`), of PAGE_POOL (the paged engine's pool, 0 without it), and of INDEX and SESSION when a retrieval
-    search program is among them (SESSION 0 when no rollout program is). Without a reference (no
-    KL term) the params are half the AdamW state (m and v are laid out like them)."""
-    by_role = {program.role: row for row, program in zip(rows, programs)}
+    `programs[i]`), of PAGE_POOL (the paged engine's pool, 0 without it), of INDEX when a retrieval search program
+    is among them, of ENCODER when a query encoder program is, and then of SESSION (0 when no rollout program is).
+    Without a reference (no KL term) the params are half the AdamW state (m and v are laid out like them)."""
+    by_role = {}
+    for row, program in zip(rows, programs):
+        by_role.setdefault(program.role, row)  # a role's first program
     opt_state = by_role[Role.OPTIMIZER_INIT].outputs
     copy = by_role.get(Role.REFERENCE_COPY)
     params = copy.arguments if copy is not None else opt_state / 2
     sizes = {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
     sizes[PAGE_POOL] = max(program.pool_bytes for program in programs)
-    search = by_role.get(Role.RETRIEVAL)
-    if search is not None:
-        sizes[INDEX] = search.arguments
+    for name, role in ((INDEX, Role.RETRIEVAL), (ENCODER, Role.QUERY_ENCODER)):
+        if role in by_role:
+            sizes[name] = by_role[role].arguments
+    if INDEX in sizes or ENCODER in sizes:
         sizes[SESSION] = max((row.arguments for row, program in zip(rows, programs) if program.rollout), default=0.0)
     return sizes
+
+
+def sizing_programs(programs: Sequence[Program]) -> list[Program]:
+    """The programs among `programs` whose compiled rows `long_lived_bytes` reads: the state programs and the first
+    program of the retriever's search and of its query encoder (for a tool that compiles a few programs only)."""
+    firsts = {Role.RETRIEVAL: None, Role.QUERY_ENCODER: None}
+    for program in programs:
+        if program.role in firsts and firsts[program.role] is None:
+            firsts[program.role] = program
+    return [p for p in programs if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY) or p in firsts.values()]
 
 
 def all_gather_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -411,6 +436,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     own_copy = (layout.rollout.resharded or layout.rollout.kv_repeat > 1
                 or cfg.rollout.params_dtype != cfg.model.param_dtype)
     everything = (PARAMS, OPT_STATE, REFERENCE)
+    beside_rollout = everything if own_copy else (OPT_STATE, REFERENCE)
     rollout = []
     reshard = reshard_program(layout.rollout, parts.step.abstract_state().params, cfg.rollout.params_dtype)
     if reshard is not None:  # its argument is the cast copy, or the training params themselves
@@ -418,13 +444,15 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         rollout.append(Program(reshard.name, reshard.shapes, reshard.lower(),
                                everything if cast else (OPT_STATE, REFERENCE), role=Role.RESHARD, calls=1.0))
     session_rows = parts.sampler.engine_config.max_seqs
+    # A retriever call holds at most one search per sequence in flight, training's or evaluation's.
+    max_queries = max(session_rows, parts.eval_sampler.engine_config.max_seqs)
     batch = config_lib.rollout_batch_size(cfg)
     for label, sampler in (("", parts.sampler), ("eval ", parts.eval_sampler)):
         for program in sampler.abstract_programs(rollout_params):  # one step program per token bucket
             rollout.append(Program(f"{label}{program.name}",
                                    program.shapes + _layout_label(layout.rollout, len(hosts)), program.lower(),
-                                   everything if own_copy else (OPT_STATE, REFERENCE), role=program.role,
-                                   rollout=True, pool_bytes=sampler.runner.pool.bytes_per_device()))
+                                   beside_rollout, role=program.role, rollout=True,
+                                   pool_bytes=sampler.runner.pool.bytes_per_device()))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
     training = [Program(p.name, p.shapes, p.lower(), TRAINING_RESIDENT.get(p.role, (REFERENCE,)), role=p.role,
@@ -434,31 +462,71 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     programs = setup + rollout + training[len(setup):]
     programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,)) for p in programs]
-    if cfg.retriever.get("backend") != "e5_device":
-        return programs
     host_devices = [d for d in devices if d.process_index == hosts[0]]  # each host searches its own copy
-    search = retrieval_program(cfg, host_devices, session_rows, everything if own_copy else (OPT_STATE, REFERENCE))
-    programs = [dataclasses.replace(p, resident=p.resident + (INDEX,)) for p in programs]
-    return programs[:len(setup) + len(rollout)] + [search] + programs[len(setup) + len(rollout):]
+    search = search_programs(cfg, host_devices, session_rows, max_queries, beside_rollout)
+    index = (INDEX,) if search else ()
+    encoder = encoder_programs(cfg, host_devices[0], max_queries, beside_rollout + index)
+    encoded = (ENCODER,) if encoder else ()
+    programs = [dataclasses.replace(p, resident=p.resident + index + encoded) for p in programs]
+    search = [dataclasses.replace(p, resident=p.resident + encoded) for p in search]
+    return programs[:len(setup) + len(rollout)] + search + encoder + programs[len(setup) + len(rollout):]
 
 
-def retrieval_program(cfg, devices: Sequence[Any], rows: int, resident: tuple[str, ...]) -> Program:
-    """The e5_device retriever's search program (`search.device_search`) on one host's chips `devices` (each
-    host holds the whole index over its own chips, `search.dense_device`), its index's rows and
-    dimension read from `retriever.index_path` when it is on this machine, else wiki-18's (`index_source`), at a
-    device call of the `rows` searches of the rollout's rows in flight (at most `retriever.search_batch`);
-    `resident`: what stays beside a rollout program, SESSION added. The step estimate costs its calls
-    (`step_estimate.rollout_time`)."""
+def search_programs(cfg, devices: Sequence[Any], rows: int, max_queries: int, resident: tuple[str, ...]
+                    ) -> list[Program]:
+    """The e5_device retriever's search programs (`search.device_search`; none for another backend) on one host's
+    chips `devices` (each host holds the whole index over its own chips, `search.dense_device`), its index's rows
+    and dimension read from `retriever.index_path` when it is on this machine, else wiki-18's (`index_source`): one
+    per (queries, candidates) pair its calls reach (`device_search.reachable_shapes`), calls of up to
+    `max_queries` searches for the rollout's top k (`rollout.retrieval_top_k`) and the start-up check's
+    (`search.local.CHECK_K`). First the one the step estimate costs per device call
+    (`step_estimate.rollout_time`): the first pass at a device call of the `rows` searches of the training
+    rollout's rows in flight (at most `retriever.search_batch`); then the others, smallest first. `resident`: what
+    stays beside a rollout program, SESSION added."""
     ret = resolve_config(cfg.retriever)
+    if ret["backend"] != "e5_device":
+        return []
     (rows_n, dim), _ = index_source(ret["index_path"])
     lay = device_index.layout(rows_n, dim, len(devices), ret["vector_dtype"], ret["block_rows"])
-    queries = min(ret["search_batch"], max(8, 1 << math.ceil(math.log2(max(rows, 1)))))
-    program = device_search.abstract_program(lay, devices, max(ret["candidates"], cfg.rollout.retrieval_top_k),
-                                             queries)
-    return Program(program.name, program.shapes, program.lower(), resident + (SESSION,), role=Role.RETRIEVAL)
+    top_k = cfg.rollout.retrieval_top_k
+    passes = {"candidates": ret["candidates"], "max_candidates": ret["max_candidates"]}
+    shapes = device_search.reachable_shapes([(max_queries, top_k), (len(local.CHECK_QUERIES), local.CHECK_K)],
+                                            rows_n, max_batch=ret["search_batch"], **passes)
+    costed = (device_search.batch_bucket(rows, ret["search_batch"]),
+              device_search.candidate_counts(top_k, rows_n, **passes)[0])
+    programs = []
+    for queries, m in [costed] + sorted(shapes - {costed}):
+        program = device_search.abstract_program(lay, devices, m, queries)
+        programs.append(Program(program.name, program.shapes, program.lower(), resident + (SESSION,),
+                                role=Role.RETRIEVAL))
+    return programs
 
 
-E5_BASE_DIM = 768  # e5-base-v2's embeddings
+def encoder_programs(cfg, device: Any, max_queries: int, resident: tuple[str, ...]) -> list[Program]:
+    """The e5 query encoder's programs (`search.e5`; none for a backend without one) on a host's first chip
+    `device`, its architecture read from `retriever.encoder_path`'s config.json when it is on this machine, else
+    e5-base-v2's (`encoder_source`): one per (B, T) bucket that calls of up to `max_queries` queries reach
+    (`e5.reachable_shapes`), smallest first. `resident`: what stays beside a rollout program (and the index, with
+    e5_device), SESSION added."""
+    ret = resolve_config(cfg.retriever)
+    if not ret.get("encoder_path"):
+        return []
+    bert, _ = encoder_source(ret["encoder_path"], ret["encoder_dtype"])
+    e5.check_max_length(ret["max_length"], bert, ret["encoder_path"])
+    shapes = e5.reachable_shapes(max_queries, batch_size=ret["encoder_batch_size"], max_length=ret["max_length"])
+    return [Program(p.name, p.shapes, p.lower(), resident + (SESSION,), role=Role.QUERY_ENCODER)
+            for p in e5.abstract_programs(bert, device, shapes)]
+
+
+def encoder_source(encoder_path: str, dtype: str) -> tuple[Any, str]:
+    """(`model.bert.BertConfig` in the compute `dtype`, where from) of the encoder folder `encoder_path` when its
+    config.json is on this machine, else intfloat/e5-base-v2's (Search-R1's encoder, `e5.E5_BASE_V2`)."""
+    file = os.path.join(encoder_path, "config.json")
+    if os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            return BertConfig.from_hf(json.load(f), file, dtype), encoder_path
+    return (dataclasses.replace(e5.E5_BASE_V2, dtype=dtype),
+            f"{encoder_path} is not on this machine: e5-base-v2's architecture")
 
 
 def index_source(index_path: str) -> tuple[tuple[int, int], str]:
@@ -468,7 +536,30 @@ def index_source(index_path: str) -> tuple[tuple[int, int], str]:
     if os.path.isfile(file):
         index = read_faiss_index(file, mmap=True)
         return (int(index.ntotal), int(index.d)), file
-    return (step_estimate.WIKI18_ROWS, E5_BASE_DIM), f"{index_path} is not on this machine: wiki-18's size"
+    return ((step_estimate.WIKI18_ROWS, e5.E5_BASE_V2.hidden_size),
+            f"{index_path} is not on this machine: wiki-18's size")
+
+
+def retriever_lines(cfg, programs: Sequence[Program], sizes: dict[str, float], host_chips: int) -> list[str]:
+    """What the retriever keeps on the chips (`long_lived_bytes`' INDEX and ENCODER) and how many programs of each
+    kind it runs, in words; none without a retriever on the chips."""
+    lines = []
+    count = {role: sum(p.role is role for p in programs) for role in (Role.RETRIEVAL, Role.QUERY_ENCODER)}
+    if INDEX in sizes:
+        (rows_n, dim), source = index_source(cfg.retriever.index_path)
+        lines.append(f"retrieval index (e5_device, {cfg.retriever.get('vector_dtype', 'bfloat16')}): {rows_n:,} rows "
+                     f"x {dim} ({source}) over each host's {host_chips} chips (a copy per host): "
+                     f"{format_bytes(sizes[INDEX])} per chip, resident in every program; its "
+                     f"{count[Role.RETRIEVAL]} search programs (every batch and candidate count its calls reach) "
+                     f"hold a rollout session's {format_bytes(sizes[SESSION])} beside it")
+    if ENCODER in sizes:
+        ret = resolve_config(cfg.retriever)
+        _, source = encoder_source(ret["encoder_path"], ret["encoder_dtype"])
+        lines.append(f"query encoder (e5, {source}): {format_bytes(sizes[ENCODER])} on each host's first chip, "
+                     f"resident in every program there; its {count[Role.QUERY_ENCODER]} programs (every batch and "
+                     f"length bucket its calls reach) hold a rollout session's {format_bytes(sizes[SESSION])} "
+                     "beside it")
+    return lines
 
 
 def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int, layout,
@@ -481,7 +572,9 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     (`rollout_schedule.partial_for_run` at the config's rollout.over_sampling when rollout.partial is on, else at
     `step_estimate.PARTIAL_OVER_SAMPLING`; ideal); with `estimate_from`, its predicted step calls and batch tokens
     per token bucket beside the run's logged ones."""
-    costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
+    # The query encoder runs inside the retriever's calls: no part of the step of its own.
+    costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls,
+                                       "" if p.role is Role.QUERY_ENCODER else step_estimate.part(p.role, p.rollout),
                                        p.role)
              for r, p in zip(rows, programs)]
     peaks = roofline.PEAKS[generation]
@@ -553,13 +646,8 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     rows = [row.with_resident(sum(sizes[name] for name in program.resident))
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))
-    if INDEX in sizes:
-        (rows_n, dim), source = index_source(cfg.retriever.index_path)
-        host_chips = len(devices) // hosts
-        print(f"retrieval index (e5_device, {cfg.retriever.get('vector_dtype', 'bfloat16')}): {rows_n:,} rows x {dim} "
-              f"({source}) over each host's {host_chips} chips (a copy per host): {format_bytes(sizes[INDEX])} per "
-              "chip, resident in every "
-              f"program; its search holds a rollout session's {format_bytes(sizes[SESSION])} beside it")
+    for line in retriever_lines(cfg, programs, sizes, len(devices) // hosts):
+        print(line)
     layout = run_builder.run_layout(cfg, devices)
     model, rollout = layout.model_cfg, layout.rollout
     problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
