@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import jax
 
 from llds_jax import checks, topologies
-from llds_jax.aot import compile_check, roofline
+from llds_jax.aot import compile_check, compiled, roofline
 from llds_jax.config.loader import load_config
 from llds_jax.programs import Role
 
@@ -50,7 +50,7 @@ class UpdateCost:
     """One side's compiled update: its memory per chip (`row`, bytes, resident arrays included), its calls per
     training step and the roofline estimate of one call (`cost` per chip, `estimate` in seconds)."""
 
-    row: compile_check.Row
+    row: compiled.Row
     calls: float
     estimate: roofline.Estimate
 
@@ -65,7 +65,7 @@ class UpdateCost:
         return self.calls * self.estimate.seconds
 
 
-def compile_update(programs: Sequence[compile_check.Program], hbm_bytes: float, peaks: roofline.ChipPeaks,
+def compile_update(programs: Sequence[compiled.Program], hbm_bytes: float, peaks: roofline.ChipPeaks,
                    label: str) -> UpdateCost:
     """The update among a run's `programs` (`compile_check.build_programs`: at the run's largest training batch)
     compiled, with the resident arrays added as `compile_check.run` adds them. Raises SystemExit naming the program
@@ -86,7 +86,7 @@ def compile_update(programs: Sequence[compile_check.Program], hbm_bytes: float, 
     return UpdateCost(row, update.calls, roofline.roofline_seconds(row.cost, peaks))
 
 
-def differing_programs(grpo: Sequence[compile_check.Program], llds: Sequence[compile_check.Program]) -> list[str]:
+def differing_programs(grpo: Sequence[compiled.Program], llds: Sequence[compiled.Program]) -> list[str]:
     """Names of the run's programs whose lowered modules differ between the two sides (lowered, not compiled)."""
     if [p.name for p in grpo] != [p.name for p in llds]:
         raise ValueError(f"the two sides run different programs: {[p.name for p in grpo]} vs "

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import re
@@ -62,19 +61,18 @@ from jax.sharding import SingleDeviceSharding
 
 from llds_jax import checks, parallel, topologies
 from llds_jax.aot import rollout_schedule, roofline, step_estimate, step_lengths
+from llds_jax.aot.compiled import (ENCODER, INDEX, OPT_STATE, PAGE_POOL, PARAMS, REFERENCE, SESSION, UNITS, Program, Row,
+                                  format_bytes)
+from llds_jax.aot.retriever_programs import encoder_programs, retriever_lines, search_programs
 from llds_jax.train import run_builder
 from llds_jax import config as config_lib
 from llds_jax.config.sections import RolloutConfig
-from llds_jax.model.bert import BertConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
 from llds_jax.rollout.config import KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
 from llds_jax.rollout.runner import decode_batches
-from llds_jax.search import dense_index, device_index, device_search, e5, local
-from llds_jax.search.dense import read_faiss_index
-from llds_jax.search.factory import resolve_config
 
 GIB = 1 << 30
 PLACEHOLDER_STOP_IDS = (0, 1)  # the samplers' turn stops: the tokenizer's do not change a program's shapes
@@ -140,13 +138,13 @@ _ALL_GATHER = re.compile(r"=\s*(.*?)\s\ball-gather(?:-done)?\(")
 _COLLECTIVE = re.compile(r"=\s*(.*?)\s\b(all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start|-done)?"
                          r"\(([^)]*)\)")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
 
 
 def _bytes_after(label: str, message: str) -> Optional[float]:
     """Bytes of "<label> (30.75G)" in an XLA message (None when absent)."""
     match = re.search(re.escape(label) + r" \(([\d.]+)([KMGT])\)", message)
-    return None if match is None else float(match.group(1)) * _UNITS[match.group(2)]
+    return None if match is None else float(match.group(1)) * UNITS[match.group(2)]
 
 
 def parse_available_hbm(message: str) -> Optional[float]:
@@ -161,18 +159,6 @@ def parse_required_bytes(message: str) -> Optional[float]:
 
 
 # ----- what runs -----------------------------------------------------------------------------------------------------
-# Long-lived arrays of a run: the policy parameters, the optimizer state (with the step counters), the frozen
-# reference parameters. Their bytes per chip are read off the programs that make them (XLA's own layout, padding
-# included): "reference copy" reads the params and writes the reference, "optimizer init" writes the state.
-PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
-# With the retriever on the chips (`retriever.backend = "e5_device"`): its index shard stays in HBM for the whole run
-# (INDEX: the first search program's arguments, the shard and one batch of queries), and its search runs while a
-# rollout session holds its KV cache and rollout params (SESSION: the largest rollout program's arguments). An e5
-# query encoder on the chips keeps its parameters on each host's first chip for the whole run (ENCODER: the first,
-# smallest encoder program's arguments, the parameters and one batch of token ids and masks) and runs, like the
-# search, beside a rollout session.
-INDEX, SESSION, ENCODER = "retrieval index", "rollout session", "query encoder"
-PAGE_POOL = "page pool"  # the paged engine's KV cache: allocated once, resident beside every other program
 # What stays in HBM beside each training program without being its argument (the update: the reference, REFERENCE
 # by default); a rollout program keeps OPT_STATE and REFERENCE, and PARAMS too when the rollout has its own copy.
 TRAINING_RESIDENT = {
@@ -181,52 +167,6 @@ TRAINING_RESIDENT = {
     Role.LLD_LOGP: (OPT_STATE, REFERENCE), Role.LLD_METRICS: (PARAMS, OPT_STATE, REFERENCE)}
 
 
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One program to compile: its name, the shapes it runs at, the program lowered (`jax.stages.Lowered`), the
-    long-lived arrays (PARAMS, OPT_STATE, REFERENCE) that stay in HBM while it runs without being its arguments,
-    whether it is a rollout program (run on the rollout copy of the params), and what the step estimate needs."""
-
-    name: str
-    shapes: str
-    lowered: Any
-    resident: tuple[str, ...]
-    role: Optional[Role] = None  # what it does (`llds_jax.programs.Role`); None: a program of no run
-    rollout: bool = False
-    pool_bytes: float = 0.0  # the paged engine's page pool per chip (an argument of its rollout programs)
-    calls: float = 0.0  # calls per training step of an HLO-costed program (`llds_jax.aot.step_estimate`)
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One compiled program's memory per chip (bytes; `total` without the resident arrays until
-    `with_resident`) and compile time; `error` when it did not compile. `gathers`: (element type, dims) of every
-    all-gather's output (`all_gather_shapes`); `collectives`: (kind, dims) of every result and operand of the
-    collectives that move arrays (`collective_shapes`)."""
-
-    name: str
-    shapes: str
-    arguments: float = 0.0
-    outputs: float = 0.0
-    temporaries: float = 0.0
-    resident: float = 0.0
-    total: float = 0.0
-    compile_s: float = 0.0
-    error: str = ""
-    gathers: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    collectives: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    cost: Any = None  # llds_jax.aot.roofline.HloCost of one call
-
-    @property
-    def gather(self) -> str:
-        """The largest all-gather's output, e.g. "bf16[16,4096,3584]" ("" when the program has none)."""
-        if not self.gathers:
-            return ""
-        dtype, dims = max(self.gathers, key=lambda g: math.prod(g[1]))
-        return f"{dtype}[{','.join(map(str, dims))}]"
-
-    def with_resident(self, resident: float) -> "Row":
-        return dataclasses.replace(self, resident=resident, total=self.total + resident)
 
 
 def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[str, float]:
@@ -303,14 +243,6 @@ def compile_row(program: Program) -> Row:
                outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
                compile_s=seconds, gathers=tuple(all_gather_shapes(text)), collectives=tuple(collective_shapes(text)),
                cost=roofline.hlo_costs(text))
-
-
-def format_bytes(n: float) -> str:
-    """1.5 * 2**30 -> '1.50G', 3 * 2**20 -> '3.00M', 512 -> '0.50K' (binary units)."""
-    for unit in "TGM":
-        if n >= _UNITS[unit]:
-            return f"{n / _UNITS[unit]:.2f}{unit}"
-    return f"{n / _UNITS['K']:.2f}K"
 
 
 def format_table(rows: Sequence[Row], hbm_bytes: float) -> str:
@@ -470,96 +402,6 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     programs = [dataclasses.replace(p, resident=p.resident + index + encoded) for p in programs]
     search = [dataclasses.replace(p, resident=p.resident + encoded) for p in search]
     return programs[:len(setup) + len(rollout)] + search + encoder + programs[len(setup) + len(rollout):]
-
-
-def search_programs(cfg, devices: Sequence[Any], rows: int, max_queries: int, resident: tuple[str, ...]
-                    ) -> list[Program]:
-    """The e5_device retriever's search programs (`search.device_search`; none for another backend) on one host's
-    chips `devices` (each host holds the whole index over its own chips, `search.dense_device`), its index's rows
-    and dimension read from `retriever.index_path` when it is on this machine, else wiki-18's (`index_source`): one
-    per (queries, candidates) pair its calls reach (`device_search.reachable_shapes`), calls of up to
-    `max_queries` searches for the rollout's top k (`rollout.retrieval_top_k`) and the start-up check's
-    (`search.local.CHECK_K`). First the one the step estimate costs per device call
-    (`step_estimate.rollout_time`): the first pass at a device call of the `rows` searches of the training
-    rollout's rows in flight (at most `retriever.search_batch`); then the others, smallest first. `resident`: what
-    stays beside a rollout program, SESSION added."""
-    ret = resolve_config(cfg.retriever)
-    if ret["backend"] != "e5_device":
-        return []
-    (rows_n, dim), _ = index_source(ret["index_path"])
-    lay = device_index.layout(rows_n, dim, len(devices), ret["vector_dtype"], ret["block_rows"])
-    top_k = cfg.rollout.retrieval_top_k
-    passes = {"candidates": ret["candidates"], "max_candidates": ret["max_candidates"]}
-    shapes = device_search.reachable_shapes([(max_queries, top_k), (len(local.CHECK_QUERIES), local.CHECK_K)],
-                                            rows_n, max_batch=ret["search_batch"], **passes)
-    costed = (device_search.batch_bucket(rows, ret["search_batch"]),
-              device_search.candidate_counts(top_k, rows_n, **passes)[0])
-    programs = []
-    for queries, m in [costed] + sorted(shapes - {costed}):
-        program = device_search.abstract_program(lay, devices, m, queries)
-        programs.append(Program(program.name, program.shapes, program.lower(), resident + (SESSION,),
-                                role=Role.RETRIEVAL))
-    return programs
-
-
-def encoder_programs(cfg, device: Any, max_queries: int, resident: tuple[str, ...]) -> list[Program]:
-    """The e5 query encoder's programs (`search.e5`; none for a backend without one) on a host's first chip
-    `device`, its architecture read from `retriever.encoder_path`'s config.json when it is on this machine, else
-    e5-base-v2's (`encoder_source`): one per (B, T) bucket that calls of up to `max_queries` queries reach
-    (`e5.reachable_shapes`), smallest first. `resident`: what stays beside a rollout program (and the index, with
-    e5_device), SESSION added."""
-    ret = resolve_config(cfg.retriever)
-    if not ret.get("encoder_path"):
-        return []
-    bert, _ = encoder_source(ret["encoder_path"], ret["encoder_dtype"])
-    e5.check_max_length(ret["max_length"], bert, ret["encoder_path"])
-    shapes = e5.reachable_shapes(max_queries, batch_size=ret["encoder_batch_size"], max_length=ret["max_length"])
-    return [Program(p.name, p.shapes, p.lower(), resident + (SESSION,), role=Role.QUERY_ENCODER)
-            for p in e5.abstract_programs(bert, device, shapes)]
-
-
-def encoder_source(encoder_path: str, dtype: str) -> tuple[Any, str]:
-    """(`model.bert.BertConfig` in the compute `dtype`, where from) of the encoder folder `encoder_path` when its
-    config.json is on this machine, else intfloat/e5-base-v2's (Search-R1's encoder, `e5.E5_BASE_V2`)."""
-    file = os.path.join(encoder_path, "config.json")
-    if os.path.isfile(file):
-        with open(file, encoding="utf-8") as f:
-            return BertConfig.from_hf(json.load(f), file, dtype), encoder_path
-    return (dataclasses.replace(e5.E5_BASE_V2, dtype=dtype),
-            f"{encoder_path} is not on this machine: e5-base-v2's architecture")
-
-
-def index_source(index_path: str) -> tuple[tuple[int, int], str]:
-    """((rows, dim), where from) of a Flat index file or index_builder folder on this machine, else wiki-18's
-    21,015,324 rows of e5-base-v2's 768 (the figures of Search-R1's e5_Flat.index)."""
-    file = os.path.join(index_path, dense_index.INDEX_NAME) if os.path.isdir(index_path) else index_path
-    if os.path.isfile(file):
-        index = read_faiss_index(file, mmap=True)
-        return (int(index.ntotal), int(index.d)), file
-    return ((step_estimate.WIKI18_ROWS, e5.E5_BASE_V2.hidden_size),
-            f"{index_path} is not on this machine: wiki-18's size")
-
-
-def retriever_lines(cfg, programs: Sequence[Program], sizes: dict[str, float], host_chips: int) -> list[str]:
-    """What the retriever keeps on the chips (`long_lived_bytes`' INDEX and ENCODER) and how many programs of each
-    kind it runs, in words; none without a retriever on the chips."""
-    lines = []
-    count = {role: sum(p.role is role for p in programs) for role in (Role.RETRIEVAL, Role.QUERY_ENCODER)}
-    if INDEX in sizes:
-        (rows_n, dim), source = index_source(cfg.retriever.index_path)
-        lines.append(f"retrieval index (e5_device, {cfg.retriever.get('vector_dtype', 'bfloat16')}): {rows_n:,} rows "
-                     f"x {dim} ({source}) over each host's {host_chips} chips (a copy per host): "
-                     f"{format_bytes(sizes[INDEX])} per chip, resident in every program; its "
-                     f"{count[Role.RETRIEVAL]} search programs (every batch and candidate count its calls reach) "
-                     f"hold a rollout session's {format_bytes(sizes[SESSION])} beside it")
-    if ENCODER in sizes:
-        ret = resolve_config(cfg.retriever)
-        _, source = encoder_source(ret["encoder_path"], ret["encoder_dtype"])
-        lines.append(f"query encoder (e5, {source}): {format_bytes(sizes[ENCODER])} on each host's first chip, "
-                     f"resident in every program there; its {count[Role.QUERY_ENCODER]} programs (every batch and "
-                     f"length bucket its calls reach) hold a rollout session's {format_bytes(sizes[SESSION])} "
-                     "beside it")
-    return lines
 
 
 def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int, layout,

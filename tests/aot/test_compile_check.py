@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from llds_jax import topologies
-from llds_jax.aot import compile_check, roofline, step_estimate
+from llds_jax.aot import compile_check, compiled, retriever_programs, roofline, step_estimate
 from llds_jax.train import run_builder
 from llds_jax.model import ModelConfig, to_hf_config
 from llds_jax.programs import Role
@@ -188,8 +188,8 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     pools = {p.pool_bytes for p in rollout}  # one pool, training's and evaluation's, resident beside the rest
     assert len(pools) == 1 and pools.pop() > 0
     retriever = (Role.RETRIEVAL, Role.QUERY_ENCODER)  # beside a rollout session: its arguments, the pool among them
-    assert all(compile_check.PAGE_POOL in p.resident for p in programs if not p.rollout and p.role not in retriever)
-    assert all(p.resident[-1] == compile_check.SESSION for p in programs if p.role in retriever)
+    assert all(compiled.PAGE_POOL in p.resident for p in programs if not p.rollout and p.role not in retriever)
+    assert all(p.resident[-1] == compiled.SESSION for p in programs if p.role in retriever)
     step = next(p for p in rollout if p.name == "rollout step (64 tokens)")
     assert step.shapes.startswith("16 sequences x 8 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
     hlo = step.lowered.compile().as_text()
@@ -251,7 +251,7 @@ def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
     assert not any(kind == "all-reduce" for kind, _ in shapes)
     cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                            head_dim=16, num_layers=2)
-    row = compile_check.Row("decode chunk", "16 rows", collectives=tuple(shapes))
+    row = compiled.Row("decode chunk", "16 rows", collectives=tuple(shapes))
     [line] = compile_check.weight_collectives([row], cfg, tensor=4)
     assert line.startswith("decode chunk (16 rows) moves a layer's weights between chips (")
     for moved in ("all-to-all [2, 64, 96]", "collective-permute [96, 64]", "reduce-scatter [1, 4, 16, 64]",
@@ -270,7 +270,7 @@ def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
 
     def row(name, **out):
         lowered = jax.jit(lambda w: w * 2, **out).lower(table)
-        return compile_check.compile_row(compile_check.Program(name, "[512, 64]", lowered, ()))
+        return compile_check.compile_row(compiled.Program(name, "[512, 64]", lowered, ()))
 
     gathered = row("gathered", out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     kept = row("kept", out_shardings=sharded)
@@ -369,13 +369,13 @@ def test_tpu_programs_stay_out_of_the_persistent_compilation_cache(tmp_path):
     script = """
 import jax, jax.numpy as jnp, os, sys
 from jax.sharding import SingleDeviceSharding
-from llds_jax.aot import compile_check
+from llds_jax.aot import compile_check, compiled
 from llds_jax.programs import Role
 jax.config.update("jax_platforms", "cpu")
 cache = sys.argv[1]
 chip = compile_check.topology_devices("v4:2x2x1")[0][0]
 x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=SingleDeviceSharding(chip))
-program = compile_check.Program("square", "", jax.jit(lambda a: a @ a).lower(x), (), Role.UPDATE)
+program = compiled.Program("square", "", jax.jit(lambda a: a @ a).lower(x), (), Role.UPDATE)
 assert not compile_check.compile_row(program).error
 print("tpu", len(os.listdir(cache)) if os.path.isdir(cache) else 0)
 jax.jit(lambda a: a @ a + 1).lower(jnp.ones((128, 128))).compile()
@@ -442,8 +442,8 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
     cfg.retriever = {"backend": "e5_device", "index_path": small_flat_file, "encoder_path": "/e5",
                      "vector_dtype": dtype, "block_rows": 1000, "search_batch": 16}
     devices, _ = compile_check.topology_devices("v4:2x2x4")
-    program = compile_check.search_programs(cfg, devices, rows=16, max_queries=16, resident=("params",))[0]
-    assert program.role is Role.RETRIEVAL and program.resident == ("params", compile_check.SESSION)
+    program = retriever_programs.search_programs(cfg, devices, rows=16, max_queries=16, resident=("params",))[0]
+    assert program.role is Role.RETRIEVAL and program.resident == ("params", compiled.SESSION)
     assert program.name == "retrieval search (16 queries, 32 candidates)"
     assert program.shapes == (f"16 queries x 30,000 rows of 768 in {dtype}, 32 candidates, 1,888 rows per chip")
     row = compile_check.compile_row(program)
@@ -479,7 +479,7 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
         f"retrieval search ({q} queries, {m} candidates)" for q in (8, 16) for m in (32, 128, 512, 2048)
         if (q, m) != (16, 32)]
     assert [p.name for p in encoder] == [f"query encoder ({b} x {t})" for b in (8, 16) for t in range(32, 257, 32)]
-    index, session, held = compile_check.INDEX, compile_check.SESSION, compile_check.ENCODER
+    index, session, held = compiled.INDEX, compiled.SESSION, compiled.ENCODER
     assert all(p.resident[-2:] == (session, held) for p in search)
     assert all(p.resident[-2:] == (index, session) for p in encoder)
     assert all(p.resident[-2:] == (index, held) for p in programs if p not in search + encoder)

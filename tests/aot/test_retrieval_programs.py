@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from llds_jax.aot import compile_check
+from llds_jax.aot import retriever_programs
 from llds_jax.errors import InputError
 from llds_jax.search import make_retriever
 from llds_jax.search.device_search import batch_bucket, candidate_counts
@@ -103,8 +103,8 @@ def lowered_shapes(cfg):
     run_cfg = load("qwen7b_v4", "e5_device")
     run_cfg.retriever, run_cfg.rollout.retrieval_top_k = cfg, TOP_K
     devices = jax.local_devices()
-    search = compile_check.search_programs(run_cfg, devices, MAX_QUERIES, MAX_QUERIES, ())
-    encoder = compile_check.encoder_programs(run_cfg, devices[0], MAX_QUERIES, ())
+    search = retriever_programs.search_programs(run_cfg, devices, MAX_QUERIES, MAX_QUERIES, ())
+    encoder = retriever_programs.encoder_programs(run_cfg, devices[0], MAX_QUERIES, ())
     return ({(p.lowered.args_info[0][2].shape[0], p.lowered.out_info[0].shape[1]) for p in search},
             {p.lowered.args_info[0][1].shape for p in encoder})
 
@@ -128,6 +128,6 @@ def test_a_max_length_past_the_encoders_positions_is_one_line(tmp_path):
     run_cfg = load("qwen7b_v4", "e5")
     run_cfg.retriever.encoder_path = str(tmp_path)  # retriever.max_length: 256 by default
     with pytest.raises(InputError) as e:
-        compile_check.encoder_programs(run_cfg, jax.local_devices()[0], MAX_QUERIES, ())
+        retriever_programs.encoder_programs(run_cfg, jax.local_devices()[0], MAX_QUERIES, ())
     assert str(e.value) == (f"max_length 256 exceeds the encoder's 128 positions ({tmp_path}/config.json "
                             "max_position_embeddings)")
