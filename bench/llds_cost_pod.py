@@ -14,9 +14,9 @@ For each side:
   update time per step, calls x seconds per call, as the step estimate of `--mode=compile` counts it;
 and LLDS - GRPO and LLDS / GRPO of each.
 
-Only the update is compiled (with the two state programs that size what stays resident, and the retriever's search
-when its index stays on the chips): LLDS is a term of the
-update's loss, and the log-prob forwards, likelihood and LLD metrics compute nothing of it. `build_programs` lowers
+Only the update is compiled (with the two state programs that size what stays resident, and the retriever's first
+search and query encoder programs when its index and encoder stay on the chips): LLDS is a term of the update's
+loss, and the log-prob forwards, likelihood and LLD metrics compute nothing of it. `build_programs` lowers
 every program of the run on both sides (a few seconds), and the command prints which lowered modules differ (the
 update alone for configs/qwen7b_v4.py); the rollout is not compiled.
 
@@ -37,13 +37,11 @@ from typing import Optional, Sequence
 import jax
 
 from llds_jax import checks, topologies
-from llds_jax.aot import compile_check, roofline
+from llds_jax.aot import compile_check, compiled, roofline
 from llds_jax.config.loader import load_config
 from llds_jax.programs import Role
 
 SIDES = {"GRPO": False, "LLDS": True}  # objective.llds.enabled of each side
-# Their outputs and arguments size the resident arrays (the on-chip retriever's search: its index, with e5_device).
-STATE_PROGRAMS = (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)
 MIB = 1 << 20
 
 
@@ -52,7 +50,7 @@ class UpdateCost:
     """One side's compiled update: its memory per chip (`row`, bytes, resident arrays included), its calls per
     training step and the roofline estimate of one call (`cost` per chip, `estimate` in seconds)."""
 
-    row: compile_check.Row
+    row: compiled.Row
     calls: float
     estimate: roofline.Estimate
 
@@ -67,12 +65,14 @@ class UpdateCost:
         return self.calls * self.estimate.seconds
 
 
-def compile_update(programs: Sequence[compile_check.Program], hbm_bytes: float, peaks: roofline.ChipPeaks,
+def compile_update(programs: Sequence[compiled.Program], hbm_bytes: float, peaks: roofline.ChipPeaks,
                    label: str) -> UpdateCost:
     """The update among a run's `programs` (`compile_check.build_programs`: at the run's largest training batch)
     compiled, with the resident arrays added as `compile_check.run` adds them. Raises SystemExit naming the program
     when one does not compile or its temporaries do not fit the `hbm_bytes` per chip."""
-    programs = [p for p in programs if p.role in (*STATE_PROGRAMS, Role.RETRIEVAL, Role.UPDATE)]
+    # The programs whose outputs and arguments size the resident arrays (the state programs; the on-chip
+    # retriever's index and query encoder, `compile_check.sizing_programs`), then the update.
+    programs = compile_check.sizing_programs(programs) + [p for p in programs if p.role is Role.UPDATE]
     rows = []
     for program in programs:
         print(f"[{label}] compiling {program.name}: {program.shapes}", flush=True)
@@ -86,7 +86,7 @@ def compile_update(programs: Sequence[compile_check.Program], hbm_bytes: float, 
     return UpdateCost(row, update.calls, roofline.roofline_seconds(row.cost, peaks))
 
 
-def differing_programs(grpo: Sequence[compile_check.Program], llds: Sequence[compile_check.Program]) -> list[str]:
+def differing_programs(grpo: Sequence[compiled.Program], llds: Sequence[compiled.Program]) -> list[str]:
     """Names of the run's programs whose lowered modules differ between the two sides (lowered, not compiled)."""
     if [p.name for p in grpo] != [p.name for p in llds]:
         raise ValueError(f"the two sides run different programs: {[p.name for p in grpo]} vs "

@@ -33,7 +33,7 @@ Prints, for top-3 retrieval:
    devices): queries/s of each and their ratio, the ids equal or not, at calls of `--dense-batch` queries.
 8. `--e5-recall`: HNSW64's recall@3 against Flat on e5 vectors: the demo world's passages (`--world-people`) and
    questions embedded by the project's e5 encoder (`--encoder`, an e5 folder such as intfloat/e5-base-v2; without
-   one the demo's small random BERT, `demo.retriever = "e5_device"`'s, which needs torch).
+   one the demo's small random BERT, `demo.retriever = "e5_device"`'s, written with NumPy).
 
     python bench/retrieval.py --calls --dense-rows 200000
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/retrieval.py --device --dense-rows 200000

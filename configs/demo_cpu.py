@@ -20,11 +20,12 @@ from llds_jax.config import default_config
 
 def get_config():
     c = default_config()
-    c.run_dir = "runs/demo_cpu"
     c.app = demo_config.APP             # the demo application (llds_jax.apps.demo) prepares the run
     c.demo = demo_config.section()
     c.demo.enabled = True
-    c.demo.assets_dir = "runs/demo_world"
+    # runs/demo_cpu and runs/demo_world; another retriever's folders end in its name (runs/demo_cpu_e5_device, ...)
+    c.run_dir = demo_config.per_retriever(c, "runs/demo_cpu")
+    c.demo.assets_dir = demo_config.per_retriever(c, "runs/demo_world")
     c.demo.tokenizer = "world"
     c.demo.vocab_size = 1024            # an upper bound: the world's BPE runs out of merges at 738 entries
     c.demo.num_people = 400
@@ -37,7 +38,7 @@ def get_config():
     c.demo.search_fraction = 0.3
 
     c.sft.enabled = True
-    c.sft.output_dir = "runs/demo_world/warm_start"
+    c.sft.output_dir = c.demo.get_ref("assets_dir") + "/warm_start"  # follows demo.assets_dir
     c.sft.steps = 400
     c.sft.curriculum_steps = 320        # first only demonstrations that search: copying names, reading answers
     c.sft.batch_size = 32

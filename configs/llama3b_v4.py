@@ -18,6 +18,6 @@ def get_config(retriever_name: str = "e5_device"):
     c.model.chat_template = ""
     c.rollout.tensor_parallel = -1      # all 4 chips: its 8 key/value heads split without copies
     c.rollout.max_batch_size = 64       # 64 rows in flight: 8 KV heads make its pages 2x Qwen2.5-3B's
-    c.rollout.max_step_tokens = 512     # step programs at 64, 128, 256 and 512 tokens: 8 with evaluation's
+    c.rollout.max_step_tokens = 1024    # step programs at 64 to 1024 tokens: 10 with evaluation's (aot/tiles.py)
     c.objective.llds.answer_weighting = "adaptive"
     return c

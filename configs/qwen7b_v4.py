@@ -60,7 +60,11 @@ def get_config(retriever_name: str = "e5_device"):
     c.rollout.max_batch_size = 128      # 128 rows in flight per host (docs/tpu.md)
     c.rollout.continuous_batching = True  # a freed row takes the next conversation (the `continuous` policy)
     c.rollout.page_size = 64            # the paged KV cache in pages of 64 slots
-    c.rollout.max_step_tokens = 1024    # step programs at 128, 256, 512 and 1024 tokens
+    c.rollout.max_step_tokens = 2048    # step programs at 128 to 2048 tokens (10 with evaluation's; docs/tpu.md)
+    # The attention kernel's tiles (python -m llds_jax.aot.tiles configs/qwen7b_v4.py, docs/tpu.md): kv blocks of 16
+    # pages (1,024 slots) x q blocks of 32 tokens in the ragged forwards, 8 pages x 8 queries in decode.
+    c.rollout.kv_pages_per_block, c.rollout.queries_per_block = 16, 32
+    c.rollout.decode_kv_pages_per_block, c.rollout.decode_queries_per_block = 8, 8
     c.rollout.decode_chunk = 8          # samples per call: observations wait for calls of 1024 tokens (docs/tpu.md)
     c.rollout.params_dtype = "bfloat16"  # each host's rollout copy of the params: half of the float32 one
     c.rollout.tensor_parallel = -1      # the rollout copy split over a host's 4 chips: no weight gathers in decode

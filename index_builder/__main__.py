@@ -13,13 +13,16 @@ SIGINT (Ctrl-C, `kill -INT`) stops any build within moments, even one started wi
 non-interactive shell starts `cmd &`): one line on stderr saying what is left, exit status 130. `--out` is only ever
 created complete (renamed from `OUT.partial`); bm25 removes `OUT.partial`, faiss keeps its complete shards there.
 One build per `--out`: a bm25 or faiss build holds the lease file `OUT.lease` (llds_jax.runtime.lease) while it runs; a
-second build on the same `--out` stops with one line naming the first (exit status 2).
+second build on the same `--out` stops with one line naming the first (exit status 2). An `OUT.partial`, and with
+--overwrite an `--out`, that is not the builder's own (llds_jax.runtime.output_folder: a folder of the user's that
+has the name) is left as it is, with one line and exit status 2.
 Elasticsearch credentials come from LLDS_ES_API_KEY or LLDS_ES_USER + LLDS_ES_PASSWORD.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -34,9 +37,12 @@ from index_builder.summary import BuildSummary
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_elasticsearch import BulkRejectedError, build_elasticsearch
 from index_builder.to_faiss import build_faiss
+from llds_jax.runtime import output_folder
 from llds_jax.runtime.lease import FolderNotWritableError, Lease, LeaseHeldError
-from llds_jax.search.bm25_index import MANIFEST_FILE
-from llds_jax.search.dense_index import BuildSettingsError
+from llds_jax.search import bm25_index, dense_index
+from llds_jax.search.bm25_index import MANIFEST_FILE, TOKENS_TMP
+from llds_jax.search.dense_index import BUILD_FILE, BuildSettingsError
+from llds_jax.search.docstore import DOCS_FILE, OFFSETS_FILE
 from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.elastic import VECTOR_INDEXES, hosts_for_display, make_client, parse_hosts
 from llds_jax.search.retry import describe
@@ -45,6 +51,11 @@ EXIT_BAD_CORPUS = 2
 EXIT_OUT_IN_USE = 2  # another build holds --out's lease, or --out's folder is not writable
 EXIT_INDEX = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+INDEX_FORMATS = (bm25_index.FORMAT, dense_index.FORMAT)
+# What the bm25 and faiss writers put into --out and OUT.partial.
+INDEX_ENTRIES = frozenset({MANIFEST_FILE, DOCS_FILE, OFFSETS_FILE, bm25_index.DATA_FILE, bm25_index.INDICES_FILE,
+                           bm25_index.INDPTR_FILE, bm25_index.VOCAB_FILE, bm25_index.PARAMS_FILE, TOKENS_TMP,
+                           dense_index.INDEX_NAME, BUILD_FILE, "shards"})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -119,11 +130,49 @@ def open_corpus(args: argparse.Namespace) -> tuple[CorpusReader, Progress | None
     return reader, None if args.no_progress else Progress(reader.size, f"indexing {os.path.basename(args.corpus)}")
 
 
+def _is_bm25_partial(folder: str) -> bool:
+    """Whether the folder is an unfinished bm25 build (Bm25IndexWriter's: its term numbers, and a document store
+    that is empty or starts with a document record)."""
+    try:
+        with open(os.path.join(folder, DOCS_FILE), "rb") as f:
+            line = f.readline()
+        record = json.loads(line) if line else {"id": "", "contents": ""}
+    except (OSError, ValueError):
+        return False
+    return (os.path.isfile(os.path.join(folder, TOKENS_TMP)) and isinstance(record, dict)
+            and record.keys() == {"id", "contents"})
+
+
+def _is_index(folder: str) -> bool:
+    """Whether the folder is an index the builder wrote: a finished one (its manifest), an unfinished faiss build
+    (its build settings) or an unfinished bm25 one."""
+    manifest = output_folder.read_json(os.path.join(folder, MANIFEST_FILE))
+    settings = output_folder.read_json(os.path.join(folder, BUILD_FILE))
+    return any(isinstance(record, dict) and record.get("format") in INDEX_FORMATS for record in (manifest, settings)) \
+        or _is_bm25_partial(folder)
+
+
+# An index folder (--out) or its unfinished build (OUT.partial) of an older version (before the marker).
+INDEX = output_folder.Kind("index", strangers=output_folder.proven_by(_is_index, lambda entry: entry in INDEX_ENTRIES))
+
+
+def claim_outputs(args: argparse.Namespace) -> None:
+    """Before a bm25 or faiss build writes or deletes anything: OUT.partial (resumed or replaced by the build) and,
+    with --overwrite, an existing --out (removed) must be the builder's own, else FolderNotOursError (one line;
+    nothing written or deleted): a folder of the user's that happens to have the name is never removed."""
+    partial = args.out.rstrip("/") + ".partial"
+    if os.path.exists(partial):
+        output_folder.claim(partial, "--out", INDEX)
+    if args.overwrite and os.path.exists(args.out):
+        output_folder.claim(args.out, "--out", INDEX)
+
+
 def build(args: argparse.Namespace) -> BuildSummary:
     """Runs the build `args` describe; raises CorpusError, BulkRejectedError, LeaseHeldError (another build on
-    --out) or the backend's errors."""
+    --out), FolderNotOursError (--out or OUT.partial not the builder's) or the backend's errors."""
     if args.to in ("bm25", "faiss"):
         with Lease(args.out.rstrip("/") + ".lease", what=f"--out {args.out}"):
+            claim_outputs(args)
             return build_local(args, *open_corpus(args))
     reader, progress = open_corpus(args)
     embedder = open_encoder(args) if args.encoder else None
@@ -192,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CorpusError, EncoderError, BuildSettingsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_CORPUS
-    except (LeaseHeldError, FolderNotWritableError) as e:
+    except (LeaseHeldError, FolderNotWritableError, output_folder.FolderNotOursError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_OUT_IN_USE
     except (BulkRejectedError, FileExistsError) as e:

@@ -38,6 +38,8 @@ LOGICAL_AXIS_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp"),    # rows of activations, token batches and the KV cache
     # rows of the logits a token is sampled from: each row's whole vocabulary on one chip, every chip a share of rows
     "sampled_rows": ("data", "fsdp", "tensor"),
+    # rows of logits whose vocabulary is split (over fsdp and tensor, "vocab"): split over data, the axis left
+    "logit_rows": "data",
     "vocab": ("fsdp", "tensor"),  # V of the embedding table, the output projection and the logits
     "embed": "fsdp",              # D of the weight matrices (FSDP); activations keep D whole
     "heads": "tensor",            # N query heads

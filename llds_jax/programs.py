@@ -30,6 +30,8 @@ class Role(enum.Enum):
     ROLLOUT_STEP = "rollout step"
     # the retriever on the chips (`search.device_search`): one call scores a batch of searches against the index
     RETRIEVAL = "retrieval search"
+    # the retriever's query encoder (`search.e5`) on a host's first chip: one call embeds a batch of queries
+    QUERY_ENCODER = "query encoder"
     # a training step
     REFERENCE_LOGP = "logp (reference)"
     POLICY_LOGP = "logp (policy)"

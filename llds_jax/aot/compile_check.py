@@ -18,6 +18,13 @@ The programs, at the config's largest shapes (the worst case a long run can reac
   evaluation (greedy, `eval.batch_size` slots); the page pool, shared by both, resident beside every program; their
   params in `rollout.params_dtype`, as the trainer casts them (with bfloat16 on float32 master weights, half the
   bytes);
+- the retriever's programs on each host's chips, at every shape its calls can reach (a call holds at most the
+  searches of the sequences in flight, one each: the larger engine's slots, training's or evaluation's): with
+  `retriever.backend = "e5_device"` the search (`search.device_search.reachable_shapes`: every batch bucket up to
+  `retriever.search_batch` at every candidate count of its passes, for the rollout's top k and the start-up
+  check's); with an e5 encoder on the chips (e5_device, faiss, elasticsearch with `encoder_path`) the query
+  encoder on the host's first chip (`search.e5.reachable_shapes`: every batch bucket up to
+  `retriever.encoder_batch_size` at every length bucket up to `retriever.max_length`);
 - training (every chip): optimizer init, the reference copy, the frozen log-probs under the policy and the
   reference, the likelihood metrics, one optimizer update with all its micro-batches and the LLD metrics, at the
   longest training batch (`rollout.max_context_tokens` rounded up to `train.sequence_bucket`).
@@ -54,17 +61,18 @@ from jax.sharding import SingleDeviceSharding
 
 from llds_jax import checks, parallel, topologies
 from llds_jax.aot import rollout_schedule, roofline, step_estimate, step_lengths
+from llds_jax.aot.compiled import (ENCODER, INDEX, OPT_STATE, PAGE_POOL, PARAMS, REFERENCE, SESSION, UNITS, Program, Row,
+                                  format_bytes)
+from llds_jax.aot.retriever_programs import encoder_programs, retriever_lines, search_programs
 from llds_jax.train import run_builder
 from llds_jax import config as config_lib
 from llds_jax.config.sections import RolloutConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.rollout.buckets import round_up
-from llds_jax.rollout.config import PagingConfig, SamplingConfig
+from llds_jax.rollout.config import KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
-from llds_jax.search import dense_index, device_index, device_search
-from llds_jax.search.dense import read_faiss_index
-from llds_jax.search.factory import resolve_config
+from llds_jax.rollout.runner import decode_batches
 
 GIB = 1 << 30
 PLACEHOLDER_STOP_IDS = (0, 1)  # the samplers' turn stops: the tokenizer's do not change a program's shapes
@@ -130,13 +138,13 @@ _ALL_GATHER = re.compile(r"=\s*(.*?)\s\ball-gather(?:-done)?\(")
 _COLLECTIVE = re.compile(r"=\s*(.*?)\s\b(all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start|-done)?"
                          r"\(([^)]*)\)")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
 
 
 def _bytes_after(label: str, message: str) -> Optional[float]:
     """Bytes of "<label> (30.75G)" in an XLA message (None when absent)."""
     match = re.search(re.escape(label) + r" \(([\d.]+)([KMGT])\)", message)
-    return None if match is None else float(match.group(1)) * _UNITS[match.group(2)]
+    return None if match is None else float(match.group(1)) * UNITS[match.group(2)]
 
 
 def parse_available_hbm(message: str) -> Optional[float]:
@@ -151,15 +159,6 @@ def parse_required_bytes(message: str) -> Optional[float]:
 
 
 # ----- what runs -----------------------------------------------------------------------------------------------------
-# Long-lived arrays of a run: the policy parameters, the optimizer state (with the step counters), the frozen
-# reference parameters. Their bytes per chip are read off the programs that make them (XLA's own layout, padding
-# included): "reference copy" reads the params and writes the reference, "optimizer init" writes the state.
-PARAMS, OPT_STATE, REFERENCE = "params", "optimizer state", "reference"
-# With the retriever on the chips (`retriever.backend = "e5_device"`): its index shard stays in HBM for the whole run
-# (INDEX: the search program's arguments, the shard and one batch of queries), and its search runs while a rollout
-# session holds its KV cache and rollout params (SESSION: the largest rollout program's arguments).
-INDEX, SESSION = "retrieval index", "rollout session"
-PAGE_POOL = "page pool"  # the paged engine's KV cache: allocated once, resident beside every other program
 # What stays in HBM beside each training program without being its argument (the update: the reference, REFERENCE
 # by default); a rollout program keeps OPT_STATE and REFERENCE, and PARAMS too when the rollout has its own copy.
 TRAINING_RESIDENT = {
@@ -168,70 +167,37 @@ TRAINING_RESIDENT = {
     Role.LLD_LOGP: (OPT_STATE, REFERENCE), Role.LLD_METRICS: (PARAMS, OPT_STATE, REFERENCE)}
 
 
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One program to compile: its name, the shapes it runs at, the program lowered (`jax.stages.Lowered`), the
-    long-lived arrays (PARAMS, OPT_STATE, REFERENCE) that stay in HBM while it runs without being its arguments,
-    whether it is a rollout program (run on the rollout copy of the params), and what the step estimate needs."""
-
-    name: str
-    shapes: str
-    lowered: Any
-    resident: tuple[str, ...]
-    role: Optional[Role] = None  # what it does (`llds_jax.programs.Role`); None: a program of no run
-    rollout: bool = False
-    pool_bytes: float = 0.0  # the paged engine's page pool per chip (an argument of its rollout programs)
-    calls: float = 0.0  # calls per training step of an HLO-costed program (`llds_jax.aot.step_estimate`)
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One compiled program's memory per chip (bytes; `total` without the resident arrays until
-    `with_resident`) and compile time; `error` when it did not compile. `gathers`: (element type, dims) of every
-    all-gather's output (`all_gather_shapes`); `collectives`: (kind, dims) of every result and operand of the
-    collectives that move arrays (`collective_shapes`)."""
-
-    name: str
-    shapes: str
-    arguments: float = 0.0
-    outputs: float = 0.0
-    temporaries: float = 0.0
-    resident: float = 0.0
-    total: float = 0.0
-    compile_s: float = 0.0
-    error: str = ""
-    gathers: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    collectives: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    cost: Any = None  # llds_jax.aot.roofline.HloCost of one call
-
-    @property
-    def gather(self) -> str:
-        """The largest all-gather's output, e.g. "bf16[16,4096,3584]" ("" when the program has none)."""
-        if not self.gathers:
-            return ""
-        dtype, dims = max(self.gathers, key=lambda g: math.prod(g[1]))
-        return f"{dtype}[{','.join(map(str, dims))}]"
-
-    def with_resident(self, resident: float) -> "Row":
-        return dataclasses.replace(self, resident=resident, total=self.total + resident)
 
 
 def long_lived_bytes(rows: Sequence[Row], programs: Sequence[Program]) -> dict[str, float]:
     """Bytes per chip of PARAMS, OPT_STATE and REFERENCE from the compiled state programs (`rows[i]` the compiled
-    `programs[i]`), of PAGE_POOL (the paged engine's pool, 0 without it), and of INDEX and SESSION when a retrieval
-    search program is among them (SESSION 0 when no rollout program is). Without a reference (no
-    KL term) the params are half the AdamW state (m and v are laid out like them)."""
-    by_role = {program.role: row for row, program in zip(rows, programs)}
+    `programs[i]`), of PAGE_POOL (the paged engine's pool, 0 without it), of INDEX when a retrieval search program
+    is among them, of ENCODER when a query encoder program is, and then of SESSION (0 when no rollout program is).
+    Without a reference (no KL term) the params are half the AdamW state (m and v are laid out like them)."""
+    by_role = {}
+    for row, program in zip(rows, programs):
+        by_role.setdefault(program.role, row)  # a role's first program
     opt_state = by_role[Role.OPTIMIZER_INIT].outputs
     copy = by_role.get(Role.REFERENCE_COPY)
     params = copy.arguments if copy is not None else opt_state / 2
     sizes = {PARAMS: params, OPT_STATE: opt_state, REFERENCE: copy.outputs if copy is not None else 0.0}
     sizes[PAGE_POOL] = max(program.pool_bytes for program in programs)
-    search = by_role.get(Role.RETRIEVAL)
-    if search is not None:
-        sizes[INDEX] = search.arguments
+    for name, role in ((INDEX, Role.RETRIEVAL), (ENCODER, Role.QUERY_ENCODER)):
+        if role in by_role:
+            sizes[name] = by_role[role].arguments
+    if INDEX in sizes or ENCODER in sizes:
         sizes[SESSION] = max((row.arguments for row, program in zip(rows, programs) if program.rollout), default=0.0)
     return sizes
+
+
+def sizing_programs(programs: Sequence[Program]) -> list[Program]:
+    """The programs among `programs` whose compiled rows `long_lived_bytes` reads: the state programs and the first
+    program of the retriever's search and of its query encoder (for a tool that compiles a few programs only)."""
+    firsts = {Role.RETRIEVAL: None, Role.QUERY_ENCODER: None}
+    for program in programs:
+        if program.role in firsts and firsts[program.role] is None:
+            firsts[program.role] = program
+    return [p for p in programs if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY) or p in firsts.values()]
 
 
 def all_gather_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -277,14 +243,6 @@ def compile_row(program: Program) -> Row:
                outputs=float(m.output_size_in_bytes), temporaries=float(m.temp_size_in_bytes), total=float(own),
                compile_s=seconds, gathers=tuple(all_gather_shapes(text)), collectives=tuple(collective_shapes(text)),
                cost=roofline.hlo_costs(text))
-
-
-def format_bytes(n: float) -> str:
-    """1.5 * 2**30 -> '1.50G', 3 * 2**20 -> '3.00M', 512 -> '0.50K' (binary units)."""
-    for unit in "TGM":
-        if n >= _UNITS[unit]:
-            return f"{n / _UNITS[unit]:.2f}{unit}"
-    return f"{n / _UNITS['K']:.2f}K"
 
 
 def format_table(rows: Sequence[Row], hbm_bytes: float) -> str:
@@ -410,6 +368,7 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     own_copy = (layout.rollout.resharded or layout.rollout.kv_repeat > 1
                 or cfg.rollout.params_dtype != cfg.model.param_dtype)
     everything = (PARAMS, OPT_STATE, REFERENCE)
+    beside_rollout = everything if own_copy else (OPT_STATE, REFERENCE)
     rollout = []
     reshard = reshard_program(layout.rollout, parts.step.abstract_state().params, cfg.rollout.params_dtype)
     if reshard is not None:  # its argument is the cast copy, or the training params themselves
@@ -417,13 +376,15 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
         rollout.append(Program(reshard.name, reshard.shapes, reshard.lower(),
                                everything if cast else (OPT_STATE, REFERENCE), role=Role.RESHARD, calls=1.0))
     session_rows = parts.sampler.engine_config.max_seqs
+    # A retriever call holds at most one search per sequence in flight, training's or evaluation's.
+    max_queries = max(session_rows, parts.eval_sampler.engine_config.max_seqs)
     batch = config_lib.rollout_batch_size(cfg)
     for label, sampler in (("", parts.sampler), ("eval ", parts.eval_sampler)):
         for program in sampler.abstract_programs(rollout_params):  # one step program per token bucket
             rollout.append(Program(f"{label}{program.name}",
                                    program.shapes + _layout_label(layout.rollout, len(hosts)), program.lower(),
-                                   everything if own_copy else (OPT_STATE, REFERENCE), role=program.role,
-                                   rollout=True, pool_bytes=sampler.runner.pool.bytes_per_device()))
+                                   beside_rollout, role=program.role, rollout=True,
+                                   pool_bytes=sampler.runner.pool.bytes_per_device()))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
     calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
     training = [Program(p.name, p.shapes, p.lower(), TRAINING_RESIDENT.get(p.role, (REFERENCE,)), role=p.role,
@@ -433,41 +394,14 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     programs = setup + rollout + training[len(setup):]
     programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,)) for p in programs]
-    if cfg.retriever.get("backend") != "e5_device":
-        return programs
     host_devices = [d for d in devices if d.process_index == hosts[0]]  # each host searches its own copy
-    search = retrieval_program(cfg, host_devices, session_rows, everything if own_copy else (OPT_STATE, REFERENCE))
-    programs = [dataclasses.replace(p, resident=p.resident + (INDEX,)) for p in programs]
-    return programs[:len(setup) + len(rollout)] + [search] + programs[len(setup) + len(rollout):]
-
-
-def retrieval_program(cfg, devices: Sequence[Any], rows: int, resident: tuple[str, ...]) -> Program:
-    """The e5_device retriever's search program (`search.device_search`) on one host's chips `devices` (each
-    host holds the whole index over its own chips, `search.dense_device`), its index's rows and
-    dimension read from `retriever.index_path` when it is on this machine, else wiki-18's (`index_source`), at a
-    device call of the `rows` searches of the rollout's rows in flight (at most `retriever.search_batch`);
-    `resident`: what stays beside a rollout program, SESSION added. The step estimate costs its calls
-    (`step_estimate.rollout_time`)."""
-    ret = resolve_config(cfg.retriever)
-    (rows_n, dim), _ = index_source(ret["index_path"])
-    lay = device_index.layout(rows_n, dim, len(devices), ret["vector_dtype"], ret["block_rows"])
-    queries = min(ret["search_batch"], max(8, 1 << math.ceil(math.log2(max(rows, 1)))))
-    program = device_search.abstract_program(lay, devices, max(ret["candidates"], cfg.rollout.retrieval_top_k),
-                                             queries)
-    return Program(program.name, program.shapes, program.lower(), resident + (SESSION,), role=Role.RETRIEVAL)
-
-
-E5_BASE_DIM = 768  # e5-base-v2's embeddings
-
-
-def index_source(index_path: str) -> tuple[tuple[int, int], str]:
-    """((rows, dim), where from) of a Flat index file or index_builder folder on this machine, else wiki-18's
-    21,015,324 rows of e5-base-v2's 768 (the figures of Search-R1's e5_Flat.index)."""
-    file = os.path.join(index_path, dense_index.INDEX_NAME) if os.path.isdir(index_path) else index_path
-    if os.path.isfile(file):
-        index = read_faiss_index(file, mmap=True)
-        return (int(index.ntotal), int(index.d)), file
-    return (step_estimate.WIKI18_ROWS, E5_BASE_DIM), f"{index_path} is not on this machine: wiki-18's size"
+    search = search_programs(cfg, host_devices, session_rows, max_queries, beside_rollout)
+    index = (INDEX,) if search else ()
+    encoder = encoder_programs(cfg, host_devices[0], max_queries, beside_rollout + index)
+    encoded = (ENCODER,) if encoder else ()
+    programs = [dataclasses.replace(p, resident=p.resident + index + encoded) for p in programs]
+    search = [dataclasses.replace(p, resident=p.resident + encoded) for p in search]
+    return programs[:len(setup) + len(rollout)] + search + encoder + programs[len(setup) + len(rollout):]
 
 
 def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int, layout,
@@ -480,7 +414,9 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     (`rollout_schedule.partial_for_run` at the config's rollout.over_sampling when rollout.partial is on, else at
     `step_estimate.PARTIAL_OVER_SAMPLING`; ideal); with `estimate_from`, its predicted step calls and batch tokens
     per token bucket beside the run's logged ones."""
-    costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls, step_estimate.part(p.role, p.rollout),
+    # The query encoder runs inside the retriever's calls: no part of the step of its own.
+    costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls,
+                                       "" if p.role is Role.QUERY_ENCODER else step_estimate.part(p.role, p.rollout),
                                        p.role)
              for r, p in zip(rows, programs)]
     peaks = roofline.PEAKS[generation]
@@ -494,7 +430,8 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
     faithful = step_estimate.faithful_cost(cost, layout.rollout.model_cfg, layout.rollout.tensor, paging.page_size,
                                            -(-rollout_cfg.max_context_tokens // paging.page_size),
                                            parallel.axis_size(layout.rollout.mesh, "sampled_rows"),
-                                           SamplingConfig.of(rollout_cfg, PLACEHOLDER_STOP_IDS))
+                                           SamplingConfig.of(rollout_cfg, PLACEHOLDER_STOP_IDS),
+                                           KernelTiles.of(rollout_cfg), decode_batches(layout.rollout.mesh, slots))
     device_search = next((c for c in costs if c.role is Role.RETRIEVAL), None)
     worst_updates = step_estimate.part_seconds(costs, peaks)
     lines = [step_estimate.format_programs(costs, peaks, generation)]
@@ -551,13 +488,8 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     rows = [row.with_resident(sum(sizes[name] for name in program.resident))
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))
-    if INDEX in sizes:
-        (rows_n, dim), source = index_source(cfg.retriever.index_path)
-        host_chips = len(devices) // hosts
-        print(f"retrieval index (e5_device, {cfg.retriever.get('vector_dtype', 'bfloat16')}): {rows_n:,} rows x {dim} "
-              f"({source}) over each host's {host_chips} chips (a copy per host): {format_bytes(sizes[INDEX])} per "
-              "chip, resident in every "
-              f"program; its search holds a rollout session's {format_bytes(sizes[SESSION])} beside it")
+    for line in retriever_lines(cfg, programs, sizes, len(devices) // hosts):
+        print(line)
     layout = run_builder.run_layout(cfg, devices)
     model, rollout = layout.model_cfg, layout.rollout
     problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)

@@ -32,13 +32,15 @@ Not a measurement: peak rates are never reached, and the lengths are stated assu
   (it runs every `train.eval_every` steps); the weight reshard runs once per step, in the rollout.
 - Kernel-faithful (issue 67, `FaithfulCost`, printed beside the ideal above by `format_faithful`): the same
   schedule's calls costed as the step program runs them: each layer's attention as JAX's ragged paged attention
-  kernel executes it at the tile it is called with (`llds_jax.aot.kernel_cost`: whole kv blocks copied, pages past
-  a sequence's end included; whole q blocks against whole kv blocks on the MXU), every one of the S slots in every
-  decode iteration, the KV write, the copy-on-write scan, the sampler's passes over the vocabulary, the
-  all-reduces; each op by its own roofline, the ops in series. Each term names its source (`TERM_SOURCES`: "HLO",
-  "kernel grid", "program"); the host's time per call and retrieval in series with the calls are "measured"
-  terms, placeholders until a bench measures them (the host's 0 s, retrieval the ideal's blocking seconds), and
-  the collectives' latency is not costed. The partial rollouts' what-if stays ideal.
+  kernel executes it at the tiles the runner passes (`KernelTiles`, rollout.kv_pages_per_block and the like;
+  `llds_jax.aot.kernel_cost`: whole kv blocks copied, pages past a sequence's end included; whole q blocks
+  against whole kv blocks on the MXU), each decode iteration over the rows still sampling in the runner's ragged
+  batches (one per tensor-parallel group split over data, each on its own chips; the layers' rows split over
+  those groups), the KV write, the copy-on-write scan, the sampler's passes over the vocabulary, the all-reduces;
+  each op by its own roofline, the ops in series. Each term names its source (`TERM_SOURCES`: "HLO", "kernel
+  grid", "program"); the host's time per call and retrieval in series with the calls are "measured" terms,
+  placeholders until a bench measures them (the host's 0 s, retrieval the ideal's blocking seconds), and the
+  collectives' latency is not costed. The partial rollouts' what-if stays ideal.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ from llds_jax.model import paged_attention
 from llds_jax.programs import Role
 from llds_jax.aot.roofline import ChipPeaks, HloCost, roofline_seconds
 from llds_jax.rollout import nucleus
-from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.config import KernelTiles, SamplingConfig, Tile
 
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on
@@ -408,18 +410,25 @@ TERM_SOURCES = {LAYERS: HLO, ATTENTION: KERNEL_GRID, KV_WRITE: PROGRAM, COPIES: 
 
 @dataclasses.dataclass(frozen=True)
 class FaithfulCost:
-    """A step call on one chip as the shipped kernel runs it (issue 67): `StepCost`'s forwards, each layer's
-    attention costed from the kernel's grid (`kernel_cost`) instead of the pages the sequences hold, every one of
-    the S slots in every decode iteration (those no longer sampling at kv_len 1: `rollout.runner.step_program`),
-    and the work around it. Each of its ops is costed by its own roofline, max(FLOPs / peak, bytes / bandwidth),
-    and the ops add up (a layer's attention waits for its projections, the sampler for the logits).
+    """A step call on one chip as the step program and the shipped kernel run it (issue 67): `StepCost`'s forwards,
+    each layer's attention costed from the kernel's grid (`kernel_cost`) instead of the pages the sequences hold, at
+    the tile the runner passes (`tiles`: per token bucket, and in decode iterations), and the work around it. A
+    decode iteration runs only the rows still sampling, dealt to `batches` ragged batches (`runner.decode_rows`:
+    the i-th sampling row in slot order to batch i mod B, each batch's kernel call on its own chips: a chip's is
+    the first batch's, which holds the most); the layers' rows (tokens, logits) are split over the B batches. Each
+    of its ops is costed by its own roofline, max(FLOPs / peak, bytes / bandwidth), and the ops add up (a layer's
+    attention waits for its projections, the sampler for the logits).
 
     Attributes:
-      step: the forward's layers (`StepCost`: FLOPs as the HLO's, the weights' bytes, the all-reduces).
-      kernel: one layer's kernel calls on the chip (its heads, pages and tile).
+      step: the forward's layers (`StepCost`: FLOPs as the HLO's on one group, the weights' bytes, the
+        all-reduces).
+      kernel: one layer's kernel call's shape on the chip (its heads, pages; the tile comes from `tiles`).
+      tiles: the kernel's tiles (`KernelTiles`; 0: the kernel's default).
+      batches: B, the ragged batches of a decode iteration and the shares of the layers' rows
+        (`runner.decode_batches`: the rollout's tensor-parallel groups split over data).
       layers: L, kernel calls per forward.
       kv_write_bytes_per_token: every layer's keys and values of one token on the chip (the scatter into the pool;
-        padding tokens dropped, each decode iteration writes all S rows).
+        padding tokens and rows not sampling dropped; every chip writes every batch's tokens).
       sampler_passes: a draw's passes over its logits (`sampler_passes`).
       logits_bytes: the chip's share of a draw's float32 logits [S, V] (the rows split over every mesh axis:
         "sampled_rows").
@@ -427,35 +436,47 @@ class FaithfulCost:
 
     step: StepCost
     kernel: kernel_cost.KernelShape
+    tiles: KernelTiles
+    batches: int
     layers: int
     kv_write_bytes_per_token: float
     sampler_passes: int
     logits_bytes: float
 
-    def forward_terms(self, tokens: int, written: int, q_lens, kv_lens, peaks: ChipPeaks
-                      ) -> tuple[dict[str, float], kernel_cost.KernelCall]:
-        """Seconds per term of one forward of `tokens` tokens (the q operand), `written` of them real, over
-        sequences of `q_lens` new tokens and `kv_lens` slots; and one layer's kernel call."""
+    def kernel_at(self, tile: Tile) -> kernel_cost.KernelShape:
+        """The kernel's shape at `tile` (0: the kernel's default, `paged_attention.KERNEL_*`)."""
+        return dataclasses.replace(
+            self.kernel, kv_pages_per_block=tile.kv_pages_per_block or paged_attention.KERNEL_KV_PAGES_PER_BLOCK,
+            queries_per_block=tile.queries_per_block or paged_attention.KERNEL_QUERIES_PER_BLOCK)
+
+    def forward_terms(self, tokens: int, written: int, q_lens, kv_lens, tile: Tile, peaks: ChipPeaks,
+                      operand: int = 0) -> tuple[dict[str, float], kernel_cost.KernelCall]:
+        """Seconds per term of one forward of `tokens` tokens (their rows split over the batches), `written` of them
+        real, whose chip's kernel call at `tile` takes sequences of `q_lens` new tokens and `kv_lens` slots in a q
+        operand of `operand` tokens (0: `tokens`); and that kernel call."""
         s = self.step
-        call = kernel_cost.kernel_call(self.kernel, tokens, q_lens, kv_lens)
-        return {LAYERS: max(s.flops(tokens) / peaks.flops, s.weight_bytes / peaks.hbm_bandwidth),
+        call = kernel_cost.kernel_call(self.kernel_at(tile), operand or tokens, q_lens, kv_lens)
+        return {LAYERS: max(s.flops(tokens) / self.batches / peaks.flops, s.weight_bytes / peaks.hbm_bandwidth),
                 ATTENTION: self.layers * max(call.flops / peaks.flops, call.hbm_bytes / peaks.hbm_bandwidth),
                 KV_WRITE: written * self.kv_write_bytes_per_token / peaks.hbm_bandwidth,
                 SAMPLER: self.sampler_passes * self.logits_bytes / peaks.hbm_bandwidth,
-                ALL_REDUCE: s.all_reduce_seconds(tokens, peaks)}, call
+                ALL_REDUCE: s.all_reduce_seconds(tokens, peaks) / self.batches}, call
 
     def call_terms(self, call: rollout_schedule.Call, peaks: ChipPeaks) -> tuple[dict[str, float], KernelTally]:
         """Seconds per term of one step call (its copy-on-write scan over the S page copies it is compiled with,
-        its ragged forward at its bucket, then its decode iterations over every slot), and its kernel calls'
-        work over all its layers."""
+        its ragged forward at its bucket, whole on every chip, then its decode iterations over the rows still
+        sampling), and its chip's kernel calls' work over all its layers."""
         slots = self.step.slots
-        terms, first = self.forward_terms(call.bucket, call.tokens, call.q_lens, call.kv_lens, peaks)
+        terms, first = self.forward_terms(call.bucket, call.tokens, call.q_lens, call.kv_lens,
+                                          self.tiles.forward(call.bucket, slots), peaks)
         terms[COPIES] = slots * 2 * self.step.page_bytes / peaks.hbm_bandwidth  # each copy read and written
         tally = KernelTally.of(first, self.layers)
-        kv_lens = np.ones(slots, np.int64)
+        samples_s, kv_lens_s = np.asarray(call.samples), np.asarray(call.kv_lens)
         for i in range(1, call.iterations + 1):
-            kv_lens[:len(call.kv_lens)] = np.where(np.asarray(call.samples) > i, np.asarray(call.kv_lens) + i, 1)
-            more, kernel = self.forward_terms(slots, slots, np.ones(slots, np.int64), kv_lens, peaks)
+            sampling_s = samples_s > i
+            first_batch = (kv_lens_s + i)[sampling_s][::self.batches]  # its 1st, (B + 1)-th, ... sampling rows
+            more, kernel = self.forward_terms(slots, int(sampling_s.sum()), np.ones_like(first_batch), first_batch,
+                                              self.tiles.decode, peaks, operand=slots // self.batches)
             terms = {name: seconds + more.get(name, 0.0) for name, seconds in terms.items()}
             tally = tally + KernelTally.of(kernel, self.layers)
         return terms, tally
@@ -483,17 +504,17 @@ class KernelTally:
 
 
 def faithful_cost(step: StepCost, model_cfg, tensor: int, page_size: int, pages_per_seq: int, row_shards: int,
-                  sampling: SamplingConfig, kv_pages_per_block: int = paged_attention.KERNEL_KV_PAGES_PER_BLOCK,
-                  queries_per_block: int = paged_attention.KERNEL_QUERIES_PER_BLOCK) -> FaithfulCost:
+                  sampling: SamplingConfig, tiles: KernelTiles = KernelTiles(), batches: int = 1) -> FaithfulCost:
     """The `FaithfulCost` of `step` (`step_cost`'s) for a rollout model of `model_cfg` over `tensor` chips (its
     heads split over them), pages of `page_size` slots, `pages_per_seq` per sequence, the sampled rows split
-    `row_shards` ways, drawn as `sampling` says, at the kernel's tile (default: what `paged_attention` passes when
-    the runner names none, as today)."""
+    `row_shards` ways, drawn as `sampling` says, at the kernel's `tiles` (default: the kernel's own), decode
+    iterations in `batches` ragged batches (`runner.decode_batches`)."""
     m = model_cfg
     kernel = kernel_cost.KernelShape(m.num_heads // tensor, m.num_kv_heads // tensor, m.head_dim, page_size,
-                                     pages_per_seq, m.dtype, kv_pages_per_block, queries_per_block)
+                                     pages_per_seq, m.dtype, paged_attention.KERNEL_KV_PAGES_PER_BLOCK,
+                                     paged_attention.KERNEL_QUERIES_PER_BLOCK)
     rows = -(-step.slots // row_shards)
-    return FaithfulCost(step, kernel, m.num_layers, m.num_layers * kernel.page_bytes / page_size,
+    return FaithfulCost(step, kernel, tiles, batches, m.num_layers, m.num_layers * kernel.page_bytes / page_size,
                         sampler_passes(sampling), rows * m.vocab_size * 4)
 
 
@@ -525,14 +546,18 @@ def format_faithful(label: str, cost: FaithfulCost, time: FaithfulTime, ideal: R
     """The lines of one step estimate as the kernel runs its calls, beside the ideal one (`format_step`'s, whose
     rollout is `ideal`): each term with its source and seconds, the placeholders of the measured terms, and the
     step with the rollout's share of it, the ideal's beside it."""
-    k, tally = cost.kernel, time.kernel
+    tally = time.kernel
     useful = tally.useful_page_copies / max(tally.page_copies, 1)
     notes = {ATTENTION: f"{tally.grid_steps:,} grid steps, {tally.pool_bytes / 1e9:,.1f} GB of pages copied "
                         f"({useful:.0%} of them pages the sequences hold), {tally.flops / 1e12:,.1f} TFLOP on the MXU",
              SAMPLER: f"{cost.sampler_passes} passes per draw over the chip's rows of float32 logits"}
+    forward, decode = cost.kernel_at(cost.tiles.ragged), cost.kernel_at(cost.tiles.decode)
+    batches = f"{cost.batches} batches" if cost.batches > 1 else "one batch"
     lines = [f"  {label} step, kernel-faithful (issue 67): each call as JAX's ragged paged attention runs it, at the "
-             f"tile {k.kv_pages_per_block} kv pages x {k.queries_per_block} queries, pages of {k.page_size} slots, "
-             "every slot in every decode iteration: term, source, seconds"]
+             f"tile {forward.kv_pages_per_block} kv pages x {forward.queries_per_block} queries (the slots' bucket and "
+             f"decode iterations: {decode.kv_pages_per_block} x {decode.queries_per_block}), pages of "
+             f"{cost.kernel.page_size} slots, each decode iteration over its sampling rows in {batches}: term, source, "
+             "seconds"]
     for name, source in TERM_SOURCES.items():
         note = f"  ({notes[name]})" if name in notes else ""
         lines.append(f"    {name:<30} {source:<12} {time.terms[name]:8.2f} s{note}")

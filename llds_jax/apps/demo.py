@@ -39,15 +39,23 @@ from llds_jax.model import ModelConfig, Transformer, hf_io
 from llds_jax.rollout.buckets import round_up
 from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.factory import make_retriever
+from llds_jax.search.synthetic import write_random_bert
 from llds_jax.sft.demonstrations import write_demonstrations
 from llds_jax.model.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
 
 log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
 _VOCAB_MULTIPLE = 128  # embedding rows of a trained tokenizer are padded to a multiple of this
-ASSETS_VERSION = 7     # part of the recorded spec: assets built by older code are rebuilt
+ASSETS_VERSION = 7     # part of the recorded spec: assets built by older code are refused, never built over
 E5_MAX_LENGTH = 128    # tokens per text of the demo's e5 index (the random BERT's positions)
-_BUILT_ENTRIES = ("world", "index", "e5_index", "e5", "model")  # what build_assets writes (and COMPLETE, last)
+# What build_assets writes (and COMPLETE, last); the indexes are built in a `.partial` folder first.
+_BUILT_ENTRIES = ("world", "index", "index.partial", "e5_index", "e5_index.partial", "e5", "model")
+_DONE = "COMPLETE"  # the spec of finished assets, as JSON
+_OWN_ENTRIES = (*_BUILT_ENTRIES, _DONE, "warm_start")  # and the warm start configs/demo_cpu.py caches in the folder
+# The keys of the spec in COMPLETE since the first assets version, and those later versions added.
+_SPEC_KEYS = frozenset({"num_people", "tokenizer", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                        "num_kv_heads", "intermediate_size", "search_fraction", "seed", "top_k", "version"})
+_ADDED_SPEC_KEYS = frozenset({"retriever", "encoder_path", "initializer_range"})
 
 
 def _search_fn(index_dir: str, k: int):
@@ -72,14 +80,14 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     intermediate_size, initializer_range, search_fraction, top_k (documents per search in the demonstrations),
     retriever, encoder_path and version. With retriever "e5_device" it also writes the world's e5 Flat index
     (index_builder's folder) embedded by `encoder_path`, or by a small random BERT of e5's layout written there
-    ("e5"; needs torch) when it is "". An existing folder built from the same spec is reused; one built from
-    another spec is refused (ConfigError naming demo.assets_dir and the settings that differ), as is a folder of
-    files the project did not write (llds_jax.runtime.output_folder): nothing is deleted but the entries of an
-    unfinished build of its own.
+    ("e5", written with numpy) when it is "". An existing folder built from the same spec is reused; one built
+    from another spec is refused (FolderNotOursError naming demo.assets_dir and the settings that differ), as is a
+    folder whose contents do not prove it is the project's (llds_jax.runtime.output_folder: a COMPLETE that is not
+    a demo spec, or entries the demo does not write): nothing is deleted but the entries of an unfinished build of
+    its own, which is built again.
     """
     if spec["tokenizer"] not in DEMO_TOKENIZERS:
         raise ConfigError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")
-    done = os.path.join(out_dir, "COMPLETE")
     paths = {"model": os.path.join(out_dir, "model"), "index": os.path.join(out_dir, "index"),
              "train": os.path.join(out_dir, "world", "train.parquet"),
              "test": os.path.join(out_dir, "world", "test.parquet"),
@@ -87,15 +95,9 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
              "search_demonstrations": os.path.join(out_dir, "world", "search_demonstrations.jsonl"),
              "e5_index": os.path.join(out_dir, "e5_index"),
              "encoder": spec["encoder_path"] or os.path.join(out_dir, "e5")}
-    output_folder.claim(out_dir, f"demo.assets_dir {out_dir}", "demo assets",
-                        legacy=lambda entries: "COMPLETE" in entries)
-    built = _built_spec(done)
-    if built == spec:
+    output_folder.claim(out_dir, "demo.assets_dir", ASSETS, spec)
+    if _built_spec(out_dir) == spec:  # claim refused a folder of assets built for another spec
         return paths
-    if built is not None:
-        raise ConfigError(f"demo.assets_dir {out_dir} holds demo assets built for other settings "
-                          f"({_differences(built, spec)}): nothing was deleted; set demo.assets_dir to another "
-                          "folder (or delete that one)")
     for entry in _BUILT_ENTRIES:  # an unfinished build of the project's own (the folder is claimed): built again
         shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
     world = synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
@@ -103,8 +105,6 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     build_bm25(CorpusReader(files["corpus.jsonl"]), paths["index"])
     if spec["retriever"] == "e5_device":
         if not spec["encoder_path"]:
-            from llds_jax.search.synthetic import write_random_bert  # torch: only for this random encoder
-
             write_random_bert(paths["encoder"], max_positions=E5_MAX_LENGTH, seed=spec["seed"])
         build_faiss(CorpusReader(files["corpus.jsonl"]), paths["e5_index"],
                     E5Embedder(paths["encoder"], max_length=E5_MAX_LENGTH))
@@ -126,26 +126,25 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
                       head_dim=h // spec["num_heads"], rope_theta=1_000_000.0, qkv_bias=True,
                       tie_word_embeddings=True, initializer_range=spec["initializer_range"])
     hf_io.save_model(Transformer(cfg, rngs=nnx.Rngs(spec["seed"])), paths["model"])
-    with open(done, "w") as f:
+    with open(os.path.join(out_dir, _DONE), "w") as f:
         json.dump(spec, f)
     log.info("demo assets written to %s", out_dir)
     return paths
 
 
-def _built_spec(done: str) -> dict | None:
-    """The spec recorded in a COMPLETE file, or None when there is none (or it was cut as it was written)."""
-    try:
-        with open(done) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+def _built_spec(out_dir: str) -> dict | None:
+    """The spec that the COMPLETE file of an assets folder records, or None when there is none (or it was cut as it
+    was written, or it is not a demo spec: a user's file of that name)."""
+    record = output_folder.read_json(os.path.join(out_dir, _DONE))
+    if isinstance(record, dict) and _SPEC_KEYS <= record.keys() <= _SPEC_KEYS | _ADDED_SPEC_KEYS:
+        return record
+    return None
 
 
-def _differences(built: dict, spec: dict) -> str:
-    """`seed 0 there, 1 here; ...`: the settings in which two specs differ."""
-    keys = sorted(set(built) | set(spec))
-    return "; ".join(f"{key} {built.get(key)!r} there, {spec.get(key)!r} here" for key in keys
-                     if built.get(key) != spec.get(key))
+ASSETS = output_folder.Kind(
+    "demo assets", recorded=_built_spec,
+    strangers=output_folder.proven_by(lambda out_dir: _built_spec(out_dir) is not None,
+                                      lambda entry: entry in _OWN_ENTRIES))
 
 
 def spec_of(cfg: ml_collections.ConfigDict) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import ml_collections
+from ml_collections import config_dict
 
 from llds_jax import bounds
 from llds_jax import config as config_lib
@@ -48,8 +49,20 @@ class DemoConfig(bounds.Section):
                                                          "(model.initializer_range)")
     retriever: str = field("bm25", choices=DEMO_RETRIEVERS, doc="BM25 over the world, or its e5 Flat index searched "
                                                                 "on the devices (e5_device)")
-    encoder_path: str = field("", doc="e5 folder of demo.retriever e5_device (\"\": a small random BERT, needs "
-                                      "torch)")
+    encoder_path: str = field("", doc="e5 folder of demo.retriever e5_device (\"\": a small random BERT, "
+                                      "written into the assets)")
+
+
+def per_retriever(c: ml_collections.ConfigDict, path: str) -> config_dict.FieldReference:
+    """`path` for the BM25 demo, `<path>_<demo.retriever>` for another retriever, as a value ml_collections
+    computes when it is read: a variant given on the command line (`--config.demo.retriever=e5_device`) gets
+    folders of its own and never writes into the BM25 demo's (issue 66); a key set itself (`--config.run_dir=...`)
+    keeps what it is set to."""
+    return c.demo.get_ref("retriever")._apply_op(_variant_path, path)
+
+
+def _variant_path(retriever: str, path: str) -> str:
+    return path if retriever == "bm25" else f"{path}_{retriever}"
 
 
 def section() -> ml_collections.ConfigDict:
@@ -69,8 +82,15 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
 
 
 def provided_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
-    """With `demo.enabled`, the demo points model.path at its generated policy."""
-    return ("model.path",) if cfg.demo.enabled else ()
+    """With `demo.enabled`, the demo points model.path at its generated policy, the data files and the retriever
+    (the section) at its world, and the warm start's empty file lists at its demonstrations (llds_jax.apps.demo
+    `prepare`)."""
+    if not cfg.demo.enabled:
+        return ()
+    sft = cfg.sft
+    return ("model.path", "data.train_files", "data.eval_files", "retriever",
+            *(("sft.data_files",) if sft.enabled and not sft.data_files else ()),
+            *(("sft.curriculum_files",) if sft.enabled and sft.curriculum_steps and not sft.curriculum_files else ()))
 
 
 def paths(cfg: ml_collections.ConfigDict) -> dict[str, str]:

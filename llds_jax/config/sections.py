@@ -144,7 +144,8 @@ class RolloutConfig(bounds.Section):
     max_turns: int = field(3, NON_NEGATIVE, doc="turns whose search is executed; one final turn (no search) follows")
     max_turn_tokens: int = field(500, AT_LEAST_1, doc="new tokens per turn")
     max_observation_tokens: int = field(500, AT_LEAST_1, doc="observation tokens kept (the first ones)")
-    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="the prompt keeps its last this many tokens")
+    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="a prompt's most tokens: an over-long question loses its "
+                                   "start, never the instruction or the template")
     max_context_tokens: int = field(4096, AT_LEAST_1, doc="cap on a sequence's prompt + response tokens")
     max_response_tokens: int = field(4096, AT_LEAST_1,
                                      doc="cap on a sequence's response tokens (model and observations)")
@@ -160,6 +161,14 @@ class RolloutConfig(bounds.Section):
     max_step_tokens: int = field(512, AT_LEAST_1, doc="the most tokens one engine step's ragged batch holds (step "
                                                       "programs compiled at the sequence slots doubling up to it)")
     num_pages: int = field(0, NON_NEGATIVE, doc="pages in the pool (0: every sequence slot's worst case)")
+    kv_pages_per_block: int = field(0, NON_NEGATIVE, doc="pages of keys per block of the paged attention (the TPU "
+                                                         "kernel's tile) in a step's ragged forward above the slots' "
+                                                         "bucket (0: its default)")
+    queries_per_block: int = field(0, NON_NEGATIVE, doc="query tokens per block there (0: its default)")
+    decode_kv_pages_per_block: int = field(0, NON_NEGATIVE, doc="pages of keys per block of the paged attention in "
+                                                                "decode iterations and the slots' bucket (0: its "
+                                                                "default)")
+    decode_queries_per_block: int = field(0, NON_NEGATIVE, doc="query tokens per block there (0: its default)")
     params_dtype: str = field("float32", choices=ROLLOUT_PARAMS_DTYPES,
                               doc="the rollout's copy of the params, cast once per step (no wider than "
                                   "model.param_dtype)")
@@ -356,7 +365,8 @@ class SFTConfig(bounds.Section):
     """The `sft` section; cached by its settings (`llds_jax.sft.stage.fingerprint`).
 
     Attributes:
-      max_prompt_tokens: prompts keep their last this many tokens, as in the rollout (`rollout.max_prompt_tokens`).
+      max_prompt_tokens: a prompt's most tokens, its question cut from the start, as in the rollout
+        (`rollout.max_prompt_tokens`).
       logp_time_chunk: time chunk of the log-probs (`optim.logp_time_chunk`).
       seed: data order (the run's `seed`, which `RunConfig` sets).
     """

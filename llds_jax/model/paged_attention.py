@@ -77,26 +77,54 @@ def paged_attention(q_tnh: jax.Array, kv_pages_pzkh: jax.Array, kv_lens_s: jax.A
         KERNEL_KV_PAGES_PER_BLOCK and KERNEL_QUERIES_PER_BLOCK, for the reference REFERENCE_BLOCK_SLOTS // Z
         pages (at least 1) and REFERENCE_QUERIES_PER_BLOCK; at most M and T.
     """
-    implementation = implementation or default_implementation(head_dim=q_tnh.shape[-1])
+    return batched_paged_attention(q_tnh[None], kv_pages_pzkh, kv_lens_s[None], page_indices_sm[None],
+                                   cu_q_lens_s1[None], num_seqs[None], implementation=implementation,
+                                   kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)[0]
+
+
+def batched_paged_attention(q_btnh: jax.Array, kv_pages_pzkh: jax.Array, kv_lens_bs: jax.Array,
+                            page_indices_bsm: jax.Array, cu_q_lens_bs1: jax.Array, num_seqs_b1: jax.Array, *,
+                            implementation: Optional[str] = None, kv_pages_per_block: Optional[int] = None,
+                            queries_per_block: Optional[int] = None) -> jax.Array:
+    """`paged_attention` of B ragged batches over one pool (B the leading axis of every batch argument; each
+    batch's page table names pages anywhere in the pool): one kernel call per batch. Returns [B, T, N, H].
+
+    Under a mesh the kernel runs in a `jax.shard_map` over the key/value heads and, where they divide B, the
+    "batch" axes: each chip makes the calls of its own batches over its own heads, so tensor-parallel groups split
+    over data attend each to its own sequences (`Transformer.batched_ragged_step`).
+    """
+    implementation = implementation or default_implementation(head_dim=q_btnh.shape[-1])
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"paged attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    # JAX's own checks of the shapes and dtypes (ValueError naming the argument), for both implementations.
-    rpa.static_validate_inputs(q_tnh, kv_pages_pzkh, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
+    batches = (kv_lens_bs, page_indices_bsm, cu_q_lens_bs1, num_seqs_b1)
+    # JAX's own checks of one batch's shapes and dtypes (ValueError naming the argument), for both implementations.
+    rpa.static_validate_inputs(_one_batch(q_btnh), kv_pages_pzkh, *map(_one_batch, batches))
     if implementation == "reference":
-        return reference_paged_attention(q_tnh, kv_pages_pzkh, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs,
-                                         kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
-    t, m = q_tnh.shape[0], page_indices_sm.shape[1]
+        return jnp.stack([reference_paged_attention(q_btnh[g], kv_pages_pzkh, *(a[g] for a in batches),
+                                                    kv_pages_per_block=kv_pages_per_block,
+                                                    queries_per_block=queries_per_block)
+                          for g in range(q_btnh.shape[0])])
+    t, m = q_btnh.shape[1], page_indices_bsm.shape[2]
     kernel = functools.partial(
-        rpa.ragged_paged_attention, sm_scale=q_tnh.shape[-1] ** -0.5,
+        rpa.ragged_paged_attention, sm_scale=q_btnh.shape[-1] ** -0.5,
         num_kv_pages_per_block=min(kv_pages_per_block or KERNEL_KV_PAGES_PER_BLOCK, m),
         num_queries_per_block=min(queries_per_block or KERNEL_QUERIES_PER_BLOCK, t))
-    args = (q_tnh, kv_pages_pzkh, kv_lens_s, page_indices_sm, cu_q_lens_s1, num_seqs)
+
+    def each(q_btnh, pages, *batches):  # the kernel call of every batch given, in order
+        return jnp.stack([kernel(q_btnh[g], pages, *(a[g] for a in batches)) for g in range(q_btnh.shape[0])])
+
     mesh = parallel.current_mesh()
     if mesh is None:
-        return kernel(*args)
+        return each(q_btnh, kv_pages_pzkh, *batches)
     heads = parallel.fitted(mesh, kv_pages_pzkh.shape[2] // 2, "kv_heads")
-    return jax.shard_map(kernel, in_specs=(P(None, heads, None), P(None, None, heads, None), P(), P(), P(), P()),
-                         out_specs=P(None, heads, None), check_vma=False)(*args)
+    rows = parallel.fitted(mesh, q_btnh.shape[0], "batch")
+    return jax.shard_map(each, in_specs=(P(rows, None, heads, None), P(None, None, heads, None), *[P(rows)] * 4),
+                         out_specs=P(rows, None, heads, None), check_vma=False)(q_btnh, kv_pages_pzkh, *batches)
+
+
+def _one_batch(a_b: jax.Array) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of one batch of a batched argument (its leading B axis dropped)."""
+    return jax.ShapeDtypeStruct(a_b.shape[1:], a_b.dtype)
 
 
 def reference_paged_attention(q_tnh: jax.Array, kv_pages_pzkh: jax.Array, kv_lens_s: jax.Array,

@@ -5,7 +5,9 @@ independent of depth) or, with `scan_layers=False`, as an unrolled Python loop o
 
 Dimension letters: B batch, T tokens, D hidden, N query heads, K key/value heads,
 G = N / K query heads per key/value head, H head size, F MLP width, V vocabulary, L layers. `ragged_step` (one
-ragged batch over the paged KV cache) uses the paged cache's letters (`llds_jax.model.paged_kv`).
+ragged batch over the paged KV cache) uses the paged cache's letters (`llds_jax.model.paged_kv`);
+`batched_ragged_step` reads B as its ragged batches, U as every batch's tokens (or sequences) one batch after the
+other, R as the shards of the layers' rows.
 """
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import mlp as mlp_lib
 from llds_jax.model import paged_kv
 from llds_jax.model.attention import attention
-from llds_jax.model.paged_attention import default_implementation, paged_attention
+from llds_jax.model.paged_attention import default_implementation, batched_paged_attention
 from llds_jax.model import rope as rope_lib
 from llds_jax.model.vocab import embed_lookup
 from llds_jax.model.config import ModelConfig
@@ -189,11 +192,12 @@ class Transformer(nnx.Module):
             mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
         return self.logits(self.hidden(tokens_bt, mask_bt))
 
-    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+    def logits(self, hidden_btd: jax.Array, rows: Optional[str] = None) -> jax.Array:
         """Float32 logits [B, T, V] from hidden states, V split as the output projection is (under a mesh): each
-        device multiplies every row by its own vocabulary shard, so the [D, V] projection is never gathered."""
+        device multiplies its rows by its own vocabulary shard, so the [D, V] projection is never gathered. Its
+        rows: B split as the logical dimension `rows` (None: every device all of them)."""
         logits_btv = jnp.einsum("btd,dv->btv", hidden_btd, self.unembedding(), preferred_element_type=jnp.float32)
-        return parallel.constrain(logits_btv, None, None, "vocab")
+        return parallel.constrain(logits_btv, rows, None, "vocab")
 
     def ragged_step(self, tokens_t: jax.Array, kv_pages_lpzkh: jax.Array, kv_lens_s: jax.Array,
                     page_indices_sm: jax.Array, cu_q_lens_s1: jax.Array, num_seqs: jax.Array, *,
@@ -218,33 +222,72 @@ class Transformer(nnx.Module):
         Returns (float32 logits [S, V] of each sequence's last new token, zeros for s >= num_seqs; the pool
         holding the batch's keys and values).
         """
+        logits_bsv, pages = self.batched_ragged_step(
+            tokens_t[None], kv_pages_lpzkh, kv_lens_s[None], page_indices_sm[None], cu_q_lens_s1[None],
+            num_seqs[None], implementation=implementation, kv_pages_per_block=kv_pages_per_block,
+            queries_per_block=queries_per_block)
+        return logits_bsv[0], pages
+
+    def batched_ragged_step(self, tokens_bt: jax.Array, kv_pages_lpzkh: jax.Array, kv_lens_bs: jax.Array,
+                            page_indices_bsm: jax.Array, cu_q_lens_bs1: jax.Array, num_seqs_b1: jax.Array, *,
+                            implementation: Optional[str] = None, kv_pages_per_block: Optional[int] = None,
+                            queries_per_block: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+        """`ragged_step` of B ragged batches over one pool (B the leading axis of every batch argument, each batch
+        laid out as `ragged_step`'s; their sequences distinct). Returns (float32 logits [B, S, V], the pool).
+
+        Under a mesh each row is computed once: the layers' rows (the B x T tokens, then the B x S sequences'
+        logits) are split over the "batch" axes where those divide them, and each batch attends on the chips of
+        its share of those axes (`paged_attention.batched_paged_attention`, where they divide B). The keys and
+        values every chip writes are all the batches' (gathered over "batch": the pool is whole on each of its
+        chips), so any chip may attend to any sequence in a later step.
+        """
         cfg = self.cfg
-        t = tokens_t.shape[0]
-        _, position_t, slot_t, _ = paged_kv.token_layout(cu_q_lens_s1, kv_lens_s, page_indices_sm, num_seqs, t,
-                                                         kv_pages_lpzkh.shape[2])
-        cos, sin = rope_lib.rope_angles(position_t[None], rope_lib.inverse_frequencies(cfg))
-        attend = functools.partial(paged_attention, implementation=implementation or default_implementation(
-            cfg.attention_platform, cfg.head_dim), kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
+        b, t = tokens_bt.shape
+        layout = functools.partial(paged_kv.token_layout, num_tokens=t, page_size=kv_pages_lpzkh.shape[2])
+        _, position_bt, slot_bt, _ = jax.vmap(layout)(cu_q_lens_bs1, kv_lens_bs, page_indices_bsm, num_seqs_b1)
+        rows = _row_shards(b * t, "batch")  # the layers' input: `rows` forward rows of B x T / rows tokens
+        cos, sin = rope_lib.rope_angles(position_bt.reshape(rows, -1), rope_lib.inverse_frequencies(cfg))
+        slot_u = slot_bt.reshape(-1)
+        implementation = implementation or default_implementation(cfg.attention_platform, cfg.head_dim)
+        attend = functools.partial(batched_paged_attention, implementation=implementation,
+                                   kv_pages_per_block=kv_pages_per_block, queries_per_block=queries_per_block)
         mesh = parallel.current_mesh()
+        pool_spec = None if mesh is None else paged_kv.pages_spec(mesh, cfg.num_kv_heads)
 
         def laid_out(pages):  # the pool split by key/value heads under a mesh
-            return pages if mesh is None else parallel.constrain_spec(pages, paged_kv.pages_spec(
-                mesh, cfg.num_kv_heads))
+            return pages if mesh is None else parallel.constrain_spec(pages, pool_spec)
+
+        def every_token(a_btkh):  # one layer's keys or values of every batch's tokens, [B x T, K, H], on each chip
+            a_ukh = a_btkh.reshape(b * t, *a_btkh.shape[2:])
+            return a_ukh if mesh is None else parallel.constrain_spec(a_ukh, P(None, pool_spec[3], None))
 
         def body(carry, xs):  # the pool (every layer) rides in the carry and is written in place
-            x_1td, pages = carry
+            x_btd, pages = carry
             p, layer = xs
             w = _compute_weights(cfg, p)
-            q, k, v = _qkv(cfg, x_1td, p, w, cos, sin)
-            pages = paged_kv.write_kv(pages, layer, k[0], v[0], slot_t)
-            pages_pzch, indices_sm = paged_kv.layer_view(pages, page_indices_sm, layer)
-            out_tnh = attend(q[0], pages_pzch, kv_lens_s, indices_sm, cu_q_lens_s1, num_seqs)
-            return (_block_tail(cfg, x_1td, out_tnh[None], p, w), pages), None
+            q, k, v = _qkv(cfg, x_btd, p, w, cos, sin)
+            pages = paged_kv.write_kv(pages, layer, every_token(k), every_token(v), slot_u)
+            pages_pzch, indices_bsm = paged_kv.layer_view(pages, page_indices_bsm, layer)
+            out_btnh = attend(q.reshape(b, t, *q.shape[2:]), pages_pzch, kv_lens_bs, indices_bsm, cu_q_lens_bs1,
+                              num_seqs_b1)
+            return (_block_tail(cfg, x_btd, out_btnh.reshape(q.shape), p, w), pages), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x_1td, pages), _ = jax.lax.scan(body, (self._embed(tokens_t[None]), laid_out(kv_pages_lpzkh)),
+        (x_btd, pages), _ = jax.lax.scan(body, (self._embed(tokens_bt.reshape(rows, -1)), laid_out(kv_pages_lpzkh)),
                                          (self.layers.arrays(), layers))
-        last_s = jnp.clip(cu_q_lens_s1[1:] - 1, 0, t - 1)
-        hidden_1sd = rms_norm(x_1td[:, last_s], self.final_norm.get_value(), cfg.rms_norm_eps)
-        real_s = jnp.arange(last_s.shape[0]) < num_seqs[0]
-        return jnp.where(real_s[:, None], self.logits(hidden_1sd)[0], 0.0), laid_out(pages)
+        s = kv_lens_bs.shape[1]
+        last_bs = jnp.arange(b)[:, None] * t + jnp.clip(cu_q_lens_bs1[:, 1:] - 1, 0, t - 1)
+        hidden_ud = rms_norm(x_btd.reshape(b * t, -1)[last_bs.reshape(-1)], self.final_norm.get_value(),
+                             cfg.rms_norm_eps)
+        row_logits_bsv = self.logits(hidden_ud.reshape(_row_shards(b * s, "logit_rows"), -1, hidden_ud.shape[-1]),
+                                 rows="logit_rows")
+        real_bs = jnp.arange(s) < num_seqs_b1
+        return jnp.where(real_bs[..., None], row_logits_bsv.reshape(b, s, -1), 0.0), laid_out(pages)
+
+
+def _row_shards(rows: int, logical: str) -> int:
+    """How many shards the current mesh splits `rows` rows into along the logical dimension `logical` (1 without
+    a mesh, or where its axes do not divide `rows`)."""
+    mesh = parallel.current_mesh()
+    shards = 1 if mesh is None else parallel.axis_size(mesh, logical)
+    return shards if rows % shards == 0 else 1

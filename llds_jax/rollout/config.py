@@ -1,7 +1,7 @@
 """The views the rollout code takes of the run config's `rollout` section (`llds_jax.config.sections.RolloutConfig`):
 the multi-turn protocol's limits (`AgentConfig`, llds_jax.rollout.agent), partial rollouts (`PartialConfig`,
-llds_jax.rollout.partial), how the engine draws tokens (`SamplingConfig`, llds_jax.rollout.sampling) and the paged
-engine's shapes (`PagingConfig`).
+llds_jax.rollout.partial), how the engine draws tokens (`SamplingConfig`, llds_jax.rollout.sampling), the paged
+engine's shapes (`PagingConfig`) and its attention kernel's tiles (`KernelTiles`, llds_jax.rollout.runner).
 
 A view's field that is a run key takes the section's declaration (`bounds.same`): its default, range and the key
 its errors name. Plain Python (no JAX).
@@ -123,6 +123,57 @@ class PagingConfig:
     def of(cls, rollout: RolloutConfig) -> PagingConfig:
         """The engine shapes of a `rollout` section."""
         return cls(page_size=rollout.page_size, max_step_tokens=rollout.max_step_tokens, num_pages=rollout.num_pages)
+
+    def __post_init__(self):
+        bounds.check(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """The ragged paged attention kernel's tile (`llds_jax.model.paged_attention`): pages of keys and query tokens
+    per block (0: the kernel's default, `paged_attention.KERNEL_KV_PAGES_PER_BLOCK` and
+    `KERNEL_QUERIES_PER_BLOCK`)."""
+
+    kv_pages_per_block: int = 0
+    queries_per_block: int = 0
+
+    def kwargs(self) -> dict[str, int | None]:
+        """The tile as `paged_attention`'s keyword arguments (None: its default)."""
+        return {"kv_pages_per_block": self.kv_pages_per_block or None,
+                "queries_per_block": self.queries_per_block or None}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+    """The attention kernel's tiles in the rollout's step program (`rollout` keys, `RolloutConfig`; chosen with
+    `python -m llds_jax.aot.tiles`, docs/tpu.md): the ragged forward of a token bucket above the engine's sequence
+    slots at (kv_pages_per_block, queries_per_block); its decode iterations, and the ragged forward of the slots'
+    bucket (whose calls hold mostly one token per sequence), at (decode_kv_pages_per_block,
+    decode_queries_per_block)."""
+
+    kv_pages_per_block: int = same(RolloutConfig, "kv_pages_per_block")
+    queries_per_block: int = same(RolloutConfig, "queries_per_block")
+    decode_kv_pages_per_block: int = same(RolloutConfig, "decode_kv_pages_per_block")
+    decode_queries_per_block: int = same(RolloutConfig, "decode_queries_per_block")
+
+    @classmethod
+    def of(cls, rollout: RolloutConfig) -> KernelTiles:
+        """The tiles of a `rollout` section."""
+        return cls(**{f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def decode(self) -> Tile:
+        """The tile of the decode iterations."""
+        return Tile(self.decode_kv_pages_per_block, self.decode_queries_per_block)
+
+    @property
+    def ragged(self) -> Tile:
+        """The tile of the ragged forward of a token bucket above the slots'."""
+        return Tile(self.kv_pages_per_block, self.queries_per_block)
+
+    def forward(self, bucket: int, slots: int) -> Tile:
+        """The tile of the ragged forward at token bucket `bucket` of an engine of `slots` sequence slots."""
+        return self.decode if bucket <= slots else self.ragged
 
     def __post_init__(self):
         bounds.check(self)

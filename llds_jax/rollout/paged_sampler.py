@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from llds_jax.config.sections import pool_pages
 from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram
-from llds_jax.rollout.config import AgentConfig, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, KernelTiles, SamplingConfig
 from llds_jax.rollout.engine import Engine, EngineConfig
 from llds_jax.rollout.interfaces import StopMatcher
 from llds_jax.rollout.runner import DeviceRunner, PagePool
@@ -52,12 +52,13 @@ class PagedSampler:
       engine: the engine shapes (`engine_config`).
       mesh: the rollout's mesh (None: the default device).
       pool: a page pool shared with the run's other PagedSampler (`runner.PagePool`); None: its own.
+      tiles: the attention kernel's tiles (`KernelTiles`; default: the kernel's own).
     """
 
     def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig,
-                 mesh: Optional[Mesh] = None, pool: Optional[PagePool] = None):
+                 mesh: Optional[Mesh] = None, pool: Optional[PagePool] = None, tiles: KernelTiles = KernelTiles()):
         self.config, self.engine_config, self.token_budgets = sampling, engine, engine.token_budgets
-        self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine, mesh, pool)
+        self.runner = DeviceRunner(graphdef, model_cfg, sampling, engine, mesh, pool, tiles)
         self._params = None  # the last rollout's, whose shapes `freeze_shapes` compiles at
 
     def engine(self, params: Any, stop_matcher: Optional[StopMatcher] = None) -> Engine:

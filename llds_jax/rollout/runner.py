@@ -9,12 +9,21 @@ has sampled a stop id. Its shapes: T (the bucket) for the ragged batch and S (th
 decode iterations, so the rollout compiles one program per token bucket, whatever mix of prompts, observations
 and decoding a step holds.
 
+A decode iteration runs only the rows still sampling (issue 67): they go first, dealt to B ragged batches
+(`decode_rows`), and the attention kernel runs each batch's first num_seqs rows (its grid skips the rest); B is
+the shards of the rollout mesh's "batch" axes (`decode_batches`): where a host's chips form several
+tensor-parallel groups, each group decodes its own share of the rows (`Transformer.batched_ragged_step`). The
+kernel's tile is the config's (`rollout.KernelTiles`): one for the ragged forward of the buckets above the slots',
+another for the slots' bucket and the decode iterations.
+
 Sequence s samples its i-th token of the call with fold_in(key_s, count_s + i) (`sampling.sample_tokens`: the
-sampling distribution's log-probs over the full vocabulary, top-p / top-k only restricting the draw).
+sampling distribution's log-probs over the full vocabulary, top-p / top-k only restricting the draw), whichever
+row and batch it runs in.
 
 Dimension letters (docs/architecture.md, "Dimension letters"): T ragged batch tokens, S sequence slots, C samples
-per call, M pages per sequence, L layers, P pool pages, Z tokens per page, V vocabulary; the pool's `kv_pages_lpzkh`
-keeps the model's name (its K' = 2K: keys and values interleaved, `llds_jax.model.paged_kv`).
+per call, M pages per sequence, L layers, P pool pages, Z tokens per page, V vocabulary, B a decode iteration's
+ragged batches (a decode iteration's S rows in batch order are written s too); the pool's `kv_pages_lpzkh` keeps the
+model's name (its K' = 2K: keys and values interleaved, `llds_jax.model.paged_kv`).
 """
 from __future__ import annotations
 
@@ -29,11 +38,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from llds_jax import parallel
 from llds_jax.model import paged_kv
 from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram, Role
 from llds_jax.rollout import sampling
-from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.config import KernelTiles, SamplingConfig, Tile
 from llds_jax.rollout.engine import EngineConfig, StepBatch, StepResult
 
 
@@ -45,27 +55,31 @@ def copy_pages(kv_pages_lpzkh: jax.Array, page_copies: jax.Array) -> jax.Array:
     return jax.lax.scan(one, kv_pages_lpzkh, page_copies)[0]
 
 
-def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pages_lpzkh, tokens_t, cu_q_lens_s1,
-                 kv_lens_s, page_table_sm, num_seqs, samples_s, key_data_s, count_s, page_copies):
-    """One engine step (module docstring). Returns (pool, tokens int32 [S, C], log-probs float32 [S, C], samples
-    taken int32 [S])."""
+def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, forward_tile: Tile, decode_tile: Tile,
+                 batches: int, params, kv_pages_lpzkh, tokens_t, cu_q_lens_s1, kv_lens_s, page_table_sm, num_seqs,
+                 samples_s, key_data_s, count_s, page_copies):
+    """One engine step (module docstring): the ragged forward at the kernel's `forward_tile`, each decode iteration
+    as `batches` ragged batches of the sampling rows (`decode_rows`) at its `decode_tile`. Returns (pool, tokens
+    int32 [S, C], log-probs float32 [S, C], samples taken int32 [S])."""
     model = nnx.merge(graphdef, params)
     s = samples_s.shape[0]
     stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
     keys_s = jax.random.wrap_key_data(key_data_s)
     pages = copy_pages(kv_pages_lpzkh, page_copies)
-    logits_sv, pages = model.ragged_step(tokens_t, pages, kv_lens_s, page_table_sm, cu_q_lens_s1, num_seqs)
+    logits_sv, pages = model.ragged_step(tokens_t, pages, kv_lens_s, page_table_sm, cu_q_lens_s1, num_seqs,
+                                         **forward_tile.kwargs())
 
-    def draw(logits_sv, i):
-        keys = jax.vmap(jax.random.fold_in)(keys_s, (count_s + i).astype(jnp.uint32))
+    def draw(logits_sv, i, slots_s):  # the i-th samples of the slots `slots_s`, from their logits
+        keys = jax.vmap(jax.random.fold_in)(keys_s[slots_s], (count_s[slots_s] + i).astype(jnp.uint32))
         return sampling.sample_tokens(logits_sv, keys, cfg)
 
-    token_s, logp_s = draw(logits_sv, 0)
+    every_row = jnp.arange(s, dtype=jnp.int32)
+    token_s, logp_s = draw(logits_sv, 0, every_row)
     tokens_sc = jnp.zeros((s, decode_chunk), jnp.int32).at[:, 0].set(token_s)
     logps_sc = jnp.zeros((s, decode_chunk), jnp.float32).at[:, 0].set(logp_s)
     taken_s = (samples_s > 0).astype(jnp.int32)
     active_s = (samples_s > 1) & ~jnp.isin(token_s, stop_ids)
-    one_each_s1 = jnp.arange(s + 1, dtype=jnp.int32)
+    one_each_bs1 = jnp.broadcast_to(jnp.arange(s // batches + 1, dtype=jnp.int32), (batches, s // batches + 1))
 
     def cond(carry):
         i, _, _, _, _, _, active_s = carry
@@ -73,13 +87,16 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pa
 
     def body(carry):
         i, pages, kv_len_s, tokens_sc, logps_sc, taken_s, active_s = carry
-        previous_s = tokens_sc[:, i - 1]
-        # Sequences not sampling write to the padding page and attend to it; their samples are dropped.
-        table_sm = jnp.where(active_s[:, None], page_table_sm, 0)
         kv_len_s = jnp.where(active_s, kv_len_s + 1, kv_len_s)
-        logits_sv, pages = model.ragged_step(previous_s, pages, jnp.where(active_s, kv_len_s, 1), table_sm,
-                                             one_each_s1, jnp.full((1,), s, jnp.int32))
-        token_s, logp_s = draw(logits_sv, i)
+        # A batch's rows past its sampling ones are padding; a batch with none runs one row that is not sampling,
+        # which writes to the padding page and attends to it (its sample is dropped).
+        slots_bs, row_s, num_seqs_b1 = decode_rows(active_s, batches)
+        logits_bsv, pages = model.batched_ragged_step(
+            tokens_sc[:, i - 1][slots_bs], pages, jnp.where(active_s, kv_len_s, 1)[slots_bs],
+            jnp.where(active_s[:, None], page_table_sm, 0)[slots_bs], one_each_bs1, num_seqs_b1,
+            **decode_tile.kwargs())
+        batch_token_s, batch_logp_s = draw(logits_bsv.reshape(s, -1), i, slots_bs.reshape(-1))
+        token_s, logp_s = batch_token_s[row_s], batch_logp_s[row_s]  # the slots back in order
         tokens_sc = tokens_sc.at[:, i].set(jnp.where(active_s, token_s, 0))
         logps_sc = logps_sc.at[:, i].set(jnp.where(active_s, logp_s, 0.0))
         taken_s = taken_s + active_s
@@ -89,6 +106,33 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, params, kv_pa
     carry = (jnp.int32(1), pages, kv_lens_s, tokens_sc, logps_sc, taken_s, active_s)
     _, pages, _, tokens_sc, logps_sc, taken_s, _ = jax.lax.while_loop(cond, body, carry)
     return pages, tokens_sc, logps_sc, taken_s
+
+
+def decode_rows(active_s: jax.Array, batches: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where a decode iteration runs each of the S slots: the sampling ones first (in slot order), then the others,
+    dealt to the B = `batches` ragged batches in turn (the p-th of that order to batch p mod B), so that each batch
+    holds its sampling rows first and the batches differ by at most one of them. The kernel runs a batch's first
+    num_seqs rows only (`paged_attention`: its grid skips the q blocks past them). No sort (a step program sorts
+    nothing).
+
+    Returns (the slot at each batch row, int32 [B, S / B]; each slot's row among the batches' rows one after the
+    other, int32 [S]; each batch's sampling rows, at least 1, int32 [B, 1]).
+    """
+    s = active_s.shape[0]
+    sampling_s = active_s.astype(jnp.int32)
+    sampling_rows = jnp.sum(sampling_s)
+    place_s = jnp.where(active_s, jnp.cumsum(sampling_s), sampling_rows + jnp.cumsum(1 - sampling_s)) - 1
+    row_s = place_s % batches * (s // batches) + place_s // batches
+    slot_s = jnp.zeros(s, jnp.int32).at[row_s].set(jnp.arange(s, dtype=jnp.int32))
+    num_seqs_b = (sampling_rows - jnp.arange(batches, dtype=jnp.int32) + batches - 1) // batches
+    return slot_s.reshape(batches, s // batches), row_s, jnp.maximum(num_seqs_b, 1)[:, None]
+
+
+def decode_batches(mesh: Optional[Mesh], slots: int) -> int:
+    """The ragged batches of a decode iteration: the shards of the mesh's "batch" axes (a rollout's tensor-parallel
+    groups split over data: each decodes its own sampling rows) where they divide the `slots`, else 1."""
+    batches = 1 if mesh is None else parallel.axis_size(mesh, "batch")
+    return batches if slots % batches == 0 else 1
 
 
 class PagePool:
@@ -130,15 +174,17 @@ class DeviceRunner:
       sampling: how tokens are drawn (stop ids, temperature, top-p, top-k, greedy).
       engine: the engine's static shapes (pages, page size, slots, decode chunk).
       mesh: the rollout's mesh (a host's chips); the pool is split over its key/value heads
-        (`paged_kv.pages_spec`), the batch's host arrays replicated. None: the default device.
+        (`paged_kv.pages_spec`), the batch's host arrays replicated; a decode iteration runs one ragged batch per
+        shard of its "batch" axes (`decode_batches`). None: the default device.
       pool: the pool to share with another runner of the run (`PagePool` of `pool_shape(...)`); None: its own.
+      tiles: the attention kernel's tiles per token bucket and in decode iterations (default: the kernel's).
     """
 
     def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingConfig, engine: EngineConfig,
-                 mesh: Optional[Mesh] = None, pool: Optional[PagePool] = None):
-        self.engine, self.model_cfg, self.mesh = engine, model_cfg, mesh
-        self._step = jax.jit(functools.partial(step_program, graphdef, sampling, engine.decode_chunk),
-                             donate_argnums=1)
+                 mesh: Optional[Mesh] = None, pool: Optional[PagePool] = None, tiles: KernelTiles = KernelTiles()):
+        self.engine, self.model_cfg, self.mesh, self.tiles = engine, model_cfg, mesh, tiles
+        self.batches = decode_batches(mesh, engine.max_seqs)
+        self._step = functools.partial(step_program, graphdef, sampling, engine.decode_chunk)
         self.pool = pool or PagePool(pool_shape(model_cfg, engine, mesh))
         if self.pool.shape.shape[1] < engine.num_pages:
             raise ValueError(f"DeviceRunner: the shared pool has {self.pool.shape.shape[1]} pages, the engine "
@@ -168,14 +214,20 @@ class DeviceRunner:
         `--mode=compile`; `params` as the rollout gets them (ShapeDtypeStructs with shardings)."""
         e = self.engine
         return [AbstractProgram(Role.ROLLOUT_STEP, f"{e.max_seqs} sequences x {e.decode_chunk} samples, "
-                                f"{e.num_pages} pages of {e.page_size} slots", self._step,
+                                f"{e.num_pages} pages of {e.page_size} slots", self.step(bucket),
                                 (params, *self.abstract_args(bucket)), mesh=self.mesh, detail=f"{bucket} tokens")
                 for bucket in e.token_budgets]
+
+    def step(self, bucket: int):
+        """The jitted step program of token bucket `bucket` (its ragged forward's tile, the decode tile and
+        batches), the pool donated."""
+        forward = self.tiles.forward(bucket, self.engine.max_seqs)
+        return jax.jit(functools.partial(self._step, forward, self.tiles.decode, self.batches), donate_argnums=1)
 
     def _program(self, params: Any, bucket: int):
         if bucket not in self._compiled:
             with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                self._compiled[bucket] = self._step.lower(params, *self.abstract_args(bucket)).compile()
+                self._compiled[bucket] = self.step(bucket).lower(params, *self.abstract_args(bucket)).compile()
             self.compiles += 1
         return self._compiled[bucket]
 

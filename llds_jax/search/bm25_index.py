@@ -42,7 +42,7 @@ MANIFEST_FILE = "llds_index.json"
 FORMAT = "llds-bm25-v1"
 DATA_FILE, INDICES_FILE, INDPTR_FILE = "data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy"
 VOCAB_FILE, PARAMS_FILE = "vocab.index.json", "params.index.json"
-_TOKENS_TMP = "term_numbers.tmp"
+TOKENS_TMP = "term_numbers.tmp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Bm25IndexWriter:
         shutil.rmtree(self._dir, ignore_errors=True)
         os.makedirs(self._dir)
         self._docs = DocStoreWriter(self._dir)
-        self._tokens = open(os.path.join(self._dir, _TOKENS_TMP), "wb")
+        self._tokens = open(os.path.join(self._dir, TOKENS_TMP), "wb")
         self._vocab: dict[str, int] = {}
         self._doc_len = array.array("i")
         self._doc_freq = np.zeros(0, dtype=np.int64)
@@ -154,7 +154,7 @@ class Bm25IndexWriter:
         indptr = np.zeros(len(doc_freq) + 1, dtype=np.int64)
         np.cumsum(doc_freq, out=indptr[1:])
         self._write_postings(doc_len, doc_freq, indptr, avg_doc_len, num_docs, num_postings)
-        os.remove(os.path.join(self._dir, _TOKENS_TMP))
+        os.remove(os.path.join(self._dir, TOKENS_TMP))
         np.save(os.path.join(self._dir, INDPTR_FILE), indptr)
         self._write_json(VOCAB_FILE, self._vocab)
         self._write_json(PARAMS_FILE, {
@@ -173,7 +173,7 @@ class Bm25IndexWriter:
         length_norm = self.k1 * (1.0 - self.b + self.b * doc_len / avg_doc_len)
         data = np.lib.format.open_memmap(os.path.join(self._dir, DATA_FILE), "w+", np.float32, (num_postings,))
         indices = np.lib.format.open_memmap(os.path.join(self._dir, INDICES_FILE), "w+", np.int32, (num_postings,))
-        all_terms = np.memmap(os.path.join(self._dir, _TOKENS_TMP), dtype=np.int32, mode="r")
+        all_terms = np.memmap(os.path.join(self._dir, TOKENS_TMP), dtype=np.int32, mode="r")
         doc_start = np.zeros(num_docs + 1, dtype=np.int64)
         np.cumsum(doc_len, out=doc_start[1:])
         next_slot = indptr[:-1].copy()  # where each term's next pair goes

@@ -16,6 +16,10 @@ precision, re-ranked on the host in float64 from the float32 rows, with a proof 
    Otherwise the query is searched again with 4x the candidates (`ExactSearcher`), and past `max_candidates` the
    whole index is scored on the host in float64 (a fallback that no bound of the sizes measured here reaches).
 
+Programs: one per (queries, candidates) pair, queries padded to a power of two (`batch_bucket`) and candidates the
+counts of a search's passes (`candidate_counts`); `reachable_shapes` lists every pair a searcher can run, which is
+what `--mode=compile` compiles (llds_jax/aot/compile_check.py).
+
 Order: faiss's IndexFlatIP keeps, among rows of equal score, the lowest ids, and lists equal scores highest id first
 (checked on faiss-cpu 1.15.1, both its BLAS and its per-query path); `faiss_order` does the same with the exact
 scores. Equality with faiss's top-k therefore holds except where faiss's own float32 sums reorder two rows whose
@@ -27,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +45,7 @@ from llds_jax.search.device_index import AXIS, DeviceIndex, IndexLayout
 log = logging.getLogger(__name__)
 
 UNIT_ROUNDOFF = 2.0 ** -24  # float32
+MIN_BATCH = 8  # queries of the smallest device call
 
 
 def _local_candidates(vectors_sd, scales_s, query_qd, *, lay: IndexLayout, m: int):
@@ -93,6 +99,40 @@ def candidates_program(lay: IndexLayout, mesh, m: int):
     return jax.jit(candidates_fn(lay, mesh, m), out_shardings=(replicated, replicated))
 
 
+def batch_bucket(queries: int, max_batch: int) -> int:
+    """The queries of a device call of `queries` searches (1 <= queries <= max_batch) padded: the next power of two,
+    at least MIN_BATCH, at most `max_batch`."""
+    return min(max_batch, max(MIN_BATCH, 1 << math.ceil(math.log2(queries))))
+
+
+def candidate_counts(k: int, rows: int, *, candidates: int, max_candidates: int) -> tuple[int, ...]:
+    """The candidates per query of each device pass of a search for the top `k` over `rows` rows: max(candidates,
+    k), then 4x as many while at most max(max_candidates, k), the last at most `rows` (every row a candidate proves
+    every query); a query not proven after them is scanned on the host. E.g. 32, 128, 512, 2048 for the top 3 with
+    the defaults (32, 4096) over wiki-18."""
+    counts, m = [], max(candidates, k)
+    while m <= max(max_candidates, k):
+        counts.append(m)
+        if m >= rows:
+            break
+        m = min(4 * m, rows)
+    return tuple(counts)
+
+
+def reachable_shapes(calls: Sequence[tuple[int, int]], rows: int, *, candidates: int, max_candidates: int,
+                     max_batch: int) -> set[tuple[int, int]]:
+    """Every (queries, candidates) program an `ExactSearcher` over `rows` rows (its `candidates`, `max_candidates`
+    and `max_batch`) runs serving calls of at most `queries` searches for the top `k`, for each (queries, k) of
+    `calls`: a call's device batches hold 1 to min(queries, max_batch) of its queries (its last batch, or the
+    queries a pass left unproven), each batch at every candidate count of its passes."""
+    shapes = set()
+    for queries, k in calls:
+        batches = {batch_bucket(n, max_batch) for n in range(1, min(queries, max_batch) + 1)}
+        counts = candidate_counts(k, rows, candidates=candidates, max_candidates=max_candidates)
+        shapes |= {(batch, m) for batch in batches for m in counts}
+    return shapes
+
+
 def abstract_program(lay: IndexLayout, devices, m: int, queries: int) -> AbstractProgram:
     """The search program at abstract arguments on `devices` (a pod's chips, for `--mode=compile`): the index of
     `lay` split over them, `queries` bfloat16 queries, `m` candidates."""
@@ -107,7 +147,8 @@ def abstract_program(lay: IndexLayout, devices, m: int, queries: int) -> Abstrac
     query = jax.ShapeDtypeStruct((queries, lay.dim), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     shapes = (f"{queries} queries x {lay.rows:,} rows of {lay.dim} in {lay.dtype}, {m} candidates, "
               f"{lay.shard_rows:,} rows per chip")
-    return AbstractProgram(Role.RETRIEVAL, shapes, candidates_program(lay, mesh, m), (vectors, scales, query))
+    return AbstractProgram(Role.RETRIEVAL, shapes, candidates_program(lay, mesh, m), (vectors, scales, query),
+                           detail=f"{queries} queries, {m} candidates")
 
 
 def score_bound(query_qd: np.ndarray, error_max: float, norm_max: float) -> np.ndarray:
@@ -167,14 +208,16 @@ class ExactSearcher:
     """Exact top-k over a DeviceIndex and its float32 rows `vectors_nd` (memory-mapped), `candidates` per query
     first, 4x as many for the queries not proven, up to `max_candidates`; then the host's exact scan.
 
-    Queries go to the chips in batches of at most `max_batch` (padded to a power of two, at least 8): a program per
-    (batch, candidates) pair. `passes` counts the device calls per number of candidates (for tests and metrics)."""
+    Queries go to the chips in batches of at most `max_batch` (padded: `batch_bucket`): a program per (batch,
+    candidates) pair (`reachable_shapes`). `passes` counts the device calls per number of candidates and
+    `shapes_compiled` holds the (batch, candidates) pairs called (for tests and metrics)."""
 
     def __init__(self, index: DeviceIndex, vectors_nd: np.ndarray, *, candidates: int = 32,
                  max_candidates: int = 4096, max_batch: int = 64):
         self.index, self.vectors_nd = index, vectors_nd
         self.candidates, self.max_candidates, self.max_batch = candidates, max_candidates, max_batch
         self.passes: dict[int, int] = {}
+        self.shapes_compiled: set[tuple[int, int]] = set()
         self.host_scans = 0
 
     def _device_candidates(self, query_qd: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -184,13 +227,14 @@ class ExactSearcher:
         scores, ids = [], []
         for start in range(0, len(query_qd), self.max_batch):
             part = query_qd[start:start + self.max_batch]
-            batch = min(self.max_batch, max(8, 1 << math.ceil(math.log2(len(part)))))
+            batch = batch_bucket(len(part), self.max_batch)
             padded = np.zeros((batch, lay.dim), ml_dtypes.bfloat16)
             padded[:len(part)] = part.astype(ml_dtypes.bfloat16)
             top_qm, ids_qm = program(self.index.vectors, self.index.scales, padded)
             scores.append(np.asarray(top_qm)[:len(part)])
             ids.append(np.asarray(ids_qm)[:len(part)])
             self.passes[m] = self.passes.get(m, 0) + 1
+            self.shapes_compiled.add((batch, m))
         return np.concatenate(scores), np.concatenate(ids)
 
     def _host_scan(self, query_d: np.ndarray, k: int, chunk_rows: int = 1 << 18) -> Reranked:
@@ -216,11 +260,8 @@ class ExactSearcher:
         rows = self.index.layout.rows
         answers: list[Reranked | None] = [None] * len(query_qd)
         pending = np.arange(len(query_qd))
-        m = max(self.candidates, k)
-        while len(pending):
-            if m > max(self.max_candidates, k):
-                for i in pending:
-                    answers[i] = self._host_scan(query_qd[i], k)
+        for m in candidate_counts(k, rows, candidates=self.candidates, max_candidates=self.max_candidates):
+            if not len(pending):
                 break
             approx_qm, ids_qm = self._device_candidates(query_qd[pending], m)
             left = []
@@ -231,7 +272,6 @@ class ExactSearcher:
                 else:
                     left.append(i)
             pending = np.asarray(left, np.int64)
-            if m >= rows:
-                break  # every row was a candidate: rerank proved all
-            m = min(4 * m, rows)
+        for i in pending:
+            answers[i] = self._host_scan(query_qd[i], k)
         return answers

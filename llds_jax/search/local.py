@@ -20,6 +20,8 @@ import numpy as np
 from llds_jax.search.docstore import DocStore
 from llds_jax.search.types import Document, Retriever, RetrieverUnavailableError, SearchResult, check_k
 
+CHECK_QUERIES, CHECK_K = ("index check",), 1  # `check`'s search: one query for the top 1
+
 
 def machine_workers(workers: int) -> int:
     """`workers`, or the machine's cores (`os.cpu_count()`) when it is 0."""
@@ -80,7 +82,7 @@ class LocalRetriever(Retriever):
     async def check(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._pool, self.search_blocking, ["index check"], 1)
+            await loop.run_in_executor(self._pool, self.search_blocking, CHECK_QUERIES, CHECK_K)
             await loop.run_in_executor(self._pool, self._docs.get, self.num_docs - 1)
         except Exception as e:
             raise RetrieverUnavailableError(f"{self._where} cannot serve searches: {type(e).__name__}: {e}") from e

@@ -11,8 +11,12 @@ import dataclasses
 import gzip
 import itertools
 import json
+import os
 import random
 from collections.abc import Iterator
+
+import numpy as np
+import safetensors.numpy
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -90,29 +94,55 @@ def wordpiece_vocab() -> list[str]:
     return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *punctuation, *pieces, *("##" + p for p in pieces)]
 
 
+def random_bert_tensors(*, vocab_size: int, hidden_size: int, num_layers: int, intermediate_size: int,
+                        max_positions: int, seed: int, std: float) -> dict[str, np.ndarray]:
+    """The float32 tensors of a random BertModel by their Hugging Face names ([out, in] for linear weights).
+
+    Each starts at BERT's initial value (weights N(0, std^2) with the padding row of the word embeddings zero,
+    biases 0, LayerNorm scales 1) and is then moved by N(0, std^2), so no parameter is trivially 1 or 0.
+    """
+    rng = np.random.default_rng(seed)
+    D, F = hidden_size, intermediate_size
+    weights = {"embeddings.word_embeddings.weight": (vocab_size, D),
+               "embeddings.position_embeddings.weight": (max_positions, D),
+               "embeddings.token_type_embeddings.weight": (2, D)}
+    for i in range(num_layers):
+        layer = f"encoder.layer.{i}."
+        weights.update({f"{layer}attention.self.{name}.weight": (D, D) for name in ("query", "key", "value")})
+        weights.update({f"{layer}attention.output.dense.weight": (D, D), f"{layer}intermediate.dense.weight": (F, D),
+                        f"{layer}output.dense.weight": (D, F)})
+    tensors = {name: rng.normal(0.0, std, shape) for name, shape in weights.items()}
+    tensors["embeddings.word_embeddings.weight"][0] = 0.0  # [PAD], as BertEmbeddings initializes it
+    biases = {f"{name[:-len('weight')]}bias": shape[0] for name, shape in weights.items() if ".layer." in name}
+    tensors.update({name: np.zeros(size) for name, size in biases.items()})
+    norms = ["embeddings.LayerNorm."] + [f"encoder.layer.{i}.{part}.LayerNorm." for i in range(num_layers)
+                                         for part in ("attention.output", "output")]
+    tensors.update({f"{norm}weight": np.ones(D) for norm in norms} | {f"{norm}bias": np.zeros(D) for norm in norms})
+    return {name: (value + rng.normal(0.0, std, value.shape)).astype(np.float32)
+            for name, value in sorted(tensors.items())}
+
+
 def write_random_bert(folder: str, *, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
                       intermediate_size: int = 37, max_positions: int = 128, seed: int = 0, std: float = 0.2) -> str:
-    """Writes a randomly initialized BERT encoder folder in e5's layout (config.json, model.safetensors, a
-    `wordpiece_vocab` tokenizer) with transformers' BertModel; returns `folder`.
+    """Writes a randomly initialized BERT encoder folder in e5's layout (config.json, model.safetensors and a
+    `wordpiece_vocab` tokenizer, as transformers' BertModel.save_pretrained writes them) with numpy and
+    safetensors, no torch (the demo's e5 retriever builds one on the base install); returns `folder`.
 
-    Every parameter, LayerNorm ones included, is drawn N(0, std^2) around its initial value, so no parameter is
-    trivially 1 or 0. Needs torch (the test extra): for tests and benchmarks only.
+    The tensors are `random_bert_tensors` (deterministic from `seed`).
     """
-    import os
-
-    import torch
-    from transformers import BertConfig, BertModel
-
     vocab = wordpiece_vocab()
-    config = BertConfig(vocab_size=len(vocab), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                        num_attention_heads=num_heads, intermediate_size=intermediate_size,
-                        max_position_embeddings=max_positions, initializer_range=std)
-    torch.manual_seed(seed)
-    model = BertModel(config, add_pooling_layer=False)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(std * torch.randn_like(param))
-    model.save_pretrained(folder)
+    config = {"architectures": ["BertModel"], "model_type": "bert", "vocab_size": len(vocab),
+              "hidden_size": hidden_size, "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+              "intermediate_size": intermediate_size, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+              "attention_probs_dropout_prob": 0.1, "max_position_embeddings": max_positions, "type_vocab_size": 2,
+              "initializer_range": std, "layer_norm_eps": 1e-12, "pad_token_id": 0, "dtype": "float32"}
+    tensors = random_bert_tensors(vocab_size=len(vocab), hidden_size=hidden_size, num_layers=num_layers,
+                                  intermediate_size=intermediate_size, max_positions=max_positions, seed=seed,
+                                  std=std)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    safetensors.numpy.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "vocab.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(vocab) + "\n")
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:

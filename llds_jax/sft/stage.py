@@ -2,7 +2,9 @@
 
 Config-driven (the run config's `sft` section) and cached: the output folder records a fingerprint of everything
 that determines it (the sft settings, the starting checkpoint, the tokenizer, the demonstration files' contents);
-a later run with the same fingerprint reuses the folder and goes straight to RL. Works for any checkpoint the
+a later run with the same fingerprint reuses the folder and goes straight to RL, and one with another fingerprint
+is refused (issue 66: it trained over the cache, which the finished run of the first settings still names); a
+folder the stage did not write is never written into (llds_jax.runtime.output_folder). Works for any checkpoint the
 trainer loads (a cold start for a real model is the same call with its own demonstrations).
 
 The loss is the mean negative log-likelihood over the model-turn tokens of a batch (observations and the prompt are
@@ -22,6 +24,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Optional
@@ -47,6 +51,15 @@ from llds_jax.model.tokenizer import load_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
 DONE_FILE = "warm_start.json"
+METRICS_FILE = "metrics.jsonl"
+RECORD_KEYS = {"step", "loss", "tokens_per_s", "learning_rate"}  # a line of METRICS_FILE (`train`'s records)
+SUMMARY_KEYS = {"fingerprint", "steps", "final_loss", "source"}  # in every DONE_FILE the stage has written
+# What a warm start writes: those two, hf_io.save_model's files (and shards, _SHARD) and the tokenizer's.
+_OWN_FILES = frozenset({DONE_FILE, METRICS_FILE, "config.json", "generation_config.json", "model.safetensors",
+                        "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                        "chat_template.jinja", "special_tokens_map.json", "vocab.json", "merges.txt",
+                        "added_tokens.json"})
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def schedule(cfg: SFTConfig) -> optax.Schedule:
@@ -135,6 +148,32 @@ def recorded_fingerprint(done: epath.Path) -> str | None:
     return record.get("fingerprint") if isinstance(record, dict) else None
 
 
+def _summary(out_dir: str) -> dict | None:
+    """The DONE_FILE of a local warm-start folder when it is one the stage wrote, else None."""
+    record = output_folder.read_json(os.path.join(out_dir, DONE_FILE))
+    return record if isinstance(record, dict) and SUMMARY_KEYS <= record.keys() else None
+
+
+def _is_log(out_dir: str) -> bool:
+    """Whether the folder's METRICS_FILE holds the warm start's records, and only them (an unfinished warm start)."""
+    lines = output_folder.json_lines(os.path.join(out_dir, METRICS_FILE))
+    return bool(lines) and all(isinstance(line, dict) and line.keys() == RECORD_KEYS for line in lines)
+
+
+def _recorded(out_dir: str) -> dict | None:
+    """The spec of the finished warm start a local folder holds (its fingerprint), or None."""
+    summary = _summary(out_dir)
+    return None if summary is None else {"fingerprint": summary["fingerprint"]}
+
+
+# A warm-start folder of an older version (before the marker): its DONE_FILE, or a METRICS_FILE of the stage's
+# records (an unfinished one), beside the files the stage writes.
+WARM_START = output_folder.Kind(
+    "warm start", recorded=_recorded,
+    strangers=output_folder.proven_by(lambda out_dir: _summary(out_dir) is not None or _is_log(out_dir),
+                                      lambda entry: entry in _OWN_FILES or bool(_SHARD.fullmatch(entry))))
+
+
 @contextlib.contextmanager
 def _no_step_left_running(in_flight):
     """On an exception (a stop signal's StopRequested among them), waits for the steps still queued
@@ -217,11 +256,26 @@ def encode_all(demos: list[Demonstration], tokenizer, cfg: SFTConfig) -> list[tu
     return kept
 
 
+def _claim(out: epath.Path, key: str) -> None:
+    """Makes `out` the warm start's folder for the fingerprint `key` before anything is loaded: a local folder of
+    the user's own files (a metrics.jsonl or config.json of another tool), of another output, or of a finished
+    warm start of another fingerprint is refused in one line, nothing in it written (llds_jax.runtime.output_folder);
+    on gs://, which has no folders to mark, a finished warm start of another fingerprint is refused all the same."""
+    if not gcs.is_gcs(str(out)):
+        output_folder.claim(str(out), "sft.output_dir", WARM_START, {"fingerprint": key})
+        return
+    found = recorded_fingerprint(out / DONE_FILE)
+    output_folder.check_settings(str(out), "sft.output_dir", None if found is None else {"fingerprint": found},
+                                 {"fingerprint": key})
+
+
 def warm_start(cfg: ml_collections.ConfigDict) -> str:
     """Runs the run config's warm start (or reuses its cached output); returns the output folder.
 
     The folder holds the weights (safetensors), the tokenizer, `metrics.jsonl` (the logged records) and
-    `warm_start.json` (the fingerprint and a summary), written last: a folder without it is redone.
+    `warm_start.json` (the fingerprint and a summary), written last: a folder without it is redone. A folder that
+    is not the stage's, or holds a finished warm start of another fingerprint, is refused before anything loads
+    (FolderNotOursError naming sft.output_dir).
     """
     if jax.process_count() > 1:
         raise ConfigError("sft.enabled: the warm start runs in one process; run `--mode=sft` on one host, then "
@@ -233,6 +287,7 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     key = fingerprint(s, m.path, tokenizer_path, overrides)
     out = epath.Path(s.output_dir)
     done = out / DONE_FILE
+    _claim(out, key)
     if recorded_fingerprint(done) == key:
         print(f"warm start: reusing {out} (same settings, checkpoint and demonstrations)", flush=True)
         return str(out)
@@ -255,12 +310,9 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
               f"{', '.join(s.curriculum_files)}, then", flush=True)
     print(f"warm start: {s.steps - s.curriculum_steps} steps of {s.batch_size} on {len(encoded)} demonstrations "
           f"from {', '.join(s.data_files)}", flush=True)
-    if not gcs.is_gcs(str(out)):  # a folder of the user's own files is never written into
-        output_folder.claim(str(out), f"sft.output_dir {out}", "warm start",
-                            legacy=lambda entries: DONE_FILE in entries or "metrics.jsonl" in entries)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with (out / "metrics.jsonl").open("w") as f:
+    with (out / METRICS_FILE).open("w") as f:
         def on_log(record):
             f.write(json.dumps(record) + "\n")
             print(f"warm start step {record['step']}/{s.steps}  loss {record['loss']:.4f}  "

@@ -43,6 +43,8 @@ from etils import epath
 from llds_jax.runtime import output_folder
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.md"
+SUMMARY_TITLE = "# Run report: "  # the first line of every summary.md the report writes
 EXIT_BAD_INPUT = 2
 EM_PREFIX = "eval/em_"
 EM_MEAN = "mean"  # evaluation.MEAN_KEY (not imported: the report needs no JAX)
@@ -465,7 +467,7 @@ def best_eval_table(runs: Sequence[Run]) -> list[str] | None:
 def summary_markdown(runs: Sequence[Run], plots: Sequence[tuple[Plot, bool, list[str]]]) -> str:
     """The summary.md text; `plots` holds (plot, written, titles of panels left out)."""
     names = ", ".join(r.name for r in runs)
-    lines = [f"# Run report: {names}", ""]
+    lines = [f"{SUMMARY_TITLE}{names}", ""]
     if len(runs) > 1:
         lines += [f"{len(runs)} runs compared, overlaid in each plot (labels are the run folder names).", ""]
     lines += ["## Config highlights", ""]
@@ -510,15 +512,28 @@ def summary_markdown(runs: Sequence[Run], plots: Sequence[tuple[Plot, bool, list
 
 
 # ----- the command ---------------------------------------------------------------------------------------------------
+def _is_summary(out_dir: str) -> bool:
+    """Whether the folder's summary.md is one the report wrote (its title line)."""
+    try:
+        with open(os.path.join(out_dir, SUMMARY_FILE), "rb") as f:
+            return f.read(len(SUMMARY_TITLE)) == SUMMARY_TITLE.encode()
+    except OSError:
+        return False
+
+
+# A report folder of an older version (before the marker): a summary.md of the report's, beside its plots.
+REPORT = output_folder.Kind("report", strangers=output_folder.proven_by(
+    _is_summary, lambda entry: entry in {plot.filename for plot in PLOTS} | {SUMMARY_FILE}))
+
+
 def write_report(run_dirs: Sequence[str], out_dir: str | None = None) -> list[str]:
     """Writes the plots and summary.md of `run_dirs` (the first is the main run) into `out_dir` (default
     `<first run>/report`); returns the paths written."""
     runs = [read_run(folder, name) for folder, name in zip(run_dirs, unique_names(run_dirs))]
     out = epath.Path(out_dir) if out_dir else runs[0].folder / "report"
     if "://" not in os.fspath(out):  # local: gs:// has no folders to mix up
-        own = {plot.filename for plot in PLOTS} | {"summary.md"}
         try:  # a folder of the user's own files is never written into (llds_jax.runtime.output_folder)
-            output_folder.claim(str(out), f"--out {out}", "report", legacy=lambda entries: set(entries) <= own)
+            output_folder.claim(str(out), "--out", REPORT)
         except output_folder.FolderNotOursError as e:
             raise ReportError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
@@ -529,8 +544,8 @@ def write_report(run_dirs: Sequence[str], out_dir: str | None = None) -> list[st
             save_figure(fig, out / plot.filename)
             written.append(str(out / plot.filename))
         plots.append((plot, fig is not None, missing))
-    (out / "summary.md").write_text(summary_markdown(runs, plots))
-    written.append(str(out / "summary.md"))
+    (out / SUMMARY_FILE).write_text(summary_markdown(runs, plots))
+    written.append(str(out / SUMMARY_FILE))
     return written
 
 

@@ -4,22 +4,38 @@ from) and says which keys changed, so a folder never loses the config its checkp
 
 Keys of where a run executes, not of what it trains (`IGNORED`: the job's processes, the compilation cache), are
 not compared.
+
+What a run trains on (`trained_on`: the data, the retriever, the starting model and its warm start, the seed, the
+application's section) may not change on a resume: the launcher refuses a run folder whose config.json was written
+for other such settings before anything loads (issue 66: the demo with the e5 retriever "resumed" the finished BM25
+demo in its folder and wrote over its evaluation). The schedule, the objective and the rollout may change, with
+`notice`.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 from etils import epath
 
+from llds_jax import application
 from llds_jax import config as config_lib
+from llds_jax.runtime import output_folder
 
 CONFIG_FILE = "config.json"
 BEFORE_FILE = "config.before-step-{step}.json"
 IGNORED = ("distributed.", "compilation_cache_dir")
 SHOWN_CHANGES = 5  # changed keys named in the notice; the rest are counted
+# The keys (or sections, ending in ".") of what a run trains on, besides the application's sections.
+TRAINED_ON = ("seed", "app", "model.path", "model.tokenizer_path", "model.chat_template", "model.preset",
+              "data.train_files", "data.eval_files", "reward.", "retriever.", "sft.")
+NOT_TRAINED_ON = ("sft.output_dir", "sft.log_every")  # where the warm start is cached, how often it logs
+# The sections of every run config the project has written (config.json of an older version included).
+SECTIONS = frozenset({"run_dir", "seed", "model", "data", "rollout", "objective", "optim", "train"})
 
 
 def flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -58,6 +74,12 @@ def record(run_dir: epath.Path, cfg: ml_collections.ConfigDict, resumed_step: in
     return found
 
 
+def is_before_file(name: str) -> bool:
+    """Whether `name` is a BEFORE_FILE's."""
+    prefix, _, suffix = BEFORE_FILE.partition("{step}")
+    return re.fullmatch(f"{re.escape(prefix)}[0-9]+{re.escape(suffix)}", name) is not None
+
+
 def notice(run_dir: epath.Path, resumed_step: int, found: list[str]) -> str:
     """The one line that says a resume changed keys, and where the earlier config is."""
     named = "; ".join(found[:SHOWN_CHANGES]) + (f"; and {len(found) - SHOWN_CHANGES} more"
@@ -65,3 +87,36 @@ def notice(run_dir: epath.Path, resumed_step: int, found: list[str]) -> str:
     return (f"llds_jax: resuming {run_dir} from step {resumed_step} with {len(found)} changed config key(s): "
             f"{named} (the earlier config is kept as {BEFORE_FILE.format(step=resumed_step)}; start a new run "
             "with another --config.run_dir to keep them apart)")
+
+
+def trained_on(recorded: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The keys of a config as JSON (`recorded`: a run folder's config.json, or `as_json(cfg)`) that say what a run
+    of `cfg` trains on, flat: TRAINED_ON and the application's sections, less NOT_TRAINED_ON, the application's
+    output folders and the keys it sets when the run starts (they follow from its section: the demo's model, data
+    and retriever); less model.path with a warm start, which the run then starts from (the warm start's own folder
+    records what it was trained from)."""
+    app = application.load(cfg)
+    compared = TRAINED_ON + (tuple(f"{name}." for name in app.config_sections()) if app is not None else ())
+    left_out = NOT_TRAINED_ON + (("model.path",) if cfg.sft.enabled else ())
+    if app is not None:
+        left_out += tuple(app.paths(cfg)) + tuple(app.provided_keys(cfg))
+    return {key: value for key, value in flat(recorded).items()
+            if _named(key, compared) and not _named(key, left_out)}
+
+
+def _named(key: str, names: tuple[str, ...]) -> bool:
+    """Whether `key` is one of `names` or inside one of its sections (a name ending in ".", or a provided section
+    such as "retriever")."""
+    return any(key == name or key.startswith(name if name.endswith(".") else f"{name}.") for name in names)
+
+
+def as_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """`cfg` as its config.json holds it (secrets redacted)."""
+    return json.loads(config_lib.redacted(cfg).to_json_best_effort())
+
+
+def recorded_config(run_dir: str) -> dict[str, Any] | None:
+    """The config.json of a local run folder when it is a run config of the project's, else None (none, or a
+    user's file of that name)."""
+    recorded = output_folder.read_json(os.path.join(run_dir, CONFIG_FILE))
+    return recorded if isinstance(recorded, dict) and SECTIONS <= recorded.keys() else None

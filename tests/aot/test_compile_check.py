@@ -1,8 +1,8 @@
 """--mode=compile: the run's programs compiled by XLA's TPU compiler (libtpu) for deviceless pod topologies.
 
 The flagship config itself (configs/qwen7b_v4.py, with faiss on the host unless a test puts the index on the chips)
-is compiled with only its sizes shrunk (a tiny architecture, small batches and lengths) for two TPU generations; a
-config whose programs cannot fit fails naming them.
+is compiled with only its sizes shrunk (a tiny architecture and query encoder, small batches and lengths) for two TPU
+generations; a config whose programs cannot fit fails naming them.
 """
 import importlib.util
 import json
@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from llds_jax import topologies
-from llds_jax.aot import compile_check, roofline, step_estimate
+from llds_jax.aot import compile_check, compiled, retriever_programs, roofline, step_estimate
 from llds_jax.train import run_builder
 from llds_jax.model import ModelConfig, to_hf_config
 from llds_jax.programs import Role
@@ -45,41 +45,53 @@ def _tpu_programs_out_of_the_persistent_cache():
         yield
 
 
+# A query encoder's config.json (BERT, e5's architecture) of 2 layers of 32: its programs compile in about a second.
+TINY_ENCODER = {"model_type": "bert", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "intermediate_size": 48, "max_position_embeddings": 512}
+
+
+def write_architectures(path, cfg):
+    """config.json of `cfg` in the folder `path`, and the tiny query encoder's in `path`/e5: compile mode reads the
+    architectures, never the weights."""
+    (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    (path / "e5").mkdir()
+    (path / "e5" / "config.json").write_text(json.dumps(TINY_ENCODER))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    """A checkpoint folder holding only config.json: compile mode reads the architecture, never the weights."""
-    path = tmp_path_factory.mktemp("tiny_arch")
+    """A checkpoint folder holding only config.json (and e5/config.json, the tiny query encoder's)."""
     # V = 640 and F = 96 are no other dimension of the programs (the checks for gathers of a whole [V, D] table
     # and of a layer's weights read dims).
     cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                            head_dim=16)
-    (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
-    return str(path)
+    return write_architectures(tmp_path_factory.mktemp("tiny_arch"), cfg)
 
 
 @pytest.fixture(scope="module")
 def paged_model_dir(tmp_path_factory):
     """The tiny architecture with heads of 128 lanes: the ragged paged attention kernel takes heads of a multiple
     of 128."""
-    path = tmp_path_factory.mktemp("paged_arch")
     cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                            head_dim=128)
-    (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
-    return str(path)
+    return write_architectures(tmp_path_factory.mktemp("paged_arch"), cfg)
 
 
 def flagship(model_dir, **changes):
-    """configs/qwen7b_v4.py with faiss on the host (its `e5` retriever: no index on the chips), shrunk by SHRINK and
-    `changes` ({"section.key": value})."""
+    """configs/qwen7b_v4.py with faiss on the host (its `e5` retriever: no index on the chips) and the tiny query
+    encoder of `model_dir`/e5, shrunk by SHRINK and `changes` ({"section.key": value})."""
     cfg = load("qwen7b_v4", "e5")
-    for key, value in {**SHRINK, "model.path": model_dir, **changes}.items():
+    for key, value in {**SHRINK, "model.path": model_dir, "retriever.encoder_path": f"{model_dir}/e5",
+                       **changes}.items():
         section, name = key.rsplit(".", 1)
         cfg[section][name] = value
     return cfg
 
 
 def launch(model_dir, *args):
-    overrides = [f"--config.{k}={v}" for k, v in {**SHRINK, "model.path": model_dir}.items()]
+    overrides = [f"--config.{k}={v}" for k, v in {**SHRINK, "model.path": model_dir,
+                                                   "retriever.encoder_path": f"{model_dir}/e5"}.items()]
     return subprocess.run([sys.executable, "-m", "llds_jax.launch", "--config=configs/qwen7b_v4.py:e5",
                            "--mode=compile", *overrides, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
@@ -128,13 +140,15 @@ def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(t
     takes the bfloat16 params split over all 8 chips as training splits them and leaves on every chip exactly the
     slice of the rollout copy the step program takes there (so a host's shards are its rollout copy as they are),
     moving the weights over the chips' links; in the rollout's part of the estimate, never checked as a rollout
-    program that gathers weights."""
+    program that gathers weights. The query encoder's parameters stay resident beside it (on each host's first
+    chip)."""
     cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": -1, "rollout.params_dtype": "bfloat16"})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = compile_check.build_programs(cfg, devices)
     reshard = next(p for p in programs if p.role is Role.RESHARD)
     assert (reshard.calls, reshard.rollout, reshard.resident) == (1.0, False, ("params", "optimizer state",
-                                                                                "reference", "page pool"))
+                                                                                "reference", "page pool",
+                                                                                "query encoder"))
     assert reshard.shapes == "every host's at once over 2 hosts, bfloat16"
     layout = run_builder.run_layout(cfg, devices)
     params = run_builder.build(cfg, layout, run_builder.abstract_model(layout), (0, 1)).step.abstract_state().params
@@ -173,7 +187,9 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
         "eval rollout step (64 tokens)"]
     pools = {p.pool_bytes for p in rollout}  # one pool, training's and evaluation's, resident beside the rest
     assert len(pools) == 1 and pools.pop() > 0
-    assert all(compile_check.PAGE_POOL in p.resident for p in programs if not p.rollout)
+    retriever = (Role.RETRIEVAL, Role.QUERY_ENCODER)  # beside a rollout session: its arguments, the pool among them
+    assert all(compiled.PAGE_POOL in p.resident for p in programs if not p.rollout and p.role not in retriever)
+    assert all(p.resident[-1] == compiled.SESSION for p in programs if p.role in retriever)
     step = next(p for p in rollout if p.name == "rollout step (64 tokens)")
     assert step.shapes.startswith("16 sequences x 8 samples, 257 pages of 16 slots")  # 16 x 256 / 16 + 1
     hlo = step.lowered.compile().as_text()
@@ -196,11 +212,13 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
            "decode iterations, seconds" in lines
     expected = next(line for line in lines if line.startswith("  expected step: rollout "))
     assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
-    # Then the same step as the kernel runs its calls (issue 67): at the tile the runner passes today (none: the
-    # kernel's 32 x 32), each term with its source, the measured ones placeholders, the ideal share beside it.
+    # Then the same step as the kernel runs its calls (issue 67): at the config's tiles, each term with its source,
+    # the measured ones placeholders, the ideal share beside it.
     at = lines.index(expected)
     assert lines[at + 1].startswith("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged "
-                                    "attention runs it, at the tile 32 kv pages x 32 queries, pages of 16 slots")
+                                    "attention runs it, at the tile 16 kv pages x 32 queries (the slots' bucket and "
+                                    "decode iterations: 8 x 8), pages of 16 slots, each decode iteration over its "
+                                    "sampling rows in one batch")
     assert [line[35:47].strip() for line in lines[at + 2:at + 11]] == [  # the source column
         "HLO", "kernel grid", "program", "program", "program", "program", "measured", "measured", "-"]
     assert lines[at + 3].startswith("    attention kernel ")
@@ -233,7 +251,7 @@ def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
     assert not any(kind == "all-reduce" for kind, _ in shapes)
     cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                            head_dim=16, num_layers=2)
-    row = compile_check.Row("decode chunk", "16 rows", collectives=tuple(shapes))
+    row = compiled.Row("decode chunk", "16 rows", collectives=tuple(shapes))
     [line] = compile_check.weight_collectives([row], cfg, tensor=4)
     assert line.startswith("decode chunk (16 rows) moves a layer's weights between chips (")
     for moved in ("all-to-all [2, 64, 96]", "collective-permute [96, 64]", "reduce-scatter [1, 4, 16, 64]",
@@ -252,7 +270,7 @@ def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
 
     def row(name, **out):
         lowered = jax.jit(lambda w: w * 2, **out).lower(table)
-        return compile_check.compile_row(compile_check.Program(name, "[512, 64]", lowered, ()))
+        return compile_check.compile_row(compiled.Program(name, "[512, 64]", lowered, ()))
 
     gathered = row("gathered", out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     kept = row("kept", out_shardings=sharded)
@@ -269,7 +287,7 @@ def test_a_gather_of_the_whole_vocabulary_table_is_found_in_the_tpu_program():
 def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     """rollout.params_dtype: the rollout programs are lowered with params in that dtype (smaller arguments per chip
     with bfloat16), the training programs with the float32 params; on one host in the training layout a bfloat16
-    copy is a copy of its own, so the float32 params stay resident beside it."""
+    copy is a copy of its own, so the float32 params stay resident beside it (and the query encoder's, always)."""
     def decode_and_update(topology, dtype, tensor_parallel=-1):
         devices, _ = compile_check.topology_devices(topology)
         programs = compile_check.build_programs(flagship(tiny_model_dir, **{
@@ -289,10 +307,11 @@ def test_rollout_programs_take_the_params_in_the_rollout_dtype(tiny_model_dir):
     assert bf16.arguments < f32.arguments
     one_host = {dtype: decode_and_update("v5e:2x2", dtype, tensor_parallel=0)[0].resident
                 for dtype in ("bfloat16", "float32")}
-    assert one_host == {"bfloat16": ("params", "optimizer state", "reference"),
-                        "float32": ("optimizer state", "reference")}
+    assert one_host == {"bfloat16": ("params", "optimizer state", "reference", "query encoder"),
+                        "float32": ("optimizer state", "reference", "query encoder")}
     # Split over the chips by heads (rollout.tensor_parallel), the rollout's copy is its own in any dtype.
-    assert decode_and_update("v5e:2x2", "float32")[0].resident == ("params", "optimizer state", "reference")
+    assert decode_and_update("v5e:2x2", "float32")[0].resident == ("params", "optimizer state", "reference",
+                                                                   "query encoder")
 
 
 @pytest.mark.slow
@@ -330,14 +349,15 @@ def test_launch_compiles_the_flagship_config_for_v5e(paged_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir):
+def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir, capsys):
     """Evaluation in one session of 16384 questions with a 4k-token context: its page pool (the run's, shared with
-    training) and step program cannot fit a v5e chip's 16 GiB; the error names the program and the excess."""
-    result = launch(tiny_model_dir, "--topology=v5e:2x2", "--config.eval.batch_size=16384",
-                    "--config.rollout.max_batch_size=16384", "--config.rollout.max_context_tokens=4096",
-                    "--config.rollout.max_response_tokens=4096")
-    assert result.returncode == compile_check.EXIT_DOES_NOT_FIT, result.stdout[-3000:] + result.stderr[-3000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("llds_jax: error: ")]
+    training) and step program cannot fit a v5e chip's 16 GiB; the error names the program and the excess. (The
+    query encoder's batches are kept at 8 texts: at 16384 rows in flight its 48 programs would only slow this.)"""
+    cfg = flagship(tiny_model_dir, **{"eval.batch_size": 16384, "rollout.max_batch_size": 16384,
+                                      "rollout.max_context_tokens": 4096, "rollout.max_response_tokens": 4096,
+                                      "retriever.encoder_batch_size": 8})
+    assert compile_check.run(cfg, "v5e:2x2") == compile_check.EXIT_DOES_NOT_FIT
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llds_jax: error: ")]
     assert any(line.startswith("llds_jax: error: eval rollout step (") and "does not fit: " in line
                and "GiB over the 15.75 GiB of HBM" in line for line in errors), errors
 
@@ -349,13 +369,13 @@ def test_tpu_programs_stay_out_of_the_persistent_compilation_cache(tmp_path):
     script = """
 import jax, jax.numpy as jnp, os, sys
 from jax.sharding import SingleDeviceSharding
-from llds_jax.aot import compile_check
+from llds_jax.aot import compile_check, compiled
 from llds_jax.programs import Role
 jax.config.update("jax_platforms", "cpu")
 cache = sys.argv[1]
 chip = compile_check.topology_devices("v4:2x2x1")[0][0]
 x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=SingleDeviceSharding(chip))
-program = compile_check.Program("square", "", jax.jit(lambda a: a @ a).lower(x), (), Role.UPDATE)
+program = compiled.Program("square", "", jax.jit(lambda a: a @ a).lower(x), (), Role.UPDATE)
 assert not compile_check.compile_row(program).error
 print("tpu", len(os.listdir(cache)) if os.path.isdir(cache) else 0)
 jax.jit(lambda a: a @ a + 1).lower(jnp.ones((128, 128))).compile()
@@ -422,8 +442,9 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
     cfg.retriever = {"backend": "e5_device", "index_path": small_flat_file, "encoder_path": "/e5",
                      "vector_dtype": dtype, "block_rows": 1000, "search_batch": 16}
     devices, _ = compile_check.topology_devices("v4:2x2x4")
-    program = compile_check.retrieval_program(cfg, devices, rows=16, resident=("params",))
-    assert program.role is Role.RETRIEVAL and program.resident == ("params", compile_check.SESSION)
+    program = retriever_programs.search_programs(cfg, devices, rows=16, max_queries=16, resident=("params",))[0]
+    assert program.role is Role.RETRIEVAL and program.resident == ("params", compiled.SESSION)
+    assert program.name == "retrieval search (16 queries, 32 candidates)"
     assert program.shapes == (f"16 queries x 30,000 rows of 768 in {dtype}, 32 candidates, 1,888 rows per chip")
     row = compile_check.compile_row(program)
     assert not row.error, row.error
@@ -436,25 +457,43 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
 @pytest.mark.slow
 def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(paged_model_dir, small_flat_file,
                                                                                capsys):
-    """configs/qwen7b_v4.py:e5_device shrunk, for v4:2x2x2 (two hosts of 4 chips): every program compiles; each
-    but the search holds the index shard (the search program's arguments) beside what it held before; the search
-    holds a rollout step's arguments beside it; the index line names rows, dtype and bytes per chip: a quarter of
-    the rows per chip, since each host holds the whole index over its own 4 chips; the expected step costs
-    retrieval by its calls of the rows in flight."""
+    """configs/qwen7b_v4.py:e5_device shrunk, for v4:2x2x2 (two hosts of 4 chips), with the tiny query encoder:
+    every program compiles, the retriever's at every shape its calls reach (issue 67: one search program, no
+    encoder): the search at 8 and 16 queries (the 16 rows in flight, device calls of at most 16) x 32, 128, 512 and
+    2,048 candidates (its passes before the host's scan), the one the estimate costs (16 queries, 32 candidates)
+    first; the encoder at 8 and 16 queries x 32 to 256 tokens; each a row of the table with its memory per chip.
+    Each other program holds the index shard (the first search program's arguments) and the encoder's parameters
+    beside what it held before; the search holds a rollout step's arguments and the encoder beside it, the encoder
+    a rollout step's arguments and the index; the lines after the table name rows, dtype and bytes per chip (a
+    quarter of the rows per chip, since each host holds the whole index over its own 4 chips) and the encoder's
+    bytes and programs; the expected step costs retrieval by its calls of the rows in flight."""
     cfg = flagship(paged_model_dir, **PAGED)
     cfg.retriever = load("qwen7b_v4", "e5_device").retriever
     cfg.retriever.index_path, cfg.retriever.search_batch = small_flat_file, 16
+    cfg.retriever.encoder_path = f"{paged_model_dir}/e5"
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     programs = compile_check.build_programs(cfg, devices)
     search = [p for p in programs if p.role is Role.RETRIEVAL]
-    assert len(search) == 1 and search[0].resident[-1] == compile_check.SESSION
-    assert all(p.resident[-1] == compile_check.INDEX for p in programs if p.role is not Role.RETRIEVAL)
+    encoder = [p for p in programs if p.role is Role.QUERY_ENCODER]
+    assert [p.name for p in search] == ["retrieval search (16 queries, 32 candidates)"] + [
+        f"retrieval search ({q} queries, {m} candidates)" for q in (8, 16) for m in (32, 128, 512, 2048)
+        if (q, m) != (16, 32)]
+    assert [p.name for p in encoder] == [f"query encoder ({b} x {t})" for b in (8, 16) for t in range(32, 257, 32)]
+    index, session, held = compiled.INDEX, compiled.SESSION, compiled.ENCODER
+    assert all(p.resident[-2:] == (session, held) for p in search)
+    assert all(p.resident[-2:] == (index, session) for p in encoder)
+    assert all(p.resident[-2:] == (index, held) for p in programs if p not in search + encoder)
     assert compile_check.run(cfg, "v4:2x2x2") == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("retrieval index (e5_device, int8): 30,000 rows x 768 (") and
-               "over each host's 4 chips (a copy per host): 5.55M per chip, resident in every program" in line
+               "over each host's 4 chips (a copy per host): 5.55M per chip, resident in every program; its 8 search "
+               "programs" in line for line in lines)
+    assert any(line.startswith(f"query encoder (e5, {paged_model_dir}/e5): ") and
+               "on each host's first chip, resident in every program there; its 16 programs" in line
                for line in lines)
-    assert any(line.startswith("retrieval search ") for line in lines)
+    for program in search + encoder:  # a row of its own: memory per chip and share of HBM
+        row = next(line for line in lines if line.startswith(f"{program.name} "))
+        assert program.shapes in row and "%" in row and "does not" not in row
     retrieval = [line for line in lines if line.startswith("  retrieval (in the rollout, what rows wait for)")]
     # 16 trajectories per host x 1.5 searches in calls of the 16 rows in flight, one device call of 16 queries each.
     assert ("24 searches in at least 1.5 calls of 16 (the rows in flight) x " in retrieval[-1]

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 from llds_jax import config as config_lib
-from llds_jax.aot import rollout_schedule, step_estimate, step_lengths
+from llds_jax.aot import kernel_cost, rollout_schedule, step_estimate, step_lengths
 from llds_jax.model import ModelConfig
 from llds_jax.programs import Role
-from llds_jax.rollout.config import SamplingConfig
+from llds_jax.rollout.config import KernelTiles, SamplingConfig
 from llds_jax.aot.roofline import PEAKS, ChipPeaks, HloCost
 from tests.configs import load
 
@@ -202,39 +202,40 @@ def test_a_draw_makes_the_samplers_passes_over_its_rows_vocabulary():
     assert step_estimate.sampler_passes(dataclasses.replace(sampling, top_k=50)) == 3 + 1
 
 
-def faithful_tiny(tensor=2):
+def faithful_tiny(tensor=2, batches=1):
     """`tiny_cost`'s model over 2 chips (2 query heads and 1 key/value head each, heads of 16, bfloat16), pages of
-    8 slots, 8 per sequence, the tile 2 pages x 4 queries, its 4 rows of logits split 2 ways, top-p sampling."""
+    8 slots, 8 per sequence, every tile 2 pages x 4 queries, its 4 rows of logits split 2 ways, top-p sampling,
+    decode iterations in `batches` batches."""
     cfg = ModelConfig.tiny(vocab_size=640, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                            head_dim=16, num_layers=2, dtype="bfloat16")
     return step_estimate.faithful_cost(tiny_cost(tensor), cfg, tensor, page_size=8, pages_per_seq=8, row_shards=2,
-                                       sampling=SamplingConfig(top_p=0.95, top_k=0), kv_pages_per_block=2,
-                                       queries_per_block=4)
+                                       sampling=SamplingConfig(top_p=0.95, top_k=0), tiles=KernelTiles(2, 4, 2, 4),
+                                       batches=batches)
 
 
-def test_a_call_as_the_kernel_runs_it_costs_whole_blocks_every_slot_and_the_work_around_the_layers():
+def test_a_call_as_the_kernel_runs_it_costs_whole_blocks_the_sampling_rows_and_the_work_around_the_layers():
     """A call at the 16-token bucket of two sequences (8 tokens at 8 slots, 3 at 20; sampling 1 and 3 tokens), then
-    2 decode iterations of the 4 slots. Per chip a page is 8 slots x 2 rows x 16 x 2 bytes = 512 bytes, a kv block
-    2 pages (16 slots), a q block 4 tokens. The forward: sequence 0 visited by q blocks 0 and 1 (1 kv block each),
-    sequence 1 by block 2 (2 kv blocks): 4 visits, 8 page copies of which 5 pages held; 4 q blocks copied in and out.
-    Each decode iteration: one q block of the 4 slots, sequence 1 at 21 then 22 slots (2 kv blocks), the other three
-    rows at kv_len 1 (1 each): 5 visits, 10 page copies of which 6 held. Two layers. PEAKS_1: 1e12 FLOP/s, 1e9 B/s,
-    1e8 ICI B/s."""
+    2 decode iterations of its one sampling row. Per chip a page is 8 slots x 2 rows x 16 x 2 bytes = 512 bytes, a
+    kv block 2 pages (16 slots), a q block 4 tokens. The forward: sequence 0 visited by q blocks 0 and 1 (1 kv block
+    each), sequence 1 by block 2 (2 kv blocks): 4 visits, 8 page copies of which 5 pages held; 4 q blocks copied in
+    and out. Each decode iteration: one q block of the 4 slots' operand, sequence 1 alone at 21 then 22 slots (2 kv
+    blocks; the slots not sampling are not run): 2 visits, 4 page copies of which 3 held. Two layers. PEAKS_1: 1e12
+    FLOP/s, 1e9 B/s, 1e8 ICI B/s."""
     cost = faithful_tiny()
     call = rollout_schedule.Call(16, 11, 4, 2, 7, q_lens=(8, 3), kv_lens=(8, 20), samples=(1, 3))
     terms, tally = cost.call_terms(call, PEAKS_1)
     flops_forward = 4 * 4 * 4 * 2 * 16 * 16  # visits x (QK^T, PV: 4 FLOPs) x bq x heads x block slots x H
-    flops_decode = 5 * 4 * 4 * 2 * 16 * 16
+    flops_decode = 2 * 4 * 4 * 2 * 16 * 16
     q_out = 2 * 4 * 2 * 16 * 2  # one q block in and out: 4 tokens x 2 heads x 16 x 2 bytes
-    assert tally == step_estimate.KernelTally(grid_steps=2 * (4 + 1 + 1), page_copies=2 * (8 + 10 + 10),
-                                              useful_page_copies=2 * (5 + 6 + 6),
-                                              pool_bytes=2 * (8 + 10 + 10) * 512.0,
+    assert tally == step_estimate.KernelTally(grid_steps=2 * (4 + 1 + 1), page_copies=2 * (8 + 4 + 4),
+                                              useful_page_copies=2 * (5 + 3 + 3),
+                                              pool_bytes=2 * (8 + 4 + 4) * 512.0,
                                               flops=2.0 * (flops_forward + 2 * flops_decode))
-    attention = 2 * ((8 * 512 + 4 * q_out) + 2 * (10 * 512 + q_out)) / 1e9  # memory-bound at these sizes
+    attention = 2 * ((8 * 512 + 4 * q_out) + 2 * (4 * 512 + q_out)) / 1e9  # memory-bound at these sizes
     assert terms == {
         step_estimate.LAYERS: pytest.approx(3 * 1e6 / 1e9),  # three forwards, each reading the weights
         step_estimate.ATTENTION: pytest.approx(attention),
-        step_estimate.KV_WRITE: pytest.approx((11 + 4 + 4) * 2 * 2 * 16 * 2 / 1e9),  # real tokens, then every slot
+        step_estimate.KV_WRITE: pytest.approx((11 + 1 + 1) * 2 * 2 * 16 * 2 / 1e9),  # real tokens, sampling rows
         step_estimate.COPIES: pytest.approx(4 * 2 * cost.step.page_bytes / 1e9),  # S copies, each read and written
         step_estimate.SAMPLER: pytest.approx(3 * 41 * 2 * 640 * 4 / 1e9),  # 3 draws of 2 rows per chip
         step_estimate.ALL_REDUCE: pytest.approx((16 + 4 + 4) * cost.step.ici_bytes_per_token / 1e8)}
@@ -243,14 +244,34 @@ def test_a_call_as_the_kernel_runs_it_costs_whole_blocks_every_slot_and_the_work
     assert time.kernel == tally + tally
 
 
+def test_decode_iterations_in_two_batches_cost_a_chip_the_first_batchs_rows_and_half_the_layers_rows():
+    """Three sequences of one decoding token each (8, 20 and 40 slots; sampling 2 samples each), 2 batches of 2 of
+    the 4 slots: each decode iteration's chip runs batch 0, the sampling rows 0 and 2 (9 and 41 slots: 1 and 3 kv
+    blocks), in a 2-token operand (one q block of 2); every chip writes the 3 rows' keys and values; the layers'
+    rows (and their all-reduces) are halved, the ragged forward's attention whole on every chip."""
+    one, two = faithful_tiny(), faithful_tiny(batches=2)
+    call = rollout_schedule.Call(4, 3, 9, 1, 9, q_lens=(1, 1, 1), kv_lens=(8, 20, 40), samples=(2, 2, 2))
+    terms, tally = two.call_terms(call, PEAKS_1)
+    forward, first = one.forward_terms(4, 3, (1, 1, 1), (8, 20, 40), one.tiles.decode, PEAKS_1)
+    decode = kernel_cost.kernel_call(two.kernel_at(two.tiles.decode), 2, (1, 1), (9, 41))
+    assert decode.visits_s == (1, 3) and decode.grid_steps == 1
+    assert tally == step_estimate.KernelTally.of(first, 2) + step_estimate.KernelTally.of(decode, 2)
+    attention = 2 * max(decode.flops / 1e12, decode.hbm_bytes / 1e9)
+    assert terms[step_estimate.ATTENTION] == pytest.approx(forward[step_estimate.ATTENTION] + attention)
+    assert terms[step_estimate.KV_WRITE] == pytest.approx((3 + 3) * two.kv_write_bytes_per_token / 1e9)
+    assert terms[step_estimate.ALL_REDUCE] == pytest.approx((4 + 4) / 2 * two.step.ici_bytes_per_token / 1e8)
+
+
 def test_the_faithful_lines_name_each_terms_source_and_keep_the_ideal_share_beside():
     cost = faithful_tiny()
     time = step_estimate.FaithfulTime(dict(zip(step_estimate.TERM_SOURCES, (4.0, 3.0, 0.5, 0.25, 1.5, 0.75))),
                                       step_estimate.KernelTally(10, 100, 25, 2e9, 3e12))
     ideal = step_estimate.RolloutTime({128: 5.0}, 1.0, "")
     lines = step_estimate.format_faithful("expected", cost, time, ideal, 0.5, 13.5).splitlines()
-    assert lines[0].startswith("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged attention "
-                               "runs it, at the tile 2 kv pages x 4 queries, pages of 8 slots")
+    assert lines[0] == ("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged attention runs "
+                        "it, at the tile 2 kv pages x 4 queries (the slots' bucket and decode iterations: 2 x 4), "
+                        "pages of 8 slots, each decode iteration over its sampling rows in one batch: term, source, "
+                        "seconds")
     assert lines[1:7] == [
         "    layers (matrices, weights)     HLO              4.00 s",
         "    attention kernel               kernel grid      3.00 s  (10 grid steps, 2.0 GB of pages copied (25% of "

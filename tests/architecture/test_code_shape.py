@@ -66,7 +66,7 @@ def test_no_date_in_the_code():
 
 
 # Suffixes without a vowel that are words or abbreviations, not dimensions.
-NOT_DIMENSIONS = {"b1", "cfg", "csv", "df", "dkv", "dq", "fn", "fns", "gcs", "hbm", "hf", "hnsw", "kl", "kv", "lld", "lr",
+NOT_DIMENSIONS = {"b1", "blk", "cfg", "csv", "df", "dkv", "dq", "fn", "fns", "gcs", "hbm", "hf", "hnsw", "kl", "kv", "lld", "lr",
                   "ptr", "r1", "rng", "std", "str", "tb", "ts", "vjp", "xb"}
 SUFFIX = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*_([a-z1]{2,6})\b")
 UNREAD = set("aeiouy")  # letters the names cannot show (docs/architecture.md, "Dimension letters")

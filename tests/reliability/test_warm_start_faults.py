@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from llds_jax.runtime.output_folder import MARKER
 from tests.configs import CONFIGS
 from tests.e2e.runs import start
 from tests.reliability.test_stops import TIMEOUT_S, assert_stopped_in_time
@@ -52,6 +53,7 @@ def test_a_cut_warm_start_json_is_named_and_the_warm_start_redone(warm_start_run
     name = f"cut_{len(content)}"
     done = warm_start_runs.root / name / "warm_start" / "warm_start.json"
     done.parent.mkdir(parents=True)
+    (done.parent / MARKER).write_text('{"kind": "warm start"}')  # the folder is the stage's (it claimed it first)
     done.write_bytes(content)
     launched = warm_start_runs(name, "--config.sft.steps=2", "--config.sft.log_every=1")
     launched.process.wait(TIMEOUT_S)

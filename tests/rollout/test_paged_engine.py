@@ -308,7 +308,7 @@ def test_after_the_first_rollout_no_step_compiles_and_no_program_sorts_the_vocab
     assert compiles == []
 
     def sorts(sampler, bucket):
-        hlo = sampler.runner._step.lower(params, *sampler.runner.abstract_args(bucket)).compile().as_text()
+        hlo = sampler.runner.step(bucket).lower(params, *sampler.runner.abstract_args(bucket)).compile().as_text()
         return len(re.findall(r"\bsort\(", hlo))
 
     assert all(sorts(new, bucket) == 0 for bucket in new.engine_config.token_budgets)
