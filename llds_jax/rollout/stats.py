@@ -78,7 +78,7 @@ class RolloutStats:
     (`observation_tokens_std`) within the host's batch (averaged over the hosts when logged), which the step
     estimate's schedule of one host's rollout takes (`llds_jax.aot.rollout_schedule`), and the
     engine's `counts` (device calls and batch tokens per token bucket, sample slots, shared
-    prompt tokens, page copies; `EngineCounts`).
+    prompt tokens, page copies, preemptions; `EngineCounts`).
     """
 
     rollout_s: float = 0.0
@@ -128,7 +128,8 @@ class RolloutStats:
                "bad_documents": float(self.bad_documents),
                "sampled_tokens_per_s": self.sampled_tokens / max(self.decode_s, 1e-9),
                "decode_occupancy": self.decode_occupancy,
-               "shared_prompt_tokens": float(c.shared_prompt_tokens), "page_copies": float(c.page_copies)}
+               "shared_prompt_tokens": float(c.shared_prompt_tokens), "page_copies": float(c.page_copies),
+               "preemptions": float(c.preemptions)}
         if self.forked_prefix_tokens is not None:
             out["forked_prefix_tokens"] = float(self.forked_prefix_tokens)
         for bucket in token_budgets:

@@ -122,7 +122,7 @@ def read_examples(files: Sequence[str], what: str, empty_answer: str,
 
 # Rollout metrics that add up over hosts: the decode rate and the budget's counts (agent.Rollout).
 HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens", "prompts_cut", "observation_tokens",
-                       "searches",
+                       "searches", "preemptions",
                        "trajectories", "bad_documents", "forked_prefix_tokens",
                        # partial rollouts' counts (rollout/partial.py)
                        "partial/dropped", "partial/resumed", "partial/reprefill_tokens", "partial/groups_started",

@@ -50,7 +50,7 @@ def assert_same_metrics(one: dict, two: dict) -> None:
 # How the engine scheduled the rollout: a host's sequence slots (its share of the batch) set the token buckets, so
 # one process and two hosts run the same trajectories in other step calls.
 SCHEDULE_KEYS = ("rollout/step_calls_", "rollout/step_tokens_", "rollout/decode_occupancy", "rollout/page_copies",
-                 "rollout/shared_prompt_tokens")
+                 "rollout/shared_prompt_tokens", "rollout/preemptions")
 # Spreads of a host's own batch (standard deviations, averaged over the hosts: what one host's schedule takes), not
 # the whole batch's.
 SPREAD_KEYS = ("rollout/prompt_tokens_std", "rollout/turns_std", "rollout/turn_tokens_std",

@@ -1,8 +1,10 @@
-"""A page pool (`rollout.num_pages`) too small for what the rollout policy admits (issue 66): through the real command,
-one stderr line naming rollout.num_pages and the pages it needs, exit status 2, before the run folder is claimed or
-the model loaded; at the engine, a sequence the pool cannot hold is refused and a step that can schedule nothing
-while sequences run is an error naming the state (before: the continuous policy spun in silence, the barrier policy
-ended its first rollout with a traceback, the engine skipped a sequence for ever).
+"""A page pool (`rollout.num_pages`) too small for what the rollout policy admits at once (issue 66): through the real
+command, one stderr line naming rollout.num_pages and the pages it needs, exit status 2, before the run folder is
+claimed or the model loaded (before: the continuous policy spun in silence, the barrier policy ended its first rollout
+with a traceback, the engine skipped a sequence for ever). A pool that holds one sequence is enough for the continuous
+policy, and the engine never runs out of pages (issue 67: pages by use, preemption by recompute): a rollout through
+a pool of one samples what a full pool does; a step that can schedule nothing while sequences run is an error naming
+the state.
 
 The demo's numbers (configs/demo_cpu.py): pages of 16 slots, sequences of up to 512 tokens: 32 pages a sequence, and
 the padding page; the barrier policy admits a step's 8 x 8 = 64 sequences at once (2049 pages), the evaluation 256
@@ -105,27 +107,23 @@ def test_the_check_asks_for_exactly_what_a_hosts_sessions_admit():
         (64, 8, 150, 4)
 
 
-def test_the_engine_refuses_a_sequence_the_pool_cannot_hold():
+def test_the_engine_refuses_a_pool_of_less_than_one_sequence_and_runs_two_in_a_pool_of_one():
     """Pages of 4 slots, sequences of up to 16 tokens: 4 pages each. The issue's probes: a pool of 4 pages (a
     sequence whose prompt needs more pages than the pool was skipped for ever) is refused whole; in a pool of 6
-    (one sequence and the padding page) a second sequence, added or forked, is refused (the two made no progress in
-    1,000 steps)."""
+    (one sequence and the padding page) two sequences, which made no progress in 1,000 steps, both end their turns,
+    one preempted for the other."""
     with pytest.raises(ValueError, match=r"^EngineConfig: num_pages 4 cannot hold one sequence of max_context 16: "
                                          r"it needs 5 \(4 pages of 4 slots and the padding page\)$"):
         EngineConfig(max_seqs=2, token_budgets=(2, 4), decode_chunk=3, page_size=4, num_pages=4, max_context=16)
     engine, _ = make(max_seqs=2, num_pages=6, max_context=16)
-    engine.add_request(0, [1, 2, 3, 4, 5], key(0), 4)
-    refusal = (r"^Engine: sequence 1 does not fit: the pool's 6 pages hold 1 sequences at max_context 16 \(4 pages "
-               r"of 4 slots each, and the padding page\), and 1 are in flight$")
-    with pytest.raises(ValueError, match=refusal):
-        engine.add_request(1, [1, 2, 3], key(1), 4)
-    with pytest.raises(ValueError, match=refusal):
-        engine.fork(1, 0, 0, key(1), 4)
-    assert not engine.can_admit() and engine.in_flight == 1 and 1 not in engine.pages
+    engine.add_request(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], key(0), 4)
+    engine.add_request(1, [11, 12, 13, 14, 15, 16, 17, 18, 19], key(1), 4)
     turns = []
-    while engine.running:
+    for _ in range(100):
+        if not engine.running:
+            break
         turns += engine.step()
-    assert [seq for seq, _ in turns] == [0]
+    assert sorted(seq for seq, _ in turns) == [0, 1] and engine.counts.preemptions >= 1
 
 
 def test_a_step_that_can_schedule_nothing_while_sequences_run_names_the_state():
@@ -147,27 +145,11 @@ def test_a_step_that_can_schedule_nothing_while_sequences_run_names_the_state():
     assert [seq for seq, _ in ended] == [0, 1]
 
 
-class InFlight:
-    """An engine source whose engines record the sequences in flight at each step (`counts`)."""
-
-    def __init__(self, source):
-        self.source, self.token_budgets, self.counts = source, source.token_budgets, []
-
-    def engine(self, params, stop_matcher=None):
-        engine = self.source.engine(params, stop_matcher)
-        step = engine.step
-
-        def counted_step():
-            self.counts.append(engine.in_flight)
-            return step()
-
-        engine.step = counted_step
-        return engine
-
-
-def test_a_continuous_rollout_in_a_pool_of_one_sequence_runs_and_samples_what_a_full_pool_does(qwen_tokenizer):
-    """A legal small pool is not refused and does not hang: the continuous policy runs one conversation at a time
-    in a pool that holds one (65 pages of 8 slots for 512 tokens) and samples the barrier policy's trajectories."""
+@pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
+def test_a_rollout_through_a_pool_of_one_sequence_samples_what_a_full_pool_does(qwen_tokenizer, continuous):
+    """A legal small pool is not refused and does not hang: 4 conversations through a pool that holds one at
+    max_context (33 pages of 8 slots for 256 tokens) sample, token for token and log-prob for log-prob, the
+    trajectories of a pool that holds all four."""
     from flax import nnx
     from llds_jax.model import ModelConfig, Transformer
 
@@ -175,17 +157,18 @@ def test_a_continuous_rollout_in_a_pool_of_one_sequence_runs_and_samples_what_a_
     graphdef, _ = nnx.split(model)
     params = steered_params(model)
     sampling = SamplingConfig(temperature=0.9, top_p=1.0, decode_chunk=8, stop_ids=agent.turn_stop_ids(qwen_tokenizer))
-    examples = [example(i, f"question number {i}", ("paris",)) for i in range(4)]
-    runs = {}
-    for continuous, num_pages in ((False, 0), (True, 65)):
-        cfg = AgentConfig(max_turns=2, max_turn_tokens=24, max_observation_tokens=40, max_prompt_tokens=256,
-                          max_context_tokens=512, continuous_batching=continuous)
-        source = InFlight(PagedSampler(graphdef, model.cfg, sampling,
-                                       engine_config(cfg, sampling, 4, 8, 512, num_pages)))
-        rollout = agent.rollout(source, params, qwen_tokenizer, EchoRetriever(), examples, jax.random.key(0), cfg)
-        runs[continuous] = rollout.trajectories, max(source.counts)
-    (barrier, barrier_in_flight), (continuous, continuous_in_flight) = runs[False], runs[True]
-    assert (len(continuous), barrier_in_flight, continuous_in_flight) == (4, 4, 1)
-    for a, b in zip(barrier, continuous, strict=True):
+    examples = [example(i, f"question number {i} " + "about the long history of a city " * 12, ("paris",))
+                for i in range(4)]  # prompts of about 150 tokens: two fit in the small pool, not four
+    cfg = AgentConfig(max_turns=2, max_turn_tokens=24, max_observation_tokens=40, max_prompt_tokens=192,
+                      max_context_tokens=256, continuous_batching=continuous)
+    runs = [agent.rollout(PagedSampler(graphdef, model.cfg, sampling, engine_config(cfg, sampling, 4, 8, 512, pages)),
+                          params, qwen_tokenizer, EchoRetriever(), examples, jax.random.key(0), cfg)
+            for pages in (0, 33)]
+    full, small = runs
+    assert (full.stats.counts.preemptions, len(small.trajectories)) == (0, 4)
+    # The barrier policy admits all four at once: they preempt one another. The continuous one admits a conversation
+    # when the pool has room for it (one at a time here).
+    assert (small.stats.counts.preemptions > 0) == (not continuous)
+    for a, b in zip(full.trajectories, small.trajectories, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.sampler_logp, b.sampler_logp)
