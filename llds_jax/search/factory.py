@@ -74,6 +74,12 @@ _SPECS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
              **_POLICY_KEYS},
 }
 BACKENDS = tuple(_SPECS)
+# Options of how a retriever is reached and how fast it answers, never of what it returns: where the server is, its
+# retries and limits, batch sizes and workers, the exact e5_device search's passes and vector storage (its top-k is
+# proven exact, llds_jax/search/device_search.py). A resume may change them (llds_jax.train.run_config.trained_on).
+OPERATIONAL_KEYS = frozenset({"url", "hosts", "verify_certs", "ca_certs", "workers", "mmap", "batch_size",
+                              "encoder_batch_size", "candidates", "max_candidates", "block_rows", "search_batch",
+                              "vector_dtype", "max_response_bytes", *_POLICY_KEYS})
 _CHOICES = {"encoder_dtype": ("float32", "bfloat16"), "vector_dtype": ("bfloat16", "int8")}
 _NOT_NEGATIVE = ("workers",)  # 0: one per core
 _POSITIVE = ("max_length", "encoder_batch_size", "num_candidates", "batch_size", "max_response_bytes", "candidates",

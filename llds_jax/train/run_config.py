@@ -25,6 +25,7 @@ from etils import epath
 from llds_jax import application
 from llds_jax import config as config_lib
 from llds_jax.runtime import output_folder
+from llds_jax.search import factory
 
 CONFIG_FILE = "config.json"
 BEFORE_FILE = "config.before-step-{step}.json"
@@ -94,7 +95,10 @@ def trained_on(recorded: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> d
     of `cfg` trains on, flat: TRAINED_ON and the application's sections, less NOT_TRAINED_ON, the application's
     output folders and the keys it sets when the run starts (they follow from its section: the demo's model, data
     and retriever); less model.path with a warm start, which the run then starts from (the warm start's own folder
-    records what it was trained from)."""
+    records what it was trained from). The retriever's options are compared with their defaults filled in and
+    without those of how it is reached (`search.factory.OPERATIONAL_KEYS`)."""
+    if isinstance(recorded.get("retriever"), Mapping):
+        recorded = {**recorded, "retriever": _retrieved_by(recorded["retriever"])}
     app = application.load(cfg)
     compared = TRAINED_ON + (tuple(f"{name}." for name in app.config_sections()) if app is not None else ())
     left_out = NOT_TRAINED_ON + (("model.path",) if cfg.sft.enabled else ())
@@ -102,6 +106,16 @@ def trained_on(recorded: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> d
         left_out += tuple(app.paths(cfg)) + tuple(app.provided_keys(cfg))
     return {key: value for key, value in flat(recorded).items()
             if _named(key, compared) and not _named(key, left_out)}
+
+
+def _retrieved_by(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A retriever section's options that decide what it returns: defaults filled in (`search.factory.
+    resolve_config`; as recorded when an older config does not resolve), less OPERATIONAL_KEYS."""
+    try:
+        resolved = factory.resolve_config(section)
+    except (ValueError, TypeError):
+        resolved = dict(section)
+    return {key: value for key, value in resolved.items() if key not in factory.OPERATIONAL_KEYS}
 
 
 def _named(key: str, names: tuple[str, ...]) -> bool:

@@ -1,6 +1,7 @@
 """The run folder's config record (llds_jax.train.run_config): what a resume with another config keeps and says."""
 import json
 
+import ml_collections
 from etils import epath
 
 from llds_jax.train import run_config
@@ -34,3 +35,19 @@ def test_changes_name_added_and_removed_keys_and_count_past_five():
     assert run_config.notice(epath.Path("/r"), 2, many).split(": ", 1)[1].startswith(
         "resuming /r from step 2 with 7 changed config key(s): k0: 0 -> 1; k1")
     assert "; and 2 more (the earlier config" in run_config.notice(epath.Path("/r"), 2, many)
+
+
+def test_what_a_run_trains_on_leaves_out_how_the_retriever_is_reached():
+    """A resume may reach its retriever at another address, with other retries or batches (issue 66's check would
+    refuse a stopped run resumed with a retry policy given where the defaults were); another index is another run."""
+    cfg = load("tiny_test")
+    cfg.demo.enabled = False  # the demo would provide the retriever section itself
+    cfg.retriever = ml_collections.ConfigDict({"backend": "http", "url": "http://127.0.0.1:1/retrieve"})
+    before = run_config.trained_on(run_config.as_json(cfg), cfg)
+    cfg.retriever = ml_collections.ConfigDict({"backend": "http", "url": "http://10.0.0.2:8000/retrieve",
+                                               "max_retries": 0, "timeout_s": 5.0, "batch_size": 16})
+    assert run_config.trained_on(run_config.as_json(cfg), cfg) == before
+    assert before["retriever.backend"] == "http" and "retriever.url" not in before
+    cfg.retriever = ml_collections.ConfigDict({"backend": "bm25", "index_dir": "/index"})
+    changed = run_config.trained_on(run_config.as_json(cfg), cfg)
+    assert (changed["retriever.backend"], changed["retriever.index_dir"]) == ("bm25", "/index")
