@@ -1,9 +1,12 @@
 """The demo's rollout under each scheduling policy of the rollout engine, side by side in one process: seconds per
 rollout, decode occupancy, programs compiled, and whether the chains are token-identical to the barrier policy's
 with the same sessions (the same PRNG streams); per device call, the host's milliseconds (the rollout's seconds
-neither in the engine's device calls nor waiting for a search: scheduling, cutting and parsing turns, observations)
-and the device's, and the share of the rollout the device sat idle (1 - device seconds / rollout seconds; the host
-and device take turns, so it is the host's share plus the searches' wait).
+neither waiting for the device's results nor for a search: scheduling, cutting and parsing turns, observations) and
+the device's (each call from its dispatch, or the end of the call before, to its results, as a watcher thread sees
+them), and the share of the rollout the device sat idle (1 - device seconds / rollout seconds). The engine dispatches
+the next call before it absorbs the one in flight (`rollout.engine`, overlap), so the host's work hides behind the
+device's: the idle share is the host's work that a call does not cover, the searches' wait, and the first call's
+dispatch.
 
 The rollout is the demo's training rollout (configs/demo_cpu.py: 8 questions x 8 samples at temperature 1, two
 searching turns of up to 32 tokens, observations of up to 128, top-1 BM25 retrieval over the demo's world, decode
