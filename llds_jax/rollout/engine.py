@@ -53,8 +53,8 @@ samples of a dropped row not) with the PRNG key fold_in(key_s, n), and each turn
 `decode_chunk` tokens from its own start, the stop strings checked after each call: the tokens a sequence samples do
 not depend on which other sequences share its steps, nor on the scheduling policy, nor on preemption (a preempted
 decoding sequence stops between calls, so its turn's calls stay aligned to the turn's start), nor on overlap (a
-dropped row's samples are discarded whole, and its turn had ended before them). A sequence's K/V written in its pages are those of a full forward of its
-tokens, so the logits are a full forward's up to float rounding.
+dropped row's samples are discarded whole, and its turn had ended before them). A sequence's K/V written in its
+pages are those of a full forward of its tokens, so the logits are a full forward's up to float rounding.
 
 The device side is a `StepRunner` or an `OverlappingRunner`: `llds_jax.rollout.runner` runs the model; tests run
 scripted ones (`Immediate`: answered at once, overlapping too).

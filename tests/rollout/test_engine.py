@@ -267,7 +267,8 @@ def test_a_fork_of_a_preempted_parent_encodes_the_parents_context_and_samples_as
 
 @OVERLAP
 def test_admission_takes_what_sequences_still_have_to_write_and_waits_for_preempted_ones(overlap):
-    engine, _ = make(max_seqs=6, page_size=4, num_pages=33, overlap=overlap)  # 32 pages to hand out; the watermark keeps 1
+    # 32 pages to hand out; the watermark keeps 1.
+    engine, _ = make(max_seqs=6, page_size=4, num_pages=33, overlap=overlap)
     assert engine.can_admit(31 * 4) and not engine.can_admit(31 * 4 + 1)
     engine.add_request(0, list(range(1, 61)), key(0), 4)  # owes 15 pages before it has written a token
     assert engine.can_admit(16 * 4) and not engine.can_admit(16 * 4 + 1)
