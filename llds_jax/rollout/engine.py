@@ -255,9 +255,11 @@ class _Row:
 
 @dataclasses.dataclass
 class _Call:
-    """A dispatched call: its rows (by sequence too), the runner's handle, when it was dispatched."""
+    """A dispatched call: its rows (by sequence too), its token bucket, the runner's handle, when it was
+    dispatched."""
     rows: list[_Row]
     by_seq: dict[int, int]
+    bucket: int
     handle: Any
     started_s: float
 
@@ -390,7 +392,7 @@ class Engine:
         start = time.perf_counter()
         handle = (self.runner.dispatch(self.params, batch, previous and previous.handle) if self.overlap
                   else self.runner.run(self.params, batch))
-        return _Call(rows, {row.seq: i for i, row in enumerate(rows)}, handle, start)
+        return _Call(rows, {row.seq: i for i, row in enumerate(rows)}, len(batch.tokens_t), handle, start)
 
     def _fetch(self, call: _Call) -> StepResult:
         """The call's results; counts the host's wait for them and the device's seconds (from its dispatch, or the
@@ -593,11 +595,14 @@ class Engine:
         return sorted(ended)
 
     def _drop(self, seq: int) -> None:
-        """The sequence's row in the call in flight (if any) is not taken when that call is absorbed."""
+        """The sequence's row in the call in flight (if any) is not taken when that call is absorbed (nor its
+        tokens counted in the batch's: the token it wrote is written again, or never read)."""
         call = self._in_flight
         if call is not None and seq in call.by_seq:
-            call.rows[call.by_seq[seq]].dropped = True
+            row = call.rows[call.by_seq[seq]]
+            row.dropped = True
             self.counts.dropped_rows += 1
+            self.counts.batch_tokens[call.bucket] -= row.chunk
 
     # Helpers.
 

@@ -39,7 +39,7 @@ class EngineCounts:
 
     Attributes:
       calls: device calls per token bucket.
-      batch_tokens: real (unpadded) tokens of the ragged batches, per token bucket.
+      batch_tokens: real (unpadded) tokens of the ragged batches, per token bucket (not those of dropped rows).
       sampled_tokens: tokens sampled.
       sample_slots: sequence slots x samples of every call (the decode occupancy's denominator).
       page_copies: pages copied on write.

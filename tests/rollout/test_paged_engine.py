@@ -179,9 +179,10 @@ def small():
     return nnx.split(model)
 
 
-class SourceCounting:
-    """A rollout's engines over `sampler`'s runner: overlapping (the runner's split API, counting the batch tokens
-    it takes on the device from the call before) or one call at a time (`overlap` False)."""
+class RunnerSource:
+    """A rollout's engines (`interfaces.EngineSource`) over `sampler`'s runner: overlapping (the runner's split API,
+    counting in `sourced` the batch tokens it takes on the device from the call before) or one call at a time
+    (`overlap` False)."""
 
     def __init__(self, sampler, overlap: bool):
         self.sampler, self.overlap, self.token_budgets = sampler, overlap, sampler.token_budgets
@@ -211,7 +212,7 @@ def test_overlapping_calls_sample_the_tokens_of_one_call_at_a_time(qwen_tokenize
     sampler = paged(graphdef, model.cfg, sampling, config, CONFIG["max_batch_size"])
     runs = {}
     for overlap in (False, True):
-        source = SourceCounting(sampler, overlap)
+        source = RunnerSource(sampler, overlap)
         runs[overlap] = agent.rollout(source, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(5),
                                       config, group_size=2)
         assert (source.sourced > 0) == overlap
