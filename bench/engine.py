@@ -22,7 +22,10 @@ executables it built over all its runs (one step program per token bucket).
 The dense-cache engine this bench compared the paged one with is gone (db635b6 is the last commit that has it);
 docs/benchmarks.md keeps that comparison.
 
-    python bench/engine.py [--repeats 3] [--rows 16] [--policy DIR]
+--one-call runs each engine one call at a time instead (`Engine.overlap` off: the host and the device take turns),
+for comparison on the same code.
+
+    python bench/engine.py [--repeats 3] [--rows 16] [--policy DIR] [--one-call]
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=512)
+    p.add_argument("--one-call", action="store_true", help="one call at a time: no overlap (module docstring)")
     args = p.parse_args(argv)
     sys.setswitchinterval(1e-4)  # (module docstring)
 
@@ -99,10 +103,13 @@ def main(argv=None) -> dict:
             slots = config.max_batch_size or len(examples)
             sampler = PagedSampler(graphdef, model.cfg, sampling, engine_config(
                 config, sampling, slots, args.page_size, args.max_step_tokens))
+            if args.one_call:
+                sampler = OneCallAtATime(sampler)
             results[name] = measure(sampler, params, tokenizer, os.path.join(work, "index"), examples, config,
                                     args.repeats, args.samples)
     print(f"demo rollout: {len(examples)} sequences ({args.questions} questions x {args.samples}), temperature 1, "
-          f"best of {args.repeats}; {jax.devices()[0].device_kind}")
+          f"best of {args.repeats}, {'one call at a time' if args.one_call else 'overlapping calls'}; "
+          f"{jax.devices()[0].device_kind}")
     print(f"{'policy':<14} {'s/rollout':>9} {'vs barrier':>10} {'occupancy':>9} {'programs':>8} {'compile s':>9} "
           f"{'identical':>9} {'calls':>5} {'host ms/call':>12} {'device ms/call':>14} {'device idle':>11} "
           f"(continuous: to barrier {args.rows}; barrier {args.rows}: to barrier, other streams)")
@@ -116,6 +123,21 @@ def main(argv=None) -> dict:
               f"{r['device_ms']:14.2f} "
               f"{r['idle']:11.1%}")
     return results
+
+
+class OneCallAtATime:
+    """A PagedSampler whose engines run one call at a time (--one-call)."""
+
+    def __init__(self, sampler: PagedSampler):
+        self.sampler, self.token_budgets = sampler, sampler.token_budgets
+
+    def engine(self, params, stop_matcher=None):
+        engine = self.sampler.engine(params, stop_matcher)
+        engine.overlap = False
+        return engine
+
+    def freeze_shapes(self) -> int:
+        return self.sampler.freeze_shapes()
 
 
 def measure(sampler, params, tokenizer, index: str, examples, config: AgentConfig, repeats: int,

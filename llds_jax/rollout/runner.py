@@ -68,8 +68,8 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, forward_tile:
     """One engine step (module docstring): the ragged forward at the kernel's `forward_tile`, each decode iteration
     as `batches` ragged batches of the sampling rows (`decode_rows`) at its `decode_tile`. A row r with source_s[r]
     = j >= 0 takes as its batch token the last of row j's samples in the call before (`previous_tokens_sc` int32
-    [S, C], `previous_taken_s` int32 [S]: that call's outputs). Returns (pool, tokens int32 [S, C], log-probs
-    float32 [S, C], samples taken int32 [S])."""
+    [S, C], `previous_taken_s` int32 [S]: that call's outputs); where that token is a stop id, the row samples
+    nothing. Returns (pool, tokens int32 [S, C], log-probs float32 [S, C], samples taken int32 [S])."""
     model = nnx.merge(graphdef, params)
     s = samples_s.shape[0]
     stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
@@ -78,6 +78,8 @@ def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, forward_tile:
     last_s = jnp.take_along_axis(previous_tokens_sc[source_s1[:, 0]],
                                  jnp.maximum(previous_taken_s[source_s1] - 1, 0), axis=1)[:, 0]
     tokens_t = tokens_t.at[jnp.where(source_s >= 0, cu_q_lens_s1[:s], tokens_t.shape[0])].set(last_s, mode="drop")
+    # A row whose turn ended on a stop id in the call before samples nothing (the engine drops its row).
+    samples_s = jnp.where((source_s >= 0) & jnp.isin(last_s, stop_ids), 0, samples_s)
     pages = copy_pages(kv_pages_lpzkh, page_copies)
     logits_sv, pages = model.ragged_step(tokens_t, pages, kv_lens_s, page_table_sm, cu_q_lens_s1, num_seqs,
                                          **forward_tile.kwargs())
@@ -178,8 +180,9 @@ class PagePool:
 
 
 class DeviceRunner:
-    """The engine's device side (`engine.StepRunner`): the page pool and the step program, compiled once per token
-    bucket (ahead of the first call at that bucket, or of every bucket by `compile_all`).
+    """The engine's device side (`engine.OverlappingRunner`, and `engine.StepRunner` one call at a time): the page
+    pool and the step program, compiled once per token bucket (ahead of the first call at that bucket, or of every
+    bucket by `compile_all`).
 
     Args:
       graphdef: from `graphdef, params = nnx.split(model)`.
