@@ -1,9 +1,13 @@
 """The demo's rollout under each scheduling policy of the rollout engine, side by side in one process: seconds per
-rollout, decode occupancy, programs compiled, and whether the chains are token-identical to the barrier policy's
-with the same sessions (the same PRNG streams); per device call, the host's milliseconds (the rollout's seconds
-neither in the engine's device calls nor waiting for a search: scheduling, cutting and parsing turns, observations)
-and the device's, and the share of the rollout the device sat idle (1 - device seconds / rollout seconds; the host
-and device take turns, so it is the host's share plus the searches' wait).
+rollout, decode occupancy, programs compiled, step calls per rollout, and whether the chains are token-identical to
+the barrier policy's with the same sessions (the same PRNG streams); per device call, the host's milliseconds (the
+rollout's seconds neither waiting for the device's results nor for a search: scheduling, cutting and parsing turns,
+observations) and the device's (each call from its dispatch, or the end of the call before, to its results, as a
+watcher thread sees them), and the share of the rollout the device sat idle (1 - device seconds / rollout seconds).
+The engine dispatches the next call before it absorbs the one in flight (`rollout.engine`, overlap), so the host's
+work hides behind the device's: the idle share is the host's work that a call does not cover, the searches' wait and
+the first call's dispatch. The interpreter hands the GIL over every 0.1 ms (`sys.setswitchinterval`; 5 ms by
+default), so that the watcher's and the decode thread's times of a call's results are within that of the device's.
 
 The rollout is the demo's training rollout (configs/demo_cpu.py: 8 questions x 8 samples at temperature 1, two
 searching turns of up to 32 tokens, observations of up to 128, top-1 BM25 retrieval over the demo's world, decode
@@ -18,7 +22,10 @@ executables it built over all its runs (one step program per token bucket).
 The dense-cache engine this bench compared the paged one with is gone (db635b6 is the last commit that has it);
 docs/benchmarks.md keeps that comparison.
 
-    python bench/engine.py [--repeats 3] [--rows 16] [--policy DIR]
+--one-call runs each engine one call at a time instead (`Engine.overlap` off: the host and the device take turns),
+for comparison on the same code.
+
+    python bench/engine.py [--repeats 3] [--rows 16] [--policy DIR] [--one-call]
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import sys
 import tempfile
 import time
 
@@ -73,7 +81,9 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-step-tokens", type=int, default=512)
+    p.add_argument("--one-call", action="store_true", help="one call at a time: no overlap (module docstring)")
     args = p.parse_args(argv)
+    sys.setswitchinterval(1e-4)  # (module docstring)
 
     model = hf_io.load_model(args.policy, dtype="float32", param_dtype="float32")
     graphdef, params = nnx.split(model)
@@ -93,12 +103,15 @@ def main(argv=None) -> dict:
             slots = config.max_batch_size or len(examples)
             sampler = PagedSampler(graphdef, model.cfg, sampling, engine_config(
                 config, sampling, slots, args.page_size, args.max_step_tokens))
+            if args.one_call:
+                sampler = OneCallAtATime(sampler)
             results[name] = measure(sampler, params, tokenizer, os.path.join(work, "index"), examples, config,
                                     args.repeats, args.samples)
     print(f"demo rollout: {len(examples)} sequences ({args.questions} questions x {args.samples}), temperature 1, "
-          f"best of {args.repeats}; {jax.devices()[0].device_kind}")
+          f"best of {args.repeats}, {'one call at a time' if args.one_call else 'overlapping calls'}; "
+          f"{jax.devices()[0].device_kind}")
     print(f"{'policy':<14} {'s/rollout':>9} {'vs barrier':>10} {'occupancy':>9} {'programs':>8} {'compile s':>9} "
-          f"{'identical':>9} {'host ms/call':>12} {'device ms/call':>14} {'device idle':>11} "
+          f"{'identical':>9} {'calls':>5} {'host ms/call':>12} {'device ms/call':>14} {'device idle':>11} "
           f"(continuous: to barrier {args.rows}; barrier {args.rows}: to barrier, other streams)")
     barrier = results["barrier"]
     for name, r in results.items():
@@ -106,9 +119,25 @@ def main(argv=None) -> dict:
         same = "-" if name == "tree" else (f"{sum(a == b for a, b in zip(reference['tokens'], r['tokens']))}"
                                            f"/{len(examples)}")
         print(f"{name:<14} {r['seconds']:9.2f} {barrier['seconds'] / r['seconds']:9.2f}x {r['occupancy']:9.1%} "
-              f"{r['programs']:8d} {r['compile_s']:9.1f} {same:>9} {r['host_ms']:12.2f} {r['device_ms']:14.2f} "
+              f"{r['programs']:8d} {r['compile_s']:9.1f} {same:>9} {r['calls']:5d} {r['host_ms']:12.2f} "
+              f"{r['device_ms']:14.2f} "
               f"{r['idle']:11.1%}")
     return results
+
+
+class OneCallAtATime:
+    """A PagedSampler whose engines run one call at a time (--one-call)."""
+
+    def __init__(self, sampler: PagedSampler):
+        self.sampler, self.token_budgets = sampler, sampler.token_budgets
+
+    def engine(self, params, stop_matcher=None):
+        engine = self.sampler.engine(params, stop_matcher)
+        engine.overlap = False
+        return engine
+
+    def freeze_shapes(self) -> int:
+        return self.sampler.freeze_shapes()
 
 
 def measure(sampler, params, tokenizer, index: str, examples, config: AgentConfig, repeats: int,
@@ -132,7 +161,7 @@ def measure(sampler, params, tokenizer, index: str, examples, config: AgentConfi
     calls = sum(stats.counts.calls.values())
     return {"seconds": min(seconds[1:]), "occupancy": result.metrics["decode_occupancy"],
             "host_ms": stats.host_s / calls * 1e3, "device_ms": stats.decode_s / calls * 1e3,
-            "idle": 1 - stats.decode_s / stats.rollout_s,
+            "idle": 1 - stats.decode_s / stats.rollout_s, "calls": calls,
             "programs": len(compiles), "compile_s": sum(compiles),
             "tokens": [t.tokens.tolist() for t in result.trajectories]}
 

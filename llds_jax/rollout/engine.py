@@ -8,14 +8,15 @@
                                               resumed from its tokens, `rollout.partial`: its KV is recomputed,
                                               its PRNG stream goes on at fold_in(key, sampled)). It takes
                                               pages as it writes (`can_admit` says whether the pool has room).
-  step()                                      one device call (`StepRunner.run`): the pending tokens of the
-                                              sequences in flight (a decoding sequence's last sampled token,
-                                              prompt and observation chunks up to the token budget), then up to
-                                              `decode_chunk` samples of every sequence whose input is all in.
-                                              Returns the turns that ended: on a stop id, at the turn's budget, or
-                                              once the turn's text holds a stop string (`StopMatcher`, fed only the
-                                              new tokens). When a sequence needs a page and none is free, the
-                                              most recently admitted sequence is preempted (below).
+  step()                                      one device call: the pending tokens of the sequences in flight (a
+                                              decoding sequence's last sampled token, prompt and observation chunks
+                                              up to the token budget), then up to `decode_chunk` samples of every
+                                              sequence whose input is all in. Returns the turns that ended: on a
+                                              stop id, at the turn's budget, or once the turn's text holds a stop
+                                              string (`StopMatcher`, fed only the new tokens). With overlap (below)
+                                              it dispatches the next call, then returns the turns of the call
+                                              before. When a sequence needs a page and none is free, the most
+                                              recently admitted sequence is preempted (below).
   extend(seq, keep, observation_ids, budget)  after an ended turn: keeps the turn's first `keep` tokens (the rest is
                                               rolled back), appends the observation, starts the next turn.
   fork(seq, source, at_turn, key, budget)     a new sequence whose context is `source`'s at the start of its turn
@@ -23,6 +24,20 @@
                                               (its context encoded again if `source` was preempted).
   finish(seq)                                 the sequence leaves; its pages go back to the pool.
   update_params(params)                       the policy for the next steps.
+
+The host beside the device (overlap, where the runner can: `OverlappingRunner`, e.g. `runner.DeviceRunner`). Each
+`step()` schedules and dispatches call n + 1 while call n runs, then fetches and absorbs n, and returns n's ended
+turns; the caller's work on them (closing turns, searches, extends, admissions) runs while n + 1 does. Call n + 1 is
+scheduled as if every sequence sampling in n samples all its tokens and goes on (`_commit`: its samples PENDING on
+the host; its next batch token is the last of them, which the step program takes from n's outputs on the device,
+`StepBatch.source_s`); a sequence whose turn reaches its budget in n is not scheduled in n + 1. When n is absorbed,
+a turn that ended in it (a stop id, or a stop string) gets its host state back as of its end, its pages past its
+context back, and its row of n + 1 dropped: its samples there are never taken, and what n + 1 writes in those pages
+lies past every context that reads them (the device runs the calls in order: a page given back is written by a
+later call only after n + 1). Sequences enter, are extended or finish between the calls (an ended turn has no row in
+flight; a finished sequence's row is dropped) and join the next call scheduled. With a call in flight nothing is
+preempted: where a decoding sequence lacks pages, no call is dispatched until n is absorbed. The first step only
+dispatches (returns []). A runner of `run` only (scripted ones; `overlap=False`) runs one call at a time.
 
 Pages by use, preemption by recompute. A sequence holds the pages of the tokens it has written, no more: admission
 (`can_admit`) asks only that the free pages cover the context every admitted sequence has yet to write, the new one's
@@ -33,14 +48,16 @@ context when it is scheduled again (with its group's shared prompt pages when a 
 from where it stopped. Each preemption counts in `EngineCounts.preemptions`. A pool that holds one sequence at
 max_context (EngineConfig's check) always makes progress: the oldest sequence is never preempted for a younger one.
 
-Exactness. Sequence s samples its n-th token (n counting every token it sampled, rolled-back ones included) with
-the PRNG key fold_in(key_s, n), and each turn is sampled in calls of `decode_chunk` tokens from its own start, the
-stop strings checked after each call: the tokens a sequence samples do not depend on which other sequences share
-its steps, nor on the scheduling policy, nor on preemption (a preempted decoding sequence stops between calls, so its
-turn's calls stay aligned to the turn's start). A sequence's K/V written in its pages are those of a full forward of its
-tokens, so the logits are a full forward's up to float rounding.
+Exactness. Sequence s samples its n-th token (n counting every token it sampled, rolled-back ones included, the
+samples of a dropped row not) with the PRNG key fold_in(key_s, n), and each turn is sampled in calls of
+`decode_chunk` tokens from its own start, the stop strings checked after each call: the tokens a sequence samples do
+not depend on which other sequences share its steps, nor on the scheduling policy, nor on preemption (a preempted
+decoding sequence stops between calls, so its turn's calls stay aligned to the turn's start), nor on overlap (a
+dropped row's samples are discarded whole, and its turn had ended before them). A sequence's K/V written in its
+pages are those of a full forward of its tokens, so the logits are a full forward's up to float rounding.
 
-The device side is a `StepRunner`: `llds_jax.rollout.runner` runs the model; tests run scripted ones.
+The device side is a `StepRunner` or an `OverlappingRunner`: `llds_jax.rollout.runner` runs the model; tests run
+scripted ones (`Immediate`: answered at once, overlapping too).
 Dimension letters (docs/architecture.md, "Dimension letters"): S sequence slots of a step, T tokens of a step's
 ragged batch, C samples of one call, M pages per sequence.
 """
@@ -80,6 +97,9 @@ class StepBatch:
       count_s: int32 [S] tokens each sequence sampled before this call (the n of fold_in(key, n)).
       page_copies: int32 [max_copies, 2] (source, target) pages to copy before the batch is written ([0, 0]: none).
       decode_chunk: C.
+      source_s: int32 [S] where each sequence's batch token is known (-1: tokens_t holds it; r >= 0: it is the last
+        token row r sampled in the call before, still on the device: tokens_t holds 0 there, and the sequence's
+        only batch token is that one).
     """
 
     tokens_t: np.ndarray
@@ -92,24 +112,62 @@ class StepBatch:
     count_s: np.ndarray
     page_copies: np.ndarray
     decode_chunk: int
+    source_s: np.ndarray
+
+    def resolved(self, previous: Optional[StepResult]) -> StepBatch:
+        """The batch with every token in tokens_t: those of `source_s` taken from `previous` (the call before's
+        result; None: the batch has none of them)."""
+        rows = np.flatnonzero(self.source_s[:self.num_seqs] >= 0)
+        if not len(rows):
+            return self
+        tokens_t, source = self.tokens_t.copy(), self.source_s[rows]
+        tokens_t[self.cu_q_lens_s[rows]] = previous.tokens_sc[source, previous.n_s[source] - 1]
+        return dataclasses.replace(self, tokens_t=tokens_t, source_s=np.full_like(self.source_s, -1))
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What one step sampled: tokens_sc int32 [S, C] and logps_sc float32 [S, C] (the first n_s[s] of row s are
-    real), n_s int32 [S] (fewer than samples_s where a stop id was sampled: it is the last one)."""
+    real), n_s int32 [S] (fewer than samples_s where a stop id was sampled: it is the last one); ready_s: when the
+    device had them (`time.perf_counter` seconds; None: when the runner returned them)."""
 
     tokens_sc: np.ndarray
     logps_sc: np.ndarray
     n_s: np.ndarray
+    ready_s: Optional[float] = None
 
 
 class StepRunner(Protocol):
-    """The device side of the engine."""
+    """The device side of the engine, one call at a time."""
 
     def run(self, params: Any, batch: StepBatch) -> StepResult:
-        """Writes the batch's K/V into the pool, attends over each sequence's pages and samples."""
+        """Writes the batch's K/V into the pool, attends over each sequence's pages and samples (`batch.source_s`
+        is all -1)."""
         ...
+
+
+class OverlappingRunner(Protocol):
+    """The device side of the engine, a call dispatched while the one before runs (the engine overlaps)."""
+
+    def dispatch(self, params: Any, batch: StepBatch, previous: Any) -> Any:
+        """Starts the step (after every call dispatched before it); returns its handle. `previous`: the handle of
+        the call dispatched just before (None: none), whose samples `batch.source_s` names."""
+        ...
+
+    def fetch(self, handle: Any) -> StepResult:
+        """The call's samples (waits for the device)."""
+        ...
+
+
+class Immediate:
+    """An `OverlappingRunner` of a `run` that answers at once (scripted runners): dispatch resolves the batch's
+    tokens from the previous result (`StepBatch.resolved`) and runs it."""
+
+    def dispatch(self, params: Any, batch: StepBatch, previous: Optional[StepResult]) -> StepResult:
+        return self.run(params, batch.resolved(previous))
+
+    def fetch(self, handle: StepResult) -> StepResult:
+        return handle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +237,33 @@ class _Sequence:
         return self.turn_starts[-1]
 
 
+PENDING = -1  # a token of `_Sequence.tokens` the call in flight samples (known once it is absorbed)
+
+
+@dataclasses.dataclass
+class _Row:
+    """A sequence's row of a dispatched call, and what the sequence was before it (to undo the call's assumed
+    samples: `Engine._commit`)."""
+    seq: int
+    chunk: int                # tokens it writes
+    samples: int              # tokens it may sample
+    at: int = 0               # where its samples start in its tokens
+    sampled: int = 0          # its `sampled` before the call
+    budget: int = 0           # its `budget` before the call
+    dropped: bool = False     # its turn ended in the call before, or it left: its samples are not taken
+
+
+@dataclasses.dataclass
+class _Call:
+    """A dispatched call: its rows (by sequence too), its token bucket, the runner's handle, when it was
+    dispatched."""
+    rows: list[_Row]
+    by_seq: dict[int, int]
+    bucket: int
+    handle: Any
+    started_s: float
+
+
 class Engine:
     """The host side of the rollout engine (see the module docstring).
 
@@ -187,11 +272,16 @@ class Engine:
       params: the policy's parameters, handed to the runner.
       config: the static shapes.
       stop_matcher: the stop-string check of turn text (None: stop ids and budgets only).
+      overlap: whether each step dispatches the next call before it absorbs the one in flight (module docstring);
+        None: where the runner can (an `OverlappingRunner`, e.g. `runner.DeviceRunner`).
     """
 
-    def __init__(self, runner: StepRunner, params: Any, config: EngineConfig,
-                 stop_matcher: Optional[StopMatcher] = None):
+    def __init__(self, runner: StepRunner | OverlappingRunner, params: Any, config: EngineConfig,
+                 stop_matcher: Optional[StopMatcher] = None, overlap: Optional[bool] = None):
         self.runner, self.params, self.config, self.stop_matcher = runner, params, config, stop_matcher
+        self.overlap = hasattr(runner, "dispatch") if overlap is None else overlap
+        self._in_flight: Optional[_Call] = None  # the call dispatched and not absorbed yet (overlap)
+        self._last_ready = 0.0  # when the device had the last call's results
         self.pages = PageTable(config.num_pages, config.page_size)
         self.counts = EngineCounts()
         self._seqs: dict[int, _Sequence] = {}
@@ -263,6 +353,7 @@ class Engine:
         self._reset_matcher(seq)
 
     def finish(self, seq: int) -> None:
+        self._drop(seq)
         del self._seqs[seq]
         self._preempted.discard(seq)
         self.pages.free(seq)
@@ -273,35 +364,63 @@ class Engine:
         self.params = params
 
     def context(self, seq: int) -> list[int]:
-        """The sequence's context so far (a copy)."""
+        """The context of a sequence whose turn has ended (a copy)."""
         return list(self._seqs[seq].tokens)
 
     def step(self) -> list[tuple[int, SampledTurn]]:
-        """One device call; returns (sequence, its turn) for the turns that ended in it, in sequence order."""
-        chosen = self._schedule()
-        if not chosen:
-            if self.running:
+        """One device call: returns (sequence, its turn) for the turns that ended in it, in sequence order. With
+        overlap, the call that returns is the one dispatched by the step before (this step dispatches the next one
+        first; the first step returns [] once it has dispatched)."""
+        previous, self._in_flight = self._in_flight, None
+        call = self._launch(previous)
+        if self.overlap:
+            self._in_flight, call = call, previous
+        if call is None:
+            if self.running and self._in_flight is None:
                 raise RuntimeError(f"Engine.step: nothing can be scheduled while {self.running} sequences run "
                                    f"({self._state()})")
             return []
-        batch = self._batch(chosen)
+        return self._absorb(call, self._fetch(call))
+
+    def _launch(self, previous: Optional[_Call]) -> Optional[_Call]:
+        """Schedules, builds and dispatches a call (None: nothing to run); `previous`: the call in flight."""
+        chosen = self._schedule(speculative=previous is not None)
+        if not chosen:
+            return None
+        batch = self._batch(chosen, previous)
+        rows = self._commit(chosen)
         start = time.perf_counter()
-        result = self.runner.run(self.params, batch)
-        self.counts.device_s += time.perf_counter() - start
-        return self._absorb(chosen, batch, result)
+        handle = (self.runner.dispatch(self.params, batch, previous and previous.handle) if self.overlap
+                  else self.runner.run(self.params, batch))
+        return _Call(rows, {row.seq: i for i, row in enumerate(rows)}, len(batch.tokens_t), handle, start)
+
+    def _fetch(self, call: _Call) -> StepResult:
+        """The call's results; counts the host's wait for them and the device's seconds (from its dispatch, or the
+        end of the call before, to its results)."""
+        start = time.perf_counter()
+        result = self.runner.fetch(call.handle) if self.overlap else call.handle
+        end = time.perf_counter()
+        self.counts.wait_s += end - (start if self.overlap else call.started_s)
+        ready = result.ready_s if result.ready_s is not None else end
+        self.counts.device_s += max(0.0, ready - max(call.started_s, self._last_ready))
+        self._last_ready = ready
+        return result
 
     # Scheduling.
 
-    def _schedule(self) -> list[tuple[int, int, int]]:
+    def _schedule(self, speculative: bool) -> list[tuple[int, int, int]]:
         """(sequence, tokens written, samples) of the next step (`_plan`), preempting sequences (`_victim`) while a
         decoding sequence cannot have the pages of its next tokens, or while nothing at all can be scheduled. Each
-        preemption leaves one sequence fewer holding pages, so the loop ends."""
+        preemption leaves one sequence fewer holding pages, so the loop ends. `speculative`: a call is in flight,
+        none is preempted: where one would be, nothing is scheduled (the next step, the call absorbed, preempts)."""
         waiting = self._take_shared_prompts()  # once: a sequence preempted below shares nothing again this step
         while True:
             chosen, blocked = self._plan(waiting)
             decoding = [seq for seq in blocked if self._seqs[seq].state is _State.DECODE]
             if not decoding and (chosen or not blocked):
                 break
+            if speculative:
+                return []
             short = min(decoding or blocked, key=lambda seq: self._seqs[seq].order)
             victim = self._victim(short, progressing=bool(chosen))
             if victim is None:
@@ -320,6 +439,8 @@ class Engine:
         order = sorted(self._seqs.items(), key=lambda item: (item[1].state is not _State.DECODE, item[0]))
         for seq, s in order:
             if s.state is _State.ENDED or len(chosen) == cfg.max_seqs or budget == 0 or seq in waiting:
+                continue
+            if s.state is _State.DECODE and not s.budget:  # its turn ends in the call in flight
                 continue
             pending = len(s.tokens) - s.cached
             chunk = min(pending, budget) if s.state is _State.INPUT else pending
@@ -387,7 +508,9 @@ class Engine:
                 waiting.add(seq)
         return waiting
 
-    def _batch(self, chosen: list[tuple[int, int, int]]) -> StepBatch:
+    def _batch(self, chosen: list[tuple[int, int, int]], previous: Optional[_Call]) -> StepBatch:
+        """The host arrays of a call of `chosen`; a decoding sequence's token that `previous` (the call in flight)
+        samples is named by its row there (`StepBatch.source_s`)."""
         cfg = self.config
         total = sum(chunk for _, chunk, _ in chosen)
         bucket = next(b for b in cfg.token_budgets if b >= total)
@@ -397,12 +520,15 @@ class Engine:
         samples_s = np.zeros(cfg.max_seqs, np.int32)
         key_data_s = np.zeros((cfg.max_seqs, 2), np.uint32)
         count_s = np.zeros(cfg.max_seqs, np.int32)
+        source_s = np.full(cfg.max_seqs, -1, np.int32)
         copies: list[PageCopy] = []
         at = 0
         for row, (seq, chunk, samples) in enumerate(chosen):
             s = self._seqs[seq]
             copies += self.pages.write(seq, s.cached + chunk + max(samples - 1, 0))
             tokens_t[at:at + chunk] = s.tokens[s.cached:s.cached + chunk]
+            if s.tokens[s.cached] == PENDING:  # its last sample in the call in flight (its only batch token)
+                source_s[row], tokens_t[at] = previous.by_seq[seq], 0
             cu_q_lens_s[row] = at
             kv_lens_s[row] = s.cached + chunk
             samples_s[row], key_data_s[row], count_s[row] = samples, s.key_data, s.sampled
@@ -416,40 +542,67 @@ class Engine:
         page_table_sm = np.zeros((cfg.max_seqs, cfg.pages_per_seq), np.int32)
         page_table_sm[:len(chosen)] = self.pages.table_array([seq for seq, _, _ in chosen], cfg.pages_per_seq)
         return StepBatch(tokens_t, cu_q_lens_s, kv_lens_s, page_table_sm, len(chosen),
-                         samples_s, key_data_s, count_s, page_copies, cfg.decode_chunk)
+                         samples_s, key_data_s, count_s, page_copies, cfg.decode_chunk, source_s)
 
-    def _absorb(self, chosen, batch: StepBatch, result: StepResult) -> list[tuple[int, SampledTurn]]:
-        """Takes a step's samples into the sequences; returns the turns that ended."""
-        self.counts.sample_slots += self.config.max_seqs * int(np.max(result.n_s, initial=0))
-        sampled: list[tuple[int, list[int]]] = []
-        n_s, tokens_sc, logps_sc = result.n_s.tolist(), result.tokens_sc.tolist(), result.logps_sc.tolist()
-        for row, (seq, chunk, samples) in enumerate(chosen):
+    def _commit(self, chosen: list[tuple[int, int, int]]) -> list[_Row]:
+        """Takes a dispatched call into the sequences as if every sampling one samples all its tokens and goes on
+        (its samples PENDING until absorbed, its last one its pending token): the next call is scheduled from
+        that. Returns the call's rows, with what `_absorb` needs to undo it for a turn that ends in the call."""
+        rows = []
+        for seq, chunk, samples in chosen:
             s = self._seqs[seq]
             s.cached += chunk
-            if not samples:
-                self.pages.truncate(seq, s.cached)
+            row = _Row(seq, chunk, samples, len(s.tokens), s.sampled, s.budget)
+            if samples:
+                s.tokens += [PENDING] * samples
+                s.cached += samples - 1  # every sample but the last is written by the call's decode steps
+                s.sampled += samples
+                s.budget -= samples
+                s.state = _State.DECODE
+            rows.append(row)
+        return rows
+
+    def _absorb(self, call: _Call, result: StepResult) -> list[tuple[int, SampledTurn]]:
+        """Takes a call's samples into its sequences (`_commit` assumed them); returns the turns that ended. A turn
+        that ended before the call's last sample (a stop id), or at it (a stop string, its budget), undoes what
+        `_commit` assumed past its end, and its row in the call in flight is dropped (its pages past its context
+        given back: that call's writes there are never read)."""
+        self.counts.sample_slots += self.config.max_seqs * int(np.max(result.n_s, initial=0))
+        sampled: list[tuple[_Row, list[int]]] = []
+        n_s, tokens_sc, logps_sc = result.n_s.tolist(), result.tokens_sc.tolist(), result.logps_sc.tolist()
+        for i, row in enumerate(call.rows):
+            if not row.samples or row.dropped:
                 continue
-            n = n_s[row]
-            new = tokens_sc[row][:n]
-            s.tokens += new
-            s.turn_logps += logps_sc[row][:n]
-            s.sampled += n
-            s.budget -= n
-            s.cached += n - 1  # every sample but the last was written by the call's decode steps
-            self.pages.truncate(seq, s.cached)
+            s, n = self._seqs[row.seq], n_s[i]
+            new = tokens_sc[i][:n]
+            s.tokens[row.at:row.at + n] = new
+            s.turn_logps += logps_sc[i][:n]
             self.counts.sampled_tokens += n
-            s.state = _State.DECODE
-            sampled.append((seq, new))
+            sampled.append((row, new))
         text_stops = ([False] * len(sampled) if self.stop_matcher is None else
-                      self.stop_matcher.push_many([seq for seq, _ in sampled], [new for _, new in sampled]))
+                      self.stop_matcher.push_many([row.seq for row, _ in sampled], [new for _, new in sampled]))
         ended = []
-        for (seq, new), text_stop in zip(sampled, text_stops):
-            s = self._seqs[seq]
-            hit_stop = new[-1] in self._stop_ids
-            if hit_stop or text_stop or s.budget == 0:
-                s.state = _State.ENDED
-                ended.append((seq, SampledTurn(s.tokens[s.turn_start:], list(s.turn_logps), hit_stop)))
+        for (row, new), text_stop in zip(sampled, text_stops):
+            n, hit_stop = len(new), new[-1] in self._stop_ids
+            if hit_stop or text_stop or row.budget == n:
+                s = self._seqs[row.seq]
+                self._drop(row.seq)
+                del s.tokens[row.at + n:]
+                s.sampled, s.budget, s.state = row.sampled + n, row.budget - n, _State.ENDED
+                s.cached = row.at + n - 1  # its last sample is not written
+                self.pages.truncate(row.seq, s.cached)
+                ended.append((row.seq, SampledTurn(s.tokens[s.turn_start:], list(s.turn_logps), hit_stop)))
         return sorted(ended)
+
+    def _drop(self, seq: int) -> None:
+        """The sequence's row in the call in flight (if any) is not taken when that call is absorbed (nor its
+        tokens counted in the batch's: the token it wrote is written again, or never read)."""
+        call = self._in_flight
+        if call is not None and seq in call.by_seq:
+            row = call.rows[call.by_seq[seq]]
+            row.dropped = True
+            self.counts.dropped_rows += 1
+            self.counts.batch_tokens[call.bucket] -= row.chunk
 
     # Helpers.
 

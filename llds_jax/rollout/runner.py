@@ -16,6 +16,10 @@ tensor-parallel groups, each group decodes its own share of the rows (`Transform
 kernel's tile is the config's (`rollout.KernelTiles`): one for the ragged forward of the buckets above the slots',
 another for the slots' bucket and the decode iterations.
 
+A decoding sequence's batch token may be the last one its row sampled in the call before, never brought to the host
+(`StepBatch.source_s`): the step takes the call before's samples as device arrays, so the engine dispatches a call
+while the one before runs (`DeviceRunner.dispatch`, `fetch`).
+
 Sequence s samples its i-th token of the call with fold_in(key_s, count_s + i) (`sampling.sample_tokens`: the
 sampling distribution's log-probs over the full vocabulary, top-p / top-k only restricting the draw), whichever
 row and batch it runs in.
@@ -27,8 +31,11 @@ model's name (its K' = 2K: keys and values interleaved, `llds_jax.model.paged_kv
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import functools
+import time
 from typing import Any, Optional
 
 import jax
@@ -57,14 +64,22 @@ def copy_pages(kv_pages_lpzkh: jax.Array, page_copies: jax.Array) -> jax.Array:
 
 def step_program(graphdef, cfg: SamplingConfig, decode_chunk: int, forward_tile: Tile, decode_tile: Tile,
                  batches: int, params, kv_pages_lpzkh, tokens_t, cu_q_lens_s1, kv_lens_s, page_table_sm, num_seqs,
-                 samples_s, key_data_s, count_s, page_copies):
+                 samples_s, key_data_s, count_s, page_copies, previous_tokens_sc, previous_taken_s, source_s):
     """One engine step (module docstring): the ragged forward at the kernel's `forward_tile`, each decode iteration
-    as `batches` ragged batches of the sampling rows (`decode_rows`) at its `decode_tile`. Returns (pool, tokens
-    int32 [S, C], log-probs float32 [S, C], samples taken int32 [S])."""
+    as `batches` ragged batches of the sampling rows (`decode_rows`) at its `decode_tile`. A row r with source_s[r]
+    = j >= 0 takes as its batch token the last of row j's samples in the call before (`previous_tokens_sc` int32
+    [S, C], `previous_taken_s` int32 [S]: that call's outputs); where that token is a stop id, the row samples
+    nothing. Returns (pool, tokens int32 [S, C], log-probs float32 [S, C], samples taken int32 [S])."""
     model = nnx.merge(graphdef, params)
     s = samples_s.shape[0]
     stop_ids = jnp.asarray(cfg.stop_ids or (-1,), jnp.int32)
     keys_s = jax.random.wrap_key_data(key_data_s)
+    source_s1 = jnp.maximum(source_s, 0)[:, None]
+    last_s = jnp.take_along_axis(previous_tokens_sc[source_s1[:, 0]],
+                                 jnp.maximum(previous_taken_s[source_s1] - 1, 0), axis=1)[:, 0]
+    tokens_t = tokens_t.at[jnp.where(source_s >= 0, cu_q_lens_s1[:s], tokens_t.shape[0])].set(last_s, mode="drop")
+    # A row whose turn ended on a stop id in the call before samples nothing (the engine drops its row).
+    samples_s = jnp.where((source_s >= 0) & jnp.isin(last_s, stop_ids), 0, samples_s)
     pages = copy_pages(kv_pages_lpzkh, page_copies)
     logits_sv, pages = model.ragged_step(tokens_t, pages, kv_lens_s, page_table_sm, cu_q_lens_s1, num_seqs,
                                          **forward_tile.kwargs())
@@ -165,8 +180,9 @@ class PagePool:
 
 
 class DeviceRunner:
-    """The engine's device side (`engine.StepRunner`): the page pool and the step program, compiled once per token
-    bucket (ahead of the first call at that bucket, or of every bucket by `compile_all`).
+    """The engine's device side (`engine.OverlappingRunner`, and `engine.StepRunner` one call at a time): the page
+    pool and the step program, compiled once per token bucket (ahead of the first call at that bucket, or of every
+    bucket by `compile_all`).
 
     Args:
       graphdef: from `graphdef, params = nnx.split(model)`.
@@ -191,16 +207,39 @@ class DeviceRunner:
                              f"{engine.num_pages}")
         self._compiled: dict[int, Any] = {}  # token bucket -> its compiled step program
         self.compiles = 0
+        self._nothing_before: Optional[tuple[jax.Array, jax.Array]] = None  # `previous` of a first call
+        self._watcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-ready")
 
     def run(self, params: Any, batch: StepBatch) -> StepResult:
+        """One call at a time (`engine.StepRunner`): dispatch, then fetch."""
+        return self.fetch(self.dispatch(params, batch, None))
+
+    def dispatch(self, params: Any, batch: StepBatch, previous: Optional[DispatchedStep]) -> DispatchedStep:
+        """Starts the step program on the batch (`engine.OverlappingRunner`): nothing waits for the device; a
+        watcher thread notes when its results are there. `previous`: the call dispatched before (None: none)."""
+        if previous is None:
+            if self._nothing_before is None:
+                s, c = self.engine.max_seqs, self.engine.decode_chunk
+                self._nothing_before = jax.device_put((np.zeros((s, c), np.int32), np.zeros(s, np.int32)),
+                                                      self._replicated)
+            before = self._nothing_before
+        elif self.mesh is None:
+            before = previous.tokens_sc, previous.taken_s
+        else:  # as the program takes them (its outputs' sharding is the compiler's)
+            before = jax.device_put((previous.tokens_sc, previous.taken_s), self._replicated)
         args = (self.pool.take(), batch.tokens_t, batch.cu_q_lens_s, batch.kv_lens_s, batch.page_table_sm,
                 np.asarray([batch.num_seqs], np.int32), batch.samples_s, batch.key_data_s, batch.count_s,
-                batch.page_copies)
+                batch.page_copies, *before, batch.source_s)
         program = self._program(params, len(batch.tokens_t))
         pages, tokens_sc, logps_sc, taken_s = program(params, *args)
         self.pool.put(pages)
-        tokens_sc, logps_sc, taken_s = jax.device_get((tokens_sc, logps_sc, taken_s))
-        return StepResult(np.asarray(tokens_sc), np.asarray(logps_sc), np.asarray(taken_s))
+        return DispatchedStep(tokens_sc, logps_sc, taken_s, self._watcher.submit(_ready_at, (tokens_sc, logps_sc,
+                                                                                            taken_s)))
+
+    def fetch(self, handle: DispatchedStep) -> StepResult:
+        """The call's samples on the host (waits for them)."""
+        tokens_sc, logps_sc, taken_s = jax.device_get((handle.tokens_sc, handle.logps_sc, handle.taken_s))
+        return StepResult(np.asarray(tokens_sc), np.asarray(logps_sc), np.asarray(taken_s), handle.ready.result())
 
     def compile_all(self, params: Any) -> int:
         """Compiles the step program at every token bucket not compiled yet; returns how many it compiled."""
@@ -231,18 +270,39 @@ class DeviceRunner:
             self.compiles += 1
         return self._compiled[bucket]
 
+    @property
+    def _replicated(self) -> Optional[NamedSharding]:
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
+
     def abstract_args(self, bucket: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """The step program's arguments after the params, at token bucket `bucket`: the pool, then the batch
-        (replicated under a mesh)."""
+        """The step program's arguments after the params, at token bucket `bucket`: the pool, the batch, then the
+        call before's samples and taken counts and each row's source among them (replicated under a mesh)."""
         e = self.engine
         s, i32 = e.max_seqs, np.int32
-        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
 
         def shape(dims, dtype=i32):
-            return jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)
+            return jax.ShapeDtypeStruct(dims, dtype, sharding=self._replicated)
 
         return (self.pool.shape, shape((bucket,)), shape((s + 1,)), shape((s,)), shape((s, e.pages_per_seq)),
-                shape((1,)), shape((s,)), shape((s, 2), np.uint32), shape((s,)), shape((e.max_copies, 2)))
+                shape((1,)), shape((s,)), shape((s, 2), np.uint32), shape((s,)), shape((e.max_copies, 2)),
+                shape((s, e.decode_chunk)), shape((s,)), shape((s,)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchedStep:
+    """A step program's call in flight: its outputs (device arrays) and when they were there (`ready`: a future of
+    the `time.perf_counter` seconds)."""
+
+    tokens_sc: jax.Array
+    logps_sc: jax.Array
+    taken_s: jax.Array
+    ready: concurrent.futures.Future
+
+
+def _ready_at(arrays) -> float:
+    """Waits for the arrays; returns when they were there (`time.perf_counter` seconds)."""
+    jax.block_until_ready(arrays)
+    return time.perf_counter()
 
 
 def pool_shape(model_cfg: ModelConfig, engine: EngineConfig, mesh: Optional[Mesh] = None

@@ -39,13 +39,16 @@ class EngineCounts:
 
     Attributes:
       calls: device calls per token bucket.
-      batch_tokens: real (unpadded) tokens of the ragged batches, per token bucket.
+      batch_tokens: real (unpadded) tokens of the ragged batches, per token bucket (not those of dropped rows).
       sampled_tokens: tokens sampled.
       sample_slots: sequence slots x samples of every call (the decode occupancy's denominator).
       page_copies: pages copied on write.
       shared_prompt_tokens: prompt tokens a sequence took from another's pages instead of encoding them.
-      device_s: seconds in the runner's calls (the device's work and its dispatch).
+      device_s: seconds the device ran the engine's calls (each from its dispatch, or the end of the call before,
+        to its results).
+      wait_s: seconds the host waited for the device's results (one call at a time: device_s).
       preemptions: sequences whose pages were taken back for another's (re-encoded when scheduled again).
+      dropped_rows: rows of a call whose samples were discarded: the turn had ended in the call before (overlap).
     """
 
     calls: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -55,16 +58,20 @@ class EngineCounts:
     page_copies: int = 0
     shared_prompt_tokens: int = 0
     device_s: float = 0.0
+    wait_s: float = 0.0
     preemptions: int = 0
+    dropped_rows: int = 0
 
 
 @dataclasses.dataclass
 class RolloutStats:
     """One rollout's seconds and counts.
 
-    Seconds: `rollout_s` (the whole rollout) = `decode_s` (the engine's device calls, their dispatch included)
-    + `search_s` (waiting for search results with nothing to decode: retrieval on the critical path) + host time
-    (the rest: cutting and parsing turns, tokenizing observations, scheduling, building trajectories).
+    Seconds: `rollout_s` (the whole rollout) = the host's wait for the engine's device calls (`counts.wait_s`)
+    + `search_s` (waiting for search results with nothing to decode: retrieval on the critical path) + `host_s`
+    (the rest: cutting and parsing turns, tokenizing observations, scheduling, building trajectories), while the
+    device runs the calls for `decode_s` (their dispatch included; the engine overlaps the next call's dispatch
+    with the host's work, so the device's seconds and the host's overlap).
     `search_calls_s` sums the retriever calls' own durations, most of them hidden behind decoding.
 
     Counts (tokens unless named otherwise): `sampled_tokens` (generated, rolled-back ones included),
@@ -103,8 +110,8 @@ class RolloutStats:
 
     @property
     def host_s(self) -> float:
-        """Seconds neither decoding nor waiting for a search (never below 0)."""
-        return max(self.rollout_s - self.decode_s - self.search_s, 0.0)
+        """Seconds neither waiting for the device nor for a search (never below 0)."""
+        return max(self.rollout_s - self.counts.wait_s - self.search_s, 0.0)
 
     @property
     def decode_occupancy(self) -> float:

@@ -1,13 +1,15 @@
 """The engine's host side against a scripted device: a 'model' whose next token is a function of the context it
 reads back through the page tables (so any wrong page, slot, position, copy or roll back changes what it samples)
 and of the sequence's PRNG stream (key, n). Every turn must equal the one sampled from the true context directly,
-whatever the token budget, the slots and the order sequences share steps in."""
+whatever the token budget, the slots and the order sequences share steps in, one call at a time or with the next
+call dispatched before the one in flight is absorbed (overlap: its decoding sequences' tokens taken from the call
+before, the samples of a turn that ended there discarded and its writes rolled back)."""
 import zlib
 
 import numpy as np
 import pytest
 
-from llds_jax.rollout.engine import Engine, EngineConfig, StepResult
+from llds_jax.rollout.engine import Engine, EngineConfig, Immediate, StepResult
 
 VOCAB, STOP = 50, 0
 
@@ -22,20 +24,27 @@ def logp_of(token: int, n: int) -> float:
     return -0.01 * token - 0.001 * n
 
 
-class ScriptedRunner:
+class ScriptedRunner(Immediate):
     """The device side, in NumPy: a pool of token ids [pages, page_size] written and read through the batch's
-    slots and page tables, copies made first; decoding seqs feed back their own samples."""
+    slots and page tables, copies made first; decoding seqs feed back their own samples. It answers at once
+    (`Immediate`: under overlap, a batch token of the call before's samples is resolved from its result)."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.pool = np.full((config.num_pages, config.page_size), -1, np.int64)
         self.batches = []
+        self.sourced = 0  # batch tokens taken from the call before's samples
 
     def context(self, table_p, length):
         size = self.config.page_size
         return [int(self.pool[table_p[i // size], i % size]) for i in range(length)]
 
+    def dispatch(self, params, batch, previous):
+        self.sourced += int(np.sum(batch.source_s >= 0))
+        return super().dispatch(params, batch, previous)
+
     def run(self, params, batch):
+        assert (batch.source_s == -1).all()  # resolved
         self.batches.append(batch)
         size, chunk = self.config.page_size, batch.decode_chunk
         for source, target in batch.page_copies:
@@ -106,11 +115,15 @@ class TextStops:
         return [self.seen[seq] for seq in seqs]
 
 
-def make(max_seqs=4, budgets=(4, 8, 16), chunk=3, page_size=4, num_pages=64, max_context=64, stops=True):
+def make(max_seqs=4, budgets=(4, 8, 16), chunk=3, page_size=4, num_pages=64, max_context=64, stops=True,
+         overlap=False):
     config = EngineConfig(max_seqs=max_seqs, token_budgets=budgets, decode_chunk=chunk, page_size=page_size,
                           num_pages=num_pages, max_context=max_context, stop_ids=(STOP,))
     runner = ScriptedRunner(config)
-    return Engine(runner, None, config, TextStops() if stops else None), runner
+    return Engine(runner, None, config, TextStops() if stops else None, overlap=overlap), runner
+
+
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["one-call", "overlap"])
 
 
 def key(i):
@@ -162,21 +175,26 @@ PLAN = {0: [5, 6, 8, 9, 10, 11, 12], 1: [5, 6, 8, 9, 10, 11, 12], 2: [13, 14, 15
 
 @pytest.mark.parametrize("max_seqs, budgets, page_size", [(6, (6, 12, 32), 4), (6, (6,), 1), (6, (8, 64), 5),
                                                           (6, (6, 7), 3)])
-def test_turns_equal_sampling_from_the_true_context_at_any_budget_and_page_size(max_seqs, budgets, page_size):
-    engine, runner = make(max_seqs=max_seqs, budgets=budgets, page_size=page_size, num_pages=512)
+@OVERLAP
+def test_turns_equal_sampling_from_the_true_context_at_any_budget_and_page_size(max_seqs, budgets, page_size,
+                                                                                 overlap):
+    engine, runner = make(max_seqs=max_seqs, budgets=budgets, page_size=page_size, num_pages=512, overlap=overlap)
     assert conversations(engine, PLAN) == reference(PLAN)
     assert all(int(b.cu_q_lens_s[b.num_seqs]) <= len(b.tokens_t) <= budgets[-1] for b in runner.batches)
+    assert (runner.sourced > 0) == overlap
 
 
-def test_the_stop_matcher_is_fed_each_calls_new_tokens_only():
-    engine, _ = make(max_seqs=6, num_pages=512)
+@OVERLAP
+def test_the_stop_matcher_is_fed_each_calls_new_tokens_only(overlap):
+    engine, _ = make(max_seqs=6, num_pages=512, overlap=overlap)
     conversations(engine, PLAN)
     pushed = engine.stop_matcher.pushed
     assert pushed and max(pushed) <= 3 and sum(pushed) == engine.counts.sampled_tokens  # chunk 3: never a turn
 
 
-def test_a_groups_samples_share_the_prompts_pages_and_encode_one_token_each():
-    engine, runner = make(max_seqs=6, budgets=(64,), num_pages=128)
+@OVERLAP
+def test_a_groups_samples_share_the_prompts_pages_and_encode_one_token_each(overlap):
+    engine, runner = make(max_seqs=6, budgets=(64,), num_pages=128, overlap=overlap)
     conversations(engine, PLAN, turns=1)
     first = runner.batches[0]
     # Step 1 encodes each distinct prompt once (sequences 1 and 4 wait for 0), step 2 their last prompt token.
@@ -189,8 +207,9 @@ def test_a_groups_samples_share_the_prompts_pages_and_encode_one_token_each():
     assert n >= 2 and list(second.kv_lens_s[n - 2:n]) == [7, 7]  # decoding sequences first, then 1 and 4
 
 
-def test_a_fork_continues_from_its_parents_turn_start_with_its_own_stream():
-    engine, runner = make(max_seqs=4, num_pages=64)
+@OVERLAP
+def test_a_fork_continues_from_its_parents_turn_start_with_its_own_stream(overlap):
+    engine, runner = make(max_seqs=4, num_pages=64, overlap=overlap)
     plan = {0: list(range(1, 11))}
     turns = conversations(engine, plan, turns=2)
     parent = engine.context(0)
@@ -206,28 +225,31 @@ def test_a_fork_continues_from_its_parents_turn_start_with_its_own_stream():
     assert engine.counts.page_copies - copies_before <= 1
 
 
-def test_finish_and_roll_back_give_every_page_back():
-    engine, _ = make(max_seqs=6, num_pages=128)
+@OVERLAP
+def test_finish_and_roll_back_give_every_page_back(overlap):
+    engine, _ = make(max_seqs=6, num_pages=128, overlap=overlap)
     conversations(engine, PLAN, turns=2)
     for seq in PLAN:
         engine.finish(seq)
     assert engine.pages.free_pages == 127 and engine.running == 0 and engine.can_admit(64)
 
 
+@OVERLAP
 @pytest.mark.parametrize("num_pages", [17, 20, 26])
-def test_turns_through_a_pool_small_enough_to_preempt_equal_sampling_from_the_true_context(num_pages):
+def test_turns_through_a_pool_small_enough_to_preempt_equal_sampling_from_the_true_context(num_pages, overlap):
     # 17 pages of 4 slots hold one sequence at max_context 64 beside the padding page: every sequence is preempted
     # (its pages given back, its context encoded again later) while another needs pages.
-    engine, runner = make(max_seqs=6, budgets=(6, 12, 32), page_size=4, num_pages=num_pages)
+    engine, runner = make(max_seqs=6, budgets=(6, 12, 32), page_size=4, num_pages=num_pages, overlap=overlap)
     assert conversations(engine, PLAN) == reference(PLAN)
-    assert engine.counts.preemptions > 0
+    assert engine.counts.preemptions > 0 and (runner.sourced > 0) == overlap
     for seq in PLAN:
         engine.finish(seq)
     assert engine.pages.free_pages == num_pages - 1  # no page lost to a preemption
 
 
-def test_a_fork_of_a_preempted_parent_encodes_the_parents_context_and_samples_as_from_it():
-    engine, _ = make(max_seqs=4, page_size=4, num_pages=17)
+@OVERLAP
+def test_a_fork_of_a_preempted_parent_encodes_the_parents_context_and_samples_as_from_it(overlap):
+    engine, _ = make(max_seqs=4, page_size=4, num_pages=17, overlap=overlap)
     turns = conversations(engine, {0: list(range(1, 11))}, turns=2)  # sequence 0 ends turn 1 holding its pages
     parent = engine.context(0)
     engine.add_request(1, list(range(100, 160)), key(1), 4)  # 60 tokens: 15 of the 16 free pages and more
@@ -243,8 +265,10 @@ def test_a_fork_of_a_preempted_parent_encodes_the_parents_context_and_samples_as
     assert list(forked.token_ids) == ref.turn(9, 6, 3, lambda toks: 7 in toks)
 
 
-def test_admission_takes_what_sequences_still_have_to_write_and_waits_for_preempted_ones():
-    engine, _ = make(max_seqs=6, page_size=4, num_pages=33)  # 32 pages to hand out; the watermark keeps 1
+@OVERLAP
+def test_admission_takes_what_sequences_still_have_to_write_and_waits_for_preempted_ones(overlap):
+    # 32 pages to hand out; the watermark keeps 1.
+    engine, _ = make(max_seqs=6, page_size=4, num_pages=33, overlap=overlap)
     assert engine.can_admit(31 * 4) and not engine.can_admit(31 * 4 + 1)
     engine.add_request(0, list(range(1, 61)), key(0), 4)  # owes 15 pages before it has written a token
     assert engine.can_admit(16 * 4) and not engine.can_admit(16 * 4 + 1)

@@ -179,6 +179,49 @@ def small():
     return nnx.split(model)
 
 
+class RunnerSource:
+    """A rollout's engines (`interfaces.EngineSource`) over `sampler`'s runner: overlapping (the runner's split API,
+    counting in `sourced` the batch tokens it takes on the device from the call before) or one call at a time
+    (`overlap` False)."""
+
+    def __init__(self, sampler, overlap: bool):
+        self.sampler, self.overlap, self.token_budgets = sampler, overlap, sampler.token_budgets
+        self.sourced, self.engines = 0, []
+
+    def dispatch(self, params, batch, previous):
+        self.sourced += int(np.sum(batch.source_s >= 0))
+        return self.sampler.runner.dispatch(params, batch, previous)
+
+    def fetch(self, handle):
+        return self.sampler.runner.fetch(handle)
+
+    def engine(self, params, stop_matcher=None):
+        runner = self if self.overlap else self.sampler.runner
+        self.engines.append(Engine(runner, params, self.sampler.engine_config, stop_matcher, overlap=self.overlap))
+        return self.engines[-1]
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
+def test_overlapping_calls_sample_the_tokens_of_one_call_at_a_time(qwen_tokenizer, tiny, sampled, continuous):
+    """Each call dispatched before the one in flight is absorbed (a decoding sequence's batch token taken on the
+    device from that call's samples; the row of a turn that ended there dropped, its samples discarded) samples,
+    token for token, the trajectories of one call at a time; log-probs a full forward's."""
+    model, graphdef = tiny
+    params, sampling = sampled
+    config = AgentConfig(**CONFIG, continuous_batching=continuous)
+    sampler = paged(graphdef, model.cfg, sampling, config, CONFIG["max_batch_size"])
+    runs = {}
+    for overlap in (False, True):
+        source = RunnerSource(sampler, overlap)
+        runs[overlap] = agent.rollout(source, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(5),
+                                      config, group_size=2)
+        assert (source.sourced > 0) == overlap
+        assert (source.engines[-1].counts.dropped_rows > 0) == overlap
+    assert len({t.num_turns for t in runs[True].trajectories}) > 1
+    assert_same_trajectories(runs[False].trajectories, runs[True].trajectories)
+    assert_full_forward(graphdef, params, runs[True].trajectories, 1.0)
+
+
 def device_engine(small, sampling, max_seqs=4, max_context=96, page_size=4):
     graphdef, params = small
     cfg = EngineConfig(max_seqs=max_seqs, token_budgets=(4, 8, 16, 32), decode_chunk=sampling.decode_chunk,
