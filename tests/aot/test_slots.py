@@ -1,0 +1,62 @@
+"""`python -m llds_jax.aot.slots` (issue 67, build 3): the pool that fits beside the largest program, and each slot
+count's expected rollout through the real engine's admission at that pool, kernel-faithful."""
+import pytest
+
+from llds_jax import config as config_lib
+from llds_jax.aot import compile_check, rollout_schedule, slots, step_lengths, tiles
+from llds_jax.config.sections import RolloutConfig
+from llds_jax.rollout.config import KernelTiles
+from llds_jax.train import run_builder
+from tests.aot.test_compile_check import PAGED, flagship, paged_model_dir  # noqa: F401 (a fixture)
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+def test_the_pool_gets_what_the_largest_program_leaves_down_to_the_headroom():
+    assert slots.pages_that_fit(10 * GIB, 5 * GIB, MIB) == 4096  # 90% of 10 GiB less 5 GiB, in pages of 1 MiB
+    assert slots.pages_that_fit(10 * GIB, 5 * GIB, MIB, headroom=0.2) == 3072
+    assert slots.pages_that_fit(10 * GIB, 5 * GIB + 1, MIB) == 4095  # a byte over: a page fewer
+    assert slots.pages_that_fit(10 * GIB, 10 * GIB, MIB) == 0
+
+
+def test_a_page_is_what_the_compiled_pool_holds_per_page(paged_model_dir):  # noqa: F811
+    """The shrunk flagship on v4:2x2x4: its rollout split over a host's 4 chips repeats its 2 key/value heads to 4,
+    one per chip: 2 layers x 16 slots x (a key and a value) x 128 lanes x 2 bytes (bfloat16) = 16 KiB per page and
+    chip, as the pool of the run's samplers (what `--mode=compile` counts as the pool) holds."""
+    cfg = flagship(paged_model_dir, **PAGED)
+    assert slots.page_bytes(cfg) == 2 * 16 * 2 * 128 * 2
+    devices, _ = compile_check.topology_devices(cfg.mesh.topology)
+    layout = run_builder.run_layout(cfg, devices)
+    parts = run_builder.build(cfg, layout, run_builder.abstract_model(layout), compile_check.PLACEHOLDER_STOP_IDS)
+    # As --mode=compile sizes it in one process: 16 slots (rollout.max_batch_size) of 256 tokens in pages of 16.
+    assert slots.pool_of(cfg) == parts.sampler.engine_config.num_pages == 16 * 16 + 1
+    assert parts.sampler.runner.pool.bytes_per_device() == slots.pool_of(cfg) * slots.page_bytes(cfg)
+
+
+def test_each_slot_count_runs_the_engine_at_the_pool_that_fits(paged_model_dir):  # noqa: F811
+    """8 trajectories per host: slot counts above them are left out; the pool is the one that fits, or every slot's
+    worst case where that is less; a pool of one sequence holds fewer rows at once than the slots; each option's
+    seconds are the kernel-faithful estimate of the engine's schedule at its slots and pool and the config's
+    tiles, the reshard's added."""
+    cfg = flagship(paged_model_dir, **PAGED)
+    roomy = slots.sweep(cfg, [4, 8, 16], 10_000, reshard_s=0.5)
+    assert [(o.slots, o.pages) for o in roomy] == [(4, 4 * 16 + 1), (8, 8 * 16 + 1)]
+    assert [o.rows_in_flight for o in roomy] == [4, 8]
+    tight = slots.sweep(cfg, [8], 17)[0]
+    assert tight.pages == 17 and tight.rows_in_flight < 8
+    for option in roomy + [tight]:
+        run_cfg = slots.with_slots(cfg, option.slots, option.pages)
+        rollout = tiles.rollout_of(run_cfg)
+        schedule = rollout_schedule.for_run(run_cfg, step_lengths.defaults(run_cfg), rollout.sequences)
+        assert option.calls == len(schedule.calls)
+        at = KernelTiles.of(config_lib.build(RolloutConfig, run_cfg.rollout))
+        assert at == KernelTiles(16, 32, 8, 8)  # qwen7b_v4's
+        assert option.device_s == pytest.approx(tiles.device_seconds(rollout, schedule, at))
+    assert [o.rollout_s for o in roomy] == pytest.approx([o.device_s + 0.5 for o in roomy])
+    assert slots.best(roomy + [tight]) == min(roomy + [tight], key=lambda o: o.rollout_s)
+    lines = slots.format_options("flagship", roomy, 10.0, 10_000, 16 * 1024, 30 * GIB, 20 * GIB).splitlines()
+    assert lines[0].startswith("flagship: the pool beside the largest program less its pool (20.00 GiB per chip) "
+                               "within 90% of 30.00 GiB usable: 10,000 pages of 0.016 MiB per chip")
+    assert lines[1].startswith("  slots    4, pages     65 ( 0.00 GiB):    4 sequences in flight at most")
+    assert lines[-1] == f"  least: slots {slots.best(roomy).slots}, pages {slots.best(roomy).pages} " \
+                        "(rollout.max_batch_size, rollout.num_pages)"
