@@ -9,16 +9,18 @@ The engine admits by the pages its sequences hold and preempts by recompute when
 every slot's worst case makes sequences wait or re-encode. The pool is the HBM left beside the largest program: a
 `--mode=compile` of the config prints every program's memory per chip, each of which holds the pool (an argument of
 the rollout programs, resident beside the others), so the largest one less its pool (`--largest_gib` less
-`rollout.num_pages` x `page_bytes`) is what stays whatever the pool, and the pool gets the rest of the usable HBM
+`rollout.num_pages` x `page_bytes`, its printed figure rounded up) is what stays whatever the pool, and the pool gets the rest of the usable HBM
 down to `HEADROOM` (`pages_that_fit`; no more than every slot's worst case). The step programs' temporaries grow
 with S (their [S, V] logits) and are not in that figure: a `--mode=compile` of the chosen config checks that every
 program still fits.
 
-Each candidate S (default `SLOTS`) is costed as `llds_jax.aot.tiles` costs tiles: the real engine's schedule of one
-host's rollout at the expected lengths (`rollout_schedule.for_run`, its admission and preemption with this pool)
-costed call by call by `step_estimate.FaithfulCost` at the config's tiles; the rollout is that device time plus the
-weight reshard's seconds, its share of the step beside `--updates_s` (both from the `--mode=compile`). Nothing is
-compiled.
+Each candidate S (default `SLOTS`) at each step token budget (`rollout.max_step_tokens`, default the config's and
+its double: more rows in flight fill larger steps) is costed as `llds_jax.aot.tiles` costs tiles: the real engine's
+schedule of one host's rollout at the expected lengths (`rollout_schedule.for_run`, its admission and preemption
+with this pool) costed call by call by `step_estimate.FaithfulCost`, at the tiles `tiles.choose` picks for that
+schedule; candidates of more than `MAX_PROGRAMS` rollout programs are left out. The rollout is that device time plus
+the weight reshard's seconds, its share of the step beside `--updates_s` (both from the `--mode=compile`). Nothing
+is compiled.
 """
 from __future__ import annotations
 
@@ -38,8 +40,10 @@ from llds_jax.rollout.runner import pool_shape
 from llds_jax.train import run_builder
 
 SLOTS = (128, 192, 256, 384)
+MAX_PROGRAMS = 12  # rollout programs a run compiles, training's and evaluation's (issue 67: up to 12 if it pays)
 HEADROOM = 0.10  # the share of the usable HBM every program leaves free
 GIB = 1 << 30
+PRINTED_GIB = 0.005  # --mode=compile prints GiB to 2 decimals: the largest program may be this much above its figure
 
 
 def page_bytes(cfg) -> float:
@@ -65,21 +69,27 @@ def pages_that_fit(usable_bytes: float, other_bytes: float, bytes_per_page: floa
     return max(0, math.floor(((1 - headroom) * usable_bytes - other_bytes) / bytes_per_page))
 
 
-def with_slots(cfg, slots: int, num_pages: int):
-    """A copy of `cfg` with rollout.max_batch_size = `slots` and rollout.num_pages = `num_pages`."""
+def with_slots(cfg, slots: int, num_pages: int, max_step_tokens: int = 0):
+    """A copy of `cfg` with rollout.max_batch_size = `slots`, rollout.num_pages = `num_pages` and (unless 0)
+    rollout.max_step_tokens = `max_step_tokens`."""
     cfg = cfg.copy_and_resolve_references()
     cfg.rollout.max_batch_size, cfg.rollout.num_pages = slots, num_pages
+    cfg.rollout.max_step_tokens = max_step_tokens or cfg.rollout.max_step_tokens
     return cfg
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One slot count's expected rollout per host: its slots and pool, the most sequences the engine held at once,
-    the decode iterations' share of slots that sampled, the step calls, the kernel-faithful device seconds and the
+    """One slot count's expected rollout per host at one step budget: its slots, pool and budget, the rollout
+    programs it compiles, the tiles chosen for it (`tiles.choose`), the most sequences the engine held at once, the
+    decode iterations' share of slots that sampled, the step calls, the kernel-faithful device seconds and the
     rollout's seconds (device and reshard)."""
 
     slots: int
     pages: int
+    max_step_tokens: int
+    programs: int
+    tiles: KernelTiles
     rows_in_flight: int
     occupancy: float
     calls: int
@@ -91,23 +101,23 @@ class Option:
         return self.rollout_s / (self.rollout_s + updates_s)
 
 
-def evaluate(cfg, slots: int, num_pages: int, reshard_s: float = 0.0,
+def evaluate(cfg, slots: int, num_pages: int, max_step_tokens: int = 0, reshard_s: float = 0.0,
              lengths: step_lengths.Lengths | None = None) -> Option:
-    """`cfg`'s expected rollout per host at `slots` slots and a pool of `num_pages`, kernel-faithful at the config's
-    tiles (module docstring)."""
-    run_cfg = with_slots(cfg, slots, num_pages)
+    """`cfg`'s expected rollout per host at `slots` slots, a pool of `num_pages` and steps of `max_step_tokens`
+    (0: the config's), kernel-faithful at the tiles `tiles.choose` picks (module docstring)."""
+    run_cfg = with_slots(cfg, slots, num_pages, max_step_tokens)
     rollout = tiles.rollout_of(run_cfg)
     schedule = rollout_schedule.for_run(run_cfg, lengths or step_lengths.defaults(run_cfg), rollout.sequences)
-    device = tiles.device_seconds(rollout, schedule,
-                                  KernelTiles.of(config_lib.build(RolloutConfig, run_cfg.rollout)))
-    return Option(slots, num_pages, schedule.rows_in_flight, schedule.occupancy, len(schedule.calls), device,
-                  device + reshard_s)
+    choice = tiles.choose(rollout, schedule, run_cfg.rollout.max_step_tokens)
+    return Option(slots, num_pages, choice.max_step_tokens, choice.programs, choice.tiles, schedule.rows_in_flight,
+                  schedule.occupancy, len(schedule.calls), choice.seconds, choice.seconds + reshard_s)
 
 
-def sweep(cfg, slot_counts: Sequence[int], fit_pages: int, reshard_s: float = 0.0,
+def sweep(cfg, slot_counts: Sequence[int], budgets: Sequence[int], fit_pages: int, reshard_s: float = 0.0,
           lengths: step_lengths.Lengths | None = None) -> list[Option]:
-    """Each of `slot_counts` (at most the host's trajectories) with the pool that fits, `fit_pages`, or every slot's
-    worst case where that is less; in `slot_counts`' order."""
+    """Each of `slot_counts` (at most the host's trajectories) at each of `budgets` (rollout.max_step_tokens) with
+    the pool that fits, `fit_pages`, or every slot's worst case where that is less; those of at most `MAX_PROGRAMS`
+    rollout programs, in `slot_counts`' then `budgets`' order."""
     paging = PagingConfig.of(config_lib.build(RolloutConfig, cfg.rollout))
     sequences = tiles.rollout_of(cfg).sequences
     options = []
@@ -115,29 +125,40 @@ def sweep(cfg, slot_counts: Sequence[int], fit_pages: int, reshard_s: float = 0.
         if slots > sequences:
             continue
         worst = pool_pages(slots, cfg.rollout.max_context_tokens, paging.page_size)
-        options.append(evaluate(cfg, slots, min(fit_pages, worst), reshard_s, lengths))
+        for budget in budgets:
+            option = evaluate(cfg, slots, min(fit_pages, worst), budget, reshard_s, lengths)
+            if option.programs <= MAX_PROGRAMS:
+                options.append(option)
     return options
 
 
 def best(options: Sequence[Option]) -> Option:
-    """The option of the least rollout seconds (of equal ones, the fewest slots)."""
-    return min(options, key=lambda o: (round(o.rollout_s, 6), o.slots))
+    """The option of the least rollout seconds (of equal ones, the fewest slots, then the smallest budget)."""
+    return min(options, key=lambda o: (round(o.rollout_s, 6), o.slots, o.max_step_tokens))
 
 
 def format_options(name: str, options: Sequence[Option], updates_s: float, fit_pages: int, bytes_per_page: float,
                    usable_bytes: float, other_bytes: float) -> str:
-    """The sweep's lines: the pool that fits, then per slot count its pool, rows held, calls, seconds and share."""
+    """The sweep's lines: the pool that fits, then per slot count and budget its pool, programs, tiles, rows held,
+    calls, seconds and share, then the least."""
     lines = [f"{name}: the pool beside the largest program less its pool ({other_bytes / GIB:.2f} GiB per chip) within "
              f"{1 - HEADROOM:.0%} of {usable_bytes / GIB:.2f} GiB usable: {fit_pages:,} pages of "
              f"{bytes_per_page / (1 << 20):.3f} MiB per chip; expected rollout per host, kernel-faithful at the "
-             "config's tiles (an estimate, not a measurement)"]
+             "tiles chosen for each (an estimate, not a measurement)"]
     for o in options:
         share = f", rollout share {o.share(updates_s):.1%}" if updates_s else ""
-        lines.append(f"  slots {o.slots:>4}, pages {o.pages:>6,} ({o.pages * bytes_per_page / GIB:5.2f} GiB): "
+        t = o.tiles
+        lines.append(f"  slots {o.slots:>4}, pages {o.pages:>6,} ({o.pages * bytes_per_page / GIB:5.2f} GiB), steps of "
+                     f"{o.max_step_tokens:>5} ({o.programs} rollout programs), tiles {t.kv_pages_per_block} x "
+                     f"{t.queries_per_block} / {t.decode_kv_pages_per_block} x {t.decode_queries_per_block}: "
                      f"{o.rows_in_flight:>4} sequences in flight at most, decode occupancy {o.occupancy:.0%}, "
                      f"{o.calls:,} calls, device {o.device_s:.1f} s, rollout {o.rollout_s:.1f} s{share}")
     chosen = best(options)
-    lines.append(f"  least: slots {chosen.slots}, pages {chosen.pages:,} (rollout.max_batch_size, rollout.num_pages)")
+    t = chosen.tiles
+    lines.append(f"  least: rollout.max_batch_size {chosen.slots}, rollout.num_pages {chosen.pages}, "
+                 f"rollout.max_step_tokens {chosen.max_step_tokens}, tiles {t.kv_pages_per_block} x "
+                 f"{t.queries_per_block} (ragged), {t.decode_kv_pages_per_block} x {t.decode_queries_per_block} "
+                 "(decode)")
     return "\n".join(lines)
 
 
@@ -147,6 +168,8 @@ def main(argv=None) -> list[Option]:
     p.add_argument("--largest_gib", type=float, required=True,
                    help="the largest program's total per chip, GiB, as --mode=compile prints it for the config")
     p.add_argument("--slots", default=",".join(map(str, SLOTS)), help="rollout.max_batch_size to try, comma-separated")
+    p.add_argument("--budgets", default="", help="rollout.max_step_tokens to try, comma-separated (default: the "
+                                                 "config's and its double)")
     p.add_argument("--updates_s", type=float, default=0.0, help="the expected step's updates, seconds (--mode=compile)")
     p.add_argument("--reshard_s", type=float, default=0.0, help="the weight reshard's seconds (--mode=compile)")
     args = p.parse_args(argv)
@@ -155,9 +178,11 @@ def main(argv=None) -> list[Option]:
     devices, nominal = compile_check.topology_devices(cfg.mesh.topology)
     usable = compile_check.usable_hbm_bytes(devices[0]) or nominal
     bytes_per_page = page_bytes(cfg)
-    other = args.largest_gib * GIB - pool_of(cfg) * bytes_per_page
+    other = (args.largest_gib + PRINTED_GIB) * GIB - pool_of(cfg) * bytes_per_page
     fit = pages_that_fit(usable, other, bytes_per_page)
-    options = sweep(cfg, [int(s) for s in args.slots.split(",")], fit, args.reshard_s)
+    own = cfg.rollout.max_step_tokens
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [own, 2 * own]
+    options = sweep(cfg, [int(s) for s in args.slots.split(",")], budgets, fit, args.reshard_s)
     print(format_options(args.config, options, args.updates_s, fit, bytes_per_page, usable, other))
     return options
 

@@ -2,10 +2,7 @@
 count's expected rollout through the real engine's admission at that pool, kernel-faithful."""
 import pytest
 
-from llds_jax import config as config_lib
 from llds_jax.aot import compile_check, rollout_schedule, slots, step_lengths, tiles
-from llds_jax.config.sections import RolloutConfig
-from llds_jax.rollout.config import KernelTiles
 from llds_jax.train import run_builder
 from tests.aot.test_compile_check import PAGED, flagship, paged_model_dir  # noqa: F401 (a fixture)
 
@@ -36,27 +33,32 @@ def test_a_page_is_what_the_compiled_pool_holds_per_page(paged_model_dir):  # no
 def test_each_slot_count_runs_the_engine_at_the_pool_that_fits(paged_model_dir):  # noqa: F811
     """8 trajectories per host: slot counts above them are left out; the pool is the one that fits, or every slot's
     worst case where that is less; a pool of one sequence holds fewer rows at once than the slots; each option's
-    seconds are the kernel-faithful estimate of the engine's schedule at its slots and pool and the config's
-    tiles, the reshard's added."""
+    tiles are `tiles.choose`'s for the engine's schedule at its slots, pool and budget, its seconds the
+    kernel-faithful estimate of that schedule at them, the reshard's added; its programs training's and
+    evaluation's buckets."""
     cfg = flagship(paged_model_dir, **PAGED)
-    roomy = slots.sweep(cfg, [4, 8, 16], 10_000, reshard_s=0.5)
-    assert [(o.slots, o.pages) for o in roomy] == [(4, 4 * 16 + 1), (8, 8 * 16 + 1)]
-    assert [o.rows_in_flight for o in roomy] == [4, 8]
-    tight = slots.sweep(cfg, [8], 17)[0]
+    roomy = slots.sweep(cfg, [4, 8, 16], [64, 128], 10_000, reshard_s=0.5)
+    assert [(o.slots, o.pages, o.max_step_tokens) for o in roomy] == [
+        (4, 4 * 16 + 1, 64), (4, 65, 128), (8, 8 * 16 + 1, 64), (8, 129, 128)]
+    assert [o.rows_in_flight for o in roomy] == [4, 4, 8, 8]
+    # Training's slots and evaluation's (min(8, slots)), each doubling up to the budget.
+    assert [o.programs for o in roomy] == [5 + 5, 6 + 6, 4 + 4, 5 + 5]
+    tight = slots.sweep(cfg, [8], [64], 17)[0]
     assert tight.pages == 17 and tight.rows_in_flight < 8
     for option in roomy + [tight]:
-        run_cfg = slots.with_slots(cfg, option.slots, option.pages)
+        run_cfg = slots.with_slots(cfg, option.slots, option.pages, option.max_step_tokens)
         rollout = tiles.rollout_of(run_cfg)
         schedule = rollout_schedule.for_run(run_cfg, step_lengths.defaults(run_cfg), rollout.sequences)
         assert option.calls == len(schedule.calls)
-        at = KernelTiles.of(config_lib.build(RolloutConfig, run_cfg.rollout))
-        assert at == KernelTiles(16, 32, 8, 8)  # qwen7b_v4's
-        assert option.device_s == pytest.approx(tiles.device_seconds(rollout, schedule, at))
+        assert option.tiles == tiles.choose(rollout, schedule, option.max_step_tokens).tiles
+        assert option.device_s == pytest.approx(tiles.device_seconds(rollout, schedule, option.tiles))
     assert [o.rollout_s for o in roomy] == pytest.approx([o.device_s + 0.5 for o in roomy])
     assert slots.best(roomy + [tight]) == min(roomy + [tight], key=lambda o: o.rollout_s)
+    assert slots.sweep(cfg, [8], [64, 128], 10_000, reshard_s=0.5) == roomy[2:]  # a sweep's options are its own
     lines = slots.format_options("flagship", roomy, 10.0, 10_000, 16 * 1024, 30 * GIB, 20 * GIB).splitlines()
     assert lines[0].startswith("flagship: the pool beside the largest program less its pool (20.00 GiB per chip) "
                                "within 90% of 30.00 GiB usable: 10,000 pages of 0.016 MiB per chip")
-    assert lines[1].startswith("  slots    4, pages     65 ( 0.00 GiB):    4 sequences in flight at most")
-    assert lines[-1] == f"  least: slots {slots.best(roomy).slots}, pages {slots.best(roomy).pages} " \
-                        "(rollout.max_batch_size, rollout.num_pages)"
+    assert lines[1].startswith("  slots    4, pages     65 ( 0.00 GiB), steps of    64 (10 rollout programs), tiles ")
+    chosen = slots.best(roomy)
+    assert lines[-1].startswith(f"  least: rollout.max_batch_size {chosen.slots}, rollout.num_pages {chosen.pages}, "
+                                f"rollout.max_step_tokens {chosen.max_step_tokens}, tiles ")
