@@ -34,6 +34,7 @@ import jax
 from llds_jax import config as config_lib
 from llds_jax.aot import compile_check, rollout_schedule, step_estimate, step_lengths, tiles
 from llds_jax.config.sections import RolloutConfig
+from llds_jax.programs import Role
 from llds_jax.rollout.config import KernelTiles, PagingConfig
 from llds_jax.rollout.paged_sampler import pool_pages
 from llds_jax.rollout.runner import pool_shape
@@ -155,11 +156,28 @@ def format_options(name: str, options: Sequence[Option], updates_s: float, fit_p
                      f"{o.calls:,} calls, device {o.device_s:.1f} s, rollout {o.rollout_s:.1f} s{share}")
     chosen = best(options)
     t = chosen.tiles
+    largest = other_bytes + chosen.pages * bytes_per_page
     lines.append(f"  least: rollout.max_batch_size {chosen.slots}, rollout.num_pages {chosen.pages}, "
                  f"rollout.max_step_tokens {chosen.max_step_tokens}, tiles {t.kv_pages_per_block} x "
                  f"{t.queries_per_block} (ragged), {t.decode_kv_pages_per_block} x {t.decode_queries_per_block} "
-                 "(decode)")
+                 f"(decode); the largest program then {largest / GIB:.2f} GiB per chip ({largest / usable_bytes:.1%} "
+                 "of usable)")
     return "\n".join(lines)
+
+
+def compile_rollout(cfg) -> tuple[list[compile_check.Row], float]:
+    """`--mode=compile`'s rows for the programs whose memory the slots, the pool and the budget change, compiled for
+    `cfg`'s topology: the programs its resident arrays are read from (`compile_check.sizing_programs`) and every
+    rollout step program (training's and evaluation's buckets), each with its resident arrays; and the usable HBM
+    per chip. Every other program holds the pool as a resident array, which `--mode=compile` adds from the pool's
+    shape: its total moves by the pool's bytes."""
+    devices, nominal = compile_check.topology_devices(cfg.mesh.topology)
+    hbm = compile_check.usable_hbm_bytes(devices[0]) or nominal
+    programs = compile_check.build_programs(cfg, devices)
+    chosen = compile_check.sizing_programs(programs) + [p for p in programs if p.role is Role.ROLLOUT_STEP]
+    rows = [compile_check.compile_row(p) for p in chosen]
+    sizes = compile_check.long_lived_bytes(rows, chosen)
+    return [row.with_resident(sum(sizes[name] for name in p.resident)) for row, p in zip(rows, chosen)], hbm
 
 
 def main(argv=None) -> list[Option]:
@@ -170,6 +188,8 @@ def main(argv=None) -> list[Option]:
     p.add_argument("--slots", default=",".join(map(str, SLOTS)), help="rollout.max_batch_size to try, comma-separated")
     p.add_argument("--budgets", default="", help="rollout.max_step_tokens to try, comma-separated (default: the "
                                                  "config's and its double)")
+    p.add_argument("--compile", action="store_true", help="compile the least option's rollout step programs for the "
+                                                             "topology and print their memory (compile_rollout)")
     p.add_argument("--updates_s", type=float, default=0.0, help="the expected step's updates, seconds (--mode=compile)")
     p.add_argument("--reshard_s", type=float, default=0.0, help="the weight reshard's seconds (--mode=compile)")
     args = p.parse_args(argv)
@@ -183,7 +203,13 @@ def main(argv=None) -> list[Option]:
     own = cfg.rollout.max_step_tokens
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [own, 2 * own]
     options = sweep(cfg, [int(s) for s in args.slots.split(",")], budgets, fit, args.reshard_s)
-    print(format_options(args.config, options, args.updates_s, fit, bytes_per_page, usable, other))
+    print(format_options(args.config, options, args.updates_s, fit, bytes_per_page, usable, other), flush=True)
+    if args.compile:
+        chosen = best(options)
+        run_cfg = with_slots(cfg, chosen.slots, chosen.pages, chosen.max_step_tokens)
+        for name, value in dataclasses.asdict(chosen.tiles).items():
+            run_cfg.rollout[name] = value
+        print(compile_check.format_table(*compile_rollout(run_cfg)))
     return options
 
 
