@@ -66,11 +66,11 @@ def test_each_slot_count_runs_the_engine_at_the_pool_that_fits(paged_model_dir):
 
 @pytest.mark.slow
 def test_the_chosen_options_step_programs_compile_with_the_pool_as_compile_mode_counts_it(paged_model_dir):  # noqa: F811
-    """`compile_rollout` compiles, for v4:2x2x4, the programs the resident arrays are read from and every rollout
+    """`compile_rollout` compiles, for v4:2x2x1 (one host's 4 chips), the programs the resident arrays are read from and every rollout
     step program, each row's total with its resident arrays as `--mode=compile` adds them: a larger pool (1,000
     pages instead of 8 x 16 + 1) adds its bytes (16 KiB a page per chip) to each step program's arguments and to
     the others' resident arrays, nothing else."""
-    cfg = flagship(paged_model_dir, **PAGED)
+    cfg = flagship(paged_model_dir, **PAGED, **{"mesh.topology": "v4:2x2x1"})
     (small, hbm), (large, _) = (slots.compile_rollout(slots.with_slots(cfg, 8, pages)) for pages in (8 * 16 + 1, 1000))
     assert hbm > 30 * GIB
     steps = [r.name for r in small if "rollout step" in r.name]
