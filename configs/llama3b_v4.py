@@ -17,7 +17,10 @@ def get_config(retriever_name: str = "e5_device"):
     c.model.preset = "llama-3.2-3b"
     c.model.chat_template = ""
     c.rollout.tensor_parallel = -1      # all 4 chips: its 8 key/value heads split without copies
-    c.rollout.max_batch_size = 64       # 64 rows in flight: 8 KV heads make its pages 2x Qwen2.5-3B's
-    c.rollout.max_step_tokens = 1024    # step programs at 64 to 1024 tokens: 10 with evaluation's (aot/tiles.py)
+    # Rows in flight as a memory budget (python -m llds_jax.aot.slots configs/llama3b_v4.py --largest_gib 24.24,
+    # docs/tpu.md): 256 per host admitted by the pages they hold; the pool what the largest program leaves down to
+    # 10% headroom (6,104 pages, 10.43 GiB per chip: its 8 KV heads make its pages 2x Qwen2.5-3B's); steps of up
+    # to 4096 tokens (10 rollout programs with evaluation's).
+    c.rollout.max_batch_size, c.rollout.num_pages, c.rollout.max_step_tokens = 256, 6104, 4096
     c.objective.llds.answer_weighting = "adaptive"
     return c

@@ -20,11 +20,12 @@ from tests.configs import CONFIGS, load
 
 ROOT = os.path.dirname(CONFIGS)
 
-# Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8).
+# Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8, v5p-16: 8, v6e-16: 16).
 TPU_DEVICES = {"qwen7b_v4": 16, "qwen7b_instruct_v4": 16, "grpo_baseline_v4": 16, "qwen3b_v4": 8,
-               "qwen3b_base_ma_v4": 8, "llama3b_v4": 8}
+               "qwen3b_base_ma_v4": 8, "llama3b_v4": 8, "qwen7b_v5p": 8, "qwen7b_v6e": 16}
 PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_baseline_v4": "qwen2.5-7b",
-           "qwen3b_v4": "qwen2.5-3b", "qwen3b_base_ma_v4": "qwen2.5-3b", "llama3b_v4": "llama-3.2-3b"}
+           "qwen3b_v4": "qwen2.5-3b", "qwen3b_base_ma_v4": "qwen2.5-3b", "llama3b_v4": "llama-3.2-3b",
+           "qwen7b_v5p": "qwen2.5-7b", "qwen7b_v6e": "qwen2.5-7b"}
 
 
 def test_every_config_file_is_covered():
@@ -65,6 +66,33 @@ def test_paper_configs_compute_the_papers_reward(name):
     assert em_reward("<answer>a</answer>", ["a"], rule) == 1.0
     assert em_reward("<answer></answer>", [""], rule) == 1.0
     assert em_reward("<answer>a</answer>", ["Tokyo"], rule) == 0.0
+
+
+def _flat(tree, prefix=""):
+    """{"section.key": value} of a nested dict."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("qwen7b_v6e", {"run_dir": "gs://YOUR_BUCKET/runs/qwen7b_base_llds_v6e", "mesh.topology": "v6e:4x4",
+                    "rollout.kv_pages_per_block": 8}),
+    ("qwen7b_v5p", {"run_dir": "gs://YOUR_BUCKET/runs/qwen7b_base_llds_v5p", "mesh.topology": "v5p:2x2x2",
+                    "rollout.num_pages": 0, "rollout.kv_pages_per_block": 8, "rollout.queries_per_block": 16}),
+])
+def test_todays_tpus_run_qwen7b_v4_changing_only_what_the_chip_chooses(name, changes):
+    """The v6e and v5p configs are qwen7b_v4.py but for their slice, their attention tiles (chosen at their chip's
+    peaks) and, on v5p's 95 GiB, a pool of every slot's worst case: the same model, data, objective, retriever and
+    global batch."""
+    base, cfg = _flat(load("qwen7b_v4").to_dict()), _flat(load(name).to_dict())
+    assert set(base) == set(cfg)
+    assert {key: cfg[key] for key in cfg if cfg[key] != base[key]} == changes
+    assert config_lib.rollout_batch_size(load(name)) == config_lib.rollout_batch_size(load("qwen7b_v4"))
 
 
 def test_named_retriever_alternatives():
@@ -342,7 +370,8 @@ def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
     for name in ("__init__", "qwen7b_v4", "qwen3b_v4", "llama3b_v4"):
         text = open(os.path.join(CONFIGS, name + ".py"), encoding="utf-8").read()
         if name == "qwen7b_v4":
-            text = text.replace("c.rollout.max_batch_size = 128", "c.rollout.max_batch_size = 128\n    c.seed = 7")
+            assert text.count("    return c\n") == 1
+            text = text.replace("    return c\n", "    c.seed = 7\n    return c\n")
         (copy / (name + ".py")).write_text(text, encoding="utf-8")
     script = ("import sys; from absl import flags; from llds_jax import launch; "
               "launch.parse_flags(['launch', '--config=' + sys.argv[1]]); c = flags.FLAGS.config; "

@@ -131,6 +131,8 @@ class Module:
 
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+# A computation's closing line: "}", or on TPU v6e's SparseCore "}, execution_thread="sparsecore"".
+_END = re.compile(r'^\}(,\s*execution_thread="\w+")?\s*$')
 _INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$", re.S)
 _OPENERS = {"(": ")", "{": "}", "[": "]"}
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -188,7 +190,7 @@ def parse_module(hlo_text: str) -> Module:
                 computations[current.name] = current
                 entry = current.name if match.group(1) else entry
             continue
-        if not pending and line.strip() == "}":
+        if not pending and _END.match(line):
             current = None
             continue
         pending = f"{pending}\n{line}" if pending else line

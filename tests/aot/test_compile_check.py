@@ -29,6 +29,7 @@ SHRINK = {
     "optim.micro_batch_size": 8, "rollout.max_batch_size": 16, "rollout.max_prompt_tokens": 64,
     "rollout.max_turn_tokens": 16, "rollout.max_observation_tokens": 32, "rollout.max_context_tokens": 256,
     "rollout.max_response_tokens": 256, "train.sequence_bucket": 64, "eval.batch_size": 8,
+    "rollout.num_pages": 0, "rollout.max_step_tokens": 2048,  # the pool for the 16 slots, steps as before build 3
 }
 PROGRAMS = ["rollout reshard", "rollout step (16 tokens)", "rollout step (32 tokens)", "rollout step (64 tokens)",
             "rollout step (128 tokens)", "eval rollout step (8 tokens)", "optimizer init", "reference copy", "logp (reference)", "logp (policy)", "likelihood metrics",

@@ -261,6 +261,23 @@ custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
     assert cost.hbm_bytes == 2 * 4 * 256 * 16 * 2 + 256 * 128 * 4 + 4 * 256 * 16 * 2 + 2 * COPY
 
 
+def test_a_computation_on_another_execution_thread_ends_where_its_brace_closes():
+    """TPU v6e's compiler puts some copies on its SparseCore: their computation closes with
+    `}, execution_thread="sparsecore"` (seen in qwen7b_v6e's update); the module's computations after it, the entry
+    among them, still parse."""
+    sparse = """
+%called_computation.9 (p: f32[4097]) -> f32[4097] {
+  %p = f32[4097]{0:T(1024)} parameter(0)
+  ROOT %c = f32[4097]{0:T(1024)} copy(%p), backend_config={"window_config":{"output_window_bounds":["320"]}}
+}, execution_thread="sparsecore"
+"""
+    text = module(sparse, entry="  %r = f32[8,32]{1,0:T(8,128)} dot(%x, %w), lhs_contracting_dims={1}, "
+                                "rhs_contracting_dims={0}")
+    parsed = hlo_text.parse_module(text)
+    assert (parsed.entry, sorted(parsed.computations)) == ("main", ["called_computation.9", "main"])
+    assert roofline.hlo_costs(text) == HloCost(flops=DOT_FLOPS, hbm_bytes=DOT_BYTES + COPY)
+
+
 @pytest.mark.parametrize("groups, n", [
     ("{{0,1,2,3},{4,5,6,7}}", 4), ("[4,2]<=[8]", 2), ("[2,4]<=[4,2]T(1,0)", 4), ("{}", 8), (None, 8),
     ("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", 4), ("mesh['x'=4,'y'=2] {'x','y'}", 8),

@@ -13,7 +13,8 @@ from tests.bench.loading import load_bench
 SHRINK = ["model.preset=", "data.prompts_per_step=8", "data.samples_per_prompt=4", "optim.mini_batch_size=16",
           "optim.micro_batch_size=8", "rollout.max_batch_size=16", "rollout.max_prompt_tokens=64",
           "rollout.max_turn_tokens=16", "rollout.max_observation_tokens=32", "rollout.max_context_tokens=256",
-          "rollout.max_response_tokens=256", "train.sequence_bucket=64", "eval.batch_size=8"]
+          "rollout.max_response_tokens=256", "train.sequence_bucket=64", "eval.batch_size=8",
+          "rollout.num_pages=0", "rollout.max_step_tokens=2048"]  # the pool for the 16 slots, steps as before
 LABELS = ["arguments, MiB per chip", "temporaries, MiB per chip", "resident, MiB per chip", "total, MiB per chip",
           "GFLOP per call (matrix products)", "HBM GB per call", "ICI GB per call", "ms per call (estimate)",
           "s per step (estimate, 2 calls)"]

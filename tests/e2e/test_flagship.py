@@ -44,6 +44,7 @@ SHRINK = (
     "--config.model.preset=",  # the tiny policy is not Qwen2.5-7B (a run checks the checkpoint against the preset)
     f"--config.data.prompts_per_step={PROMPTS_PER_STEP}", "--config.data.samples_per_prompt=2",
     "--config.rollout.max_batch_size=2",  # each host's 4 sequences in 2 sessions (the config: 2560 in 5 sessions)
+    "--config.rollout.num_pages=0", "--config.rollout.max_step_tokens=2048",  # the pool for the 2 slots
     "--config.optim.mini_batch_size=4",  # 2 updates per step
     "--config.optim.micro_batch_size=4",  # the 4 devices of the fsdp axis
     "--config.rollout.max_turn_tokens=10", "--config.rollout.max_observation_tokens=64",
