@@ -6,11 +6,19 @@ with the real Qwen2.5 tokenizer's stop-string matcher, through multi-turn conver
 --turns turns), at several sequence counts. The device's own time is not in it: what it prints is what a step
 costs the host beside the device's work (issue 67's target: <= 2 ms per call at 128 sequences on this machine).
 
-    python bench/engine_host.py [--sequences 32 64 128 256] [--repeats 3]
+    python bench/engine_host.py [--sequences 32 64 128 256] [--repeats 3] [--emit]
+
+`--emit` also prints the figures as the step estimate's table (`llds_jax.aot.measured.HOST`: the host's time per
+call the kernel-faithful estimate adds per step call, at the call's sequences in flight), with the command, the
+commit, the date and this machine.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -92,6 +100,7 @@ def main(argv=None) -> dict[int, float]:
     p.add_argument("--decode-chunk", type=int, default=32)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--max-step-tokens", type=int, default=1024)
+    p.add_argument("--emit", action="store_true", help="print the figures as llds_jax/aot/measured.py's HOST")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         matcher = StopMatcher(tokenizer_lib.load_tokenizer(tokenizer_lib.write_qwen25_tokenizer(folder, "base")))
@@ -103,7 +112,21 @@ def main(argv=None) -> dict[int, float]:
         runs = [host_ms_per_call(sequences, matcher, args) for _ in range(args.repeats)]
         results[sequences] = min(ms for ms, _ in runs)
         print(f"{sequences:>9} {runs[0][1]:>6} {results[sequences]:>12.2f}")
+    if args.emit:
+        print(emit(results, argv if argv is not None else sys.argv[1:]))
     return results
+
+
+def emit(results: dict[int, float], argv: list[str]) -> str:
+    """`results` as llds_jax/aot/measured.py's HOST line: the command, commit, date and machine beside them."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, load average {load}"
+    command = " ".join(["python bench/engine_host.py", *argv])
+    return (f"HOST = HostTable({tuple(results)}, {tuple(round(ms, 2) for ms in results.values())}, {command!r}, "
+            f"{commit!r}, {time.strftime('%Y-%m-%d')!r}, {machine!r})")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,15 @@ Prints, for top-3 retrieval:
     python bench/retrieval.py --calls --dense-rows 200000
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/retrieval.py --device --dense-rows 200000
     python bench/retrieval.py --e5-recall [--encoder e5-base-v2]
+9. `--second-pass`: the e5_device searcher's second-pass rate (what the step estimate's retrieval term reads,
+   llds_jax/aot/step_estimate.py `SECOND_PASS`): the demo world's passages (`--world-people`, the demo's 400 by
+   default, seed 0) embedded as `demo.retriever = "e5_device"` embeds them (its small random BERT of e5's layout,
+   written with NumPy, or `--encoder`), searched on this process's JAX devices for the top 3 with the searcher's
+   defaults (32 candidates, 4x more per further pass) by the demonstrator's search queries of every train and
+   test question (`World.hops`: the queries the demo's demonstrations issue), one query per search: the share of
+   queries each pass count served.
+
+    python bench/retrieval.py --second-pass
 Queries are 3-6 filler words drawn like passage words (so they hit long posting lists: a pessimistic load).
 """
 from __future__ import annotations
@@ -593,6 +602,45 @@ def e5_recall(args: argparse.Namespace, work: str) -> None:
           f" ({len(passage_nd):,} passages, {len(query_qd):,} questions, encoder {encoder}): {recall:.3f}")
 
 
+def second_pass(args: argparse.Namespace, work: str) -> None:
+    """Section 9 (`--second-pass`): the share of the demo world's search queries the e5_device searcher proves at
+    its first pass, its second, and later."""
+    import jax
+
+    from llds_jax.apps.demo import E5_MAX_LENGTH
+    from llds_jax.data import synthetic
+    from llds_jax.search.device_index import load
+    from llds_jax.search.device_search import ExactSearcher
+    from llds_jax.search.e5 import E5Embedder
+    from llds_jax.search.synthetic import write_random_bert
+
+    encoder = args.encoder
+    if not encoder:
+        encoder = os.path.join(work, "demo_e5")
+        if not os.path.isdir(encoder):
+            write_random_bert(encoder, max_positions=E5_MAX_LENGTH, seed=0)  # the demo's, seed 0
+    world = synthetic.make_world(num_people=args.world_people, seed=0)
+    embedder = E5Embedder(encoder, max_length=E5_MAX_LENGTH)
+    passage_nd = embedder.embed_passages([p["contents"] for p in world.passages])
+    queries = [query for ex in world.train + world.test for query in world.hops[ex.question]]
+    query_qd = embedder.embed_queries(queries)
+    searcher = ExactSearcher(load(passage_nd, jax.devices()), passage_nd)
+    passes_q = []
+    for query_d in query_qd:  # one query per search: the passes it took
+        before = sum(searcher.passes.values())
+        searcher.search(query_d[None, :], TOP_K)
+        passes_q.append(sum(searcher.passes.values()) - before)
+    counts = np.bincount(passes_q)
+    shares = ", ".join(f"{n} pass{'es' * (n > 1)}: {c:,} ({c / len(passes_q):.2%})"
+                       for n, c in enumerate(counts) if c)
+    print(f"\n9. e5_device second passes: {len(passage_nd):,} passages of the demo world ({args.world_people} people) "
+          f"x {passage_nd.shape[1]} (encoder {encoder}), {len(queries):,} search queries (the demonstrator's, every "
+          f"hop of {len(world.train) + len(world.test):,} questions), top-{TOP_K}, {searcher.candidates} candidates "
+          f"first; {len(jax.devices())} {jax.devices()[0].platform} devices")
+    print(f"queries by device passes: {shares}; host scans {searcher.host_scans}; second-pass rate "
+          f"{1 - counts[1] / len(passes_q):.4f}")
+
+
 def load_average() -> list[str]:
     """The 1, 5 and 15 minute load averages, from /proc/loadavg."""
     with open("/proc/loadavg") as f:
@@ -656,8 +704,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", action="store_true", help="only section 7 (e5_device vs faiss Flat)")
     parser.add_argument("--e5-recall", action="store_true", help="only section 8 (HNSW64 recall on e5 vectors)")
     parser.add_argument("--encoder", default="", help="section 8's e5 folder (default: a random e5-base shape)")
-    parser.add_argument("--world-people", type=int, default=20_000,
-                        help="people of section 8's demo world (passages: 1.25 per person)")
+    parser.add_argument("--world-people", type=int, default=None,
+                        help="people of sections 8 and 9's demo world (passages: 1.25 per person; default 20000 "
+                             "for section 8, the demo's 400 for section 9)")
+    parser.add_argument("--second-pass", action="store_true", help="only section 9 (e5_device second-pass rate)")
     args = parser.parse_args(argv)
     if args.calls:
         call_costs(args)
@@ -665,6 +715,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.device:
         device_vs_flat(args)
         return
+    if args.second_pass:
+        args.world_people = args.world_people or 400
+        second_pass(args, args.work_dir or tempfile.mkdtemp(prefix="llds_bench_"))
+        return
+    args.world_people = args.world_people or 20_000
     if args.e5_recall:
         e5_recall(args, args.work_dir or tempfile.mkdtemp(prefix="llds_bench_"))
         return

@@ -85,6 +85,10 @@ class Call:
       q_lens, kv_lens, samples: per sequence of its ragged batch (the first num_seqs of the S rows) its new tokens,
         its length once they are written and the tokens it sampled in the call (decode iteration i runs every
         slot, those with more than i samples sampling at kv_len + i: `llds_jax.aot.step_estimate.FaithfulCost`).
+      in_flight: sequences the engine held when the call was made (`Engine.in_flight`: what its host time per
+        call follows, `step_estimate.HostTable`).
+      searches: turns the call closed whose observation answers a search: the queries of the retriever call it
+        sends (the driver's `SearchQueue`: the queries ready after a call go in one call).
     """
 
     bucket: int
@@ -95,6 +99,8 @@ class Call:
     q_lens: tuple[int, ...] = ()
     kv_lens: tuple[int, ...] = ()
     samples: tuple[int, ...] = ()
+    in_flight: int = 0
+    searches: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +302,21 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
         """Whether the observation after the turn just closed answers a search."""
         return convs[seq].searches[turn[seq] - 1]
 
+    def will_search(seq: int) -> bool:
+        """Whether the turn now ending (not yet closed) is followed by a search's observation."""
+        conv = convs[seq]
+        return turn[seq] + 1 < len(conv.turn_tokens) and conv.searches[turn[seq]]
+
+    def step() -> list[int]:
+        """One engine step; its call recorded with the sequences in flight before it and the searches it closed
+        (`Call.in_flight`, `Call.searches`). Returns the sequences whose turn ended."""
+        in_flight_now, made = engine.in_flight, len(runner.calls)
+        ended = [seq for seq, _ in engine.step()]
+        if len(runner.calls) > made:
+            runner.calls[-1] = dataclasses.replace(runner.calls[-1], in_flight=in_flight_now,
+                                                   searches=sum(will_search(seq) for seq in ended))
+        return ended
+
     def extend(seq: int) -> None:
         conv, context = convs[seq], engine.context(seq)
         observation = conv.observation_tokens[turn[seq] - 1]
@@ -321,7 +342,7 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
             while True:
                 closed = []
                 while engine.running:
-                    closed += [seq for seq, _ in engine.step()]
+                    closed += step()
                 going = [seq for seq in closed if close(seq)]
                 for seq in closed:
                     if seq not in going:
@@ -346,7 +367,7 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
                 admit(queue.popleft())
             in_flight = max(in_flight, engine.in_flight)
             if engine.running:
-                for seq, _ in engine.step():
+                for seq in step():
                     going = close(seq)
                     waiting.append((seq, calls + 1 + (search_latency_calls if going and searched(seq) else 0)))
                 calls += 1

@@ -159,16 +159,32 @@ def _replica_groups(ins: Instruction) -> Optional[str]:
     return match.group(1) if match else ins.attr("replica_groups")
 
 
-def collective_bytes(ins: Instruction, comp: Computation, devices: int) -> tuple[str, float]:
-    """(kind, bytes one chip sends over ICI) of a collective, counted at its result: a synchronous one, or the
-    `-done` of an asynchronous pair (its `-start`, which holds the replica groups, counts nothing); ("", 0) for
-    anything else."""
+def collective_group(ins: Instruction, comp: Computation, devices: int) -> tuple[str, int]:
+    """(kind, chips in its group) of a collective, counted at its result: a synchronous one, or the `-done` of an
+    asynchronous pair (its `-start`, which holds the replica groups, counts nothing); ("", 0) for anything else."""
     kind = ins.opcode[:-len("-done")] if ins.opcode.endswith("-done") else ins.opcode
     if kind not in COLLECTIVES:
-        return "", 0.0
+        return "", 0
     start = comp.instructions[ins.operands[0]] if ins.opcode.endswith("-done") else ins
-    n = group_size(_replica_groups(start), devices)
-    return kind, array_bytes(ins.shape) * _ICI_PER_RESULT_BYTE[kind](n)
+    return kind, group_size(_replica_groups(start), devices)
+
+
+def collective_bytes(ins: Instruction, comp: Computation, devices: int) -> tuple[str, float]:
+    """(kind, bytes one chip sends over ICI) of a collective (`collective_group`); ("", 0) for anything else."""
+    kind, n = collective_group(ins, comp, devices)
+    return (kind, array_bytes(ins.shape) * _ICI_PER_RESULT_BYTE[kind](n)) if kind else ("", 0.0)
+
+
+# Steps of a ring algorithm over n chips, each one ICI hop after the last (what a collective's latency is counted
+# in, `HloCost.collective_runs`): an all-reduce is a reduce-scatter then an all-gather, n - 1 steps each; an
+# all-gather, reduce-scatter or all-to-all n - 1; a collective-permute one.
+_RING_STEPS = {"all-gather": lambda n: n - 1, "reduce-scatter": lambda n: n - 1, "all-reduce": lambda n: 2 * (n - 1),
+               "all-to-all": lambda n: n - 1, "collective-permute": lambda n: 1}
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Hops in series of one collective of `kind` over `n` chips (`_RING_STEPS`; none within one chip)."""
+    return _RING_STEPS[kind](n) if n > 1 else 0
 
 # ----- HBM traffic ---------------------------------------------------------------------------------------------------
 
@@ -368,6 +384,9 @@ class HloCost:
         was counted as running `dynamic_trip_count` times.
       kernel_calls: runs of Pallas (Mosaic) kernels, `tpu_custom_call`s such as splash attention: their HBM bytes
         count (operands and outputs), their FLOPs are not in the HLO and do not.
+      collective_runs: runs of collectives by (whether inside a loop of run-time length, hops in series of one run:
+        `ring_steps`), loops counted as often as they run (a loop of run-time length `dynamic_trip_count` times, its
+        condition once more).
     """
 
     flops: float = 0.0
@@ -375,30 +394,36 @@ class HloCost:
     collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     dynamic_loops: int = 0
     kernel_calls: float = 0.0
+    collective_runs: dict[tuple[bool, int], float] = dataclasses.field(default_factory=dict)
 
     def __add__(self, other: "HloCost") -> "HloCost":
-        kinds = {k: self.collective_bytes.get(k, 0.0) + other.collective_bytes.get(k, 0.0)
-                 for k in {**self.collective_bytes, **other.collective_bytes}}
-        return HloCost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes, kinds,
-                       self.dynamic_loops + other.dynamic_loops, self.kernel_calls + other.kernel_calls)
+        return HloCost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes,
+                       _merge(self.collective_bytes, other.collective_bytes, lambda a, b: a + b),
+                       self.dynamic_loops + other.dynamic_loops, self.kernel_calls + other.kernel_calls,
+                       _merge(self.collective_runs, other.collective_runs, lambda a, b: a + b))
 
     def times(self, runs: float) -> "HloCost":
         """The cost of `runs` runs (dynamic_loops unchanged: it counts loops, not runs)."""
         return HloCost(self.flops * runs, self.hbm_bytes * runs,
                        {k: v * runs for k, v in self.collective_bytes.items()}, self.dynamic_loops,
-                       self.kernel_calls * runs)
+                       self.kernel_calls * runs, {k: v * runs for k, v in self.collective_runs.items()})
 
     def most(self, other: "HloCost") -> "HloCost":
         """Field by field the larger of two costs (an upper bound of either)."""
-        kinds = {k: max(self.collective_bytes.get(k, 0.0), other.collective_bytes.get(k, 0.0))
-                 for k in {**self.collective_bytes, **other.collective_bytes}}
-        return HloCost(max(self.flops, other.flops), max(self.hbm_bytes, other.hbm_bytes), kinds,
-                       max(self.dynamic_loops, other.dynamic_loops), max(self.kernel_calls, other.kernel_calls))
+        return HloCost(max(self.flops, other.flops), max(self.hbm_bytes, other.hbm_bytes),
+                       _merge(self.collective_bytes, other.collective_bytes, max),
+                       max(self.dynamic_loops, other.dynamic_loops), max(self.kernel_calls, other.kernel_calls),
+                       _merge(self.collective_runs, other.collective_runs, max))
 
     @property
     def ici_bytes(self) -> float:
         """All collectives' bytes together."""
         return sum(self.collective_bytes.values())
+
+
+def _merge(a: dict, b: dict, how) -> dict:
+    """`how(a[k], b[k])` for every key of either (0 where one lacks it)."""
+    return {k: how(a.get(k, 0.0), b.get(k, 0.0)) for k in {**a, **b}}
 
 
 class _Walker:
@@ -427,10 +452,12 @@ class _Walker:
         or async wrapper's computation once for FLOPs and collectives (its HBM traffic is the instruction's)."""
         flops = {"dot": dot_flops, "convolution": convolution_flops}.get(ins.opcode)
         kind, ici = collective_bytes(ins, comp, self.module.devices)
+        runs = {(depth > 0, ring_steps(kind, collective_group(ins, comp, self.module.devices)[1])): 1.0} if kind else {}
         cost = HloCost(flops=flops(ins, comp) if flops else 0.0,
                        hbm_bytes=kernel_hbm_bytes(self.module, ins, comp) if kernels else 0.0,
                        collective_bytes={kind: ici} if kind else {},
-                       kernel_calls=float(ins.opcode == "custom-call" and '"tpu_custom_call"' in ins.attrs))
+                       kernel_calls=float(ins.opcode == "custom-call" and '"tpu_custom_call"' in ins.attrs),
+                       collective_runs=runs)
         if ins.opcode == "while":
             trips = _trip_count(self.module, ins, comp)
             inner = depth + (trips is None)

@@ -213,15 +213,18 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
            "decode iterations, seconds" in lines
     expected = next(line for line in lines if line.startswith("  expected step: rollout "))
     assert "rollout" in expected and "of the step (an estimate, not a measurement)" in expected
-    # Then the same step as the kernel runs its calls (issue 67): at the config's tiles, each term with its source,
-    # the measured ones placeholders, the ideal share beside it.
+    # Then the same step as the kernel runs its calls (issue 67): at the config's tiles, each term with its source
+    # (the host's time measured, retrieval faiss's measured overlap model, the collectives' latency counted from the
+    # step program's HLO), the ideal share beside it.
     at = lines.index(expected)
     assert lines[at + 1].startswith("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged "
                                     "attention runs it, at the tile 16 kv pages x 32 queries (the slots' bucket and "
                                     "decode iterations: 8 x 8), pages of 16 slots, each decode iteration over its "
                                     "sampling rows in one batch")
-    assert [line[35:47].strip() for line in lines[at + 2:at + 11]] == [  # the source column
-        "HLO", "kernel grid", "program", "program", "program", "program", "measured", "measured", "-"]
+    assert [line[35:47].strip() for line in lines[at + 2:at + 10]] == [  # the source column
+        "HLO", "kernel grid", "program", "program", "program", "program", "measured", "measured"]
+    assert lines[at + 10].startswith("    collectives' latency           HLO (count) x modelled latency ")
+    assert "placeholder" not in "\n".join(lines[at + 2:at + 11])
     assert lines[at + 3].startswith("    attention kernel ")
     faithful = lines[at + 11]
     assert faithful.startswith("  expected step, kernel-faithful: rollout ") and "(ideal: " in faithful
@@ -231,6 +234,27 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     assert lines[at + 2].startswith("    synchronous        rollout ")
     assert lines[at + 3].startswith("    over-sampling 1.5  rollout ")
     assert lines[at + 4].startswith("    over-sampling 2    rollout ")
+
+
+def test_the_step_programs_collectives_are_those_derived_by_hand_for_its_architecture(paged_model_dir):
+    """The collectives' latency term counts the compiled step program's collectives (`step_estimate.Collectives`).
+    The tiny architecture (L = 2 layers, V = 640) on v4:2x2x2 decodes over each host's 4 chips (heads and the
+    vocabulary split 4 ways): every collective is over 4 chips, an all-reduce 2 x 3 ring steps, an all-gather or
+    all-to-all 3. Outside the decode loop: the embedding's all-reduce (its table split over the vocabulary), 2 per
+    layer (attention's output projection, the MLP's down projection), the logits' all-to-all (from the vocabulary
+    split to the rows split) and the sampled tokens' and log-probs' all-reduces back to every chip: 3 + 2L
+    all-reduces and 1 all-to-all. Per decode iteration the same, and the decode rows' inputs gathered from the
+    rows' shards (one all-reduce: XLA's combiner joins three) and each layer's all-gather of the page table: 4 + 2L
+    all-reduces, L all-gathers and 1 all-to-all."""
+    cfg = flagship(paged_model_dir, **PAGED)
+    devices, _ = compile_check.topology_devices("v4:2x2x2")
+    step = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "rollout step (16 tokens)")
+    layers = run_builder.run_layout(cfg, devices).rollout.model_cfg.num_layers
+    assert (layers, run_builder.run_layout(cfg, devices).rollout.tensor) == (2, 4)
+    collectives = step_estimate.Collectives.of(roofline.hlo_costs(step.lowered.compile().as_text()))
+    outside, inside = (3 + 2 * layers, 1), (4 + 2 * layers, layers + 1)  # (all-reduces, all-gathers + all-to-alls)
+    assert collectives == step_estimate.Collectives(
+        sum(outside), 6 * outside[0] + 3 * outside[1], sum(inside), 6 * inside[0] + 3 * inside[1])
 
 
 def test_every_kind_of_collective_that_moves_a_weight_is_named_stacked_or_not():
@@ -499,3 +523,9 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
     # 16 trajectories per host x 1.5 searches in calls of the 16 rows in flight, one device call of 16 queries each.
     assert ("24 searches in at least 1.5 calls of 16 (the rows in flight) x " in retrieval[-1]
             and "ms per call (e5_device, 16 queries x 30,000 rows" in retrieval[-1])
+    # Kernel-faithful (issue 67): the searches in series with the step programs, at the schedule's calls, from the
+    # search programs' HLO and the measured second-pass rate (second passes at 128 candidates).
+    faithful = [line for line in lines if line.startswith("    retrieval                      HLO + measured ")]
+    assert len(faithful) == 2 and "e5_device on the rollout's chips, in series with the step programs: " in \
+        faithful[-1] and "(first pass at 32 candidates) and a second pass at 128 at the measured second-pass rate " \
+        "9.72% per query" in faithful[-1]

@@ -134,6 +134,19 @@ def test_searches_are_spread_over_the_observations_and_only_theirs_wait_under_co
     assert calls == {False: [(32, 20), (8, 6), (2, 1)], True: [(32, 20), (2, 1), (8, 6)]}
 
 
+def test_each_call_records_the_sequences_in_flight_and_the_searches_it_closed():
+    """The calls of the last test (continuous): with a search, call 1 closes sequence 0's searching turn (one query);
+    without, none. Both hold 2 sequences until sequence 0 ends in call 2 (no search: its observation comes at once,
+    its last turn ends there), so call 3 holds 1. Barrier (two 4-token turns, a search after each first one): call 1
+    closes both first turns, 2 queries; call 2 the last turns, none."""
+    for search, expect in ((False, [(2, 0), (2, 0), (1, 0)]), (True, [(2, 1), (2, 0), (2, 0)])):
+        convs = [rollout_schedule.Conversation((2,) * 10, (4, 4), (5,), (True, True), (search,)),
+                 rollout_schedule.Conversation((3,) * 10, (12,), (), (True,), ())]
+        assert [(c.in_flight, c.searches) for c in rollout_schedule.run(engine(2), convs, "continuous").calls] == expect
+    barrier = rollout_schedule.run(engine(2), scripts(2, 1, lengths(5, 2.0, 8.0, 20, searches=1.0)), "barrier")
+    assert [(c.in_flight, c.searches) for c in barrier.calls] == [(2, 2), (2, 0)]
+
+
 def test_a_turn_at_the_cap_ends_at_its_budget_and_keeps_its_last_token():
     """A turn of rollout.max_turn_tokens has no stop id: all its tokens are kept, so its last sampled token (not yet
     written) is written with the observation: one more input token than a stopped turn's."""

@@ -318,6 +318,10 @@ source_target_pairs={{0,1},{1,0}}
         "reduce-scatter": 8 * 7, "all-to-all": 64 * 3 / 4, "collective-permute": 64}
     assert cost.ici_bytes == sum(cost.collective_bytes.values())
     assert cost.flops == 0
+    # Their runs by ring steps in series (none in a loop of run-time length): the all-gather and the all-to-all over
+    # 4 chips 3 each, the pair's all-gather over 2 and the permute 1 each, the all-reduce over 8 2 x 7, the
+    # reduce-scatter over 8 7.
+    assert cost.collective_runs == {(False, 3): 2, (False, 1): 2, (False, 14): 1, (False, 7): 1}
 
 
 def test_mesh_groups_with_iota_device_ids_are_read_whole():
