@@ -448,7 +448,8 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
         lines.append(step_estimate.format_step(label, schedule, time_, worst_updates[step_estimate.RESHARD],
                                                updates[step_estimate.UPDATES], lengths))
         faithful_time = step_estimate.faithful_time(schedule, faithful, peaks)
-        beside = step_estimate.beside_terms(schedule, faithful_time, time_, cfg, measured.HOST, search, collectives)
+        beside = step_estimate.beside_terms(schedule, faithful_time, time_, cfg, measured.HOST, search, collectives,
+                                             overlapped=True)
         lines.append(step_estimate.format_faithful(label, faithful, faithful_time, time_,
                                                    worst_updates[step_estimate.RESHARD],
                                                    updates[step_estimate.UPDATES], beside))

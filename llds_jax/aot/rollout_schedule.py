@@ -28,7 +28,10 @@ The policies, as `llds_jax.rollout.driver` runs them:
               observation is appended `search_latency_calls` calls after its turn ended (1: the retriever answers
               while the next call runs, as a local index does; the search's own seconds are costed apart), an
               invalid action's before the next call.
-Tree rollouts are not modelled.
+The engine overlaps its calls as it does on a device (`run`'s `overlap`; `llds_jax.rollout.engine`): call n + 1 is
+dispatched before call n is absorbed, so a turn's end, its observation and a freed slot take effect a call later,
+and a turn that ended on a stop id in call n leaves a dropped row in call n + 1 (its budget is the driver's, so the
+engine does not know where it ends). Tree rollouts are not modelled.
 
 Partial rollouts (issue 59, `partial_run`): a few steps that each start ceil(over_sampling x P) groups (the carried
 ones first), cut the rollout once P groups are complete, and carry the rest to the next step, where the carried
@@ -49,7 +52,7 @@ import numpy as np
 from llds_jax import config as config_lib
 from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
-from llds_jax.rollout.engine import Engine, EngineConfig, StepBatch, StepResult
+from llds_jax.rollout.engine import Engine, EngineConfig, Immediate, StepBatch, StepResult
 from llds_jax.rollout.paged_sampler import engine_config
 
 STOP_ID, TOKEN_ID = 0, 1  # the scripted turns' tokens: TOKEN_ID, then STOP_ID as a turn's last
@@ -78,7 +81,7 @@ class Call:
 
     Attributes:
       bucket: its token bucket (the compiled program's T).
-      tokens: real tokens of its ragged batch.
+      tokens: real tokens of its ragged batch (a dropped row's, written, not counted, as the engine counts them).
       pages_read: pages its ragged forward reads (each sequence's pages up to its length).
       iterations: decode iterations after the ragged forward (its most samples of a sequence, minus 1).
       iteration_pages_read: pages all its decode iterations read together (each active sequence's pages).
@@ -181,16 +184,28 @@ def scripts(sequences: int, group: int, lengths, max_turns: int, max_turn_tokens
     return convs
 
 
-class ScriptedRunner:
+class ScriptedRunner(Immediate):
     """The engine's device side for the schedule: each sequence (its key data is (sequence, 0)) samples its
     script's turns, a turn ending on STOP_ID where its script says so (else at its budget); records each call
     (`Call`). `offsets`: per sequence the tokens its script sampled before it entered this engine (a resumed
-    conversation's complete turns; None: none)."""
+    conversation's complete turns; None: none). Overlapping as `runner.DeviceRunner` overlaps: a row whose batch
+    token, taken from the call before, is a stop id samples nothing (the engine drops it)."""
 
     def __init__(self, convs: Sequence[Conversation], page_size: int, offsets: Sequence[int] | None = None):
         self.convs, self.page_size = convs, page_size
         self.offsets = offsets or [0] * len(convs)
         self.calls: list[Call] = []
+
+    def dispatch(self, params, batch: StepBatch, previous: StepResult | None) -> StepResult:
+        resolved = batch.resolved(previous)
+        rows = np.flatnonzero(batch.source_s[:batch.num_seqs] >= 0)
+        ended = rows[resolved.tokens_t[batch.cu_q_lens_s[rows]] == STOP_ID]
+        samples_s = batch.samples_s.copy()
+        samples_s[ended] = 0
+        result = self.run(params, dataclasses.replace(resolved, samples_s=samples_s))
+        # The engine counts a dropped row's token as no real token (`EngineCounts.batch_tokens`); it is written.
+        self.calls[-1] = dataclasses.replace(self.calls[-1], tokens=self.calls[-1].tokens - len(ended))
+        return result
 
     def run(self, params, batch: StepBatch) -> StepResult:
         del params
@@ -239,12 +254,14 @@ class Progress:
     ended: tuple[bool, ...]
 
 
-def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search_latency_calls: int = 1
-        ) -> Schedule:
+def run(config: EngineConfig, convs: Sequence[Conversation], policy: str, search_latency_calls: int = 1,
+        overlap: bool = True, turn_cap: int | None = None) -> Schedule:
     """The calls of one rollout of `convs` on an engine of `config` (its stop ids replaced by STOP_ID) under
     `policy` (module docstring). `search_latency_calls`: the calls a search's observation comes after its turn ended
-    (continuous)."""
-    return _drive(config, convs, policy, search_latency_calls)[0]
+    (continuous). `overlap`: the engine dispatches each call before it absorbs the one in flight, as it runs on a
+    device (`rollout.engine`); False: one call at a time. `turn_cap`: a turn's budget, `rollout.max_turn_tokens`
+    (`_budget`; None: each turn's own tokens, the engine knowing where each turn ends)."""
+    return _drive(config, convs, policy, search_latency_calls, overlap=overlap, turn_cap=turn_cap)[0]
 
 
 def context_tokens(conv: Conversation, turns: int) -> int:
@@ -256,7 +273,8 @@ def context_tokens(conv: Conversation, turns: int) -> int:
 
 def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, search_latency_calls: int = 1,
            group: int = 1, needed: int | None = None, turns: Sequence[int] | None = None,
-           ended: Sequence[bool] | None = None) -> tuple[Schedule, Progress]:
+           ended: Sequence[bool] | None = None, overlap: bool = True, turn_cap: int | None = None
+           ) -> tuple[Schedule, Progress]:
     """`run`, and where each conversation stands at the end. A partial step's rollout (`partial_run`): conversation
     i starts after its first `turns[i]` turns (resumed: its context, `context_tokens`, encoded as a new request's
     prompt, its own tokens so that no other sequence shares it; its script goes on at turn `turns[i]`) or, where
@@ -271,7 +289,7 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
     done = list(ended or [False] * len(convs))  # whether each has ended
     complete = list(turn)  # its complete turns (`Progress.turns`)
     runner = ScriptedRunner(convs, config.page_size, [sum(c.turn_tokens[:t]) for c, t in zip(convs, turn)])
-    engine = Engine(runner, None, config)
+    engine = Engine(runner, None, config, overlap=overlap)
     starts = [context_tokens(conv, t) for conv, t in zip(convs, turn)]  # each context at its turn's start
     filler = max((max(conv.prompt) for conv in convs), default=STOP_ID) + 1  # a resumed context's own tokens
     groups_ended = [0] * -(-len(convs) // group)
@@ -282,7 +300,7 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
     def admit(seq: int) -> None:
         conv = convs[seq]
         prompt = conv.prompt + (filler + seq,) * (starts[seq] - len(conv.prompt))
-        engine.add_request(seq, prompt, np.array([seq, 0], np.uint32), _budget(config, conv, turn[seq], starts[seq]))
+        engine.add_request(seq, prompt, np.array([seq, 0], np.uint32), _budget(config, conv, turn[seq], starts[seq], turn_cap))
 
     def end(seq: int) -> None:
         """The conversation has ended: it leaves the engine."""
@@ -322,7 +340,7 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
         observation = conv.observation_tokens[turn[seq] - 1]
         # The turn's tokens but a closing stop id are kept (the driver's turn cut drops it).
         kept = len(context) - starts[seq] - (context[-1] == STOP_ID)
-        budget = _budget(config, conv, turn[seq], starts[seq] + kept + observation)
+        budget = _budget(config, conv, turn[seq], starts[seq] + kept + observation, turn_cap)
         if budget < 1:
             end(seq)
             return
@@ -380,15 +398,18 @@ def _drive(config: EngineConfig, convs: Sequence[Conversation], policy: str, sea
     return schedule, Progress(tuple(complete), tuple(done))
 
 
-def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int) -> int:
-    """Tokens turn `turn` may sample after `context` tokens: its script's, within the engine's context."""
-    return max(0, min(conv.turn_tokens[turn], config.max_context - context))
+def _budget(config: EngineConfig, conv: Conversation, turn: int, context: int, turn_cap: int | None) -> int:
+    """Tokens turn `turn` may sample after `context` tokens, within the engine's context: the driver's budget,
+    `turn_cap` (`rollout.max_turn_tokens`), for a turn that ends on a stop id (the engine learns its end from its
+    samples); its script's tokens for a turn at its budget, or where `turn_cap` is None."""
+    own = turn_cap if turn_cap and conv.stops[turn] else conv.turn_tokens[turn]
+    return max(0, min(own, config.max_context - context))
 
 
-def _setup(cfg, lengths, sequences: int, started: int) -> tuple[EngineConfig, list[Conversation], str]:
+def _setup(cfg, lengths, sequences: int, started: int) -> tuple[EngineConfig, list[Conversation], str, int]:
     """The engine of one host's training rollout of a run of `cfg` starting `started` trajectories (its slots:
     `rollout.max_batch_size`, else all of them), the scripted conversations of a batch of `sequences` trajectories
-    at `lengths` and the run's policy."""
+    at `lengths`, the run's policy and a turn's budget (`rollout.max_turn_tokens`)."""
     rollout = config_lib.build(RolloutConfig, cfg.rollout)
     agent = AgentConfig.of(rollout)
     if agent.trees:
@@ -400,14 +421,15 @@ def _setup(cfg, lengths, sequences: int, started: int) -> tuple[EngineConfig, li
     policy = "continuous" if agent.continuous_batching else "barrier"
     convs = scripts(sequences, cfg.data.samples_per_prompt, lengths, agent.max_turns + 1, agent.max_turn_tokens,
                     agent.max_prompt_tokens, agent.max_observation_tokens, agent.max_context_tokens)
-    return engine, convs, policy
+    return engine, convs, policy, agent.max_turn_tokens
 
 
 def for_run(cfg, lengths, sequences: int) -> Schedule:
     """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
     (`llds_jax.aot.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
     (`run_builder.build`)."""
-    return run(*_setup(cfg, lengths, sequences, sequences))
+    engine, convs, policy, turn_cap = _setup(cfg, lengths, sequences, sequences)
+    return run(engine, convs, policy, turn_cap=turn_cap)
 
 
 # ----- partial rollouts (issue 59): over-sample, cut at the batch, carry the tail -------------------------------------
@@ -454,8 +476,8 @@ class PartialStep:
 
 
 def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int, policy: str, over_sampling: float,
-                max_staleness: int = 1, steps: int = PARTIAL_STEPS, search_latency_calls: int = 1
-                ) -> list[PartialStep]:
+                max_staleness: int = 1, steps: int = PARTIAL_STEPS, search_latency_calls: int = 1,
+                overlap: bool = True, turn_cap: int | None = None) -> list[PartialStep]:
     """`steps` steps of partial rollouts (issue 59; `rollout.partial` as llds_jax/rollout/partial.py runs it), each
     training P = len(batch) / group groups, on an engine of `config` under `policy`.
 
@@ -471,6 +493,7 @@ def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int,
          round of `barrier`, after each call of `continuous`;
       4. the first P complete groups in the step's order are trained; every other group is carried.
     With `over_sampling` 1 nothing is left at the cut: each step is `run(config, batch, policy)`, call for call.
+    `overlap`, `turn_cap`: as `run`'s.
 
     Which groups complete first follows the spreads: a group completes with its slowest sample, so at the cut
     the groups of short samples (few turns, short turns) are trained and those of long ones carried, to be
@@ -497,7 +520,8 @@ def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int,
             turns += g.turns
             ended += g.ended
         resumed = [seq for seq, (t, e) in enumerate(zip(turns, ended)) if t and not e]
-        schedule, progress = _drive(config, convs, policy, search_latency_calls, group, prompts, turns, ended)
+        schedule, progress = _drive(config, convs, policy, search_latency_calls, group, prompts, turns, ended,
+                                    overlap, turn_cap)
         carry, trained = [], 0
         for position, g in enumerate(groups):
             seqs = range(position * group, (position + 1) * group)
@@ -522,5 +546,5 @@ def partial_for_run(cfg, lengths, sequences: int, over_sampling: float, max_stal
     started: ceil(over_sampling x P) groups)."""
     group = cfg.data.samples_per_prompt
     started = math.ceil(over_sampling * (sequences // group)) * group
-    engine, convs, policy = _setup(cfg, lengths, sequences, started)
-    return partial_run(engine, convs, group, policy, over_sampling, max_staleness, steps)
+    engine, convs, policy, turn_cap = _setup(cfg, lengths, sequences, started)
+    return partial_run(engine, convs, group, policy, over_sampling, max_staleness, steps, turn_cap=turn_cap)

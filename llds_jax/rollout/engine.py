@@ -598,7 +598,7 @@ class Engine:
         """The sequence's row in the call in flight (if any) is not taken when that call is absorbed (nor its
         tokens counted in the batch's: the token it wrote is written again, or never read)."""
         call = self._in_flight
-        if call is not None and seq in call.by_seq:
+        if call is not None and seq in call.by_seq and not call.rows[call.by_seq[seq]].dropped:
             row = call.rows[call.by_seq[seq]]
             row.dropped = True
             self.counts.dropped_rows += 1

@@ -98,7 +98,7 @@ def test_a_continuous_stream_admits_as_slots_free_as_worked_out_by_hand():
     call 3: 1's token and 2's prompt (11, bucket 16), 1 ends; 3 enters sharing 2's prompt: call 4 (2 tokens),
     call 5 (3's last token)."""
     convs = scripts(4, 2, lengths(10, 1.0, 8.0, 1))
-    s = rollout_schedule.run(engine(2), convs, "continuous")
+    s = rollout_schedule.run(engine(2), convs, "continuous", overlap=False)
     assert [(c.bucket, c.tokens) for c in s.calls] == [(16, 10), (2, 2), (16, 11), (2, 2), (2, 1)]
     assert s.rows_in_flight == 2
 
@@ -130,8 +130,27 @@ def test_searches_are_spread_over_the_observations_and_only_theirs_wait_under_co
     for search in (False, True):
         convs = [rollout_schedule.Conversation((2,) * 10, (4, 4), (5,), (True, True), (search,)),
                  rollout_schedule.Conversation((3,) * 10, (12,), (), (True,), ())]
-        calls[search] = [(c.bucket, c.tokens) for c in rollout_schedule.run(engine(2), convs, "continuous").calls]
+        calls[search] = [(c.bucket, c.tokens) for c in rollout_schedule.run(engine(2), convs, "continuous", overlap=False).calls]
     assert calls == {False: [(32, 20), (8, 6), (2, 1)], True: [(32, 20), (2, 1), (8, 6)]}
+
+
+def test_overlapping_calls_as_worked_out_by_hand():
+    """The engine as it runs on a device dispatches call n + 1 before it absorbs call n (`overlap`, the default): a
+    sequence whose turn reaches its budget in n has no row in n + 1, and a turn's end is known, its observation
+    appended and a freed slot taken, only once n + 1 is on its way. The stream of 4 conversations through 2 slots
+    (the first test's, one call at a time 5 calls): call 1 sequence 0's prompt (10 tokens); call 2 sequence 0's
+    token and sequence 1's (sharing the prompt); call 3 sequence 1's alone (0 reaches its 8-token budget in call 2);
+    call 2 absorbed, 0 ends and 2 enters: call 4 its prompt (10; 1 at its budget); call 5 2's token and 3's
+    (sharing 2's prompt); call 6 3's alone: 6 calls. The search test's two conversations, the search answered a call
+    later: call 1 both prompts (20), sequence 0's 4-token turn ends there, known as call 2 (sequence 1's token)
+    leaves, so call 2 closes the search; call 3 sequence 1's last token; call 4 the observation (5): 4 calls, one
+    call more than one at a time."""
+    s = rollout_schedule.run(engine(2), scripts(4, 2, lengths(10, 1.0, 8.0, 1)), "continuous")
+    assert [(c.bucket, c.tokens) for c in s.calls] == [(16, 10), (2, 2), (2, 1), (16, 10), (2, 2), (2, 1)]
+    convs = [rollout_schedule.Conversation((2,) * 10, (4, 4), (5,), (True, True), (True,)),
+             rollout_schedule.Conversation((3,) * 10, (12,), (), (True,), ())]
+    calls = rollout_schedule.run(engine(2), convs, "continuous").calls
+    assert [(c.bucket, c.tokens, c.searches) for c in calls] == [(32, 20, 0), (2, 1, 1), (2, 1, 0), (8, 5, 0)]
 
 
 def test_each_call_records_the_sequences_in_flight_and_the_searches_it_closed():
@@ -142,8 +161,9 @@ def test_each_call_records_the_sequences_in_flight_and_the_searches_it_closed():
     for search, expect in ((False, [(2, 0), (2, 0), (1, 0)]), (True, [(2, 1), (2, 0), (2, 0)])):
         convs = [rollout_schedule.Conversation((2,) * 10, (4, 4), (5,), (True, True), (search,)),
                  rollout_schedule.Conversation((3,) * 10, (12,), (), (True,), ())]
-        assert [(c.in_flight, c.searches) for c in rollout_schedule.run(engine(2), convs, "continuous").calls] == expect
-    barrier = rollout_schedule.run(engine(2), scripts(2, 1, lengths(5, 2.0, 8.0, 20, searches=1.0)), "barrier")
+        assert [(c.in_flight, c.searches) for c in rollout_schedule.run(engine(2), convs, "continuous", overlap=False).calls] == expect
+    barrier = rollout_schedule.run(engine(2), scripts(2, 1, lengths(5, 2.0, 8.0, 20, searches=1.0)), "barrier",
+                                   overlap=False)
     assert [(c.in_flight, c.searches) for c in barrier.calls] == [(2, 2), (2, 0)]
 
 
@@ -205,7 +225,7 @@ def test_partial_rollouts_cut_once_P_groups_are_complete_as_worked_out_by_hand()
     contexts (10 + 3 kept + 5 = 18 tokens each, the 36 re-prefill tokens) with the fresh A and B's first prompts in
     call 1 (56 tokens); each samples the 12 tokens not sampled before (3 calls of 4), and the carried B, B' complete
     at call 3 (as does the fresh A, carried complete to the next step, with the fresh B's first sample)."""
-    steps = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, steps=2)
+    steps = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, steps=2, overlap=False)
     assert [(c.bucket, c.tokens) for c in steps[0].schedule.calls] == [(64, 40), (16, 16), (8, 4)]
     assert [(c.bucket, c.tokens) for c in steps[1].schedule.calls] == [(64, 56), (16, 10), (8, 4)]
     assert rollout_schedule.context_tokens(partial_batch()[2], 1) == 18

@@ -11,9 +11,9 @@ observations end against the 64-token steps; the schedule's spread lengths place
 this rollout's (15 predicted against 17 logged, 14 to 18 over the schedule's orders of the same spreads), so they
 are not asserted.
 
-The engine runs one call at a time here, as the schedule drives it (`rollout_schedule` does not model the overlap
-of `rollout.engine`, where a call is dispatched before the one in flight is absorbed: an extended or admitted
-sequence joins the call after next, and a turn that ends on a stop id leaves a dropped row in the call after it).
+Both overlap their calls, as the engine runs on a device (`rollout.engine`: a call is dispatched before the one in
+flight is absorbed, so an extended or admitted sequence joins the call after next, and a turn that ends on a stop id
+leaves a dropped row in the call after it; `rollout_schedule.run`'s `overlap`).
 
 The demo app's shape (a random model: `python -m llds_jax.launch --config=configs/tiny_test.py` at 8 prompts x 4
 samples, 3 turns of 16 tokens, 8 slots): every turn runs to its 16-token budget (no stop id: its last sampled token is
@@ -67,7 +67,7 @@ def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_toke
     rollout = config_lib.build(RolloutConfig, cfg.rollout)  # the rollout section alone, as rollout_schedule reads it
     agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
     engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
-    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=False)
+    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
     result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(3), agent_cfg)
     # The record a run logs (`Trainer.step_metrics`); its seconds do not enter the schedule.
     records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
@@ -111,7 +111,7 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     rollout = config_lib.build(RolloutConfig, cfg.rollout)  # the rollout section alone, as rollout_schedule reads it
     agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
     engine = engine_config(agent_cfg, sampling, 8, paging.page_size, paging.max_step_tokens)
-    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=False)
+    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
     result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), DEMO_EXAMPLES, jax.random.key(3),
                            agent_cfg, group_size=4)
     metrics = result.metrics
