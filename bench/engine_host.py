@@ -10,7 +10,7 @@ costs the host beside the device's work (issue 67's target: <= 2 ms per call at 
 
 `--emit` also prints the figures as the step estimate's table (`llds_jax.aot.measured.HOST`: the host's time per
 call the kernel-faithful estimate adds per step call, at the call's sequences in flight), with the command, the
-commit, the date and this machine.
+commit and this machine.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ VOCAB = 151643    # token ids drawn below the special tokens
 
 class InstantRunner:
     """A device that answers at once: each sampling row's tokens drawn from a seeded generator, a stop id with
-    probability `stop_p` per token (`engine.StepRunner`)."""
+    probability `stop_p` per token (`step_calls.StepRunner`)."""
 
     def __init__(self, seed: int, stop_p: float):
         self.rng, self.stop_p = np.random.default_rng(seed), stop_p
@@ -118,7 +118,8 @@ def main(argv=None) -> dict[int, float]:
 
 
 def emit(results: dict[int, float], argv: list[str]) -> str:
-    """`results` as llds_jax/aot/measured.py's HOST line: the command, commit, date and machine beside them."""
+    """`results` as llds_jax/aot/measured.py's HOST line: the command, commit and machine beside them (the date
+    goes to docs/benchmarks.md's row)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     with open("/proc/loadavg") as f:
@@ -126,7 +127,7 @@ def emit(results: dict[int, float], argv: list[str]) -> str:
     machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, load average {load}"
     command = " ".join(["python bench/engine_host.py", *argv])
     return (f"HOST = HostTable({tuple(results)}, {tuple(round(ms, 2) for ms in results.values())}, {command!r}, "
-            f"{commit!r}, {time.strftime('%Y-%m-%d')!r}, {machine!r})")
+            f"{commit!r}, {machine!r})")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ def get_config(retriever_name: str = "e5_device"):
     c.model.chat_template = ""
     c.rollout.tensor_parallel = -1      # all 4 chips: its 8 key/value heads split without copies
     # Rows in flight as a memory budget (python -m llds_jax.aot.slots configs/llama3b_v4.py --largest_gib 24.24,
-    # docs/tpu.md): 256 per host admitted by the pages they hold; the pool what the largest program leaves down to
-    # 10% headroom (6,104 pages, 10.43 GiB per chip: its 8 KV heads make its pages 2x Qwen2.5-3B's); steps of up
-    # to 4096 tokens (10 rollout programs with evaluation's).
-    c.rollout.max_batch_size, c.rollout.num_pages, c.rollout.max_step_tokens = 256, 6104, 4096
+    # docs/tpu.md): 256 per host admitted by the pages they hold, steps of up to 4096 tokens (10 rollout programs
+    # with evaluation's); the pool 5,800 pages (9.91 GiB per chip: its 8 KV heads make its pages 2x Qwen2.5-3B's),
+    # what --mode=compile leaves to the update beside it at >= 10% headroom (slots' 6,104 left it 8.7%).
+    c.rollout.max_batch_size, c.rollout.num_pages, c.rollout.max_step_tokens = 256, 5800, 4096
     c.objective.llds.answer_weighting = "adaptive"
     return c

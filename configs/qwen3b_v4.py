@@ -18,9 +18,6 @@ def get_config(retriever_name: str = "e5_device"):
     c.model.preset = "qwen2.5-3b"
     c.mesh.topology = "v4:2x2x2"
     c.rollout.tensor_parallel = 2       # pairs of chips: 2 key/value heads split, not repeated (docs/tpu.md)
-    # Rows in flight as a memory budget (python -m llds_jax.aot.slots configs/qwen3b_v4.py --largest_gib 25.02,
-    # docs/tpu.md): 256 per host, 128 decoded by each pair, admitted by the pages they hold; the pool what the
-    # largest program leaves down to 10% headroom (10,605 pages, 11.65 GiB per chip); steps of up to 4096 tokens.
-    c.rollout.max_batch_size, c.rollout.num_pages, c.rollout.max_step_tokens = 256, 10605, 4096
+    c.rollout.max_batch_size = 128      # 128 rows in flight per host, 64 decoded by each pair
     c.rollout.kv_pages_per_block = 8    # kv blocks of 512 slots in the ragged forwards (python -m llds_jax.aot.tiles)
     return c

@@ -58,11 +58,12 @@ def get_config(retriever_name: str = "e5_device"):
     c.data.eval_files = ["gs://YOUR_BUCKET/data/nq_hotpotqa_train/test.parquet"]
     c.retriever = retriever(retriever_name)
     # Rows in flight as a memory budget (python -m llds_jax.aot.slots configs/qwen7b_v4.py --largest_gib 24.97,
-    # docs/tpu.md "Slots as a memory budget"): 256 rows per host admitted by the pages they hold, the pool what the
-    # largest program leaves down to 10% headroom (11,352 pages, 9.70 GiB per chip; 256 x 64 + 1 at every slot's
-    # worst case would not fit: a sequence short of a page is preempted and re-encoded), steps of up to 4096 tokens.
+    # docs/tpu.md "Slots as a memory budget"): 256 rows per host admitted by the pages they hold, steps of up to 4096
+    # tokens; the pool 10,752 pages (9.19 GiB per chip; 256 x 64 + 1 at every slot's worst case would not fit: a
+    # sequence short of a page is preempted and re-encoded), what --mode=compile leaves to the weight reshard beside
+    # it at >= 10% headroom (slots' 11,352 left it 8.7%).
     c.rollout.max_batch_size = 256
-    c.rollout.num_pages = 11352
+    c.rollout.num_pages = 10752
     c.rollout.continuous_batching = True  # a freed row takes the next conversation (the `continuous` policy)
     c.rollout.page_size = 64            # the paged KV cache in pages of 64 slots
     c.rollout.max_step_tokens = 4096    # step programs at 256 to 4096 tokens (10 with evaluation's; docs/tpu.md)

@@ -12,7 +12,7 @@ def get_config(retriever_name: str = "e5_device"):
     c = base.get_config(retriever_name)
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_llds_v6e"
     c.mesh.topology = "v6e:4x4"
-    # The slots, pool and step budget are qwen7b_v4.py's (256 rows per host, 11,352 pages: the same HBM per chip).
+    # The slots, pool and step budget are qwen7b_v4.py's (256 rows per host, 10,752 pages: the same HBM per chip).
     # The attention tiles at this chip's peaks for that schedule (python -m llds_jax.aot.tiles configs/qwen7b_v6e.py,
     # docs/tpu.md): kv blocks of 8 pages (512 slots) x q blocks of 32 tokens in the ragged forwards (16 x 32 on v4),
     # 8 x 8 in decode.

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from llds_jax import checks, parallel, topologies
-from llds_jax.aot import measured, rollout_schedule, roofline, step_estimate, step_lengths
+from llds_jax.aot import beside, measured, rollout_schedule, roofline, step_estimate, step_lengths
 from llds_jax.aot.compiled import (ENCODER, INDEX, OPT_STATE, PAGE_POOL, PARAMS, REFERENCE, SESSION, UNITS, Program, Row,
                                   format_bytes)
 from llds_jax.aot.retriever_programs import encoder_programs, retriever_lines, search_programs
@@ -433,8 +433,8 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
                                            SamplingConfig.of(rollout_cfg, PLACEHOLDER_STOP_IDS),
                                            KernelTiles.of(rollout_cfg), decode_batches(layout.rollout.mesh, slots))
     device_search = next((c for c in costs if c.role is Role.RETRIEVAL), None)
-    search = step_estimate.search_programs(costs, cfg, peaks, measured.SECOND_PASS.rate)
-    collectives = step_estimate.Collectives.of(step_row.cost)
+    search = beside.search_programs(costs, cfg, peaks, measured.SECOND_PASS.rate)
+    collectives = beside.Collectives.of(step_row.cost)
     worst_updates = step_estimate.part_seconds(costs, peaks)
     lines = [step_estimate.format_programs(costs, peaks, generation)]
     records = step_lengths.read_records(estimate_from) if estimate_from else None
@@ -448,11 +448,11 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
         lines.append(step_estimate.format_step(label, schedule, time_, worst_updates[step_estimate.RESHARD],
                                                updates[step_estimate.UPDATES], lengths))
         faithful_time = step_estimate.faithful_time(schedule, faithful, peaks)
-        beside = step_estimate.beside_terms(schedule, faithful_time, time_, cfg, measured.HOST, search, collectives,
-                                             overlapped=True)
-        lines.append(step_estimate.format_faithful(label, faithful, faithful_time, time_,
-                                                   worst_updates[step_estimate.RESHARD],
-                                                   updates[step_estimate.UPDATES], beside))
+        terms = beside.beside_terms(schedule, faithful_time, time_, cfg, measured.HOST, search, collectives,
+                                    overlapped=True)
+        lines.append(beside.format_faithful(label, faithful, faithful_time, time_,
+                                            worst_updates[step_estimate.RESHARD], updates[step_estimate.UPDATES],
+                                            terms))
     # What partial rollouts make of the expected step (issue 59): the rollout cut at the batch's completion, at the
     # config's rollout.over_sampling when rollout.partial is on, else at the what-if's factors.
     prompts = sequences // cfg.data.samples_per_prompt

@@ -52,8 +52,9 @@ import numpy as np
 from llds_jax import config as config_lib
 from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
-from llds_jax.rollout.engine import Engine, EngineConfig, Immediate, StepBatch, StepResult
+from llds_jax.rollout.engine import Engine
 from llds_jax.rollout.paged_sampler import engine_config
+from llds_jax.rollout.step_calls import EngineConfig, Immediate, StepBatch, StepResult
 
 STOP_ID, TOKEN_ID = 0, 1  # the scripted turns' tokens: TOKEN_ID, then STOP_ID as a turn's last
 POLICIES = ("barrier", "continuous")

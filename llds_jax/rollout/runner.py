@@ -51,7 +51,7 @@ from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram, Role
 from llds_jax.rollout import sampling
 from llds_jax.rollout.config import KernelTiles, SamplingConfig, Tile
-from llds_jax.rollout.engine import EngineConfig, StepBatch, StepResult
+from llds_jax.rollout.step_calls import EngineConfig, StepBatch, StepResult
 
 
 def copy_pages(kv_pages_lpzkh: jax.Array, page_copies: jax.Array) -> jax.Array:
@@ -180,7 +180,7 @@ class PagePool:
 
 
 class DeviceRunner:
-    """The engine's device side (`engine.OverlappingRunner`, and `engine.StepRunner` one call at a time): the page
+    """The engine's device side (`step_calls.OverlappingRunner`, and `step_calls.StepRunner` one call at a time): the page
     pool and the step program, compiled once per token bucket (ahead of the first call at that bucket, or of every
     bucket by `compile_all`).
 
@@ -211,11 +211,11 @@ class DeviceRunner:
         self._watcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-ready")
 
     def run(self, params: Any, batch: StepBatch) -> StepResult:
-        """One call at a time (`engine.StepRunner`): dispatch, then fetch."""
+        """One call at a time (`step_calls.StepRunner`): dispatch, then fetch."""
         return self.fetch(self.dispatch(params, batch, None))
 
     def dispatch(self, params: Any, batch: StepBatch, previous: Optional[DispatchedStep]) -> DispatchedStep:
-        """Starts the step program on the batch (`engine.OverlappingRunner`): nothing waits for the device; a
+        """Starts the step program on the batch (`step_calls.OverlappingRunner`): nothing waits for the device; a
         watcher thread notes when its results are there. `previous`: the call dispatched before (None: none)."""
         if previous is None:
             if self._nothing_before is None:

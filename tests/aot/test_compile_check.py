@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from llds_jax import topologies
-from llds_jax.aot import compile_check, compiled, retriever_programs, roofline, step_estimate
+from llds_jax.aot import beside, compile_check, compiled, retriever_programs, roofline, step_estimate
 from llds_jax.train import run_builder
 from llds_jax.model import ModelConfig, to_hf_config
 from llds_jax.programs import Role
@@ -237,7 +237,7 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
 
 
 def test_the_step_programs_collectives_are_those_derived_by_hand_for_its_architecture(paged_model_dir):
-    """The collectives' latency term counts the compiled step program's collectives (`step_estimate.Collectives`).
+    """The collectives' latency term counts the compiled step program's collectives (`beside.Collectives`).
     The tiny architecture (L = 2 layers, V = 640) on v4:2x2x2 decodes over each host's 4 chips (heads and the
     vocabulary split 4 ways): every collective is over 4 chips, an all-reduce 2 x 3 ring steps, an all-gather or
     all-to-all 3. Outside the decode loop: the embedding's all-reduce (its table split over the vocabulary), 2 per
@@ -251,9 +251,9 @@ def test_the_step_programs_collectives_are_those_derived_by_hand_for_its_archite
     step = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "rollout step (16 tokens)")
     layers = run_builder.run_layout(cfg, devices).rollout.model_cfg.num_layers
     assert (layers, run_builder.run_layout(cfg, devices).rollout.tensor) == (2, 4)
-    collectives = step_estimate.Collectives.of(roofline.hlo_costs(step.lowered.compile().as_text()))
+    collectives = beside.Collectives.of(roofline.hlo_costs(step.lowered.compile().as_text()))
     outside, inside = (3 + 2 * layers, 1), (4 + 2 * layers, layers + 1)  # (all-reduces, all-gathers + all-to-alls)
-    assert collectives == step_estimate.Collectives(
+    assert collectives == beside.Collectives(
         sum(outside), 6 * outside[0] + 3 * outside[1], sum(inside), 6 * inside[0] + 3 * inside[1])
 
 

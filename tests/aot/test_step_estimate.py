@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from llds_jax import config as config_lib
-from llds_jax.aot import kernel_cost, measured, rollout_schedule, step_estimate, step_lengths
+from llds_jax.aot import beside, kernel_cost, measured, rollout_schedule, step_estimate, step_lengths
 from llds_jax.model import ModelConfig
 from llds_jax.programs import Role
 from llds_jax.rollout.config import KernelTiles, SamplingConfig
@@ -267,10 +267,10 @@ def test_the_faithful_lines_name_each_terms_source_and_keep_the_ideal_share_besi
     time = step_estimate.FaithfulTime(dict(zip(step_estimate.TERM_SOURCES, (4.0, 3.0, 0.5, 0.25, 1.5, 0.75))),
                                       step_estimate.KernelTally(10, 100, 25, 2e9, 3e12))
     ideal = step_estimate.RolloutTime({128: 5.0}, 1.0, "")
-    beside = {step_estimate.HOST_TERM: step_estimate.Beside(0.5, "measured", "host"),
-              step_estimate.RETRIEVAL_TERM: step_estimate.Beside(1.25, "HLO + measured", "search"),
-              step_estimate.COLLECTIVES_TERM: step_estimate.Beside(0.25, step_estimate.COLLECTIVES_SOURCE, "hops")}
-    lines = step_estimate.format_faithful("expected", cost, time, ideal, 0.5, 13.5, beside).splitlines()
+    terms = {beside.HOST_TERM: beside.Beside(0.5, "measured", "host"),
+             beside.RETRIEVAL_TERM: beside.Beside(1.25, "HLO + measured", "search"),
+             beside.COLLECTIVES_TERM: beside.Beside(0.25, beside.COLLECTIVES_SOURCE, "hops")}
+    lines = beside.format_faithful("expected", cost, time, ideal, 0.5, 13.5, terms).splitlines()
     assert lines[0] == ("  expected step, kernel-faithful (issue 67): each call as JAX's ragged paged attention runs "
                         "it, at the tile 2 kv pages x 4 queries (the slots' bucket and decode iterations: 2 x 4), "
                         "pages of 8 slots, each decode iteration over its sampling rows in one batch: term, source, "
@@ -297,7 +297,7 @@ def test_the_faithful_lines_name_each_terms_source_and_keep_the_ideal_share_besi
 # ----- beside the step programs: the host, retrieval in series, the collectives' latency ------------------------------
 
 # Host ms per call at 32 / 64 / 128 / 256 sequences.
-TABLE = measured.HostTable((32, 64, 128, 256), (0.68, 0.80, 1.17, 1.40), "bench", "abc", "today", "here")
+TABLE = measured.HostTable((32, 64, 128, 256), (0.68, 0.80, 1.17, 1.40), "bench", "abc", "here")
 
 
 def calls(**per_call):
@@ -314,12 +314,12 @@ def test_the_hosts_time_per_call_follows_the_measured_table_at_each_calls_sequen
     s = schedule("continuous", calls(iterations=[0, 0, 0, 0], iteration_pages_read=[0] * 4,
                                      in_flight=[16, 48, 128, 300]))
     at_300 = 1.40 + 44 * 0.23 / 128
-    assert step_estimate.host_seconds(s, TABLE) == pytest.approx((0.62 + 0.74 + 1.17 + at_300) / 1e3)
-    overlapped = step_estimate.host_seconds(s, TABLE, (1e-3, 0.5e-3, 2e-3, 1e-3), overlapped=True)
+    assert beside.host_seconds(s, TABLE) == pytest.approx((0.62 + 0.74 + 1.17 + at_300) / 1e3)
+    overlapped = beside.host_seconds(s, TABLE, (1e-3, 0.5e-3, 2e-3, 1e-3), overlapped=True)
     assert overlapped == pytest.approx((0 + 0.24 + 0 + (at_300 - 1.0)) / 1e3)
 
 
-SEARCH = step_estimate.SearchPrograms({(8, 32): 1.0, (32, 32): 2.5, (64, 32): 4.0, (8, 128): 2.0, (32, 128): 3.5,
+SEARCH = beside.SearchPrograms({(8, 32): 1.0, (32, 32): 2.5, (64, 32): 4.0, (8, 128): 2.0, (32, 128): 3.5,
                                        (64, 128): 6.0, (8, 512): 9.0}, first=32, max_batch=64, second_pass=0.1)
 
 
@@ -331,11 +331,11 @@ def test_a_retriever_call_on_the_chips_costs_its_first_pass_and_a_second_at_the_
     def expect(n, bucket):
         return {8: 1.0, 32: 2.5, 64: 4.0}[bucket] + (1 - 0.9 ** n) * 2.0
     s = schedule("continuous", calls(iterations=[0] * 4, iteration_pages_read=[0] * 4, searches=[3, 0, 20, 70]))
-    seconds, retriever_calls, queries = step_estimate.retrieval_in_series(s, SEARCH)
+    seconds, retriever_calls, queries = beside.retrieval_in_series(s, SEARCH)
     assert (retriever_calls, queries) == (3, 93)
     assert seconds == pytest.approx(expect(3, 8) + expect(20, 32) + expect(64, 64) + expect(6, 8))
     never = dataclasses.replace(SEARCH, second_pass=0.0)
-    assert step_estimate.retrieval_in_series(s, never)[0] == pytest.approx(1.0 + 2.5 + 4.0 + 1.0)
+    assert beside.retrieval_in_series(s, never)[0] == pytest.approx(1.0 + 2.5 + 4.0 + 1.0)
 
 
 def test_search_programs_are_read_from_the_compiled_programs_names():
@@ -347,19 +347,19 @@ def test_search_programs_are_read_from_the_compiled_programs_names():
     costs = [program(16, 32, 1.2e9), program(8, 32, 1e9), program(16, 128, 2e9),
              step_estimate.ProgramCost("rollout step (8 tokens)", "", HloCost(hbm_bytes=5.0), 0, "", Role.ROLLOUT_STEP)]
     cfg = load("qwen7b_v4")
-    search = step_estimate.search_programs(costs, cfg, PEAKS_1, 0.25)
-    assert search == step_estimate.SearchPrograms({(16, 32): 1.2, (8, 32): 1.0, (16, 128): 2.0}, 32, 64, 0.25)
-    assert step_estimate.search_programs(costs[3:], cfg, PEAKS_1, 0.25) is None
+    search = beside.search_programs(costs, cfg, PEAKS_1, 0.25)
+    assert search == beside.SearchPrograms({(16, 32): 1.2, (8, 32): 1.0, (16, 128): 2.0}, 32, 64, 0.25)
+    assert beside.search_programs(costs[3:], cfg, PEAKS_1, 0.25) is None
 
 
 def test_the_collectives_latency_counts_the_hlos_runs_per_call_and_per_decode_iteration():
     """7 all-reduces over 4 chips (2 x 3 ring steps each) and an all-to-all (3) outside the decode loop, 8 and 3
     inside it: 45 hops per call and 57 per decode iteration; calls of 3 and 0 iterations: (2 x 45 + 3 x 57) us."""
     cost = HloCost(collective_runs={(False, 6): 7.0, (False, 3): 1.0, (True, 6): 8.0, (True, 3): 3.0})
-    collectives = step_estimate.Collectives.of(cost)
-    assert collectives == step_estimate.Collectives(8, 45, 11, 57)
+    collectives = beside.Collectives.of(cost)
+    assert collectives == beside.Collectives(8, 45, 11, 57)
     s = schedule("continuous", calls(iterations=[3, 0], iteration_pages_read=[0, 0]))
-    assert collectives.seconds(s) == pytest.approx((2 * 45 + 3 * 57) * step_estimate.ICI_HOP_LATENCY_S)
+    assert collectives.seconds(s) == pytest.approx((2 * 45 + 3 * 57) * beside.ICI_HOP_LATENCY_S)
 
 
 def test_every_term_beside_the_device_names_its_source_and_what_it_counted():
@@ -369,17 +369,17 @@ def test_every_term_beside_the_device_names_its_source_and_what_it_counted():
                                      searches=[3, 0]))
     time = step_estimate.FaithfulTime({}, step_estimate.KernelTally(), (1.0, 1.0))
     ideal = step_estimate.RolloutTime({8: 2.0}, 0.5, "faiss: 0.1 s per call (measured on 1 thread)")
-    collectives = step_estimate.Collectives(8, 45, 11, 57)
-    on_chips = step_estimate.beside_terms(s, time, ideal, load("qwen7b_v4"), TABLE, SEARCH, collectives)
-    assert list(on_chips) == [step_estimate.HOST_TERM, step_estimate.RETRIEVAL_TERM, step_estimate.COLLECTIVES_TERM]
+    collectives = beside.Collectives(8, 45, 11, 57)
+    on_chips = beside.beside_terms(s, time, ideal, load("qwen7b_v4"), TABLE, SEARCH, collectives)
+    assert list(on_chips) == [beside.HOST_TERM, beside.RETRIEVAL_TERM, beside.COLLECTIVES_TERM]
     host, retrieval, latency = on_chips.values()
     assert (host.source, host.seconds) == ("measured", pytest.approx((1.17 + 0.80) / 1e3))
-    assert "`bench`'s ms per call" in host.how and "here, abc, today" in host.how and "in series" in host.how
+    assert "`bench`'s ms per call" in host.how and "here, at abc" in host.how and "in series" in host.how
     assert (retrieval.source, retrieval.seconds) == ("HLO + measured", pytest.approx(1.0 + (1 - 0.9 ** 3) * 2.0))
     assert "1 retriever calls of 3.0 queries" in retrieval.how and "every query: 3.0 s" in retrieval.how  # 1 + 2
     assert (latency.source, latency.seconds) == ("HLO (count) x modelled latency",
                                                  pytest.approx((2 * 45 + 2 * 57) * 1e-6))
-    on_host = step_estimate.beside_terms(s, time, ideal, load("qwen7b_v4", "e5"), TABLE, None, collectives)
-    assert (on_host[step_estimate.RETRIEVAL_TERM].source, on_host[step_estimate.RETRIEVAL_TERM].seconds) == (
+    on_host = beside.beside_terms(s, time, ideal, load("qwen7b_v4", "e5"), TABLE, None, collectives)
+    assert (on_host[beside.RETRIEVAL_TERM].source, on_host[beside.RETRIEVAL_TERM].seconds) == (
         "measured", 0.5)
-    assert "faiss on the host's CPUs beside the device" in on_host[step_estimate.RETRIEVAL_TERM].how
+    assert "faiss on the host's CPUs beside the device" in on_host[beside.RETRIEVAL_TERM].how

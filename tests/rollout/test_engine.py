@@ -9,7 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from llds_jax.rollout.engine import Engine, EngineConfig, Immediate, StepResult
+from llds_jax.rollout.engine import Engine
+from llds_jax.rollout.step_calls import EngineConfig, Immediate, StepResult
 
 VOCAB, STOP = 50, 0
 
