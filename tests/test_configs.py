@@ -16,6 +16,7 @@ from llds_jax import application, checks, topologies
 from llds_jax import config as config_lib
 from llds_jax.config import loader
 from llds_jax.data.rewards import em_reward
+from llds_jax.train import run_config
 from tests.configs import CONFIGS, load
 
 ROOT = os.path.dirname(CONFIGS)
@@ -68,16 +69,6 @@ def test_paper_configs_compute_the_papers_reward(name):
     assert em_reward("<answer>a</answer>", ["Tokyo"], rule) == 0.0
 
 
-def _flat(tree, prefix=""):
-    """{"section.key": value} of a nested dict."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
 
 @pytest.mark.parametrize("name, changes", [
     ("qwen7b_v6e", {"run_dir": "gs://YOUR_BUCKET/runs/qwen7b_base_llds_v6e", "mesh.topology": "v6e:4x4",
@@ -89,7 +80,7 @@ def test_todays_tpus_run_qwen7b_v4_changing_only_what_the_chip_chooses(name, cha
     """The v6e and v5p configs are qwen7b_v4.py but for their slice, their attention tiles (chosen at their chip's
     peaks) and, on v5p's 95 GiB, a pool of every slot's worst case: the same model, data, objective, retriever and
     global batch."""
-    base, cfg = _flat(load("qwen7b_v4").to_dict()), _flat(load(name).to_dict())
+    base, cfg = run_config.flat(load("qwen7b_v4").to_dict()), run_config.flat(load(name).to_dict())
     assert set(base) == set(cfg)
     assert {key: cfg[key] for key in cfg if cfg[key] != base[key]} == changes
     assert config_lib.rollout_batch_size(load(name)) == config_lib.rollout_batch_size(load("qwen7b_v4"))
