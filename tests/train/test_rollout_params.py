@@ -49,13 +49,13 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     casts, decoded = [], []
     cast = layout_lib._cast
     monkeypatch.setattr(layout_lib, "_cast", lambda params, dtype: casts.append(dtype) or cast(params, dtype))
-    run = trainer.sampler.runner.run
+    dispatch = trainer.sampler.runner.dispatch  # the engine overlaps its calls: each is dispatched
 
-    def recording_run(params, batch):
+    def recording_dispatch(params, batch, previous):
         decoded.append((params, len(batch.tokens_t)))
-        return run(params, batch)
+        return dispatch(params, batch, previous)
 
-    monkeypatch.setattr(trainer.sampler.runner, "run", recording_run)
+    monkeypatch.setattr(trainer.sampler.runner, "dispatch", recording_dispatch)
     params = trainer.rl_train_step.init_state().params
     leaves = jax.tree.leaves(params)
     prompts = next(trainer.data)
