@@ -22,6 +22,9 @@ class Generation:
       shapes: slice shapes ("2x2x4") of the generation's documented slices.
       alias: prefix of its accelerator-type names ("v4-" in v4-32).
       cores_per_chip: TensorCores an accelerator-type name counts per chip (v4-32 is 16 chips).
+      host_programs_alone: a program over one host's chips of a multi-host slice is compiled for a one-host
+        topology of the generation (`aot.compile_check.host_chips`): libtpu 0.0.42.1 does not lower a collective
+        over a subset of a multi-host v6e topology's chips ("Unexpected device_id 4 [0:2] in replica group").
     """
 
     chip_config: str
@@ -29,6 +32,7 @@ class Generation:
     shapes: tuple[str, ...]
     alias: str
     cores_per_chip: int
+    host_programs_alone: bool = False
 
 
 _CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16")
@@ -37,7 +41,7 @@ GENERATIONS: dict[str, Generation] = {
     "v4": Generation("megacore", 32, _CUBES, "v4-", 2),
     "v5p": Generation("megacore", 95, _CUBES, "v5p-", 2),
     "v5e": Generation("default", 16, _SQUARES, "v5litepod-", 1),
-    "v6e": Generation("default", 32, _SQUARES, "v6e-", 1),
+    "v6e": Generation("default", 32, _SQUARES, "v6e-", 1, host_programs_alone=True),
 }
 
 

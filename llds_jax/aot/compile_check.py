@@ -83,13 +83,17 @@ class CompilerUnavailableError(RuntimeError):
     """XLA's TPU compiler (the libtpu wheel) is not installed."""
 
 
+def _host_shape(shape: str) -> tuple[int, int, int]:
+    """The chips of one host of a slice `shape` ("2x2x4"), per dimension: hosts of 4 chips, one host up to 8."""
+    dims = [int(n) for n in shape.split("x")] + [1] * (3 - len(shape.split("x")))
+    return tuple(min(d, b) for d, b in zip(dims, (2, 4 if topologies.shape_chips(shape) <= 8 else 2, 1)))
+
+
 def topology_devices(name: str) -> tuple[list[Any], float]:
     """The abstract devices (one per chip, hosts of 4 chips; a single host up to 8 chips) of a topology and the
     nominal HBM per chip in bytes. Compiling for them needs `libtpu` (`pip install -e '.[tpu]'`)."""
     gen, shape = topologies.resolve(name)
     g = topologies.GENERATIONS[gen]
-    dims = [int(n) for n in shape.split("x")] + [1] * (3 - len(shape.split("x")))
-    per_host = tuple(min(d, b) for d, b in zip(dims, (2, 4 if topologies.shape_chips(shape) <= 8 else 2, 1)))
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{g.alias}{topologies.shape_chips(shape) * g.cores_per_chip}")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # both only silence libtpu's start-up warnings
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: other libtpu processes may run
@@ -99,9 +103,29 @@ def topology_devices(name: str) -> tuple[list[Any], float]:
     from jax.experimental import topologies as jax_topologies
 
     topology = jax_topologies.get_topology_desc(topology_name=f"{gen}:{shape}", platform="tpu",
-                                                chip_config_name=g.chip_config, chips_per_host_bounds=per_host,
+                                                chip_config_name=g.chip_config, chips_per_host_bounds=_host_shape(shape),
                                                 num_slices=1)
     return list(topology.devices), g.hbm_gib * GIB
+
+
+def host_topology(name: str) -> str:
+    """The one-host topology of the generation of `name` with one host's chips of `name` ("v6e:4x4" -> "v6e:2x2");
+    `name` itself for a one-host slice."""
+    gen, shape = topologies.resolve(name)
+    dims = _host_shape(shape)
+    host = "x".join(map(str, dims if len(shape.split("x")) == 3 else dims[:2]))
+    return f"{gen}:{host}"
+
+
+def host_chips(name: str, devices: Sequence[Any]) -> list[Any]:
+    """The chips the host-local programs (the rollout's, the retriever's) of a run on topology `name` compile for:
+    the first host's of `devices` (its topology's), or where the generation asks (`Generation.host_programs_alone`)
+    those of its one-host topology (`host_topology`): the same chips in the same shape, in a program of their own."""
+    first = min(d.process_index for d in devices)
+    host = [d for d in devices if d.process_index == first]
+    if len(host) == len(devices) or not topologies.GENERATIONS[topologies.resolve(name)[0]].host_programs_alone:
+        return host
+    return topology_devices(host_topology(name))[0]
 
 
 @contextlib.contextmanager
@@ -352,14 +376,17 @@ def _layout_label(layout, hosts: int) -> str:
     return f" ({', '.join(where)})" if where else ""
 
 
-def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
-    """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), lowered at
+def build_programs(cfg, devices: Sequence[Any], host: Optional[Sequence[Any]] = None) -> list[Program]:
+    """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), the
+    host-local ones (the rollout's, the retriever's) over `host` (default: the first host's of `devices`; `host_chips`
+    where they compile alone), lowered at
     the run's largest shapes with abstract arrays (compiling is what takes time); in the order a run first runs
     them. The run is built as the trainer builds it (`llds_jax.train.run_builder`), on an abstract model; the samplers
     and the train step name their programs at abstract arguments (`abstract_programs`,
     `llds_jax.programs.CompilablePrograms`); what stays resident and the calls per step are added here."""
     hosts = sorted({d.process_index for d in devices})
-    layout = run_builder.run_layout(cfg, devices)
+    host = [d for d in devices if d.process_index == hosts[0]] if host is None else list(host)
+    layout = run_builder.run_layout(cfg, devices, host)
     parts = run_builder.build(cfg, layout, run_builder.abstract_model(layout), PLACEHOLDER_STOP_IDS)
     rollout_params = abstract_rollout_params(layout.rollout, parts.step.abstract_state().params,
                                              cfg.rollout.params_dtype)
@@ -394,10 +421,9 @@ def build_programs(cfg, devices: Sequence[Any]) -> list[Program]:
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     programs = setup + rollout + training[len(setup):]
     programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,)) for p in programs]
-    host_devices = [d for d in devices if d.process_index == hosts[0]]  # each host searches its own copy
-    search = search_programs(cfg, host_devices, session_rows, max_queries, beside_rollout)
+    search = search_programs(cfg, host, session_rows, max_queries, beside_rollout)  # each host its own copy
     index = (INDEX,) if search else ()
-    encoder = encoder_programs(cfg, host_devices[0], max_queries, beside_rollout + index)
+    encoder = encoder_programs(cfg, host[0], max_queries, beside_rollout + index)
     encoded = (ENCODER,) if encoder else ()
     programs = [dataclasses.replace(p, resident=p.resident + index + encoded) for p in programs]
     search = [dataclasses.replace(p, resident=p.resident + encoded) for p in search]
@@ -481,9 +507,11 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     checks.validate(cfg, len(devices))
     hbm = usable_hbm_bytes(devices[0]) or nominal
     hosts = len({d.process_index for d in devices})
+    host = host_chips(topology, devices)
+    alone = "" if host[0] in devices else f"; host-local programs compiled for {host_topology(topology)}"
     print(f"compiling for {topology}: {len(devices)} chips, {hosts} host(s), {devices[0].device_kind}, "
-          f"{nominal / GIB:.0f} GiB HBM per chip ({hbm / GIB:.2f} GiB usable)", flush=True)
-    programs = build_programs(cfg, devices)
+          f"{nominal / GIB:.0f} GiB HBM per chip ({hbm / GIB:.2f} GiB usable){alone}", flush=True)
+    programs = build_programs(cfg, devices, host)
     rows = []
     for i, program in enumerate(programs):
         print(f"[{i + 1}/{len(programs)}] {program.name}: {program.shapes}", flush=True)
@@ -494,7 +522,7 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     print(format_table(rows, hbm))
     for line in retriever_lines(cfg, programs, sizes, len(devices) // hosts):
         print(line)
-    layout = run_builder.run_layout(cfg, devices)
+    layout = run_builder.run_layout(cfg, devices, host)
     model, rollout = layout.model_cfg, layout.rollout
     problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
                 + weight_collectives([r for r, p in zip(rows, programs) if p.rollout], rollout.model_cfg,

@@ -173,7 +173,7 @@ def compile_rollout(cfg) -> tuple[list[compile_check.Row], float]:
     shape: its total moves by the pool's bytes."""
     devices, nominal = compile_check.topology_devices(cfg.mesh.topology)
     hbm = compile_check.usable_hbm_bytes(devices[0]) or nominal
-    programs = compile_check.build_programs(cfg, devices)
+    programs = compile_check.build_programs(cfg, devices, compile_check.host_chips(cfg.mesh.topology, devices))
     chosen = compile_check.sizing_programs(programs) + [p for p in programs if p.role is Role.ROLLOUT_STEP]
     rows = [compile_check.compile_row(p) for p in chosen]
     sizes = compile_check.long_lived_bytes(rows, chosen)

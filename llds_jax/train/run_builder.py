@@ -65,12 +65,14 @@ def model_config(cfg: ml_collections.ConfigDict, platform: str) -> ModelConfig:
         raise FileNotFoundError(f"model.path: {e} (set model.preset to compile without the checkpoint)") from None
 
 
-def run_layout(cfg: ml_collections.ConfigDict, devices: Optional[Sequence[Any]] = None) -> RunLayout:
+def run_layout(cfg: ml_collections.ConfigDict, devices: Optional[Sequence[Any]] = None,
+               local: Optional[Sequence[Any]] = None) -> RunLayout:
     """The layout of a run of `cfg` on `devices` (default: this job's, the rollout on this process's chips; given:
-    the rollout on the first host's). Reads no weight, so a layout the model cannot take fails before any load."""
+    the rollout on `local`, default the first host's). Reads no weight, so a layout the model cannot take fails
+    before any load."""
     if devices is None:
         devices, local = jax.devices(), jax.local_devices()
-    else:
+    elif local is None:
         first_host = min(d.process_index for d in devices)
         local = [d for d in devices if d.process_index == first_host]
     mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)

@@ -6,6 +6,7 @@ generations; a config whose programs cannot fit fails naming them.
 """
 import importlib.util
 import json
+import re
 import os
 import subprocess
 import sys
@@ -103,6 +104,35 @@ def launch(model_dir, *args):
                                         ("v6e:2x4", ("v6e", "2x4"))])
 def test_topology_names_and_accelerator_types(name, want):
     assert topologies.resolve(name) == want
+
+
+@pytest.mark.parametrize("name, host", [("v4:2x2x4", "v4:2x2x1"), ("v5p:2x2x2", "v5p:2x2x1"),
+                                        ("v6e:4x4", "v6e:2x2"), ("v6e:2x4", "v6e:2x4"), ("v5e:16x16", "v5e:2x2")])
+def test_one_hosts_topology_has_its_chips_in_its_shape(name, host):
+    assert compile_check.host_topology(name) == host
+
+
+def test_v6e_host_local_programs_compile_for_one_hosts_topology_as_each_host_runs_them(paged_model_dir):
+    """On a multi-host v6e slice (v6e:4x4, 4 hosts of 4 chips) libtpu 0.0.42.1 lowers no collective over one host's
+    chips (devices 0, 1, 4 and 5): the rollout's step programs (tensor-parallel over a host's 4 chips) are compiled
+    for v6e:2x2, the same 4 chips in a program of their own, and compile, their tensor-parallel all-reduces over
+    those 4 chips; the programs over the slice keep its 16 chips, the reshard onto every host's rollout copy
+    included. On v4 (every program lowers over the slice) a host's chips are the slice's own."""
+    cfg = flagship(paged_model_dir, **PAGED, **{"mesh.topology": "v6e:4x4", "rollout.tensor_parallel": -1,
+                                                "optim.mini_batch_size": 32, "optim.micro_batch_size": 16})
+    devices, _ = compile_check.topology_devices("v6e:4x4")
+    host = compile_check.host_chips("v6e:4x4", devices)
+    assert len(host) == 4 and not set(host) & set(devices)
+    v4, _ = compile_check.topology_devices("v4:2x2x2")
+    assert compile_check.host_chips("v4:2x2x2", v4) == [d for d in v4 if d.process_index == 0]
+    programs = compile_check.build_programs(cfg, devices, host)
+    step = next(p for p in programs if p.role is Role.ROLLOUT_STEP)
+    row = compile_check.compile_row(step)
+    assert not row.error, row.error
+    hlo = step.lowered.compile().as_text()
+    assert re.search(r"all-reduce[^\n]*replica_groups=\{\{0,1,2,3\}\}", hlo)
+    reshard = next(p for p in programs if p.role is Role.RESHARD)
+    assert reshard.shapes == "every host's at once over 4 hosts, bfloat16" and not compile_check.compile_row(reshard).error
 
 
 @pytest.mark.parametrize("name", ["v4-33", "v4:3x3x3", "v7:2x2", ""])
