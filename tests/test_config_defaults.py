@@ -16,6 +16,8 @@ from llds_jax.config.sections import ObjectiveConfig, UpdateConfig
 from llds_jax.model import config as model_config
 from llds_jax.rollout import config as rollout_config
 from llds_jax.rollout.config import AgentConfig, PagingConfig, SamplingConfig
+from llds_jax.search import factory  # noqa: F401  (registers every retriever backend's options)
+from llds_jax.search import options as search_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The modules that hold config dataclasses: the sections and the views that take their keys.
@@ -128,3 +130,16 @@ def test_the_table_has_a_row_per_key_with_its_default_and_rule():
                          ids=lambda c: c.__name__)
 def test_each_sections_defaults_pass_its_checks(cls):
     cls()  # a section at its defaults builds (its bounds and rules hold)
+
+
+def test_the_readme_has_a_block_per_retriever_backend_generated_from_its_options():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert search_options.with_tables(readme) == readme, "regenerate it: python -m llds_jax.search README.md"
+    for name in search_options.BACKENDS.names():
+        assert f'`retriever.backend = "{name}"`' in readme
+        for f in dataclasses.fields(search_options.BACKENDS[name]):
+            assert f"| `retriever.{f.name}` |" in readme
+    assert "| `retriever.index_dir` | str | required |  |  | the folder of " in readme
+    assert "| `retriever.max_response_bytes` | int | 67108864 | >= 1 | may change | " in readme
+
