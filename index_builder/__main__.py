@@ -37,6 +37,7 @@ from index_builder.summary import BuildSummary
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_elasticsearch import BulkRejectedError, build_elasticsearch
 from index_builder.to_faiss import build_faiss
+from llds_jax.config.sections import TrainConfig
 from llds_jax.runtime import output_folder
 from llds_jax.runtime.lease import FolderNotWritableError, Lease, LeaseHeldError
 from llds_jax.search import bm25_index, dense_index
@@ -171,7 +172,8 @@ def build(args: argparse.Namespace) -> BuildSummary:
     """Runs the build `args` describe; raises CorpusError, BulkRejectedError, LeaseHeldError (another build on
     --out), FolderNotOursError (--out or OUT.partial not the builder's) or the backend's errors."""
     if args.to in ("bm25", "faiss"):
-        with Lease(args.out.rstrip("/") + ".lease", what=f"--out {args.out}"):
+        with Lease(args.out.rstrip("/") + ".lease", what=f"--out {args.out}",
+                   timeout_s=TrainConfig.storage_timeout_s):  # as a run's storage operations
             claim_outputs(args)
             return build_local(args, *open_corpus(args))
     reader, progress = open_corpus(args)

@@ -114,8 +114,12 @@ def problem(key: str, value: Any, rule: Range | tuple) -> str | None:
 
 def check(instance: Any) -> None:
     """Raises ConfigError naming the run key of the first bounded field of the dataclass `instance` whose value is
-    out of its range or choices."""
+    out of its range or choices, or not an integer where the field is an `int`."""
+    types = {f.name: f.type for f in dataclasses.fields(instance)}
     for key, name, rule in declared(type(instance)):
-        message = problem(key, getattr(instance, name), rule)
+        value = getattr(instance, name)
+        message = problem(key, value, rule)
+        if not message and types[name] in (int, "int") and not isinstance(value, int):
+            message = f"{key} must be an integer {rule.words}, got {value!r}"  # a number, not an int (problem)
         if message:
             raise ConfigError(message)

@@ -23,7 +23,7 @@ from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.llds import ANSWER_WEIGHTINGS, GATES
 from llds_jax.rl.losses import KL_ESTIMATORS  # (also registers the built-in loss terms, "llds" among them)
 from llds_jax.rl.terms import AGGREGATIONS, LOSS_TERMS
-from llds_jax.search.factory import request_policy, resolve_config
+from llds_jax.search.factory import resolve_config
 from llds_jax.search.retry import RequestPolicy
 
 
@@ -42,8 +42,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
         retriever = resolve_config(cfg.retriever)  # keys and types of the chosen backend
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if "max_retries" in retriever:
-        _check_retry_budget(request_policy(retriever), cfg.rollout.search_timeout_s)
+    if isinstance(retriever, RequestPolicy):
+        _check_retry_budget(RequestPolicy.of(retriever), cfg.rollout.search_timeout_s)
     if cfg.model.preset and cfg.model.preset.lower() not in PRESETS:
         raise ConfigError(f"model.preset {cfg.model.preset!r} is not one of {sorted(PRESETS)}")
     if cfg.mesh.topology:

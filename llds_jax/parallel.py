@@ -27,6 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import MeshConfig
 
 AXES = ("data", "fsdp", "tensor")  # the physical mesh axes, tensor innermost
 
@@ -94,7 +95,8 @@ def axis_size(mesh: Any, logical: str) -> int:
     return math.prod(mesh.shape[a] for a in axes(logical, mesh))
 
 
-def mesh_shape(num_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1) -> tuple[int, int, int]:
+def mesh_shape(num_devices: int, data: int = MeshConfig.data, fsdp: int = MeshConfig.fsdp,
+               tensor: int = MeshConfig.tensor) -> tuple[int, int, int]:
     """Resolves axis sizes; at most one may be -1, meaning "the rest of the devices"."""
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
@@ -115,7 +117,7 @@ def mesh_shape(num_devices: int, data: int = 1, fsdp: int = -1, tensor: int = 1)
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+def make_mesh(data: int = MeshConfig.data, fsdp: int = MeshConfig.fsdp, tensor: int = MeshConfig.tensor,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all), tensor innermost (fastest links)."""
     devices = list(jax.devices() if devices is None else devices)

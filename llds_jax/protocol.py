@@ -34,7 +34,6 @@ ANSWER_CLOSE = "</answer>"
 # Decoded-text markers that end a turn; the sampler may stop a sequence once one appears.
 STOP_STRINGS = (SEARCH_CLOSE, ANSWER_CLOSE)
 
-DEFAULT_MAX_PROMPT_TOKENS = 2048
 # Characters a token spans at most: the longest token of the Qwen2.5 vocabulary (128 characters). A text's last k
 # tokens lie within its last k x MAX_CHARS_PER_TOKEN characters.
 MAX_CHARS_PER_TOKEN = 128
@@ -50,7 +49,7 @@ def make_prompt(question: str) -> str:
     return _prompt_text(question)
 
 
-def bounded_question(question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> str:
+def bounded_question(question: str, max_prompt_tokens: int) -> str:
     """`question` unchanged when its stripped text is at most `max_question_chars` characters, else that text's
     last so many characters: its start cut, as `fit_prompt` cuts it. Questions are bounded when they are read, so
     that fitting one costs at most that much text (a 1 MB question took seconds to fit).
@@ -88,7 +87,7 @@ def _encoded_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def fit_prompt(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> tuple[list[int], int]:
+def fit_prompt(tokenizer, question: str, max_prompt_tokens: int) -> tuple[list[int], int]:
     """Token ids of the prompt for `question` as Search-R1 feeds them to the policy, at most `max_prompt_tokens`,
     and how many of the question's tokens were cut to fit (0 when it fits).
 
@@ -125,7 +124,7 @@ def fit_prompt(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PR
     return kept(lo), len(question_ids) - lo
 
 
-def chat_prompt_ids(tokenizer, question: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[int]:
+def chat_prompt_ids(tokenizer, question: str, max_prompt_tokens: int) -> list[int]:
     """The token ids of `fit_prompt`."""
     return fit_prompt(tokenizer, question, max_prompt_tokens)[0]
 

@@ -107,7 +107,7 @@ def test_named_retriever_alternatives():
 def test_retriever_keys_are_validated_with_the_config():
     cfg = load("qwen7b_v4")
     cfg.retriever.encoder_dtype = "fp8"
-    with pytest.raises(config_lib.ConfigError, match="retriever config key 'encoder_dtype' must be one of"):
+    with pytest.raises(config_lib.ConfigError, match=r"retriever\.encoder_dtype must be one of"):
         checks.validate(cfg)
 
 

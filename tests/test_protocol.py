@@ -5,6 +5,9 @@ import dataclasses
 import pytest
 
 from llds_jax import protocol
+from llds_jax.config.sections import RolloutConfig
+
+PROMPT_TOKENS = RolloutConfig.max_prompt_tokens  # the run's default prompt cut
 
 PROMPT_PARIS = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
@@ -38,7 +41,7 @@ def test_make_prompt_keeps_inner_question_marks_and_rejects_empty():
 def test_chat_prompt_ids_base_template(qwen_tokenizer):
     expected = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                 "<|im_start|>user\n" + PROMPT_PARIS + "<|im_end|>\n<|im_start|>assistant\n")
-    ids = protocol.chat_prompt_ids(qwen_tokenizer, "what is the capital of france")
+    ids = protocol.chat_prompt_ids(qwen_tokenizer, "what is the capital of france", PROMPT_TOKENS)
     assert ids == qwen_tokenizer.encode(expected, add_special_tokens=False)
     assert qwen_tokenizer.decode(ids) == expected
     assert ids[:3] == [151644, 8948, 198]  # <|im_start|> system \n
@@ -46,7 +49,7 @@ def test_chat_prompt_ids_base_template(qwen_tokenizer):
 
 
 def test_chat_prompt_ids_instruct_template(qwen_instruct_tokenizer):
-    ids = protocol.chat_prompt_ids(qwen_instruct_tokenizer, "what is the capital of france")
+    ids = protocol.chat_prompt_ids(qwen_instruct_tokenizer, "what is the capital of france", PROMPT_TOKENS)
     assert qwen_instruct_tokenizer.decode(ids) == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\n" + PROMPT_PARIS + "<|im_end|>\n<|im_start|>assistant\n")
@@ -55,10 +58,10 @@ def test_chat_prompt_ids_instruct_template(qwen_instruct_tokenizer):
 def test_chat_prompt_ids_without_template(qwen_tokenizer):
     raw = copy.deepcopy(qwen_tokenizer)
     raw.chat_template = None
-    ids = protocol.chat_prompt_ids(raw, "what is the capital of france")
+    ids = protocol.chat_prompt_ids(raw, "what is the capital of france", PROMPT_TOKENS)
     assert raw.decode(ids) == PROMPT_PARIS
     assert ids == raw.encode(PROMPT_PARIS, add_special_tokens=False)
-    assert protocol.fit_prompt(raw, "what is the capital of france") == (ids, 0)
+    assert protocol.fit_prompt(raw, "what is the capital of france", PROMPT_TOKENS) == (ids, 0)
 
 
 @pytest.mark.parametrize("chat_template", [True, False])
@@ -78,7 +81,7 @@ def test_an_over_long_question_loses_its_start_never_the_instruction(qwen_tokeni
     question_ids = tok.encode(question, add_special_tokens=False)
     kept = text.split("Question: ")[1]
     assert abs(len(tok.encode(kept, add_special_tokens=False)) - (len(question_ids) - cut)) <= 10
-    full = protocol.chat_prompt_ids(tok, "what is the capital of france")
+    full = protocol.chat_prompt_ids(tok, "what is the capital of france", PROMPT_TOKENS)
     with pytest.raises(ValueError, match=rf"^the prompt's instruction alone is \d+ tokens, more than "
                                          rf"max_prompt_tokens = {len(full) - 20}$"):
         protocol.fit_prompt(tok, "what is the capital of france", max_prompt_tokens=len(full) - 20)

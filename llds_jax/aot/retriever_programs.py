@@ -16,6 +16,7 @@ from llds_jax.model.bert import BertConfig
 from llds_jax.programs import Role
 from llds_jax.search import dense_index, device_index, device_search, e5, local
 from llds_jax.search.dense import read_faiss_index
+from llds_jax.search.dense_options import DeviceFlatOptions, EncoderOptions
 from llds_jax.search.factory import resolve_config
 
 
@@ -31,15 +32,15 @@ def search_programs(cfg, devices: Sequence[Any], rows: int, max_queries: int, re
     rollout's rows in flight (at most `retriever.search_batch`); then the others, smallest first. `resident`: what
     stays beside a rollout program, SESSION added."""
     ret = resolve_config(cfg.retriever)
-    if ret["backend"] != "e5_device":
+    if not isinstance(ret, DeviceFlatOptions):
         return []
-    (rows_n, dim), _ = index_source(ret["index_path"])
-    lay = device_index.layout(rows_n, dim, len(devices), ret["vector_dtype"], ret["block_rows"])
+    (rows_n, dim), _ = index_source(ret.index_path)
+    lay = device_index.layout(rows_n, dim, len(devices), ret.vector_dtype, ret.block_rows)
     top_k = cfg.rollout.retrieval_top_k
-    passes = {"candidates": ret["candidates"], "max_candidates": ret["max_candidates"]}
+    passes = {"candidates": ret.candidates, "max_candidates": ret.max_candidates}
     shapes = device_search.reachable_shapes([(max_queries, top_k), (len(local.CHECK_QUERIES), local.CHECK_K)],
-                                            rows_n, max_batch=ret["search_batch"], **passes)
-    costed = (device_search.batch_bucket(rows, ret["search_batch"]),
+                                            rows_n, max_batch=ret.search_batch, **passes)
+    costed = (device_search.batch_bucket(rows, ret.search_batch),
               device_search.candidate_counts(top_k, rows_n, **passes)[0])
     programs = []
     for queries, m in [costed] + sorted(shapes - {costed}):
@@ -56,11 +57,11 @@ def encoder_programs(cfg, device: Any, max_queries: int, resident: tuple[str, ..
     (`e5.reachable_shapes`), smallest first. `resident`: what stays beside a rollout program (and the index, with
     e5_device), SESSION added."""
     ret = resolve_config(cfg.retriever)
-    if not ret.get("encoder_path"):
+    if not isinstance(ret, EncoderOptions) or not ret.encoder_path:
         return []
-    bert, _ = encoder_source(ret["encoder_path"], ret["encoder_dtype"])
-    e5.check_max_length(ret["max_length"], bert, ret["encoder_path"])
-    shapes = e5.reachable_shapes(max_queries, batch_size=ret["encoder_batch_size"], max_length=ret["max_length"])
+    bert, _ = encoder_source(ret.encoder_path, ret.encoder_dtype)
+    e5.check_max_length(ret.max_length, bert, ret.encoder_path)
+    shapes = e5.reachable_shapes(max_queries, batch_size=ret.encoder_batch_size, max_length=ret.max_length)
     return [Program(p.name, p.shapes, p.lower(), resident + (SESSION,), role=Role.QUERY_ENCODER)
             for p in e5.abstract_programs(bert, device, shapes)]
 
@@ -93,15 +94,16 @@ def retriever_lines(cfg, programs: Sequence[Program], sizes: dict[str, float], h
     lines = []
     count = {role: sum(p.role is role for p in programs) for role in (Role.RETRIEVAL, Role.QUERY_ENCODER)}
     if INDEX in sizes:
-        (rows_n, dim), source = index_source(cfg.retriever.index_path)
-        lines.append(f"retrieval index (e5_device, {cfg.retriever.get('vector_dtype', 'bfloat16')}): {rows_n:,} rows "
+        ret = resolve_config(cfg.retriever)
+        (rows_n, dim), source = index_source(ret.index_path)
+        lines.append(f"retrieval index (e5_device, {ret.vector_dtype}): {rows_n:,} rows "
                      f"x {dim} ({source}) over each host's {host_chips} chips (a copy per host): "
                      f"{format_bytes(sizes[INDEX])} per chip, resident in every program; its "
                      f"{count[Role.RETRIEVAL]} search programs (every batch and candidate count its calls reach) "
                      f"hold a rollout session's {format_bytes(sizes[SESSION])} beside it")
     if ENCODER in sizes:
         ret = resolve_config(cfg.retriever)
-        _, source = encoder_source(ret["encoder_path"], ret["encoder_dtype"])
+        _, source = encoder_source(ret.encoder_path, ret.encoder_dtype)
         lines.append(f"query encoder (e5, {source}): {format_bytes(sizes[ENCODER])} on each host's first chip, "
                      f"resident in every program there; its {count[Role.QUERY_ENCODER]} programs (every batch and "
                      f"length bucket its calls reach) hold a rollout session's {format_bytes(sizes[SESSION])} "

@@ -477,7 +477,8 @@ class PartialStep:
 
 
 def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int, policy: str, over_sampling: float,
-                max_staleness: int = 1, steps: int = PARTIAL_STEPS, search_latency_calls: int = 1,
+                max_staleness: int = RolloutConfig.max_staleness, steps: int = PARTIAL_STEPS,
+                search_latency_calls: int = 1,
                 overlap: bool = True, turn_cap: int | None = None) -> list[PartialStep]:
     """`steps` steps of partial rollouts (issue 59; `rollout.partial` as llds_jax/rollout/partial.py runs it), each
     training P = len(batch) / group groups, on an engine of `config` under `policy`.
@@ -540,7 +541,8 @@ def partial_run(config: EngineConfig, batch: Sequence[Conversation], group: int,
     return out
 
 
-def partial_for_run(cfg, lengths, sequences: int, over_sampling: float, max_staleness: int = 1,
+def partial_for_run(cfg, lengths, sequences: int, over_sampling: float,
+                    max_staleness: int = RolloutConfig.max_staleness,
                     steps: int = PARTIAL_STEPS) -> list[PartialStep]:
     """`partial_run` for one host of a run of `cfg` training `sequences` trajectories per step at `lengths`
     (`for_run`'s engine and conversations; the engine's slots `rollout.max_batch_size`, else every trajectory

@@ -2,11 +2,12 @@
 section, each key declared once with its default, range or choices and doc), the schema check, the typed config.
 
 `default_config()` is the schema, built from the declarations: a run config may change values, never add keys
-(except retriever options, which `llds_jax.search.factory` validates per backend, and the sections of the application
-its `app` key names, llds_jax.application) or change a value's type. `check` constructs the typed config (`typed`),
-whose sections check their keys' ranges and their own combinations and whose `RunConfig` checks the combinations
-across sections; every error names the run-config key. `table()` is the README's config table
-(`python -m llds_jax.config README.md` rewrites it).
+(except the retriever backend's options, which each backend declares and checks, `llds_jax.search.options`, and
+the sections of the application its `app` key names, llds_jax.application) or change a value's type. `check`
+constructs the typed config (`typed`), whose sections check their keys' ranges and their own combinations and whose
+`RunConfig` checks the combinations across sections; every error names the run-config key. `table()` is the README's
+config table (`python -m llds_jax.config README.md` rewrites it; the retriever backends' blocks after it:
+`python -m llds_jax.search README.md`).
 
 On the lowest floors of the package: it imports only leaves and the declarations, so importing it loads no JAX.
 `llds_jax.checks` (above the components) validates a whole run config against them.

@@ -125,8 +125,8 @@ class RewardConfig(bounds.Section):
 
 @dataclasses.dataclass(frozen=True)
 class RetrieverConfig(bounds.Section):
-    """The `retriever` section: the backend and its index; the other keys are the backend's options, which
-    llds_jax.search.factory declares and checks (docs/retrieval.md)."""
+    """The `retriever` section: the backend and its index; the other keys are the backend's options, which each
+    backend declares beside its code and checks (llds_jax.search.options; the README has a block per backend)."""
 
     SECTION = "retriever"
 

@@ -30,7 +30,7 @@ from etils import epath
 from llds_jax.data.jsonl import iter_jsonl
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, normalize_answer
 from llds_jax.errors import InputError
-from llds_jax.protocol import DEFAULT_MAX_PROMPT_TOKENS, bounded_question, make_prompt, max_question_chars
+from llds_jax.protocol import bounded_question, make_prompt, max_question_chars
 
 log = logging.getLogger(__name__)
 _NAMED_ROWS = 3  # the rows a warning names
@@ -65,10 +65,11 @@ class QAExample:
 
 
 def read_qa(path: str | os.PathLike, empty_answer: str = DEFAULT_EMPTY_ANSWER,
-            max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[QAExample]:
+            max_prompt_tokens: int | None = None) -> list[QAExample]:
     """Reads a Search-R1 QA file (local or gs://); `.parquet` or `.jsonl` decides the format. `empty_answer`: the
     reward rule (`reward.empty_answer`), which decides whether rows with only empty gold answers are kept;
-    `max_prompt_tokens` (`rollout.max_prompt_tokens`) bounds the questions (`protocol.bounded_question`)."""
+    `max_prompt_tokens` (`rollout.max_prompt_tokens`) bounds the questions (`protocol.bounded_question`; None:
+    as they are)."""
     path = os.fspath(path)
     if path.endswith(".parquet"):
         rows = _parquet_rows(path)
@@ -109,7 +110,7 @@ def _check_columns(where: str, names: Iterable[str]) -> None:
             f"{where}: missing required column '{_ANSWERS}' (and no '{_ANSWERS_FALLBACK}' to fall back on)")
 
 
-def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: bool, max_prompt_tokens: int
+def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: bool, max_prompt_tokens: int | None
               ) -> list[QAExample]:
     examples, empty_golds, long_questions = [], [], []
     for row, (where, record) in enumerate(rows):
@@ -122,7 +123,7 @@ def _examples(path: str, rows: Iterator[tuple[str, dict]], skip_empty_golds: boo
             empty_golds.append(where)
             if skip_empty_golds:
                 continue
-        bounded = bounded_question(question, max_prompt_tokens)
+        bounded = question if max_prompt_tokens is None else bounded_question(question, max_prompt_tokens)
         if bounded != question:
             long_questions.append(where)
         examples.append(QAExample(

@@ -6,8 +6,9 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
+from llds_jax import bounds
 from llds_jax.bounds import ConfigError, same
-from llds_jax.config.sections import ATTENTION_CHOICES, ModelRunConfig
+from llds_jax.config.sections import ModelRunConfig
 from llds_jax.errors import InputError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -93,6 +94,7 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
 
     def __post_init__(self):
+        bounds.check(self)  # the run keys it takes (`same`): their choices and ranges
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -102,18 +104,12 @@ class ModelConfig:
                               f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.attention not in ATTENTION_CHOICES:
-            raise ConfigError(f"model.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.attention_platform is not None and self.attention_platform not in PLATFORMS:
             raise ConfigError(f"model.attention_platform must be None or one of {PLATFORMS}, "
                               f"got {self.attention_platform!r}")
         if self.attention == "cudnn" and self.attention_platform not in (None, "gpu"):
             raise ConfigError(f"model.attention='cudnn' needs a GPU (cuDNN flash attention); the run's devices are "
                               f"{self.attention_platform!r}: use 'auto', 'splash' (TPU), 'blockwise' or 'xla'")
-        for name in ("attention_query_block", "attention_key_block", "mlp_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name} must be an integer >= 1, got {value!r}")
         if self.intermediate_size % self.mlp_chunks:
             raise ConfigError(f"model.mlp_chunks ({self.mlp_chunks}) must divide the MLP width intermediate_size "
                               f"({self.intermediate_size})")

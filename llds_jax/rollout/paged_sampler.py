@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from llds_jax.config.sections import pool_pages
 from llds_jax.model.config import ModelConfig
 from llds_jax.programs import AbstractProgram
-from llds_jax.rollout.config import AgentConfig, KernelTiles, SamplingConfig
+from llds_jax.rollout.config import AgentConfig, KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.engine import Engine, EngineConfig
 from llds_jax.rollout.interfaces import StopMatcher
 from llds_jax.rollout.runner import DeviceRunner, PagePool
@@ -33,7 +33,7 @@ def token_budgets(max_seqs: int, max_step_tokens: int) -> tuple[int, ...]:
 
 
 def engine_config(agent: AgentConfig, sampling: SamplingConfig, max_seqs: int, page_size: int,
-                  max_step_tokens: int, num_pages: int = 0) -> EngineConfig:
+                  max_step_tokens: int, num_pages: int = PagingConfig.num_pages) -> EngineConfig:
     """The engine's shapes for a run (see the module docstring)."""
     return EngineConfig(max_seqs=max_seqs, token_budgets=token_budgets(max_seqs, max(max_step_tokens, max_seqs)),
                         decode_chunk=sampling.decode_chunk, page_size=page_size,

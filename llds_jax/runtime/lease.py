@@ -78,8 +78,8 @@ class Lease:
       timeout_s: seconds taking or releasing the lease may take before the process ends (llds_jax.runtime.storage).
     """
 
-    def __init__(self, path: str | os.PathLike, what: str, heartbeat_s: float = HEARTBEAT_S,
-                 stale_after_s: float = STALE_AFTER_S, timeout_s: float = storage.DEFAULT_TIMEOUT_S):
+    def __init__(self, path: str | os.PathLike, what: str, timeout_s: float, heartbeat_s: float = HEARTBEAT_S,
+                 stale_after_s: float = STALE_AFTER_S):
         self.path = epath.Path(path)
         self.what, self.timeout_s = what, timeout_s
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s

@@ -38,7 +38,6 @@ from typing import NamedTuple, Optional
 
 from llds_jax.runtime import gcs
 
-DEFAULT_TIMEOUT_S = 120.0
 STOP_GRACE_S = 20.0  # seconds an operation may still take once a stop signal arrived
 AFTER_FAILURE_S = 5.0  # seconds for an operation begun while a StorageError is being handled
 EXIT_STATUS = 2  # as the command's other one-line errors
@@ -159,7 +158,7 @@ def clear_stop_request() -> None:
 
 
 @contextlib.contextmanager
-def operation(what: str, path: str | os.PathLike, timeout_s: float = DEFAULT_TIMEOUT_S, convert: bool = True,
+def operation(what: str, path: str | os.PathLike, timeout_s: float, convert: bool = True,
               saves_state: bool = False, work_began: Optional[float] = None) -> Iterator[None]:
     """Runs the block as the storage operation `what` on `path`: a block running longer than `timeout_s` ends the
     process; with `convert`, any exception it raises becomes StorageError ("{what} {where(path)} failed:

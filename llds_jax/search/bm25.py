@@ -14,6 +14,7 @@ for a rare-term query at wiki-18's 21M (a mostly-zero array is argpartition's wo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import threading
@@ -26,6 +27,20 @@ from llds_jax.search import analyzer
 from llds_jax.search.bm25_index import DATA_FILE, INDICES_FILE, INDPTR_FILE, VOCAB_FILE, read_manifest
 from llds_jax.search.docstore import DocStore
 from llds_jax.search.local import LocalRetriever
+from llds_jax.search.options import ONE_PER_CORE, REQUIRED, RetrieverOptions, option, register
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Bm25Options(RetrieverOptions):
+    """The embedded BM25 index, searched in this process (llds_jax/search/bm25.py)."""
+
+    BACKEND = "bm25"
+
+    index_dir: str = option(REQUIRED, doc="the folder of `python -m index_builder CORPUS --to bm25 --out DIR` (local "
+                                          "or gs://)")
+    workers: int = option(0, ONE_PER_CORE, doc="search threads; a batch is split across them (0: one per core)",
+                          operational=True)
 
 
 def top_k_postings(accumulator: np.ndarray, postings: Sequence[tuple[np.ndarray, np.ndarray, int]],
@@ -69,7 +84,7 @@ class Bm25Retriever(LocalRetriever):
 
     backend = "bm25"
 
-    def __init__(self, index_dir: str, *, workers: int = 0):
+    def __init__(self, index_dir: str, *, workers: int = Bm25Options.workers):
         if workers < 0:
             raise ValueError(f"workers must be >= 0 (0: one per core), got {workers}")
         self.index_dir = index_dir

@@ -28,12 +28,13 @@ from llds_jax.bounds import ConfigError
 from llds_jax.errors import InputError
 from llds_jax.model.hf_io import read_config
 from llds_jax.search import dense_index
+from llds_jax.search.dense_options import FaissOptions
 from llds_jax.search.docstore import DocStore
 from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.local import LocalRetriever
 
 
-def read_faiss_index(path: str, *, mmap: bool = True) -> faiss.Index:
+def read_faiss_index(path: str, *, mmap: bool = FaissOptions.mmap) -> faiss.Index:
     """The faiss index file `path` (memory-mapped vectors when `mmap`); raises naming the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"faiss index {path} not found")
@@ -78,9 +79,10 @@ class FaissRetriever(LocalRetriever):
     backend = "faiss"
     split_calls = False  # faiss spreads a call's queries over its own threads
 
-    def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = "", max_length: int = 256,
-                 batch_size: int = 256, dtype: str = "float32", mmap: bool = True, hnsw_ef_search: int = 0,
-                 workers: int = 0):
+    def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = FaissOptions.corpus_path,
+                 max_length: int = FaissOptions.max_length, batch_size: int = FaissOptions.encoder_batch_size,
+                 dtype: str = FaissOptions.encoder_dtype, mmap: bool = FaissOptions.mmap,
+                 hnsw_ef_search: int = FaissOptions.hnsw_ef_search, workers: int = FaissOptions.workers):
         self.index_path, self.encoder_path = index_path, encoder_path
         self.index, file = read_checked_index(index_path, encoder_path, corpus_path, mmap)
         if hnsw_ef_search:

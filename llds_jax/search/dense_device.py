@@ -23,6 +23,7 @@ import numpy as np
 
 from llds_jax.errors import InputError
 from llds_jax.search.dense import read_checked_index
+from llds_jax.search.dense_options import DeviceFlatOptions
 from llds_jax.search.device_index import flat_vectors, load
 from llds_jax.search.device_search import ExactSearcher
 from llds_jax.search.docstore import DocStore
@@ -40,9 +41,12 @@ class DeviceFlatRetriever(LocalRetriever):
 
     backend = "e5_device"
 
-    def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = "", max_length: int = 256,
-                 batch_size: int = 256, dtype: str = "float32", vector_dtype: str = "bfloat16", candidates: int = 32,
-                 max_candidates: int = 4096, block_rows: int = 65536, search_batch: int = 64):
+    def __init__(self, index_path: str, encoder_path: str, *, corpus_path: str = DeviceFlatOptions.corpus_path,
+                 max_length: int = DeviceFlatOptions.max_length,
+                 batch_size: int = DeviceFlatOptions.encoder_batch_size,
+                 dtype: str = DeviceFlatOptions.encoder_dtype, vector_dtype: str = DeviceFlatOptions.vector_dtype,
+                 candidates: int = DeviceFlatOptions.candidates, max_candidates: int = DeviceFlatOptions.max_candidates,
+                 block_rows: int = DeviceFlatOptions.block_rows, search_batch: int = DeviceFlatOptions.search_batch):
         self.index_path, self.encoder_path = index_path, encoder_path
         self._faiss, file = read_checked_index(index_path, encoder_path, corpus_path, mmap=True)  # kept: mapped
         self.vectors_nd = flat_vectors(self._faiss, file)

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax.bounds import ConfigError
 from llds_jax.errors import InputError
+from llds_jax.search.dense_options import DeviceFlatOptions
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ def _write_rows(shard_sd, chunk_cd, start):
 _write = jax.jit(_write_rows, donate_argnums=0)
 
 
-def load(vectors_nd: np.ndarray, devices: Sequence[jax.Device], *, dtype: str = "bfloat16",
-         block_rows: int = 65536, chunk_rows: int = 65536, what: str = "index") -> DeviceIndex:
+def load(vectors_nd: np.ndarray, devices: Sequence[jax.Device], *, dtype: str = DeviceFlatOptions.vector_dtype,
+         block_rows: int = DeviceFlatOptions.block_rows, chunk_rows: int = 65536, what: str = "index") -> DeviceIndex:
     """The float32 rows `vectors_nd` (a memory-mapped [N, D] array) stored on `devices`, `chunk_rows` rows at a
     time, logging progress (`what` names the index in the lines)."""
     rows, dim = vectors_nd.shape

@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from llds_jax.programs import AbstractProgram, Role
+from llds_jax.search.dense_options import DeviceFlatOptions
 from llds_jax.search.device_index import AXIS, DeviceIndex, IndexLayout
 
 log = logging.getLogger(__name__)
@@ -212,8 +213,9 @@ class ExactSearcher:
     candidates) pair (`reachable_shapes`). `passes` counts the device calls per number of candidates and
     `shapes_compiled` holds the (batch, candidates) pairs called (for tests and metrics)."""
 
-    def __init__(self, index: DeviceIndex, vectors_nd: np.ndarray, *, candidates: int = 32,
-                 max_candidates: int = 4096, max_batch: int = 64):
+    def __init__(self, index: DeviceIndex, vectors_nd: np.ndarray, *, candidates: int = DeviceFlatOptions.candidates,
+                 max_candidates: int = DeviceFlatOptions.max_candidates,
+                 max_batch: int = DeviceFlatOptions.search_batch):
         self.index, self.vectors_nd = index, vectors_nd
         self.candidates, self.max_candidates, self.max_batch = candidates, max_candidates, max_batch
         self.passes: dict[int, int] = {}

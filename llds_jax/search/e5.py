@@ -25,6 +25,7 @@ from llds_jax.errors import InputError
 from llds_jax.model.bert import BertConfig, BertEncoder, load_bert
 from llds_jax.model.tokenizer import load_tokenizer
 from llds_jax.programs import AbstractProgram, Role
+from llds_jax.search.dense_options import EncoderOptions
 
 QUERY_PREFIX = "query: "
 PASSAGE_PREFIX = "passage: "
@@ -116,7 +117,8 @@ class E5Embedder:
     `dtype` the compute dtype ("float32"; "bfloat16" halves the time on accelerators, pooling stays float32).
     """
 
-    def __init__(self, path: str, *, max_length: int = 256, batch_size: int = 256, dtype: str = "float32",
+    def __init__(self, path: str, *, max_length: int = EncoderOptions.max_length,
+                 batch_size: int = EncoderOptions.encoder_batch_size, dtype: str = EncoderOptions.encoder_dtype,
                  length_bucket: int = LENGTH_BUCKET, min_batch: int = MIN_BATCH):
         self.path = path
         self.model = load_bert(path, dtype)

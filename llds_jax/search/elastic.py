@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -34,8 +35,11 @@ from typing import TYPE_CHECKING
 
 import elasticsearch
 
+from llds_jax.bounds import AT_LEAST_1
 from llds_jax.runtime import redaction
 from llds_jax.errors import InputError
+from llds_jax.search.dense_options import EncoderOptions
+from llds_jax.search.options import REQUIRED, RetrieverOptions, option, register
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, check_k, received
 
@@ -52,7 +56,26 @@ _ES8_HINT = ("; the elasticsearch 9.x Python client cannot talk to an ES 8 clust
              " 'elasticsearch[async]>=8,<9' for ES 8")
 
 
-VECTOR_FIELD = "embedding"
+@register
+@dataclasses.dataclass(frozen=True)
+class ElasticsearchOptions(RetrieverOptions, EncoderOptions, RequestPolicy):
+    """An Elasticsearch cluster: BM25, or e5 kNN with an encoder (llds_jax/search/elastic.py)."""
+
+    BACKEND = "elasticsearch"
+
+    hosts: str | tuple[str, ...] = option("http://127.0.0.1:9200", doc="cluster URLs (a string may be "
+                                          "comma-separated; user info: basic auth)", operational=True, url=True)
+    index: str = option(REQUIRED, doc="the index name")
+    verify_certs: bool = option(True, doc="verify TLS certificates", operational=True)
+    ca_certs: str | None = option(None, doc="a CA bundle file (None: the system's)", operational=True)
+    batch_size: int = option(64, AT_LEAST_1, doc="queries per msearch request", operational=True)
+    encoder_path: str = option("", doc="the e5 model folder of a kNN search (\"\": BM25)")
+    vector_field: str = option("embedding", doc="with encoder_path: the dense_vector field")
+    num_candidates: int = option(100, AT_LEAST_1, doc="with encoder_path: candidates per shard of the approximate "
+                                                      "kNN search (at least k)")
+
+
+VECTOR_FIELD = ElasticsearchOptions.vector_field
 VECTOR_INDEXES = ("hnsw", "int8_hnsw")
 # Similarities whose kNN score is (1 + x) / 2 for the inner product (cosine of unit vectors) x.
 _HALF_SHIFTED = ("dot_product", "cosine")
@@ -87,7 +110,8 @@ def match_body(query: str, k: int) -> dict:
     return {"query": {"match": {"contents": query}}, "size": k, "_source": ["id", "contents"]}
 
 
-def knn_body(vector_d: Sequence[float], k: int, *, field: str = VECTOR_FIELD, num_candidates: int = 100) -> dict:
+def knn_body(vector_d: Sequence[float], k: int, *, field: str = VECTOR_FIELD,
+             num_candidates: int = ElasticsearchOptions.num_candidates) -> dict:
     """The msearch body of a dense query (ES 8.x/9.x top-level `knn` search): the `k` nearest of `field` to
     `vector_d`, with `num_candidates` (raised to k when smaller) candidates per shard; id and contents returned."""
     return {"knn": {"field": field, "query_vector": [float(x) for x in vector_d], "k": k,
@@ -123,8 +147,9 @@ def hosts_for_display(hosts: Sequence[str]) -> str:
     return ",".join(host if "://" in host else host.rpartition("@")[2] for host in shown)
 
 
-def make_client(hosts: Sequence[str], *, timeout_s: float | None, verify_certs: bool = True,
-                ca_certs: str | None = None) -> elasticsearch.AsyncElasticsearch:
+def make_client(hosts: Sequence[str], *, timeout_s: float | None,
+                verify_certs: bool = ElasticsearchOptions.verify_certs,
+                ca_certs: str | None = ElasticsearchOptions.ca_certs) -> elasticsearch.AsyncElasticsearch:
     """An AsyncElasticsearch client for `hosts` with env credentials; the client itself never retries.
 
     `timeout_s` bounds each request in seconds; None leaves that to the caller (the retriever's retry policy). User
@@ -156,8 +181,10 @@ class ElasticsearchRetriever(BatchedRetriever):
     backend = "elasticsearch"
 
     def __init__(self, hosts: str | Sequence[str], index: str, *, policy: RequestPolicy = RequestPolicy(),
-                 batch_size: int = 64, verify_certs: bool = True, ca_certs: str | None = None,
-                 embedder: E5Embedder | None = None, vector_field: str = VECTOR_FIELD, num_candidates: int = 100):
+                 batch_size: int = ElasticsearchOptions.batch_size,
+                 verify_certs: bool = ElasticsearchOptions.verify_certs,
+                 ca_certs: str | None = ElasticsearchOptions.ca_certs, embedder: E5Embedder | None = None,
+                 vector_field: str = VECTOR_FIELD, num_candidates: int = ElasticsearchOptions.num_candidates):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         raw_hosts = parse_hosts(hosts)  # only the client sees them

@@ -13,13 +13,30 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 
 import aiohttp
 
+from llds_jax.bounds import AT_LEAST_1
 from llds_jax.runtime import redaction
+from llds_jax.search.options import REQUIRED, RetrieverOptions, option, register
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, received
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class HttpOptions(RetrieverOptions, RequestPolicy):
+    """A Search-R1 retrieval server (llds_jax/search/http.py)."""
+
+    BACKEND = "http"
+
+    url: str = option(REQUIRED, doc="the endpoint, e.g. http://127.0.0.1:8000/retrieve (user info: basic auth)",
+                      operational=True, url=True)
+    batch_size: int = option(64, AT_LEAST_1, doc="queries per POST", operational=True)
+    max_response_bytes: int = option(64 << 20, AT_LEAST_1, doc="the most bytes of one answer (as the server's "
+                                     "--max-response-bytes); a longer one fails its queries", operational=True)
 
 
 class HttpStatusError(Exception):
@@ -80,8 +97,8 @@ class HttpRetriever(BatchedRetriever):
 
     backend = "http"
 
-    def __init__(self, url: str, *, policy: RequestPolicy = RequestPolicy(), batch_size: int = 64,
-                 max_response_bytes: int = 64 << 20):
+    def __init__(self, url: str, *, policy: RequestPolicy = RequestPolicy(), batch_size: int = HttpOptions.batch_size,
+                 max_response_bytes: int = HttpOptions.max_response_bytes):
         if batch_size < 1 or max_response_bytes < 1:
             raise ValueError(f"batch_size and max_response_bytes must be >= 1, got {batch_size}, "
                              f"{max_response_bytes}")

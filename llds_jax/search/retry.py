@@ -15,7 +15,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from llds_jax.bounds import AT_LEAST_1, NON_NEGATIVE, POSITIVE
 from llds_jax.runtime import redaction
+from llds_jax.search.options import Options, option
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -26,24 +28,20 @@ class GiveUpError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestPolicy:
-    """`timeout_s` per attempt (seconds), `max_retries` after the first attempt, `backoff_s` first pause (seconds),
-    `max_concurrency` requests in flight per backend."""
+class RequestPolicy(Options):
+    """The network backends' requests (elasticsearch, http): `timeout_s` per attempt (seconds), `max_retries` after
+    the first attempt, `backoff_s` first pause (seconds), `max_concurrency` requests in flight per backend."""
 
-    timeout_s: float = 10.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
-    max_concurrency: int = 8
+    timeout_s: float = option(10.0, POSITIVE, doc="seconds per attempt of a request", operational=True)
+    max_retries: int = option(3, NON_NEGATIVE, doc="retries of a failed request", operational=True)
+    backoff_s: float = option(0.5, NON_NEGATIVE, doc="seconds of the first pause before a retry, doubled each time",
+                              operational=True)
+    max_concurrency: int = option(8, AT_LEAST_1, doc="requests in flight", operational=True)
 
-    def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
-        if not self.backoff_s >= 0:
-            raise ValueError(f"backoff_s must be >= 0 seconds, got {self.backoff_s!r}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+    @classmethod
+    def of(cls, options: "RequestPolicy") -> "RequestPolicy":
+        """The policy part of a backend's options (a subclass)."""
+        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
 
     @property
     def worst_case_s(self) -> float:

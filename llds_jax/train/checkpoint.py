@@ -68,6 +68,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llds_jax.runtime import distributed, gcs, storage
 from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +301,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, save_every: int, keep: int, async_save: bool = True,
-                 timeout_s: float = storage.DEFAULT_TIMEOUT_S):
+                 timeout_s: float = TrainConfig.storage_timeout_s):
         if save_every <= 0:
             raise ConfigError(f"checkpoint.save_every must be positive, got {save_every}")
         if keep <= 0:

@@ -36,6 +36,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX import summary
 
+from llds_jax.config.sections import TrainConfig
 from llds_jax.runtime import gcs, storage
 from llds_jax.errors import InputError
 
@@ -237,7 +238,8 @@ class MetricsWriter:
     def __init__(self, log_dir: str, total_steps: int | None = None, start_step: int = 0,
                  process_index: int | None = None, console: TextIO | None = sys.stdout,
                  console_fields: Sequence[tuple[str, str, str]] = CONSOLE_FIELDS, flush_secs: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, timeout_s: float = storage.DEFAULT_TIMEOUT_S):
+                 clock: Callable[[], float] = time.monotonic,
+                 timeout_s: float = TrainConfig.storage_timeout_s):
         if process_index is None:
             process_index = jax.process_index()
         for label, name, kind in console_fields:

@@ -112,7 +112,7 @@ def _retrieved_by(section: Mapping[str, Any]) -> dict[str, Any]:
     """A retriever section's options that decide what it returns: defaults filled in (`search.factory.
     resolve_config`; as recorded when an older config does not resolve), less OPERATIONAL_KEYS."""
     try:
-        resolved = factory.resolve_config(section)
+        resolved = factory.resolve_config(section).as_dict()
     except (ValueError, TypeError):
         resolved = dict(section)
     return {key: value for key, value in resolved.items() if key not in factory.OPERATIONAL_KEYS}

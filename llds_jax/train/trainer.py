@@ -58,7 +58,6 @@ from llds_jax.runtime import distributed, storage
 from llds_jax.train import run_builder
 from llds_jax.data.iterator import PromptIterator
 from llds_jax.data.qa import QAExample, read_qa
-from llds_jax.protocol import DEFAULT_MAX_PROMPT_TOKENS
 from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
@@ -104,8 +103,7 @@ def host_copy(tree):
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
 
 
-def read_examples(files: Sequence[str], what: str, empty_answer: str,
-                  max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> list[QAExample]:
+def read_examples(files: Sequence[str], what: str, empty_answer: str, max_prompt_tokens: int) -> list[QAExample]:
     """QA examples of several files, uids made unique across files (`empty_answer`: `reward.empty_answer`, which
     decides whether rows no non-empty answer can match are kept; `max_prompt_tokens`: rollout.max_prompt_tokens,
     which bounds the questions; data.qa.read_qa)."""

@@ -45,10 +45,10 @@ def test_gcs_files_read_like_local_ones(tmp_path, gcs_dir, gcs_fs):
         gcs_fs.put(str(tmp_path / f"test{suffix}"), f"{gcs_dir}/test{suffix}")
         assert qa.read_qa(f"{gcs_dir}/test{suffix}") == qa.read_qa(tmp_path / f"test{suffix}")
     files = [f"{gcs_dir}/test.parquet", f"{gcs_dir}/test.jsonl"]
-    assert [ex.uid for ex in read_examples(files, "train_files", "search_r1")] == [
+    assert [ex.uid for ex in read_examples(files, "train_files", "search_r1", 256)] == [
         f"{i}:{ex.data_source}-{row}" for i in range(2) for row, ex in enumerate(EXAMPLES)]
     with pytest.raises(FileNotFoundError, match=f"^data.eval_files: file not found: {gcs_dir}/missing.parquet$"):
-        read_examples([files[0], f"{gcs_dir}/missing.parquet"], "eval_files", "search_r1")
+        read_examples([files[0], f"{gcs_dir}/missing.parquet"], "eval_files", "search_r1", 256)
     pq.write_table(pq.read_table(tmp_path / "test.parquet").drop(["question"]), tmp_path / "bad.parquet")
     gcs_fs.put(str(tmp_path / "bad.parquet"), f"{gcs_dir}/bad.parquet")
     with pytest.raises(ValueError, match=f"^{gcs_dir}/bad.parquet: missing required column 'question'$"):

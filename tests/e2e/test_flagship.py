@@ -163,7 +163,8 @@ def test_flagship_config_on_two_hosts(tmp_path, storage_root, gcs_env, es_url, e
     assert all("lld/rate" in r for r in records)
     assert sum(r["rollout/valid_searches"] for r in records) > 0
     cfg = json.loads((epath.Path(run_dir) / "config.json").read_text())  # the config as the run resolved it
-    examples = read_examples([paths["train"]], "train_files", cfg["reward"]["empty_answer"])
+    examples = read_examples([paths["train"]], "train_files", cfg["reward"]["empty_answer"],
+                             cfg["rollout"]["max_prompt_tokens"])
     expected = PromptIterator(examples, PROMPTS_PER_STEP, cfg["seed"])
     for _ in range(TOTAL_STEPS):
         next(expected)

@@ -85,7 +85,8 @@ def test_transformer_with_sliced_mlp_matches_whole_under_remat_and_scan():
 
 
 @pytest.mark.parametrize("chunks, message", [
-    (0, r"model\.mlp_chunks must be an integer >= 1, got 0"),
+    (0, r"model\.mlp_chunks must be >= 1, got 0"),
+    (2.0, r"model\.mlp_chunks must be an integer >= 1, got 2\.0"),
     (5, r"model\.mlp_chunks \(5\) must divide the MLP width intermediate_size \(64\)"),
 ])
 def test_bad_mlp_chunks_name_the_key(chunks, message):

@@ -6,6 +6,9 @@ import pytest
 
 from llds_jax.model import tokenizer as tokenizer_lib
 from tests.configs import load
+from llds_jax.config.sections import RolloutConfig
+
+PROMPT_TOKENS = RolloutConfig.max_prompt_tokens  # the run's default prompt cut
 
 
 def test_hello_world_ids(qwen_tokenizer):
@@ -54,7 +57,7 @@ def test_trained_tokenizer_round_trips_and_keeps_protocol_tags_whole(tmp_path):
         assert tok.tokenize(" " + person.name) == ["Ġ" + part for part in person.name.split()], person.name
     turn = "<think> x </think>\n<search> a b </search>"
     assert tok.decode(tok.encode(turn), skip_special_tokens=True) == turn  # tags survive skip_special_tokens
-    prompt = protocol.chat_prompt_ids(tok, world.train[0].question)
+    prompt = protocol.chat_prompt_ids(tok, world.train[0].question, PROMPT_TOKENS)
     assert tok.decode(prompt).startswith("<|im_start|>system\n")  # the shipped Qwen2.5 chat template
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(texts, str(tmp_path / "c"), vocab_size=100)
@@ -102,7 +105,7 @@ def test_a_base_model_tokenizer_without_chat_template_gets_the_raw_search_r1_pro
     for fallback in ("", "base", "instruct"):
         tok = tokenizer_lib.load_tokenizer(str(tmp_path), fallback_chat_template=fallback)
         assert not tok.chat_template, fallback
-        prompt = tok.decode(protocol.chat_prompt_ids(tok, question))
+        prompt = tok.decode(protocol.chat_prompt_ids(tok, question, PROMPT_TOKENS))
         assert prompt == protocol.make_prompt(question) and "You are Qwen" not in prompt
 
 

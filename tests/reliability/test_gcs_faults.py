@@ -116,14 +116,15 @@ def test_an_endpoint_that_fails_ends_the_run_with_one_line_in_bounded_time_and_i
     still one line, no retry's traceback. The writes on the way out (the lease's release) get AFTER_FAILURE_S more.
     Before, the wait for the save counted its timeout from the wait's start, after a metrics write had failed (the
     run ended 154 s after the fault in CI)."""
-    from llds_jax.runtime.storage import AFTER_FAILURE_S, DEFAULT_TIMEOUT_S
+    from llds_jax.config.sections import TrainConfig
+    from llds_jax.runtime.storage import AFTER_FAILURE_S
 
     name = f"endpoint_{fault}_{timeout_s or 'default'}"
     settings = {} if timeout_s is None else {"train__storage_timeout_s": timeout_s}
     with ScriptedRetriever() as server:
         launched = run_until_step_1_is_saved(searching_runs, server, emulator, name, **settings)
         getattr(emulator, fault)()
-        bound_s = STEP_S + (timeout_s or DEFAULT_TIMEOUT_S) + AFTER_FAILURE_S + SLACK_S
+        bound_s = STEP_S + (timeout_s or TrainConfig.storage_timeout_s) + AFTER_FAILURE_S + SLACK_S
         output = assert_ended_in(launched, time.monotonic(), bound_s)
         line = assert_one_error_line(output, f"(Google Cloud Storage at {emulator.url})")
         assert line.startswith(("llds_jax: error: saving checkpoint step", "llds_jax: error: writing metrics to")), line

@@ -62,5 +62,5 @@ def test_an_endless_answer_is_abandoned_at_max_response_bytes_and_not_retried(en
 
 
 def test_max_response_bytes_is_validated_naming_the_key():
-    with pytest.raises(ValueError, match=r"^retriever config key 'max_response_bytes' must be >= 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^retriever\.max_response_bytes must be >= 1, got 0$"):
         make_retriever({"backend": "http", "url": "http://127.0.0.1:1/retrieve", "max_response_bytes": 0})

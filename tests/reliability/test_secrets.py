@@ -243,8 +243,8 @@ def test_es_password_with_special_characters_is_redacted_in_the_config_and_argum
     # A URL without a scheme is refused before anything prints it, without quoting it.
     with pytest.raises(ValueError) as refused:
         resolve_config({"backend": "elasticsearch", "index": "w", "hosts": f"http://a:9200,elastic:{PASSWORD}@b:9200"})
-    assert str(refused.value) == ("retriever config key 'hosts': entry 2 of the value needs a scheme (http:// or "
+    assert str(refused.value) == ("retriever.hosts: entry 2 of the value needs a scheme (http:// or "
                                   "https://), e.g. http://127.0.0.1:9200")
     with pytest.raises(ValueError) as wrong_type:
         resolve_config({"backend": "http", "url": [f"http://elastic:{PASSWORD}@h:8000/retrieve"]})
-    assert str(wrong_type.value) == "retriever config key 'url' must be str, got ['http://***@h:8000/retrieve']"
+    assert str(wrong_type.value) == "retriever.url must be str, got ['http://***@h:8000/retrieve']"

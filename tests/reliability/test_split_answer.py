@@ -7,6 +7,9 @@ from llds_jax.data.qa import QAExample
 from llds_jax.data.rewards import em_reward
 from llds_jax import protocol
 from llds_jax.rollout.trajectory import Lineage, Turn, build_trajectory, em_score
+from llds_jax.config.sections import RolloutConfig
+
+PROMPT_TOKENS = RolloutConfig.max_prompt_tokens  # the run's default prompt cut
 
 HAMLET = QAExample(uid="nq-0", question="who wrote hamlet", golden_answers=("William Shakespeare",), data_source="nq")
 
@@ -20,8 +23,8 @@ def turn(tokenizer, text, observation=None):
 
 
 def trajectory(tokenizer, turns, end_reason):
-    return build_trajectory(HAMLET, protocol.chat_prompt_ids(tokenizer, HAMLET.question), turns, end_reason,
-                            tokenizer, Lineage(0, 0, (0, 0)))
+    prompt_ids = protocol.chat_prompt_ids(tokenizer, HAMLET.question, PROMPT_TOKENS)
+    return build_trajectory(HAMLET, prompt_ids, turns, end_reason, tokenizer, Lineage(0, 0, (0, 0)))
 
 
 def test_answer_split_across_turns_scores_zero_and_masks_nothing_a_later_one_counts(qwen_tokenizer):

@@ -85,7 +85,7 @@ def test_docs_state_the_retry_budget_of_the_default_settings(repo_root):
     """docs/retrieval.md's worst case of a failing batch is the one the code's defaults give (it once said 18.5 s
     while the code took 43.5 s)."""
     defaults = resolve_config({"backend": "http", "url": "http://127.0.0.1:1/retrieve"})
-    policy = RequestPolicy(**{key: defaults[key] for key in ("timeout_s", "max_retries", "backoff_s")})
+    policy = RequestPolicy.of(defaults)
     with open(os.path.join(repo_root, "docs", "retrieval.md")) as f:
         stated = re.search(r"seconds \(([\d.]+) s with the defaults\)", f.read())
     assert stated is not None and float(stated.group(1)) == policy.worst_case_s == 43.5

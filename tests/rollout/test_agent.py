@@ -20,6 +20,9 @@ from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.trajectory import em_rewards, em_score
 from llds_jax.search.types import Document, Retriever, SearchResult
 from llds_jax.train.batching import padded_batch
+from llds_jax.config.sections import RolloutConfig
+
+PROMPT_TOKENS = RolloutConfig.max_prompt_tokens  # the run's default prompt cut
 
 PARIS_DOCS = ['"Paris"\nParis is the capital of France.', '"France"\nFrance is a country.\nIt is in Europe.',
               '"Lyon"\nLyon is a city.', '"Extra"\nNot returned with k = 3.']
@@ -87,7 +90,7 @@ def test_search_then_answer(qwen_tokenizer, doubles):
     obs = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
     assert tok.decode(kept0[-1:]) == ">\n\n"  # the token straddling the cut is kept
     check_segments(traj, [("model", kept0), ("obs", obs), ("model", kept1)])
-    assert traj.prompt_ids == tuple(protocol.chat_prompt_ids(tok, "what is the capital of france"))
+    assert traj.prompt_ids == tuple(protocol.chat_prompt_ids(tok, "what is the capital of france", PROMPT_TOKENS))
     assert tok.decode(traj.tokens[len(traj.prompt_ids) + len(kept0):][:len(obs)].tolist()) == PARIS_OBSERVATION
     assert traj.turns[0].observation == PARIS_OBSERVATION
     assert retriever.calls == [(["capital of france"], 3)]
@@ -228,7 +231,7 @@ def test_end_of_turn_token_is_not_trained(qwen_tokenizer, doubles):
 
 def test_context_caps_end_sequences_cleanly(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
-    prompt_len = len(protocol.chat_prompt_ids(tok, "what is the capital of france"))
+    prompt_len = len(protocol.chat_prompt_ids(tok, "what is the capital of france", PROMPT_TOKENS))
     kept = kept_tokens(tok, SEARCH_TURN)
     # Room for the first turn but not for its observation.
     sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])

@@ -13,6 +13,8 @@ import pytest
 
 from llds_jax.runtime import lease
 
+TIMEOUT_S = 120.0  # seconds taking or releasing a lease may take (the run passes train.storage_timeout_s)
+
 
 def write_record(path, **fields) -> None:
     record = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": lease.process_start_ticks(os.getpid()),
@@ -30,7 +32,7 @@ def ended_pid() -> int:
 
 def test_a_lease_is_held_for_the_block_and_deleted_at_release(tmp_path):
     path = tmp_path / "run" / "lease.json"
-    with lease.Lease(path, "run_dir X") as held:
+    with lease.Lease(path, "run_dir X", TIMEOUT_S) as held:
         record = json.loads(path.read_text())
         assert (record["host"], record["pid"], record["token"]) == (socket.gethostname(), os.getpid(),
                                                                      held.record["token"])
@@ -43,7 +45,7 @@ def test_a_live_holder_is_refused_naming_it(tmp_path):
     with pytest.raises(lease.LeaseHeldError, match=rf"^run_dir X is in use by pid {os.getpid()} on host "
                                                     rf"{socket.gethostname()} \(started .* UTC, last heartbeat 0 s "
                                                     rf"ago\) \(lease file {path}\)"):
-        lease.Lease(path, "run_dir X").acquire()
+        lease.Lease(path, "run_dir X", TIMEOUT_S).acquire()
     assert json.loads(path.read_text())["token"] == "other"  # untouched
 
 
@@ -55,7 +57,7 @@ def test_a_live_holder_is_refused_naming_it(tmp_path):
 def test_the_lease_of_a_holder_that_is_gone_is_taken_over(tmp_path, caplog, fields):
     path = tmp_path / "lease.json"
     write_record(path, **fields())
-    with caplog.at_level(logging.WARNING), lease.Lease(path, "run_dir X") as held:
+    with caplog.at_level(logging.WARNING), lease.Lease(path, "run_dir X", TIMEOUT_S) as held:
         assert json.loads(path.read_text())["token"] == held.record["token"]
     assert "run_dir X: taking over the lease of pid" in caplog.text
 
@@ -72,7 +74,7 @@ def test_the_lease_of_a_holder_that_is_gone_is_taken_over(tmp_path, caplog, fiel
 def test_an_unreadable_or_impossible_lease_is_taken_over_with_one_warning(tmp_path, caplog, content, problem):
     path = tmp_path / "lease.json"
     path.write_text(content)
-    with caplog.at_level(logging.WARNING), lease.Lease(path, "run_dir X") as held:
+    with caplog.at_level(logging.WARNING), lease.Lease(path, "run_dir X", TIMEOUT_S) as held:
         assert json.loads(path.read_text())["token"] == held.record["token"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(f"run_dir X: unreadable lease file {path} (")
@@ -84,12 +86,12 @@ def test_another_hosts_lease_with_a_recent_heartbeat_is_refused(tmp_path):
     path = tmp_path / "lease.json"
     write_record(path, host="another-host", pid=1, heartbeat=time.time() - 60)
     with pytest.raises(lease.LeaseHeldError, match="in use by pid 1 on host another-host .* last heartbeat 60 s ago"):
-        lease.Lease(path, "run_dir X").acquire()
+        lease.Lease(path, "run_dir X", TIMEOUT_S).acquire()
 
 
 def test_the_heartbeat_is_refreshed(tmp_path):
     path = tmp_path / "lease.json"
-    with lease.Lease(path, "run_dir X", heartbeat_s=0.05):
+    with lease.Lease(path, "run_dir X", TIMEOUT_S, heartbeat_s=0.05):
         first = json.loads(path.read_text())["heartbeat"]
         deadline = time.monotonic() + 10
         while json.loads(path.read_text())["heartbeat"] == first:
@@ -101,7 +103,7 @@ def test_an_unwritable_folder_is_named(tmp_path):
     (tmp_path / "file").write_text("")  # a folder below a regular file cannot be created, even by root
     with pytest.raises(lease.FolderNotWritableError,
                        match=rf"^run_dir X: {tmp_path}/file is a file, not a folder: name a folder "):
-        lease.Lease(tmp_path / "file" / "run" / "lease.json", "run_dir X").acquire()
+        lease.Lease(tmp_path / "file" / "run" / "lease.json", "run_dir X", TIMEOUT_S).acquire()
     with pytest.raises(lease.FolderNotWritableError, match=rf"^--export_dir Y: {tmp_path}/file is a file, not a "
                                                            "folder: "):
         lease.check_writable(tmp_path / "file" / "out", "--export_dir Y")
@@ -113,10 +115,10 @@ def test_an_unwritable_folder_is_named(tmp_path):
 
 def test_a_lease_on_gcs(gcs_dir, gcs_fs):
     path = f"{gcs_dir}/run/lease.json"
-    with lease.Lease(path, "run_dir G") as held:
+    with lease.Lease(path, "run_dir G", TIMEOUT_S) as held:
         assert json.loads(gcs_fs.cat(path))["token"] == held.record["token"]
         with pytest.raises(lease.LeaseHeldError, match=f"^run_dir G is in use by pid {os.getpid()} "):
-            lease.Lease(path, "run_dir G").acquire()
+            lease.Lease(path, "run_dir G", TIMEOUT_S).acquire()
     gcs_fs.invalidate_cache()
     assert not gcs_fs.exists(path)
 
@@ -126,7 +128,7 @@ def test_a_lease_that_cannot_be_read_at_release_is_left_with_one_warning_not_tak
     the lease to go stale: one warning that it could not be deleted, none that it is being taken over."""
     path = tmp_path / "lease.json"
     with caplog.at_level(logging.WARNING):
-        with lease.Lease(path, "run_dir X"):
+        with lease.Lease(path, "run_dir X", TIMEOUT_S):
             path.unlink()
             path.mkdir()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -27,14 +27,14 @@ from llds_jax.train.checkpoint import Checkpointer
 def test_a_failed_write_is_one_storage_error_naming_operation_path_and_reason(tmp_path):
     with pytest.raises(storage.StorageError, match=rf"^writing metrics to {tmp_path} failed: No space left on "
                                                     r"device$"):
-        with storage.operation("writing metrics to", tmp_path):
+        with storage.operation("writing metrics to", tmp_path, 120.0):
             raise OSError(28, "No space left on device")
     where = re.escape(f"gs://b/r (Google Cloud Storage at {gcs.endpoint()})")
     with pytest.raises(storage.StorageError, match=rf"^saving x to {where} failed: ValueError: bad$"):
-        with storage.operation("saving x to", "gs://b/r"):
+        with storage.operation("saving x to", "gs://b/r", 120.0):
             raise ValueError("bad\nsecond line")
     with pytest.raises(KeyError):  # a reader that judges its own errors
-        with storage.operation("reading", tmp_path, convert=False):
+        with storage.operation("reading", tmp_path, 120.0, convert=False):
             raise KeyError("k")
 
 
@@ -63,7 +63,7 @@ def test_on_the_way_out_the_wait_for_a_save_counts_its_timeout_from_the_saves_st
         "with storage.operation('saving checkpoint step 2 to', '/runs/x', timeout_s=10.0, saves_state=True,\n"
         "                       work_began=time.monotonic() - 100.0):\n    time.sleep(2)\n"
         "print('the running wait ended', flush=True)\n"
-        "try:\n    with storage.operation('writing metrics to', '/runs/x'):\n"
+        "try:\n    with storage.operation('writing metrics to', '/runs/x', 120.0):\n"
         "        raise OSError(28, 'No space left on device')\nfinally:\n"
         "    with storage.operation('saving checkpoint step 3 to', '/runs/x', timeout_s=101.0, saves_state=True,\n"
         "                           work_began=time.monotonic() - 1000.0):\n        time.sleep(200)\n")

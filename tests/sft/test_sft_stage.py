@@ -14,6 +14,9 @@ from llds_jax.sft import demonstrations as demos_lib
 from llds_jax.sft import stage
 from llds_jax.sft.demonstrations import read_demonstrations
 from llds_jax.model.tokenizer import load_tokenizer
+from llds_jax.config.sections import RolloutConfig
+
+PROMPT_TOKENS = RolloutConfig.max_prompt_tokens  # the run's default prompt cut
 
 RECORD = {"question": "Where was Tova Ren born?",
           "turns": [{"text": "<think> search </think>\n<search> Tova Ren </search>",
@@ -58,7 +61,7 @@ def test_encode_lays_out_prompt_turns_and_observations(qwen_tokenizer):
     demo = demos_lib.parse_record("r", RECORD)
     tokens, mask = demos_lib.encode(demo, qwen_tokenizer, max_prompt_tokens=4096)
     enc = lambda text: qwen_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    prompt = protocol.chat_prompt_ids(qwen_tokenizer, RECORD["question"])
+    prompt = protocol.chat_prompt_ids(qwen_tokenizer, RECORD["question"], PROMPT_TOKENS)
     turns = RECORD["turns"]
     t0, o0, t1 = enc(turns[0]["text"]), enc(turns[0]["observation"]), enc(turns[1]["text"])
     assert tokens.tolist() == prompt + t0 + o0 + t1
