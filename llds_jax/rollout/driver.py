@@ -77,8 +77,9 @@ class SearchQueue:
         return self._call is not None or bool(self._queued)
 
     def submit(self, seq: int, query: str) -> None:
+        """Queues a query; it goes out with the others queued at the next `collect` or `wait` (the turns closed by
+        one engine step search in one call)."""
         self._queued.append((seq, query))
-        self._send()
 
     def collect(self) -> dict[int, tuple[str, Optional[str]]]:
         """The finished call's results, sequence -> (observation, error); sends what queued meanwhile."""
@@ -121,11 +122,12 @@ class Driver:
       version: the policy version of the turns it samples (`Turn.version`: the training step).
       plan: a partial step's plan (its examples are `plan.examples`, its carried conversations resumed first); None:
         every example runs to its end.
+      searches: the queue its searches go through (default: a `SearchQueue` over `agent_steps`' retriever).
     """
 
     def __init__(self, engine: Engine, agent_steps: AgentSteps, examples: Sequence[QAExample],
                  decode_thread: concurrent.futures.Executor, group_size: int = 1, version: int = 0,
-                 plan: Optional[StepPlan] = None):
+                 plan: Optional[StepPlan] = None, searches: Optional[SearchQueue] = None):
         self.engine, self.agent_steps, self.decode_thread = engine, agent_steps, decode_thread
         self.examples = list(examples)
         self.config, self.group_size, self.version, self.plan = agent_steps.config, group_size, version, plan
@@ -134,7 +136,7 @@ class Driver:
         self._complete_groups = 0
         self.first_sequence = 0  # the global sequence id of examples[0] (`run`)
         self.convs: dict[int, Conversation] = {}
-        self.searches = SearchQueue(agent_steps)
+        self.searches = searches or SearchQueue(agent_steps)
         self._searching: dict[int, Turn] = {}  # closed turns waiting for their search
         self._ready: dict[int, tuple[Turn, Optional[str], Optional[str]]] = {}  # turn, observation, error
         self._truncations = 0

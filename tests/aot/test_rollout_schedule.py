@@ -143,14 +143,16 @@ def test_overlapping_calls_as_worked_out_by_hand():
     call 2 absorbed, 0 ends and 2 enters: call 4 its prompt (10; 1 at its budget); call 5 2's token and 3's
     (sharing 2's prompt); call 6 3's alone: 6 calls. The search test's two conversations, the search answered a call
     later: call 1 both prompts (20), sequence 0's 4-token turn ends there, known as call 2 (sequence 1's token)
-    leaves, so call 2 closes the search; call 3 sequence 1's last token; call 4 the observation (5): 4 calls, one
-    call more than one at a time."""
+    leaves, so call 2 closes the search; call 3 sequence 1's last token; call 4 the observation (5); sequence 0's
+    last turn ends on its stop id in call 4, below its 12-token budget (rollout.max_turn_tokens: the longest turn's),
+    so call 5 holds its dropped row: 5 calls."""
     s = rollout_schedule.run(engine(2), scripts(4, 2, lengths(10, 1.0, 8.0, 1)), "continuous")
     assert [(c.bucket, c.tokens) for c in s.calls] == [(16, 10), (2, 2), (2, 1), (16, 10), (2, 2), (2, 1)]
     convs = [rollout_schedule.Conversation((2,) * 10, (4, 4), (5,), (True, True), (True,)),
              rollout_schedule.Conversation((3,) * 10, (12,), (), (True,), ())]
     calls = rollout_schedule.run(engine(2), convs, "continuous").calls
-    assert [(c.bucket, c.tokens, c.searches) for c in calls] == [(32, 20, 0), (2, 1, 1), (2, 1, 0), (8, 5, 0)]
+    assert [(c.bucket, c.tokens, c.searches) for c in calls] == [(32, 20, 0), (2, 1, 1), (2, 1, 0), (8, 5, 0),
+                                                                   (2, 0, 0)]
 
 
 def test_each_call_records_the_sequences_in_flight_and_the_searches_it_closed():
@@ -224,25 +226,28 @@ def test_partial_rollouts_cut_once_P_groups_are_complete_as_worked_out_by_hand()
     complete turn (their second turn's 8 tokens sampled so far are drawn again). Step 1 resumes them first: their
     contexts (10 + 3 kept + 5 = 18 tokens each, the 36 re-prefill tokens) with the fresh A and B's first prompts in
     call 1 (56 tokens); each samples the 12 tokens not sampled before (3 calls of 4), and the carried B, B' complete
-    at call 3 (as does the fresh A, carried complete to the next step, with the fresh B's first sample)."""
+    at call 3 (as does the fresh A, carried complete to the next step, with the fresh B's first sample). Carried, as
+    the run counts them (`partial/carried`): the started conversations of the groups carried, 4 each step."""
     steps = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, steps=2, overlap=False)
     assert [(c.bucket, c.tokens) for c in steps[0].schedule.calls] == [(64, 40), (16, 16), (8, 4)]
     assert [(c.bucket, c.tokens) for c in steps[1].schedule.calls] == [(64, 56), (16, 10), (8, 4)]
     assert rollout_schedule.context_tokens(partial_batch()[2], 1) == 18
     assert [(s.started, s.trained, s.resumed, s.reprefill_tokens, s.carried, s.carried_groups) for s in steps] == [
-        (4, 2, 0, 0, 2, 2), (4, 2, 2, 36, 1, 2)]
+        (4, 2, 0, 0, 4, 2), (4, 2, 2, 36, 4, 2)]
     assert steps[0].schedule.sequences == 4  # the trajectories trained
-    # Barrier: the cut after the turn round in which A and A' complete (every turn ended, the observations written).
+    # Barrier: the cut after the turn round in which A and A' complete (every turn ended, the observations written;
+    # the round's last turns end on stop ids below their 12-token budget: a last call of their dropped rows).
     barrier = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "barrier", 2.0, steps=2)
-    assert [(c.bucket, c.tokens) for c in barrier[0].schedule.calls] == [(64, 40), (8, 6), (8, 2)]
+    assert [(c.bucket, c.tokens) for c in barrier[0].schedule.calls] == [(64, 40), (8, 6), (8, 2), (8, 0)]
     assert (barrier[1].resumed, barrier[1].reprefill_tokens, barrier[1].schedule.calls[0].tokens) == (2, 36, 56)
 
 
 def test_a_carried_group_older_than_max_staleness_is_dropped():
-    """B and B' carry a turn sampled at step 0: at max_staleness 0 step 1 drops them, starts four fresh groups and
-    runs as step 0 did; at 1 they are resumed."""
+    """B and B' carry a turn sampled at step 0: at max_staleness 0 step 1 drops them (their 4 started
+    conversations, as the run counts them: `partial/dropped`), starts four fresh groups and runs as step 0 did; at 1
+    they are resumed."""
     stale = rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, max_staleness=0, steps=2)
-    assert [(s.dropped, s.resumed) for s in stale] == [(0, 0), (2, 0)]
+    assert [(s.dropped, s.resumed) for s in stale] == [(0, 0), (4, 0)]
     assert stale[1].schedule.calls == stale[0].schedule.calls
     assert rollout_schedule.partial_run(engine(8), partial_batch(), 2, "continuous", 2.0, steps=2)[1].dropped == 0
     with pytest.raises(ValueError, match="over_sampling 0.5 is below 1"):

@@ -273,8 +273,9 @@ def test_searches_start_as_turns_end(qwen_tokenizer, doubles):
     corpus = {"late": PARIS_DOCS[:1], "early one": PARIS_DOCS[1:2], "early two": PARIS_DOCS[2:3]}
     retriever = doubles.FakeRetriever(corpus)
     result = run(tok, doubles.ScriptedSampler(tok, scripts), retriever, [example(i) for i in range(4)])
-    # Each search goes out as its turn ends (the short ones first), not once every turn has ended.
-    assert retriever.calls == [(["early one"], 3), (["early two"], 3), (["late"], 3)]
+    # Each search goes out as its turn ends (the short ones first, the two that end in one step in one call), not
+    # once every turn has ended.
+    assert retriever.calls == [(["early one", "early two"], 3), (["late"], 3)]
     assert [t.turns[0].observation for t in result.trajectories[:3]] == [
         protocol.format_observation([c]) for c in (PARIS_DOCS[0], PARIS_DOCS[1], PARIS_DOCS[2])]
 

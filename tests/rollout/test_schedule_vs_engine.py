@@ -1,4 +1,8 @@
-"""The step estimate's rollout against the engine's own (issue 54 item 5): a rollout of a tiny steered model through
+"""The step estimate's rollout against the engine's own. The estimate's rollout is the run's driver over the run's
+engine with scripted answers (issue 68): fed a rollout's own trajectories it makes that rollout's calls and tokens,
+bucket for bucket, under both policies (no tolerance).
+
+From the logged lengths alone (issue 54 item 5): a rollout of a tiny steered model through
 the paged engine, the agent loop and a retriever logs its step calls per token bucket; the calls predicted from its
 logged lengths alone (`step_lengths.from_metrics`: the means and spreads of prompts, turns, sampled and observation
 tokens; `rollout_schedule.for_run`: what `--mode=compile --estimate_from=RUN_DIR` prints) agree within 10%, in all
@@ -126,3 +130,24 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     assert sum(schedule.tokens_per_bucket.values()) == sum(tokens for _, tokens in logged.values())
     assert schedule.search_waits == 0
     assert schedule.calls_per_bucket == {b: calls for b, (calls, _) in logged.items() if calls}, logged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
+def test_the_schedule_of_a_rollouts_own_lengths_is_its_calls(qwen_tokenizer, tiny, sampled, continuous):
+    """The estimate's rollout is the run's: the real driver over the real engine (`rollout_schedule.run`), fed each
+    trajectory's own lengths, makes the engine's calls bucket for bucket and token for token."""
+    model, graphdef = tiny
+    params, sampling = sampled
+    cfg = run_config(continuous)
+    rollout = config_lib.build(RolloutConfig, cfg.rollout)
+    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
+    engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
+    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
+    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(3), agent_cfg)
+    records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
+    logged = step_lengths.logged_step_counts(records, "the rollout")
+    schedule = rollout_schedule.run(engine, [rollout_schedule.Conversation.of_trajectory(t) for t in result.trajectories], "continuous" if continuous else "barrier",
+                                    agent_cfg)
+    assert schedule.calls_per_bucket == {b: calls for b, (calls, _) in logged.items() if calls}
+    assert schedule.tokens_per_bucket == {b: tokens for b, (calls, tokens) in logged.items() if calls}
