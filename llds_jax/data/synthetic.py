@@ -20,6 +20,7 @@ import math
 import os
 import random
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from llds_jax.data.qa import QAExample, write_qa_parquet
 from llds_jax import protocol
@@ -53,7 +54,24 @@ class World:
     choices: dict[str, tuple[str, ...]]
 
 
-def _name(rng: random.Random, used: set[str]) -> str:
+class SearchWorld(Protocol):
+    """What the demonstrator, `tokenizer_texts` and `write_world` read of a world: this module's `World` or
+    llds_jax.data.khop's `KHopWorld`."""
+
+    @property
+    def passages(self) -> tuple[dict, ...]: ...
+    @property
+    def train(self) -> tuple[QAExample, ...]: ...
+    @property
+    def test(self) -> tuple[QAExample, ...]: ...
+    @property
+    def hops(self) -> dict[str, tuple[str, ...]]: ...
+    @property
+    def choices(self) -> dict[str, tuple[str, ...]]: ...
+
+
+def generated_name(rng: random.Random, used: set[str]) -> str:
+    """A capitalised word of 2-3 consonant-vowel syllables not in `used` (and added to it)."""
     while True:
         word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3)))
         if word not in used:
@@ -61,9 +79,9 @@ def _name(rng: random.Random, used: set[str]) -> str:
             return word.capitalize()
 
 
-def _combined_names(rng: random.Random, used: set[str], count: int, heads: int, tails: Sequence[str]) -> list[str]:
+def combined_names(rng: random.Random, used: set[str], count: int, heads: int, tails: Sequence[str]) -> list[str]:
     """`count` distinct "Head Tail" names: `heads` generated words, each paired with words of `tails`."""
-    head_words = [_name(rng, used) for _ in range(heads)]
+    head_words = [generated_name(rng, used) for _ in range(heads)]
     return [f"{head} {tail}" for head, tail in rng.sample([(h, t) for h in head_words for t in tails], count)]
 
 
@@ -78,11 +96,11 @@ def make_world(num_people: int = 200, seed: int = 0, test_fraction: float = 0.2)
     rng = random.Random(seed)
     used: set[str] = set()
     num_companies = max(1, num_people // 4)
-    companies = _combined_names(rng, used, num_companies, -(-num_companies // len(COMPANY_SUFFIXES)) + 1,
-                                COMPANY_SUFFIXES)
+    companies = combined_names(rng, used, num_companies, -(-num_companies // len(COMPANY_SUFFIXES)) + 1,
+                               COMPANY_SUFFIXES)
     pool = max(2, math.ceil(math.sqrt(1.5 * num_people)))
-    last_names = [_name(rng, used) for _ in range(pool)]
-    names = _combined_names(rng, used, num_people, pool, last_names)
+    last_names = [generated_name(rng, used) for _ in range(pool)]
+    names = combined_names(rng, used, num_people, pool, last_names)
     people = tuple(Person(name=name, city=rng.choice(CITIES), occupation=rng.choice(OCCUPATIONS),
                           company=rng.choice(companies)) for name in names)
     founders = {company: people[i % num_people].name for i, company in enumerate(companies)}
@@ -116,7 +134,7 @@ def make_world(num_people: int = 200, seed: int = 0, test_fraction: float = 0.2)
                  test=tuple(split["test"]), hops=hops, choices=choices)
 
 
-def tokenizer_texts(world: World, demonstrations: Sequence[dict] = ()) -> list[str]:
+def tokenizer_texts(world: SearchWorld, demonstrations: Sequence[dict] = ()) -> list[str]:
     """Text a tokenizer for the world is trained on: passages as search results show them, the questions as they
     follow the instruction in a prompt (test questions included: only their wording, never their answers), the
     chat roles, and the model turns of `demonstrations` (so the protocol's words are whole tokens). The constant
@@ -143,7 +161,7 @@ ANSWER_THOUGHT = "<think> The documents give the answer. </think>\n<answer> {ans
 GUESS_THOUGHT = "<think> I can answer from memory. </think>\n<answer> {answer} </answer>"
 
 
-def demonstrations(world: World, examples: Sequence[QAExample],
+def demonstrations(world: SearchWorld, examples: Sequence[QAExample],
                    search: Callable[[list[str]], list[list[str]]], search_fraction: float,
                    seed: int = 0) -> list[dict]:
     """Demonstrator transcripts for `examples` (records of `llds_jax.sft.demonstrations`' format).
@@ -176,7 +194,7 @@ def demonstrations(world: World, examples: Sequence[QAExample],
     return records
 
 
-def write_world(world: World, out_dir: str) -> dict[str, str]:
+def write_world(world: SearchWorld, out_dir: str) -> dict[str, str]:
     """Writes corpus.jsonl, train.parquet and test.parquet (Search-R1 schema); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, name) for name in ("corpus.jsonl", "train.parquet", "test.parquet")}

@@ -1,5 +1,9 @@
 """The generated search world: every question answerable from the corpus by its hops, and the warm-start
 demonstrator's transcripts (searches, observations, guesses, scores)."""
+import dataclasses
+import hashlib
+import json
+
 import pytest
 
 from llds_jax.data import synthetic
@@ -30,6 +34,22 @@ def test_world_is_deterministic_and_answers_are_in_the_last_hop_passage(world):
         if len(hops) == 2:  # the company passage names the founder searched next
             assert f"founded by {hops[1]}." in titles[hops[0]]["contents"]
     assert {ex.data_source for ex in world.train} == {"single_hop", "two_hop"}
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=dataclasses.astuple).encode()).hexdigest()
+
+
+def test_world_and_demonstrations_are_the_same_as_before_the_k_hop_world():
+    """make_world's world for the demo's size, the demonstrator's transcripts and the tokenizer's texts are those
+    of the code before llds_jax.data.khop (the digests were computed at 9ed2dbe, before it)."""
+    world = synthetic.make_world(num_people=200, seed=0)
+    titles = by_title(world)
+    records = synthetic.demonstrations(world, world.train, lambda queries: [[titles[q]["contents"]] for q in queries],
+                                       search_fraction=0.5, seed=0)
+    assert digest([dataclasses.astuple(world)]) == "d48779bcaa2682642026bb8d97db7efd407144749d88ea832b39d4b2919e2c9a"
+    assert digest([records, synthetic.tokenizer_texts(world, records)]) == (
+        "c43276ef0ff9a85afee48b3845a53dd8155a00158caff992c6b5f032b94e96cd")
 
 
 def fake_search(world, calls):
