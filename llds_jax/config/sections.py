@@ -144,8 +144,11 @@ class RolloutConfig(bounds.Section):
     max_turns: int = field(3, NON_NEGATIVE, doc="turns whose search is executed; one final turn (no search) follows")
     max_turn_tokens: int = field(500, AT_LEAST_1, doc="new tokens per turn")
     max_observation_tokens: int = field(500, AT_LEAST_1, doc="observation tokens kept (the first ones)")
-    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="a prompt's most tokens: an over-long question loses its "
-                                   "start, never the instruction or the template")
+    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="a prompt's most tokens (below max_context_tokens), in "
+                                   "the rollout and in SFT (protocol.fit_prompt): an over-long question loses its "
+                                   "start, never the instruction or the template (counted in rollout/prompts_cut; a "
+                                   "ValueError when they alone are longer); questions are cut to their last 2 x "
+                                   "this x 128 characters as they are read")
     max_context_tokens: int = field(4096, AT_LEAST_1, doc="cap on a sequence's prompt + response tokens")
     max_response_tokens: int = field(4096, AT_LEAST_1,
                                      doc="cap on a sequence's response tokens (model and observations)")
