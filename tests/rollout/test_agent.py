@@ -13,13 +13,12 @@ from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax import protocol
 from llds_jax.rollout import agent
-from llds_jax.rollout.buckets import round_up
 from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.trajectory import em_rewards, em_score
 from llds_jax.search.types import Document, Retriever, SearchResult
-from llds_jax.train.batching import padded_batch
+from llds_jax.train.batching import padded_batch, round_up
 
 PARIS_DOCS = ['"Paris"\nParis is the capital of France.', '"France"\nFrance is a country.\nIt is in Europe.',
               '"Lyon"\nLyon is a city.', '"Extra"\nNot returned with k = 3.']
