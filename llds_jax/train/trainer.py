@@ -16,7 +16,7 @@ Several hosts (processes): the updates run on the GLOBAL mesh (every device of t
 sharded over it). Rollouts are host-local: each host samples its own slice of the step's prompts (PromptIterator)
 on a mesh of its own devices, with a host-local copy of the current params laid out as `rollout.tensor_parallel`
 says (`llds_jax.rollout.layout`: tensor parallelism over the host's chips, or the training layout), and calls its
-own retriever. Sequence ids are global (`agent.rollout(first_sequence=...)`), so the hosts together sample what one
+own retriever. Sequence ids are global (`agent.RolloutRequest.first_sequence`), so the hosts together sample what one
 process would. The hosts' trajectories are then packed to one agreed length and gathered into the global
 training batch on every host (`global_batch`); `train_on_batch` places it on the global mesh. Rollout metrics
 are combined over the hosts (`combine_over_processes`). With one process nothing is gathered: the rollout uses the
@@ -63,6 +63,7 @@ from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
+from llds_jax.rollout.agent import PartialRequest, RolloutRequest
 from llds_jax.rollout.config import AgentConfig, PartialConfig
 from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.partial import Carry, StepPlan, plan_step
@@ -220,17 +221,19 @@ class Trainer:
                 plan: Optional[StepPlan] = None) -> agent.Rollout:
         """n samples of each of this host's prompts through the agent loop (the samples of the step's prompt i,
         numbered over every host, form GRPO group i: `Lineage.group`); sequence ids count from this host's first
-        row of the global batch. `between_sessions` and `stopping`: as for `agent.rollout`; `version`: the step.
+        row of the global batch. `between_sessions` and `stopping`: as for `agent.RolloutRequest`; `version`: the step.
         A partial step (`plan`, rollout.partial) runs the plan's groups instead of `prompts` and trains its first
         `plan.prompts` complete ones (this host's groups numbered from its first of the global batch)."""
         n = self.cfg.data.samples_per_prompt
         examples = plan.examples if plan is not None else [ex for ex in prompts for _ in range(n)]
-        first_group = jax.process_index() * (plan.prompts if plan is not None else len(prompts))
-        return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, examples,
-                             rng, self.agent_cfg, runner=self.runner,
-                             first_sequence=jax.process_index() * len(examples), between_sessions=between_sessions,
-                             stopping=stopping, group_size=n, version=version, plan=plan, first_group=first_group,
-                             max_staleness=self.partial_cfg.max_staleness)
+        partial = (None if plan is None else
+                   PartialRequest(plan, first_group=jax.process_index() * plan.prompts,
+                                  max_staleness=self.partial_cfg.max_staleness))
+        request = RolloutRequest(examples, rng, self.agent_cfg, group_size=n,
+                                 first_sequence=jax.process_index() * len(examples), version=version,
+                                 partial=partial, between_sessions=between_sessions, stopping=stopping)
+        return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, request,
+                             runner=self.runner)
 
     def step_rollout(self, params, step: int, between_sessions: Optional[Callable[[], None]] = None,
                      stopping: Optional[Callable[[], bool]] = None) -> agent.Rollout:
@@ -346,15 +349,16 @@ class Trainer:
         means (`{prefix}/em_*`, `{prefix}/searches_*`).
 
         On several hosts every host evaluates every example on its own devices (same results; only process 0
-        writes them). `stopping` (this host's stop request, as for `agent.rollout`): once true, the evaluation is
+        writes them). `stopping` (this host's stop request, as for `agent.RolloutRequest`): once true, the evaluation is
         abandoned with StepInterrupted("evaluation")."""
         trajectories = []
         size = self.cfg.eval.batch_size
         params = self.rollout_params(params)
         for first in range(0, len(examples), size):
-            rollout = agent.rollout(self.eval_sampler, params, self.tokenizer, self.retriever,
-                                    list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
-                                    runner=self.runner, stopping=stopping)
+            request = RolloutRequest(list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
+                                     stopping=stopping)
+            rollout = agent.rollout(self.eval_sampler, params, self.tokenizer, self.retriever, request,
+                                    runner=self.runner)
             if rollout.stopped or (stopping is not None and stopping()):
                 raise StepInterrupted("evaluation")
             trajectories += rollout.trajectories
