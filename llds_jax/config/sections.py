@@ -121,6 +121,9 @@ class RewardConfig(bounds.Section):
     empty_answer: str = field(DEFAULT_EMPTY_ANSWER, choices=EMPTY_ANSWER_RULES,
                               doc="an answer that normalizes to nothing: search_r1 scores it by exact match (the "
                                   "paper's code), zero never rewards it (and skips such QA rows)")
+    functions: tuple[str, ...] = field(("exact_match",), doc="the training rewards by name (llds_jax.train.rewards."
+                                       "REWARDS; an application registers its own), summed; with several, each "
+                                       "one's batch mean is logged as reward/ and its name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +364,9 @@ class TrainConfig(bounds.Section):
                                              "state from before it (docs/reliability.md)")
     storage_timeout_s: float = field(120.0, POSITIVE, doc="a checkpoint or metrics write or read that takes longer "
                                                           "ends the run (exit 2)")
+    hooks: tuple[str, ...] = field((), doc="what else runs after each step, by name, in order "
+                                           "(llds_jax.train.step_hooks.STEP_HOOKS; an application registers its "
+                                           "own): after the evaluation, before the metrics record")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,8 +76,8 @@ from llds_jax.train.batching import global_batch, global_rows, padded_batch, pad
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.preemption import ABANDON_EVALUATION, PreemptionGuard, StepInterrupted, StopRequested
-from llds_jax.train.rewards import DEFAULT_REWARD_FNS, RewardFn, summed_rewards
-from llds_jax.train.step_hooks import DEFAULT_STEP_HOOKS, FinishedStep, StepHook
+from llds_jax.train.rewards import named_rewards, summed_rewards
+from llds_jax.train.step_hooks import FinishedStep, StepContext, step_hooks
 from llds_jax.train.watchdog import Watchdog, search_counts
 
 log = logging.getLogger(__name__)
@@ -158,16 +158,14 @@ def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Run
 class Trainer:
     """Builds every component of a run from its config; `run()` trains, `evaluate()` evaluates.
 
-    `reward_fns`: the rewards of a step's trajectories, summed (llds_jax.train.rewards; exact match by default).
-    `step_hooks`: what runs after each step, in order (llds_jax.train.step_hooks; by default the evaluation, the
-    metrics record, the transcripts and the watchdog's check)."""
+    The rewards of a step's trajectories are summed (`reward.functions`, llds_jax.train.rewards; exact match by
+    default); after each step its hooks run, in order (`train.hooks` among them, llds_jax.train.step_hooks)."""
 
-    def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True,
-                 reward_fns: Sequence[RewardFn] = DEFAULT_REWARD_FNS,
-                 step_hooks: Sequence[StepHook] = DEFAULT_STEP_HOOKS):
+    def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True):
         self.cfg = cfg
-        self.reward_fns, self.step_hooks = tuple(reward_fns), tuple(step_hooks)
         checks.validate(cfg, jax.device_count())
+        self.reward_fns = named_rewards(cfg.reward.functions)
+        self.step_hooks = step_hooks(cfg.train.hooks)
         self.run_dir = epath.Path(cfg.run_dir)
         self.is_main = distributed.is_main_process()
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
@@ -180,7 +178,7 @@ class Trainer:
                                   agent.turn_stop_ids(self.tokenizer))
         self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
-        typed_cfg = config_lib.typed(cfg)
+        typed_cfg = self.typed_cfg = config_lib.typed(cfg)
         self.agent_cfg = AgentConfig.of(typed_cfg.rollout)
         self.partial_cfg = PartialConfig.of(typed_cfg.rollout)
         self.carry = Carry()  # the partial rollouts' groups carried into the next step
@@ -338,6 +336,17 @@ class Trainer:
         })
         return metrics
 
+    def step_context(self) -> StepContext:
+        """What the step hooks see of the run (llds_jax.train.step_hooks): the typed config, the run folder, the
+        tokenizer, whether this process writes and the periodic evaluation (None without evaluation files)."""
+        return StepContext(self.typed_cfg, self.run_dir, self.tokenizer, self.is_main,
+                           self._periodic_evaluation if self.eval_examples else None)
+
+    def _periodic_evaluation(self, params, out_dir: epath.Path,
+                             stopping: Optional[Callable[[], bool]]) -> dict[str, float]:
+        """`evaluate` of the `train.eval_max_examples` subset (`eval_subset`), its files in `out_dir`."""
+        return self.evaluate(params, self.eval_subset(self.cfg.train.eval_max_examples), out_dir, stopping=stopping)
+
     def eval_subset(self, size: int) -> list[QAExample]:
         """The evaluation questions of a `size` setting (`eval.max_examples`, `train.eval_max_examples`): a fixed
         subset stratified over data_source (`evaluation.stratified_subset`, seeded by `seed`); 0: all of them."""
@@ -423,9 +432,11 @@ class Trainer:
                     raise RetrieverUnavailableError(f"{e}; the run is saved before step {step}: the same "
                                                     f"command resumes there") from None
                 del pre_step
-                finished = FinishedStep(self, step, state, metrics, trajectories, writer, guard)
+                stopping = (lambda: guard.requested) if self.stops_within_step(guard) else None
+                finished = FinishedStep(self.step_context(), step, state, metrics, trajectories, writer, stopping)
                 for hook in self.step_hooks:
                     hook(finished)
+                self.watchdog.check_updates(state.params, step)
                 stop = guard.should_stop()
                 if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
                     self._save(ckpt, writer, step, state, self.data.state(), self.carry)
