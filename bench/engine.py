@@ -146,8 +146,8 @@ def measure(sampler, params, tokenizer, index: str, examples, config: AgentConfi
     more is timed."""
     async def one():
         async with make_retriever({"backend": "bm25", "index_dir": index}) as retriever:
-            return await agent.rollout_async(sampler, params, tokenizer, retriever, examples, jax.random.key(0),
-                                             config, group_size=group_size)
+            request = agent.RolloutRequest(examples, jax.random.key(0), config, group_size=group_size)
+            return await agent.rollout_async(sampler, params, tokenizer, retriever, request)
 
     seconds, result = [], None
     with counting_compiles() as compiles:

@@ -257,8 +257,8 @@ def continuous_batching(args, graphdef, params) -> None:
         config = dataclasses.replace(base, continuous_batching=continuous)
         sampler = PagedSampler(graphdef, model_config(args), sampling, engine_config(config, sampling, args.cb_rows,
                                                                                      16, 512))
-        run = lambda: agent.rollout(sampler, params, tokenizer, NoRetriever(), examples,  # noqa: E731
-                                    jax.random.key(1), config)
+        request = agent.RolloutRequest(examples, jax.random.key(1), config)
+        run = lambda: agent.rollout(sampler, params, tokenizer, NoRetriever(), request)  # noqa: E731
         run()  # compiles
         result = min((run() for _ in range(max(args.repeats, 1))), key=lambda r: r.metrics["rollout_s"])
         m = result.metrics

@@ -1,7 +1,8 @@
 """One way to pick an implementation by name: a `Registry` per choice (loss terms, advantage estimators, LLDS gates,
-answer weightings, KL estimators, aggregations), filled by a decorator where each implementation is defined. Rewards
-and per-step hooks, which the config does not name, are lists the trainer takes instead (llds_jax.train.rewards,
-llds_jax.train.step_hooks).
+answer weightings, KL estimators, aggregations, rewards, step hooks), filled by a decorator where each implementation
+is defined. The rewards and step hooks are lists of names (`reward.functions`, `train.hooks`), which the trainer
+looks up when it starts (llds_jax.train.rewards, llds_jax.train.step_hooks: `llds_jax.checks` sits below the
+trainer's package).
 
 The run config keeps names only: a choice key's field (llds_jax.config.sections) declares its default name, and
 the key's registry, filled where the implementations are defined, is the list of allowed names: `checks.validate`

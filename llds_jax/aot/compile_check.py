@@ -69,7 +69,7 @@ from llds_jax import config as config_lib
 from llds_jax.config.sections import RolloutConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
-from llds_jax.rollout.buckets import round_up
+from llds_jax.train.batching import round_up
 from llds_jax.rollout.config import KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params, reshard_program
 from llds_jax.rollout.runner import decode_batches

@@ -36,7 +36,7 @@ from llds_jax.apps.demo_config import (  # noqa: F401  (the application protocol
 from llds_jax.config import ConfigError
 from llds_jax.data import synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
-from llds_jax.rollout.buckets import round_up
+from llds_jax.train.batching import round_up
 from llds_jax.search.e5 import E5Embedder
 from llds_jax.search.factory import make_retriever
 from llds_jax.search.synthetic import write_random_bert

@@ -121,6 +121,9 @@ class RewardConfig(bounds.Section):
     empty_answer: str = field(DEFAULT_EMPTY_ANSWER, choices=EMPTY_ANSWER_RULES,
                               doc="an answer that normalizes to nothing: search_r1 scores it by exact match (the "
                                   "paper's code), zero never rewards it (and skips such QA rows)")
+    functions: tuple[str, ...] = field(("exact_match",), doc="the training rewards by name (llds_jax.train.rewards."
+                                       "REWARDS; an application registers its own), summed; with several, each "
+                                       "one's batch mean is logged as reward/ and its name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +147,11 @@ class RolloutConfig(bounds.Section):
     max_turns: int = field(3, NON_NEGATIVE, doc="turns whose search is executed; one final turn (no search) follows")
     max_turn_tokens: int = field(500, AT_LEAST_1, doc="new tokens per turn")
     max_observation_tokens: int = field(500, AT_LEAST_1, doc="observation tokens kept (the first ones)")
-    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="a prompt's most tokens: an over-long question loses its "
-                                   "start, never the instruction or the template")
+    max_prompt_tokens: int = field(2048, AT_LEAST_1, doc="a prompt's most tokens (below max_context_tokens), in "
+                                   "the rollout and in SFT (protocol.fit_prompt): an over-long question loses its "
+                                   "start, never the instruction or the template (counted in rollout/prompts_cut; a "
+                                   "ValueError when they alone are longer); questions are cut to their last 2 x "
+                                   "this x 128 characters as they are read")
     max_context_tokens: int = field(4096, AT_LEAST_1, doc="cap on a sequence's prompt + response tokens")
     max_response_tokens: int = field(4096, AT_LEAST_1,
                                      doc="cap on a sequence's response tokens (model and observations)")
@@ -358,6 +364,9 @@ class TrainConfig(bounds.Section):
                                              "state from before it (docs/reliability.md)")
     storage_timeout_s: float = field(120.0, POSITIVE, doc="a checkpoint or metrics write or read that takes longer "
                                                           "ends the run (exit 2)")
+    hooks: tuple[str, ...] = field((), doc="what else runs after each step, by name, in order "
+                                           "(llds_jax.train.step_hooks.STEP_HOOKS; an application registers its "
+                                           "own): after the evaluation, before the metrics record")
 
 
 @dataclasses.dataclass(frozen=True)

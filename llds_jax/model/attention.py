@@ -6,7 +6,8 @@ iff `key_valid_bt[b, s]` and `query_first_bt[b, t] <= s <= query_slot_bt[b, t]`.
 and key_valid = the padding mask (causal over real tokens); a row packed with several trajectories passes
 query_first = the first slot of the query's trajectory (its segment), so that no token sees another trajectory's
 (query_first defaults to 0). The model calls it for full forwards alone (`Transformer.hidden`); its ragged steps
-over the paged KV cache attend through `llds_jax.model.paged_attention`, which shares this module's online softmax.
+over the paged KV cache attend through `llds_jax.model.paged_attention`. Both use the online softmax of
+`llds_jax.model.online_softmax`.
 
 Dimension letters: B batch, T queries, T' key slots (tokens of the row too, so written t), N query heads, K key/value
 heads, G = N / K query heads per key/value head, H head size, J key tiles (of T'k slots) of the blockwise path.
@@ -53,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from llds_jax import parallel
 from llds_jax.bounds import ConfigError
 from llds_jax.config.sections import ATTENTION_CHOICES as CHOICES  # "auto" and IMPLEMENTATIONS
+from llds_jax.model.online_softmax import online_softmax_step, tile_scores
 
 IMPLEMENTATIONS = ("xla", "blockwise", "splash", "cudnn")
 HALF_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes
@@ -315,29 +317,6 @@ def _active_tiles(window_qwbt, valid_jbt) -> jax.Array:
                    & (last_valid_jb[None, :, :] >= first_qb[:, None, :]), axis=-1)
 
 
-def _tile_scores(q_btkgh, k_btkh, window_wbt, valid_bt, key_start, scale):
-    """Scaled float32 scores [B, K, G, Tq, T'k] of one tile, -inf where not visible."""
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_btkh, preferred_element_type=jnp.float32) * scale
-    index_s = key_start + jnp.arange(k_btkh.shape[1], dtype=jnp.int32)[None, None, :]
-    visible = (valid_bt[:, None, :] & (index_s >= window_wbt[0][:, :, None])
-               & (index_s <= window_wbt[1][:, :, None]))
-    return jnp.where(visible[:, None, None], scores, -jnp.inf)
-
-
-def _online_softmax_step(carry, scores_bkgtt, v_btkh):
-    """One key tile of the online softmax: the running (max, sum, accumulator) [B, K, G, T] x2 and
-    [B, K, G, T, H] (float32) updated by the tile's scores [B, K, G, T, T'k] (-inf: not visible) and values
-    [B, T'k, K, H]."""
-    m, l, acc = carry
-    m_new = jnp.maximum(m, jnp.max(scores_bkgtt, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # -inf: nothing seen yet
-    p = jnp.exp(scores_bkgtt - m_safe[..., None])
-    alpha = jnp.exp(m - m_safe)
-    l = alpha * l + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_btkh.dtype), v_btkh, preferred_element_type=jnp.float32)
-    return m_new, l, alpha[..., None] * acc + pv
-
-
 def _forward(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, qb, kb):
     """Returns (out [B, T, N, H] in q's dtype, log-sum-exp [nq, B, K, G, Tq] float32: +inf on rows with no key)."""
     b, t, n, h = q_btnh.shape
@@ -364,7 +343,7 @@ def _forward(q_btnh, k_btkh, v_btkh, window_wbt, key_valid_bt, qb, kb):
             k_j, v_j, valid_j, j, active_ij = ys
 
             def update(carry):
-                return _online_softmax_step(carry, _tile_scores(q_i, k_j, window_i, valid_j, j * sk, scale), v_j)
+                return online_softmax_step(carry, tile_scores(q_i, k_j, window_i, valid_j, j * sk, scale), v_j)
 
             return jax.lax.cond(active_ij, update, lambda c: c, carry), None
 
@@ -415,7 +394,7 @@ def _blockwise_bwd(qb, kb, residuals, dout_btnh):
 
             def update(args):
                 (dk_j, dv_j), dq_i = args
-                scores = _tile_scores(q_i, k_j, window_i, valid_j, j * sk, scale)
+                scores = tile_scores(q_i, k_j, window_i, valid_j, j * sk, scale)
                 p = jnp.exp(scores - lse_i[..., None])
                 dv_j = dv_j + jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
                                          preferred_element_type=jnp.float32)

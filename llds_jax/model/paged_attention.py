@@ -9,15 +9,14 @@ Implementations:
     ragged_paged_attention`), called in a `jax.shard_map` over the key/value heads of the current mesh (each chip
     its heads' queries and pages; a Mosaic kernel cannot be partitioned by XLA). Its output at padding tokens is
     unspecified.
-  "reference": plain XLA, any backend (the engine's path on CPU): the tokens in chunks of `queries_per_block`, and
-    for each chunk its tokens' pages in blocks of `kv_pages_per_block` with a float32 online softmax (running max,
-    sum and accumulator; the helpers of `attention.blockwise_attention`). Each block gathers, per token, only
-    that block's pages of its sequence ([Tq, pages * Z, K', H]); GQA groups the query heads over their key/value
+  "reference": plain XLA, any backend (the engine's path on CPU): the tokens in chunks of `queries_per_block`, and for
+    each chunk its tokens' pages in blocks of `kv_pages_per_block` with a float32 online softmax (running max, sum and
+    accumulator; `llds_jax.model.online_softmax`, as in `attention.blockwise_attention`). Each block gathers, per token,
+    only that block's pages of its sequence ([Tq, pages * Z, K', H]); GQA groups the query heads over their key/value
     head, never repeating it. The block loop's trip count is known only at run time: the blocks up to the chunk's
-    furthest cache index, so a batch of short sequences reads few pages whatever the page table's width (M * Z
-    slots). What it computes is the dense attention of each token over its sequence's cache indices 0 ..
-    position_t (`attention.dense_attention`, float32 scores and softmax), up to float rounding; padding tokens get
-    zeros.
+    furthest cache index, so a batch of short sequences reads few pages whatever the page table's width (M * Z slots).
+    What it computes is the dense attention of each token over its sequence's cache indices 0 .. position_t
+    (`attention.dense_attention`, float32 scores and softmax), up to float rounding; padding tokens get zeros.
 Default: the kernel on TPU, the reference elsewhere.
 
 Dimension letters: T ragged batch tokens, S sequences, M pages per sequence, P pool pages (as given: one layer's or
@@ -37,8 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from llds_jax import parallel
 from llds_jax.model import paged_kv
-# The online softmax of `attention.blockwise_attention`.
-from llds_jax.model.attention import _online_softmax_step, _tile_scores
+from llds_jax.model.online_softmax import online_softmax_step, tile_scores
 
 IMPLEMENTATIONS = ("kernel", "reference")
 # The kernel's tile when the caller names none: its own untuned default for TPU v4 (JAX's tuned table is read from
@@ -159,8 +157,8 @@ def reference_paged_attention(q_tnh: jax.Array, kv_pages_pzkh: jax.Array, kv_len
             pages_tm = jax.lax.dynamic_slice_in_dim(table_tm, j * pages_per_block, pages_per_block, axis=1)
             kv_pages = jnp.take(kv_pages_pzkh, pages_tm, axis=0, mode="clip").reshape(tq, sk, k, 2, h)
             k_ttkh, v_ttkh = jnp.moveaxis(kv_pages, 3, 0)  # interleaved: each head's key, then its value
-            scores = _tile_scores(q_t1kgh, k_ttkh, window_wt1, all_slots_tt, j * sk, h ** -0.5)
-            return _online_softmax_step(carry, scores, v_ttkh)
+            scores = tile_scores(q_t1kgh, k_ttkh, window_wt1, all_slots_tt, j * sk, h ** -0.5)
+            return online_softmax_step(carry, scores, v_ttkh)
 
         count = jnp.minimum(jnp.max(last_t) // sk + 1, num_blocks)  # 0 for a chunk of padding
         stats = jnp.full((tq, k, n // k, 1), -jnp.inf, jnp.float32)

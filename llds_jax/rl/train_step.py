@@ -166,6 +166,22 @@ def _update_means(per_update: dict[str, np.ndarray]) -> dict[str, float]:
             for key, values in per_update.items() if key not in DISPLACEMENT_METRICS or len(values) > 1}
 
 
+def _step_scalars(stacked: dict[str, np.ndarray], total_skips, prepared: PreparedBatch,
+                  real_tokens: float) -> dict[str, float]:
+    """The step's actor/ scalars of the updates' stacked metrics [U] (`_update_means`, the largest gradient norm,
+    the non-finite updates skipped in the step and in the run) and perf/padding: the share of the forwards' tokens
+    (of the laid-out batch, or of its packed rows) that are not the batch's `real_tokens`."""
+    scalars = _update_means(stacked)
+    scalars["actor/grad_norm_max"] = float(np.max(stacked["actor/grad_norm"]))
+    scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
+    scalars["actor/nonfinite_total"] = float(total_skips)
+    scalars["actor/updates"] = float(prepared.num_updates)
+    forward_tokens = (math.prod(prepared.batch.tokens_uxbt.shape) if prepared.rows is None
+                      else sum(math.prod(rows.tokens_rt.shape) for rows in prepared.rows))
+    scalars["perf/padding"] = 1.0 - real_tokens / forward_tokens
+    return scalars
+
+
 class RLTrainStep(CompilablePrograms[TrainShapes]):
     """GRPO + KL + entropy + LLDS updates of a model on rollout batches (jitted; sharded when given a mesh); its
     programs at abstract arguments: `abstract_programs` (`programs.CompilablePrograms`).
@@ -475,14 +491,7 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         if ref_params is None and self.objective.kl_coef:
             raise ValueError("ref_params is required when objective.kl_coef > 0")
         prepared = self.prepare_batch(batch)
-        real_tokens = float(np.sum(np.asarray(batch.mask_bt) > 0))
-        compile_rows_s, length = 0.0, batch.tokens_bt.shape[1]
-        if prepared.rows is not None and self.update_cfg.precompile_row_counts and length not in \
-                self._precompiled_lengths:
-            self._precompiled_lengths.add(length)
-            start = time.perf_counter()
-            self.compile_row_counts(state, ref_params, batch.num_trajectories, length, measure_lld)
-            compile_rows_s = time.perf_counter() - start
+        compile_rows_s = self._precompile_rows(state, ref_params, prepared, batch, measure_lld)
         run = self._batch_programs(state, ref_params is not None, measure_lld)
         start = time.perf_counter()
         old_logp = self.sequence_logp(state.params, prepared, run[Role.POLICY_LOGP])
@@ -497,7 +506,40 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
         lld_old_logp = None
         if measure_lld:
             lld_old_logp = self.sequence_logp(state.params, prepared, lld_logp) if Role.LLD_LOGP in run else old_logp
-        update = run[Role.UPDATE]
+        state, per_update = self._run_updates(state, prepared, run[Role.UPDATE], old_logp, ref_logp, between_updates)
+        after, delta_traj_b = {}, None
+        if measure_lld:
+            delta_traj_b, after = run[Role.LLD_METRICS](self.sequence_logp(state.params, prepared, lld_logp),
+                                                       lld_old_logp, prepared.batch)
+        before, per_update, after, delta_traj_b, total_skips = jax.device_get(
+            (before, per_update, after, delta_traj_b, state.nonfinite_count))
+        stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}
+        real_tokens = float(np.sum(np.asarray(batch.mask_bt) > 0))
+        scalars = _step_scalars(stacked, total_skips, prepared, real_tokens)
+        scalars["perf/logp_s"] = logp_s
+        scalars["perf/compile_rows_s"] = compile_rows_s
+        scalars["perf/update_s"] = time.perf_counter() - start - logp_s
+        scalars.update({key: float(value) for key, value in {**before, **after}.items()})
+        return state, BatchMetrics(scalars=scalars, per_update=stacked, delta_traj_b=delta_traj_b)
+
+    def _precompile_rows(self, state: TrainState, ref_params: nnx.State | None, prepared: PreparedBatch,
+                         batch: RolloutBatch, measure_lld: bool) -> float:
+        """Compiles every packed-row count of the batch's length the first time a packed batch has that length
+        (`update.precompile_row_counts`, `compile_row_counts`); returns the seconds it took (0.0: nothing
+        compiled)."""
+        length = batch.tokens_bt.shape[1]
+        if prepared.rows is None or not self.update_cfg.precompile_row_counts or length in self._precompiled_lengths:
+            return 0.0
+        self._precompiled_lengths.add(length)
+        start = time.perf_counter()
+        self.compile_row_counts(state, ref_params, batch.num_trajectories, length, measure_lld)
+        return time.perf_counter() - start
+
+    def _run_updates(self, state: TrainState, prepared: PreparedBatch, update: Callable, old_logp: jax.Array,
+                     ref_logp: jax.Array | None, between_updates: Callable[[], None] | None,
+                     ) -> tuple[TrainState, list[dict[str, jax.Array]]]:
+        """The batch's updates in order, `between_updates` called once each update but the last has run (see
+        `train_on_batch`); returns the state with its step counted and each update's metrics (on the device)."""
         per_update = []
         with self._mesh_context():
             for index in range(prepared.num_updates):
@@ -507,24 +549,4 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
                 state, metrics = update(state, prepared.batch, prepared.update_rows(index), prepared.batch_stats,
                                         old_logp, ref_logp, jnp.int32(index))
                 per_update.append(metrics)
-        state = state._replace(step=state.step + 1)
-        after, delta_traj_b = {}, None
-        if measure_lld:
-            delta_traj_b, after = run[Role.LLD_METRICS](self.sequence_logp(state.params, prepared, lld_logp),
-                                                       lld_old_logp, prepared.batch)
-        before, per_update, after, delta_traj_b, total_skips = jax.device_get(
-            (before, per_update, after, delta_traj_b, state.nonfinite_count))
-        stacked = {key: np.stack([m[key] for m in per_update]) for key in per_update[0]}
-        scalars = _update_means(stacked)
-        scalars["actor/grad_norm_max"] = float(np.max(stacked["actor/grad_norm"]))
-        scalars["actor/nonfinite"] = float(np.sum(stacked["actor/nonfinite"]))
-        scalars["actor/nonfinite_total"] = float(total_skips)
-        scalars["actor/updates"] = float(prepared.num_updates)
-        forward_tokens = (math.prod(prepared.batch.tokens_uxbt.shape) if prepared.rows is None
-                          else sum(math.prod(rows.tokens_rt.shape) for rows in prepared.rows))
-        scalars["perf/padding"] = 1.0 - real_tokens / forward_tokens
-        scalars["perf/logp_s"] = logp_s
-        scalars["perf/compile_rows_s"] = compile_rows_s
-        scalars["perf/update_s"] = time.perf_counter() - start - logp_s
-        scalars.update({key: float(value) for key, value in {**before, **after}.items()})
-        return state, BatchMetrics(scalars=scalars, per_update=stacked, delta_traj_b=delta_traj_b)
+        return state._replace(step=state.step + 1), per_update

@@ -45,7 +45,7 @@ from llds_jax.bounds import ConfigError
 from llds_jax.config.sections import SFTConfig
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
-from llds_jax.rollout.buckets import round_up
+from llds_jax.train.batching import round_up
 from llds_jax.sft.demonstrations import Demonstration, encode, read_demonstrations
 from llds_jax.model.tokenizer import load_tokenizer, save_tokenizer
 

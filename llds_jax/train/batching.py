@@ -2,8 +2,9 @@
 several hosts.
 
 Lengths: every trajectory is right-padded to the longest one of the step (over every host), rounded up to
-`train.sequence_bucket` (`padded_length`), or to a longer length already compiled (`training_length`), so the
-log-probs and updates compile once per length.
+`train.sequence_bucket` (`padded_length`, `round_up`), or to a longer length already compiled (`training_length`), so
+the log-probs and updates compile once per length. `round_up` also gives the longest training batch that
+--mode=compile compiles and the SFT stage's batch lengths.
 """
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from llds_jax.rl.batch import RolloutBatch
-from llds_jax.rollout import buckets
 from llds_jax.rollout.trajectory import Trajectory
 from llds_jax.runtime import distributed
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` >= n (n >= 0, multiple >= 1)."""
+    return -(-n // multiple) * multiple
 
 
 def padded_length(trajectories: Sequence[Trajectory], bucket: int) -> int:
     """The longest trajectory of every host, rounded up to a multiple of `bucket` (a collective on several
     hosts: every process calls it at the same point)."""
-    return buckets.round_up(distributed.largest(max(len(t.tokens) for t in trajectories)), bucket)
+    return round_up(distributed.largest(max(len(t.tokens) for t in trajectories)), bucket)
 
 
 def training_length(needed: int, used: set[int]) -> int:

@@ -294,8 +294,8 @@ class Checkpointer:
 
     Args:
       directory: run checkpoint folder, local or `gs://bucket/...` (created if missing).
-      save_every: `should_save(step)` is true every `save_every` steps.
-      keep: how many of the newest steps to keep.
+      save_every: `should_save(step)` is true every `save_every` steps (train.checkpoint_every).
+      keep: how many of the newest steps to keep (train.keep_checkpoints).
       async_save: write in the background (False: `save` returns when the step is on disk).
       timeout_s: seconds a save, wait, restore or close may take before the process ends (llds_jax.runtime.storage).
     """
@@ -303,9 +303,9 @@ class Checkpointer:
     def __init__(self, directory: str, save_every: int, keep: int, async_save: bool = True,
                  timeout_s: float = TrainConfig.storage_timeout_s):
         if save_every <= 0:
-            raise ConfigError(f"checkpoint.save_every must be positive, got {save_every}")
+            raise ConfigError(f"train.checkpoint_every must be positive, got {save_every}")
         if keep <= 0:
-            raise ConfigError(f"checkpoint.keep must be positive, got {keep}")
+            raise ConfigError(f"train.keep_checkpoints must be positive, got {keep}")
         # Orbax needs absolute paths (a relative one fails when an async save finalizes).
         self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         self.save_every = save_every

@@ -16,7 +16,7 @@ Several hosts (processes): the updates run on the GLOBAL mesh (every device of t
 sharded over it). Rollouts are host-local: each host samples its own slice of the step's prompts (PromptIterator)
 on a mesh of its own devices, with a host-local copy of the current params laid out as `rollout.tensor_parallel`
 says (`llds_jax.rollout.layout`: tensor parallelism over the host's chips, or the training layout), and calls its
-own retriever. Sequence ids are global (`agent.rollout(first_sequence=...)`), so the hosts together sample what one
+own retriever. Sequence ids are global (`agent.RolloutRequest.first_sequence`), so the hosts together sample what one
 process would. The hosts' trajectories are then packed to one agreed length and gathered into the global
 training batch on every host (`global_batch`); `train_on_batch` places it on the global mesh. Rollout metrics
 are combined over the hosts (`combine_over_processes`). With one process nothing is gathered: the rollout uses the
@@ -62,6 +62,7 @@ from llds_jax.rl.advantages import ADVANTAGES
 from llds_jax.rl.batch import RolloutBatch
 from llds_jax.rl.train_step import BatchMetrics, TrainState, learning_rate
 from llds_jax.rollout import agent
+from llds_jax.rollout.agent import PartialRequest, RolloutRequest
 from llds_jax.rollout.config import AgentConfig, PartialConfig
 from llds_jax.rollout.layout import rollout_params
 from llds_jax.rollout.partial import Carry, StepPlan, plan_step
@@ -74,8 +75,8 @@ from llds_jax.train.batching import global_batch, global_rows, padded_batch, pad
 from llds_jax.train.checkpoint import Checkpointer, rng_from_json, rng_to_json
 from llds_jax.train.metrics import MetricsWriter
 from llds_jax.train.preemption import ABANDON_EVALUATION, PreemptionGuard, StepInterrupted, StopRequested
-from llds_jax.train.rewards import DEFAULT_REWARD_FNS, RewardFn, summed_rewards
-from llds_jax.train.step_hooks import DEFAULT_STEP_HOOKS, FinishedStep, StepHook
+from llds_jax.train.rewards import named_rewards, summed_rewards
+from llds_jax.train.step_hooks import FinishedStep, StepContext, step_hooks
 from llds_jax.train.watchdog import Watchdog, search_counts
 
 log = logging.getLogger(__name__)
@@ -155,16 +156,14 @@ def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Run
 class Trainer:
     """Builds every component of a run from its config; `run()` trains, `evaluate()` evaluates.
 
-    `reward_fns`: the rewards of a step's trajectories, summed (llds_jax.train.rewards; exact match by default).
-    `step_hooks`: what runs after each step, in order (llds_jax.train.step_hooks; by default the evaluation, the
-    metrics record, the transcripts and the watchdog's check)."""
+    The rewards of a step's trajectories are summed (`reward.functions`, llds_jax.train.rewards; exact match by
+    default); after each step its hooks run, in order (`train.hooks` among them, llds_jax.train.step_hooks)."""
 
-    def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True,
-                 reward_fns: Sequence[RewardFn] = DEFAULT_REWARD_FNS,
-                 step_hooks: Sequence[StepHook] = DEFAULT_STEP_HOOKS):
+    def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True):
         self.cfg = cfg
-        self.reward_fns, self.step_hooks = tuple(reward_fns), tuple(step_hooks)
         checks.validate(cfg, jax.device_count())
+        self.reward_fns = named_rewards(cfg.reward.functions)
+        self.step_hooks = step_hooks(cfg.train.hooks)
         self.run_dir = epath.Path(cfg.run_dir)
         self.is_main = distributed.is_main_process()
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
@@ -177,7 +176,7 @@ class Trainer:
                                   agent.turn_stop_ids(self.tokenizer))
         self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
         self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
-        typed_cfg = config_lib.typed(cfg)
+        typed_cfg = self.typed_cfg = config_lib.typed(cfg)
         self.agent_cfg = AgentConfig.of(typed_cfg.rollout)
         self.partial_cfg = PartialConfig.of(typed_cfg.rollout)
         self.carry = Carry()  # the partial rollouts' groups carried into the next step
@@ -218,17 +217,19 @@ class Trainer:
                 plan: Optional[StepPlan] = None) -> agent.Rollout:
         """n samples of each of this host's prompts through the agent loop (the samples of the step's prompt i,
         numbered over every host, form GRPO group i: `Lineage.group`); sequence ids count from this host's first
-        row of the global batch. `between_sessions` and `stopping`: as for `agent.rollout`; `version`: the step.
+        row of the global batch. `between_sessions` and `stopping`: as for `agent.RolloutRequest`; `version`: the step.
         A partial step (`plan`, rollout.partial) runs the plan's groups instead of `prompts` and trains its first
         `plan.prompts` complete ones (this host's groups numbered from its first of the global batch)."""
         n = self.cfg.data.samples_per_prompt
         examples = plan.examples if plan is not None else [ex for ex in prompts for _ in range(n)]
-        first_group = jax.process_index() * (plan.prompts if plan is not None else len(prompts))
-        return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, examples,
-                             rng, self.agent_cfg, runner=self.runner,
-                             first_sequence=jax.process_index() * len(examples), between_sessions=between_sessions,
-                             stopping=stopping, group_size=n, version=version, plan=plan, first_group=first_group,
-                             max_staleness=self.partial_cfg.max_staleness)
+        partial = (None if plan is None else
+                   PartialRequest(plan, first_group=jax.process_index() * plan.prompts,
+                                  max_staleness=self.partial_cfg.max_staleness))
+        request = RolloutRequest(examples, rng, self.agent_cfg, group_size=n,
+                                 first_sequence=jax.process_index() * len(examples), version=version,
+                                 partial=partial, between_sessions=between_sessions, stopping=stopping)
+        return agent.rollout(self.sampler, self.rollout_params(params), self.tokenizer, self.retriever, request,
+                             runner=self.runner)
 
     def step_rollout(self, params, step: int, between_sessions: Optional[Callable[[], None]] = None,
                      stopping: Optional[Callable[[], bool]] = None) -> agent.Rollout:
@@ -333,6 +334,17 @@ class Trainer:
         })
         return metrics
 
+    def step_context(self) -> StepContext:
+        """What the step hooks see of the run (llds_jax.train.step_hooks): the typed config, the run folder, the
+        tokenizer, whether this process writes and the periodic evaluation (None without evaluation files)."""
+        return StepContext(self.typed_cfg, self.run_dir, self.tokenizer, self.is_main,
+                           self._periodic_evaluation if self.eval_examples else None)
+
+    def _periodic_evaluation(self, params, out_dir: epath.Path,
+                             stopping: Optional[Callable[[], bool]]) -> dict[str, float]:
+        """`evaluate` of the `train.eval_max_examples` subset (`eval_subset`), its files in `out_dir`."""
+        return self.evaluate(params, self.eval_subset(self.cfg.train.eval_max_examples), out_dir, stopping=stopping)
+
     def eval_subset(self, size: int) -> list[QAExample]:
         """The evaluation questions of a `size` setting (`eval.max_examples`, `train.eval_max_examples`): a fixed
         subset stratified over data_source (`evaluation.stratified_subset`, seeded by `seed`); 0: all of them."""
@@ -344,15 +356,16 @@ class Trainer:
         means (`{prefix}/em_*`, `{prefix}/searches_*`).
 
         On several hosts every host evaluates every example on its own devices (same results; only process 0
-        writes them). `stopping` (this host's stop request, as for `agent.rollout`): once true, the evaluation is
+        writes them). `stopping` (this host's stop request, as for `agent.RolloutRequest`): once true, the evaluation is
         abandoned with StepInterrupted("evaluation")."""
         trajectories = []
         size = self.cfg.eval.batch_size
         params = self.rollout_params(params)
         for first in range(0, len(examples), size):
-            rollout = agent.rollout(self.eval_sampler, params, self.tokenizer, self.retriever,
-                                    list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
-                                    runner=self.runner, stopping=stopping)
+            request = RolloutRequest(list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
+                                     stopping=stopping)
+            rollout = agent.rollout(self.eval_sampler, params, self.tokenizer, self.retriever, request,
+                                    runner=self.runner)
             if rollout.stopped or (stopping is not None and stopping()):
                 raise StepInterrupted("evaluation")
             trajectories += rollout.trajectories
@@ -417,9 +430,11 @@ class Trainer:
                     raise RetrieverUnavailableError(f"{e}; the run is saved before step {step}: the same "
                                                     f"command resumes there") from None
                 del pre_step
-                finished = FinishedStep(self, step, state, metrics, trajectories, writer, guard)
+                stopping = (lambda: guard.requested) if self.stops_within_step(guard) else None
+                finished = FinishedStep(self.step_context(), step, state, metrics, trajectories, writer, stopping)
                 for hook in self.step_hooks:
                     hook(finished)
+                self.watchdog.check_updates(state.params, step)
                 stop = guard.should_stop()
                 if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
                     self._save(ckpt, writer, step, state, self.data.state(), self.carry)

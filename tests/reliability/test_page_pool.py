@@ -162,7 +162,8 @@ def test_a_rollout_through_a_pool_of_one_sequence_samples_what_a_full_pool_does(
     cfg = AgentConfig(max_turns=2, max_turn_tokens=24, max_observation_tokens=40, max_prompt_tokens=192,
                       max_context_tokens=256, continuous_batching=continuous)
     runs = [agent.rollout(PagedSampler(graphdef, model.cfg, sampling, engine_config(cfg, sampling, 4, 8, 512, pages)),
-                          params, qwen_tokenizer, EchoRetriever(), examples, jax.random.key(0), cfg)
+                          params, qwen_tokenizer, EchoRetriever(), agent.RolloutRequest(examples, jax.random.key(0),
+                                                                                        cfg))
             for pages in (0, 33)]
     full, small = runs
     assert (full.stats.counts.preemptions, len(small.trajectories)) == (0, 4)

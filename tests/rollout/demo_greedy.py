@@ -75,8 +75,8 @@ class Demo:
 
         async def run():
             async with make_retriever({"backend": "bm25", "index_dir": self.index}) as retriever:
-                return await agent.rollout_async(sampler, self.params, self.tokenizer, retriever, examples,
-                                                 jax.random.key(0), config)
+                request = agent.RolloutRequest(examples, jax.random.key(0), config)
+                return await agent.rollout_async(sampler, self.params, self.tokenizer, retriever, request)
 
         result = asyncio.run(run())
         return [{"tokens": t.tokens.tolist(), "loss_mask": t.loss_mask.tolist(), "end_reason": t.end_reason}

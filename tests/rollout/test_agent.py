@@ -13,13 +13,12 @@ from llds_jax.data.qa import QAExample
 from llds_jax.model import ModelConfig, Transformer
 from llds_jax import protocol
 from llds_jax.rollout import agent
-from llds_jax.rollout.buckets import round_up
 from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from llds_jax.rollout.trajectory import em_rewards, em_score
 from llds_jax.search.types import Document, Retriever, SearchResult
-from llds_jax.train.batching import padded_batch
+from llds_jax.train.batching import padded_batch, round_up
 from llds_jax.config.sections import RolloutConfig
 
 PROMPT_TOKENS = RolloutConfig.max_prompt_tokens  # the run's default prompt cut
@@ -45,7 +44,7 @@ def example(i=0, question="what is the capital of france", answers=("Paris",)):
 
 def run(tokenizer, sampler, retriever, examples, **config):
     cfg = AgentConfig(**{"max_turns": 3, **config})
-    return agent.rollout(sampler, None, tokenizer, retriever, examples, jax.random.key(0), cfg)
+    return agent.rollout(sampler, None, tokenizer, retriever, agent.RolloutRequest(examples, jax.random.key(0), cfg))
 
 
 def kept_tokens(tokenizer, text, stop="</search>"):
@@ -426,8 +425,8 @@ REAL_EXAMPLES = [example(i, f"question number {i}", ("paris",)) for i in range(6
 
 def steered_rollout(tokenizer, real, seed):
     _, _, params, sampler = real
-    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), REAL_EXAMPLES, jax.random.key(seed),
-                         AgentConfig(**REAL_CONFIG)).trajectories
+    request = agent.RolloutRequest(REAL_EXAMPLES, jax.random.key(seed), AgentConfig(**REAL_CONFIG))
+    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), request).trajectories
 
 
 @pytest.fixture(scope="module")
@@ -468,11 +467,12 @@ def test_after_the_first_rollout_and_its_grid_the_next_compiles_nothing(qwen_tok
     _, random_params, _, sampler = real  # the random model never closes a tag
     cfg = AgentConfig(**REAL_CONFIG)
     batch = lambda offset: [example(i, f"which city is number {offset + i}", ("paris",)) for i in range(5)]
-    warm = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(), batch(0), jax.random.key(3), cfg)
+    warm = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(),
+                         agent.RolloutRequest(batch(0), jax.random.key(3), cfg))
     sampler.freeze_shapes()  # the trainer's: every token bucket the first rollout did not run
     with backend_compiles() as compiles:
-        second = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(), batch(100),
-                               jax.random.key(4), cfg)
+        second = agent.rollout(sampler, random_params, qwen_tokenizer, EchoRetriever(),
+                               agent.RolloutRequest(batch(100), jax.random.key(4), cfg))
     assert compiles == []
     assert [t.tokens.tolist() for t in second.trajectories] != [t.tokens.tolist() for t in warm.trajectories]
     assert second.metrics["turns"] == REAL_CONFIG["max_turns"] + 1
@@ -536,7 +536,8 @@ def test_real_model_searches_overlap_decoding_and_every_policy_samples_the_same(
         cfg = AgentConfig(max_turns=2, max_turn_tokens=24, max_observation_tokens=100, max_prompt_tokens=256,
                           max_context_tokens=512, continuous_batching=continuous)
         clock, retriever = DecodeClock(paged(graphdef, model.cfg, sampling, cfg, 8)), RecordingRetriever(0.05)
-        result = agent.rollout(clock, params, qwen_tokenizer, retriever, examples, jax.random.key(0), cfg)
+        result = agent.rollout(clock, params, qwen_tokenizer, retriever,
+                               agent.RolloutRequest(examples, jax.random.key(0), cfg))
         runs[continuous] = result, retriever.calls, clock.spans
     (barrier, barrier_calls, _), (overlapped, calls, spans) = runs[False], runs[True]
     assert_same_trajectories(barrier.trajectories, overlapped.trajectories)

@@ -65,8 +65,8 @@ def rollout(tokenizer, tiny, params, sampling, continuous, seed=0, examples=EXAM
     sampler = paged(graphdef, model.cfg, sampling, config, CONFIG["max_batch_size"], max_step_tokens, page_size)
     if mesh is not None:
         sampler = type(sampler)(graphdef, model.cfg, sampling, sampler.engine_config, mesh)
-    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), examples, jax.random.key(seed), config,
-                         group_size=2)
+    request = agent.RolloutRequest(examples, jax.random.key(seed), config, group_size=2)
+    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), request)
 
 
 def assert_same_trajectories(first, second, atol=1e-5):
@@ -213,8 +213,8 @@ def test_overlapping_calls_sample_the_tokens_of_one_call_at_a_time(qwen_tokenize
     runs = {}
     for overlap in (False, True):
         source = RunnerSource(sampler, overlap)
-        runs[overlap] = agent.rollout(source, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(5),
-                                      config, group_size=2)
+        request = agent.RolloutRequest(EXAMPLES, jax.random.key(5), config, group_size=2)
+        runs[overlap] = agent.rollout(source, params, qwen_tokenizer, EchoRetriever(), request)
         assert (source.sourced > 0) == overlap
         assert (source.engines[-1].counts.dropped_rows > 0) == overlap
     assert len({t.num_turns for t in runs[True].trajectories}) > 1
@@ -343,10 +343,12 @@ def test_after_the_first_rollout_no_step_compiles_and_no_program_sorts_the_vocab
                               stop_ids=agent.turn_stop_ids(qwen_tokenizer))
     config = AgentConfig(**CONFIG, continuous_batching=True)
     new = paged(graphdef, model.cfg, sampling, config, CONFIG["max_batch_size"], max_step_tokens=64)
-    agent.rollout(new, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(1), config)
+    agent.rollout(new, params, qwen_tokenizer, EchoRetriever(), agent.RolloutRequest(EXAMPLES, jax.random.key(1),
+                                                                                     config))
     assert new.freeze_shapes() > 0  # the buckets the first rollout did not run
     with backend_compiles() as compiles:
-        agent.rollout(new, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(2), config)
+        agent.rollout(new, params, qwen_tokenizer, EchoRetriever(), agent.RolloutRequest(EXAMPLES,
+                                                                                         jax.random.key(2), config))
         assert new.freeze_shapes() == 0
     assert compiles == []
 

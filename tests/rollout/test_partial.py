@@ -31,9 +31,10 @@ def draws():
 
 def run(tokenizer, real, examples, seed, plan=None, version=1, **config):
     _, _, params, sampler = real
-    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), examples, jax.random.key(seed),
-                         AgentConfig(**{**REAL_CONFIG, **config}), group_size=N, version=version, plan=plan,
-                         max_staleness=1)
+    partial = agent.PartialRequest(plan, max_staleness=1) if plan is not None else None
+    request = agent.RolloutRequest(examples, jax.random.key(seed), AgentConfig(**{**REAL_CONFIG, **config}),
+                                   group_size=N, version=version, partial=partial)
+    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), request)
 
 
 def assert_same(got, want):
@@ -42,6 +43,18 @@ def assert_same(got, want):
         for name in ("tokens", "loss_mask", "action_ids", "answer_mask", "sampler_logp"):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
         assert (a.lineage, a.end_reason, a.turns, a.uid) == (b.lineage, b.end_reason, b.turns, b.uid)
+
+
+def test_a_partial_request_runs_its_plans_examples_group_size_and_version():
+    plan = plan_step(Carry(), draws(), PartialConfig(True, 1.0, 0), PROMPTS, N, version=1)
+    partial, key, config = agent.PartialRequest(plan), jax.random.key(0), AgentConfig(**REAL_CONFIG)
+    agent.RolloutRequest(plan.examples, key, config, group_size=N, version=1, partial=partial)  # consistent
+    for examples, group_size, version in ((plan.examples[1:], N, 1), (plan.examples, N + 1, 1),
+                                          (plan.examples, N, 2)):
+        with pytest.raises(ValueError, match=f"its plan's examples, group size \\({N}\\) and version \\(1\\)"):
+            agent.RolloutRequest(examples, key, config, group_size=group_size, version=version, partial=partial)
+    with pytest.raises(ValueError, match="^rollout: no examples$"):
+        agent.RolloutRequest([], key, config)
 
 
 @pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])

@@ -72,7 +72,8 @@ def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_toke
     agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
     engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
     paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
-    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(3), agent_cfg)
+    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(),
+                           agent.RolloutRequest(EXAMPLES, jax.random.key(3), agent_cfg))
     # The record a run logs (`Trainer.step_metrics`); its seconds do not enter the schedule.
     records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
     lengths = step_lengths.from_metrics(records, "the rollout")
@@ -116,8 +117,8 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
     engine = engine_config(agent_cfg, sampling, 8, paging.page_size, paging.max_step_tokens)
     paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
-    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), DEMO_EXAMPLES, jax.random.key(3),
-                           agent_cfg, group_size=4)
+    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(),
+                           agent.RolloutRequest(DEMO_EXAMPLES, jax.random.key(3), agent_cfg, group_size=4))
     metrics = result.metrics
     # The launch's shape: 4 turns of 16 tokens, no search, 3 observations of 48 tokens (cut), each trajectory.
     assert (metrics["turns"], metrics["turns_std"], metrics["searches"]) == (4.0, 0.0, 0.0)

@@ -59,8 +59,9 @@ def tree_rollout(tokenizer, real, seed=0, first=0, **config):
     _, _, params, sampler = real
     examples = [example(i, f"question number {i}", ("paris",)) for i in range(2) for _ in range(6)]
     agent_config = AgentConfig(**REAL_CONFIG, **{**TREES, **config})
-    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), examples[first:], jax.random.key(seed),
-                         agent_config, first_sequence=first, group_size=agent_config.tree_group)
+    request = agent.RolloutRequest(examples[first:], jax.random.key(seed), agent_config, first_sequence=first,
+                                   group_size=agent_config.tree_group)
+    return agent.rollout(sampler, params, tokenizer, EchoRetriever(), request)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import async_path
 
 from llds_jax import parallel
+from llds_jax.bounds import ConfigError
+from llds_jax.config import default_config
 from llds_jax.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointUnreadableError, abstract_like,
                                        drop_orphaned_read_errors, rng_from_json, rng_to_json)
 
@@ -241,9 +243,15 @@ def test_clear_errors(tmp_path, mesh):
         ckpt.save(1, {"x": x}, {}, {}, host_meta={"carry": {1, 2}})
     with pytest.raises(ValueError, match="checkpoint restore params\\['layers'\\]\\['w'\\] has no sharding"):
         abstract_like({"layers": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}}, "params")
-    with pytest.raises(ValueError, match="checkpoint.keep must be positive, got 0"):
-        Checkpointer(str(tmp_path), save_every=1, keep=0)
     ckpt.close()
+
+
+@pytest.mark.parametrize("save_every, keep, key", [(0, 1, "train.checkpoint_every"), (1, 0, "train.keep_checkpoints")])
+def test_a_bad_setting_names_its_run_config_key(tmp_path, save_every, keep, key):
+    with pytest.raises(ConfigError, match=f"^{key} must be positive, got 0$"):
+        Checkpointer(str(tmp_path), save_every=save_every, keep=keep)
+    section, name = key.split(".")
+    assert name in default_config()[section]  # the key the message names exists
 
 
 def test_rng_json_round_trip():
