@@ -56,6 +56,19 @@ def rollout_config(continuous, prompts, samples, **rollout):
     return c
 
 
+def engine_rollout(tokenizer, tiny, sampled, cfg):
+    """The agent config, the engine's shapes (6 slots) and the Rollout of EXAMPLES through the paged engine under
+    `cfg`'s rollout section (alone, as rollout_schedule reads it)."""
+    model, graphdef = tiny
+    params, sampling = sampled
+    rollout = config_lib.build(RolloutConfig, cfg.rollout)
+    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
+    engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
+    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
+    return agent_cfg, engine, agent.rollout(paged, params, tokenizer, EchoRetriever(),
+                                            agent.RolloutRequest(EXAMPLES, jax.random.key(3), agent_cfg))
+
+
 def run_config(continuous):
     return rollout_config(continuous, 8, 3, max_turns=3, max_turn_tokens=16, max_observation_tokens=100,
                           max_prompt_tokens=200, max_context_tokens=290, max_response_tokens=290, max_batch_size=6,
@@ -65,15 +78,8 @@ def run_config(continuous):
 @pytest.mark.slow
 @pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
 def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_tokenizer, tiny, sampled, continuous):
-    model, graphdef = tiny
-    params, sampling = sampled
     cfg = run_config(continuous)
-    rollout = config_lib.build(RolloutConfig, cfg.rollout)  # the rollout section alone, as rollout_schedule reads it
-    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
-    engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
-    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
-    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(),
-                           agent.RolloutRequest(EXAMPLES, jax.random.key(3), agent_cfg))
+    _, _, result = engine_rollout(qwen_tokenizer, tiny, sampled, cfg)
     # The record a run logs (`Trainer.step_metrics`); its seconds do not enter the schedule.
     records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
     lengths = step_lengths.from_metrics(records, "the rollout")
@@ -138,14 +144,7 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
 def test_the_schedule_of_a_rollouts_own_lengths_is_its_calls(qwen_tokenizer, tiny, sampled, continuous):
     """The estimate's rollout is the run's: the real driver over the real engine (`rollout_schedule.run`), fed each
     trajectory's own lengths, makes the engine's calls bucket for bucket and token for token."""
-    model, graphdef = tiny
-    params, sampling = sampled
-    cfg = run_config(continuous)
-    rollout = config_lib.build(RolloutConfig, cfg.rollout)
-    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
-    engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
-    paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
-    result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(), EXAMPLES, jax.random.key(3), agent_cfg)
+    agent_cfg, engine, result = engine_rollout(qwen_tokenizer, tiny, sampled, run_config(continuous))
     records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
     logged = step_lengths.logged_step_counts(records, "the rollout")
     schedule = rollout_schedule.run(engine, [rollout_schedule.Conversation.of_trajectory(t) for t in result.trajectories], "continuous" if continuous else "barrier",
