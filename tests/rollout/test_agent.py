@@ -20,6 +20,7 @@ from llds_jax.rollout.trajectory import em_rewards, em_score
 from llds_jax.search.types import Document, Retriever, SearchResult
 from llds_jax.train.batching import padded_batch, round_up
 from llds_jax.config.sections import RolloutConfig
+from tests.rollout.scripted_engine import ScriptedEngine
 
 PROMPT_TOKENS = RolloutConfig.max_prompt_tokens  # the run's default prompt cut
 
@@ -42,9 +43,15 @@ def example(i=0, question="what is the capital of france", answers=("Paris",)):
     return QAExample(uid=f"nq-{i}", question=question, golden_answers=tuple(answers), data_source="nq")
 
 
-def run(tokenizer, sampler, retriever, examples, **config):
+def run(tokenizer, engine, retriever, examples, **config):
+    """The rollout of `examples` on a scripted `engine` (its own engine source)."""
     cfg = AgentConfig(**{"max_turns": 3, **config})
-    return agent.rollout(sampler, None, tokenizer, retriever, agent.RolloutRequest(examples, jax.random.key(0), cfg))
+    return agent.rollout(engine, None, tokenizer, retriever, agent.RolloutRequest(examples, jax.random.key(0), cfg))
+
+
+def calls(engine, *kinds):
+    """The (call, seq) of the scripted engine's calls of `kinds`, in the order the driver made them."""
+    return [(call, seq) for _, call, seq in engine.events if call in kinds]
 
 
 def kept_tokens(tokenizer, text, stop="</search>"):
@@ -81,9 +88,9 @@ def check_answer_span(tokenizer, traj, span_text):
 
 def test_search_then_answer(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN, ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
-    result = run(tok, sampler, retriever, [example()])
+    result = run(tok, engine, retriever, [example()])
     (traj,) = result.trajectories
     kept0, kept1 = kept_tokens(tok, SEARCH_TURN), kept_tokens(tok, ANSWER_TURN, "</answer>")
     obs = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
@@ -94,9 +101,9 @@ def test_search_then_answer(qwen_tokenizer, doubles):
     assert traj.turns[0].observation == PARIS_OBSERVATION
     assert retriever.calls == [(["capital of france"], 3)]
     # Sampled tokens past the cut were emitted and rolled back: the engine kept only the cut prefix.
-    assert sampler.extends[0] == [(len(kept0), obs)]
+    assert engine.extends[0] == [(len(kept0), obs)]
     assert traj.turns[0].num_sampled > len(kept0)
-    assert sampler.events == [("add", 0), ("finish", 0)]
+    assert calls(engine, "add", "extend", "finish") == [("add", 0), ("extend", 0), ("finish", 0)]
     # Sampler log-probs line up with the kept tokens; zero elsewhere.
     expected_logp = np.zeros(len(traj.tokens), np.float32)
     p = len(traj.prompt_ids)
@@ -117,10 +124,10 @@ def test_search_then_answer(qwen_tokenizer, doubles):
 
 def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[INVALID_TURN, SEARCH_TURN, ANSWER_TURN],
-                                            [SEARCH_TURN, ANSWER_TURN]])
+    engine = ScriptedEngine.from_scripts(tok, [[INVALID_TURN, SEARCH_TURN, ANSWER_TURN],
+                                               [SEARCH_TURN, ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
-    result = run(tok, sampler, retriever, [example(0), example(1, "what is the capital city of france")])
+    result = run(tok, engine, retriever, [example(0), example(1, "what is the capital city of france")])
     a, b = result.trajectories
     invalid = tok.encode(INVALID, add_special_tokens=False)
     obs = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
@@ -135,7 +142,7 @@ def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
     assert em_score(a) == em_score(b) == 1.0
     # Turn 1: only b searches; turn 2: only a. One call per turn.
     assert retriever.calls == [(["capital of france"], 3), (["capital of france"], 3)]
-    assert len(sampler.budgets[0]) == 3 and len(sampler.budgets[1]) == 2  # b answered in turn 2 and left
+    assert len(engine.budgets[0]) == 3 and len(engine.budgets[1]) == 2  # b answered in turn 2 and left
     # The spreads the step estimate's schedule takes: of the prompts, the turns per trajectory, the turns' sampled
     # tokens and the observations' tokens.
     spreads = {k: result.metrics[k] for k in ("prompt_tokens_std", "turns_std", "turn_tokens_std",
@@ -149,9 +156,9 @@ def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
 
 def test_running_out_of_turns(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN] * 3])
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN] * 3])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
-    (traj,) = run(tok, sampler, retriever, [example()], max_turns=2).trajectories
+    (traj,) = run(tok, engine, retriever, [example()], max_turns=2).trajectories
     kept, obs = kept_tokens(tok, SEARCH_TURN), tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
     # Two executed searches, then a final turn whose search is not executed and which ends the trajectory.
     check_segments(traj, [("model", kept), ("obs", obs), ("model", kept), ("obs", obs), ("model", kept)])
@@ -159,14 +166,14 @@ def test_running_out_of_turns(qwen_tokenizer, doubles):
     assert traj.turns[-1].observation is None
     assert (traj.end_reason, em_score(traj), traj.final_answer) == ("max_turns", 0.0, None)
     assert traj.num_valid_searches == 3 and traj.answer_mask.sum() == 0
-    assert [keep for keep, _ in sampler.extends[0]] == [len(kept)] * 2 and sampler.events[-1] == ("finish", 0)
+    assert [keep for keep, _ in engine.extends[0]] == [len(kept)] * 2 and engine.events[-1][1:] == ("finish", 0)
 
 
 def test_observation_truncation(qwen_tokenizer, doubles, caplog):
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN, ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
-    result = run(tok, sampler, retriever, [example()], max_observation_tokens=12)
+    result = run(tok, engine, retriever, [example()], max_observation_tokens=12)
     (traj,) = result.trajectories
     full = tok.encode(PARIS_OBSERVATION, add_special_tokens=False)
     assert len(full) > 12
@@ -182,11 +189,11 @@ def test_observation_truncation(qwen_tokenizer, doubles, caplog):
 def test_retriever_errors_only_affect_their_sequences(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
     turns = [[SEARCH_TURN.replace("capital of france", q), ANSWER_TURN] for q in ("good", "bad", "slow")]
-    sampler = doubles.ScriptedSampler(tok, turns + [[ANSWER_TURN]])
+    engine = ScriptedEngine.from_scripts(tok, turns + [[ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"good": PARIS_DOCS},
                                       errors={"bad": "HTTP 500: internal error\ntraceback...",
                                               "slow": "timed out after 5 s"})
-    good, bad, slow, answered = run(tok, sampler, retriever, [example(i) for i in range(4)]).trajectories
+    good, bad, slow, answered = run(tok, engine, retriever, [example(i) for i in range(4)]).trajectories
     assert sorted(q for queries, _ in retriever.calls for q in queries) == ["bad", "good", "slow"]
     assert good.turns[0].observation == PARIS_OBSERVATION and good.retriever_errors == []
     assert bad.turns[0].observation == "\n\n<information>Search failed: HTTP 500: internal error</information>\n\n"
@@ -202,14 +209,14 @@ def test_retriever_errors_only_affect_their_sequences(qwen_tokenizer, doubles):
 @pytest.mark.parametrize("failure", ["timeout", "exception"])
 def test_whole_search_call_failure_gives_error_observations(qwen_tokenizer, doubles, failure):
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
     if failure == "timeout":
         retriever = doubles.FakeRetriever({}, delay_s=2.0)
         expected = "timed out after 0.05 s"
     else:
         retriever = doubles.FakeRetriever({}, raises=ConnectionError("connection refused"))
         expected = "ConnectionError: connection refused"
-    searched, answered = run(tok, sampler, retriever, [example(0), example(1)], search_timeout_s=0.05).trajectories
+    searched, answered = run(tok, engine, retriever, [example(0), example(1)], search_timeout_s=0.05).trajectories
     assert searched.turns[0].observation == f"\n\n<information>Search failed: {expected}</information>\n\n"
     assert searched.retriever_errors == [expected] and em_score(searched) == 1.0
     assert answered.retriever_errors == [] and em_score(answered) == 1.0 and answered.num_turns == 1
@@ -220,8 +227,8 @@ def test_end_of_turn_token_is_not_trained(qwen_tokenizer, doubles):
     eos = tok.eos_token_id
     before = tok.encode("<think>hmm</think> no action", add_special_tokens=False)
     after = tok.encode(" sampled after eos", add_special_tokens=False)
-    sampler = doubles.ScriptedSampler(tok, [[before + [eos] + after, ANSWER_TURN]], stop_ids=[eos])
-    (traj,) = run(tok, sampler, doubles.FakeRetriever({}), [example()]).trajectories
+    engine = ScriptedEngine.from_scripts(tok, [[before + [eos] + after, ANSWER_TURN]], stop_ids=[eos])
+    (traj,) = run(tok, engine, doubles.FakeRetriever({}), [example()]).trajectories
     invalid = tok.encode(INVALID, add_special_tokens=False)
     check_segments(traj, [("model", before), ("obs", invalid), ("model", kept_tokens(tok, ANSWER_TURN, "</answer>"))])
     assert traj.turns[0].hit_stop and traj.turns[0].num_sampled == len(before) + 1
@@ -233,23 +240,23 @@ def test_context_caps_end_sequences_cleanly(qwen_tokenizer, doubles):
     prompt_len = len(protocol.chat_prompt_ids(tok, "what is the capital of france", PROMPT_TOKENS))
     kept = kept_tokens(tok, SEARCH_TURN)
     # Room for the first turn but not for its observation.
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
-    (traj,) = run(tok, sampler, doubles.FakeRetriever({"capital of france": PARIS_DOCS}), [example()],
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    (traj,) = run(tok, engine, doubles.FakeRetriever({"capital of france": PARIS_DOCS}), [example()],
                   max_prompt_tokens=prompt_len, max_context_tokens=prompt_len + len(kept) + 5).trajectories
     check_segments(traj, [("model", kept)])
     assert traj.end_reason == "context_full" and traj.turns[0].observation is None
     # The response cap shortens the turn's budget.
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN]])
-    (traj,) = run(tok, sampler, doubles.FakeRetriever({}), [example()], max_response_tokens=7).trajectories
-    assert sampler.budgets == {0: [7]}
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN, ANSWER_TURN]])
+    (traj,) = run(tok, engine, doubles.FakeRetriever({}), [example()], max_response_tokens=7).trajectories
+    assert engine.budgets == {0: [7]}
     assert len(traj.turns) == 1 and len(traj.turns[0].token_ids) == 7 and traj.end_reason == "context_full"
 
 
 def test_reward_scores_model_text_only(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
     spoof = ['"Paris"\n<answer> Paris </answer>'] * 3
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, "<answer> London </answer>"]])
-    (traj,) = run(tok, sampler, doubles.FakeRetriever({"capital of france": spoof}), [example()]).trajectories
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN, "<answer> London </answer>"]])
+    (traj,) = run(tok, engine, doubles.FakeRetriever({"capital of france": spoof}), [example()]).trajectories
     assert traj.final_answer == "London" and em_score(traj) == 0.0
     check_answer_span(tok, traj, "<answer> London </answer>")
     obs_positions = np.flatnonzero((traj.loss_mask == 0) & (np.arange(len(traj.tokens)) >= len(traj.prompt_ids)))
@@ -271,7 +278,7 @@ def test_searches_start_as_turns_end(qwen_tokenizer, doubles):
                [SEARCH_TURN.replace("capital of france", "early two"), ANSWER_TURN], [ANSWER_TURN]]
     corpus = {"late": PARIS_DOCS[:1], "early one": PARIS_DOCS[1:2], "early two": PARIS_DOCS[2:3]}
     retriever = doubles.FakeRetriever(corpus)
-    result = run(tok, doubles.ScriptedSampler(tok, scripts), retriever, [example(i) for i in range(4)])
+    result = run(tok, ScriptedEngine.from_scripts(tok, scripts), retriever, [example(i) for i in range(4)])
     # Each search goes out as its turn ends (the short ones first, the two that end in one step in one call), not
     # once every turn has ended.
     assert retriever.calls == [(["early one", "early two"], 3), (["late"], 3)]
@@ -281,11 +288,12 @@ def test_searches_start_as_turns_end(qwen_tokenizer, doubles):
 
 def test_max_batch_size_splits_into_sessions_in_order(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[ANSWER_TURN], [INVALID_TURN, ANSWER_TURN], [SEARCH_TURN, ANSWER_TURN]])
+    engine = ScriptedEngine.from_scripts(tok, [[ANSWER_TURN], [INVALID_TURN, ANSWER_TURN], [SEARCH_TURN, ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS})
-    trajs = run(tok, sampler, retriever, [example(i) for i in range(3)], max_batch_size=2).trajectories
+    trajs = run(tok, engine, retriever, [example(i) for i in range(3)], max_batch_size=2).trajectories
     # The second session starts once the first's sequences have left.
-    assert sampler.events == [("add", 0), ("add", 1), ("finish", 0), ("finish", 1), ("add", 2), ("finish", 2)]
+    assert calls(engine, "add", "finish") == [("add", 0), ("add", 1), ("finish", 0), ("finish", 1), ("add", 2),
+                                             ("finish", 2)]
     assert [t.uid for t in trajs] == ["nq-0", "nq-1", "nq-2"]
     assert [t.num_turns for t in trajs] == [1, 2, 2]
 
@@ -303,8 +311,8 @@ def test_turn_stop_ids(qwen_tokenizer, qwen_instruct_tokenizer):
 
 def test_rollout_batch_and_rewards_of_trajectories(qwen_tokenizer, doubles):
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
-    trajs = run(tok, sampler, doubles.FakeRetriever({"capital of france": PARIS_DOCS}),
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN, ANSWER_TURN], [ANSWER_TURN]])
+    trajs = run(tok, engine, doubles.FakeRetriever({"capital of france": PARIS_DOCS}),
                 [example(0), example(1, answers=("Lyon",))]).trajectories
     longest = max(len(t.tokens) for t in trajs)
     packed = padded_batch(trajs, tok.pad_token_id, round_up(longest, 64))

@@ -15,8 +15,10 @@ from llds_jax.rollout.trajectory import END_ANSWER, END_CONTEXT_FULL
 from tests.rollout.scripted_engine import ScriptedEngine
 from tests.rollout.test_agent import EchoRetriever, example
 
-def policy(text: str, seq: int) -> str:
-    """Searches its question's word once (after 'think' x (seq % 3 + 1): turns of different lengths), then answers."""
+def policy(text: str, seq: int, turn: int) -> str:
+    """Searches its question's word once (after 'think' x (seq % 3 + 1): turns of different lengths), then answers
+    (whatever the turn)."""
+    del turn
     question = re.findall(r"question (\w+)", text)[-1]
     if f"about {question}" not in text:  # the echo retriever's passage has not come back yet
         return "think " * (seq % 3 + 1) + f"<search> {question} </search>"

@@ -28,7 +28,13 @@ def logp_of(token: int, n: int) -> float:
 class ScriptedRunner(Immediate):
     """The device side, in NumPy: a pool of token ids [pages, page_size] written and read through the batch's
     slots and page tables, copies made first; decoding seqs feed back their own samples. It answers at once
-    (`Immediate`: under overlap, a batch token of the call before's samples is resolved from its result)."""
+    (`Immediate`: under overlap, a batch token of the call before's samples is resolved from its result).
+
+    The tests' one runner double. The step estimate's `llds_jax.aot.scripted_agent.ScriptedRunner` (product code,
+    which the schedule tests run through `aot.rollout_schedule`) is another job: its tokens follow each script's
+    turn lengths and it records each call's cost, but it reads no page, so a wrong page, slot, copy or roll back
+    would not change what it samples; this one's tokens are a function of the context read back through the page
+    tables."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
