@@ -103,6 +103,10 @@ def test_search_then_answer(qwen_tokenizer, doubles):
     # Sampled tokens past the cut were emitted and rolled back: the engine kept only the cut prefix.
     assert engine.extends[0] == [(len(kept0), obs)]
     assert traj.turns[0].num_sampled > len(kept0)
+    # The stop string ended the turn in the step that sampled it (chunks of 4; the engine fed the stop matcher),
+    # before the script's last token.
+    sampled = len(tok.encode(SEARCH_TURN, add_special_tokens=False))
+    assert traj.turns[0].num_sampled == -(-len(kept0) // 4) * 4 < sampled
     assert calls(engine, "add", "extend", "finish") == [("add", 0), ("extend", 0), ("finish", 0)]
     # Sampler log-probs line up with the kept tokens; zero elsewhere.
     expected_logp = np.zeros(len(traj.tokens), np.float32)
