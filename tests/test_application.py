@@ -88,12 +88,23 @@ def demo_run_config() -> ml_collections.ConfigDict:
     ("initializer_range", 0.0, r"^demo\.initializer_range must be > 0, got 0\.0$"),
     ("search_fraction", 1.5, r"^demo\.search_fraction must be in \[0, 1\], got 1\.5$"),
     ("tokenizer", "gpt2", r"^demo\.tokenizer must be one of 'qwen2\.5', 'world', got 'gpt2'$"),
+    ("world", "three_hop", r"^demo\.world must be one of 'two_hop', 'khop', got 'three_hop'$"),
 ])
 def test_the_demo_checks_its_own_section_naming_the_key(key, value, message):
     cfg = demo_run_config()
     checks.validate(cfg, 1)
     cfg.demo[key] = value
     with pytest.raises(config_lib.ConfigError, match=message):
+        checks.validate(cfg, 1)
+
+
+def test_a_khop_demo_world_needs_20_people():
+    cfg = demo_run_config()
+    cfg.demo.world, cfg.demo.num_people = "khop", 20
+    checks.validate(cfg, 1)
+    cfg.demo.num_people = 19
+    with pytest.raises(config_lib.ConfigError, match=r"^demo\.num_people must be at least 20 with demo\.world 'khop' "
+                                                     r"\(a k-hop world draws its chains among them\), got 19$"):
         checks.validate(cfg, 1)
 
 

@@ -167,8 +167,8 @@ NOT_THE_KEY = {
     ("llds_jax/search/synthetic.py", "num_heads"): "a random test BERT's heads, not the demo policy's",
     ("llds_jax/data/synthetic.py", "seed"): "the world generator's seed (the demo passes the run's)",
     ("llds_jax/data/synthetic.py", "num_people"): "the world generator's size (the demo passes demo.num_people)",
-    ("llds_jax/data/khop.py", "seed"): "the k-hop world generator's seed (not wired to a run yet)",
-    ("llds_jax/data/khop.py", "num_people"): "the k-hop world generator's size (not wired to a run yet)",
+    ("llds_jax/data/khop.py", "seed"): "the k-hop world generator's seed (the demo passes the run's)",
+    ("llds_jax/data/khop.py", "num_people"): "the k-hop world generator's size (the demo passes demo.num_people)",
 }
 
 

@@ -33,7 +33,8 @@ def test_every_config_file_is_covered():
     names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIGS, "*.py"))} - {"__init__"}
     assert names == set(TPU_DEVICES) | {"base", "demo_cpu", "demo_cpu_grpo", "demo_cpu_paper",
                                                  "demo_cpu_collapse", "demo_cpu_late_collapse", "demo_cpu_late_study",
-                                                 "demo_cpu_long_horizon", "demo_cpu_tree_study", "tiny_test"}
+                                                 "demo_cpu_long_horizon", "demo_cpu_tree_study", "demo_cpu_deep",
+                                                 "tiny_test"}
 
 
 @pytest.mark.parametrize("name", sorted(TPU_DEVICES))
@@ -153,7 +154,7 @@ def test_grpo_baseline_offers_the_setting_of_the_papers_grpo_row():
 
 @pytest.mark.parametrize("name", ["demo_cpu", "demo_cpu_grpo", "demo_cpu_paper", "demo_cpu_collapse",
                                   "demo_cpu_late_collapse", "demo_cpu_late_study", "demo_cpu_long_horizon",
-                                  "demo_cpu_tree_study", "tiny_test"])
+                                  "demo_cpu_tree_study", "demo_cpu_deep", "tiny_test"])
 def test_cpu_configs_follow_the_schema(name):
     cfg = load(name)
     assert cfg.app == "llds_jax.apps.demo" and cfg.demo.enabled  # the demo application prepares the run
@@ -220,6 +221,18 @@ def test_tree_study_is_the_demo_with_an_evaluation_every_5_steps():
                if isinstance(demo[section], dict) for key in demo[section] if demo[section][key] != study[section][key]}
     assert changed == {("train", "eval_every"): (0, 5)} and study["seed"] == demo["seed"]
     assert study["run_dir"] != demo["run_dir"]
+
+
+def test_deep_demo_is_the_demo_on_the_khop_world_with_the_turns_it_needs():
+    demo, deep = load("demo_cpu").to_dict(), load("demo_cpu_deep").to_dict()
+    changed = {(section, key): (demo[section][key], deep[section][key]) for section in demo
+               if isinstance(demo[section], dict) for key in demo[section] if demo[section][key] != deep[section][key]}
+    assert changed == {("demo", "world"): ("two_hop", "khop"),
+                       ("demo", "assets_dir"): ("runs/demo_world", "runs/demo_world_deep"),
+                       ("sft", "output_dir"): ("runs/demo_world/warm_start", "runs/demo_world_deep/warm_start"),
+                       ("rollout", "max_turns"): (2, 8), ("eval", "max_turns"): (2, 8),
+                       ("rollout", "max_context_tokens"): (512, 768), ("optim", "pack_row_tokens"): (384, 768)}
+    assert (deep["run_dir"], deep["seed"]) == ("runs/demo_cpu_deep", demo["seed"])
 
 
 def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and_warm_start():

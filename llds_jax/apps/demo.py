@@ -1,4 +1,5 @@
-"""Self-contained assets for a run on one machine: a generated search world, its embedded BM25 index (and with
+"""Self-contained assets for a run on one machine: a generated search world (single- and two-hop questions, or
+with `demo.world = "khop"` k-hop ones, k = 1..6, llds_jax.data.khop), its embedded BM25 index (and with
 `demo.retriever = "e5_device"` its e5 Flat index, searched on the devices), a tokenizer,
 a small random Qwen2-architecture policy saved as a Hugging Face folder, and demonstrations for its warm start.
 
@@ -34,7 +35,7 @@ from llds_jax.runtime import distributed, gcs, output_folder
 from llds_jax.apps.demo_config import (  # noqa: F401  (the application protocol, llds_jax.application)
     DEMO_TOKENIZERS, check_config, config_sections, paths, provided_keys)
 from llds_jax.config import ConfigError
-from llds_jax.data import synthetic
+from llds_jax.data import khop, synthetic
 from llds_jax.model import ModelConfig, Transformer, hf_io
 from llds_jax.train.batching import round_up
 from llds_jax.search.e5 import E5Embedder
@@ -55,7 +56,7 @@ _OWN_ENTRIES = (*_BUILT_ENTRIES, _DONE, "warm_start")  # and the warm start conf
 # The keys of the spec in COMPLETE since the first assets version, and those later versions added.
 _SPEC_KEYS = frozenset({"num_people", "tokenizer", "vocab_size", "hidden_size", "num_layers", "num_heads",
                         "num_kv_heads", "intermediate_size", "search_fraction", "seed", "top_k", "version"})
-_ADDED_SPEC_KEYS = frozenset({"retriever", "encoder_path", "initializer_range"})
+_ADDED_SPEC_KEYS = frozenset({"retriever", "encoder_path", "initializer_range", "world"})
 
 
 def _search_fn(index_dir: str, k: int):
@@ -100,7 +101,7 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
         return paths
     for entry in _BUILT_ENTRIES:  # an unfinished build of the project's own (the folder is claimed): built again
         shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
-    world = synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
+    world = _make_world(spec)
     files = synthetic.write_world(world, os.path.join(out_dir, "world"))
     build_bm25(CorpusReader(files["corpus.jsonl"]), paths["index"])
     if spec["retriever"] == "e5_device":
@@ -132,6 +133,13 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     return paths
 
 
+def _make_world(spec: dict) -> synthetic.SearchWorld:
+    """The generated world of `spec`: the k-hop one with `"world": "khop"`, else the single-/two-hop one."""
+    if spec.get("world") == "khop":
+        return khop.make_khop_world(num_people=spec["num_people"], seed=spec["seed"])
+    return synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
+
+
 def _built_spec(out_dir: str) -> dict | None:
     """The spec that the COMPLETE file of an assets folder records, or None when there is none (or it was cut as it
     was written, or it is not a demo spec: a user's file of that name)."""
@@ -148,11 +156,15 @@ ASSETS = output_folder.Kind(
 
 
 def spec_of(cfg: ml_collections.ConfigDict) -> dict:
-    """What `build_assets` builds for `cfg`: the sizes of `cfg.demo`, the run's seed and its retrieval top-k."""
+    """What `build_assets` builds for `cfg`: the sizes of `cfg.demo`, its world when not the default two-hop one
+    (whose spec is the one written before `demo.world` existed: those assets are reused), the run's seed and its
+    retrieval top-k."""
     d = cfg.demo
     spec = {key: d[key] for key in ("num_people", "tokenizer", "vocab_size", "hidden_size", "num_layers",
                                     "num_heads", "num_kv_heads", "intermediate_size", "initializer_range",
                                     "search_fraction", "retriever", "encoder_path")}
+    if d.world != "two_hop":
+        spec["world"] = d.world
     return {**spec, "seed": cfg.seed, "top_k": cfg.rollout.retrieval_top_k, "version": ASSETS_VERSION}
 
 

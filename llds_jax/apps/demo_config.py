@@ -23,6 +23,9 @@ APP = "llds_jax.apps.demo"  # the run config's `app` value of the demo
 
 # The demo's tokenizers: the real Qwen2.5 one, or a BPE trained on its generated world.
 DEMO_TOKENIZERS = ("qwen2.5", "world")
+# The demo's generated worlds: single- and two-hop questions (llds_jax.data.synthetic), or k-hop ones, k = 1..6,
+# each needing k searches (llds_jax.data.khop; its evaluation's EM per data_source is EM by hop count, hop_k).
+DEMO_WORLDS = ("two_hop", "khop")
 # The demo's retrievers: BM25 over the world, or its e5 Flat index searched on the devices (backend e5_device).
 DEMO_RETRIEVERS = ("bm25", "e5_device")
 
@@ -35,6 +38,8 @@ class DemoConfig(bounds.Section):
 
     enabled: bool = field(False, doc="build the demo's world, index, tokenizer, policy and demonstrations")
     assets_dir: str = field("", doc="where they go (\"\": <run_dir>/assets; runs may share one)")
+    world: str = field("two_hop", choices=DEMO_WORLDS, doc="the generated world: single- and two-hop questions, "
+                                                           "or k-hop ones (k = 1..6, EM by hop count)")
     num_people: int = field(200, AT_LEAST_1, doc="people of the generated world")
     tokenizer: str = field("qwen2.5", choices=DEMO_TOKENIZERS,
                            doc="the real Qwen2.5 tokenizer, or a BPE trained on the generated world")
@@ -75,10 +80,15 @@ def config_sections() -> dict[str, ml_collections.ConfigDict]:
 
 
 def check_config(cfg: ml_collections.ConfigDict) -> None:
-    """The `demo` section's bounds and choices; ConfigError naming the key."""
+    """The `demo` section's bounds and choices (and a k-hop world's least people); ConfigError naming the key."""
     if "demo" not in cfg:
         raise ConfigError(f"app {APP!r} needs the config section 'demo' (llds_jax.apps.demo_config.section())")
-    config_lib.build(DemoConfig, cfg.demo)
+    demo = config_lib.build(DemoConfig, cfg.demo)
+    if demo.world == "khop":
+        from llds_jax.data.khop import MIN_PEOPLE  # the generator's modules only for its world
+        if demo.num_people < MIN_PEOPLE:
+            raise ConfigError(f"demo.num_people must be at least {MIN_PEOPLE} with demo.world 'khop' (a k-hop world "
+                              f"draws its chains among them), got {demo.num_people}")
 
 
 def provided_keys(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """A generated world that needs a long horizon: k-hop questions (k = 1..6) over fictional people, companies and
 cities, each answerable only by k searches (deterministic from a seed; no downloads). Beside today's single-/two-hop
-world (llds_jax.data.synthetic), which it leaves as it is; no config or training loop uses it yet.
+world (llds_jax.data.synthetic), which it leaves as it is; the demo builds it with `demo.world = "khop"`
+(llds_jax.apps.demo, configs/demo_cpu_deep.py).
 
 Entities and their relations, each a function (one object per subject):
 
@@ -34,6 +35,7 @@ from llds_jax.data.qa import QAExample
 from llds_jax.data.synthetic import COMPANY_SUFFIXES, OCCUPATIONS, combined_names, generated_name
 
 MAX_HOPS = 6
+MIN_PEOPLE = 20  # the fewest people of a world (make_khop_world)
 # relation -> (the kind of its subject, the kind of its object, its phrase around the subject's in a question,
 # the question it asks as the chain's last relation)
 RELATIONS = {
@@ -81,8 +83,8 @@ def make_khop_world(num_people: int = 200, seed: int = 0, test_fraction: float =
     sqrt(1.5 * num_people) generated words, a company "Prefix Suffix", a city one generated word; every part is
     shared by many passages, so a tokenizer trained on the world keeps each as one whole-word token.
     """
-    if num_people < 20:
-        raise ValueError(f"make_khop_world: num_people must be at least 20, got {num_people}")
+    if num_people < MIN_PEOPLE:
+        raise ValueError(f"make_khop_world: num_people must be at least {MIN_PEOPLE}, got {num_people}")
     rng = random.Random(seed)
     used: set[str] = set()
     num_companies, num_cities = num_people // 4, num_people // 10

@@ -215,19 +215,26 @@ def em_rewards(trajectories: Sequence[Trajectory], empty_answer: str = DEFAULT_E
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Batch means of the per-trajectory statistics (turns, valid actions, valid searches, truncated
-    observations, retriever errors, response length), the turns' standard deviation (`turns_std`) and the share of
-    each end reason."""
+    observations, retriever errors, response length, context tokens: prompt + kept model + observation tokens,
+    `len(tokens)`), the batch's most turns, valid searches and context tokens of one trajectory (`turns_max`,
+    `valid_searches_max`, `context_tokens_max`: how long a horizon the rollout reached), the turns' standard
+    deviation (`turns_std`) and the share of each end reason."""
     if not trajectories:
         return {}
     mean = lambda values: float(np.mean(list(values)))
+    most = lambda values: float(max(values))
     metrics = {
         "turns": mean(t.num_turns for t in trajectories),
+        "turns_max": most(t.num_turns for t in trajectories),
         "turns_std": float(np.std([t.num_turns for t in trajectories])),
         "valid_actions": mean(t.num_valid_actions for t in trajectories),
         "valid_searches": mean(t.num_valid_searches for t in trajectories),
+        "valid_searches_max": most(t.num_valid_searches for t in trajectories),
         "truncated_observations": mean(t.num_truncated_observations for t in trajectories),
         "retriever_errors": mean(len(t.retriever_errors) for t in trajectories),
         "response_length": mean(t.response_length for t in trajectories),
+        "context_tokens": mean(len(t.tokens) for t in trajectories),
+        "context_tokens_max": most(len(t.tokens) for t in trajectories),
     }
     for reason in END_REASONS:
         metrics[f"end/{reason}"] = mean(t.end_reason == reason for t in trajectories)

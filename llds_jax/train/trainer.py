@@ -126,19 +126,22 @@ HOST_SUMMED_METRICS = ("sampled_tokens", "sampled_tokens_per_s", "prompt_tokens"
                        # partial rollouts' counts (rollout/partial.py)
                        "partial/dropped", "partial/resumed", "partial/reprefill_tokens", "partial/groups_started",
                        "partial/carried", "partial/carried_groups", "partial/dropped_group_size")
+# One trajectory's most of the batch (trajectory.rollout_metrics): the job's is the hosts' largest.
+HOST_MAX_METRICS = ("turns_max", "valid_searches_max", "context_tokens_max")
 
 
-def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HOST_SUMMED_METRICS
-                           ) -> dict[str, float]:
+def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HOST_SUMMED_METRICS,
+                           maxed: Sequence[str] = HOST_MAX_METRICS) -> dict[str, float]:
     """Rollout metrics of the whole job (the same keys on every host): the `summed` ones added up over the hosts,
-    the others averaged (with equal host batches a host's batch mean averages to the global batch mean; seconds
-    become the hosts' mean). A collective."""
+    the `maxed` ones their largest, the others averaged (with equal host batches a host's batch mean averages to
+    the global batch mean; seconds become the hosts' mean). A collective."""
     if jax.process_count() == 1:
         return metrics
     keys = sorted(metrics)
     gathered = np.asarray(multihost_utils.process_allgather(np.asarray([metrics[k] for k in keys], np.float32)))
     # [processes, keys]
-    return {k: float(gathered[:, i].sum() if k in summed else gathered[:, i].mean()) for i, k in enumerate(keys)}
+    combine = lambda k, column: column.sum() if k in summed else column.max() if k in maxed else column.mean()
+    return {k: float(combine(k, gathered[:, i])) for i, k in enumerate(keys)}
 
 
 def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Runner) -> Retriever:

@@ -156,6 +156,37 @@ def test_invalid_then_search_then_answer(qwen_tokenizer, doubles):
         "prompt_tokens_std": abs(len(a.prompt_ids) - len(b.prompt_ids)) / 2, "turns_std": 0.5,
         "turn_tokens_std": np.std([t.num_sampled for t in a.turns + b.turns]),
         "observation_tokens_std": np.std([len(invalid), len(obs), len(obs)])})
+    # Per trajectory: a took 3 turns and 1 search, b 2 and 1; a context is the prompt, the kept model tokens and
+    # the observations, counted segment by segment.
+    search_kept, answer_kept = kept_tokens(tok, SEARCH_TURN), kept_tokens(tok, ANSWER_TURN, "</answer>")
+    contexts = [len(a.prompt_ids) + len(kept_tokens(tok, INVALID_TURN, None)) + len(invalid) + len(search_kept)
+                + len(obs) + len(answer_kept), len(b.prompt_ids) + len(search_kept) + len(obs) + len(answer_kept)]
+    horizon = {k: result.metrics[k] for k in ("turns", "turns_max", "valid_searches", "valid_searches_max",
+                                              "context_tokens", "context_tokens_max")}
+    assert horizon == {"turns": 2.5, "turns_max": 3.0, "valid_searches": 1.0, "valid_searches_max": 1.0,
+                       "context_tokens": sum(contexts) / 2, "context_tokens_max": max(contexts)}
+
+
+def test_long_horizon(qwen_tokenizer, doubles):
+    """rollout.max_turns 40: forty executed searches, then the final turn (the issue 69 horizon); one short
+    trajectory beside it for the maxima."""
+    tok = qwen_tokenizer
+    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN] * 41, [ANSWER_TURN]])
+    retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS[:1]})
+    result = run(tok, sampler, retriever, [example(0), example(1)], max_turns=40, max_context_tokens=8192,
+                 max_response_tokens=8192)
+    long, short = result.trajectories
+    kept, answer_kept = kept_tokens(tok, SEARCH_TURN), kept_tokens(tok, ANSWER_TURN, "</answer>")
+    obs = tok.encode('\n\n<information>Doc 1(Title: "Paris") Paris is the capital of France.</information>\n\n',
+                     add_special_tokens=False)
+    check_segments(long, [("model", kept), ("obs", obs)] * 40 + [("model", kept)])
+    assert (long.end_reason, long.num_turns, long.num_valid_searches, len(retriever.calls)) == ("max_turns", 41, 41, 40)
+    assert (short.end_reason, short.num_turns, em_score(short)) == ("answer", 1, 1.0)
+    contexts = (len(long.prompt_ids) + 41 * len(kept) + 40 * len(obs), len(short.prompt_ids) + len(answer_kept))
+    assert {k: result.metrics[k] for k in ("turns", "turns_max", "valid_searches_max", "searches",
+                                           "context_tokens", "context_tokens_max")} == {
+        "turns": 21.0, "turns_max": 41.0, "valid_searches_max": 41.0, "searches": 40.0,
+        "context_tokens": sum(contexts) / 2, "context_tokens_max": contexts[0]}
 
 
 def test_running_out_of_turns(qwen_tokenizer, doubles):
