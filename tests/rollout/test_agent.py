@@ -171,9 +171,9 @@ def test_long_horizon(qwen_tokenizer, doubles):
     """rollout.max_turns 40: forty executed searches, then the final turn (the issue 69 horizon); one short
     trajectory beside it for the maxima."""
     tok = qwen_tokenizer
-    sampler = doubles.ScriptedSampler(tok, [[SEARCH_TURN] * 41, [ANSWER_TURN]])
+    engine = ScriptedEngine.from_scripts(tok, [[SEARCH_TURN] * 41, [ANSWER_TURN]])
     retriever = doubles.FakeRetriever({"capital of france": PARIS_DOCS[:1]})
-    result = run(tok, sampler, retriever, [example(0), example(1)], max_turns=40, max_context_tokens=8192,
+    result = run(tok, engine, retriever, [example(0), example(1)], max_turns=40, max_context_tokens=8192,
                  max_response_tokens=8192)
     long, short = result.trajectories
     kept, answer_kept = kept_tokens(tok, SEARCH_TURN), kept_tokens(tok, ANSWER_TURN, "</answer>")
