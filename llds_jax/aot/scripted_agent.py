@@ -4,8 +4,9 @@ and a retriever would answer comes from each trajectory's script (`rollout_sched
 (scheduling, admission, cutting, carrying) is the run's own code.
 
 - `ScriptedRunner`: the engine's device side. A sequence samples its script's turns (a turn that ends on a stop id
-  ends with STOP_ID at its length; else it samples until the driver's budget ends it), each sequence its own token
-  (so that no two conversations' contexts are alike past their shared prompt); every call is recorded (`Call`).
+  ends with STOP_ID at its length; one a stop string ends, with TEXT_STOP_ID, which `ScriptedStopMatcher` finds as
+  the engine's stop-string check would; else it samples until the driver's budget ends it), each sequence its own
+  token (so that no two conversations' contexts are alike past their shared prompt); every call is recorded (`Call`).
 - `ScriptedSteps`: the protocol's steps (`rollout.steps.AgentSteps`) on scripted text: a turn closes as its script
   says (a search, the invalid-action message, or the answer on its last turn); an observation of n tokens is text of
   n characters, one token each (`ScriptedTokenizer`), cut and fitted by the run's own `append_turn`.
@@ -73,7 +74,8 @@ class Call:
 
 class ScriptBook:
     """Which script each sequence follows: by its PRNG key data (what the engine's rows carry), for every
-    conversation a rollout started (`ScriptedSteps.conversation`) or a partial step carried in (`carried`)."""
+    conversation a rollout started (`ScriptedSteps.conversation`); a conversation a partial step carries keeps its
+    key, so one book serves every step of a partial run."""
 
     def __init__(self, batch: Sequence, group: int):
         self.batch, self.group = list(batch), group
