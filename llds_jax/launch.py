@@ -233,7 +233,7 @@ def _load_and_run(cfg, mode: str, export_dir: str, guard, print_config: bool) ->
             return 0
         guard.abort_during("start-up")
     if distributed.is_main_process():
-        print(config_lib.redacted(cfg) if print_config else config_lib.summary(cfg), flush=True)
+        print(config_lib.redacted(cfg) if print_config else config_lib.summary(config_lib.typed(cfg)), flush=True)
     trainer = Trainer(cfg, training=mode == "train")
     try:
         if mode == "train":

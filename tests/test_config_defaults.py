@@ -10,6 +10,7 @@ import os
 import pytest
 
 from llds_jax import bounds
+from llds_jax.bounds import ConfigError
 from llds_jax import config as config_lib
 from llds_jax.apps import demo_config
 from llds_jax.config import sections
@@ -130,7 +131,15 @@ def test_the_table_has_a_row_per_key_with_its_default_and_rule():
 @pytest.mark.parametrize("cls", [c for c in dataclasses_of() if getattr(c, "SECTION", None) is not None],
                          ids=lambda c: c.__name__)
 def test_each_sections_defaults_pass_its_checks(cls):
-    cls()  # a section at its defaults builds (its bounds and rules hold)
+    getattr(cls, "of", cls)()  # a section at its defaults builds (its bounds and rules hold); RunConfig through `of`
+
+
+def test_the_run_config_sets_its_run_owned_fields_when_built_and_refuses_sections_that_disagree():
+    run = sections.RunConfig.of(rollout=sections.RolloutConfig(temperature=0.7), seed=3)
+    assert (run.objective.temperature, run.sft.seed, run.optim.warmup_steps) == (0.7, 3, 286)  # floor(0.285 x 1005)
+    assert run.replaced(train=sections.TrainConfig(total_steps=100)).optim.warmup_steps == 28
+    with pytest.raises(ConfigError, match="objective: its run-owned fields"):
+        sections.RunConfig(rollout=sections.RolloutConfig(temperature=0.7), optim=run.optim, sft=run.sft)
 
 
 def test_the_readme_has_a_block_per_retriever_backend_generated_from_its_options():

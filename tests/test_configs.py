@@ -43,7 +43,7 @@ def test_tpu_configs_validate_on_their_slice(name):
     checks.validate(cfg, TPU_DEVICES[name])
     assert topologies.chips(cfg.mesh.topology) == TPU_DEVICES[name]  # the slice --mode=compile checks
     assert cfg.model.preset == PRESETS[name]
-    assert config_lib.rollout_batch_size(cfg) == 2560 and config_lib.updates_per_step(cfg) == 10
+    assert config_lib.typed(cfg).rollout_batch_size == 2560 and config_lib.typed(cfg).updates_per_step == 10
     assert config_lib.typed(cfg).optim.warmup_steps == 286  # 28.5% of 1005 rollout batches
     assert (cfg.model.param_dtype, cfg.rollout.params_dtype) == ("float32", "bfloat16")  # bf16 host-local copies
 
@@ -84,7 +84,7 @@ def test_todays_tpus_run_qwen7b_v4_changing_only_what_the_chip_chooses(name, cha
     base, cfg = run_config.flat(load("qwen7b_v4").to_dict()), run_config.flat(load(name).to_dict())
     assert set(base) == set(cfg)
     assert {key: cfg[key] for key in cfg if cfg[key] != base[key]} == changes
-    assert config_lib.rollout_batch_size(load(name)) == config_lib.rollout_batch_size(load("qwen7b_v4"))
+    assert config_lib.typed(load(name)).rollout_batch_size == config_lib.typed(load("qwen7b_v4")).rollout_batch_size
 
 
 def test_named_retriever_alternatives():
@@ -238,7 +238,7 @@ def test_deep_demo_is_the_demo_on_the_khop_world_with_the_turns_it_needs():
 def test_paper_shaped_demo_has_the_papers_update_schedule_on_the_demos_world_and_warm_start():
     """10 updates per rollout batch, each of 2 whole groups, linear warmup over 28.5% of the steps."""
     demo, paper = load("demo_cpu"), load("demo_cpu_paper")
-    assert config_lib.updates_per_step(paper) == 10 and config_lib.rollout_batch_size(paper) == 80
+    assert config_lib.typed(paper).updates_per_step == 10 and config_lib.typed(paper).rollout_batch_size == 80
     assert paper.optim.mini_batch_size // paper.data.samples_per_prompt == 2
     assert paper.optim.mini_batch_size % paper.data.samples_per_prompt == 0
     assert config_lib.typed(paper).optim.warmup_steps == 5 and paper.optim.learning_rate == demo.optim.learning_rate
@@ -407,14 +407,14 @@ def test_an_unknown_key_suggests_the_nearest(override, message):
 def test_the_printed_summary_says_what_trains_and_redacts_secrets():
     cfg = load("qwen7b_v4")
     cfg.retriever = ml_collections.ConfigDict({"backend": "http", "url": "https://u:s3cret@h:8000/retrieve"})
-    text = config_lib.summary(cfg)
+    text = config_lib.summary(config_lib.typed(cfg))
     assert "s3cret" not in text and "url https://***@h:8000/retrieve" in text
     assert text.splitlines()[1:4] == [
         "  model qwen2.5-7b in float32 (compute bfloat16)",
         "  step: 512 prompts x 5 samples, 10 update(s) of 256 at lr 1e-06; 1005 steps",
         "  objective GRPO + LLDS (lambda 0.2, action gate), KL 0.001, advantages grpo"]
     assert len(text.splitlines()) == 5
-    cfg.rollout.trees, cfg.rollout.tree_forks = 1, 4
-    assert config_lib.summary(cfg).splitlines()[2] == (
+    cfg.rollout.trees, cfg.rollout.tree_forks, cfg.rollout.continuous_batching, cfg.rollout.max_batch_size = 1, 4, False, 0
+    assert config_lib.summary(config_lib.typed(cfg)).splitlines()[2] == (
         "  step: 512 prompts x 5 samples (1 tree(s) x (1 + 1 x 4) leaves, uniform forks), 10 update(s) of 256 at "
         "lr 1e-06; 1005 steps")

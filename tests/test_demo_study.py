@@ -187,7 +187,8 @@ def test_tree_arms_make_valid_runs_with_the_settings_number_of_updates(arm, grou
     config_lib.check(cfg, application.load(cfg))
     r = cfg.rollout
     assert (cfg.data.samples_per_prompt, r.trees, r.trees * (1 + r.tree_rounds * r.tree_forks)) == (group, trees, group)
-    assert (cfg.optim.mini_batch_size, cfg.optim.micro_batch_size, config_lib.updates_per_step(cfg)) == (mini, micro, 4)
+    run = config_lib.typed(cfg)
+    assert (run.optim.mini_batch_size, run.optim.micro_batch_size, run.updates_per_step) == (mini, micro, 4)
     assert cfg.objective.advantages == "tree_grpo" and cfg.objective.llds.enabled
 
 
@@ -552,7 +553,7 @@ def test_the_partial_rollout_arms_differ_only_in_partial_rollouts():
         assert cfg.rollout.continuous_batching
     assert not sync.rollout.partial
     assert (partial.rollout.partial, partial.rollout.over_sampling, partial.rollout.max_staleness) == (True, 2.0, 1)
-    assert config_lib.rollout_sequences(partial) == 2 * config_lib.rollout_sequences(sync) == 128
+    assert config_lib.typed(partial).rollout_sequences() == 2 * config_lib.typed(sync).rollout_sequences() == 128
     differ = {key for key, value in flat(partial.to_dict()).items() if flat(sync.to_dict()).get(key) != value}
     assert differ == {"rollout.partial"}  # partial2 sets over_sampling 2 and max_staleness 1: today's defaults
 

@@ -405,7 +405,7 @@ def build_programs(cfg, devices: Sequence[Any], host: Optional[Sequence[Any]] = 
     session_rows = parts.sampler.engine_config.max_seqs
     # A retriever call holds at most one search per sequence in flight, training's or evaluation's.
     max_queries = max(session_rows, parts.eval_sampler.engine_config.max_seqs)
-    batch = config_lib.rollout_batch_size(cfg)
+    batch = config_lib.typed(cfg).rollout_batch_size
     for label, sampler in (("", parts.sampler), ("eval ", parts.eval_sampler)):
         for program in sampler.abstract_programs(rollout_params):  # one step program per token bucket
             rollout.append(Program(f"{label}{program.name}",
@@ -413,7 +413,7 @@ def build_programs(cfg, devices: Sequence[Any], host: Optional[Sequence[Any]] = 
                                    beside_rollout, role=program.role, rollout=True,
                                    pool_bytes=sampler.runner.pool.bytes_per_device()))
     length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
-    calls = step_estimate.update_calls(cfg, config_lib.updates_per_step(cfg))
+    calls = step_estimate.update_calls(cfg, config_lib.typed(cfg).updates_per_step)
     training = [Program(p.name, p.shapes, p.lower(), TRAINING_RESIDENT.get(p.role, (REFERENCE,)), role=p.role,
                         calls=calls.get(p.role, 0.0))
                 for p in parts.step.abstract_programs(TrainShapes(batch, length,
@@ -446,7 +446,7 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
                                        p.role)
              for r, p in zip(rows, programs)]
     peaks = roofline.PEAKS[generation]
-    sequences = config_lib.rollout_batch_size(cfg) // hosts
+    sequences = config_lib.typed(cfg).rollout_batch_size // hosts
     step_row, step_program = next((r, p) for r, p in zip(rows, programs) if p.role is Role.ROLLOUT_STEP)
     rollout_cfg = config_lib.build(RolloutConfig, cfg.rollout)
     paging = PagingConfig.of(rollout_cfg)

@@ -77,7 +77,7 @@ def rollout_of(cfg) -> Rollout:
     params = abstract_rollout_params(layout.rollout, parts.step.abstract_state().params, cfg.rollout.params_dtype)
     rollout_cfg = config_lib.build(RolloutConfig, cfg.rollout)
     paging = PagingConfig.of(rollout_cfg)
-    sequences = config_lib.rollout_batch_size(cfg) // hosts
+    sequences = config_lib.typed(cfg).rollout_batch_size // hosts
     slots = min(sequences, rollout_cfg.max_batch_size or sequences)
     model_cfg, tensor, mesh = layout.rollout.model_cfg, layout.rollout.tensor, layout.rollout.mesh
     step = step_estimate.step_cost(model_cfg, tensor, shard_bytes(params), paging.page_size, slots)

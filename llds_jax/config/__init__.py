@@ -15,8 +15,8 @@ On the lowest floors of the package: it imports only leaves and the declarations
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +25,7 @@ import ml_collections
 from llds_jax import bounds
 from llds_jax.runtime import redaction
 from llds_jax.bounds import ConfigError
-from llds_jax.config.sections import RunConfig
+from llds_jax.config.sections import RetrieverConfig, RunConfig
 
 
 def as_config_dict(instance: Any) -> ml_collections.ConfigDict:
@@ -34,27 +34,32 @@ def as_config_dict(instance: Any) -> ml_collections.ConfigDict:
     for f in bounds.declarations(type(instance)):
         value = getattr(instance, f.name)
         c[f.name] = as_config_dict(value) if "section" in f.metadata else value
+    if isinstance(instance, RetrieverConfig):
+        c.update(instance.options)
     return c
 
 
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
 def build(cls: type, values: ml_collections.ConfigDict) -> Any:
-    """The section `cls` of a run config's (schema-checked) section `values`: lists become tuples; keys `cls` does
-    not declare (the retriever backend's options) are left to their owners."""
+    """The section `cls` of a run config's (schema-checked) section `values` (`RunConfig`: the whole config, built
+    with `RunConfig.of`): lists become tuples; the retriever's keys it does not declare are its backend's
+    `options` (with index_dir where it gives one)."""
     kwargs = {}
     for f in bounds.declarations(cls):
         if f.name in values:
             value = values[f.name]
-            if "section" in f.metadata:
-                value = build(f.metadata["section"], value)
-            elif isinstance(value, list):
-                value = tuple(value)
-            kwargs[f.name] = value
-    return cls(**kwargs)
+            kwargs[f.name] = build(f.metadata["section"], value) if "section" in f.metadata else _frozen(value)
+    if cls is RetrieverConfig:
+        kwargs["options"] = types.MappingProxyType({k: _frozen(v) for k, v in values.items() if k != "backend"})
+    return cls.of(**kwargs) if cls is RunConfig else cls(**kwargs)
 
 
 def default_config() -> ml_collections.ConfigDict:
     """The run config at its declared defaults: the schema."""
-    return as_config_dict(RunConfig())
+    return as_config_dict(RunConfig.of())
 
 
 def typed(cfg: ml_collections.ConfigDict) -> RunConfig:
@@ -200,44 +205,26 @@ def redacted_argument(arg: str) -> str:
     return redaction.redact(arg)
 
 
-def summary(cfg: ml_collections.ConfigDict) -> str:
-    """A few lines on what a run of `cfg` trains (secrets redacted): where, the model, the data and the step, the
-    objective, the retriever. The whole config goes to the run folder's config.json."""
-    c = redacted(cfg)
-    llds = c.objective.llds
+def summary(run: RunConfig) -> str:
+    """A few lines on what `run` trains (secrets redacted): where, the model, the data and the step, the objective,
+    the retriever. The whole config goes to the run folder's config.json."""
+    llds = run.objective.llds
     objective = (f"GRPO + LLDS (lambda {llds.lam:g}, {llds.gate} gate)" if llds.enabled else "GRPO (LLDS off)")
-    retriever = ", ".join(f"{k} {v}" for k, v in c.retriever.items() if k != "backend" and v not in ("", None, ()))
-    r = c.rollout
+    options = _redact("", dict(run.retriever.options))
+    retriever = ", ".join(f"{k} {v}" for k, v in options.items() if v not in ("", None, ()))
+    r = run.rollout
     trees = (f" ({r.trees} tree(s) x (1 + {r.tree_rounds} x {r.tree_forks}) leaves, {r.tree_select} forks)"
              if r.trees else "")
     return "\n".join([
-        f"run {c.run_dir} (seed {c.seed}{', app ' + c.app if c.app else ''}); the whole config: "
-        "<run_dir>/config.json, or --print_config",
-        f"  model {c.model.preset or c.model.path} in {c.model.param_dtype} (compute {c.model.dtype})",
-        f"  step: {c.data.prompts_per_step} prompts x {c.data.samples_per_prompt} samples{trees}, "
-        f"{updates_per_step(cfg)} update(s) of {c.optim.mini_batch_size} at lr {c.optim.learning_rate:g}; "
-        f"{c.train.total_steps} steps",
-        f"  objective {objective}, KL {c.objective.kl_coef:g}, advantages {c.objective.advantages}",
-        f"  retriever {c.retriever.backend}{' (' + retriever + ')' if retriever else ''}",
+        f"run {redaction.redact(run.run_dir)} (seed {run.seed}{', app ' + run.app if run.app else ''}); the whole "
+        "config: <run_dir>/config.json, or --print_config",
+        f"  model {run.model.preset or run.model.path} in {run.model.param_dtype} (compute {run.model.dtype})",
+        f"  step: {run.data.prompts_per_step} prompts x {run.data.samples_per_prompt} samples{trees}, "
+        f"{run.updates_per_step} update(s) of {run.optim.mini_batch_size} at lr {run.optim.learning_rate:g}; "
+        f"{run.train.total_steps} steps",
+        f"  objective {objective}, KL {run.objective.kl_coef:g}, advantages {run.objective.advantages}",
+        f"  retriever {run.retriever.backend}{' (' + retriever + ')' if retriever else ''}",
     ])
-
-
-def rollout_batch_size(cfg: ml_collections.ConfigDict) -> int:
-    """Trajectories per training step: prompts_per_step x samples_per_prompt."""
-    return cfg.data.prompts_per_step * cfg.data.samples_per_prompt
-
-
-def rollout_sequences(cfg: ml_collections.ConfigDict, process_count: int = 1) -> int:
-    """Conversations one host's rollout starts per step (its engine's sequence slots without rollout.max_batch_size):
-    its share of the batch, or with rollout.partial ceil(rollout.over_sampling x its prompts) groups' worth."""
-    prompts = cfg.data.prompts_per_step // process_count
-    if cfg.rollout.partial:
-        prompts = math.ceil(cfg.rollout.over_sampling * prompts)
-    return prompts * cfg.data.samples_per_prompt
-
-
-def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
-    return rollout_batch_size(cfg) // cfg.optim.mini_batch_size
 
 
 def check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[str]) -> None:

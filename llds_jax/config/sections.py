@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+from collections.abc import Mapping
+from typing import Any
 
 from llds_jax import bounds
 from llds_jax.bounds import (AT_LEAST_1, MOMENTUM, NON_NEGATIVE, POSITIVE, PROBABILITY_MASS, UNIT_INTERVAL,
@@ -135,6 +138,13 @@ class RetrieverConfig(bounds.Section):
 
     backend: str = field("bm25", doc="bm25 / faiss / e5_device / elasticsearch / http")
     index_dir: str = field("indexes/wiki18_bm25", doc="the index folder (local or gs://)")
+    # Every key but `backend` as the run config gives it (a read-only mapping; a backend without an index folder
+    # leaves out index_dir), typed and checked by llds_jax.search.options.resolve, which `given()` feeds.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+    def given(self) -> dict[str, Any]:
+        """The section as the run config gives it: the backend and its options."""
+        return {"backend": self.backend, **self.options}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,9 +450,11 @@ class RunConfig(bounds.Section):
     """A whole run config, typed: the top-level keys, one field per section and the rules across sections. Its
     defaults are the paper's (docs/method.md): GRPO + LLDS as the reference code runs it.
 
-    The fields of its sections that are the run's are set here: `objective.temperature` (rollout.temperature),
-    `optim.warmup_steps` (optim.warmup_ratio x train.total_steps, rounded down) and the warm start's prompt cut,
-    log-prob chunk and seed (rollout.max_prompt_tokens, optim.logp_time_chunk, seed).
+    The fields of its sections that are the run's (`run_owned`: `objective.temperature` = rollout.temperature,
+    `optim.warmup_steps` = optim.warmup_ratio x train.total_steps rounded down, and the warm start's prompt cut,
+    log-prob chunk and seed = rollout.max_prompt_tokens, optim.logp_time_chunk, seed) are set when it is built:
+    build one with `RunConfig.of(...)` (or `replaced`), which sets them; the constructor refuses sections whose
+    run-owned fields disagree. Derived values are its properties, each computed here alone.
     """
 
     run_dir: str = field("runs/default", doc="local folder or gs://bucket/path: checkpoints, events, metrics, config")
@@ -485,8 +497,58 @@ class RunConfig(bounds.Section):
         if batch % o.mini_batch_size:
             raise ConfigError(f"optim.mini_batch_size ({o.mini_batch_size}) must divide the rollout batch "
                               f"data.prompts_per_step x data.samples_per_prompt = {batch}")
-        warmup_steps = int(math.floor(o.warmup_ratio * self.train.total_steps))
-        object.__setattr__(self, "optim", dataclasses.replace(o, warmup_steps=warmup_steps))
-        object.__setattr__(self, "objective", dataclasses.replace(self.objective, temperature=r.temperature))
-        object.__setattr__(self, "sft", dataclasses.replace(
-            self.sft, max_prompt_tokens=r.max_prompt_tokens, logp_time_chunk=o.logp_time_chunk, seed=self.seed))
+        for name, want in run_owned(self).items():
+            if getattr(self, name) != want:
+                raise ConfigError(f"{name}: its run-owned fields must be the run's (build the config with "
+                                  "RunConfig.of or RunConfig.replaced, which set them)")
+
+    @classmethod
+    def of(cls, **fields: Any) -> RunConfig:
+        """The run config of `fields` (sections at their defaults where left out), its sections' run-owned fields
+        set from the run's keys."""
+        draft = dict(_default_fields(cls), **fields)
+        return cls(**{**draft, **run_owned(types.SimpleNamespace(**draft))})
+
+    def replaced(self, **changes: Any) -> RunConfig:
+        """This config with some fields (whole sections) replaced, the run-owned fields set again."""
+        return RunConfig.of(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Trajectories per training step: data.prompts_per_step x data.samples_per_prompt."""
+        return self.data.prompts_per_step * self.data.samples_per_prompt
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per training step: the rollout batch in mini-batches of optim.mini_batch_size."""
+        return self.rollout_batch_size // self.optim.mini_batch_size
+
+    def rollout_sequences(self, process_count: int = 1) -> int:
+        """Conversations one host's rollout starts per step: its share of the batch, or with rollout.partial
+        ceil(rollout.over_sampling x its prompts) groups' worth."""
+        prompts = self.data.prompts_per_step // process_count
+        if self.rollout.partial:
+            prompts = math.ceil(self.rollout.over_sampling * prompts)
+        return prompts * self.data.samples_per_prompt
+
+    def engine_slots(self, sequences: int) -> int:
+        """Sequence slots of an engine that runs `sequences` conversations: rollout.max_batch_size caps them
+        (0: no cap)."""
+        return min(sequences, self.rollout.max_batch_size or sequences)
+
+
+def _default_fields(cls: type) -> dict[str, Any]:
+    return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(cls)}
+
+
+def run_owned(run: Any) -> dict[str, Any]:
+    """The sections of `run` (a RunConfig, or its fields as attributes) with their run-owned fields set from the
+    run's keys: objective, optim and sft."""
+    r, o = run.rollout, run.optim
+    return {
+        "objective": dataclasses.replace(run.objective, temperature=r.temperature),
+        "optim": dataclasses.replace(o, warmup_steps=int(math.floor(o.warmup_ratio * run.train.total_steps))),
+        "sft": dataclasses.replace(run.sft, max_prompt_tokens=r.max_prompt_tokens,
+                                   logp_time_chunk=o.logp_time_chunk, seed=run.seed),
+    }

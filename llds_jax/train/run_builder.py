@@ -122,7 +122,7 @@ def rollout_shapes(cfg: ml_collections.ConfigDict, process_count: int, stop_ids:
     typed_cfg = config_lib.typed(cfg)
     paging = PagingConfig.of(typed_cfg.rollout)
     shapes = []
-    for evaluation, sequences in ((False, config_lib.rollout_sequences(cfg, process_count)),
+    for evaluation, sequences in ((False, config_lib.typed(cfg).rollout_sequences(process_count)),
                                   (True, cfg.eval.batch_size)):
         agent = AgentConfig.of(typed_cfg.rollout, typed_cfg.eval if evaluation else None)
         sampling = SamplingConfig.of(typed_cfg.rollout, stop_ids, greedy=evaluation)

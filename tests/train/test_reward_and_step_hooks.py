@@ -54,7 +54,7 @@ def test_rewards_are_summed_and_each_ones_mean_is_named_when_there_are_several()
     def answer_chars(trajectories, reward_cfg):
         return np.asarray([len(t.answer_text) for t in trajectories], np.float32)
 
-    em_b, means = summed_rewards(named_rewards(RunConfig().reward.functions), trajectories, cfg)
+    em_b, means = summed_rewards(named_rewards(RunConfig.of().reward.functions), trajectories, cfg)
     np.testing.assert_array_equal(em_b, [1.0, 0.0, 1.0])
     assert em_b.dtype == np.float32 and means == {}  # one reward: reward/mean is its mean, no second name
     total_b, means = summed_rewards({"exact_match": exact_match, "answer_chars": answer_chars}, trajectories, cfg)
