@@ -27,39 +27,53 @@ from llds_jax.search.factory import resolve_config
 from llds_jax.search.retry import RequestPolicy
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-    """Everything a run cannot start with; each error names the run-config key.
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
+    """Everything a run cannot start with; each error names the run-config key. Returns the typed run config (a
+    launch builds it here, once).
 
     Without `num_devices` (the launch command's check before anything runs, in the modes that read the checkpoint)
-    the mesh is not checked, and the local folders of model.path and model.tokenizer_path must exist; with it (the
-    trainer, and --mode=compile, which compiles a model.preset without its checkpoint) the folders are not checked.
-    """
-    app = application.load(cfg)
-    config_lib.check(cfg, app)
+    the mesh is not checked, and the local folders of model.path and model.tokenizer_path must exist (except keys
+    the application sets when the run starts); with it (`--mode=compile`, which compiles a model.preset without its
+    checkpoint) the mesh is checked (`check_mesh`) and the folders are not."""
+    run = check_components(cfg)
+    if num_devices is None:
+        app = application.load(cfg)
+        _check_model_folders(run, app.provided_keys(cfg) if app is not None else ())
+    else:
+        check_mesh(run, num_devices)
+    return run
+
+
+def check_components(cfg: ml_collections.ConfigDict) -> RunConfig:
+    """The config (`config.check`, with its application's sections and checks) against the components: loss terms,
+    retriever backends, model presets, TPU topologies. Returns the typed run config."""
+    run = config_lib.check(cfg, application.load(cfg))
     for registry in (LOSS_TERMS, ADVANTAGES, GATES, ANSWER_WEIGHTINGS, KL_ESTIMATORS, AGGREGATIONS):
         config_lib.check_choice(cfg, registry.key, registry.names())
     try:
-        retriever = resolve_config(cfg.retriever)  # keys and types of the chosen backend
+        retriever = resolve_config(run.retriever)  # keys and types of the chosen backend
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if isinstance(retriever, RequestPolicy):
-        _check_retry_budget(RequestPolicy.of(retriever), cfg.rollout.search_timeout_s)
-    if cfg.model.preset and cfg.model.preset.lower() not in PRESETS:
-        raise ConfigError(f"model.preset {cfg.model.preset!r} is not one of {sorted(PRESETS)}")
-    if cfg.mesh.topology:
+        _check_retry_budget(RequestPolicy.of(retriever), run.rollout.search_timeout_s)
+    if run.model.preset and run.model.preset.lower() not in PRESETS:
+        raise ConfigError(f"model.preset {run.model.preset!r} is not one of {sorted(PRESETS)}")
+    if run.mesh.topology:
         try:
-            topologies.resolve(cfg.mesh.topology)
+            topologies.resolve(run.mesh.topology)
         except topologies.TopologyError as e:
             raise ConfigError(f"mesh.topology: {e}") from None
-    if num_devices is None:
-        _check_model_folders(cfg, app.provided_keys(cfg) if app is not None else ())
-        return
-    data, fsdp, tensor = parallel.mesh_shape(num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    if cfg.model.mlp_chunks > 1 and tensor > 1:
-        raise ConfigError(f"model.mlp_chunks = {cfg.model.mlp_chunks} slices the MLP width, which mesh.tensor = "
+    return run
+
+
+def check_mesh(run: RunConfig, num_devices: int) -> None:
+    """The device mesh of `run` on `num_devices` devices (the trainer's, or a compiled topology's)."""
+    data, fsdp, tensor = parallel.mesh_shape(num_devices, run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
+    if run.model.mlp_chunks > 1 and tensor > 1:
+        raise ConfigError(f"model.mlp_chunks = {run.model.mlp_chunks} slices the MLP width, which mesh.tensor = "
                           f"{tensor} shards: use one or the other")
-    if cfg.optim.micro_batch_size % (data * fsdp):
-        raise ConfigError(f"optim.micro_batch_size ({cfg.optim.micro_batch_size}) must be a multiple of the "
+    if run.optim.micro_batch_size % (data * fsdp):
+        raise ConfigError(f"optim.micro_batch_size ({run.optim.micro_batch_size}) must be a multiple of the "
                           f"mesh's batch axes data x fsdp = {data * fsdp}")
 
 
@@ -75,10 +89,9 @@ def _check_retry_budget(policy: RequestPolicy, search_timeout_s: float) -> None:
                           "retriever.max_retries")
 
 
-def _check_model_folders(cfg: ml_collections.ConfigDict, provided: tuple[str, ...]) -> None:
+def _check_model_folders(run: RunConfig, provided: tuple[str, ...]) -> None:
     """The local folders that model.path and model.tokenizer_path name exist (a gs:// path's bucket is checked by
     the launcher, llds_jax.runtime.gcs; a key in `provided`, the application's, is set when the run starts)."""
-    for key in ("model.path", "model.tokenizer_path"):
-        path = config_lib.value(cfg, key)
+    for key, path in (("model.path", run.model.path), ("model.tokenizer_path", run.model.tokenizer_path)):
         if path and key not in provided and not gcs.is_gcs(path) and not os.path.isdir(path):
             raise ConfigError(f"{key} {path}: {'not a folder' if os.path.exists(path) else 'no such folder'}")

@@ -240,9 +240,9 @@ def value(cfg: ml_collections.ConfigDict, key: str) -> Any:
     return cfg
 
 
-def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
+def check(cfg: ml_collections.ConfigDict, app: Any = None) -> RunConfig:
     """Schema, then the typed config (each section's bounds, choices and combinations, then the run's), then the
-    application's own checks; each error names the run-config key.
+    application's own checks; each error names the run-config key. Returns the typed config.
 
     `app`: the application module the config's `app` key names (`llds_jax.application.load`), whose sections the
     schema accepts and whose own checks run here. The checks against components (loss terms, retriever backends,
@@ -251,10 +251,11 @@ def check(cfg: ml_collections.ConfigDict, app: Any = None) -> None:
     if cfg.get("app", "") and app is None:
         raise ConfigError(f"app {cfg.app!r} is set: check the config with llds_jax.checks.validate, which loads it")
     check_schema(cfg, schema(app))
-    typed(cfg)
+    run = typed(cfg)
     if app is not None:
         app.check_config(cfg)
     # An application may set model.path when the run starts (the demo: its generated policy).
     if not cfg.model.path and "model.path" not in (app.provided_keys(cfg) if app is not None else ()):
         raise ConfigError("model.path must name a Hugging Face checkpoint folder")
+    return run
 

@@ -165,9 +165,9 @@ PRESETS: dict[str, ModelConfig] = {
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if "key" in f.metadata)
 
 
-def run_overrides(model_section: Mapping[str, Any]) -> dict[str, Any]:
+def run_overrides(model_section: ModelRunConfig) -> dict[str, Any]:
     """The RUN_FIELDS of a run config's `model` section, as ModelConfig overrides."""
-    return {name: model_section[name] for name in RUN_FIELDS}
+    return {name: getattr(model_section, name) for name in RUN_FIELDS}
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
