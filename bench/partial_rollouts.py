@@ -70,16 +70,17 @@ def run_arm(cfg: ml_collections.ConfigDict, steps: int, log=print) -> list[dict[
     """Trains `steps` steps of `cfg` (its run_dir and demo.assets_dir set) from a fresh trainer; returns each step's
     metrics: the trainer's, plus `trained_tokens` (the loss mask's tokens) and `compile_s` (seconds of the step's XLA
     backend compilations: a training batch longer than any before compiles its programs in any step)."""
-    from llds_jax import application
+    from llds_jax import checks
+    from llds_jax import config as config_lib
+    from llds_jax.launch import prepared
     from llds_jax.train.trainer import Trainer
 
-    app = application.load(cfg)
-    app.prepare_run(cfg)  # the world, index and data files (cached in demo.assets_dir); model.path: its random policy
-    cfg.model.path = WARM_START
-    trainer = Trainer(cfg)
+    # The world, index and data files (cached in demo.assets_dir), as the launch prepares them; the policy: WARM_START.
+    run = config_lib.with_values(prepared(cfg, checks.validate(cfg)), {"model.path": WARM_START})
+    trainer = Trainer(run, config_lib.recorded(run, cfg))
     try:
         state = trainer.rl_train_step.init_state()
-        ref_params = trainer.rl_train_step.reference_params(state.params) if cfg.objective.kl_coef else None
+        ref_params = trainer.rl_train_step.reference_params(state.params) if run.objective.kl_coef else None
         records = []
         with CompileCounter() as compiles:
             for step in range(1, steps + 1):

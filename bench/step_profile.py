@@ -183,31 +183,26 @@ def profile(cfg: ml_collections.ConfigDict, steps: int, checkpoint_every: int = 
 
     search_latency_s, search_s_per_query: make the retriever slower (`DelayedRetriever`).
     """
-    from llds_jax import application
+    from llds_jax import checks
+    from llds_jax import config as config_lib
+    from llds_jax.launch import prepared
     from llds_jax.train.checkpoint import Checkpointer, rng_to_json
     from llds_jax.train.preemption import PreemptionGuard
     from llds_jax.train.trainer import Trainer
 
     setup = {}
     start = time.perf_counter()
-    app = application.load(cfg)  # the config's application, as `python -m llds_jax.launch` runs it: the demo's assets
-    if app is not None:
-        app.prepare_run(cfg)
-    setup["assets_s"] = time.perf_counter() - start
-    if "sft" in cfg and cfg.sft.enabled:  # the warm start, as `python -m llds_jax.launch` runs it
-        from llds_jax import sft
-
-        start = time.perf_counter()
-        cfg.model.path = sft.warm_start(cfg)
-        setup["warm_start_s"] = time.perf_counter() - start
+    # The config's application (the demo's assets) and the warm start, as `python -m llds_jax.launch` runs them.
+    run = prepared(cfg, checks.validate(cfg))
+    setup["assets_and_warm_start_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = Trainer(run, config_lib.recorded(run, cfg))
     if search_latency_s or search_s_per_query:
         trainer.retriever = DelayedRetriever(trainer.retriever, search_latency_s, search_s_per_query)
     state = trainer.rl_train_step.init_state()
-    ref_params = trainer.rl_train_step.reference_params(state.params) if cfg.objective.kl_coef else None
+    ref_params = trainer.rl_train_step.reference_params(state.params) if run.objective.kl_coef else None
     setup["trainer_s"] = time.perf_counter() - start
-    ckpt_dir = os.path.join(cfg.run_dir, "step_profile_checkpoints")
+    ckpt_dir = os.path.join(run.run_dir, "step_profile_checkpoints")
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # a reused run folder: start from no saved step
     ckpt = Checkpointer(ckpt_dir, save_every=checkpoint_every, keep=2)
     records = []

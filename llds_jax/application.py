@@ -12,10 +12,12 @@ module must define.
                                               empty (the demo: model.path, pointed at its generated policy)
     paths(cfg) -> {key: path}                 its keys that name files or folders, for the launcher's checks
                                               (a gs:// path's bucket is checked before anything runs)
-    prepare_run(cfg)                          called by `python -m llds_jax.launch` (and bench/step_profile.py) on
+    prepare_run(cfg) -> {key: value}          called by `python -m llds_jax.launch` (and bench/step_profile.py) on
                                               every process after validation, before the warm start and the model;
-                                              may change the config (the demo: builds its assets and points the
-                                              model, data, retriever and sft keys at them)
+                                              returns the keys it sets, dotted or a whole section, and their values,
+                                              which the launch sets on its typed config (`config.with_values`; the
+                                              demo: builds its assets and points the model, data, retriever and sft
+                                              keys at them)
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ from llds_jax.rl.losses import KL_ESTIMATORS  # (also registers the built-in los
 from llds_jax.rl.terms import AGGREGATIONS, LOSS_TERMS
 from llds_jax.search.factory import resolve_config
 from llds_jax.search.retry import RequestPolicy
+from llds_jax.train.rewards import named_rewards
+from llds_jax.train.step_hooks import step_hooks
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
@@ -45,11 +47,14 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
 
 
 def check_components(cfg: ml_collections.ConfigDict) -> RunConfig:
-    """The config (`config.check`, with its application's sections and checks) against the components: loss terms,
-    retriever backends, model presets, TPU topologies. Returns the typed run config."""
+    """The config (`config.check`, with its application's sections and checks) against the components: loss terms
+    and the other registered names (rewards and step hooks among them), retriever backends, model presets, TPU
+    topologies. Returns the typed run config."""
     run = config_lib.check(cfg, application.load(cfg))
     for registry in (LOSS_TERMS, ADVANTAGES, GATES, ANSWER_WEIGHTINGS, KL_ESTIMATORS, AGGREGATIONS):
         config_lib.check_choice(cfg, registry.key, registry.names())
+    named_rewards(run.reward.functions)  # registered names, none twice
+    step_hooks(run.train.hooks)
     try:
         retriever = resolve_config(run.retriever)  # keys and types of the chosen backend
     except ValueError as e:

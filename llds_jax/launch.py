@@ -121,27 +121,29 @@ def _params_for_eval(trainer):
 def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: bool = False,
         estimate_from: str = "") -> int:
     """Runs one mode; returns the process exit status. `print_config`: print the whole config (redacted) before
-    the run, not its summary; `estimate_from`: --mode=compile's run folder of expected lengths."""
+    the run, not its summary; `estimate_from`: --mode=compile's run folder of expected lengths. The typed run config
+    (`llds_jax.config.sections.RunConfig`) is built here, once, and is what every component takes."""
     from llds_jax import checks
 
     if estimate_from and mode != "compile":
         raise InputError(f"--estimate_from is a flag of --mode=compile, not of --mode={mode}")
-    if mode != "compile":  # compile_check validates against the topology's device count
-        checks.validate(cfg)
-    if mode == "compile":
+    if mode == "compile":  # compile_check checks the mesh against the topology's device count
         from llds_jax.aot import compile_check
 
-        if not (topology or cfg.mesh.topology):
+        run_cfg = checks.check_components(cfg)
+        if not (topology or run_cfg.mesh.topology):
             raise InputError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
-        return compile_check.run(cfg, topology or cfg.mesh.topology, estimate_from)
+        return compile_check.run(run_cfg, topology or run_cfg.mesh.topology, estimate_from)
+    run_cfg = checks.validate(cfg)
     from llds_jax.train.preemption import PreemptionGuard
 
     with PreemptionGuard() as guard:  # a stop before the training loop ends the command at once (status 0)
-        return _run(cfg, mode, export_dir, guard, print_config)
+        return _run(cfg, run_cfg, mode, export_dir, guard, print_config)
 
 
-def _run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
-    """`run` for the modes that load the model, under the command's PreemptionGuard."""
+def _run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
+    """`run` for the modes that load the model, under the command's PreemptionGuard (`cfg`: the config as given,
+    for its record and the application; `run_cfg`: the typed config)."""
     import jax
 
     from llds_jax.runtime import distributed
@@ -149,17 +151,17 @@ def _run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
 
     gcs.check_buckets(gcs_paths(cfg, export_dir))  # seconds, where the GCS clients would retry for minutes
 
-    d = cfg.distributed
+    d = run_cfg.distributed
     distributed.maybe_initialize(d.coordinator_address or None, d.num_processes or None,
                                  d.process_id if d.process_id >= 0 else None)
     guard.reinstall()  # over the SIGTERM handler of jax.distributed's preemption notifier
-    if cfg.compilation_cache_dir:  # before the first program compiles
-        _use_compilation_cache(cfg.compilation_cache_dir)
-    run_builder.check_pool(cfg, jax.process_count())  # with the host count known, before anything heavy
+    if run_cfg.compilation_cache_dir:  # before the first program compiles
+        _use_compilation_cache(run_cfg.compilation_cache_dir)
+    run_builder.check_pool(run_cfg, jax.process_count())  # with the host count known, before anything heavy
     with contextlib.ExitStack() as stack:
         if distributed.is_main_process():  # before anything heavy: one writer per run folder, and writable
-            _claim_outputs(stack, cfg, mode, export_dir)
-        return _load_and_run(cfg, mode, export_dir, guard, print_config)
+            _claim_outputs(stack, cfg, run_cfg, mode, export_dir)
+        return _load_and_run(cfg, run_cfg, mode, export_dir, guard, print_config)
 
 
 def _use_compilation_cache(path: str) -> None:
@@ -172,23 +174,38 @@ def _use_compilation_cache(path: str) -> None:
     compilation_cache.set_cache_dir(path)
 
 
-def _claim_outputs(stack: contextlib.ExitStack, cfg, mode: str, export_dir: str) -> None:
+def trained_on(recorded: dict, cfg) -> dict:
+    """What a run of `cfg` trains on, of a config as JSON (`recorded`: a run folder's config.json, or
+    `config.as_json(cfg)`): `llds_jax.train.run_config.trained_on` with the application's sections, output
+    folders and provided keys, and model.path left out with a warm start."""
+    from llds_jax import application
+    from llds_jax.train import run_config
+
+    app = application.load(cfg)
+    if app is None:
+        return run_config.trained_on(recorded, warm_start=bool(cfg.sft.enabled))
+    return run_config.trained_on(recorded, sections=tuple(app.config_sections()),
+                                 left_out=tuple(app.paths(cfg)) + tuple(app.provided_keys(cfg)),
+                                 warm_start=bool(cfg.sft.enabled))
+
+
+def _claim_outputs(stack: contextlib.ExitStack, cfg, run_cfg, mode: str, export_dir: str) -> None:
     """Training holds the run folder's lease (llds_jax.runtime.lease: a second run on it stops with one line naming the
     holder) until `stack` closes; eval checks that the run folder is writable, export that --export_dir is. First,
     before anything loads, a local run folder or --export_dir that is not provably the project's, or a run folder
-    whose run trained on other settings (llds_jax.train.run_config.trained_on), is refused in one line with nothing
-    in it written (llds_jax.runtime.output_folder)."""
+    whose run trained on other settings (`trained_on`), is refused in one line with nothing in it written
+    (llds_jax.runtime.output_folder)."""
+    from llds_jax import config as config_lib
     from llds_jax.runtime import lease, output_folder
-    from llds_jax.train import run_config
 
-    if mode in ("train", "eval") and not gcs.is_gcs(cfg.run_dir):
-        spec = run_config.trained_on(run_config.as_json(cfg), cfg)
-        output_folder.claim(cfg.run_dir, "run_dir", _run_folder(cfg), spec)
+    run_dir = run_cfg.run_dir
+    if mode in ("train", "eval") and not gcs.is_gcs(run_dir):
+        output_folder.claim(run_dir, "run_dir", _run_folder(cfg), trained_on(config_lib.as_json(cfg), cfg))
     if mode == "train":
-        stack.enter_context(lease.Lease(epath.Path(cfg.run_dir) / LEASE_FILE, what=f"run_dir {cfg.run_dir}",
-                                        timeout_s=cfg.train.storage_timeout_s))
+        stack.enter_context(lease.Lease(epath.Path(run_dir) / LEASE_FILE, what=f"run_dir {run_dir}",
+                                        timeout_s=run_cfg.train.storage_timeout_s))
     elif mode == "eval":
-        lease.check_writable(cfg.run_dir, f"run_dir {cfg.run_dir}")
+        lease.check_writable(run_dir, f"run_dir {run_dir}")
     elif mode == "export" and export_dir:  # none: _export says so
         if gcs.is_gcs(export_dir):
             lease.check_writable(export_dir, f"--export_dir {export_dir}")
@@ -205,7 +222,7 @@ def _run_folder(cfg):
 
     def recorded(run_dir: str) -> dict | None:
         config = run_config.recorded_config(run_dir)
-        return None if config is None else run_config.trained_on(config, cfg)
+        return None if config is None else trained_on(config, cfg)
 
     return output_folder.Kind(
         "run folder", recorded=recorded,
@@ -214,33 +231,50 @@ def _run_folder(cfg):
             lambda entry: entry in RUN_FOLDER_ENTRIES or run_config.is_before_file(entry)))
 
 
-def _load_and_run(cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
-    """Builds the trainer (after the application's preparation and the warm start) and runs `mode`."""
+def prepared(cfg, run_cfg, mode: str = "train", guard=None):
+    """The typed config `run_cfg` of `cfg` as the trainer takes it: the application's preparation (e.g. the demo,
+    llds_jax.apps.demo, builds its assets and points the config at them), then with sft.enabled (or in
+    --mode=sft) the warm start, whose output becomes model.path. A `guard` (the command's PreemptionGuard) aborts
+    the command at once on a stop during the warm start, which is not resumable."""
     from llds_jax import application
+    from llds_jax import config as config_lib
+
+    app = application.load(cfg)
+    if app is not None:
+        run_cfg = config_lib.with_values(run_cfg, app.prepare_run(cfg))
+    if run_cfg.sft.enabled or mode == "sft":
+        from llds_jax.sft import stage
+
+        if guard is not None:
+            guard.abort_during("the warm start")  # a rerun trains it again
+        run_cfg = config_lib.with_values(run_cfg, {"model.path": stage.warm_start(run_cfg)})
+        if guard is not None and mode != "sft":
+            guard.abort_during("start-up")
+    return run_cfg
+
+
+def _load_and_run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
+    """Builds the trainer (after the application's preparation and the warm start, `prepared`) and runs `mode`."""
+    import ml_collections
+
     from llds_jax.runtime import distributed
     from llds_jax import config as config_lib
     from llds_jax.train.trainer import Trainer
 
-    app = application.load(cfg)
-    if app is not None:  # e.g. the demo (llds_jax.apps.demo) builds its assets and points the config at them
-        app.prepare_run(cfg)
-    if cfg.sft.enabled or mode == "sft":
-        from llds_jax.sft import stage
-
-        guard.abort_during("the warm start")  # not resumable: a rerun trains it again
-        cfg.model.path = stage.warm_start(cfg)
-        if mode == "sft":
-            return 0
-        guard.abort_during("start-up")
+    run_cfg = prepared(cfg, run_cfg, mode, guard)
+    if mode == "sft":
+        return 0
+    recorded = config_lib.recorded(run_cfg, cfg)
     if distributed.is_main_process():
-        print(config_lib.redacted(cfg) if print_config else config_lib.summary(config_lib.typed(cfg)), flush=True)
-    trainer = Trainer(cfg, training=mode == "train")
+        print(ml_collections.ConfigDict(recorded) if print_config else config_lib.summary(run_cfg), flush=True)
+    trainer = Trainer(run_cfg, recorded, training=mode == "train")
     try:
         if mode == "train":
             step = trainer.run(guard)
             if distributed.is_main_process():
-                print(f"training stopped after step {step} of {cfg.train.total_steps}; run folder {cfg.run_dir}")
-            if step == cfg.train.total_steps and cfg.train.final_eval and trainer.eval_examples:
+                print(f"training stopped after step {step} of {run_cfg.train.total_steps}; run folder "
+                      f"{run_cfg.run_dir}")
+            if step == run_cfg.train.total_steps and run_cfg.train.final_eval and trainer.eval_examples:
                 _print_eval(trainer, trainer.final_params, step, guard)
         elif mode == "eval":
             params, step = _params_for_eval(trainer)
@@ -263,7 +297,7 @@ def _export(trainer, export_dir: str) -> None:
         raise InputError("--mode=export needs --export_dir")
     params, step = _params_for_eval(trainer)
     hf_io.save_model(trainer.rl_train_step.to_model(params), export_dir,
-                     generation_config=hf_io.read_generation_config(trainer.cfg.model.path))
+                     generation_config=hf_io.read_generation_config(trainer.config.model.path))
     if not distributed.is_main_process():
         return
     save_tokenizer(trainer.tokenizer, export_dir)
@@ -279,7 +313,7 @@ def _print_eval(trainer, params, step: int, guard) -> None:
     from llds_jax.train.trainer import START_EVAL, StepInterrupted
 
     out_dir = trainer.run_dir / "eval" / f"final_step_{step}"
-    examples = trainer.eval_subset(trainer.cfg.eval.max_examples)
+    examples = trainer.eval_subset(trainer.config.eval.max_examples)
     guard.defer(ABANDON_EVALUATION)
     try:
         metrics = trainer.evaluate(params, examples, out_dir, prefix="eval", stopping=lambda: guard.requested)
@@ -288,7 +322,7 @@ def _print_eval(trainer, params, step: int, guard) -> None:
     if not distributed.is_main_process():
         return
     start = evaluation.read_results(trainer.run_dir / "eval" / START_EVAL)
-    print(f"evaluation ({len(examples)} questions, greedy, max_turns {trainer.cfg.eval.max_turns}); "
+    print(f"evaluation ({len(examples)} questions, greedy, max_turns {trainer.config.eval.max_turns}); "
           f"transcripts in {out_dir}")
     for title, key in (("exact match", "em"), ("searches per question", "searches")):
         columns = {f"step {step}": {name[len(f"eval/{key}_"):]: value for name, value in metrics.items()

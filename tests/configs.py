@@ -11,3 +11,13 @@ def load(name: str, *args: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(*args)
+
+
+def launched(cfg):
+    """(the typed run config, what the run folder's config.json records of it) as the launch command builds them
+    from `cfg` (`checks.validate`, once; no application preparation): what a Trainer takes."""
+    from llds_jax import checks
+    from llds_jax import config as config_lib
+
+    run = checks.validate(cfg)
+    return run, config_lib.recorded(run, cfg)

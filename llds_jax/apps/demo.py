@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+from typing import Any
 
 import ml_collections
 from flax import nnx
@@ -173,33 +174,39 @@ def assets_for(cfg: ml_collections.ConfigDict, out_dir: str) -> dict[str, str]:
     return build_assets(out_dir, spec_of(cfg))
 
 
-def prepare(cfg: ml_collections.ConfigDict) -> None:
-    """When `cfg.demo.enabled`: builds the assets (if missing) and points model/data/retriever/sft at them."""
+def prepare(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """When `cfg.demo.enabled`: builds the assets (if missing) and points model/data/retriever/sft at them, in
+    `cfg`; returns the keys it set and their values (none when the demo is off)."""
     if not cfg.demo.enabled:
-        return
+        return {}
     assets_dir = cfg.demo.assets_dir or os.path.join(cfg.run_dir, "assets")
     if gcs.is_gcs(assets_dir):
         raise ConfigError(f"demo.assets_dir must be a local folder (the embedded index is memory-mapped), got "
                           f"{assets_dir!r}{' from run_dir' if not cfg.demo.assets_dir else ''}: set demo.assets_dir")
     paths = assets_for(cfg, assets_dir)
-    cfg.model.path = paths["model"]
-    cfg.data.train_files = [paths["train"]]
-    cfg.data.eval_files = [paths["test"]]
-    cfg.retriever = ml_collections.ConfigDict({"backend": "bm25", "index_dir": paths["index"]})
+    values: dict[str, Any] = {"model.path": paths["model"], "data.train_files": [paths["train"]],
+                              "data.eval_files": [paths["test"]],
+                              "retriever": {"backend": "bm25", "index_dir": paths["index"]}}
     if cfg.demo.retriever == "e5_device":
-        cfg.retriever = ml_collections.ConfigDict({"backend": "e5_device", "index_path": paths["e5_index"],
-                                                   "encoder_path": paths["encoder"], "max_length": E5_MAX_LENGTH})
+        values["retriever"] = {"backend": "e5_device", "index_path": paths["e5_index"],
+                               "encoder_path": paths["encoder"], "max_length": E5_MAX_LENGTH}
     if cfg.sft.enabled and not cfg.sft.data_files:
-        cfg.sft.data_files = [paths["demonstrations"]]
+        values["sft.data_files"] = [paths["demonstrations"]]
     if cfg.sft.enabled and cfg.sft.curriculum_steps and not cfg.sft.curriculum_files:
-        cfg.sft.curriculum_files = [paths["search_demonstrations"]]
+        values["sft.curriculum_files"] = [paths["search_demonstrations"]]
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        if name:
+            cfg[section][name] = value
+        else:
+            cfg[section] = ml_collections.ConfigDict(value)
+    return values
 
 
-def prepare_run(cfg: ml_collections.ConfigDict) -> None:
+def prepare_run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """`prepare(cfg)` on every process of a run, process 0 first: the others then reuse its assets from a shared
-    folder (or build identical ones on their own disk) instead of writing the same files concurrently."""
-    if distributed.is_main_process():
-        prepare(cfg)
+    folder (or build identical ones on their own disk) instead of writing the same files concurrently. Returns
+    the keys it set and their values."""
+    values = prepare(cfg) if distributed.is_main_process() else {}
     distributed.barrier("demo_assets")
-    if not distributed.is_main_process():
-        prepare(cfg)
+    return values if distributed.is_main_process() else prepare(cfg)

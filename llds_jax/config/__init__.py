@@ -15,9 +15,10 @@ On the lowest floors of the package: it imports only leaves and the declarations
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -34,8 +35,8 @@ def as_config_dict(instance: Any) -> ml_collections.ConfigDict:
     for f in bounds.declarations(type(instance)):
         value = getattr(instance, f.name)
         c[f.name] = as_config_dict(value) if "section" in f.metadata else value
-    if isinstance(instance, RetrieverConfig):
-        c.update(instance.options)
+    if isinstance(instance, RetrieverConfig):  # as given: the backend and its options, index_dir among them or not
+        c = ml_collections.ConfigDict({"backend": instance.backend, **instance.options})
     return c
 
 
@@ -55,6 +56,43 @@ def build(cls: type, values: ml_collections.ConfigDict) -> Any:
     if cls is RetrieverConfig:
         kwargs["options"] = types.MappingProxyType({k: _frozen(v) for k, v in values.items() if k != "backend"})
     return cls.of(**kwargs) if cls is RunConfig else cls(**kwargs)
+
+
+def with_values(run: RunConfig, values: Mapping[str, Any]) -> RunConfig:
+    """`run` with some keys set, dotted ("model.path") or a whole section ("retriever": its mapping), each section
+    rebuilt (its checks run again) and the run-owned fields set again: what an application's preparation and the
+    warm start give a launch."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    changed: dict[str, Any] = {}
+    for key, value in values.items():
+        name, _, rest = key.partition(".")
+        if "section" not in fields[name].metadata:
+            changed[name] = value
+        elif rest:
+            section = changed.setdefault(name, as_config_dict(getattr(run, name)))
+            *inner, last = rest.split(".")
+            for part in inner:  # a nested section's key ("objective.llds.variant")
+                section = section[part]
+            section[last] = value
+        else:
+            changed[name] = ml_collections.ConfigDict(dict(value))
+    return run.replaced(**{name: build(fields[name].metadata["section"], value)
+                           if "section" in fields[name].metadata else value for name, value in changed.items()})
+
+
+def as_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """`cfg` as a run folder's config.json holds it (secrets redacted)."""
+    return json.loads(redacted(cfg).to_json_best_effort())
+
+
+def recorded(run: RunConfig, cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """What the run folder's config.json records of a launch's run: `run`'s keys (after the application's
+    preparation and the warm start) and the application's sections as `cfg` gives them, secrets redacted."""
+    record = as_config_dict(run)
+    for name in cfg:
+        if name not in record:
+            record[name] = cfg[name]
+    return as_json(record)
 
 
 def default_config() -> ml_collections.ConfigDict:

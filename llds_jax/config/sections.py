@@ -34,6 +34,7 @@ CHAT_TEMPLATES = ("base", "instruct", "")
 TREE_SELECTIONS = ("uniform", "entropy")
 ROLLOUT_PARAMS_DTYPES = ("float32", "bfloat16")
 REFERENCE_DTYPES = ("float32", "bfloat16")
+DEFAULT_INDEX_DIR = "indexes/wiki18_bm25"  # retriever.index_dir
 DEFAULT_TIME_CHUNK = 256  # time steps per log-prob chunk (llds_jax.rl.logprobs)
 
 
@@ -137,10 +138,11 @@ class RetrieverConfig(bounds.Section):
     SECTION = "retriever"
 
     backend: str = field("bm25", doc="bm25 / faiss / e5_device / elasticsearch / http")
-    index_dir: str = field("indexes/wiki18_bm25", doc="the index folder (local or gs://)")
+    index_dir: str = field(DEFAULT_INDEX_DIR, doc="the index folder (local or gs://)")
     # Every key but `backend` as the run config gives it (a read-only mapping; a backend without an index folder
     # leaves out index_dir), typed and checked by llds_jax.search.options.resolve, which `given()` feeds.
-    options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    options: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({"index_dir": DEFAULT_INDEX_DIR}))
 
     def given(self) -> dict[str, Any]:
         """The section as the run config gives it: the backend and its options."""

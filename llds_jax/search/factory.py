@@ -1,6 +1,6 @@
 """`make_retriever(cfg)`: the retriever a config asks for, with every key validated up front.
 
-`cfg` (a dict, or anything with `to_dict()` such as ml_collections.ConfigDict) holds `backend` ("bm25", the
+`cfg` (the run config's typed `retriever` section, or a mapping) holds `backend` ("bm25", the
 default; "faiss", "e5_device", "elasticsearch" or "http") and that backend's options, each declared beside the
 backend's code (`llds_jax.search.options`: `bm25.Bm25Options`, `dense_options.FaissOptions` and
 `DeviceFlatOptions`, `elastic.ElasticsearchOptions`, `http.HttpOptions`; the README's config table has a block per

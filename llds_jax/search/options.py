@@ -127,17 +127,14 @@ def register(cls: type[RetrieverOptions]) -> type[RetrieverOptions]:
 def _as_dict(cfg: Any) -> dict:
     if hasattr(cfg, "given"):  # the typed section, llds_jax.config.sections.RetrieverConfig
         return cfg.given()
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
     if isinstance(cfg, Mapping):
         return dict(cfg)
     raise TypeError(f"retriever config must be a mapping, got {type(cfg).__name__}")
 
 
 def resolve(cfg: Any) -> RetrieverOptions:
-    """The options of the backend `cfg` names (the typed `retriever` section, a mapping or a ConfigDict:
-    `retriever.backend`, default "bm25", and that backend's options), defaults filled in; ConfigError naming the
-    offending key."""
+    """The options of the backend `cfg` names (the typed `retriever` section, or a mapping: `retriever.backend`,
+    default "bm25", and that backend's options), defaults filled in; ConfigError naming the offending key."""
     given = _as_dict(cfg)
     cls = BACKENDS[given.pop("backend", "bm25")]
     names = [f.name for f in dataclasses.fields(cls)]

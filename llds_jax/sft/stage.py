@@ -32,17 +32,15 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from etils import epath
 from flax import nnx
 
-from llds_jax import config as config_lib
 from llds_jax import parallel
 from llds_jax.runtime import gcs, output_folder
 from llds_jax.bounds import ConfigError
-from llds_jax.config.sections import SFTConfig
+from llds_jax.config.sections import RunConfig, SFTConfig
 from llds_jax.model import hf_io, run_overrides
 from llds_jax.rl.logprobs import model_token_logp
 from llds_jax.train.batching import round_up
@@ -234,12 +232,11 @@ def train(model: nnx.Module, batches: Iterator[dict[str, np.ndarray]], cfg: SFTC
     return records
 
 
-def sft_config(cfg: ml_collections.ConfigDict) -> SFTConfig:
-    """A run config's `sft` section as the stage takes it (`llds_jax.config.typed`: with the run's prompt cut,
-    log-prob chunk and seed), its output folder <run_dir>/warm_start when sft.output_dir is ""; ConfigError unless
-    it can run (`SFTConfig.check_runnable`)."""
-    sft = config_lib.typed(cfg).sft
-    sft = dataclasses.replace(sft, output_dir=sft.output_dir or f"{cfg.run_dir}/warm_start")
+def sft_config(run: RunConfig) -> SFTConfig:
+    """A run config's `sft` section as the stage takes it (with the run's prompt cut, log-prob chunk and seed), its
+    output folder <run_dir>/warm_start when sft.output_dir is ""; ConfigError unless it can run
+    (`SFTConfig.check_runnable`)."""
+    sft = dataclasses.replace(run.sft, output_dir=run.sft.output_dir or f"{run.run_dir}/warm_start")
     sft.check_runnable()
     return sft
 
@@ -269,7 +266,7 @@ def _claim(out: epath.Path, key: str) -> None:
                                  {"fingerprint": key})
 
 
-def warm_start(cfg: ml_collections.ConfigDict) -> str:
+def warm_start(run: RunConfig) -> str:
     """Runs the run config's warm start (or reuses its cached output); returns the output folder.
 
     The folder holds the weights (safetensors), the tokenizer, `metrics.jsonl` (the logged records) and
@@ -280,8 +277,8 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     if jax.process_count() > 1:
         raise ConfigError("sft.enabled: the warm start runs in one process; run `--mode=sft` on one host, then "
                           "start the job with model.path set to its output and sft.enabled=False")
-    s = sft_config(cfg)
-    m = cfg.model
+    s = sft_config(run)
+    m = run.model
     tokenizer_path = m.tokenizer_path or m.path
     overrides = {"dtype": m.dtype, "param_dtype": m.param_dtype, "scan_layers": m.scan_layers, "remat": m.remat}
     key = fingerprint(s, m.path, tokenizer_path, overrides)
@@ -296,7 +293,7 @@ def warm_start(cfg: ml_collections.ConfigDict) -> str:
     encoded = encode_all(read_demonstrations(s.data_files, min_score), tokenizer, s)
     first = (encode_all(read_demonstrations(s.curriculum_files, min_score), tokenizer, s)
              if s.curriculum_steps else [])
-    mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = parallel.make_mesh(run.mesh.data, run.mesh.fsdp, run.mesh.tensor)
     batch_shards = math.prod(mesh.shape[axis] for axis in parallel.BATCH)
     if s.batch_size % batch_shards:
         raise ConfigError(f"sft.batch_size ({s.batch_size}) must be a multiple of the mesh's batch axes "

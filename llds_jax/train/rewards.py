@@ -14,19 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-import ml_collections
 import numpy as np
 
 from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import RewardConfig
 from llds_jax.registry import Registry
 from llds_jax.rollout.trajectory import Trajectory, em_rewards
 
-RewardFn = Callable[[Sequence[Trajectory], ml_collections.ConfigDict], np.ndarray]
+RewardFn = Callable[[Sequence[Trajectory], RewardConfig], np.ndarray]
 REWARDS: Registry[RewardFn] = Registry("reward.functions")
 
 
 @REWARDS.register("exact_match")
-def exact_match(trajectories: Sequence[Trajectory], reward_cfg: ml_collections.ConfigDict) -> np.ndarray:
+def exact_match(trajectories: Sequence[Trajectory], reward_cfg: RewardConfig) -> np.ndarray:
     """[B] exact match (0 or 1) of each trajectory's final answer against its gold answers (`em_rewards`, with
     `reward.empty_answer`)."""
     return em_rewards(trajectories, reward_cfg.empty_answer)
@@ -43,7 +43,7 @@ def named_rewards(names: Sequence[str]) -> dict[str, RewardFn]:
 
 
 def summed_rewards(reward_fns: Mapping[str, RewardFn], trajectories: Sequence[Trajectory],
-                   reward_cfg: ml_collections.ConfigDict) -> tuple[np.ndarray, dict[str, float]]:
+                   reward_cfg: RewardConfig) -> tuple[np.ndarray, dict[str, float]]:
     """([B] float32 sum of the rewards of `reward_fns` (name -> function, `named_rewards`), each function's batch
     mean by name when there are several; else {})."""
     rewards = {name: np.asarray(fn(trajectories, reward_cfg), np.float32) for name, fn in reward_fns.items()}

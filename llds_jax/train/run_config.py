@@ -19,11 +19,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import ml_collections
 from etils import epath
 
-from llds_jax import application
-from llds_jax import config as config_lib
 from llds_jax.runtime import output_folder
 from llds_jax.search import factory
 
@@ -59,11 +56,11 @@ def changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str
             if not key.startswith(IGNORED) and old.get(key, ()) != new.get(key, ())]
 
 
-def record(run_dir: epath.Path, cfg: ml_collections.ConfigDict, resumed_step: int) -> list[str]:
-    """Writes `cfg` (redacted) as the folder's config.json; resuming from `resumed_step` > 0 with a config that
-    differs from the recorded one first keeps that one as BEFORE_FILE. Returns the changes (empty for a fresh run
-    or the same config)."""
-    text = config_lib.redacted(cfg).to_json_best_effort(indent=2)
+def record(run_dir: epath.Path, config: Mapping[str, Any], resumed_step: int) -> list[str]:
+    """Writes `config` (the run config as JSON, secrets redacted: `llds_jax.config.recorded`) as the folder's
+    config.json; resuming from `resumed_step` > 0 with a config that differs from the recorded one first keeps that
+    one as BEFORE_FILE. Returns the changes (empty for a fresh run or the same config)."""
+    text = json.dumps(config, indent=2)
     path = run_dir / CONFIG_FILE
     found: list[str] = []
     if resumed_step and path.exists():
@@ -90,20 +87,19 @@ def notice(run_dir: epath.Path, resumed_step: int, found: list[str]) -> str:
             "with another --config.run_dir to keep them apart)")
 
 
-def trained_on(recorded: Mapping[str, Any], cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The keys of a config as JSON (`recorded`: a run folder's config.json, or `as_json(cfg)`) that say what a run
-    of `cfg` trains on, flat: TRAINED_ON and the application's sections, less NOT_TRAINED_ON, the application's
-    output folders and the keys it sets when the run starts (they follow from its section: the demo's model, data
-    and retriever); less model.path with a warm start, which the run then starts from (the warm start's own folder
-    records what it was trained from). The retriever's options are compared with their defaults filled in and
-    without those of how it is reached (`search.factory.OPERATIONAL_KEYS`)."""
+def trained_on(recorded: Mapping[str, Any], sections: tuple[str, ...] = (), left_out: tuple[str, ...] = (),
+               warm_start: bool = False) -> dict[str, Any]:
+    """The keys of a config as JSON (`recorded`: a run folder's config.json, or the config of the run that would
+    use it) that say what a run trains on, flat: TRAINED_ON and the application's `sections`, less NOT_TRAINED_ON
+    and the application's keys `left_out` (its output folders and the keys it sets when the run starts, which
+    follow from its section: the demo's model, data and retriever); less model.path with a `warm_start`, which the
+    run then starts from (the warm start's own folder records what it was trained from). The retriever's options
+    are compared with their defaults filled in and without those of how it is reached
+    (`search.factory.OPERATIONAL_KEYS`)."""
     if isinstance(recorded.get("retriever"), Mapping):
         recorded = {**recorded, "retriever": _retrieved_by(recorded["retriever"])}
-    app = application.load(cfg)
-    compared = TRAINED_ON + (tuple(f"{name}." for name in app.config_sections()) if app is not None else ())
-    left_out = NOT_TRAINED_ON + (("model.path",) if cfg.sft.enabled else ())
-    if app is not None:
-        left_out += tuple(app.paths(cfg)) + tuple(app.provided_keys(cfg))
+    compared = TRAINED_ON + tuple(f"{name}." for name in sections)
+    left_out = NOT_TRAINED_ON + (("model.path",) if warm_start else ()) + left_out
     return {key: value for key, value in flat(recorded).items()
             if _named(key, compared) and not _named(key, left_out)}
 
@@ -122,11 +118,6 @@ def _named(key: str, names: tuple[str, ...]) -> bool:
     """Whether `key` is one of `names` or inside one of its sections (a name ending in ".", or a provided section
     such as "retriever")."""
     return any(key == name or key.startswith(name if name.endswith(".") else f"{name}.") for name in names)
-
-
-def as_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """`cfg` as its config.json holds it (secrets redacted)."""
-    return json.loads(config_lib.redacted(cfg).to_json_best_effort())
 
 
 def recorded_config(run_dir: str) -> dict[str, Any] | None:

@@ -1,7 +1,7 @@
 """The training loop: prompts -> n rollouts each -> rewards -> GRPO + LLDS updates -> metrics, eval, checkpoints.
 
-One `Trainer` per process. Everything it needs comes from the run config (llds_jax.config); the resolved config is
-printed and saved as `<run_dir>/config.json`. A run folder is resumed automatically from its latest complete
+One `Trainer` per process. Everything it needs comes from the typed run config (`RunConfig`, which the launch
+builds once); what the launch records of it is saved as `<run_dir>/config.json`. A run folder is resumed automatically from its latest complete
 checkpoint; the metrics of every saved step are on disk before its checkpoint is (a resume drops those of later
 steps, so the log holds each step once).
 
@@ -42,18 +42,18 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable
-from typing import Optional, Sequence
+from collections.abc import Callable, Mapping
+from typing import Any, Optional, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from llds_jax import config as config_lib
 from llds_jax import checks
+from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import RetrieverConfig, RunConfig
 from llds_jax.runtime import distributed, storage
 from llds_jax.train import run_builder
 from llds_jax.data.iterator import PromptIterator
@@ -109,7 +109,7 @@ def read_examples(files: Sequence[str], what: str, empty_answer: str, max_prompt
     decides whether rows no non-empty answer can match are kept; `max_prompt_tokens`: rollout.max_prompt_tokens,
     which bounds the questions; data.qa.read_qa)."""
     if not files:
-        raise config_lib.ConfigError(f"data.{what} lists no files")
+        raise ConfigError(f"data.{what} lists no files")
     examples = []
     for index, path in enumerate(files):
         if not epath.Path(path).exists():
@@ -144,7 +144,7 @@ def combine_over_processes(metrics: dict[str, float], summed: Sequence[str] = HO
     return {k: float(combine(k, gathered[:, i])) for i, k in enumerate(keys)}
 
 
-def open_retriever(retriever_cfg: ml_collections.ConfigDict, runner: asyncio.Runner) -> Retriever:
+def open_retriever(retriever_cfg: RetrieverConfig, runner: asyncio.Runner) -> Retriever:
     """The configured retriever once its check passed; closed again when the check raises (its
     RetrieverUnavailableError names backend and address)."""
     retriever = make_retriever(retriever_cfg)
@@ -162,49 +162,50 @@ class Trainer:
     The rewards of a step's trajectories are summed (`reward.functions`, llds_jax.train.rewards; exact match by
     default); after each step its hooks run, in order (`train.hooks` among them, llds_jax.train.step_hooks)."""
 
-    def __init__(self, cfg: ml_collections.ConfigDict, *, training: bool = True):
-        self.cfg = cfg
-        checks.validate(cfg, jax.device_count())
-        self.reward_fns = named_rewards(cfg.reward.functions)
-        self.step_hooks = step_hooks(cfg.train.hooks)
-        self.run_dir = epath.Path(cfg.run_dir)
+    def __init__(self, config: RunConfig, recorded: Mapping[str, Any], *, training: bool = True):
+        """`config`: the run's typed config (built once by the launch, `checks.validate`); `recorded`: what the
+        run folder's config.json records of it (`llds_jax.config.recorded`)."""
+        self.config, self.recorded = config, recorded
+        checks.check_mesh(config, jax.device_count())
+        self.reward_fns = named_rewards(config.reward.functions)
+        self.step_hooks = step_hooks(config.train.hooks)
+        self.run_dir = epath.Path(config.run_dir)
         self.is_main = distributed.is_main_process()
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                                        fallback_chat_template=cfg.model.chat_template)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                                        fallback_chat_template=config.model.chat_template)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # From the config alone, before any weight is read: a layout the model cannot take fails fast.
-        layout = run_builder.run_layout(cfg)
+        layout = run_builder.run_layout(config)
         self.mesh, self.layout = layout.mesh, layout.rollout
-        parts = run_builder.build(cfg, layout, run_builder.load_model(cfg, layout),
+        parts = run_builder.build(config, layout, run_builder.load_model(config, layout),
                                   agent.turn_stop_ids(self.tokenizer))
         self.rl_train_step, self.sampler, self.eval_sampler = parts.step, parts.sampler, parts.eval_sampler
-        self._advantages = jax.jit(ADVANTAGES[cfg.objective.advantages])
-        typed_cfg = self.typed_cfg = config_lib.typed(cfg)
-        self.agent_cfg = AgentConfig.of(typed_cfg.rollout)
-        self.partial_cfg = PartialConfig.of(typed_cfg.rollout)
+        self._advantages = jax.jit(ADVANTAGES[config.objective.advantages])
+        self.agent_cfg = AgentConfig.of(config.rollout)
+        self.partial_cfg = PartialConfig.of(config.rollout)
         self.carry = Carry()  # the partial rollouts' groups carried into the next step
-        self.eval_agent_cfg = AgentConfig.of(typed_cfg.rollout, typed_cfg.eval)
-        rule = cfg.reward.empty_answer
-        prompt_tokens = cfg.rollout.max_prompt_tokens
-        self.eval_examples = (read_examples(cfg.data.eval_files, "eval_files", rule, prompt_tokens)
-                              if cfg.data.eval_files else [])
+        self.eval_agent_cfg = AgentConfig.of(config.rollout, config.eval)
+        rule = config.reward.empty_answer
+        prompt_tokens = config.rollout.max_prompt_tokens
+        self.eval_examples = (read_examples(config.data.eval_files, "eval_files", rule, prompt_tokens)
+                              if config.data.eval_files else [])
         if training:
-            self.data = PromptIterator(read_examples(cfg.data.train_files, "train_files", rule, prompt_tokens),
-                                       batch_size=cfg.data.prompts_per_step, seed=cfg.seed,
+            self.data = PromptIterator(read_examples(config.data.train_files, "train_files", rule, prompt_tokens),
+                                       batch_size=config.data.prompts_per_step, seed=config.seed,
                                        process_index=jax.process_index(), process_count=jax.process_count())
         # Last: nothing below raises, so an open retriever always reaches `close` (unclosed client sessions are
         # reported at exit).
         self.runner = asyncio.Runner()
         try:
-            self.retriever = open_retriever(cfg.retriever, self.runner)
+            self.retriever = open_retriever(config.retriever, self.runner)
         except BaseException:  # e.g. StopRequested in the middle of the check: no task of it outlives the runner
             self.runner.close()
             raise
-        self.base_rng = jax.random.key(cfg.seed)
+        self.base_rng = jax.random.key(config.seed)
         self._lengths: set[int] = set()  # training batch lengths used so far
-        self.watchdog = Watchdog(search_failure_rate=cfg.rollout.search_failure_rate,
-                                 max_failed_search_steps=cfg.rollout.max_failed_search_steps,
-                                 max_skipped_updates=cfg.optim.max_skipped_updates)
+        self.watchdog = Watchdog(search_failure_rate=config.rollout.search_failure_rate,
+                                 max_failed_search_steps=config.rollout.max_failed_search_steps,
+                                 max_skipped_updates=config.optim.max_skipped_updates)
 
     # ----- pieces of a step ----------------------------------------------------------------------------------------
     def rollout_params(self, params: nnx.State) -> nnx.State:
@@ -212,7 +213,7 @@ class Trainer:
         `rollout.params_dtype`, on the rollout mesh. Called once per rollout, so every session and decode chunk of
         it runs on the same arrays. A collective with several processes. The training params are not changed: the
         trainer's log-probs and updates keep using them."""
-        return rollout_params(self.layout, params, self.cfg.rollout.params_dtype)
+        return rollout_params(self.layout, params, self.config.rollout.params_dtype)
 
     def rollout(self, params, prompts: Sequence[QAExample], rng: jax.Array,
                 between_sessions: Optional[Callable[[], None]] = None,
@@ -223,7 +224,7 @@ class Trainer:
         row of the global batch. `between_sessions` and `stopping`: as for `agent.RolloutRequest`; `version`: the step.
         A partial step (`plan`, rollout.partial) runs the plan's groups instead of `prompts` and trains its first
         `plan.prompts` complete ones (this host's groups numbered from its first of the global batch)."""
-        n = self.cfg.data.samples_per_prompt
+        n = self.config.data.samples_per_prompt
         examples = plan.examples if plan is not None else [ex for ex in prompts for _ in range(n)]
         partial = (None if plan is None else
                    PartialRequest(plan, first_group=jax.process_index() * plan.prompts,
@@ -242,7 +243,7 @@ class Trainer:
         if not self.partial_cfg.partial:
             return self.rollout(params, next(self.data), rng, between_sessions, stopping, version=step)
         plan = plan_step(self.carry, lambda: next(self.data), self.partial_cfg, self.data.batch_size //
-                         jax.process_count(), self.cfg.data.samples_per_prompt, step)
+                         jax.process_count(), self.config.data.samples_per_prompt, step)
         rollout = self.rollout(params, (), rng, between_sessions, stopping, version=step, plan=plan)
         if not rollout.stopped:
             self.carry = rollout.carry
@@ -263,7 +264,7 @@ class Trainer:
     def stops_within_step(self, guard: Optional[PreemptionGuard]) -> bool:
         """Whether a stop request cuts the step short (a guard and train.stop_within_step): its searches in flight
         are then abandoned."""
-        return guard is not None and self.cfg.train.stop_within_step
+        return guard is not None and self.config.train.stop_within_step
 
     def check_searches(self, trajectories: Sequence[Trajectory]) -> None:
         """The watchdog's count of the step's failed searches (over every host; a collective)."""
@@ -284,13 +285,13 @@ class Trainer:
                                     stopping=(lambda: guard.requested) if self.stops_within_step(guard) else None)
         rollout_s = time.perf_counter() - start
         shape_metrics = self.after_rollout(rollout.trajectories, step, rollout_s, in_rollout)
-        rewards_b, reward_means = summed_rewards(self.reward_fns, rollout.trajectories, self.cfg.reward)
+        rewards_b, reward_means = summed_rewards(self.reward_fns, rollout.trajectories, self.config.reward)
         batch = self.training_batch(rollout.trajectories).with_rewards(rewards_b)
         batch = global_batch(batch)  # every host's rows, on every host
         tree_b = global_rows(np.asarray([t.lineage.tree for t in rollout.trajectories], np.int32))
         advantages_b = self._advantages(batch.rewards_b, batch.group_b, tree_b)
         batch = batch.with_advantages(np.asarray(advantages_b))
-        lld_every = self.cfg.train.lld_every
+        lld_every = self.config.train.lld_every
         state, batch_metrics = self.rl_train_step.train_on_batch(
             state, ref_params, batch, measure_lld=bool(lld_every) and step % lld_every == 0,
             between_updates=self.stop_check(guard, "updates"))
@@ -310,14 +311,14 @@ class Trainer:
         self.check_searches(trajectories)
         log.info("step %d: %d trajectories sampled in %.1f s; updates next", step, len(trajectories), rollout_s)
         grid_start = time.perf_counter()
-        if self.sampler.freeze_shapes(grid=self.cfg.rollout.compile_grid):  # later rollouts compile nothing
+        if self.sampler.freeze_shapes(grid=self.config.rollout.compile_grid):  # later rollouts compile nothing
             return {"perf/compile_grid_s": time.perf_counter() - grid_start}
         return {}
 
     def training_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
         """This host's trajectories packed to the step's length (the same on every host: a collective; remembered
         for the resume), each in its GRPO group (`Lineage.group`)."""
-        length = training_length(padded_length(trajectories, self.cfg.train.sequence_bucket), self._lengths)
+        length = training_length(padded_length(trajectories, self.config.train.sequence_bucket), self._lengths)
         self._lengths.add(length)
         return padded_batch(trajectories, self.pad_id, length)
 
@@ -340,18 +341,18 @@ class Trainer:
     def step_context(self) -> StepContext:
         """What the step hooks see of the run (llds_jax.train.step_hooks): the typed config, the run folder, the
         tokenizer, whether this process writes and the periodic evaluation (None without evaluation files)."""
-        return StepContext(self.typed_cfg, self.run_dir, self.tokenizer, self.is_main,
+        return StepContext(self.config, self.run_dir, self.tokenizer, self.is_main,
                            self._periodic_evaluation if self.eval_examples else None)
 
     def _periodic_evaluation(self, params, out_dir: epath.Path,
                              stopping: Optional[Callable[[], bool]]) -> dict[str, float]:
         """`evaluate` of the `train.eval_max_examples` subset (`eval_subset`), its files in `out_dir`."""
-        return self.evaluate(params, self.eval_subset(self.cfg.train.eval_max_examples), out_dir, stopping=stopping)
+        return self.evaluate(params, self.eval_subset(self.config.train.eval_max_examples), out_dir, stopping=stopping)
 
     def eval_subset(self, size: int) -> list[QAExample]:
         """The evaluation questions of a `size` setting (`eval.max_examples`, `train.eval_max_examples`): a fixed
         subset stratified over data_source (`evaluation.stratified_subset`, seeded by `seed`); 0: all of them."""
-        return evaluation.stratified_subset(self.eval_examples, size, self.cfg.seed)
+        return evaluation.stratified_subset(self.eval_examples, size, self.config.seed)
 
     def evaluate(self, params, examples: Sequence[QAExample], out_dir: Optional[epath.Path] = None,
                  prefix: str = "eval", stopping: Optional[Callable[[], bool]] = None) -> dict[str, float]:
@@ -362,7 +363,7 @@ class Trainer:
         writes them). `stopping` (this host's stop request, as for `agent.RolloutRequest`): once true, the evaluation is
         abandoned with StepInterrupted("evaluation")."""
         trajectories = []
-        size = self.cfg.eval.batch_size
+        size = self.config.eval.batch_size
         params = self.rollout_params(params)
         for first in range(0, len(examples), size):
             request = RolloutRequest(list(examples[first:first + size]), self.base_rng, self.eval_agent_cfg,
@@ -372,12 +373,12 @@ class Trainer:
             if rollout.stopped or (stopping is not None and stopping()):
                 raise StepInterrupted("evaluation")
             trajectories += rollout.trajectories
-        table = evaluation.em_table(trajectories, self.cfg.reward.empty_answer)
+        table = evaluation.em_table(trajectories, self.config.reward.empty_answer)
         searches = evaluation.searches_table(trajectories)
         if out_dir is not None and self.is_main:
-            with storage.operation("writing evaluation results to", out_dir, self.cfg.train.storage_timeout_s):
+            with storage.operation("writing evaluation results to", out_dir, self.config.train.storage_timeout_s):
                 evaluation.write_results(out_dir, trajectories, table, searches, self.tokenizer,
-                                         self.cfg.reward.empty_answer)
+                                         self.config.reward.empty_answer)
         return {**{f"{prefix}/em_{source}": value for source, value in table.items()},
                 **{f"{prefix}/searches_{source}": value for source, value in searches.items()}}
 
@@ -395,31 +396,31 @@ class Trainer:
     def _run(self, guard: PreemptionGuard) -> int:
         """The step loop: restore, the start's evaluation, then each step with its hooks (`step_hooks`) and its
         save, until the last step or a stop; returns the last step run."""
-        cfg = self.cfg
-        timeout_s = cfg.train.storage_timeout_s
-        ckpt = Checkpointer(str(self.run_dir / "checkpoints"), save_every=cfg.train.checkpoint_every,
-                            keep=cfg.train.keep_checkpoints, timeout_s=timeout_s)
+        config = self.config
+        timeout_s = config.train.storage_timeout_s
+        ckpt = Checkpointer(str(self.run_dir / "checkpoints"), save_every=config.train.checkpoint_every,
+                            keep=config.train.keep_checkpoints, timeout_s=timeout_s)
         try:
             self._write_run_config(ckpt.latest_step() or 0)
         except BaseException:
             ckpt.close()
             raise
         state = self.rl_train_step.init_state()
-        ref_params = self.rl_train_step.reference_params(state.params) if cfg.objective.kl_coef else None
+        ref_params = self.rl_train_step.reference_params(state.params) if config.objective.kl_coef else None
         state, start = self._restore(ckpt, state)
         # A fresh run that evaluates its start rewrites step 0's record too (the first attempt may have written it).
-        first_record = start + 1 if start or not cfg.train.eval_at_start else 0
-        writer = MetricsWriter(str(self.run_dir), total_steps=cfg.train.total_steps, start_step=first_record,
+        first_record = start + 1 if start or not config.train.eval_at_start else 0
+        writer = MetricsWriter(str(self.run_dir), total_steps=config.train.total_steps, start_step=first_record,
                                timeout_s=timeout_s)
         step = saved = start
         try:
-            if start == 0 and cfg.train.eval_at_start and self.eval_examples:
+            if start == 0 and config.train.eval_at_start and self.eval_examples:
                 self._evaluate_start(state, writer, guard)
             guard.defer()
-            for step in range(start + 1, cfg.train.total_steps + 1):
+            for step in range(start + 1, config.train.total_steps + 1):
                 unsaved = step - 1 > saved
                 pre_step = PreStep(step - 1, self.data.state(), unsaved,
-                                   host_copy(state) if unsaved and cfg.train.stop_within_step else None, self.carry)
+                                   host_copy(state) if unsaved and config.train.stop_within_step else None, self.carry)
                 try:
                     state, metrics, trajectories = self.train_step(state, ref_params, step, guard)
                 except StepInterrupted as stop:  # between updates `state` is donated already: save the copy
@@ -439,7 +440,7 @@ class Trainer:
                     hook(finished)
                 self.watchdog.check_updates(state.params, step)
                 stop = guard.should_stop()
-                if stop or ckpt.should_save(step) or step == cfg.train.total_steps:
+                if stop or ckpt.should_save(step) or step == config.train.total_steps:
                     self._save(ckpt, writer, step, state, self.data.state(), self.carry)
                     saved = step
                 if stop:
@@ -459,15 +460,15 @@ class Trainer:
         """The run config, secrets redacted, as `config.json` of the run folder (by the main process; a resume from
         step `latest` with changed keys keeps the earlier config and says so: llds_jax.train.run_config). A folder
         whose latest checkpoint is past `train.total_steps` is a ConfigError: nothing would train."""
-        total = self.cfg.train.total_steps
+        total = self.config.train.total_steps
         if latest > total:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f"run folder {self.run_dir} holds a checkpoint of step {latest}, past train.total_steps = {total}: "
                 "raise train.total_steps to train on, or start a new run with another --config.run_dir")
         if self.is_main:
-            with storage.operation("writing the run config to", self.run_dir, self.cfg.train.storage_timeout_s):
+            with storage.operation("writing the run config to", self.run_dir, self.config.train.storage_timeout_s):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                changed = run_config.record(self.run_dir, self.cfg, latest)
+                changed = run_config.record(self.run_dir, self.recorded, latest)
             if changed:
                 print(run_config.notice(self.run_dir, latest, changed), file=sys.stderr, flush=True)
 
@@ -517,7 +518,7 @@ class Trainer:
         it and ends the run with StopRequested (nothing to save: a rerun repeats it)."""
         guard.defer(ABANDON_EVALUATION)
         try:
-            writer.write(0, self.evaluate(state.params, self.eval_subset(self.cfg.eval.max_examples),
+            writer.write(0, self.evaluate(state.params, self.eval_subset(self.config.eval.max_examples),
                                           self.run_dir / "eval" / START_EVAL, stopping=lambda: guard.requested))
         except StepInterrupted:
             raise StopRequested(guard.signal_name, "the evaluation of the start") from None

@@ -129,13 +129,13 @@ from llds_jax.rl.terms import register_loss_term
 
 
 def prepare_run(cfg):
-    demo.prepare_run(cfg)
+    values = demo.prepare_run(cfg)
 
     @register_loss_term("test_buggy_llds")
     def buggy(inputs, objective):
         raise ValueError("operands could not be broadcast together with shapes (2,3) (4,)")
 
-    cfg.objective.llds.variant = "test_buggy_llds"
+    return {**values, "objective.llds.variant": "test_buggy_llds"}
 '''
 
 

@@ -4,7 +4,9 @@ import asyncio
 import ml_collections
 import pytest
 
+from llds_jax import config as config_lib
 from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import RetrieverConfig
 from llds_jax.search import factory, make_retriever, options, resolve_config
 from llds_jax.search.elastic import ElasticsearchRetriever
 from llds_jax.search.http import HttpRetriever
@@ -55,12 +57,14 @@ def test_bad_config_names_the_key(cfg, message):
     assert str(raised.value).startswith(message)
 
 
-def test_network_backends_from_configdict():
+def test_network_backends_from_the_run_configs_typed_section():
+    section = lambda values: config_lib.build(RetrieverConfig, ml_collections.ConfigDict(values))  # noqa: E731
+
     async def run():
-        es = make_retriever(ml_collections.ConfigDict({
+        es = make_retriever(section({
             "backend": "elasticsearch", "hosts": ["http://127.0.0.1:9", "http://127.0.0.1:10"], "index": "wiki",
             "timeout_s": 2, "max_retries": 1}))
-        http = make_retriever(ml_collections.ConfigDict({"backend": "http", "url": "http://127.0.0.1:9/retrieve"}))
+        http = make_retriever(section({"backend": "http", "url": "http://127.0.0.1:9/retrieve"}))
         try:
             return (type(es), es.hosts, es.index, es.policy.timeout_s, es.policy.max_retries,
                     type(http), http.url, http.batch_size)

@@ -11,6 +11,7 @@ from llds_jax.apps import demo
 from llds_jax.model import ModelConfig, Transformer, hf_io
 from llds_jax import protocol
 from llds_jax.sft import demonstrations as demos_lib
+from llds_jax import config as config_lib
 from llds_jax.sft import stage
 from llds_jax.sft.demonstrations import read_demonstrations
 from llds_jax.model.tokenizer import load_tokenizer
@@ -128,7 +129,7 @@ def test_train_minimizes_the_masked_nll_of_model_turns():
 def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
     cfg = world_demo(tmp_path / "run")
     assert cfg.sft.data_files and cfg.sft.data_files[0].endswith("demonstrations.jsonl")
-    out = stage.warm_start(cfg)
+    out = stage.warm_start(config_lib.typed(cfg))
     assert out == str(tmp_path / "run" / "warm_start")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", stage.DONE_FILE):
         assert os.path.exists(os.path.join(out, name)), name
@@ -136,7 +137,7 @@ def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
     weights = os.path.getmtime(os.path.join(out, "model.safetensors"))
     capsys.readouterr()
-    assert stage.warm_start(world_demo(tmp_path / "run")) == out
+    assert stage.warm_start(config_lib.typed(world_demo(tmp_path / "run"))) == out
     assert "reusing" in capsys.readouterr().out
     assert os.path.getmtime(os.path.join(out, "model.safetensors")) == weights
     changed = world_demo(tmp_path / "run")
@@ -146,8 +147,9 @@ def test_warm_start_writes_a_folder_and_is_cached(world_demo, tmp_path, capsys):
                  "remat": model.remat}
     with open(os.path.join(out, stage.DONE_FILE)) as f:
         recorded = json.load(f)["fingerprint"]
-    assert stage.fingerprint(stage.sft_config(cfg), cfg.model.path, cfg.model.path, overrides) == recorded
-    assert stage.fingerprint(stage.sft_config(changed), cfg.model.path, cfg.model.path, overrides) != recorded
+    path = cfg.model.path
+    assert stage.fingerprint(stage.sft_config(config_lib.typed(cfg)), path, path, overrides) == recorded
+    assert stage.fingerprint(stage.sft_config(config_lib.typed(changed)), path, path, overrides) != recorded
 
 
 @pytest.mark.slow
@@ -157,7 +159,7 @@ def test_warm_start_from_and_to_gcs(world_demo, tmp_path, gcs_dir, gcs_fs, capsy
     gcs_fs.put(cfg.sft.data_files[0], f"{gcs_dir}/demonstrations.jsonl")
     local_model = cfg.model.path
     cfg.model.path, cfg.sft.data_files = f"{gcs_dir}/model", [f"{gcs_dir}/demonstrations.jsonl"]
-    out = stage.warm_start(cfg)
+    out = stage.warm_start(config_lib.typed(cfg))
     assert out == f"{gcs_dir}/run/warm_start"
     written = set(listed(gcs_fs, out))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "metrics.jsonl",
@@ -171,7 +173,7 @@ def test_warm_start_from_and_to_gcs(world_demo, tmp_path, gcs_dir, gcs_fs, capsy
     assert trained.cfg == start.cfg
     assert not np.array_equal(np.asarray(trained.embed[...]), np.asarray(start.embed[...]))
     capsys.readouterr()
-    assert stage.warm_start(cfg) == out
+    assert stage.warm_start(config_lib.typed(cfg)) == out
     assert "reusing" in capsys.readouterr().out
 
 
@@ -188,7 +190,7 @@ def test_warm_start_curriculum_reads_the_searching_demonstrations_first(world_de
     (files,) = cfg.sft.curriculum_files
     searching = read_demonstrations([files])
     assert files.endswith("search_demonstrations.jsonl") and all(len(d.turns) > 1 for d in searching)
-    out = stage.warm_start(cfg)
+    out = stage.warm_start(config_lib.typed(cfg))
     printed = capsys.readouterr().out
     assert f"2 steps of 8 on {len(searching)} demonstrations from {files}, then" in printed
     assert "1 steps of 8 on" in printed
@@ -196,5 +198,5 @@ def test_warm_start_curriculum_reads_the_searching_demonstrations_first(world_de
         summary = json.load(f)
     assert summary["curriculum_steps"] == 2 and summary["curriculum_demonstrations"] == len(searching)
     plain = world_demo(tmp_path / "plain")
-    assert stage.fingerprint(stage.sft_config(plain), plain.model.path, plain.model.path, {}) != \
-        stage.fingerprint(stage.sft_config(cfg), cfg.model.path, cfg.model.path, {})
+    assert stage.fingerprint(stage.sft_config(config_lib.typed(plain)), plain.model.path, plain.model.path, {}) != \
+        stage.fingerprint(stage.sft_config(config_lib.typed(cfg)), cfg.model.path, cfg.model.path, {})

@@ -14,7 +14,8 @@ from llds_jax.bounds import ConfigError
 from llds_jax.config.sections import RunConfig
 from llds_jax.train.rewards import REWARDS, exact_match, named_rewards, summed_rewards
 from llds_jax.train.step_hooks import STEP_HOOKS, evaluate, step_hooks, write_metrics, write_transcripts
-from tests.run_fixtures import tiny_config, tiny_trainer_config
+from tests.configs import launched
+from tests.run_fixtures import tiny_trainer_config
 
 
 @REWARDS.register("even_tokens")
@@ -49,7 +50,7 @@ def answered(answer, gold):
 
 def test_rewards_are_summed_and_each_ones_mean_is_named_when_there_are_several():
     trajectories = [answered("Paris", "Paris"), answered("Rome", "Paris"), answered("Oslo", "Oslo")]
-    cfg = tiny_config().reward
+    cfg = RunConfig.of().reward
 
     def answer_chars(trajectories, reward_cfg):
         return np.asarray([len(t.answer_text) for t in trajectories], np.float32)
@@ -87,7 +88,7 @@ def test_a_trainer_with_an_unknown_hook_name_fails_naming_the_key(tiny_assets, t
     cfg = tiny_trainer_config(tiny_assets, str(tmp_path / "run"))
     cfg.train.hooks = ("no_such_hook",)
     with pytest.raises(ConfigError, match=r"^train\.hooks must be one of .*, got 'no_such_hook'$"):
-        trainer_lib.Trainer(cfg)
+        launched(cfg)  # the launch's validation
     assert not (tmp_path / "run").exists()  # before anything was built or written
 
 
@@ -103,7 +104,7 @@ def test_a_named_reward_moves_the_advantages_and_a_named_hook_sees_every_steps_m
     cfg.reward.functions = ("exact_match", "even_tokens")
     cfg.train.hooks = ("record_for_the_test",)
     SEEN.clear()
-    trainer = trainer_lib.Trainer(cfg)
+    trainer = trainer_lib.Trainer(*launched(cfg))
     batches = []
     train_on_batch = trainer.rl_train_step.train_on_batch
 
@@ -121,12 +122,13 @@ def test_a_named_reward_moves_the_advantages_and_a_named_hook_sees_every_steps_m
     with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as f:
         logged = [record for record in map(json.loads, f) if record["step"] > 0]  # (step 0: the start's eval)
     for (step, metrics, trajectories, run), batch, record_ in zip(SEEN, batches, logged):
-        em_b = exact_match(trajectories, cfg.reward)
-        np.testing.assert_allclose(batch.rewards_b, em_b + even_tokens(trajectories, cfg.reward), rtol=1e-6)
+        em_b = exact_match(trajectories, run.config.reward)
+        np.testing.assert_allclose(batch.rewards_b, em_b + even_tokens(trajectories, run.config.reward), rtol=1e-6)
         assert any(np.ptp(batch.rewards_b[batch.group_b == g]) > 0 for g in set(batch.group_b.tolist()))
         np.testing.assert_allclose(batch.advantages_b, numpy_grpo(batch.rewards_b, batch.group_b), atol=1e-4)
         assert metrics["reward/exact_match"] == pytest.approx(float(em_b.mean()))
-        assert metrics["reward/even_tokens"] == pytest.approx(float(even_tokens(trajectories, cfg.reward).mean()))
+        even_b = even_tokens(trajectories, run.config.reward)
+        assert metrics["reward/even_tokens"] == pytest.approx(float(even_b.mean()))
         assert metrics["reward/mean"] == pytest.approx(metrics["reward/exact_match"] + metrics["reward/even_tokens"])
         assert record_["step"] == step and record_["reward/even_tokens"] == pytest.approx(metrics["reward/even_tokens"])
         assert record_["test/hook_step"] == step

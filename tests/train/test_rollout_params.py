@@ -9,6 +9,7 @@ import pytest
 from llds_jax.rollout import layout as layout_lib
 from llds_jax.rollout.driver import sequence_keys
 from llds_jax.train import trainer as trainer_lib
+from tests.configs import launched
 from tests.run_fixtures import tiny_trainer_config
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -45,7 +46,7 @@ def test_one_bfloat16_cast_per_rollout_and_the_training_params_untouched(tiny_as
     cfg.rollout.max_batch_size = 4
     cfg.rollout.decode_chunk = 2  # 8-token turns: up to 4 chunks a turn
     cfg.rollout.top_p = 1.0  # no nucleus bisection (30 sums over the 152k-token vocabulary) in every decode step
-    trainer = trainer_lib.Trainer(cfg)
+    trainer = trainer_lib.Trainer(*launched(cfg))
     casts, decoded = [], []
     cast = layout_lib._cast
     monkeypatch.setattr(layout_lib, "_cast", lambda params, dtype: casts.append(dtype) or cast(params, dtype))
