@@ -146,6 +146,7 @@ def _run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config: bool) ->
     for its record and the application; `run_cfg`: the typed config)."""
     import jax
 
+    from llds_jax import checks
     from llds_jax.runtime import distributed
     from llds_jax.train import run_builder
 
@@ -157,7 +158,8 @@ def _run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config: bool) ->
     guard.reinstall()  # over the SIGTERM handler of jax.distributed's preemption notifier
     if run_cfg.compilation_cache_dir:  # before the first program compiles
         _use_compilation_cache(run_cfg.compilation_cache_dir)
-    run_builder.check_pool(run_cfg, jax.process_count())  # with the host count known, before anything heavy
+    checks.check_mesh(run_cfg, jax.device_count())  # with the devices known, before anything heavy
+    run_builder.check_pool(run_cfg, jax.process_count())
     with contextlib.ExitStack() as stack:
         if distributed.is_main_process():  # before anything heavy: one writer per run folder, and writable
             _claim_outputs(stack, cfg, run_cfg, mode, export_dir)
@@ -255,8 +257,6 @@ def prepared(cfg, run_cfg, mode: str = "train", guard=None):
 
 def _load_and_run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """Builds the trainer (after the application's preparation and the warm start, `prepared`) and runs `mode`."""
-    import ml_collections
-
     from llds_jax.runtime import distributed
     from llds_jax import config as config_lib
     from llds_jax.train.trainer import Trainer
@@ -264,10 +264,10 @@ def _load_and_run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config:
     run_cfg = prepared(cfg, run_cfg, mode, guard)
     if mode == "sft":
         return 0
-    recorded = config_lib.recorded(run_cfg, cfg)
     if distributed.is_main_process():
-        print(ml_collections.ConfigDict(recorded) if print_config else config_lib.summary(run_cfg), flush=True)
-    trainer = Trainer(run_cfg, recorded, training=mode == "train")
+        print(config_lib.redacted(config_lib.whole(run_cfg, cfg)) if print_config else config_lib.summary(run_cfg),
+              flush=True)
+    trainer = Trainer(run_cfg, config_lib.recorded(run_cfg, cfg), training=mode == "train")
     try:
         if mode == "train":
             step = trainer.run(guard)

@@ -15,9 +15,13 @@ def load(name: str, *args: str):
 
 def launched(cfg):
     """(the typed run config, what the run folder's config.json records of it) as the launch command builds them
-    from `cfg` (`checks.validate`, once; no application preparation): what a Trainer takes."""
+    from `cfg` (`checks.validate`, once, and the mesh on this process's devices; no application preparation): what
+    a Trainer takes."""
+    import jax
+
     from llds_jax import checks
     from llds_jax import config as config_lib
 
     run = checks.validate(cfg)
+    checks.check_mesh(run, jax.device_count())
     return run, config_lib.recorded(run, cfg)

@@ -85,14 +85,19 @@ def as_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(redacted(cfg).to_json_best_effort())
 
 
-def recorded(run: RunConfig, cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """What the run folder's config.json records of a launch's run: `run`'s keys (after the application's
-    preparation and the warm start) and the application's sections as `cfg` gives them, secrets redacted."""
-    record = as_config_dict(run)
+def whole(run: RunConfig, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A launch's whole config: `run`'s keys (after the application's preparation and the warm start) and the
+    application's sections as `cfg` gives them. Not redacted: print `redacted(...)`, record `recorded(...)`."""
+    config = as_config_dict(run)
     for name in cfg:
-        if name not in record:
-            record[name] = cfg[name]
-    return as_json(record)
+        if name not in config:
+            config[name] = cfg[name]
+    return config
+
+
+def recorded(run: RunConfig, cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """What the run folder's config.json records of a launch's run (`whole`, secrets redacted)."""
+    return as_json(whole(run, cfg))
 
 
 def default_config() -> ml_collections.ConfigDict:

@@ -157,7 +157,7 @@ class Driver:
             if carried.end_reason is not None:  # finished, waiting for its group: never re-enters the engine
                 self.convs[seq] = self._resumed_conversation(seq, carried)
                 self._ended(seq)
-        size = self.config.max_batch_size or len(self.examples)
+        size = self.session_size
         sessions = [(first, *session_stream(rng, first_sequence + first, self.config.max_batch_size))
                     for first in range(0, len(self.examples), size)]
         try:
@@ -172,10 +172,16 @@ class Driver:
             return []
         return self.agent_steps.trajectories(self.examples, [self.convs[i] for i in range(len(self.examples))])
 
+    @property
+    def session_size(self) -> int:
+        """Conversations of a session (and the engine's sequence slots): rollout.max_batch_size, else all of the
+        rollout's."""
+        return self.config.max_batch_size or len(self.examples)
+
     # Policies.
 
     async def _sessions(self, policy: str, sessions, between_sessions) -> None:
-        size = self.config.max_batch_size or len(self.examples)
+        size = self.session_size
         for first, rng, row in sessions:
             if first and between_sessions is not None:
                 between_sessions()
@@ -192,7 +198,7 @@ class Driver:
             await self._barrier_turns(release=True)
 
     async def _continuous(self, sessions) -> None:
-        size = self.config.max_batch_size or len(self.examples)
+        size = self.session_size
         keys = np.concatenate([sequence_keys(rng, range(row, row + min(size, len(self.examples) - first)))
                                for first, rng, row in sessions])
         queue = deque(range(len(self.examples)))

@@ -51,7 +51,6 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from llds_jax import checks
 from llds_jax.bounds import ConfigError
 from llds_jax.config.sections import RetrieverConfig, RunConfig
 from llds_jax.runtime import distributed, storage
@@ -163,10 +162,10 @@ class Trainer:
     default); after each step its hooks run, in order (`train.hooks` among them, llds_jax.train.step_hooks)."""
 
     def __init__(self, config: RunConfig, recorded: Mapping[str, Any], *, training: bool = True):
-        """`config`: the run's typed config (built once by the launch, `checks.validate`); `recorded`: what the
-        run folder's config.json records of it (`llds_jax.config.recorded`)."""
+        """`config`: the run's typed config (built once by the launch, `checks.validate`, its mesh checked on this
+        job's devices, `checks.check_mesh`); `recorded`: what the run folder's config.json records of it
+        (`llds_jax.config.recorded`)."""
         self.config, self.recorded = config, recorded
-        checks.check_mesh(config, jax.device_count())
         self.reward_fns = named_rewards(config.reward.functions)
         self.step_hooks = step_hooks(config.train.hooks)
         self.run_dir = epath.Path(config.run_dir)
