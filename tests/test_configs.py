@@ -23,10 +23,10 @@ ROOT = os.path.dirname(CONFIGS)
 
 # Devices of the slice each TPU config is written for (v4-32: 16 chips, v4-16: 8, v5p-16: 8, v6e-16: 16).
 TPU_DEVICES = {"qwen7b_v4": 16, "qwen7b_instruct_v4": 16, "grpo_baseline_v4": 16, "qwen3b_v4": 8,
-               "qwen3b_base_ma_v4": 8, "llama3b_v4": 8, "qwen7b_v5p": 8, "qwen7b_v6e": 16}
+               "qwen3b_base_ma_v4": 8, "llama3b_v4": 8, "qwen7b_v5p": 8, "qwen7b_v6e": 16, "qwen7b_deep_v4": 16}
 PRESETS = {"qwen7b_v4": "qwen2.5-7b", "qwen7b_instruct_v4": "qwen2.5-7b", "grpo_baseline_v4": "qwen2.5-7b",
            "qwen3b_v4": "qwen2.5-3b", "qwen3b_base_ma_v4": "qwen2.5-3b", "llama3b_v4": "llama-3.2-3b",
-           "qwen7b_v5p": "qwen2.5-7b", "qwen7b_v6e": "qwen2.5-7b"}
+           "qwen7b_v5p": "qwen2.5-7b", "qwen7b_v6e": "qwen2.5-7b", "qwen7b_deep_v4": "qwen2.5-7b"}
 
 
 def test_every_config_file_is_covered():

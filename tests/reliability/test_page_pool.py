@@ -20,6 +20,7 @@ from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, SamplingConfig
 from llds_jax.rollout.engine import EngineConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
+from llds_jax import config as config_lib
 from llds_jax.train import run_builder
 from tests.configs import CONFIGS, load
 from tests.reliability.test_config_errors import assert_one_line, config_text, launch
@@ -95,14 +96,15 @@ def test_the_check_asks_for_exactly_what_a_hosts_sessions_admit():
     cfg.eval.batch_size = 8
     for num_pages, process_count in ((2049, 1), (1025, 2)):
         cfg.rollout.num_pages = num_pages
-        run_builder.check_pool(cfg, process_count)
+        run_builder.check_pool(config_lib.typed(cfg), process_count)
         cfg.rollout.num_pages = num_pages - 1
         with pytest.raises(ConfigError, match=f"the training rollout's {64 // process_count} sequences .* at least "
                                               f"{num_pages} "):
-            run_builder.check_pool(cfg, process_count)
+            run_builder.check_pool(config_lib.typed(cfg), process_count)
     cfg.rollout.num_pages, cfg.rollout.continuous_batching = 150, True
-    run_builder.check_pool(cfg, 1)
-    (_, train), (_, evaluation) = run_builder.rollout_shapes(cfg, 1)
+    run = config_lib.typed(cfg)
+    run_builder.check_pool(run, 1)
+    (_, train), (_, evaluation) = run_builder.rollout_shapes(run, 1)
     assert (train.max_seqs, evaluation.max_seqs, train.num_pages, (train.num_pages - 1) // train.pages_per_seq) == \
         (64, 8, 150, 4)
 

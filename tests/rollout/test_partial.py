@@ -224,6 +224,7 @@ def test_partial_config_errors_name_the_run_keys():
 def test_the_engine_has_a_slot_for_every_conversation_a_partial_step_starts():
     cfg = config_lib.default_config()
     cfg.data.prompts_per_step, cfg.data.samples_per_prompt = 6, 5
+    cfg.optim.mini_batch_size = cfg.optim.micro_batch_size = 30
     assert config_lib.typed(cfg).rollout_sequences(2) == 15
-    cfg.rollout.partial, cfg.rollout.over_sampling = True, 1.5
+    cfg.rollout.partial, cfg.rollout.over_sampling, cfg.objective.tis_cap = True, 1.5, 2.0
     assert config_lib.typed(cfg).rollout_sequences(2) == 5 * 5  # ceil(1.5 x 3) groups of 5 on each of 2 hosts
