@@ -144,6 +144,12 @@ class RetrieverConfig(bounds.Section):
     options: Mapping[str, Any] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({"index_dir": DEFAULT_INDEX_DIR}))
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.options.get("index_dir", self.index_dir) != self.index_dir:
+            raise ConfigError(f"retriever.index_dir ({self.index_dir!r}) and the options' "
+                              f"({self.options['index_dir']!r}) differ: give it in `options`, as the run config does")
+
     def given(self) -> dict[str, Any]:
         """The section as the run config gives it: the backend and its options."""
         return {"backend": self.backend, **self.options}
