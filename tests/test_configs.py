@@ -418,3 +418,19 @@ def test_the_printed_summary_says_what_trains_and_redacts_secrets():
     assert config_lib.summary(config_lib.typed(cfg)).splitlines()[2] == (
         "  step: 512 prompts x 5 samples (1 tree(s) x (1 + 1 x 4) leaves, uniform forks), 10 update(s) of 256 at "
         "lr 1e-06; 1005 steps")
+
+
+def test_show_prints_a_config_with_its_overrides_and_secrets_redacted_or_names_a_bad_value(capsys):
+    """`python -m llds_jax.config show`: a config read before renting (no storage, credentials, model or data)."""
+    from llds_jax.config.loader import show
+
+    secret = "--config.retriever.hosts=https://elastic:s3cret@es:9200"
+    paper = os.path.join(CONFIGS, "qwen7b_v4.py")
+    assert show([f"{paper}:bm25_es", secret, "--config.train.total_steps=7"]) == 0
+    shown = capsys.readouterr().out
+    assert "s3cret" not in shown and "hosts: https://***@es:9200" in shown and "  total_steps: 7\n" in shown
+    assert "  path: gs://YOUR_BUCKET/models/Qwen2.5-7B\n" in shown  # printed, not read
+    assert show([paper, "--config.objective.llds.lam=-1"]) == 2
+    assert capsys.readouterr().err == "llds_jax: error: objective.llds.lam must be >= 0, got -1.0\n"
+    assert show([paper, "extra"]) == 2
+    assert "unexpected argument 'extra'" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from absl import flags
 from ml_collections import config_flags
 from ml_collections.config_flags import tuple_parser
 
+from llds_jax.bounds import ConfigError
 from llds_jax.config import REMOVED_KEYS
 
 
@@ -237,3 +238,24 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
         message = parse_error(e, argv, path)
         unknown_key = isinstance(e, (AttributeError, KeyError)) and _raised_in_config_file(e, path) is None
     raise (KeyError if unknown_key else ValueError)(message)
+
+
+def show(args: list[str]) -> int:
+    """Prints the resolved config of `args` (the config file's spec, then --config.KEY=VALUE overrides); returns
+    the exit status (2: the config has an error, named in one line)."""
+    from llds_jax import config
+
+    if not args:
+        print("usage: python -m llds_jax.config show CONFIG.py[:ARGS] [--config.KEY=VALUE ...]", file=sys.stderr)
+        return 2
+    others = [arg for arg in args[1:] if not arg.startswith("--config.")]
+    try:
+        if others:
+            raise ValueError(unexpected_arguments(others))
+        cfg = load_config(args[0], [arg[len("--config."):] for arg in args[1:]])
+        config.typed(cfg)
+    except (ConfigError, KeyError, ValueError) as e:
+        print(f"llds_jax: error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print(config.redacted(cfg), end="")
+    return 0
