@@ -133,7 +133,7 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: 
 
         if not (topology or cfg.mesh.topology):
             raise InputError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
-        return compile_check.run(cfg, topology or cfg.mesh.topology, estimate_from)
+        return compile_check.run(checks.check_components(cfg), topology or cfg.mesh.topology, estimate_from)
     from llds_jax.train.preemption import PreemptionGuard
 
     with PreemptionGuard() as guard:  # a stop before the training loop ends the command at once (status 0)
