@@ -152,16 +152,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, UpdateCost]:
     if not topology:
         raise SystemExit("llds_cost_pod: error: no TPU topology: --topology=NAME or the config key mesh.topology")
     devices, nominal = compile_check.topology_devices(topology)
-    for cfg in cfgs.values():
-        checks.validate(cfg, len(devices))
+    runs = {name: checks.validate(cfg, len(devices)) for name, cfg in cfgs.items()}
     hbm = compile_check.usable_hbm_bytes(devices[0]) or nominal
     generation = topologies.resolve(topology)[0]
-    llds = cfgs["LLDS"].objective.llds
+    llds = runs["LLDS"].objective.llds
     print(f"llds_cost_pod: {args.config}" + (f" with {', '.join(args.override)}" if args.override else "")
           + f", compiled for {topology}: {len(devices)} chips, {devices[0].device_kind}, {nominal / (1 << 30):.0f} "
           f"GiB HBM per chip ({hbm / (1 << 30):.2f} GiB usable); GRPO: objective.llds.enabled=False, LLDS: True "
           f"({llds.variant}, lambda {llds.lam}, gate {llds.gate}), all else identical", flush=True)
-    programs = {name: compile_check.build_programs(cfg, devices) for name, cfg in cfgs.items()}
+    programs = {name: compile_check.build_programs(run, devices) for name, run in runs.items()}
     differ = differing_programs(programs["GRPO"], programs["LLDS"])
     count = len(programs["LLDS"])
     print(f"lowered on both sides: {count} programs of the run; differing: {', '.join(differ) or 'none'} (the other "

@@ -14,23 +14,24 @@ import argparse
 
 import jax
 
-from llds_jax import topologies
+from llds_jax import checks, topologies
 from llds_jax.aot import compile_check, roofline
 from llds_jax.config.loader import load_config
 from llds_jax.programs import Role
 
 
 def largest_step(config: str, overrides: list[str]):
-    """(cfg, program, cost) of the config's rollout step program at its largest token bucket, compiled for its
-    topology."""
+    """(run config, program, cost) of the config's rollout step program at its largest token bucket, compiled for
+    its topology."""
     cfg = load_config(config, overrides)
     devices, _ = compile_check.topology_devices(cfg.mesh.topology)
-    program = [p for p in compile_check.build_programs(cfg, devices)
+    run = checks.validate(cfg, len(devices))
+    program = [p for p in compile_check.build_programs(run, devices)
                if p.role is Role.ROLLOUT_STEP and not p.name.startswith("eval ")][-1]
     row = compile_check.compile_row(program)
     if row.error:
         raise SystemExit(f"{program.name} ({program.shapes}) does not compile: {row.error}")
-    return cfg, program, row.cost
+    return run, program, row.cost
 
 
 def main() -> None:
@@ -43,8 +44,8 @@ def main() -> None:
     for label, overrides in (("training layout", ["rollout.tensor_parallel=0",
                                                   f"rollout.max_batch_size={args.baseline_rows}"]),
                              ("as configured", [])):
-        cfg, program, cost = largest_step(args.config, overrides)
-        generation = topologies.resolve(cfg.mesh.topology)[0]
+        run, program, cost = largest_step(args.config, overrides)
+        generation = topologies.resolve(run.mesh.topology)[0]
         estimate = roofline.roofline_seconds(cost, roofline.PEAKS[generation])
         seconds.append(estimate.seconds)
         print(f"{label:16s} {program.name}, {program.shapes}: all-gathered "

@@ -19,10 +19,12 @@ from collections.abc import Sequence
 
 from llds_jax.aot import measured, rollout_schedule
 from llds_jax.aot.roofline import ChipPeaks, HloCost, roofline_seconds
+from llds_jax.config.sections import RetrieverConfig
 from llds_jax.aot.step_estimate import (ATTENTION, HLO, MEASURED, SAMPLER, TERM_SOURCES, FaithfulCost, FaithfulTime,
                                         ProgramCost, RolloutTime)
 from llds_jax.programs import Role
 from llds_jax.search import device_search
+from llds_jax.search.factory import resolve_config
 
 def format_faithful(label: str, cost: FaithfulCost, time: FaithfulTime, ideal: RolloutTime, reshard: float,
                     updates: float, beside: dict[str, Beside]) -> str:
@@ -129,16 +131,16 @@ class SearchPrograms:
 SEARCH_SHAPE = re.compile(r"(\d+) queries, (\d+) candidates")  # a search program's name (`abstract_program`)
 
 
-def search_programs(costs: Sequence[ProgramCost], cfg, peaks: ChipPeaks,
+def search_programs(costs: Sequence[ProgramCost], retriever: RetrieverConfig, peaks: ChipPeaks,
                     second_pass: float) -> SearchPrograms | None:
     """The `SearchPrograms` of the compiled search programs among `costs` (role RETRIEVAL, named "... (Q queries,
     M candidates)"; the first of them the first pass's, `retriever_programs.search_programs`), at `peaks`, with
-    `cfg`'s retriever.search_batch and the `second_pass` rate; None without any (another backend)."""
+    retriever.search_batch (the run's `retriever`) and the `second_pass` rate; None without any (another backend)."""
     found = [(SEARCH_SHAPE.search(c.name), c) for c in costs if c.role is Role.RETRIEVAL]
     if not found:
         return None
     seconds = {(int(m.group(1)), int(m.group(2))): roofline_seconds(c.cost, peaks).seconds for m, c in found}
-    return SearchPrograms(seconds, int(found[0][0].group(2)), int(cfg.retriever.get("search_batch", 64)),
+    return SearchPrograms(seconds, int(found[0][0].group(2)), resolve_config(retriever).search_batch,
                           second_pass)
 
 
@@ -177,9 +179,9 @@ class Collectives:
         return (len(schedule.calls) * self.hops + iterations * self.iteration_hops) * ICI_HOP_LATENCY_S
 
 
-def beside_terms(schedule: rollout_schedule.Schedule, time: FaithfulTime, ideal: RolloutTime, cfg,
-                 host: measured.HostTable, search: SearchPrograms | None, collectives: Collectives,
-                 overlapped: bool = False) -> dict[str, Beside]:
+def beside_terms(schedule: rollout_schedule.Schedule, time: FaithfulTime, ideal: RolloutTime,
+                 retriever: RetrieverConfig, host: measured.HostTable, search: SearchPrograms | None,
+                 collectives: Collectives, overlapped: bool = False) -> dict[str, Beside]:
     """The rollout's terms beside the step programs' device terms, each with its source: the host's time between
     calls (`host_seconds`, measured; in series unless `overlapped`), retrieval (e5_device: in series on the same
     chips, `retrieval_in_series`; a host backend: the ideal's overlap model, `rollout_time`) and the collectives'
@@ -205,7 +207,7 @@ def beside_terms(schedule: rollout_schedule.Schedule, time: FaithfulTime, ideal:
     else:
         source = MEASURED if ideal.retrieval or "measured" in ideal.retrieval_how else "-"
         terms[RETRIEVAL_TERM] = Beside(ideal.retrieval, source, (
-            f"{cfg.retriever.get('backend')} on the host's CPUs beside the device (the ideal's overlap model: what "
+            f"{retriever.backend} on the host's CPUs beside the device (the ideal's overlap model: what "
             f"exceeds the device's time blocks): {ideal.retrieval_how}"))
     iterations = sum(call.iterations for call in schedule.calls)
     terms[COLLECTIVES_TERM] = Beside(collectives.seconds(schedule), COLLECTIVES_SOURCE, (

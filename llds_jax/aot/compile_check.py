@@ -65,8 +65,7 @@ from llds_jax.aot.compiled import (ENCODER, INDEX, OPT_STATE, PAGE_POOL, PARAMS,
                                   format_bytes)
 from llds_jax.aot.retriever_programs import encoder_programs, retriever_lines, search_programs
 from llds_jax.train import run_builder
-from llds_jax import config as config_lib
-from llds_jax.config.sections import RolloutConfig
+from llds_jax.config.sections import RunConfig
 from llds_jax.programs import Role
 from llds_jax.rl.train_step import TrainShapes
 from llds_jax.train.batching import round_up
@@ -376,69 +375,68 @@ def _layout_label(layout, hosts: int) -> str:
     return f" ({', '.join(where)})" if where else ""
 
 
-def build_programs(cfg, devices: Sequence[Any], host: Optional[Sequence[Any]] = None) -> list[Program]:
-    """Every program a run of `cfg` executes, on a mesh over `devices` (hosts by their process_index), the
+def build_programs(run: RunConfig, devices: Sequence[Any], host: Optional[Sequence[Any]] = None) -> list[Program]:
+    """Every program a run of `run` executes, on a mesh over `devices` (hosts by their process_index), the
     host-local ones (the rollout's, the retriever's) over `host` (default: the first host's of `devices`; `host_chips`
-    where they compile alone), lowered at
-    the run's largest shapes with abstract arrays (compiling is what takes time); in the order a run first runs
-    them. The run is built as the trainer builds it (`llds_jax.train.run_builder`), on an abstract model; the samplers
-    and the train step name their programs at abstract arguments (`abstract_programs`,
+    where they compile alone), lowered at the run's largest shapes with abstract arrays (compiling is what takes time);
+    in the order a run first runs them. The run is built as the trainer builds it (`llds_jax.train.run_builder`), on an
+    abstract model; the samplers and the train step name their programs at abstract arguments (`abstract_programs`,
     `llds_jax.programs.CompilablePrograms`); what stays resident and the calls per step are added here."""
     hosts = sorted({d.process_index for d in devices})
     host = [d for d in devices if d.process_index == hosts[0]] if host is None else list(host)
-    layout = run_builder.run_layout(cfg, devices, host)
-    parts = run_builder.build(cfg, layout, run_builder.abstract_model(layout), PLACEHOLDER_STOP_IDS)
+    layout = run_builder.run_layout(run, devices, host)
+    parts = run_builder.build(run, layout, run_builder.abstract_model(layout), PLACEHOLDER_STOP_IDS)
     rollout_params = abstract_rollout_params(layout.rollout, parts.step.abstract_state().params,
-                                             cfg.rollout.params_dtype)
+                                             run.rollout.params_dtype)
     # The rollout's params are a copy of their own (the training params stay resident) on another mesh or in
     # another dtype; else they are the training params themselves.
     own_copy = (layout.rollout.resharded or layout.rollout.kv_repeat > 1
-                or cfg.rollout.params_dtype != cfg.model.param_dtype)
+                or run.rollout.params_dtype != run.model.param_dtype)
     everything = (PARAMS, OPT_STATE, REFERENCE)
     beside_rollout = everything if own_copy else (OPT_STATE, REFERENCE)
     rollout = []
-    reshard = reshard_program(layout.rollout, parts.step.abstract_state().params, cfg.rollout.params_dtype)
+    reshard = reshard_program(layout.rollout, parts.step.abstract_state().params, run.rollout.params_dtype)
     if reshard is not None:  # its argument is the cast copy, or the training params themselves
-        cast = cfg.rollout.params_dtype != cfg.model.param_dtype or layout.rollout.kv_repeat > 1
+        cast = run.rollout.params_dtype != run.model.param_dtype or layout.rollout.kv_repeat > 1
         rollout.append(Program(reshard.name, reshard.shapes, reshard.lower(),
                                everything if cast else (OPT_STATE, REFERENCE), role=Role.RESHARD, calls=1.0))
     session_rows = parts.sampler.engine_config.max_seqs
     # A retriever call holds at most one search per sequence in flight, training's or evaluation's.
     max_queries = max(session_rows, parts.eval_sampler.engine_config.max_seqs)
-    batch = config_lib.typed(cfg).rollout_batch_size
+    batch = run.rollout_batch_size
     for label, sampler in (("", parts.sampler), ("eval ", parts.eval_sampler)):
         for program in sampler.abstract_programs(rollout_params):  # one step program per token bucket
             rollout.append(Program(f"{label}{program.name}",
                                    program.shapes + _layout_label(layout.rollout, len(hosts)), program.lower(),
                                    beside_rollout, role=program.role, rollout=True,
                                    pool_bytes=sampler.runner.pool.bytes_per_device()))
-    length = round_up(cfg.rollout.max_context_tokens, cfg.train.sequence_bucket)
-    calls = step_estimate.update_calls(cfg, config_lib.typed(cfg).updates_per_step)
+    length = round_up(run.rollout.max_context_tokens, run.train.sequence_bucket)
+    calls = step_estimate.update_calls(run, run.updates_per_step)
     training = [Program(p.name, p.shapes, p.lower(), TRAINING_RESIDENT.get(p.role, (REFERENCE,)), role=p.role,
                         calls=calls.get(p.role, 0.0))
                 for p in parts.step.abstract_programs(TrainShapes(batch, length,
-                                                                  measure_lld=bool(cfg.train.lld_every)))]
+                                                                  measure_lld=bool(run.train.lld_every)))]
     setup = [p for p in training if p.role in (Role.OPTIMIZER_INIT, Role.REFERENCE_COPY)]
     programs = setup + rollout + training[len(setup):]
     programs = [p if p.rollout else dataclasses.replace(p, resident=p.resident + (PAGE_POOL,)) for p in programs]
-    search = search_programs(cfg, host, session_rows, max_queries, beside_rollout)  # each host its own copy
+    search = search_programs(run, host, session_rows, max_queries, beside_rollout)  # each host its own copy
     index = (INDEX,) if search else ()
-    encoder = encoder_programs(cfg, host[0], max_queries, beside_rollout + index)
+    encoder = encoder_programs(run.retriever, host[0], max_queries, beside_rollout + index)
     encoded = (ENCODER,) if encoder else ()
     programs = [dataclasses.replace(p, resident=p.resident + index + encoded) for p in programs]
     search = [dataclasses.replace(p, resident=p.resident + encoded) for p in search]
     return programs[:len(setup) + len(rollout)] + search + encoder + programs[len(setup) + len(rollout):]
 
 
-def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int, layout,
+def estimate(run: RunConfig, rows: Sequence[Row], programs: Sequence[Program], generation: str, hosts: int, layout,
              estimate_from: str = "") -> str:
-    """The step-time estimate (`llds_jax.aot.step_estimate`) of compiled `rows` at `generation`'s peaks: the training
-    programs' table, the worst-case step and the expected step (at the lengths of the run folder `estimate_from`,
-    else `step_lengths`' defaults), the rollout as the paged engine schedules it (`llds_jax.aot.rollout_schedule`),
-    each step ideal (`format_step`) then kernel-faithful (`format_faithful`: each call as the attention kernel runs
-    it, each term with its source); what partial rollouts make of the expected step's rollout
-    (`rollout_schedule.partial_for_run` at the config's rollout.over_sampling when rollout.partial is on, else at
-    `step_estimate.PARTIAL_OVER_SAMPLING`; ideal); with `estimate_from`, its predicted step calls and batch tokens
+    """The step-time estimate (`llds_jax.aot.step_estimate`) of the compiled `rows` of a run of `run` at `generation`'s
+    peaks: the training programs' table, the worst-case step and the expected step (at the lengths of the run folder
+    `estimate_from`, else `step_lengths`' defaults), the rollout as the paged engine schedules it
+    (`llds_jax.aot.rollout_schedule`), each step ideal (`format_step`) then kernel-faithful (`format_faithful`: each
+    call as the attention kernel runs it, each term with its source); what partial rollouts make of the expected step's
+    rollout (`rollout_schedule.partial_for_run` at the config's rollout.over_sampling when rollout.partial is on, else
+    at `step_estimate.PARTIAL_OVER_SAMPLING`; ideal); with `estimate_from`, its predicted step calls and batch tokens
     per token bucket beside the run's logged ones."""
     # The query encoder runs inside the retriever's calls: no part of the step of its own.
     costs = [step_estimate.ProgramCost(r.name, r.shapes, r.cost, p.calls,
@@ -446,11 +444,11 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
                                        p.role)
              for r, p in zip(rows, programs)]
     peaks = roofline.PEAKS[generation]
-    sequences = config_lib.typed(cfg).rollout_batch_size // hosts
+    sequences = run.rollout_batch_size // hosts
     step_row, step_program = next((r, p) for r, p in zip(rows, programs) if p.role is Role.ROLLOUT_STEP)
-    rollout_cfg = config_lib.build(RolloutConfig, cfg.rollout)
+    rollout_cfg = run.rollout
     paging = PagingConfig.of(rollout_cfg)
-    slots = min(sequences, cfg.rollout.max_batch_size or sequences)
+    slots = run.engine_slots(sequences)
     cost = step_estimate.step_cost(layout.rollout.model_cfg, layout.rollout.tensor,
                                    step_row.arguments - step_program.pool_bytes, paging.page_size, slots)
     faithful = step_estimate.faithful_cost(cost, layout.rollout.model_cfg, layout.rollout.tensor, paging.page_size,
@@ -459,59 +457,61 @@ def estimate(cfg, rows: Sequence[Row], programs: Sequence[Program], generation: 
                                            SamplingConfig.of(rollout_cfg, PLACEHOLDER_STOP_IDS),
                                            KernelTiles.of(rollout_cfg), decode_batches(layout.rollout.mesh, slots))
     device_search = next((c for c in costs if c.role is Role.RETRIEVAL), None)
-    search = beside.search_programs(costs, cfg, peaks, measured.SECOND_PASS.rate)
+    search = beside.search_programs(costs, run.retriever, peaks, measured.SECOND_PASS.rate)
     collectives = beside.Collectives.of(step_row.cost)
     worst_updates = step_estimate.part_seconds(costs, peaks)
     lines = [step_estimate.format_programs(costs, peaks, generation)]
     records = step_lengths.read_records(estimate_from) if estimate_from else None
     expected = (step_lengths.from_metrics(records, f"the run {estimate_from}") if records is not None
-                else step_lengths.defaults(cfg))
-    for label, lengths in (("worst-case", step_lengths.worst_case(cfg)), ("expected", expected)):
-        schedule = rollout_schedule.for_run(cfg, lengths, sequences)
-        time_ = step_estimate.rollout_time(schedule, cost, peaks, cfg, generation, lengths.searches, device_search)
-        share = step_lengths.update_share(cfg, lengths)
+                else step_lengths.defaults(run))
+    for label, lengths in (("worst-case", step_lengths.worst_case(run)), ("expected", expected)):
+        schedule = rollout_schedule.for_run(run, lengths, sequences)
+        time_ = step_estimate.rollout_time(schedule, cost, peaks, run.retriever, generation, lengths.searches,
+                                           device_search)
+        share = step_lengths.update_share(run, lengths)
         updates = step_estimate.part_seconds(costs, peaks, dict.fromkeys(step_estimate.FORWARDS, share))
         lines.append(step_estimate.format_step(label, schedule, time_, worst_updates[step_estimate.RESHARD],
                                                updates[step_estimate.UPDATES], lengths))
         faithful_time = step_estimate.faithful_time(schedule, faithful, peaks)
-        terms = beside.beside_terms(schedule, faithful_time, time_, cfg, measured.HOST, search, collectives,
+        terms = beside.beside_terms(schedule, faithful_time, time_, run.retriever, measured.HOST, search, collectives,
                                     overlapped=True)
         lines.append(beside.format_faithful(label, faithful, faithful_time, time_,
                                             worst_updates[step_estimate.RESHARD], updates[step_estimate.UPDATES],
                                             terms))
     # What partial rollouts make of the expected step (issue 59): the rollout cut at the batch's completion, at the
     # config's rollout.over_sampling when rollout.partial is on, else at the what-if's factors.
-    prompts = sequences // cfg.data.samples_per_prompt
+    prompts = sequences // run.data.samples_per_prompt
     partials = []
-    for over_sampling in step_estimate.partial_factors(cfg):
-        started = math.ceil(over_sampling * prompts) * cfg.data.samples_per_prompt
-        steps = rollout_schedule.partial_for_run(cfg, expected, sequences, over_sampling, cfg.rollout.max_staleness)
+    for over_sampling in step_estimate.partial_factors(run.rollout):
+        started = math.ceil(over_sampling * prompts) * run.data.samples_per_prompt
+        steps = rollout_schedule.partial_for_run(run, expected, sequences, over_sampling, run.rollout.max_staleness)
         partials.append(step_estimate.partial_time(
-            steps, over_sampling, dataclasses.replace(cost, slots=min(started, cfg.rollout.max_batch_size or started)),
-            peaks, cfg, generation, expected.searches, device_search))
+            steps, over_sampling, dataclasses.replace(cost, slots=run.engine_slots(started)),
+            peaks, run.retriever, generation, expected.searches, device_search))
     lines.append(step_estimate.format_partial(time_, partials, worst_updates[step_estimate.RESHARD],
-                                              updates[step_estimate.UPDATES], prompts, cfg.rollout.max_staleness,
-                                              what_if=not cfg.rollout.partial))
+                                              updates[step_estimate.UPDATES], prompts, run.rollout.max_staleness,
+                                              what_if=not run.rollout.partial))
     if records is not None:
         lines.append(step_estimate.format_counts(schedule, step_lengths.logged_step_counts(records, estimate_from),
                                                  estimate_from))
     return "\n".join(lines)
 
 
-def run(cfg, topology: str, estimate_from: str = "") -> int:
-    """Compiles every program of `cfg` for `topology` and prints the table; returns the exit status (0: every
+def run(run: RunConfig, topology: str, estimate_from: str = "") -> int:
+    """Compiles every program of the run config `run` (checked: `checks.check_components`) for `topology` (its own
+    or another: `run.mesh.topology` is not read) and prints the table; returns the exit status (0: every
     program fits, `EXIT_DOES_NOT_FIT`: one does not). The expected step takes its lengths from the run folder
     `estimate_from` (its metrics.jsonl), else from `llds_jax.aot.step_lengths`' defaults."""
     jax.config.update("jax_platforms", "cpu")  # the host's own backend; TPU programs are compiled, never run
     devices, nominal = topology_devices(topology)
-    checks.validate(cfg, len(devices))
+    checks.check_mesh(run, len(devices))
     hbm = usable_hbm_bytes(devices[0]) or nominal
     hosts = len({d.process_index for d in devices})
     host = host_chips(topology, devices)
     alone = "" if host[0] in devices else f"; host-local programs compiled for {host_topology(topology)}"
     print(f"compiling for {topology}: {len(devices)} chips, {hosts} host(s), {devices[0].device_kind}, "
           f"{nominal / GIB:.0f} GiB HBM per chip ({hbm / GIB:.2f} GiB usable){alone}", flush=True)
-    programs = build_programs(cfg, devices, host)
+    programs = build_programs(run, devices, host)
     rows = []
     for i, program in enumerate(programs):
         print(f"[{i + 1}/{len(programs)}] {program.name}: {program.shapes}", flush=True)
@@ -520,9 +520,9 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     rows = [row.with_resident(sum(sizes[name] for name in program.resident))
             for row, program in zip(rows, programs)]
     print(format_table(rows, hbm))
-    for line in retriever_lines(cfg, programs, sizes, len(devices) // hosts):
+    for line in retriever_lines(run.retriever, programs, sizes, len(devices) // hosts):
         print(line)
-    layout = run_builder.run_layout(cfg, devices, host)
+    layout = run_builder.run_layout(run, devices, host)
     model, rollout = layout.model_cfg, layout.rollout
     problems = (overflows(rows, hbm) + whole_table_gathers(rows, model.vocab_size, model.hidden_size)
                 + weight_collectives([r for r, p in zip(rows, programs) if p.rollout], rollout.model_cfg,
@@ -532,11 +532,11 @@ def run(cfg, topology: str, estimate_from: str = "") -> int:
     if problems:
         return EXIT_DOES_NOT_FIT
     print(f"rollout programs: {sum(p.rollout for p in programs)} (paged engine, training and evaluation)")
-    if cfg.rollout.trees:  # the schedule drives chains alone (rollout_schedule.for_run)
+    if run.rollout.trees:  # the schedule drives chains alone (rollout_schedule.for_run)
         print("step estimate: not modelled for tree rollouts (rollout.trees); the programs above are every one a run "
               "compiles")
     else:
-        print(estimate(cfg, rows, programs, topologies.resolve(topology)[0], hosts, layout, estimate_from))
+        print(estimate(run, rows, programs, topologies.resolve(topology)[0], hosts, layout, estimate_from))
     worst = max(rows, key=lambda r: r.total)
     print(f"every program fits; the largest, {worst.name}, takes {worst.total / GIB:.2f} GiB per chip "
           f"({worst.total / hbm:.1%} of {hbm / GIB:.2f} GiB: {1 - worst.total / hbm:.1%} headroom); none "

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from llds_jax.aot import step_estimate
 from llds_jax.aot.compiled import ENCODER, INDEX, SESSION, Program, format_bytes
+from llds_jax.config.sections import RetrieverConfig, RunConfig
 from llds_jax.model.bert import BertConfig
 from llds_jax.programs import Role
 from llds_jax.search import dense_index, device_index, device_search, e5, local
@@ -20,7 +21,7 @@ from llds_jax.search.dense_options import DeviceFlatOptions, EncoderOptions
 from llds_jax.search.factory import resolve_config
 
 
-def search_programs(cfg, devices: Sequence[Any], rows: int, max_queries: int, resident: tuple[str, ...]
+def search_programs(run: RunConfig, devices: Sequence[Any], rows: int, max_queries: int, resident: tuple[str, ...]
                     ) -> list[Program]:
     """The e5_device retriever's search programs (`search.device_search`; none for another backend) on one host's
     chips `devices` (each host holds the whole index over its own chips, `search.dense_device`), its index's rows
@@ -31,12 +32,12 @@ def search_programs(cfg, devices: Sequence[Any], rows: int, max_queries: int, re
     (`step_estimate.rollout_time`): the first pass at a device call of the `rows` searches of the training
     rollout's rows in flight (at most `retriever.search_batch`); then the others, smallest first. `resident`: what
     stays beside a rollout program, SESSION added."""
-    ret = resolve_config(cfg.retriever)
+    ret = resolve_config(run.retriever)
     if not isinstance(ret, DeviceFlatOptions):
         return []
     (rows_n, dim), _ = index_source(ret.index_path)
     lay = device_index.layout(rows_n, dim, len(devices), ret.vector_dtype, ret.block_rows)
-    top_k = cfg.rollout.retrieval_top_k
+    top_k = run.rollout.retrieval_top_k
     passes = {"candidates": ret.candidates, "max_candidates": ret.max_candidates}
     shapes = device_search.reachable_shapes([(max_queries, top_k), (len(local.CHECK_QUERIES), local.CHECK_K)],
                                             rows_n, max_batch=ret.search_batch, **passes)
@@ -50,13 +51,14 @@ def search_programs(cfg, devices: Sequence[Any], rows: int, max_queries: int, re
     return programs
 
 
-def encoder_programs(cfg, device: Any, max_queries: int, resident: tuple[str, ...]) -> list[Program]:
-    """The e5 query encoder's programs (`search.e5`; none for a backend without one) on a host's first chip
-    `device`, its architecture read from `retriever.encoder_path`'s config.json when it is on this machine, else
-    e5-base-v2's (`encoder_source`): one per (B, T) bucket that calls of up to `max_queries` queries reach
-    (`e5.reachable_shapes`), smallest first. `resident`: what stays beside a rollout program (and the index, with
+def encoder_programs(retriever: RetrieverConfig, device: Any, max_queries: int, resident: tuple[str, ...]
+                     ) -> list[Program]:
+    """The e5 query encoder's programs of the run's `retriever` (`search.e5`; none for a backend without one) on a
+    host's first chip `device`, its architecture read from `retriever.encoder_path`'s config.json when it is on this
+    machine, else e5-base-v2's (`encoder_source`): one per (B, T) bucket that calls of up to `max_queries` queries
+    reach (`e5.reachable_shapes`), smallest first. `resident`: what stays beside a rollout program (and the index, with
     e5_device), SESSION added."""
-    ret = resolve_config(cfg.retriever)
+    ret = resolve_config(retriever)
     if not isinstance(ret, EncoderOptions) or not ret.encoder_path:
         return []
     bert, _ = encoder_source(ret.encoder_path, ret.encoder_dtype)
@@ -88,13 +90,14 @@ def index_source(index_path: str) -> tuple[tuple[int, int], str]:
             f"{index_path} is not on this machine: wiki-18's size")
 
 
-def retriever_lines(cfg, programs: Sequence[Program], sizes: dict[str, float], host_chips: int) -> list[str]:
+def retriever_lines(retriever: RetrieverConfig, programs: Sequence[Program], sizes: dict[str, float],
+                    host_chips: int) -> list[str]:
     """What the retriever keeps on the chips (`long_lived_bytes`' INDEX and ENCODER) and how many programs of each
-    kind it runs, in words; none without a retriever on the chips."""
+    kind it runs, in words, for the run's `retriever`; none without a retriever on the chips."""
     lines = []
     count = {role: sum(p.role is role for p in programs) for role in (Role.RETRIEVAL, Role.QUERY_ENCODER)}
     if INDEX in sizes:
-        ret = resolve_config(cfg.retriever)
+        ret = resolve_config(retriever)
         (rows_n, dim), source = index_source(ret.index_path)
         lines.append(f"retrieval index (e5_device, {ret.vector_dtype}): {rows_n:,} rows "
                      f"x {dim} ({source}) over each host's {host_chips} chips (a copy per host): "
@@ -102,7 +105,7 @@ def retriever_lines(cfg, programs: Sequence[Program], sizes: dict[str, float], h
                      f"{count[Role.RETRIEVAL]} search programs (every batch and candidate count its calls reach) "
                      f"hold a rollout session's {format_bytes(sizes[SESSION])} beside it")
     if ENCODER in sizes:
-        ret = resolve_config(cfg.retriever)
+        ret = resolve_config(retriever)
         _, source = encoder_source(ret.encoder_path, ret.encoder_dtype)
         lines.append(f"query encoder (e5, {source}): {format_bytes(sizes[ENCODER])} on each host's first chip, "
                      f"resident in every program there; its {count[Role.QUERY_ENCODER]} programs (every batch and "

@@ -50,10 +50,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from llds_jax import config as config_lib
 from llds_jax.aot import scripted_agent
 from llds_jax.aot.scripted_agent import STOP_ID, Call
-from llds_jax.config.sections import RolloutConfig
+from llds_jax.config.sections import RolloutConfig, RunConfig
 from llds_jax.data.qa import QAExample
 from llds_jax.rollout.config import AgentConfig, PagingConfig, PartialConfig, SamplingConfig
 from llds_jax.rollout.driver import Driver
@@ -238,30 +237,30 @@ def _drive(config: EngineConfig, book: scripted_agent.ScriptBook, examples: Sequ
     return schedule, driver
 
 
-def _setup(cfg, lengths, sequences: int, started: int
+def _setup(run_config: RunConfig, lengths, sequences: int, started: int
            ) -> tuple[EngineConfig, list[Conversation], str, AgentConfig]:
-    """The engine of one host's training rollout of a run of `cfg` starting `started` trajectories (its slots:
-    `rollout.max_batch_size`, else all of them), the scripted conversations of a batch of `sequences` trajectories
-    at `lengths`, the run's policy and its agent loop's limits."""
-    rollout = config_lib.build(RolloutConfig, cfg.rollout)
+    """The engine of one host's training rollout of a run of `run_config` starting `started` trajectories (its
+    slots: `RunConfig.engine_slots`), the scripted conversations of a batch of `sequences` trajectories at `lengths`,
+    the run's policy and its agent loop's limits."""
+    rollout = run_config.rollout
     agent = AgentConfig.of(rollout)
     if agent.trees:
         raise ValueError("rollout schedule: tree rollouts (rollout.trees) are not modelled")
     paging = PagingConfig.of(rollout)
     sampling = SamplingConfig.of(rollout, (STOP_ID,))
-    slots = min(started, agent.max_batch_size or started)
+    slots = run_config.engine_slots(started)
     engine = engine_config(agent, sampling, slots, paging.page_size, paging.max_step_tokens, paging.num_pages)
     policy = "continuous" if agent.continuous_batching else "barrier"
-    convs = scripts(sequences, cfg.data.samples_per_prompt, lengths, agent.max_turns + 1, agent.max_turn_tokens,
+    convs = scripts(sequences, run_config.data.samples_per_prompt, lengths, agent.max_turns + 1, agent.max_turn_tokens,
                     agent.max_prompt_tokens, agent.max_observation_tokens, agent.max_context_tokens)
     return engine, convs, policy, agent
 
 
-def for_run(cfg, lengths, sequences: int) -> Schedule:
-    """The schedule of one host's training rollout of `sequences` trajectories of a run of `cfg` at `lengths`
+def for_run(run_config: RunConfig, lengths, sequences: int) -> Schedule:
+    """The schedule of one host's training rollout of `sequences` trajectories of a run of `run_config` at `lengths`
     (`llds_jax.aot.step_lengths.Lengths`: means and spreads), its engine shaped as the run shapes it
     (`run_builder.build`)."""
-    engine, convs, policy, agent = _setup(cfg, lengths, sequences, sequences)
+    engine, convs, policy, agent = _setup(run_config, lengths, sequences, sequences)
     return run(engine, convs, policy, agent)
 
 
@@ -350,13 +349,13 @@ def _quiet(log: logging.Logger):
         log.setLevel(level)
 
 
-def partial_for_run(cfg, lengths, sequences: int, over_sampling: float,
+def partial_for_run(run_config: RunConfig, lengths, sequences: int, over_sampling: float,
                     max_staleness: int = RolloutConfig.max_staleness,
                     steps: int = PARTIAL_STEPS) -> list[PartialStep]:
-    """`partial_run` for one host of a run of `cfg` training `sequences` trajectories per step at `lengths`
+    """`partial_run` for one host of a run of `run_config` training `sequences` trajectories per step at `lengths`
     (`for_run`'s engine and conversations; the engine's slots `rollout.max_batch_size`, else every trajectory
     started: ceil(over_sampling x P) groups)."""
-    group = cfg.data.samples_per_prompt
+    group = run_config.data.samples_per_prompt
     started = math.ceil(over_sampling * (sequences // group)) * group
-    engine, convs, policy, agent = _setup(cfg, lengths, sequences, started)
+    engine, convs, policy, agent = _setup(run_config, lengths, sequences, started)
     return partial_run(engine, convs, group, policy, over_sampling, max_staleness, steps, agent=agent)

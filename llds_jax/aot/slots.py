@@ -31,9 +31,8 @@ from collections.abc import Sequence
 
 import jax
 
-from llds_jax import config as config_lib
-from llds_jax.aot import compile_check, rollout_schedule, step_estimate, step_lengths, tiles
-from llds_jax.config.sections import RolloutConfig
+from llds_jax.aot import compile_check, rollout_schedule, step_lengths, tiles
+from llds_jax.config.sections import RunConfig
 from llds_jax.programs import Role
 from llds_jax.rollout.config import KernelTiles, PagingConfig
 from llds_jax.rollout.paged_sampler import pool_pages
@@ -47,20 +46,21 @@ GIB = 1 << 30
 PRINTED_GIB = 0.005  # --mode=compile prints GiB to 2 decimals: the largest program may be this much above its figure
 
 
-def page_bytes(cfg) -> float:
-    """Bytes per chip of one page of the rollout's pool of `cfg` (every layer's keys and values of `rollout.page_size`
-    slots, split over the rollout's tensor-parallel chips as the run lays the pool out: `runner.pool_shape`)."""
-    devices, _ = compile_check.topology_devices(cfg.mesh.topology)
-    layout = run_builder.run_layout(cfg, devices)
-    engine = run_builder.rollout_shapes(cfg, len({d.process_index for d in devices}))[0][1]
+def page_bytes(run: RunConfig) -> float:
+    """Bytes per chip of one page of the rollout's pool of the run config `run` (every layer's keys and values of
+    `rollout.page_size` slots, split over the rollout's tensor-parallel chips as the run lays the pool out:
+    `runner.pool_shape`)."""
+    devices, _ = compile_check.topology_devices(run.mesh.topology)
+    layout = run_builder.run_layout(run, devices)
+    engine = run_builder.rollout_shapes(run, len({d.process_index for d in devices}))[0][1]
     pool = pool_shape(layout.rollout.model_cfg, engine, layout.rollout.mesh)  # split over heads, never over pages
     return tiles.shard_bytes(pool) / engine.num_pages
 
 
-def pool_of(cfg) -> int:
-    """Pages of `cfg`'s pool as `--mode=compile` sizes it (`run_builder.build` in this process: `rollout.num_pages`,
-    0: the training or evaluation engine's slots at their worst case, whichever is larger)."""
-    return max(engine.num_pages for _, engine in run_builder.rollout_shapes(cfg, jax.process_count()))
+def pool_of(run: RunConfig) -> int:
+    """Pages of the pool of the run config `run` as `--mode=compile` sizes it (`run_builder.build` in this process:
+    `rollout.num_pages`, 0: the training or evaluation engine's slots at their worst case, whichever is larger)."""
+    return max(engine.num_pages for _, engine in run_builder.rollout_shapes(run, jax.process_count()))
 
 
 def pages_that_fit(usable_bytes: float, other_bytes: float, bytes_per_page: float,
@@ -70,13 +70,11 @@ def pages_that_fit(usable_bytes: float, other_bytes: float, bytes_per_page: floa
     return max(0, math.floor(((1 - headroom) * usable_bytes - other_bytes) / bytes_per_page))
 
 
-def with_slots(cfg, slots: int, num_pages: int, max_step_tokens: int = 0):
-    """A copy of `cfg` with rollout.max_batch_size = `slots`, rollout.num_pages = `num_pages` and (unless 0)
+def with_slots(run: RunConfig, slots: int, num_pages: int, max_step_tokens: int = 0) -> RunConfig:
+    """The run config `run` with rollout.max_batch_size = `slots`, rollout.num_pages = `num_pages` and (unless 0)
     rollout.max_step_tokens = `max_step_tokens`."""
-    cfg = cfg.copy_and_resolve_references()
-    cfg.rollout.max_batch_size, cfg.rollout.num_pages = slots, num_pages
-    cfg.rollout.max_step_tokens = max_step_tokens or cfg.rollout.max_step_tokens
-    return cfg
+    return run.replaced(rollout=dataclasses.replace(run.rollout, max_batch_size=slots, num_pages=num_pages,
+                                                    max_step_tokens=max_step_tokens or run.rollout.max_step_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,32 +100,32 @@ class Option:
         return self.rollout_s / (self.rollout_s + updates_s)
 
 
-def evaluate(cfg, slots: int, num_pages: int, max_step_tokens: int = 0, reshard_s: float = 0.0,
+def evaluate(run: RunConfig, slots: int, num_pages: int, max_step_tokens: int = 0, reshard_s: float = 0.0,
              lengths: step_lengths.Lengths | None = None) -> Option:
-    """`cfg`'s expected rollout per host at `slots` slots, a pool of `num_pages` and steps of `max_step_tokens`
-    (0: the config's), kernel-faithful at the tiles `tiles.choose` picks (module docstring)."""
-    run_cfg = with_slots(cfg, slots, num_pages, max_step_tokens)
-    rollout = tiles.rollout_of(run_cfg)
-    schedule = rollout_schedule.for_run(run_cfg, lengths or step_lengths.defaults(run_cfg), rollout.sequences)
-    choice = tiles.choose(rollout, schedule, run_cfg.rollout.max_step_tokens)
+    """The expected rollout per host of the run config `run` at `slots` slots, a pool of `num_pages` and steps of
+    `max_step_tokens` (0: the config's), kernel-faithful at the tiles `tiles.choose` picks (module docstring)."""
+    sized = with_slots(run, slots, num_pages, max_step_tokens)
+    rollout = tiles.rollout_of(sized)
+    schedule = rollout_schedule.for_run(sized, lengths or step_lengths.defaults(sized), rollout.sequences)
+    choice = tiles.choose(rollout, schedule, sized.rollout.max_step_tokens)
     return Option(slots, num_pages, choice.max_step_tokens, choice.programs, choice.tiles, schedule.rows_in_flight,
                   schedule.occupancy, len(schedule.calls), choice.seconds, choice.seconds + reshard_s)
 
 
-def sweep(cfg, slot_counts: Sequence[int], budgets: Sequence[int], fit_pages: int, reshard_s: float = 0.0,
+def sweep(run: RunConfig, slot_counts: Sequence[int], budgets: Sequence[int], fit_pages: int, reshard_s: float = 0.0,
           lengths: step_lengths.Lengths | None = None) -> list[Option]:
     """Each of `slot_counts` (at most the host's trajectories) at each of `budgets` (rollout.max_step_tokens) with
     the pool that fits, `fit_pages`, or every slot's worst case where that is less; those of at most `MAX_PROGRAMS`
-    rollout programs, in `slot_counts`' then `budgets`' order."""
-    paging = PagingConfig.of(config_lib.build(RolloutConfig, cfg.rollout))
-    sequences = tiles.rollout_of(cfg).sequences
+    rollout programs, in `slot_counts`' then `budgets`' order, for the run config `run`."""
+    paging = PagingConfig.of(run.rollout)
+    sequences = tiles.rollout_of(run).sequences
     options = []
     for slots in slot_counts:
         if slots > sequences:
             continue
-        worst = pool_pages(slots, cfg.rollout.max_context_tokens, paging.page_size)
+        worst = pool_pages(slots, run.rollout.max_context_tokens, paging.page_size)
         for budget in budgets:
-            option = evaluate(cfg, slots, min(fit_pages, worst), budget, reshard_s, lengths)
+            option = evaluate(run, slots, min(fit_pages, worst), budget, reshard_s, lengths)
             if option.programs <= MAX_PROGRAMS:
                 options.append(option)
     return options
@@ -165,15 +163,15 @@ def format_options(name: str, options: Sequence[Option], updates_s: float, fit_p
     return "\n".join(lines)
 
 
-def compile_rollout(cfg) -> tuple[list[compile_check.Row], float]:
+def compile_rollout(run: RunConfig) -> tuple[list[compile_check.Row], float]:
     """`--mode=compile`'s rows for the programs whose memory the slots, the pool and the budget change, compiled for
-    `cfg`'s topology: the programs its resident arrays are read from (`compile_check.sizing_programs`) and every
-    rollout step program (training's and evaluation's buckets), each with its resident arrays; and the usable HBM
-    per chip. Every other program holds the pool as a resident array, which `--mode=compile` adds from the pool's
-    shape: its total moves by the pool's bytes."""
-    devices, nominal = compile_check.topology_devices(cfg.mesh.topology)
+    the topology of the run config `run`: the programs its resident arrays are read from
+    (`compile_check.sizing_programs`) and every rollout step program (training's and evaluation's buckets), each with
+    its resident arrays; and the usable HBM per chip. Every other program holds the pool as a resident array, which
+    `--mode=compile` adds from the pool's shape: its total moves by the pool's bytes."""
+    devices, nominal = compile_check.topology_devices(run.mesh.topology)
     hbm = compile_check.usable_hbm_bytes(devices[0]) or nominal
-    programs = compile_check.build_programs(cfg, devices, compile_check.host_chips(cfg.mesh.topology, devices))
+    programs = compile_check.build_programs(run, devices, compile_check.host_chips(run.mesh.topology, devices))
     chosen = compile_check.sizing_programs(programs) + [p for p in programs if p.role is Role.ROLLOUT_STEP]
     rows = [compile_check.compile_row(p) for p in chosen]
     sizes = compile_check.long_lived_bytes(rows, chosen)
@@ -194,22 +192,21 @@ def main(argv=None) -> list[Option]:
     p.add_argument("--reshard_s", type=float, default=0.0, help="the weight reshard's seconds (--mode=compile)")
     args = p.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
-    cfg = tiles.load_config(args.config)
-    devices, nominal = compile_check.topology_devices(cfg.mesh.topology)
+    run = tiles.load_config(args.config)
+    devices, nominal = compile_check.topology_devices(run.mesh.topology)
     usable = compile_check.usable_hbm_bytes(devices[0]) or nominal
-    bytes_per_page = page_bytes(cfg)
-    other = (args.largest_gib + PRINTED_GIB) * GIB - pool_of(cfg) * bytes_per_page
+    bytes_per_page = page_bytes(run)
+    other = (args.largest_gib + PRINTED_GIB) * GIB - pool_of(run) * bytes_per_page
     fit = pages_that_fit(usable, other, bytes_per_page)
-    own = cfg.rollout.max_step_tokens
+    own = run.rollout.max_step_tokens
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [own, 2 * own]
-    options = sweep(cfg, [int(s) for s in args.slots.split(",")], budgets, fit, args.reshard_s)
+    options = sweep(run, [int(s) for s in args.slots.split(",")], budgets, fit, args.reshard_s)
     print(format_options(args.config, options, args.updates_s, fit, bytes_per_page, usable, other), flush=True)
     if args.compile:
         chosen = best(options)
-        run_cfg = with_slots(cfg, chosen.slots, chosen.pages, chosen.max_step_tokens)
-        for name, value in dataclasses.asdict(chosen.tiles).items():
-            run_cfg.rollout[name] = value
-        print(compile_check.format_table(*compile_rollout(run_cfg)))
+        sized = with_slots(run, chosen.slots, chosen.pages, chosen.max_step_tokens)
+        tiled = sized.replaced(rollout=dataclasses.replace(sized.rollout, **dataclasses.asdict(chosen.tiles)))
+        print(compile_check.format_table(*compile_rollout(tiled)))
     return options
 
 

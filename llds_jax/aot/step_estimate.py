@@ -55,8 +55,10 @@ from llds_jax.aot import kernel_cost, rollout_schedule, step_lengths
 from llds_jax.model import paged_attention
 from llds_jax.programs import Role
 from llds_jax.aot.roofline import ChipPeaks, HloCost, roofline_seconds
+from llds_jax.config.sections import RetrieverConfig, RolloutConfig, RunConfig
 from llds_jax.rollout import nucleus
 from llds_jax.rollout.config import KernelTiles, SamplingConfig, Tile
+from llds_jax.search.factory import resolve_config
 
 ROLLOUT, UPDATES, RESHARD = "rollout", "updates", "weight reshard"  # RESHARD: counted in the rollout, shown apart
 FORWARDS = (Role.REFERENCE_LOGP, Role.POLICY_LOGP, Role.LLD_LOGP, Role.UPDATE)  # follow the tokens trained on
@@ -98,9 +100,10 @@ def part(role: Role | None, rollout: bool) -> str:
     return ROLLOUT if rollout else UPDATES
 
 
-def update_calls(cfg, updates: int) -> dict[Role, float]:
-    """Calls per training step of each training program (module docstring) with `updates` optimizer updates."""
-    lld = 1 / cfg.train.lld_every if cfg.train.lld_every else 0.0
+def update_calls(run: RunConfig, updates: int) -> dict[Role, float]:
+    """Calls per training step of each training program (module docstring) of the run config `run` with `updates`
+    optimizer updates."""
+    lld = 1 / run.train.lld_every if run.train.lld_every else 0.0
     return {Role.REFERENCE_LOGP: updates, Role.POLICY_LOGP: updates, Role.LIKELIHOOD_METRICS: 1,
             Role.LLD_LOGP: 2 * updates * lld, Role.LLD_METRICS: lld, Role.UPDATE: updates}
 
@@ -203,10 +206,10 @@ class RolloutTime:
         return sum(self.bucket_seconds.values())
 
 
-def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: ChipPeaks, cfg, generation: str,
-                 searches: float, device_search: ProgramCost | None = None) -> RolloutTime:
+def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: ChipPeaks, retriever: RetrieverConfig,
+                 generation: str, searches: float, device_search: ProgramCost | None = None) -> RolloutTime:
     """The device seconds of `schedule`'s calls per bucket, and retrieval's blocking seconds for `searches`
-    searches per trajectory under its policy (module docstring)."""
+    searches per trajectory under its policy with the run's `retriever` (module docstring)."""
     seconds: dict[int, float] = {}
     for call in schedule.calls:
         seconds[call.bucket] = seconds.get(call.bucket, 0.0) + cost.call_seconds(call, peaks)
@@ -217,7 +220,7 @@ def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: Chi
     else:
         per_call = min(schedule.rows_in_flight, queries)
         calls = queries / per_call if per_call else 0.0
-    per_call_s, how = retrieval_call_seconds(cfg, per_call, generation, peaks, device_search)
+    per_call_s, how = retrieval_call_seconds(retriever, per_call, generation, peaks, device_search)
     busy = calls * per_call_s
     if schedule.policy == "barrier":
         return RolloutTime(seconds, busy, f"{calls:,.0f} calls held a session (each session's last call of each "
@@ -231,10 +234,10 @@ def rollout_time(schedule: rollout_schedule.Schedule, cost: StepCost, peaks: Chi
 PARTIAL_OVER_SAMPLING = (1.5, 2.0)  # the what-if's over-sampling factors (issue 59's), for a config without partial
 
 
-def partial_factors(cfg) -> tuple[float, ...]:
-    """The over-sampling factors the estimate simulates: the config's rollout.over_sampling when rollout.partial is
+def partial_factors(rollout: RolloutConfig) -> tuple[float, ...]:
+    """The over-sampling factors the estimate simulates: the `rollout` section's over_sampling when its partial is
     on, else the what-if's `PARTIAL_OVER_SAMPLING`."""
-    return (float(cfg.rollout.over_sampling),) if cfg.rollout.partial else PARTIAL_OVER_SAMPLING
+    return (float(rollout.over_sampling),) if rollout.partial else PARTIAL_OVER_SAMPLING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +264,7 @@ class PartialTime:
 
 
 def partial_time(steps: Sequence[rollout_schedule.PartialStep], over_sampling: float, cost: StepCost,
-                 peaks: ChipPeaks, cfg, generation: str, searches: float,
+                 peaks: ChipPeaks, retriever: RetrieverConfig, generation: str, searches: float,
                  device_search: ProgramCost | None = None) -> PartialTime:
     """The steady state of a partial run's `steps` at `over_sampling`: each step's rollout costed as `rollout_time`
     costs a synchronous one (its searches those of the trajectories it trains), averaged over the steps after
@@ -274,7 +277,8 @@ def partial_time(steps: Sequence[rollout_schedule.PartialStep], over_sampling: f
     def mean(values) -> float:
         return sum(values) / len(steady)
 
-    times = [rollout_time(step.schedule, cost, peaks, cfg, generation, searches, device_search) for step in steady]
+    times = [rollout_time(step.schedule, cost, peaks, retriever, generation, searches, device_search)
+             for step in steady]
     return PartialTime(over_sampling, mean(t.device + t.retrieval for t in times), mean(s.started for s in steady),
                        mean(s.trained for s in steady), mean(s.resumed for s in steady),
                        mean(s.reprefill_tokens for s in steady),
@@ -316,20 +320,19 @@ def host_call_seconds(index_rows: int, queries: float, vcpus: int, hnsw: bool) -
     return queries * FLAT_BLAS_S_PER_QUERY_PER_MROW * index_rows / 1e6 / vcpus
 
 
-def retrieval_call_seconds(cfg, queries: float, generation: str, peaks: ChipPeaks,
+def retrieval_call_seconds(retriever: RetrieverConfig, queries: float, generation: str, peaks: ChipPeaks,
                            device_search: ProgramCost | None = None) -> tuple[float, str]:
-    """Seconds of one retriever call of `queries` queries with `cfg`'s retriever, and how, in words: the
+    """Seconds of one retriever call of `queries` queries with the run's `retriever`, and how, in words: the
     e5_device search program's roofline time per device call (`device_search`, compiled at
     `retriever.search_batch` queries or fewer); a faiss Flat (wiki-18's rows) or HNSW64 index by the measured cost
     of such a call on a host's vCPUs (`host_call_seconds`); (0, why) for a retriever without a measured cost."""
-    ret = cfg.retriever
-    backend = ret.get("backend")
+    backend = retriever.backend
     if backend == "e5_device" and device_search is not None:
         per_device_call = roofline_seconds(device_search.cost, peaks).seconds
-        per_call = per_device_call * math.ceil(queries / ret.get("search_batch", 64))
+        per_call = per_device_call * math.ceil(queries / resolve_config(retriever).search_batch)
         return per_call, (f"{per_call * 1e3:.2f} ms per call (e5_device, {device_search.shapes}: "
                           f"{per_device_call * 1e3:.2f} ms per device call, roofline from its HLO)")
-    index = os.path.basename(str(ret.get("index_path", ""))) if backend == "faiss" else ""
+    index = os.path.basename(resolve_config(retriever).index_path) if backend == "faiss" else ""
     if "Flat" not in index and "HNSW" not in index:
         return 0.0, f"no measured cost per call for retriever {backend!r} (not counted)"
     vcpus = HOST_VCPUS.get(generation, MEASURED_VCPUS)

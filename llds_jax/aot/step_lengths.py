@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
+from llds_jax.config.sections import RunConfig
 from llds_jax.errors import InputError
 
 # Defaults without a run. No logged lengths of the paper's or Search-R1's training runs were found published (their
@@ -73,9 +74,10 @@ class Lengths:
     source: str
 
 
-def defaults(cfg) -> Lengths:
-    """This module's defaults for `cfg` (searches capped by `rollout.max_turns`, tokens by its caps)."""
-    r = cfg.rollout
+def defaults(run: RunConfig) -> Lengths:
+    """This module's defaults for the run config `run` (searches capped by `rollout.max_turns`, tokens by its
+    caps)."""
+    r = run.rollout
     searches = min(DEFAULT_SEARCHES, r.max_turns)
     prompt = min(DEFAULT_PROMPT_TOKENS, r.max_prompt_tokens)
     turn = min(DEFAULT_TURN_TOKENS, r.max_turn_tokens)
@@ -85,11 +87,11 @@ def defaults(cfg) -> Lengths:
                    DEFAULT_TURN_SPREAD * turn / math.sqrt(3), 0.0, 0.0, DEFAULTS_SOURCE)
 
 
-def worst_case(cfg) -> Lengths:
+def worst_case(run: RunConfig) -> Lengths:
     """The lengths the programs are compiled for: prompts of `rollout.max_prompt_tokens`, `rollout.max_turns` + 1
     turns of `rollout.max_turn_tokens`, observations of `rollout.max_observation_tokens`, every trajectory at
-    `rollout.max_context_tokens` in the updates."""
-    r = cfg.rollout
+    `rollout.max_context_tokens` in the updates (of the run config `run`)."""
+    r = run.rollout
     return Lengths(r.max_prompt_tokens, r.max_turns + 1, (r.max_turns + 1) * r.max_turn_tokens,
                    r.max_observation_tokens, r.max_context_tokens, r.max_turns, 0.0, 0.0, 0.0, 0.0, 0.0,
                    "every turn and every token cap")
@@ -168,8 +170,8 @@ def read_records(run_dir: str) -> list[dict]:
     return records
 
 
-def update_share(cfg, lengths: Lengths) -> float:
+def update_share(run: RunConfig, lengths: Lengths) -> float:
     """The forwards' and updates' cost at `lengths` as a share of the worst case's (module docstring), at most 1."""
-    if not cfg.optim.pack_trajectories:
+    if not run.optim.pack_trajectories:
         return 1.0
-    return min(1.0, lengths.trajectory_tokens / (1 - lengths.padding) / cfg.rollout.max_context_tokens)
+    return min(1.0, lengths.trajectory_tokens / (1 - lengths.padding) / run.rollout.max_context_tokens)

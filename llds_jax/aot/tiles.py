@@ -32,10 +32,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from llds_jax import config as config_lib
-from llds_jax import parallel, topologies
+from llds_jax import checks, parallel, topologies
 from llds_jax.aot import compile_check, rollout_schedule, roofline, step_estimate, step_lengths
-from llds_jax.config.sections import RolloutConfig
+from llds_jax.config.sections import RunConfig
 from llds_jax.rollout.config import KernelTiles, PagingConfig, SamplingConfig
 from llds_jax.rollout.layout import abstract_rollout_params
 from llds_jax.rollout.paged_sampler import token_budgets
@@ -49,11 +48,11 @@ NEAR_BEST = 0.01  # a tile within 1% of the cheapest counts as as cheap (`near_b
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    """What the estimate of one host's rollout of a config takes, all but the tiles and the schedule: the config,
-    its hosts and trajectories per host, the ideal step cost (`step_estimate.StepCost`), the kernel-faithful one at
-    the kernel's own tiles, and the chip's peaks."""
+    """What the estimate of one host's rollout of a run config takes, all but the tiles and the schedule: the run
+    config, its hosts and trajectories per host, the ideal step cost (`step_estimate.StepCost`), the kernel-faithful
+    one at the kernel's own tiles, and the chip's peaks."""
 
-    cfg: object
+    run: RunConfig
     hosts: int
     sequences: int
     step: step_estimate.StepCost
@@ -67,18 +66,18 @@ def shard_bytes(tree) -> int:
                for leaf in jax.tree.leaves(tree))
 
 
-def rollout_of(cfg) -> Rollout:
-    """The rollout estimate's inputs for `cfg` on its topology (`mesh.topology`), laid out as the run lays it out
-    (`run_builder`), at abstract params."""
-    devices, _ = compile_check.topology_devices(cfg.mesh.topology)
+def rollout_of(run: RunConfig) -> Rollout:
+    """The rollout estimate's inputs for the run config `run` on its topology (`mesh.topology`), laid out as the run
+    lays it out (`run_builder`), at abstract params."""
+    devices, _ = compile_check.topology_devices(run.mesh.topology)
     hosts = len({d.process_index for d in devices})
-    layout = run_builder.run_layout(cfg, devices)
-    parts = run_builder.build(cfg, layout, run_builder.abstract_model(layout), compile_check.PLACEHOLDER_STOP_IDS)
-    params = abstract_rollout_params(layout.rollout, parts.step.abstract_state().params, cfg.rollout.params_dtype)
-    rollout_cfg = config_lib.build(RolloutConfig, cfg.rollout)
+    layout = run_builder.run_layout(run, devices)
+    parts = run_builder.build(run, layout, run_builder.abstract_model(layout), compile_check.PLACEHOLDER_STOP_IDS)
+    params = abstract_rollout_params(layout.rollout, parts.step.abstract_state().params, run.rollout.params_dtype)
+    rollout_cfg = run.rollout
     paging = PagingConfig.of(rollout_cfg)
-    sequences = config_lib.typed(cfg).rollout_batch_size // hosts
-    slots = min(sequences, rollout_cfg.max_batch_size or sequences)
+    sequences = run.rollout_batch_size // hosts
+    slots = run.engine_slots(sequences)
     model_cfg, tensor, mesh = layout.rollout.model_cfg, layout.rollout.tensor, layout.rollout.mesh
     step = step_estimate.step_cost(model_cfg, tensor, shard_bytes(params), paging.page_size, slots)
     faithful = step_estimate.faithful_cost(step, model_cfg, tensor, paging.page_size,
@@ -86,14 +85,12 @@ def rollout_of(cfg) -> Rollout:
                                            parallel.axis_size(mesh, "sampled_rows"),
                                            SamplingConfig.of(rollout_cfg, compile_check.PLACEHOLDER_STOP_IDS),
                                            batches=decode_batches(mesh, slots))
-    return Rollout(cfg, hosts, sequences, step, faithful, roofline.PEAKS[topologies.resolve(cfg.mesh.topology)[0]])
+    return Rollout(run, hosts, sequences, step, faithful, roofline.PEAKS[topologies.resolve(run.mesh.topology)[0]])
 
 
-def with_budget(cfg, max_step_tokens: int):
-    """A copy of `cfg` with rollout.max_step_tokens = `max_step_tokens`."""
-    cfg = cfg.copy_and_resolve_references()
-    cfg.rollout.max_step_tokens = max_step_tokens
-    return cfg
+def with_budget(run: RunConfig, max_step_tokens: int) -> RunConfig:
+    """The run config `run` with rollout.max_step_tokens = `max_step_tokens`."""
+    return run.replaced(rollout=dataclasses.replace(run.rollout, max_step_tokens=max_step_tokens))
 
 
 def device_seconds(rollout: Rollout, schedule: rollout_schedule.Schedule, tiles: KernelTiles) -> float:
@@ -151,19 +148,18 @@ def choose(rollout: Rollout, schedule: rollout_schedule.Schedule, max_step_token
 def programs(rollout: Rollout, max_step_tokens: int) -> int:
     """The rollout programs a run compiles at `max_step_tokens`: one per token bucket of its training and
     evaluation engines (`paged_sampler.token_budgets` from each engine's slots, as `run_builder.build` sizes them)."""
-    most = rollout.cfg.rollout.max_batch_size
-    slots = [min(n, most or n) for n in (rollout.sequences, rollout.cfg.eval.batch_size)]
+    slots = [rollout.run.engine_slots(n) for n in (rollout.sequences, rollout.run.eval.batch_size)]
     return sum(len(token_budgets(s, max(max_step_tokens, s))) for s in slots)
 
 
-def sweep(cfg, budgets: Sequence[int], lengths: step_lengths.Lengths | None = None) -> list[Choice]:
-    """The best tiles at each of `budgets` (rollout.max_step_tokens) for `cfg` at `lengths` (default: the
-    defaults'), cheapest first."""
+def sweep(run: RunConfig, budgets: Sequence[int], lengths: step_lengths.Lengths | None = None) -> list[Choice]:
+    """The best tiles at each of `budgets` (rollout.max_step_tokens) for the run config `run` at `lengths` (default:
+    the defaults'), cheapest first."""
     choices = []
     for budget in budgets:
-        run_cfg = with_budget(cfg, budget)
-        rollout = rollout_of(run_cfg)
-        schedule = rollout_schedule.for_run(run_cfg, lengths or step_lengths.defaults(run_cfg), rollout.sequences)
+        budgeted = with_budget(run, budget)
+        rollout = rollout_of(budgeted)
+        schedule = rollout_schedule.for_run(budgeted, lengths or step_lengths.defaults(budgeted), rollout.sequences)
         choices.append(choose(rollout, schedule, budget))
     return sorted(choices, key=lambda c: c.seconds)
 
@@ -190,13 +186,14 @@ def format_choices(name: str, choices: Sequence[Choice], updates_s: float, resha
     return "\n".join(lines)
 
 
-def load_config(spec: str):
-    """`get_config(ARG)` of the config file PATH of `spec` = PATH[:ARG] (as --config=PATH:ARG)."""
+def load_config(spec: str) -> RunConfig:
+    """The run config `get_config(ARG)` of the config file PATH of `spec` = PATH[:ARG] (as --config=PATH:ARG), checked
+    against the components (`checks.check_components`)."""
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return module.get_config(*([arg] if arg else []))
+    return checks.check_components(module.get_config(*([arg] if arg else [])))
 
 
 def main(argv=None) -> list[Choice]:
@@ -209,18 +206,16 @@ def main(argv=None) -> list[Choice]:
     p.add_argument("--estimate_from", default="", help="a run folder whose logged lengths to take")
     args = p.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
-    cfg = load_config(args.config)
-    own = cfg.rollout.max_step_tokens
+    run = load_config(args.config)
+    own = run.rollout.max_step_tokens
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [own, 2 * own, 4 * own]
     lengths = None
     if args.estimate_from:
         lengths = step_lengths.from_metrics(step_lengths.read_records(args.estimate_from),
                                             f"the run {args.estimate_from}")
-    choices = sweep(cfg, budgets, lengths)
-    kernel_default = with_budget(cfg, own)
-    rollout = rollout_of(kernel_default)
-    schedule = rollout_schedule.for_run(kernel_default, lengths or step_lengths.defaults(kernel_default),
-                                        rollout.sequences)
+    choices = sweep(run, budgets, lengths)
+    rollout = rollout_of(run)
+    schedule = rollout_schedule.for_run(run, lengths or step_lengths.defaults(run), rollout.sequences)
     print(format_choices(args.config, choices, args.updates_s, args.reshard_s,
                          device_seconds(rollout, schedule, KernelTiles())))
     return choices

@@ -14,7 +14,7 @@ import sys
 import jax
 import pytest
 
-from llds_jax import topologies
+from llds_jax import checks, topologies
 from llds_jax.aot import beside, compile_check, compiled, retriever_programs, roofline, step_estimate
 from llds_jax.train import run_builder
 from llds_jax.model import ModelConfig, to_hf_config
@@ -80,15 +80,18 @@ def paged_model_dir(tmp_path_factory):
     return write_architectures(tmp_path_factory.mktemp("paged_arch"), cfg)
 
 
-def flagship(model_dir, **changes):
-    """configs/qwen7b_v4.py with faiss on the host (its `e5` retriever: no index on the chips) and the tiny query
-    encoder of `model_dir`/e5, shrunk by SHRINK and `changes` ({"section.key": value})."""
+def flagship(model_dir, retriever=None, **changes):
+    """The typed run config (as the launcher checks it: `checks.check_components`) of configs/qwen7b_v4.py with
+    faiss on the host (its `e5` retriever: no index on the chips) and the tiny query encoder of `model_dir`/e5,
+    shrunk by SHRINK and `changes` ({"section.key": value}); `retriever` (a dict): the whole retriever section."""
     cfg = load("qwen7b_v4", "e5")
     for key, value in {**SHRINK, "model.path": model_dir, "retriever.encoder_path": f"{model_dir}/e5",
                        **changes}.items():
         section, name = key.rsplit(".", 1)
         cfg[section][name] = value
-    return cfg
+    if retriever is not None:
+        cfg.retriever = retriever
+    return checks.check_components(cfg)
 
 
 def launch(model_dir, *args):
@@ -118,14 +121,14 @@ def test_v6e_host_local_programs_compile_for_one_hosts_topology_as_each_host_run
     for v6e:2x2, the same 4 chips in a program of their own, and compile, their tensor-parallel all-reduces over
     those 4 chips; the programs over the slice keep its 16 chips, the reshard onto every host's rollout copy
     included. On v4 (every program lowers over the slice) a host's chips are the slice's own."""
-    cfg = flagship(paged_model_dir, **PAGED, **{"mesh.topology": "v6e:4x4", "rollout.tensor_parallel": -1,
+    run = flagship(paged_model_dir, **PAGED, **{"mesh.topology": "v6e:4x4", "rollout.tensor_parallel": -1,
                                                 "optim.mini_batch_size": 32, "optim.micro_batch_size": 16})
     devices, _ = compile_check.topology_devices("v6e:4x4")
     host = compile_check.host_chips("v6e:4x4", devices)
     assert len(host) == 4 and not set(host) & set(devices)
     v4, _ = compile_check.topology_devices("v4:2x2x2")
     assert compile_check.host_chips("v4:2x2x2", v4) == [d for d in v4 if d.process_index == 0]
-    programs = compile_check.build_programs(cfg, devices, host)
+    programs = compile_check.build_programs(run, devices, host)
     step = next(p for p in programs if p.role is Role.ROLLOUT_STEP)
     row = compile_check.compile_row(step)
     assert not row.error, row.error
@@ -157,11 +160,11 @@ def test_the_rollout_step_moves_no_weight_split_over_the_hosts_chips(tiny_model_
     width (rollout.tensor_parallel = -1, as the paper configs) no weight moves between chips. (The training
     layout's case, where the dense engine's decode all-gathered the layers' weights, finds none in the step
     program at this tiny architecture: not yet understood, left out until it is.)"""
-    cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": -1})
+    run = flagship(tiny_model_dir, **{"rollout.tensor_parallel": -1})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    step = next(p for p in compile_check.build_programs(cfg, devices) if p.role is Role.ROLLOUT_STEP)
+    step = next(p for p in compile_check.build_programs(run, devices) if p.role is Role.ROLLOUT_STEP)
     row = compile_check.compile_row(step)
-    layout = run_builder.run_layout(cfg, devices).rollout
+    layout = run_builder.run_layout(run, devices).rollout
     assert not row.error and compile_check.weight_collectives([row], layout.model_cfg, layout.tensor) == []
 
 
@@ -173,16 +176,16 @@ def test_the_rollout_copy_is_resharded_on_the_chips_into_what_the_decode_takes(t
     moving the weights over the chips' links; in the rollout's part of the estimate, never checked as a rollout
     program that gathers weights. The query encoder's parameters stay resident beside it (on each host's first
     chip)."""
-    cfg = flagship(tiny_model_dir, **{"rollout.tensor_parallel": -1, "rollout.params_dtype": "bfloat16"})
+    run = flagship(tiny_model_dir, **{"rollout.tensor_parallel": -1, "rollout.params_dtype": "bfloat16"})
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    programs = compile_check.build_programs(cfg, devices)
+    programs = compile_check.build_programs(run, devices)
     reshard = next(p for p in programs if p.role is Role.RESHARD)
     assert (reshard.calls, reshard.rollout, reshard.resident) == (1.0, False, ("params", "optimizer state",
                                                                                 "reference", "page pool",
                                                                                 "query encoder"))
     assert reshard.shapes == "every host's at once over 2 hosts, bfloat16"
-    layout = run_builder.run_layout(cfg, devices)
-    params = run_builder.build(cfg, layout, run_builder.abstract_model(layout), (0, 1)).step.abstract_state().params
+    layout = run_builder.run_layout(run, devices)
+    params = run_builder.build(run, layout, run_builder.abstract_model(layout), (0, 1)).step.abstract_state().params
     compiled = reshard.lowered.compile()
     (args,), _ = compiled.input_shardings
     assert [a.spec for a in jax.tree.leaves(args)] == [x.sharding.spec for x in jax.tree.leaves(params)]
@@ -208,9 +211,9 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     split over the key/value heads; every program fits, the table counts the rollout programs, and the step
     estimate runs the engine's schedule at the worst case and the defaults, its calls per token bucket costed, and
     the partial rollouts' what-if after the expected step, ideal then kernel-faithful."""
-    cfg = flagship(paged_model_dir, **PAGED)
+    run = flagship(paged_model_dir, **PAGED)
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    programs = compile_check.build_programs(cfg, devices)
+    programs = compile_check.build_programs(run, devices)
     rollout = [p for p in programs if p.rollout]
     assert [p.name for p in rollout] == [
         "rollout step (16 tokens)", "rollout step (32 tokens)", "rollout step (64 tokens)",
@@ -228,11 +231,11 @@ def test_the_rollout_compiles_one_step_program_per_token_bucket_with_the_kernel(
     # The estimate's FLOPs of a call are the HLO's: the ragged forward of the bucket's 64 tokens and (its loop
     # counted once) one decode iteration of the 16 slots, each with the output projection of the 16 slots. (Its
     # HBM bytes are not: the kernel's operand is the whole pool, of which a call reads its sequences' pages.)
-    layout = run_builder.run_layout(cfg, devices).rollout
+    layout = run_builder.run_layout(run, devices).rollout
     cost = step_estimate.step_cost(layout.model_cfg, layout.tensor, 0.0, 16, 16)
     assert roofline.hlo_costs(hlo).flops == pytest.approx((64 + 16) * cost.flops_per_token
                                                           + 2 * 16 * cost.logit_flops_per_slot)
-    assert compile_check.run(cfg, "v4:2x2x2") == 0
+    assert compile_check.run(run, "v4:2x2x2") == 0
     out = capsys.readouterr().out
     assert "\nrollout programs: 7 (paged engine, training and evaluation)\n" in out and "every program fits" in out
     lines = out.splitlines()
@@ -276,11 +279,11 @@ def test_the_step_programs_collectives_are_those_derived_by_hand_for_its_archite
     all-reduces and 1 all-to-all. Per decode iteration the same, and the decode rows' inputs gathered from the
     rows' shards (one all-reduce: XLA's combiner joins three) and each layer's all-gather of the page table: 4 + 2L
     all-reduces, L all-gathers and 1 all-to-all."""
-    cfg = flagship(paged_model_dir, **PAGED)
+    run = flagship(paged_model_dir, **PAGED)
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    step = next(p for p in compile_check.build_programs(cfg, devices) if p.name == "rollout step (16 tokens)")
-    layers = run_builder.run_layout(cfg, devices).rollout.model_cfg.num_layers
-    assert (layers, run_builder.run_layout(cfg, devices).rollout.tensor) == (2, 4)
+    step = next(p for p in compile_check.build_programs(run, devices) if p.name == "rollout step (16 tokens)")
+    layers = run_builder.run_layout(run, devices).rollout.model_cfg.num_layers
+    assert (layers, run_builder.run_layout(run, devices).rollout.tensor) == (2, 4)
     collectives = beside.Collectives.of(roofline.hlo_costs(step.lowered.compile().as_text()))
     outside, inside = (3 + 2 * layers, 1), (4 + 2 * layers, layers + 1)  # (all-reduces, all-gathers + all-to-alls)
     assert collectives == beside.Collectives(
@@ -408,10 +411,10 @@ def test_a_program_that_does_not_fit_is_named_with_its_excess(tiny_model_dir, ca
     """Evaluation in one session of 16384 questions with a 4k-token context: its page pool (the run's, shared with
     training) and step program cannot fit a v5e chip's 16 GiB; the error names the program and the excess. (The
     query encoder's batches are kept at 8 texts: at 16384 rows in flight its 48 programs would only slow this.)"""
-    cfg = flagship(tiny_model_dir, **{"eval.batch_size": 16384, "rollout.max_batch_size": 16384,
+    run = flagship(tiny_model_dir, **{"eval.batch_size": 16384, "rollout.max_batch_size": 16384,
                                       "rollout.max_context_tokens": 4096, "rollout.max_response_tokens": 4096,
                                       "retriever.encoder_batch_size": 8})
-    assert compile_check.run(cfg, "v5e:2x2") == compile_check.EXIT_DOES_NOT_FIT
+    assert compile_check.run(run, "v5e:2x2") == compile_check.EXIT_DOES_NOT_FIT
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llds_jax: error: ")]
     assert any(line.startswith("llds_jax: error: eval rollout step (") and "does not fit: " in line
                and "GiB over the 15.75 GiB of HBM" in line for line in errors), errors
@@ -463,13 +466,13 @@ def test_missing_tpu_compiler_says_how_to_install_it(monkeypatch):
 def test_tree_rollouts_compile_no_program_of_their_own(tiny_model_dir, capsys):
     """rollout.trees: 1 tree of 1 + 3 leaves per prompt (the group of 4). A fork is a page table on the host (and at
     most one page copied inside a step): the rollout's programs are the chains' step programs, and they fit."""
-    cfg = flagship(tiny_model_dir, **{"rollout.trees": 1, "rollout.tree_forks": 3,
+    run = flagship(tiny_model_dir, **{"rollout.trees": 1, "rollout.tree_forks": 3,
                                       "rollout.continuous_batching": False})  # trees run the barrier policy
     devices, _ = compile_check.topology_devices("v4:2x2x2")
     chains = flagship(tiny_model_dir, **{"rollout.continuous_batching": False})
     names = lambda c: [p.name for p in compile_check.build_programs(c, devices) if p.rollout]  # noqa: E731
-    assert names(cfg) == names(chains)
-    assert compile_check.run(cfg, "v4:2x2x2") == 0
+    assert names(run) == names(chains)
+    assert compile_check.run(run, "v4:2x2x2") == 0
     assert "every program fits" in capsys.readouterr().out
 
 
@@ -493,11 +496,11 @@ def test_the_retrieval_search_compiles_for_the_pod_with_its_index_shard_as_argum
     (1,888 >= 30,000 / 16); its arguments are the chip's shard (rows x 768 bytes and a float32 scale each in int8,
     the scales padded to TPU tiles of 1,024; 2 x 768 in bfloat16) and a batch of 16 bfloat16 queries; its HLO does 2 x 16 x 1,888 x 768 FLOPs and reads the
     shard; it gathers the chips' 32 candidates per query, never the rows."""
-    cfg = flagship(tiny_model_dir, **{"retriever.backend": "e5_device"})
-    cfg.retriever = {"backend": "e5_device", "index_path": small_flat_file, "encoder_path": "/e5",
-                     "vector_dtype": dtype, "block_rows": 1000, "search_batch": 16}
+    run = flagship(tiny_model_dir, retriever={"backend": "e5_device", "index_path": small_flat_file,
+                                              "encoder_path": "/e5", "vector_dtype": dtype, "block_rows": 1000,
+                                              "search_batch": 16})
     devices, _ = compile_check.topology_devices("v4:2x2x4")
-    program = retriever_programs.search_programs(cfg, devices, rows=16, max_queries=16, resident=("params",))[0]
+    program = retriever_programs.search_programs(run, devices, rows=16, max_queries=16, resident=("params",))[0]
     assert program.role is Role.RETRIEVAL and program.resident == ("params", compiled.SESSION)
     assert program.name == "retrieval search (16 queries, 32 candidates)"
     assert program.shapes == (f"16 queries x 30,000 rows of 768 in {dtype}, 32 candidates, 1,888 rows per chip")
@@ -522,12 +525,11 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
     a rollout step's arguments and the index; the lines after the table name rows, dtype and bytes per chip (a
     quarter of the rows per chip, since each host holds the whole index over its own 4 chips) and the encoder's
     bytes and programs; the expected step costs retrieval by its calls of the rows in flight."""
-    cfg = flagship(paged_model_dir, **PAGED)
-    cfg.retriever = load("qwen7b_v4", "e5_device").retriever
-    cfg.retriever.index_path, cfg.retriever.search_batch = small_flat_file, 16
-    cfg.retriever.encoder_path = f"{paged_model_dir}/e5"
+    run = flagship(paged_model_dir, retriever={**load("qwen7b_v4", "e5_device").retriever.to_dict(),
+                                               "index_path": small_flat_file, "search_batch": 16,
+                                               "encoder_path": f"{paged_model_dir}/e5"}, **PAGED)
     devices, _ = compile_check.topology_devices("v4:2x2x2")
-    programs = compile_check.build_programs(cfg, devices)
+    programs = compile_check.build_programs(run, devices)
     search = [p for p in programs if p.role is Role.RETRIEVAL]
     encoder = [p for p in programs if p.role is Role.QUERY_ENCODER]
     assert [p.name for p in search] == ["retrieval search (16 queries, 32 candidates)"] + [
@@ -538,7 +540,7 @@ def test_the_on_chip_retriever_is_resident_in_every_program_and_costed_per_call(
     assert all(p.resident[-2:] == (session, held) for p in search)
     assert all(p.resident[-2:] == (index, session) for p in encoder)
     assert all(p.resident[-2:] == (index, held) for p in programs if p not in search + encoder)
-    assert compile_check.run(cfg, "v4:2x2x2") == 0
+    assert compile_check.run(run, "v4:2x2x2") == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("retrieval index (e5_device, int8): 30,000 rows x 768 (") and
                "over each host's 4 chips (a copy per host): 5.55M per chip, resident in every program; its 8 search "

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from llds_jax import config as config_lib
 from llds_jax.aot import retriever_programs
 from llds_jax.errors import InputError
 from llds_jax.search import make_retriever
@@ -102,9 +103,10 @@ def lowered_shapes(cfg):
     and tokens from its token ids."""
     run_cfg = load("qwen7b_v4", "e5_device")
     run_cfg.retriever, run_cfg.rollout.retrieval_top_k = cfg, TOP_K
+    run = config_lib.typed(run_cfg)
     devices = jax.local_devices()
-    search = retriever_programs.search_programs(run_cfg, devices, MAX_QUERIES, MAX_QUERIES, ())
-    encoder = retriever_programs.encoder_programs(run_cfg, devices[0], MAX_QUERIES, ())
+    search = retriever_programs.search_programs(run, devices, MAX_QUERIES, MAX_QUERIES, ())
+    encoder = retriever_programs.encoder_programs(run.retriever, devices[0], MAX_QUERIES, ())
     return ({(p.lowered.args_info[0][2].shape[0], p.lowered.out_info[0].shape[1]) for p in search},
             {p.lowered.args_info[0][1].shape for p in encoder})
 
@@ -127,7 +129,8 @@ def test_a_max_length_past_the_encoders_positions_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bert))
     run_cfg = load("qwen7b_v4", "e5")
     run_cfg.retriever.encoder_path = str(tmp_path)  # retriever.max_length: 256 by default
+    retriever = config_lib.typed(run_cfg).retriever
     with pytest.raises(InputError) as e:
-        retriever_programs.encoder_programs(run_cfg, jax.local_devices()[0], MAX_QUERIES, ())
+        retriever_programs.encoder_programs(retriever, jax.local_devices()[0], MAX_QUERIES, ())
     assert str(e.value) == (f"max_length 256 exceeds the encoder's 128 positions ({tmp_path}/config.json "
                             "max_position_embeddings)")

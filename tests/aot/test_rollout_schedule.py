@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from llds_jax import config as config_lib
 from llds_jax.aot import rollout_schedule, step_lengths
 from llds_jax.rollout.engine import EngineConfig
 from llds_jax.rollout.paged_sampler import token_budgets
@@ -184,17 +185,21 @@ def test_a_runs_schedule_takes_its_engine_shapes_and_policy():
     tokens."""
     cfg = load("qwen7b_v4")
     cfg.data.prompts_per_step, cfg.rollout.max_batch_size = 16, 32  # 80 trajectories, 32 slots
-    s = rollout_schedule.for_run(cfg, step_lengths.defaults(cfg), 80)
+    cfg.optim.mini_batch_size = 80  # one update of the 80
+    run = config_lib.typed(cfg)
+    s = rollout_schedule.for_run(run, step_lengths.defaults(run), 80)
     assert s.policy == "continuous" and s.rows_in_flight == 32
     assert set(s.calls_per_bucket) <= {32, 64, 128, 256, 512, 1024, 2048, 4096}
     assert all(s.tokens_per_bucket[b] <= b * n for b, n in s.calls_per_bucket.items())
     # The wider the turns' spread, the more sample slots wait for a call's longest sequence.
-    even, wide = (rollout_schedule.for_run(cfg, dataclasses.replace(step_lengths.defaults(cfg), turn_tokens_std=std),
+    even, wide = (rollout_schedule.for_run(run, dataclasses.replace(step_lengths.defaults(run), turn_tokens_std=std),
                                            80).occupancy for std in (0.0, 80.0))
     assert even > wide
-    cfg.rollout.trees = 1
+    # One tree of 1 + 4 leaves per prompt (the group of 5), sessions of whole trees.
+    trees = run.replaced(rollout=dataclasses.replace(run.rollout, trees=1, tree_forks=4, continuous_batching=False,
+                                                     max_batch_size=30))
     with pytest.raises(ValueError, match="rollout.trees"):
-        rollout_schedule.for_run(cfg, step_lengths.defaults(cfg), 80)
+        rollout_schedule.for_run(trees, step_lengths.defaults(trees), 80)
 
 
 @pytest.mark.parametrize("policy", rollout_schedule.POLICIES)

@@ -10,10 +10,16 @@ from llds_jax.model import ModelConfig
 from llds_jax.programs import Role
 from llds_jax.rollout.config import KernelTiles, SamplingConfig
 from llds_jax.aot.roofline import PEAKS, ChipPeaks, HloCost
+from llds_jax.config.sections import RolloutConfig
 from tests.configs import load
 
 # Round peaks: 1e12 FLOP/s, 1e9 HBM bytes/s, 1e8 ICI bytes/s.
 PEAKS_1 = ChipPeaks(1e12, 1e9, 1e8, "test")
+
+
+def typed_retriever(*args: str):
+    """The typed retriever section of configs/qwen7b_v4.py (`get_config(*args)`)."""
+    return config_lib.typed(load("qwen7b_v4", *args)).retriever
 
 
 def tiny_cost(tensor=2):
@@ -57,16 +63,17 @@ def test_retrieval_blocks_a_barrier_at_every_wait_and_a_continuous_stream_beyond
     at most the 20 rows in flight wait, so 150 / 20 = 7.5 calls of 20 queries, 15 s busy beside the device's 10 s:
     5 s block; beside 20 s of device time none."""
     monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 2.0 / step_estimate.WIKI18_ROWS * 1e6)
-    cfg = load("qwen7b_v4", "e5")  # faiss Flat
+    retriever = typed_retriever("e5")  # faiss Flat
     one_second = step_estimate.StepCost(1e9, 0, 0, 0, 0, 4)  # 1e9 weight bytes at 1e9 B/s: 1 s per forward
     calls = [rollout_schedule.Call(64, 10, 0, 0, 0)] * 10
-    barrier = step_estimate.rollout_time(schedule("barrier", calls, waits=6), one_second, PEAKS_1, cfg, "v4", 1.5)
+    barrier = step_estimate.rollout_time(schedule("barrier", calls, waits=6), one_second, PEAKS_1, retriever, "v4",
+                                         1.5)
     assert (barrier.device, barrier.retrieval) == (pytest.approx(10.0), pytest.approx(12.0))
     assert barrier.bucket_seconds == {64: pytest.approx(10.0)}
-    continuous = step_estimate.rollout_time(schedule("continuous", calls), one_second, PEAKS_1, cfg, "v4", 1.5)
+    continuous = step_estimate.rollout_time(schedule("continuous", calls), one_second, PEAKS_1, retriever, "v4", 1.5)
     assert continuous.retrieval == pytest.approx(5.0)
     assert "150 searches in at least 7.5 calls of 20 (the rows in flight)" in continuous.retrieval_how
-    longer = step_estimate.rollout_time(schedule("continuous", calls * 2), one_second, PEAKS_1, cfg, "v4", 1.5)
+    longer = step_estimate.rollout_time(schedule("continuous", calls * 2), one_second, PEAKS_1, retriever, "v4", 1.5)
     assert longer.retrieval == 0.0
 
 
@@ -137,20 +144,19 @@ def test_retrieval_seconds_by_backend(monkeypatch):
     monkeypatch.setattr(step_estimate, "FLAT_SCAN_S_PER_MROW", 1.0)
     monkeypatch.setattr(step_estimate, "HNSW_S_PER_QUERY", 2e-3)
     v4 = PEAKS["v4"]
-    cfg = load("qwen7b_v4", "e5")  # faiss over Search-R1's e5_Flat.index
-    seconds, how = step_estimate.retrieval_call_seconds(cfg, 64, "v4", v4)
+    seconds, how = step_estimate.retrieval_call_seconds(typed_retriever("e5"), 64, "v4", v4)  # faiss, e5_Flat.index
     assert seconds == pytest.approx(21.015324)
     assert how == ("21 s per call (e5 Flat over 21,015,324 rows, one query per thread scanning every row, on a host's "
                    "240 vCPUs; measured on 1 thread)")
-    assert step_estimate.retrieval_call_seconds(load("qwen7b_v4", "e5_hnsw"), 64, "v4", v4)[0] == pytest.approx(2e-3)
+    assert step_estimate.retrieval_call_seconds(typed_retriever("e5_hnsw"), 64, "v4", v4)[0] == pytest.approx(2e-3)
     search = step_estimate.ProgramCost("retrieval search", "64 queries x ...", HloCost(hbm_bytes=1.2e9), 15, "",
                                        Role.RETRIEVAL)
-    seconds, how = step_estimate.retrieval_call_seconds(load("qwen7b_v4", "e5_device"), 64, "v4", v4, search)
+    seconds, how = step_estimate.retrieval_call_seconds(typed_retriever("e5_device"), 64, "v4", v4, search)
     assert seconds == pytest.approx(1e-3)
     assert how == "1.00 ms per call (e5_device, 64 queries x ...: 1.00 ms per device call, roofline from its HLO)"
-    assert step_estimate.retrieval_call_seconds(load("qwen7b_v4", "e5_device"), 65, "v4", v4, search)[0] == (
+    assert step_estimate.retrieval_call_seconds(typed_retriever("e5_device"), 65, "v4", v4, search)[0] == (
         pytest.approx(2e-3))  # 65 queries: two device calls of 64
-    assert step_estimate.retrieval_call_seconds(load("qwen7b_v4", "bm25"), 64, "v4", v4) == (
+    assert step_estimate.retrieval_call_seconds(typed_retriever("bm25"), 64, "v4", v4) == (
         0.0, "no measured cost per call for retriever 'bm25' (not counted)")
 
 
@@ -160,7 +166,7 @@ def test_a_partial_runs_steady_state_averages_the_steps_after_the_warmup_and_pri
     """Each step's calls at 1 s each (retrieval off: no searches); the first PARTIAL_WARMUP steps are left out of
     the means. The lines: the synchronous rollout (its device and retrieval seconds plus the reshard) and the step
     with the updates, then each over-sampling's steady state with its change against the synchronous rollout."""
-    cfg = load("qwen7b_v4")
+    retriever = typed_retriever()
     one_second = step_estimate.StepCost(1e9, 0, 0, 0, 0, 4)
     warmup = rollout_schedule.PARTIAL_WARMUP
 
@@ -170,11 +176,11 @@ def test_a_partial_runs_steady_state_averages_the_steps_after_the_warmup_and_pri
                                             carried=carried, carried_groups=2, dropped=dropped)
 
     steps = [step(50, 0, 0, 9, 0)] * warmup + [step(8, 2, 100, 3, 0), step(10, 4, 300, 5, 1)]
-    p = step_estimate.partial_time(steps, 1.5, one_second, PEAKS_1, cfg, "v4", 0.0)
+    p = step_estimate.partial_time(steps, 1.5, one_second, PEAKS_1, retriever, "v4", 0.0)
     assert p == step_estimate.PartialTime(1.5, rollout=9.0, started=6, trained=4, resumed=3, reprefill_tokens=200,
                                           carried=4, dropped=0.5)
     with pytest.raises(ValueError, match="none after the first"):
-        step_estimate.partial_time(steps[:warmup], 1.5, one_second, PEAKS_1, cfg, "v4", 0.0)
+        step_estimate.partial_time(steps[:warmup], 1.5, one_second, PEAKS_1, retriever, "v4", 0.0)
     lines = step_estimate.format_partial(step_estimate.RolloutTime({64: 10.0}, 0.0, ""), [p], 0.5, 20.0,
                                          4, 1, what_if=True).splitlines()
     assert lines[0].startswith("  partial rollouts (what-if, rollout.partial is off): ")
@@ -186,10 +192,9 @@ def test_a_partial_runs_steady_state_averages_the_steps_after_the_warmup_and_pri
 
 
 def test_the_estimate_simulates_the_configs_over_sampling_when_partial_is_on_else_the_what_if():
-    cfg = config_lib.default_config()
-    assert step_estimate.partial_factors(cfg) == (1.5, 2.0)
-    cfg.rollout.partial, cfg.rollout.over_sampling = True, 3.0
-    assert step_estimate.partial_factors(cfg) == (3.0,)
+    rollout = RolloutConfig()
+    assert step_estimate.partial_factors(rollout) == (1.5, 2.0)
+    assert step_estimate.partial_factors(dataclasses.replace(rollout, partial=True, over_sampling=3.0)) == (3.0,)
 
 
 def test_a_draw_makes_the_samplers_passes_over_its_rows_vocabulary():
@@ -346,10 +351,10 @@ def test_search_programs_are_read_from_the_compiled_programs_names():
                                          HloCost(hbm_bytes=hbm), 0, "", Role.RETRIEVAL)
     costs = [program(16, 32, 1.2e9), program(8, 32, 1e9), program(16, 128, 2e9),
              step_estimate.ProgramCost("rollout step (8 tokens)", "", HloCost(hbm_bytes=5.0), 0, "", Role.ROLLOUT_STEP)]
-    cfg = load("qwen7b_v4")
-    search = beside.search_programs(costs, cfg, PEAKS_1, 0.25)
+    retriever = typed_retriever()  # e5_device, device calls of 64 queries
+    search = beside.search_programs(costs, retriever, PEAKS_1, 0.25)
     assert search == beside.SearchPrograms({(16, 32): 1.2, (8, 32): 1.0, (16, 128): 2.0}, 32, 64, 0.25)
-    assert beside.search_programs(costs[3:], cfg, PEAKS_1, 0.25) is None
+    assert beside.search_programs(costs[3:], retriever, PEAKS_1, 0.25) is None
 
 
 def test_the_collectives_latency_counts_the_hlos_runs_per_call_and_per_decode_iteration():
@@ -370,7 +375,7 @@ def test_every_term_beside_the_device_names_its_source_and_what_it_counted():
     time = step_estimate.FaithfulTime({}, step_estimate.KernelTally(), (1.0, 1.0))
     ideal = step_estimate.RolloutTime({8: 2.0}, 0.5, "faiss: 0.1 s per call (measured on 1 thread)")
     collectives = beside.Collectives(8, 45, 11, 57)
-    on_chips = beside.beside_terms(s, time, ideal, load("qwen7b_v4"), TABLE, SEARCH, collectives)
+    on_chips = beside.beside_terms(s, time, ideal, typed_retriever(), TABLE, SEARCH, collectives)
     assert list(on_chips) == [beside.HOST_TERM, beside.RETRIEVAL_TERM, beside.COLLECTIVES_TERM]
     host, retrieval, latency = on_chips.values()
     assert (host.source, host.seconds) == ("measured", pytest.approx((1.17 + 0.80) / 1e3))
@@ -379,7 +384,7 @@ def test_every_term_beside_the_device_names_its_source_and_what_it_counted():
     assert "1 retriever calls of 3.0 queries" in retrieval.how and "every query: 3.0 s" in retrieval.how  # 1 + 2
     assert (latency.source, latency.seconds) == ("HLO (count) x modelled latency",
                                                  pytest.approx((2 * 45 + 2 * 57) * 1e-6))
-    on_host = beside.beside_terms(s, time, ideal, load("qwen7b_v4", "e5"), TABLE, None, collectives)
+    on_host = beside.beside_terms(s, time, ideal, typed_retriever("e5"), TABLE, None, collectives)
     assert (on_host[beside.RETRIEVAL_TERM].source, on_host[beside.RETRIEVAL_TERM].seconds) == (
         "measured", 0.5)
     assert "faiss on the host's CPUs beside the device" in on_host[beside.RETRIEVAL_TERM].how

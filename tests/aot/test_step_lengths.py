@@ -6,13 +6,14 @@ import math
 
 import pytest
 
+from llds_jax import config as config_lib
 from llds_jax.aot import step_lengths
 from tests.configs import load
 
 
 def test_defaults_are_capped_by_the_config_and_say_they_are_assumed():
     cfg = load("qwen7b_v4")  # 3 search turns, 500-token turns and observations, 4096-token trajectories
-    lengths = step_lengths.defaults(cfg)
+    lengths = step_lengths.defaults(config_lib.typed(cfg))
     assert (lengths.prompt_tokens, lengths.turns, lengths.sampled_tokens, lengths.observation_tokens) == (
         250, 2.5, 2.5 * 150, 400)
     assert (lengths.trajectory_tokens, lengths.searches) == (250 + 375 + 600, 1.5)
@@ -22,13 +23,12 @@ def test_defaults_are_capped_by_the_config_and_say_they_are_assumed():
     assert lengths.turn_tokens_std == pytest.approx(75 / math.sqrt(3))
     cfg.rollout.max_turns, cfg.rollout.max_turn_tokens, cfg.rollout.max_observation_tokens = 1, 100, 300
     cfg.rollout.max_context_tokens, cfg.rollout.max_prompt_tokens = 500, 200
-    short = step_lengths.defaults(cfg)
+    short = step_lengths.defaults(config_lib.typed(cfg))
     assert (short.prompt_tokens, short.sampled_tokens, short.trajectory_tokens, short.searches) == (200, 200, 500, 1)
 
 
 def test_the_worst_case_takes_every_turn_and_token_cap():
-    cfg = load("qwen7b_v4")
-    worst = step_lengths.worst_case(cfg)
+    worst = step_lengths.worst_case(config_lib.typed(load("qwen7b_v4")))
     assert (worst.prompt_tokens, worst.turns, worst.sampled_tokens, worst.observation_tokens) == (2048, 4, 2000, 500)
     assert (worst.trajectory_tokens, worst.searches) == (4096, 3)
 
@@ -75,8 +75,8 @@ def test_a_runs_logged_metrics_give_mean_lengths_and_step_counts(tmp_path):
 
 def test_packed_updates_follow_the_trained_tokens():
     """Packed updates follow 1225 tokens (+ padding) of 4096; unpacked ones the worst case."""
-    cfg = load("qwen7b_v4")
-    lengths = dataclasses.replace(step_lengths.defaults(cfg), padding=0.125)
-    assert step_lengths.update_share(cfg, lengths) == 1225 / 0.875 / 4096
-    cfg.optim.pack_trajectories = False
-    assert step_lengths.update_share(cfg, lengths) == 1.0
+    run = config_lib.typed(load("qwen7b_v4"))
+    lengths = dataclasses.replace(step_lengths.defaults(run), padding=0.125)
+    assert step_lengths.update_share(run, lengths) == 1225 / 0.875 / 4096
+    unpacked = run.replaced(optim=dataclasses.replace(run.optim, pack_trajectories=False))
+    assert step_lengths.update_share(unpacked, lengths) == 1.0

@@ -91,8 +91,8 @@ def test_the_sweep_costs_every_candidate_and_picks_by_the_estimate(paged_model_d
     tiles are `near_best` of its ragged and decode candidates (each with the other tile at its cheapest, their
     seconds adding up), its seconds the estimate's at those tiles; the programs count training's and evaluation's
     buckets; the lines name the budgets and the candidates."""
-    cfg = flagship(paged_model_dir, **PAGED)
-    choices = tiles.sweep(cfg, [64, 128])
+    run = flagship(paged_model_dir, **PAGED)
+    choices = tiles.sweep(run, [64, 128])
     assert sorted(c.max_step_tokens for c in choices) == [64, 128]
     assert choices[0].seconds <= choices[1].seconds
     for c in choices:
@@ -104,9 +104,9 @@ def test_the_sweep_costs_every_candidate_and_picks_by_the_estimate(paged_model_d
             t.decode_kv_pages_per_block, t.decode_queries_per_block)]
         assert min(c.ragged.values()) == pytest.approx(min(c.decode.values()))  # the other tile at its cheapest
         assert c.seconds == pytest.approx(ragged + decode - min(c.ragged.values()))
-        run_cfg = tiles.with_budget(cfg, c.max_step_tokens)
-        rollout = tiles.rollout_of(run_cfg)
-        schedule = tiles.rollout_schedule.for_run(run_cfg, tiles.step_lengths.defaults(run_cfg), rollout.sequences)
+        budgeted = tiles.with_budget(run, c.max_step_tokens)
+        rollout = tiles.rollout_of(budgeted)
+        schedule = tiles.rollout_schedule.for_run(budgeted, tiles.step_lengths.defaults(budgeted), rollout.sequences)
         assert tiles.device_seconds(rollout, schedule, t) == pytest.approx(c.seconds)
     # Training's 8 slots (32 trajectories over v4:2x2x4's 4 hosts) and evaluation's 8, each doubling to the budget:
     # 4 + 4 programs at 64 tokens, 5 + 5 at 128.

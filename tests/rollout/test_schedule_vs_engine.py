@@ -31,10 +31,8 @@ import dataclasses
 import jax
 import pytest
 
-from llds_jax import config as config_lib
 from llds_jax.aot import rollout_schedule, step_lengths
-from llds_jax.config import default_config
-from llds_jax.config.sections import RolloutConfig
+from llds_jax.config.sections import DataConfig, RolloutConfig, RunConfig, UpdateConfig
 from llds_jax.rollout import agent
 from llds_jax.rollout.config import AgentConfig, PagingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
@@ -47,22 +45,22 @@ EXAMPLES = [example(i, "question " + "word " * (9 * i), ("paris",)) for i in ran
 
 
 def rollout_config(continuous, prompts, samples, **rollout):
-    """The run config of `prompts` x `samples` trajectories with the `rollout` keys given, sampling at temperature
-    1 over the whole vocabulary under `continuous` or barrier scheduling."""
-    c = default_config()
-    c.data.prompts_per_step, c.data.samples_per_prompt = prompts, samples
-    for key, value in {"temperature": 1.0, "top_p": 1.0, "continuous_batching": continuous, **rollout}.items():
-        c.rollout[key] = value
-    return c
+    """The run config of `prompts` x `samples` trajectories (in one update, which the schedule does not read) with
+    the `rollout` keys given, sampling at temperature 1 over the whole vocabulary under `continuous` or barrier
+    scheduling."""
+    batch = prompts * samples
+    return RunConfig.of(data=DataConfig(prompts_per_step=prompts, samples_per_prompt=samples),
+                        optim=UpdateConfig(mini_batch_size=batch, micro_batch_size=batch),
+                        rollout=RolloutConfig(**{"temperature": 1.0, "top_p": 1.0, "continuous_batching": continuous,
+                                                 **rollout}))
 
 
-def engine_rollout(tokenizer, tiny, sampled, cfg):
+def engine_rollout(tokenizer, tiny, sampled, run):
     """The agent config, the engine's shapes (6 slots) and the Rollout of EXAMPLES through the paged engine under
-    `cfg`'s rollout section (alone, as rollout_schedule reads it)."""
+    the rollout section of `run` (alone, as rollout_schedule reads it)."""
     model, graphdef = tiny
     params, sampling = sampled
-    rollout = config_lib.build(RolloutConfig, cfg.rollout)
-    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
+    agent_cfg, paging = AgentConfig.of(run.rollout), PagingConfig.of(run.rollout)
     engine = engine_config(agent_cfg, sampling, 6, paging.page_size, paging.max_step_tokens)
     paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
     return agent_cfg, engine, agent.rollout(paged, params, tokenizer, EchoRetriever(),
@@ -78,14 +76,14 @@ def run_config(continuous):
 @pytest.mark.slow
 @pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
 def test_predicted_step_calls_agree_with_the_engines_within_10_percent(qwen_tokenizer, tiny, sampled, continuous):
-    cfg = run_config(continuous)
-    _, _, result = engine_rollout(qwen_tokenizer, tiny, sampled, cfg)
+    run = run_config(continuous)
+    _, _, result = engine_rollout(qwen_tokenizer, tiny, sampled, run)
     # The record a run logs (`Trainer.step_metrics`); its seconds do not enter the schedule.
     records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
     lengths = step_lengths.from_metrics(records, "the rollout")
     assert 1.5 < lengths.turns < 4 and lengths.searches > 0.2  # searches and several turns, not one shape
     logged = step_lengths.logged_step_counts(records, "the rollout")
-    schedule = rollout_schedule.for_run(cfg, lengths, len(EXAMPLES))
+    schedule = rollout_schedule.for_run(run, lengths, len(EXAMPLES))
     assert schedule.policy == ("continuous" if continuous else "barrier")
     # Every prompt, observation and sampled token the engine logged, the schedule writes too.
     assert sum(schedule.tokens_per_bucket.values()) == sum(tokens for _, tokens in logged.values())
@@ -118,9 +116,8 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     model, graphdef = tiny
     sampling = dataclasses.replace(sampled[1], decode_chunk=8)
     params = steered_params(model, steering=RUN_ON)
-    cfg = demo_config(continuous)
-    rollout = config_lib.build(RolloutConfig, cfg.rollout)  # the rollout section alone, as rollout_schedule reads it
-    agent_cfg, paging = AgentConfig.of(rollout), PagingConfig.of(rollout)
+    run = demo_config(continuous)  # its rollout section alone, as rollout_schedule reads it
+    agent_cfg, paging = AgentConfig.of(run.rollout), PagingConfig.of(run.rollout)
     engine = engine_config(agent_cfg, sampling, 8, paging.page_size, paging.max_step_tokens)
     paged = RunnerSource(PagedSampler(graphdef, model.cfg, sampling, engine), overlap=True)
     result = agent.rollout(paged, params, qwen_tokenizer, EchoRetriever(),
@@ -133,7 +130,7 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     records = [{**{f"rollout/{k}": v for k, v in metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
     lengths = step_lengths.from_metrics(records, "the rollout")
     logged = step_lengths.logged_step_counts(records, "the rollout")
-    schedule = rollout_schedule.for_run(cfg, lengths, len(DEMO_EXAMPLES))
+    schedule = rollout_schedule.for_run(run, lengths, len(DEMO_EXAMPLES))
     assert sum(schedule.tokens_per_bucket.values()) == sum(tokens for _, tokens in logged.values())
     assert schedule.search_waits == 0
     assert schedule.calls_per_bucket == {b: calls for b, (calls, _) in logged.items() if calls}, logged
