@@ -508,6 +508,9 @@ class RunConfig(bounds.Section):
             raise ConfigError("rollout.partial trains tokens sampled by older policies: set objective.tis_cap > 0 (e.g. "
                               "2.0), the truncated weight exp(old_logp - sampler_logp) that corrects for their "
                               "behaviour policy")
+        if r.context_policy != "none" and not o.pack_trajectories:
+            raise ConfigError(f"rollout.context_policy {r.context_policy!r} trains each segment as a sequence of its "
+                              "own in packed rows: set optim.pack_trajectories true")
         batch = self.data.prompts_per_step * self.data.samples_per_prompt
         if batch % o.mini_batch_size:
             raise ConfigError(f"optim.mini_batch_size ({o.mini_batch_size}) must divide the rollout batch "
