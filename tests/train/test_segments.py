@@ -126,3 +126,31 @@ def test_the_response_gate_holds_each_segment_by_its_own_net_delta():
     whole = np.asarray(llds_gate("response", delta, m, adv, actions))
     assert (got != whole).any()  # the segments' sums decide, not the rows'
     np.testing.assert_array_equal(whole, np_gate("response", delta, m, adv))
+
+
+@pytest.mark.slow
+def test_segmented_batches_of_another_layout_compile_nothing_after_the_first(qwen_tokenizer, steered,
+                                                                             backend_compiles):
+    """Two rollouts of many turns and several edits, padded to one length: the second batch (other segments, other
+    packed-row counts) trains with the programs the first compiled (`optim.precompile_row_counts`)."""
+    model, params, source = steered
+    cfg = AgentConfig(**{**CONFIG, "max_turns": 6}, context_policy="drop_observations")
+    examples = [example(i, f"question number {i}", ("paris",)) for i in range(4)]
+    runs = [agent.rollout(source, params, qwen_tokenizer, EchoRetriever(),
+                          agent.RolloutRequest(examples, jax.random.key(seed), cfg)).trajectories for seed in (0, 1)]
+    assert all(sum(len(t.segments) for t in ts) > len(ts) for ts in runs)  # edits in both
+    assert max(len(t.segments) for ts in runs for t in ts) >= 4
+    length = round_up(max(sum(len(s.tokens) for s in t.segments) for ts in runs for t in ts), 64)
+    update = dataclasses.replace(UPDATE, precompile_row_counts=True)
+    step = RLTrainStep(model, ObjectiveConfig(temperature=REAL_TEMPERATURE), update, segmented=True)
+    rewards = np.asarray([1.0, 0.0, 1.0, 0.0], np.float32)
+    batches = [padded_batch(ts, 0, length, segmented=True).with_rewards(rewards).with_advantages(rewards - 0.5)
+               for ts in runs]
+    assert [r.num_rows for r in step.prepare_batch(batches[0]).rows] != \
+        [r.num_rows for r in step.prepare_batch(batches[1]).rows]
+    state = step.init_state()
+    ref = step.reference_params(state.params)
+    state, _ = step.train_on_batch(state, ref, batches[0])
+    with backend_compiles() as compiles:
+        state, metrics = step.train_on_batch(state, ref, batches[1])
+    assert compiles == [] and metrics.scalars["actor/nonfinite"] == 0
