@@ -3,6 +3,9 @@ drop_observations (its edits, the re-admitted contexts and the segments a trajec
 import numpy as np
 import pytest
 
+from llds_jax import config as config_lib
+from llds_jax.bounds import ConfigError
+from llds_jax.config.sections import RolloutConfig
 from llds_jax.rollout import context
 from llds_jax.rollout.trajectory import END_ANSWER, END_TRAJECTORY_BUDGET
 from tests.rollout.scripted_engine import ScriptedEngine
@@ -129,3 +132,19 @@ def test_one_segment_is_the_trajectory_itself(qwen_tokenizer, doubles, policy):
     (segment,) = traj.segments
     assert segment.tokens is traj.tokens and segment.sampler_logp is traj.sampler_logp
     assert calls(engine, "add", "finish") == [("add", 0), ("finish", 0)] and result.metrics["context_edits"] == 0
+
+
+def test_a_context_policy_is_refused_where_its_edits_could_not_be_carried_or_trained():
+    with pytest.raises(ConfigError, match=r"rollout.context_policy 'drop_observations' edits a conversation's "
+                                          r"context, which rollout.partial and rollout.trees do not carry"):
+        RolloutConfig(context_policy="drop_observations", partial=True)
+    with pytest.raises(ConfigError, match=r"rollout.context_policy must be one of"):
+        RolloutConfig(context_policy="summarize")
+    cfg = config_lib.default_config()
+    cfg.data.prompts_per_step, cfg.optim.mini_batch_size, cfg.optim.micro_batch_size = 8, 8, 4
+    cfg.rollout.context_policy, cfg.optim.pack_trajectories = "drop_observations", False
+    with pytest.raises(ConfigError, match=r"trains each segment as a sequence of its own in packed rows: set "
+                                          r"optim.pack_trajectories true"):
+        config_lib.typed(cfg)
+    cfg.optim.pack_trajectories = True
+    assert config_lib.typed(cfg).rollout.context_policy == "drop_observations"
