@@ -82,8 +82,8 @@ class RolloutStats:
     tokens each fork shares with its parent up to its node, sampled once and trained again in every leaf that
     holds them), `context_edits` and `context_reencoded_tokens` (edits of a context policy, `rollout.context`,
     and the edited contexts' tokens encoded again), the spreads (`Spread`: standard deviations) of a
-    conversation's prompt tokens (`prompt_tokens_std`), a turn's sampled tokens (`turn_tokens_std`) and an observation's tokens
-    (`observation_tokens_std`) within the host's batch (averaged over the hosts when logged), which the step
+    conversation's prompt tokens (`prompt_tokens_std`), a turn's sampled tokens (`turn_tokens_std`) and an
+    observation's tokens (`observation_tokens_std`) within the host's batch (averaged over the hosts when logged), which the step
     estimate's schedule of one host's rollout takes (`llds_jax.aot.rollout_schedule`), and the
     engine's `counts` (device calls and batch tokens per token bucket, sample slots, shared
     prompt tokens, page copies, preemptions; `EngineCounts`).
