@@ -203,7 +203,7 @@ class BatchLayout:
         per_update = []
         firsts = [None] * laid_out.num_updates if laid_out.segment_first_uxbt is None else laid_out.segment_first_uxbt
         for tokens_xbt, mask_xbt, first_xbt in zip(laid_out.tokens_uxbt, laid_out.mask_uxbt, firsts):
-            num_rows = -(-rows_needed(mask_xbt, row_length, first_xbt) // shards) * shards
+            num_rows = -(-rows_needed(mask_xbt, row_length) // shards) * shards
             rows = pack(tokens_xbt, mask_xbt, num_rows, row_length, first_xbt)
             per_update.append(jax.tree.map(lambda x: self.put(x[None]), rows))
         return tuple(per_update)

@@ -7,8 +7,9 @@ another trajectory (`Transformer.hidden`); `source_bt` records where each token 
 log-probs and entropies come back to the [B, T] layout on which the loss terms, the LLDS gates, the action ids and
 the LLD diagnostics work unchanged (`unpack`).
 
-A trajectory of several segments (`RolloutBatch.segment_first_bt`, rollout.context_policy) is packed segment by
-segment: each segment is a sequence of its own (first fit over the segments), its first token without a prediction.
+A trajectory of several segments (`RolloutBatch.segment_first_bt`, rollout.context_policy) is packed whole, as any
+trajectory (so it needs the rows a trajectory of its length needs), and each of its segments is a sequence of its
+own there: `segment_first_rt` restarts at each segment, whose first token has no prediction.
 
 Micro-batch and mini-batch membership stay those of the unpacked batch, counted in trajectories: the objective does
 not change, only the rows the forward runs on (R <= B, fewer the more the trajectories are shorter than T).
@@ -71,37 +72,19 @@ def first_fit_rows(lengths_b: np.ndarray, length: int) -> list[list[int]]:
     return rows
 
 
-def sequences(mask_bt: np.ndarray, segment_first_bt: np.ndarray | None = None) -> list[np.ndarray]:
-    """The sequences of B trajectories ([B, T] real-token mask; segment starts, or None: one sequence a trajectory),
-    each as the flat indices b * T + t of its real tokens, in order: trajectory by trajectory, segment by segment."""
-    length = mask_bt.shape[-1]
-    out = []
-    for b, real_t in enumerate(mask_bt > 0):
-        positions_t = np.flatnonzero(real_t)
-        if segment_first_bt is None:
-            groups = [positions_t]
-        else:
-            firsts = segment_first_bt[b, positions_t]
-            groups = np.split(positions_t, np.flatnonzero(np.diff(firsts)) + 1)
-        out += [b * length + g for g in groups]
-    return out
-
-
-def rows_needed(mask_xbt: np.ndarray, row_length: int | None = None, segment_first_xbt: np.ndarray | None = None
-                ) -> int:
+def rows_needed(mask_xbt: np.ndarray, row_length: int | None = None) -> int:
     """The most rows of `row_length` tokens (default T) any of the X micro-batches packs into (mask_xbt: [X, B, T]
-    1 on real tokens; segment_first_xbt: their segments, or None)."""
+    1 on real tokens)."""
     length = row_length or mask_xbt.shape[-1]
-    firsts = [None] * len(mask_xbt) if segment_first_xbt is None else segment_first_xbt
-    return max(len(first_fit_rows(np.asarray([len(s) for s in sequences(mask, first)]), length))
-               for mask, first in zip(mask_xbt, firsts))
+    return max(len(first_fit_rows((mask > 0).sum(axis=-1), length)) for mask in mask_xbt)
 
 
 def pack(tokens_xbt: np.ndarray, mask_xbt: np.ndarray, num_rows: int, row_length: int | None = None,
          segment_first_xbt: np.ndarray | None = None) -> PackedRows:
     """Packs each of X micro-batches of B trajectories ([X, B, T] token ids and real-token mask; their segments'
-    starts, or None: one sequence a trajectory) into `num_rows` rows of `row_length` T' >= T tokens (default T; at
-    least `rows_needed` rows). Returns PackedRows with [X, R, T'] and [X, B, T] numpy arrays."""
+    first tokens, `RolloutBatch.segment_first_bt`, or None: one sequence a trajectory) into `num_rows` rows of
+    `row_length` T' >= T tokens (default T; at least `rows_needed` rows). Returns PackedRows with [X, R, T'] and
+    [X, B, T] numpy arrays."""
     num = tokens_xbt.shape[0]
     length = row_length or tokens_xbt.shape[-1]
     if length < tokens_xbt.shape[-1]:
@@ -111,20 +94,23 @@ def pack(tokens_xbt: np.ndarray, mask_xbt: np.ndarray, num_rows: int, row_length
     first_xrt = np.broadcast_to(np.arange(length, dtype=np.int32), (num, num_rows, length)).copy()
     source_xbt = np.full(tokens_xbt.shape, -1, np.int32)
     for n in range(num):
-        seqs = sequences(mask_xbt[n], None if segment_first_xbt is None else segment_first_xbt[n])
-        rows = first_fit_rows(np.asarray([len(s) for s in seqs]), length)
+        real_bt = mask_xbt[n] > 0
+        rows = first_fit_rows(real_bt.sum(axis=-1), length)
         if len(rows) > num_rows:
             raise ValueError(f"packing: micro-batch {n} needs {len(rows)} rows, more than {num_rows}")
-        tokens_t, source_t = tokens_xbt[n].reshape(-1), source_xbt[n].reshape(-1)
         for r, members in enumerate(rows):
             start = 0
-            for s in members:
-                flat_t = seqs[s]
-                end = start + len(flat_t)
-                tokens_xrt[n, r, start:end] = tokens_t[flat_t]
+            for b in members:
+                positions_t = np.flatnonzero(real_bt[b])
+                end = start + len(positions_t)
+                # Each token's sequence start in the row: the trajectory's, or its segment's.
+                first_t = np.zeros(len(positions_t), np.int64) if segment_first_xbt is None else \
+                    np.searchsorted(positions_t, segment_first_xbt[n, b, positions_t])
+                tokens_xrt[n, r, start:end] = tokens_xbt[n, b, positions_t]
                 mask_xrt[n, r, start:end] = 1.0
-                first_xrt[n, r, start:end] = start
-                source_t[flat_t[1:]] = r * length + np.arange(start + 1, end, dtype=np.int32)
+                first_xrt[n, r, start:end] = start + first_t
+                predicted = first_t != np.arange(len(positions_t))  # not the first token of its sequence
+                source_xbt[n, b, positions_t[predicted]] = r * length + start + np.flatnonzero(predicted)
                 start = end
     return PackedRows(tokens_rt=tokens_xrt, mask_rt=mask_xrt, segment_first_rt=first_xrt, source_bt=source_xbt)
 
