@@ -381,7 +381,10 @@ class Driver:
 
     def _readmit(self, seq: int, conv: Conversation, context_ids: list[int], budget: int) -> None:
         """A new segment (`rollout.context`): seq leaves the engine and comes back with its edited context as its
-        prompt, every token of it encoded again; its PRNG stream goes on after the tokens it sampled."""
+        prompt, every token of it encoded again (counted in the stats); its PRNG stream goes on after the tokens it
+        sampled."""
+        self.agent_steps.stats.context_edits += 1
+        self.agent_steps.stats.context_reencoded_tokens += len(context_ids)
         self.engine.finish(seq)
         self.engine.add_request(seq, context_ids, np.asarray(conv.lineage.key_data, np.uint32), budget,
                                 sampled=conv.sampled)

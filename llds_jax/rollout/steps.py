@@ -202,15 +202,12 @@ class AgentSteps:
 
     def edited_context(self, conv: Conversation) -> Optional[list[int]]:
         """After a turn and its observation were appended: the conversation's edited context when its context
-        policy edits it now (`rollout.context`; its dropped_len updated, the edit counted in the stats), else
-        None."""
+        policy edits it now (`rollout.context`; its dropped_len updated), else None."""
         cfg = self.config
         if not context.edits_after(conv.turns, cfg.context_policy, cfg.keep_observations):
             return None
         ids = context.context_ids(conv.prompt_ids, conv.turns, len(conv.turns), cfg.keep_observations, self.encode)
         conv.dropped_len = len(conv.prompt_ids) + conv.response_len - len(ids)
-        self.stats.context_edits += 1
-        self.stats.context_reencoded_tokens += len(ids)
         return ids
 
     def encode(self, text: str) -> list[int]:
