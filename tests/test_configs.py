@@ -231,7 +231,8 @@ def test_deep_demo_is_the_demo_on_the_khop_world_with_the_turns_it_needs():
                        ("demo", "assets_dir"): ("runs/demo_world", "runs/demo_world_deep"),
                        ("sft", "output_dir"): ("runs/demo_world/warm_start", "runs/demo_world_deep/warm_start"),
                        ("rollout", "max_turns"): (2, 8), ("eval", "max_turns"): (2, 8),
-                       ("rollout", "max_context_tokens"): (512, 768), ("optim", "pack_row_tokens"): (384, 768)}
+                       ("rollout", "max_context_tokens"): (512, 768), ("optim", "pack_row_tokens"): (384, 768),
+                       ("rollout", "context_policy"): ("none", "drop_observations")}
     assert (deep["run_dir"], deep["seed"]) == ("runs/demo_cpu_deep", demo["seed"])
 
 

@@ -32,6 +32,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # to a tokenizer with Qwen2.5's chat markers (llds_jax.model.tokenizer.load_tokenizer).
 CHAT_TEMPLATES = ("base", "instruct", "")
 TREE_SELECTIONS = ("uniform", "entropy")
+CONTEXT_POLICIES = ("none", "drop_observations")  # rollout.context_policy: llds_jax.rollout.context
 ROLLOUT_PARAMS_DTYPES = ("float32", "bfloat16")
 REFERENCE_DTYPES = ("float32", "bfloat16")
 DEFAULT_INDEX_DIR = "indexes/wiki18_bm25"  # retriever.index_dir
@@ -172,7 +173,16 @@ class RolloutConfig(bounds.Section):
                                    "this x 128 characters as they are read")
     max_context_tokens: int = field(4096, AT_LEAST_1, doc="cap on a sequence's prompt + response tokens")
     max_response_tokens: int = field(4096, AT_LEAST_1,
-                                     doc="cap on a sequence's response tokens (model and observations)")
+                                     doc="cap on a sequence's response tokens (model and observations) in its context")
+    max_trajectory_tokens: int = field(0, NON_NEGATIVE, doc="cap on a conversation's kept model + observation tokens "
+                                                            "over all its segments (ends it: end/trajectory_budget; "
+                                                            "0: none beside the context caps)")
+    context_policy: str = field("none", choices=CONTEXT_POLICIES,
+                                doc="how the context is edited between turns: none, or drop_observations (all but the "
+                                    "last keep_observations information blocks replaced by a marker; "
+                                    "rollout/context.py)")
+    keep_observations: int = field(2, AT_LEAST_1, doc="with context_policy drop_observations: the information blocks "
+                                                      "kept whole (K)")
     retrieval_top_k: int = field(3, AT_LEAST_1, doc="documents per search")
     search_timeout_s: float = field(60.0, POSITIVE, doc="timeout of one batched retriever call")
     max_batch_size: int = field(0, NON_NEGATIVE, doc="sequences per sampler session and the engine's sequence "
@@ -236,6 +246,9 @@ class RolloutConfig(bounds.Section):
                               f"rollout.max_context_tokens ({self.max_context_tokens})")
         if self.partial and self.trees:
             raise ConfigError("rollout.partial carries chains, not trees: set rollout.trees 0 or rollout.partial False")
+        if self.context_policy != "none" and (self.partial or self.trees):
+            raise ConfigError(f"rollout.context_policy {self.context_policy!r} edits a conversation's context, which "
+                              "rollout.partial and rollout.trees do not carry: set rollout.context_policy none")
         one = pool_pages(1, self.max_context_tokens, self.page_size)
         if 0 < self.num_pages < one:
             raise ConfigError(f"rollout.num_pages ({self.num_pages}) cannot hold one sequence of "
@@ -501,6 +514,9 @@ class RunConfig(bounds.Section):
             raise ConfigError("rollout.partial trains tokens sampled by older policies: set objective.tis_cap > 0 (e.g. "
                               "2.0), the truncated weight exp(old_logp - sampler_logp) that corrects for their "
                               "behaviour policy")
+        if r.context_policy != "none" and not o.pack_trajectories:
+            raise ConfigError(f"rollout.context_policy {r.context_policy!r} trains each segment as a sequence of its "
+                              "own in packed rows: set optim.pack_trajectories true")
         batch = self.data.prompts_per_step * self.data.samples_per_prompt
         if batch % o.mini_batch_size:
             raise ConfigError(f"optim.mini_batch_size ({o.mini_batch_size}) must divide the rollout batch "

@@ -34,6 +34,10 @@ class RolloutBatch:
       search_count_b: float32 [B] `<search>` actions per trajectory.
       rewards_b: float32 [B] outcome reward (a trajectory is "correct" when it is > 0); None until `with_rewards`.
       advantages_b: float32 [B] per-trajectory advantages; None until `with_advantages`.
+      segment_first_bt: int32 [B, T] for a trajectory of several segments (`rollout.context`: each the sequence the
+        model saw while it sampled, trained as a sequence of its own), the row's segments one after another and, for
+        each token, the index in the row of its segment's first token (on padding: the token's own index); None:
+        every row is one sequence (rollout.context_policy none).
     """
 
     tokens_bt: Any
@@ -46,13 +50,14 @@ class RolloutBatch:
     search_count_b: Any
     rewards_b: Optional[Any] = None
     advantages_b: Optional[Any] = None
+    segment_first_bt: Optional[Any] = None
 
     @classmethod
     def zeros(cls, num: int, length: int) -> RolloutBatch:
         """A batch of `num` all-padding trajectories of `length` tokens, rewards and advantages 0 (its arrays have
         the shapes and dtypes of a checked batch: e.g. to ask what a function of a batch returns)."""
         return cls(**{name: np.zeros((num, length) if name.endswith("_bt") else (num,), dtype)
-                      for name, dtype in _DTYPES.items()})
+                      for name, dtype in _DTYPES.items() if name != "segment_first_bt"})
 
     @property
     def num_trajectories(self) -> int:
@@ -80,6 +85,9 @@ class RolloutBatch:
             raise ValueError(f"batch.tokens_bt must be [B, T]; got shape {tokens_bt.shape}")
         out = {}
         for name, value in arrays.items():
+            if value is None:  # segment_first_bt of a batch without segments
+                out[name] = None
+                continue
             out[name] = np.asarray(value).astype(_DTYPES[name])
             shape = tokens_bt.shape if name.endswith("_bt") else tokens_bt.shape[:1]
             if out[name].shape != shape:
@@ -94,7 +102,7 @@ class RolloutBatch:
 _DTYPES = {
     "tokens_bt": np.int32, "mask_bt": np.float32, "loss_mask_bt": np.float32, "action_ids_bt": np.int32,
     "answer_mask_bt": np.float32, "sampler_logp_bt": np.float32, "group_b": np.int32, "search_count_b": np.float32,
-    "rewards_b": np.float32, "advantages_b": np.float32,
+    "rewards_b": np.float32, "advantages_b": np.float32, "segment_first_bt": np.int32,
 }
 
 

@@ -41,6 +41,7 @@ class LaidOutBatch:
         (`RolloutBatch.tokens_bt` ... `sampler_logp_bt`).
       group_uxb, search_count_uxb, rewards_uxb, advantages_uxb: [U, X, B] (`RolloutBatch.group_b` ...
         `advantages_b`).
+      segment_first_uxbt: [U, X, B, T] (`RolloutBatch.segment_first_bt`), or None.
     """
 
     tokens_uxbt: Any
@@ -53,11 +54,12 @@ class LaidOutBatch:
     search_count_uxb: Any
     rewards_uxb: Any
     advantages_uxb: Any
+    segment_first_uxbt: Any = None
 
     @classmethod
     def of(cls, batch: RolloutBatch, shape: tuple[int, int, int]) -> LaidOutBatch:
         """`batch` (rewards and advantages set) laid out as `shape` (U, X, micro), U X micro its trajectories."""
-        return cls(*(x.reshape(shape + x.shape[1:]) for x in _arrays(batch)))
+        return cls(*(None if x is None else x.reshape(shape + x.shape[1:]) for x in _arrays(batch)))
 
     @property
     def num_updates(self) -> int:
@@ -81,13 +83,13 @@ class LaidOutBatch:
 
     def flat(self) -> RolloutBatch:
         """The B trajectories in their order, [B, ...] arrays: the batch `of` laid out (also under jit)."""
-        return RolloutBatch(*(x.reshape((-1,) + x.shape[3:]) for x in _arrays(self)))
+        return RolloutBatch(*(None if x is None else x.reshape((-1,) + x.shape[3:]) for x in _arrays(self)))
 
     def micro_batches(self, index: int | jax.Array) -> RolloutBatch:
         """Update `index`'s X micro-batches stacked (`index` may be traced): a RolloutBatch of [X, B, ...] arrays,
         which `jax.lax.scan` walks one micro-batch (a RolloutBatch of B trajectories) at a time."""
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        return RolloutBatch(*(take(x) for x in _arrays(self)))
+        return RolloutBatch(*(None if x is None else take(x) for x in _arrays(self)))
 
 
 def _arrays(batch: RolloutBatch | LaidOutBatch) -> list[Any]:
@@ -127,11 +129,13 @@ class BatchLayout:
     Args:
       update: the mini / micro-batch sizes and the packing settings.
       mesh: optional (data, fsdp, tensor) mesh: a micro-batch is split over its data axes (data, fsdp).
+      segmented: its batches carry `segment_first_bt` (rollout.context_policy other than none; `spec` then has it).
     """
 
-    def __init__(self, update: UpdateConfig, mesh: Mesh | None = None):
+    def __init__(self, update: UpdateConfig, mesh: Mesh | None = None, segmented: bool = False):
         self.update_cfg = update
         self.mesh = mesh
+        self.segmented = segmented
 
     def shape(self, num: int) -> tuple[int, int, int]:
         """(U, X, micro) of a batch of `num` trajectories; ValueError when `num` is no multiple of the mini-batch size
@@ -146,6 +150,9 @@ class BatchLayout:
 
     def lay_out(self, batch: RolloutBatch, batch_stats: dict[str, float]) -> PreparedBatch:
         """A checked host batch (`RolloutBatch.checked`) and its loss terms' statistics on the device(s)."""
+        if batch.segment_first_bt is not None and not self.update_cfg.pack_trajectories:
+            raise ConfigError("a batch of segmented trajectories (rollout.context_policy) trains each segment as a "
+                              "sequence of its own in packed rows: set optim.pack_trajectories true")
         laid_out = LaidOutBatch.of(batch, self.shape(batch.num_trajectories))
         return PreparedBatch(batch=jax.tree.map(self.put, laid_out),
                              batch_stats={name: self.put(np.float32(value)) for name, value in batch_stats.items()},
@@ -161,7 +168,8 @@ class BatchLayout:
             return jax.ShapeDtypeStruct(dims, dtype, sharding=self.sharding(len(dims)))
 
         batch = LaidOutBatch(*(spec(shape + ((length,) if field.name.endswith("_bt") else ()),
-                                    batch_dtype(field.name)) for field in dataclasses.fields(RolloutBatch)))
+                                    batch_dtype(field.name)) for field in dataclasses.fields(RolloutBatch)
+                               if field.name != "segment_first_bt" or self.segmented))
         rows = None
         if self.update_cfg.pack_trajectories:
             update_rows = (1, shape[1], num_rows or shape[2], self.row_length(length))
@@ -193,9 +201,10 @@ class BatchLayout:
         shards = self.data_shards()
         row_length = self.row_length(laid_out.length)
         per_update = []
-        for tokens_xbt, mask_xbt in zip(laid_out.tokens_uxbt, laid_out.mask_uxbt):
+        firsts = [None] * laid_out.num_updates if laid_out.segment_first_uxbt is None else laid_out.segment_first_uxbt
+        for tokens_xbt, mask_xbt, first_xbt in zip(laid_out.tokens_uxbt, laid_out.mask_uxbt, firsts):
             num_rows = -(-rows_needed(mask_xbt, row_length) // shards) * shards
-            rows = pack(tokens_xbt, mask_xbt, num_rows, row_length)
+            rows = pack(tokens_xbt, mask_xbt, num_rows, row_length, first_xbt)
             per_update.append(jax.tree.map(lambda x: self.put(x[None]), rows))
         return tuple(per_update)
 

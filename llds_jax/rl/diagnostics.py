@@ -117,7 +117,8 @@ def update_metrics(inputs: LossInputs, cfg: ObjectiveConfig) -> dict[str, jax.Ar
     mask_bt = inputs.loss_mask_bt.astype(jnp.float32)
     delta_bt = inputs.old_logp_bt - inputs.logp_bt
     preserved_bt = mask_bt * (inputs.advantages_b >= 0)[:, None]
-    gate_bt = llds_gate(cfg.llds.gate, delta_bt, mask_bt, inputs.advantages_b, inputs.action_ids_bt)
+    gate_bt = llds_gate(cfg.llds.gate, delta_bt, mask_bt, inputs.advantages_b, inputs.action_ids_bt,
+                        inputs.segment_first_bt)
     tokens_ba = action_sums(preserved_bt, inputs.action_ids_bt, mask_bt)
     fired_ba = action_sums(gate_bt, inputs.action_ids_bt, mask_bt)
     preserved_actions = jnp.sum(tokens_ba > 0)

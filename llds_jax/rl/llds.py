@@ -46,28 +46,34 @@ def _per_token_action_sum(x_bt, action_ids_bt, loss_mask_bt):
     return jnp.take_along_axis(sums_ba, slot_bt, axis=1)
 
 
-GATES: Registry[Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = Registry("objective.llds.gate")
-"""`objective.llds.gate` -> the test `fn(delta_bt, loss_mask_bt, action_ids_bt) -> [B, T] bool` of `llds_gate`."""
+GATES: Registry[Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]] = Registry(
+    "objective.llds.gate")
+"""`objective.llds.gate` -> the test `fn(delta_bt, loss_mask_bt, action_ids_bt, segment_first_bt) -> [B, T] bool` of
+`llds_gate`."""
 
 
 @GATES.register("action")
-def _action_gate(delta_bt, loss_mask_bt, action_ids_bt):
+def _action_gate(delta_bt, loss_mask_bt, action_ids_bt, segment_first_bt):
+    del segment_first_bt  # an action lies inside one segment
     return _per_token_action_sum(delta_bt, action_ids_bt, loss_mask_bt) > 0
 
 
 @GATES.register("response")
-def _response_gate(delta_bt, loss_mask_bt, action_ids_bt):
+def _response_gate(delta_bt, loss_mask_bt, action_ids_bt, segment_first_bt):
+    """The net delta over the token's response: its row, or its segment (a segment is a response)."""
     del action_ids_bt
-    return jnp.sum(delta_bt * loss_mask_bt, axis=-1, keepdims=True) > 0
+    if segment_first_bt is None:
+        return jnp.sum(delta_bt * loss_mask_bt, axis=-1, keepdims=True) > 0
+    return _per_token_action_sum(delta_bt, segment_first_bt, loss_mask_bt) > 0
 
 
 @GATES.register("token")
-def _token_gate(delta_bt, loss_mask_bt, action_ids_bt):
-    del action_ids_bt
+def _token_gate(delta_bt, loss_mask_bt, action_ids_bt, segment_first_bt):
+    del action_ids_bt, segment_first_bt
     return jnp.ones_like(delta_bt, dtype=bool)
 
 
-def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) -> jax.Array:
+def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt, segment_first_bt=None) -> jax.Array:
     """The gate g_t in {0, 1}: `m_t * 1[A >= 0] * test`, test per `gate` ("action", "response" or "token": one of
     `GATES`, which `llds_jax.checks` checks objective.llds.gate against).
 
@@ -76,6 +82,8 @@ def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) ->
       loss_mask_bt: [B, T] loss mask m.
       advantages_b: [B] advantages; trajectories with A >= 0 are preserved.
       action_ids_bt: [B, T] action ids (0-based per row, -1 off actions).
+      segment_first_bt: [B, T] int, each token's segment (the index of its first token; `RolloutBatch.
+        segment_first_bt`), or None: each row is one response.
 
     Returns:
       [B, T] float32 gate, a stop-gradient.
@@ -83,7 +91,7 @@ def llds_gate(gate: str, delta_bt, loss_mask_bt, advantages_b, action_ids_bt) ->
     delta_bt = jax.lax.stop_gradient(delta_bt)
     mask_bt = loss_mask_bt.astype(jnp.float32)
     preserve_b1 = (jax.lax.stop_gradient(advantages_b) >= 0)[:, None]
-    fired_bt = GATES[gate](delta_bt, mask_bt, action_ids_bt)
+    fired_bt = GATES[gate](delta_bt, mask_bt, action_ids_bt, segment_first_bt)
     return (mask_bt * preserve_b1 * fired_bt).astype(jnp.float32)
 
 
@@ -143,6 +151,7 @@ def llds_batch_statistics(batch, cfg: ObjectiveConfig) -> dict[str, float]:
 def llds_loss(inputs: LossInputs, cfg: ObjectiveConfig) -> jax.Array:
     """`aggregate(g * w * max(0, old_logp - logp))`; with token-mean the denominator is sum(m) (all loss tokens)."""
     delta_bt = inputs.old_logp_bt - inputs.logp_bt
-    gate_bt = llds_gate(cfg.llds.gate, delta_bt, inputs.loss_mask_bt, inputs.advantages_b, inputs.action_ids_bt)
+    gate_bt = llds_gate(cfg.llds.gate, delta_bt, inputs.loss_mask_bt, inputs.advantages_b, inputs.action_ids_bt,
+                        inputs.segment_first_bt)
     weight_bt = llds_weight(cfg.llds, inputs.answer_mask_bt, inputs.batch_stats["answer_beta"])
     return aggregate(gate_bt * weight_bt * jnp.maximum(delta_bt, 0.0), inputs.loss_mask_bt, cfg.aggregation)

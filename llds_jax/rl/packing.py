@@ -7,6 +7,10 @@ another trajectory (`Transformer.hidden`); `source_bt` records where each token 
 log-probs and entropies come back to the [B, T] layout on which the loss terms, the LLDS gates, the action ids and
 the LLD diagnostics work unchanged (`unpack`).
 
+A trajectory of several segments (`RolloutBatch.segment_first_bt`, rollout.context_policy) is packed whole, as any
+trajectory (so it needs the rows a trajectory of its length needs), and each of its segments is a sequence of its
+own there: `segment_first_rt` restarts at each segment, whose first token has no prediction.
+
 Micro-batch and mini-batch membership stay those of the unpacked batch, counted in trajectories: the objective does
 not change, only the rows the forward runs on (R <= B, fewer the more the trajectories are shorter than T).
 
@@ -75,10 +79,12 @@ def rows_needed(mask_xbt: np.ndarray, row_length: int | None = None) -> int:
     return max(len(first_fit_rows((mask > 0).sum(axis=-1), length)) for mask in mask_xbt)
 
 
-def pack(tokens_xbt: np.ndarray, mask_xbt: np.ndarray, num_rows: int, row_length: int | None = None) -> PackedRows:
-    """Packs each of X micro-batches of B trajectories ([X, B, T] token ids and real-token mask) into `num_rows`
-    rows of `row_length` T' >= T tokens (default T; at least `rows_needed` rows). Returns PackedRows with
-    [X, R, T'] and [X, B, T] numpy arrays."""
+def pack(tokens_xbt: np.ndarray, mask_xbt: np.ndarray, num_rows: int, row_length: int | None = None,
+         segment_first_xbt: np.ndarray | None = None) -> PackedRows:
+    """Packs each of X micro-batches of B trajectories ([X, B, T] token ids and real-token mask; their segments'
+    first tokens, `RolloutBatch.segment_first_bt`, or None: one sequence a trajectory) into `num_rows` rows of
+    `row_length` T' >= T tokens (default T; at least `rows_needed` rows). Returns PackedRows with [X, R, T'] and
+    [X, B, T] numpy arrays."""
     num = tokens_xbt.shape[0]
     length = row_length or tokens_xbt.shape[-1]
     if length < tokens_xbt.shape[-1]:
@@ -97,10 +103,14 @@ def pack(tokens_xbt: np.ndarray, mask_xbt: np.ndarray, num_rows: int, row_length
             for b in members:
                 positions_t = np.flatnonzero(real_bt[b])
                 end = start + len(positions_t)
+                # Each token's sequence start in the row: the trajectory's, or its segment's.
+                first_t = np.zeros(len(positions_t), np.int64) if segment_first_xbt is None else \
+                    np.searchsorted(positions_t, segment_first_xbt[n, b, positions_t])
                 tokens_xrt[n, r, start:end] = tokens_xbt[n, b, positions_t]
                 mask_xrt[n, r, start:end] = 1.0
-                first_xrt[n, r, start:end] = start
-                source_xbt[n, b, positions_t[1:]] = r * length + np.arange(start + 1, end, dtype=np.int32)
+                first_xrt[n, r, start:end] = start + first_t
+                predicted = first_t != np.arange(len(positions_t))  # not the first token of its sequence
+                source_xbt[n, b, positions_t[predicted]] = r * length + start + np.flatnonzero(predicted)
                 start = end
     return PackedRows(tokens_rt=tokens_xrt, mask_rt=mask_xrt, segment_first_rt=first_xrt, source_bt=source_xbt)
 

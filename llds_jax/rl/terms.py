@@ -35,6 +35,7 @@ class LossInputs(NamedTuple):
       batch_stats: name -> scalar statistics of the whole rollout batch from the terms' hooks (`batch_statistics`).
       sampler_logp_bt: [B, T] float32 log-probs the rollout's sampler reported for the sampled tokens, 0 off model
         tokens (frozen); None unless objective.tis_cap > 0 (truncated importance sampling).
+      segment_first_bt: [B, T] int, each token's segment (`RolloutBatch.segment_first_bt`); None: a row is one.
     """
 
     logp_bt: jax.Array
@@ -47,6 +48,7 @@ class LossInputs(NamedTuple):
     answer_mask_bt: jax.Array
     batch_stats: Mapping[str, jax.Array] = {}
     sampler_logp_bt: jax.Array | None = None
+    segment_first_bt: jax.Array | None = None
 
 
 AGGREGATIONS: Registry[Callable[[jax.Array, jax.Array], jax.Array]] = Registry("objective.aggregation")

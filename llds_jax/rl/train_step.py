@@ -200,15 +200,18 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
       update: mini/micro-batching and optimizer.
       mesh: optional (data, fsdp, tensor) mesh: batches are split over (data, fsdp), the vocabulary of the log-probs
         over tensor, and the model runs under `jax.set_mesh(mesh)`.
+      segmented: its batches carry segments (`RolloutBatch.segment_first_bt`: rollout.context_policy other than
+        none), which its abstract programs then take.
     """
 
-    def __init__(self, model: nnx.Module, objective: ObjectiveConfig, update: UpdateConfig, mesh: Mesh | None = None):
+    def __init__(self, model: nnx.Module, objective: ObjectiveConfig, update: UpdateConfig, mesh: Mesh | None = None,
+                 segmented: bool = False):
         self.graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
         self._compute_dtype = model.cfg.dtype
         self.objective = objective
         self.update_cfg = update
         self.mesh = mesh
-        self.layout = BatchLayout(update, mesh)
+        self.layout = BatchLayout(update, mesh, segmented)
         self.optimizer = make_optimizer(update)
         self._logp = jax.jit(self._logp_impl, out_shardings=self.layout.sharding(4))
         # The LLD measurement's forwards run in float32: with a float32 model they are those of `sequence_logp`.
@@ -339,7 +342,8 @@ class RLTrainStep(CompilablePrograms[TrainShapes]):
             logp_bt=logp_bt, entropy_bt=entropy_bt, old_logp_bt=old_logp_bt, ref_logp_bt=ref_logp_bt,
             advantages_b=micro.advantages_b, loss_mask_bt=micro.loss_mask_bt, action_ids_bt=micro.action_ids_bt,
             answer_mask_bt=micro.answer_mask_bt, batch_stats=batch_stats,
-            sampler_logp_bt=micro.sampler_logp_bt if self.objective.tis_cap else None)
+            sampler_logp_bt=micro.sampler_logp_bt if self.objective.tis_cap else None,
+            segment_first_bt=micro.segment_first_bt)
         loss, terms = objective_loss(inputs, self.objective)
         metrics = {f"loss/{name}": value for name, value in terms.items()}
         metrics.update(update_metrics(inputs, self.objective))

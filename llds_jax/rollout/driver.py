@@ -38,7 +38,7 @@ from llds_jax.rollout import tree as tree_lib
 from llds_jax.rollout.interfaces import Engine, SampledTurn
 from llds_jax.rollout.partial import CarriedConversation, StepPlan
 from llds_jax.rollout.steps import AgentSteps, Conversation
-from llds_jax.rollout.trajectory import END_CONTEXT_FULL, Lineage, Trajectory, Turn
+from llds_jax.rollout.trajectory import Lineage, Trajectory, Turn
 
 POLICIES = ("barrier", "continuous", "tree")
 
@@ -269,7 +269,7 @@ class Driver:
                     self.engine.fork(position, parent.position, turn, key, budget)
                     self._in_engine.add(position)
                 else:
-                    conv.end_reason = END_CONTEXT_FULL
+                    conv.end_reason = self.agent_steps.full_reason(conv)
         return new_leaves
 
     # The steps every policy shares.
@@ -305,7 +305,7 @@ class Driver:
         self.convs[seq] = conv
         budget = self.agent_steps.budget(conv)
         if not budget:
-            conv.end_reason = END_CONTEXT_FULL
+            conv.end_reason = self.agent_steps.full_reason(conv)
             self._ended(seq)
         elif carried is None:
             self.engine.add_request(seq, conv.prompt_ids, key_data, budget)
@@ -369,9 +369,13 @@ class Driver:
             conv = self.convs[seq]
             ids, truncated = self.agent_steps.append_turn(conv, turn, observation, error)
             self._truncations += truncated
+            edited = self.agent_steps.edited_context(conv) if ids is not None else None
             budget = self.agent_steps.budget(conv) if ids is not None else 0
             if ids is not None and not budget:
-                conv.end_reason = END_CONTEXT_FULL
+                conv.end_reason = self.agent_steps.full_reason(conv)
+            if conv.end_reason is None and edited is not None:
+                self._readmit(seq, conv, edited, budget)
+                continue
             if conv.end_reason is None:
                 self.engine.extend(seq, len(turn.token_ids), ids, budget)
                 continue
@@ -380,6 +384,16 @@ class Driver:
                 self.engine.finish(seq)
                 self._in_engine.discard(seq)
         self._ready.clear()
+
+    def _readmit(self, seq: int, conv: Conversation, context_ids: list[int], budget: int) -> None:
+        """A new segment (`rollout.context`): seq leaves the engine and comes back with its edited context as its
+        prompt, every token of it encoded again (counted in the stats); its PRNG stream goes on after the tokens it
+        sampled."""
+        self.agent_steps.stats.context_edits += 1
+        self.agent_steps.stats.context_reencoded_tokens += len(context_ids)
+        self.engine.finish(seq)
+        self.engine.add_request(seq, context_ids, np.asarray(conv.lineage.key_data, np.uint32), budget,
+                                sampled=conv.sampled)
 
 
 def _key_tuple(key_data: np.ndarray) -> tuple[int, int]:

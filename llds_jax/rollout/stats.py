@@ -74,18 +74,18 @@ class RolloutStats:
     with the host's work, so the device's seconds and the host's overlap).
     `search_calls_s` sums the retriever calls' own durations, most of them hidden behind decoding.
 
-    Counts (tokens unless named otherwise): `sampled_tokens` (generated, rolled-back ones included),
-    `prompt_tokens` (the conversations' prompts, each counted once per conversation), `prompts_cut` (prompts
-    whose question lost its start to rollout.max_prompt_tokens; conversations), `observation_tokens`
-    (appended to contexts), `searches` (queries sent), `bad_documents` (hits the retriever dropped:
-    `search.types.received`), `forked_prefix_tokens` (tree rollouts only, else None: the turn and observation
-    tokens each fork shares with its parent up to its node, sampled once and trained again in every leaf that
-    holds them), the spreads (`Spread`: standard deviations) of a conversation's prompt tokens
-    (`prompt_tokens_std`), a turn's sampled tokens (`turn_tokens_std`) and an observation's tokens
-    (`observation_tokens_std`) within the host's batch (averaged over the hosts when logged), which the step
-    estimate's schedule of one host's rollout takes (`llds_jax.aot.rollout_schedule`), and the
-    engine's `counts` (device calls and batch tokens per token bucket, sample slots, shared
-    prompt tokens, page copies, preemptions; `EngineCounts`).
+    Counts (tokens unless named otherwise): `sampled_tokens` (generated, rolled-back ones included), `prompt_tokens`
+    (the conversations' prompts, each counted once per conversation), `prompts_cut` (prompts whose question lost its
+    start to rollout.max_prompt_tokens; conversations), `observation_tokens` (appended to contexts), `searches`
+    (queries sent), `bad_documents` (hits the retriever dropped: `search.types.received`), `forked_prefix_tokens`
+    (tree rollouts only, else None: the turn and observation tokens each fork shares with its parent up to its node,
+    sampled once and trained again in every leaf that holds them), `context_edits` and `context_reencoded_tokens`
+    (edits of a context policy, `rollout.context`, and the edited contexts' tokens encoded again), the spreads
+    (`Spread`: standard deviations) of a conversation's prompt tokens (`prompt_tokens_std`), a turn's sampled tokens
+    (`turn_tokens_std`) and an observation's tokens (`observation_tokens_std`) within the host's batch (averaged
+    over the hosts when logged), which the step estimate's schedule of one host's rollout takes
+    (`llds_jax.aot.rollout_schedule`), and the engine's `counts` (device calls and batch tokens per token bucket,
+    sample slots, shared prompt tokens, page copies, preemptions; `EngineCounts`).
     """
 
     rollout_s: float = 0.0
@@ -98,6 +98,8 @@ class RolloutStats:
     searches: int = 0
     bad_documents: int = 0
     forked_prefix_tokens: Optional[int] = None
+    context_edits: int = 0
+    context_reencoded_tokens: int = 0
     prompt_spread: Spread = dataclasses.field(default_factory=Spread)
     turn_spread: Spread = dataclasses.field(default_factory=Spread)
     observation_spread: Spread = dataclasses.field(default_factory=Spread)
@@ -136,7 +138,8 @@ class RolloutStats:
                "sampled_tokens_per_s": self.sampled_tokens / max(self.decode_s, 1e-9),
                "decode_occupancy": self.decode_occupancy,
                "shared_prompt_tokens": float(c.shared_prompt_tokens), "page_copies": float(c.page_copies),
-               "preemptions": float(c.preemptions)}
+               "preemptions": float(c.preemptions), "context_edits": float(self.context_edits),
+               "context_reencoded_tokens": float(self.context_reencoded_tokens)}
         if self.forked_prefix_tokens is not None:
             out["forked_prefix_tokens"] = float(self.forked_prefix_tokens)
         for bucket in token_budgets:

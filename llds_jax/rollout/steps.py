@@ -13,12 +13,13 @@ from typing import Optional, TypeVar
 
 from llds_jax.data.qa import QAExample
 from llds_jax import protocol
+from llds_jax.rollout import context
 from llds_jax.rollout.config import AgentConfig
 from llds_jax.rollout.interfaces import SampledTurn
 from llds_jax.rollout.stats import RolloutStats
 from llds_jax.rollout.stop_strings import StopMatcher
-from llds_jax.rollout.trajectory import (END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, Lineage, Trajectory, Turn,
-                                         build_trajectory)
+from llds_jax.rollout.trajectory import (END_ANSWER, END_CONTEXT_FULL, END_MAX_TURNS, END_TRAJECTORY_BUDGET,
+                                         Lineage, Trajectory, Turn, build_trajectory)
 from llds_jax.search.types import Retriever, SearchResult
 
 log = logging.getLogger(__name__)
@@ -44,16 +45,34 @@ def search_error_observation(error: str) -> str:
 
 @dataclasses.dataclass
 class Conversation:
-    """Host-side record of one sequence while it runs; `lineage` is fixed when it is created."""
+    """Host-side record of one sequence while it runs; `lineage` is fixed when it is created.
+
+    Attributes:
+      response_len: the kept model and observation tokens of all its turns (what rollout.max_trajectory_tokens
+        caps).
+      dropped_len: the tokens its context edits removed (`rollout.context`; 0 under context_policy none).
+    """
     prompt_ids: list[int]
     lineage: Lineage
     turns: list[Turn] = dataclasses.field(default_factory=list)
     response_len: int = 0
     end_reason: Optional[str] = None
+    dropped_len: int = 0
 
     @property
     def context_len(self) -> int:
-        return len(self.prompt_ids) + self.response_len
+        """Tokens of its context now: the prompt and the response as edited."""
+        return len(self.prompt_ids) + self.context_response_len
+
+    @property
+    def context_response_len(self) -> int:
+        """Response tokens in its context now (what rollout.max_response_tokens caps)."""
+        return self.response_len - self.dropped_len
+
+    @property
+    def sampled(self) -> int:
+        """Tokens it sampled so far (discarded ones included): where its PRNG stream goes on."""
+        return sum(turn.num_sampled for turn in self.turns)
 
 
 class AgentSteps:
@@ -99,10 +118,20 @@ class AgentSteps:
         return self._prompts[question]
 
     def budget(self, conv: Conversation) -> int:
-        """Tokens the conversation's next turn may sample (0: it is full)."""
+        """Tokens the conversation's next turn may sample (0: it is full; `full_reason` says why)."""
         cfg = self.config
         return max(0, min(cfg.max_turn_tokens, cfg.max_context_tokens - conv.context_len,
-                          cfg.max_response_tokens - conv.response_len))
+                          cfg.max_response_tokens - conv.context_response_len, self._trajectory_room(conv)))
+
+    def _trajectory_room(self, conv: Conversation) -> float:
+        """Tokens rollout.max_trajectory_tokens leaves the conversation (inf without that cap)."""
+        cap = self.config.max_trajectory_tokens
+        return cap - conv.response_len if cap else float("inf")
+
+    def full_reason(self, conv: Conversation, extra: int = 1) -> str:
+        """Why `extra` more tokens do not fit: trajectory_budget when rollout.max_trajectory_tokens is what they
+        exceed, else context_full."""
+        return END_TRAJECTORY_BUDGET if extra > self._trajectory_room(conv) else END_CONTEXT_FULL
 
     def stop_matcher(self) -> StopMatcher:
         """A rollout's own matcher of stop strings (a closing `</search>` or `</answer>`) in each sequence's turn
@@ -154,7 +183,7 @@ class AgentSteps:
                 turn = dataclasses.replace(turn, observation=observation, observation_ids=tuple(ids),
                                            observation_truncated=truncated)
             else:
-                conv.end_reason = END_CONTEXT_FULL
+                conv.end_reason = self.full_reason(conv, len(ids))
         if error is not None:
             turn = dataclasses.replace(turn, search_error=error)
         conv.turns.append(turn)
@@ -168,10 +197,27 @@ class AgentSteps:
     def fits(self, conv: Conversation, extra: int) -> bool:
         cfg = self.config
         return (conv.context_len + extra <= cfg.max_context_tokens
-                and conv.response_len + extra <= cfg.max_response_tokens)
+                and conv.context_response_len + extra <= cfg.max_response_tokens
+                and extra <= self._trajectory_room(conv))
+
+    def edited_context(self, conv: Conversation) -> Optional[list[int]]:
+        """After a turn and its observation were appended: the conversation's edited context when its context
+        policy edits it now (`rollout.context`; its dropped_len updated), else None."""
+        cfg = self.config
+        if not context.edits_after(conv.turns, cfg.context_policy, cfg.keep_observations):
+            return None
+        ids = context.context_ids(conv.prompt_ids, conv.turns, len(conv.turns), cfg.keep_observations, self.encode)
+        conv.dropped_len = len(conv.prompt_ids) + conv.response_len - len(ids)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s token ids (no special tokens)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def trajectories(self, examples: Sequence[QAExample], convs: Sequence[Conversation]) -> list[Trajectory]:
-        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer, c.lineage)
+        cfg = self.config
+        return [build_trajectory(ex, c.prompt_ids, c.turns, c.end_reason, self.tokenizer, c.lineage,
+                                 (cfg.context_policy, cfg.keep_observations))
                 for ex, c in zip(examples, convs)]
 
     async def search(self, queries: list[str]) -> list[tuple[str, Optional[str]]]:

@@ -13,10 +13,15 @@ Per-token arrays of a trajectory of T tokens (prompt + response), aligned with `
 The reward (`em_rewards`, a stage of its own after the rollout) is exact match of that final answer (observations are
 never scored, and turns are never joined: an answer opened in one turn and closed in the next is no answer, as in
 Search-R1); it belongs on the last model token (the last 1 of loss_mask).
+
+Segments (`rollout.context`): the sequences the model saw while it sampled, each with the same per-token arrays
+(`Segment`); the trainer trains each as a sequence of its own. Under context_policy none a trajectory is one
+segment, its own arrays.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from typing import Optional
@@ -26,6 +31,7 @@ import numpy as np
 from llds_jax.data.qa import QAExample
 from llds_jax.data.rewards import DEFAULT_EMPTY_ANSWER, em_reward, extract_final_answer, final_answer_turn
 from llds_jax.protocol import Action
+from llds_jax.rollout import context
 
 # The same pattern as data.rewards.extract_final_answer, whose last match is the final answer.
 _ANSWER_SPAN_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -33,7 +39,8 @@ _ANSWER_SPAN_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 END_ANSWER = "answer"              # the model gave an answer
 END_MAX_TURNS = "max_turns"        # the final turn ended without an answer
 END_CONTEXT_FULL = "context_full"  # the next turn or observation would exceed a context cap
-END_REASONS = (END_ANSWER, END_MAX_TURNS, END_CONTEXT_FULL)
+END_TRAJECTORY_BUDGET = "trajectory_budget"  # its model + observation tokens reached rollout.max_trajectory_tokens
+END_REASONS = (END_ANSWER, END_MAX_TURNS, END_CONTEXT_FULL, END_TRAJECTORY_BUDGET)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +92,19 @@ class Lineage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Segment:
+    """One sequence the model saw (`rollout.context`): its context when the segment began (loss mask 0), then the
+    turns it sampled and their observations up to the next edit. Per-token numpy arrays of length L, as
+    `Trajectory`'s (action ids are the trajectory's turn numbers)."""
+
+    tokens: np.ndarray        # int32 [L]
+    loss_mask: np.ndarray     # int32 [L]
+    action_ids: np.ndarray    # int32 [L]
+    answer_mask: np.ndarray   # int32 [L]
+    sampler_logp: np.ndarray  # float32 [L]
+
+
+@dataclasses.dataclass(frozen=True)
 class Trajectory:
     """A finished conversation with its training arrays (numpy, length T = prompt + response tokens) and its
     lineage (group, tree, PRNG key)."""
@@ -102,6 +122,7 @@ class Trajectory:
     answer_text: str          # the text scored: the model turn holding the final answer ("" without one)
     final_answer: Optional[str]
     lineage: Lineage
+    segments: tuple[Segment, ...]  # at least one
 
     @property
     def uid(self) -> str:
@@ -135,8 +156,9 @@ class Trajectory:
 
 
 def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Sequence[Turn], end_reason: str,
-                     tokenizer, lineage: Lineage) -> Trajectory:
-    """Assembles the token arrays, the model text and the final answer."""
+                     tokenizer, lineage: Lineage, context_policy: Optional[tuple[str, int]] = None) -> Trajectory:
+    """Assembles the token arrays, the model text, the final answer and the segments of `context_policy`
+    (rollout.context_policy and rollout.keep_observations, `rollout.context`; None: one segment)."""
     if end_reason not in END_REASONS:
         raise ValueError(f"end_reason must be one of {END_REASONS}, got {end_reason!r}")
     tokens, loss_mask, action_ids, logp = list(prompt_ids), [0] * len(prompt_ids), [-1] * len(prompt_ids), \
@@ -163,12 +185,34 @@ def build_trajectory(example: QAExample, prompt_ids: Sequence[int], turns: Seque
         first, last = answer_token_span(turns[answer_turn].token_ids, answer_text, tokenizer)
         offset = sum(len(turn.token_ids) for turn in turns[:answer_turn])  # model tokens before the turn
         answer_mask[[model_positions[offset + i] for i in range(first, last)]] = 1
+    whole = Segment(np.asarray(tokens, np.int32), np.asarray(loss_mask, np.int32),
+                    np.asarray(action_ids, np.int32), answer_mask, np.asarray(logp, np.float32))
+    policy, keep = context_policy or ("none", 1)
+    starts = context.segment_starts(turns, policy, keep)
+    segments = (whole,) if len(starts) == 1 else _segments(whole, prompt_ids, turns, starts, keep, tokenizer)
     return Trajectory(
         example=example, prompt_ids=tuple(prompt_ids), turns=tuple(turns), end_reason=end_reason,
-        tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(loss_mask, np.int32),
-        action_ids=np.asarray(action_ids, np.int32), answer_mask=answer_mask,
-        sampler_logp=np.asarray(logp, np.float32), model_text=model_text, answer_text=answer_text,
-        final_answer=extract_final_answer(answer_text), lineage=lineage)
+        tokens=whole.tokens, loss_mask=whole.loss_mask, action_ids=whole.action_ids, answer_mask=answer_mask,
+        sampler_logp=whole.sampler_logp, model_text=model_text, answer_text=answer_text,
+        final_answer=extract_final_answer(answer_text), lineage=lineage, segments=segments)
+
+
+def _segments(whole: Segment, prompt_ids: Sequence[int], turns: Sequence[Turn], starts: Sequence[int], keep: int,
+              tokenizer) -> tuple[Segment, ...]:
+    """The segments beginning at turns `starts` (drop_observations): each one's context (`context.context_ids`)
+    followed by the trajectory's arrays from its first turn to the next segment's."""
+    offsets = np.cumsum([len(prompt_ids)] + [len(t.token_ids) + len(t.observation_ids) for t in turns])
+    encode = functools.lru_cache(maxsize=None)(
+        lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))
+    segments = []
+    for first, end in zip(starts, list(starts[1:]) + [len(turns)]):
+        prefix = context.context_ids(prompt_ids, turns, first, keep, encode)
+        span = slice(int(offsets[first]), int(offsets[end]))
+        pad = lambda x, value: np.concatenate([np.full(len(prefix), value, x.dtype), x[span]])
+        segments.append(Segment(np.concatenate([np.asarray(prefix, np.int32), whole.tokens[span]]),
+                                pad(whole.loss_mask, 0), pad(whole.action_ids, -1), pad(whole.answer_mask, 0),
+                                pad(whole.sampler_logp, 0.0)))
+    return tuple(segments)
 
 
 def answer_token_span(model_ids: Sequence[int], model_text: str, tokenizer) -> Optional[tuple[int, int]]:

@@ -100,7 +100,7 @@ def build(run: RunConfig, layout: RunLayout, model: Transformer, stop_ids: tuple
           ) -> RunParts:
     """The train step over `model` (loaded, or `abstract_model`) and the two samplers stopping a turn at
     `stop_ids` (the tokenizer's; a program's shapes do not depend on them)."""
-    step = RLTrainStep(model, run.objective, run.optim, layout.mesh)
+    step = RLTrainStep(model, run.objective, run.optim, layout.mesh, segmented=run.rollout.context_policy != "none")
     graphdef = layout.rollout.graphdef(nnx.split(model)[0])
     check_pool(run, jax.process_count())
     shapes = rollout_shapes(run, jax.process_count(), stop_ids)

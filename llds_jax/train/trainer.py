@@ -316,10 +316,11 @@ class Trainer:
 
     def training_batch(self, trajectories: Sequence[Trajectory]) -> RolloutBatch:
         """This host's trajectories packed to the step's length (the same on every host: a collective; remembered
-        for the resume), each in its GRPO group (`Lineage.group`)."""
+        for the resume), each in its GRPO group (`Lineage.group`); with a context policy, each row its trajectory's
+        segments (`batching.padded_batch`)."""
         length = training_length(padded_length(trajectories, self.config.train.sequence_bucket), self._lengths)
         self._lengths.add(length)
-        return padded_batch(trajectories, self.pad_id, length)
+        return padded_batch(trajectories, self.pad_id, length, self.config.rollout.context_policy != "none")
 
     def step_metrics(self, step: int, rollout: agent.Rollout, batch: RolloutBatch, batch_metrics: BatchMetrics,
                      step_s: float, rollout_s: float) -> dict[str, float]:

@@ -25,7 +25,8 @@ def test_fields_are_those_of_the_rollout_batch_in_its_order():
     rollout = [f.name.rsplit("_", 1) for f in dataclasses.fields(RolloutBatch)]
     laid_out = [f.name.rsplit("_", 1) for f in dataclasses.fields(LaidOutBatch)]
     assert [name for name, _ in laid_out] == [name for name, _ in rollout]
-    assert [(b, u) for (_, b), (_, u) in zip(rollout, laid_out)] == [("bt", "uxbt")] * 6 + [("b", "uxb")] * 4
+    assert [(b, u) for (_, b), (_, u) in zip(rollout, laid_out)] == [("bt", "uxbt")] * 6 + [("b", "uxb")] * 4 + [
+        ("bt", "uxbt")]
 
 
 def test_counts_and_placement_of_the_trajectories(step_batch):

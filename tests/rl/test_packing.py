@@ -197,3 +197,18 @@ def test_row_counts_compiled_ahead_leave_nothing_to_compile(tiny_model_cfg, make
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and metrics.scalars["perf/compile_rows_s"] == 0.0
+
+
+def test_a_segmented_trajectory_packs_whole_with_each_segment_restarting():
+    """Trajectory 0 holds segments of 3 and 4 tokens, trajectory 1 one of 2: one row of 10; each segment's tokens
+    point at their own start, and a segment's first token has no prediction (source -1)."""
+    tokens_xbt = np.asarray([[[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 0, 0, 0, 0, 0, 0]]], np.int32)
+    mask_xbt = (tokens_xbt > 0).astype(np.float32)
+    first_xbt = np.asarray([[[0, 0, 0, 3, 3, 3, 3, 7], [0, 0, 2, 3, 4, 5, 6, 7]]], np.int32)
+    rows = pack(tokens_xbt, mask_xbt, 1, 10, first_xbt)
+    assert rows.tokens_rt.tolist() == [[[1, 2, 3, 4, 5, 6, 7, 8, 9, 0]]]
+    assert rows.segment_first_rt.tolist() == [[[0, 0, 0, 3, 3, 3, 3, 7, 7, 9]]]
+    assert rows.source_bt.tolist() == [[[-1, 1, 2, -1, 4, 5, 6, -1], [-1, 8, -1, -1, -1, -1, -1, -1]]]
+    plain = pack(tokens_xbt, mask_xbt, 1, 10)  # without segments: each trajectory one sequence
+    assert plain.segment_first_rt.tolist() == [[[0, 0, 0, 0, 0, 0, 0, 7, 7, 9]]]
+    assert plain.source_bt.tolist() == [[[-1, 1, 2, 3, 4, 5, 6, -1], [-1, 8, -1, -1, -1, -1, -1, -1]]]

@@ -89,7 +89,8 @@ def test_micro_batch_accumulation_matches_the_code_exact_definition(plain_step, 
     initial, state, metrics = plain_step_result
     objective, cfg = plain_step.objective, plain_step.update_cfg
     graphdef = plain_step.graphdef
-    batch = {field.name: jnp.asarray(getattr(step_batch, field.name)) for field in dataclasses.fields(step_batch)}
+    batch = {field.name: jnp.asarray(getattr(step_batch, field.name)) for field in dataclasses.fields(step_batch)
+             if getattr(step_batch, field.name) is not None}  # segment_first_bt: no segments
     advantages_b = jax.jit(grpo_advantages)(batch["rewards_b"], batch["group_b"])
     action_ids_bt = jax.jit(action_ids_from_loss_mask)(batch["loss_mask_bt"])
     params0 = jax.tree.map(jnp.asarray, initial)
