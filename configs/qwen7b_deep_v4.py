@@ -14,6 +14,7 @@ def get_config(retriever_name: str = "e5_device"):
     c.run_dir = "gs://YOUR_BUCKET/runs/qwen7b_base_llds_deep"
     c.rollout.max_turns = 32
     c.rollout.max_context_tokens = c.rollout.max_response_tokens = 16384
+    c.rollout.context_policy, c.rollout.keep_observations = "drop_observations", 3
     # A training sequence (a segment) of up to 16,384 tokens: one per chip in a micro-batch of the 16 chips.
     c.optim.micro_batch_size = 16
     return c
