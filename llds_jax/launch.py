@@ -16,7 +16,9 @@ With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused w
 output.
 
 Every path may be local or gs:// (docs/gcs.md). A bad config, a missing file or bucket, GCS out of reach (or without
-credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2. The
+credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2: a
+key that does not exist or a value out of its bounds or choices within a second, before JAX and the other heavy
+libraries are imported (the names of registered components, e.g. loss terms, are checked after them). The
 whole config is validated (llds_jax.checks.validate) before anything heavy runs: the application's preparation
 (the run config's `app` key, llds_jax.application: e.g. the demo's assets), the warm start, model loading, rollouts.
 
@@ -54,6 +56,8 @@ from etils import epath  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from llds_jax.config import loader  # noqa: E402 (first: it registers the file-list parser)
+from llds_jax import application  # noqa: E402
+from llds_jax import config as config_lib  # noqa: E402
 from llds_jax.runtime import gcs  # noqa: E402
 from llds_jax.errors import InputError
 
@@ -88,7 +92,6 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:
     """The run's gs:// paths by config key (or flag), e.g. {"run_dir": "gs://b/runs/x", "data.train_files[0]": ...}."""
-    from llds_jax import application
 
     named = {"run_dir": cfg.run_dir, "model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
              "sft.output_dir": cfg.sft.output_dir, "compilation_cache_dir": cfg.compilation_cache_dir,
@@ -180,7 +183,6 @@ def trained_on(recorded: dict, cfg) -> dict:
     """What a run of `cfg` trains on, of a config as JSON (`recorded`: a run folder's config.json, or
     `config.as_json(cfg)`): `llds_jax.train.run_config.trained_on` with the application's sections, output
     folders and provided keys, and model.path left out with a warm start."""
-    from llds_jax import application
     from llds_jax.train import run_config
 
     app = application.load(cfg)
@@ -197,7 +199,6 @@ def _claim_outputs(stack: contextlib.ExitStack, cfg, run_cfg, mode: str, export_
     before anything loads, a local run folder or --export_dir that is not provably the project's, or a run folder
     whose run trained on other settings (`trained_on`), is refused in one line with nothing in it written
     (llds_jax.runtime.output_folder)."""
-    from llds_jax import config as config_lib
     from llds_jax.runtime import lease, output_folder
 
     run_dir = run_cfg.run_dir
@@ -238,8 +239,6 @@ def prepared(cfg, run_cfg, mode: str = "train", guard=None):
     llds_jax.apps.demo, builds its assets and points the config at them), then with sft.enabled (or in
     --mode=sft) the warm start, whose output becomes model.path. A `guard` (the command's PreemptionGuard) aborts
     the command at once on a stop during the warm start, which is not resumable."""
-    from llds_jax import application
-    from llds_jax import config as config_lib
 
     app = application.load(cfg)
     if app is not None:
@@ -258,7 +257,6 @@ def prepared(cfg, run_cfg, mode: str = "train", guard=None):
 def _load_and_run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """Builds the trainer (after the application's preparation and the warm start, `prepared`) and runs `mode`."""
     from llds_jax.runtime import distributed
-    from llds_jax import config as config_lib
     from llds_jax.train.trainer import Trainer
 
     run_cfg = prepared(cfg, run_cfg, mode, guard)
@@ -348,6 +346,11 @@ def main(argv) -> None:
     if not verbosity.present:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:  # the config's values (each section's bounds and choices), in a second, before the heavy imports below
+        config_lib.check(_CONFIG.value, application.load(_CONFIG.value))
+    except InputError as e:
+        print(f"llds_jax: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     from llds_jax.runtime.storage import StorageError, error_line
     from llds_jax.train.preemption import StopRequested
 

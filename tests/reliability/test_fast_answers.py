@@ -39,3 +39,16 @@ def test_help_imports_no_heavy_library(module, usage):
     assert (status, stderr) == (0, "")
     assert usage in stdout
     assert imported == "imported: []"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.objective.llds.lam=-1", "llds_jax: error: objective.llds.lam must be >= 0, got -1.0"),
+    ("--config.model.dtype=bf16",
+     "llds_jax: error: model.dtype must be one of 'float32', 'bfloat16', 'float16', got 'bf16'"),
+    ("--config.train.totl_steps=3",
+     "llds_jax: error: unknown config key train.totl_steps (did you mean train.total_steps?)"),
+])
+def test_a_bad_value_is_reported_before_the_heavy_imports(override, message):
+    status, stdout, stderr, imported = answer("llds_jax.launch", "--config=configs/demo_cpu.py", override)
+    assert (status, stdout, stderr) == (2, "", message)
+    assert imported == "imported: []"
