@@ -73,6 +73,11 @@ _ESTIMATE_FROM = flags.DEFINE_string("estimate_from", "", "Run folder whose logg
 
 EXIT_BAD_INPUT = 2
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull")
+# absl's own flag, which `main` reads: its help in the words of this command (absl's says the default is INFO).
+VERBOSITY_HELP = """absl.logging:
+  --verbosity: Logging level of the run: 0 adds the INFO lines (e.g. the
+    trainer's progress within a step), 1 the DEBUG ones.
+    (default: warnings and errors only)"""
 LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.runtime.lease)
 # What a run writes into its folder (with the default demo.assets_dir and sft.output_dir, and the report's folder).
 RUN_FOLDER_ENTRIES = frozenset({"config.json", "checkpoints", "metrics.jsonl", "tensorboard", "eval", "assets",
@@ -378,7 +383,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     an override key that does not exist or a value of the wrong type; an argument that is not a flag."""
     if any(arg in HELP_FLAGS for arg in argv[1:]):
         print(__doc__.strip())
-        print(f"\nFlags:\n{flags.FLAGS.module_help(sys.modules[__name__])}")
+        print(f"\nFlags:\n{flags.FLAGS.module_help(sys.modules[__name__])}\n\n{VERBOSITY_HELP}")
         sys.exit(0)
     path = loader.config_path(argv)
     message = loader.file_problem(path) if path else None
