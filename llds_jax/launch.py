@@ -58,7 +58,7 @@ from ml_collections import config_flags  # noqa: E402
 from llds_jax.config import loader  # noqa: E402 (first: it registers the file-list parser)
 from llds_jax import application  # noqa: E402
 from llds_jax import config as config_lib  # noqa: E402
-from llds_jax.runtime import gcs  # noqa: E402
+from llds_jax.runtime import gcs, platforms  # noqa: E402
 from llds_jax.errors import InputError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
@@ -356,6 +356,8 @@ def main(argv) -> None:
     except InputError as e:
         print(f"llds_jax: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if _MODE.value != "compile":  # which compiles with libtpu for a TPU topology that is not attached
+        platforms.use_cpu_without_accelerator()  # before JAX is imported: no libtpu lines on a CPU machine
     from llds_jax.runtime.storage import StorageError, error_line
     from llds_jax.train.preemption import StopRequested
 
