@@ -156,8 +156,8 @@ def interrupted(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the build `args` (parse_args's) describe; returns the exit status (0 ok, 2 malformed corpus or unusable encoder or
-    settings, 3 index/cluster error, 130 interrupted by SIGINT)."""
+    """Runs the build `args` (index_builder.__main__.parse_args's) describe; returns the exit status (0 ok, 2
+    malformed corpus or unusable encoder or settings, 3 index/cluster error, 130 interrupted by SIGINT)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("elastic_transport").setLevel(logging.WARNING)  # it logs every request at INFO
     # It warns of every failed request; the one-line error below says what failed.
