@@ -16,7 +16,9 @@ With `sft.enabled`, every mode first runs the warm start (llds_jax.sft; reused w
 output.
 
 Every path may be local or gs:// (docs/gcs.md). A bad config, a missing file or bucket, GCS out of reach (or without
-credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2. The
+credentials) or an unreachable retriever ends the command with one line naming the problem and exit status 2: a
+key that does not exist or a value out of its bounds or choices within a second, before JAX and the other heavy
+libraries are imported (the names of registered components, e.g. loss terms, are checked after them). The
 whole config is validated (llds_jax.checks.validate) before anything heavy runs: the application's preparation
 (the run config's `app` key, llds_jax.application: e.g. the demo's assets), the warm start, model loading, rollouts.
 
@@ -54,7 +56,9 @@ from etils import epath  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from llds_jax.config import loader  # noqa: E402 (first: it registers the file-list parser)
-from llds_jax.runtime import gcs  # noqa: E402
+from llds_jax import application  # noqa: E402
+from llds_jax import config as config_lib  # noqa: E402
+from llds_jax.runtime import gcs, platforms  # noqa: E402
 from llds_jax.errors import InputError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (ml_collections).", lock_config=True)
@@ -69,6 +73,11 @@ _ESTIMATE_FROM = flags.DEFINE_string("estimate_from", "", "Run folder whose logg
 
 EXIT_BAD_INPUT = 2
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull")
+# absl's own flag, which `main` reads: its help in the words of this command (absl's says the default is INFO).
+VERBOSITY_HELP = """absl.logging:
+  --verbosity: Logging level of the run: 0 adds the INFO lines (e.g. the
+    trainer's progress within a step), 1 the DEBUG ones.
+    (default: warnings and errors only)"""
 LEASE_FILE = "lease.json"  # in the run folder while a training run writes it (llds_jax.runtime.lease)
 # What a run writes into its folder (with the default demo.assets_dir and sft.output_dir, and the report's folder).
 RUN_FOLDER_ENTRIES = frozenset({"config.json", "checkpoints", "metrics.jsonl", "tensorboard", "eval", "assets",
@@ -88,7 +97,6 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 def gcs_paths(cfg, export_dir: str = "") -> dict[str, str]:
     """The run's gs:// paths by config key (or flag), e.g. {"run_dir": "gs://b/runs/x", "data.train_files[0]": ...}."""
-    from llds_jax import application
 
     named = {"run_dir": cfg.run_dir, "model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path,
              "sft.output_dir": cfg.sft.output_dir, "compilation_cache_dir": cfg.compilation_cache_dir,
@@ -180,7 +188,6 @@ def trained_on(recorded: dict, cfg) -> dict:
     """What a run of `cfg` trains on, of a config as JSON (`recorded`: a run folder's config.json, or
     `config.as_json(cfg)`): `llds_jax.train.run_config.trained_on` with the application's sections, output
     folders and provided keys, and model.path left out with a warm start."""
-    from llds_jax import application
     from llds_jax.train import run_config
 
     app = application.load(cfg)
@@ -197,7 +204,6 @@ def _claim_outputs(stack: contextlib.ExitStack, cfg, run_cfg, mode: str, export_
     before anything loads, a local run folder or --export_dir that is not provably the project's, or a run folder
     whose run trained on other settings (`trained_on`), is refused in one line with nothing in it written
     (llds_jax.runtime.output_folder)."""
-    from llds_jax import config as config_lib
     from llds_jax.runtime import lease, output_folder
 
     run_dir = run_cfg.run_dir
@@ -238,8 +244,6 @@ def prepared(cfg, run_cfg, mode: str = "train", guard=None):
     llds_jax.apps.demo, builds its assets and points the config at them), then with sft.enabled (or in
     --mode=sft) the warm start, whose output becomes model.path. A `guard` (the command's PreemptionGuard) aborts
     the command at once on a stop during the warm start, which is not resumable."""
-    from llds_jax import application
-    from llds_jax import config as config_lib
 
     app = application.load(cfg)
     if app is not None:
@@ -258,7 +262,6 @@ def prepared(cfg, run_cfg, mode: str = "train", guard=None):
 def _load_and_run(cfg, run_cfg, mode: str, export_dir: str, guard, print_config: bool) -> int:
     """Builds the trainer (after the application's preparation and the warm start, `prepared`) and runs `mode`."""
     from llds_jax.runtime import distributed
-    from llds_jax import config as config_lib
     from llds_jax.train.trainer import Trainer
 
     run_cfg = prepared(cfg, run_cfg, mode, guard)
@@ -348,6 +351,13 @@ def main(argv) -> None:
     if not verbosity.present:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:  # the config's values (each section's bounds and choices), in a second, before the heavy imports below
+        config_lib.check(_CONFIG.value, application.load(_CONFIG.value))
+    except InputError as e:
+        print(f"llds_jax: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if _MODE.value != "compile":  # which compiles with libtpu for a TPU topology that is not attached
+        platforms.use_cpu_without_accelerator()  # before JAX is imported: no libtpu lines on a CPU machine
     from llds_jax.runtime.storage import StorageError, error_line
     from llds_jax.train.preemption import StopRequested
 
@@ -375,7 +385,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     an override key that does not exist or a value of the wrong type; an argument that is not a flag."""
     if any(arg in HELP_FLAGS for arg in argv[1:]):
         print(__doc__.strip())
-        print(f"\nFlags:\n{flags.FLAGS.module_help(sys.modules[__name__])}")
+        print(f"\nFlags:\n{flags.FLAGS.module_help(sys.modules[__name__])}\n\n{VERBOSITY_HELP}")
         sys.exit(0)
     path = loader.config_path(argv)
     message = loader.file_problem(path) if path else None

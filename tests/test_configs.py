@@ -393,8 +393,10 @@ def test_a_config_imports_the_one_it_builds_on_from_its_own_folder(tmp_path):
     ("rollout.max_turn=3", "unknown config key rollout.max_turn (did you mean rollout.max_turns or "
                            "rollout.max_turn_tokens?)"),
     ("objective.llds.lamda=0.1", "unknown config key objective.llds.lamda (did you mean objective.llds.lam?)"),
-    ("demo.num_persons=3", "unknown config key demo.num_persons (did you mean demo.num_people or demo.num_layers or "
-                           "demo.num_heads?)"),  # a key of the config's application
+    ("demo.num_peple=3", "unknown config key demo.num_peple (did you mean demo.num_people?)"),  # the application's
+    ("train.totl_steps=3", "unknown config key train.totl_steps (did you mean train.total_steps?)"),  # not
+    # train.stop_within_step, which is 9 edits away
+    ("demo.num_persons=3", "unknown config key demo.num_persons"),  # num_people, num_heads: 5 edits away
     ("optim.lamda=1", "unknown config key optim.lamda"),  # nothing near
     ("rollout.engine=paged", "unknown config key rollout.engine: removed, the paged engine is now the only rollout "
                              "engine"),
@@ -403,6 +405,12 @@ def test_an_unknown_key_suggests_the_nearest(override, message):
     with pytest.raises(KeyError) as raised:
         loader.load_config(os.path.join(CONFIGS, "demo_cpu.py"), [override])
     assert raised.value.args[0] == message
+
+
+def test_the_edit_distance_counts_insertions_deletions_substitutions_and_swaps():
+    pairs = [("totl_steps", "total_steps"), ("trian", "train"), ("lamda", "lam"), ("num_persons", "num_people"),
+             ("", "ab"), ("ab", ""), ("lr", "lr"), ("abc", "ca")]  # abc -> ca: 3, a swap is not edited again
+    assert [loader.edit_distance(a, b) for a, b in pairs] == [1, 1, 2, 5, 2, 2, 0, 3]
 
 
 def test_the_printed_summary_says_what_trains_and_redacts_secrets():

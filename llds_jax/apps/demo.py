@@ -24,26 +24,20 @@ import json
 import logging
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_collections
-from flax import nnx
 
-from index_builder.corpus import CorpusReader
-from index_builder.to_bm25 import build_bm25
-from index_builder.to_faiss import build_faiss
-from llds_jax.runtime import distributed, gcs, output_folder
+from llds_jax.runtime import gcs, output_folder
 from llds_jax.apps.demo_config import (  # noqa: F401  (the application protocol, llds_jax.application)
     DEMO_TOKENIZERS, check_config, config_sections, paths, provided_keys)
 from llds_jax.config import ConfigError
-from llds_jax.data import khop, synthetic
-from llds_jax.model import ModelConfig, Transformer, hf_io
-from llds_jax.train.batching import round_up
-from llds_jax.search.e5 import E5Embedder
-from llds_jax.search.factory import make_retriever
-from llds_jax.search.synthetic import write_random_bert
-from llds_jax.sft.demonstrations import write_demonstrations
-from llds_jax.model.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
+
+if TYPE_CHECKING:
+    from llds_jax.data import synthetic
+
+# JAX, flax and the index builders are imported by the functions that build the assets, not here: the launch
+# command loads this module to check a config (llds_jax.application) before anything heavy is imported.
 
 log = logging.getLogger(__name__)
 QWEN25_VOCAB_ROWS = 151936  # embedding rows of Qwen2.5 checkpoints (the tokenizer has 151665 ids)
@@ -63,6 +57,8 @@ _ADDED_SPEC_KEYS = frozenset({"retriever", "encoder_path", "initializer_range", 
 def _search_fn(index_dir: str, k: int):
     """A blocking `search(queries) -> documents' contents per query` over the embedded index (for
     demonstrations)."""
+    from llds_jax.search.factory import make_retriever
+
     def search(queries: list[str]) -> list[list[str]]:
         async def run():
             async with make_retriever({"backend": "bm25", "index_dir": index_dir}) as retriever:
@@ -88,6 +84,19 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
     a demo spec, or entries the demo does not write): nothing is deleted but the entries of an unfinished build of
     its own, which is built again.
     """
+    from flax import nnx
+
+    from index_builder.corpus import CorpusReader
+    from index_builder.to_bm25 import build_bm25
+    from index_builder.to_faiss import build_faiss
+    from llds_jax.data import synthetic
+    from llds_jax.model import ModelConfig, Transformer, hf_io
+    from llds_jax.model.tokenizer import load_tokenizer, train_tokenizer, write_qwen25_tokenizer
+    from llds_jax.search.e5 import E5Embedder
+    from llds_jax.search.synthetic import write_random_bert
+    from llds_jax.sft.demonstrations import write_demonstrations
+    from llds_jax.train.batching import round_up
+
     if spec["tokenizer"] not in DEMO_TOKENIZERS:
         raise ConfigError(f"demo.tokenizer must be one of {DEMO_TOKENIZERS}, got {spec['tokenizer']!r}")
     paths = {"model": os.path.join(out_dir, "model"), "index": os.path.join(out_dir, "index"),
@@ -136,6 +145,8 @@ def build_assets(out_dir: str, spec: dict) -> dict[str, str]:
 
 def _make_world(spec: dict) -> synthetic.SearchWorld:
     """The generated world of `spec`: the k-hop one with `"world": "khop"`, else the single-/two-hop one."""
+    from llds_jax.data import khop, synthetic
+
     if spec.get("world") == "khop":
         return khop.make_khop_world(num_people=spec["num_people"], seed=spec["seed"])
     return synthetic.make_world(num_people=spec["num_people"], seed=spec["seed"])
@@ -207,6 +218,8 @@ def prepare_run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """`prepare(cfg)` on every process of a run, process 0 first: the others then reuse its assets from a shared
     folder (or build identical ones on their own disk) instead of writing the same files concurrently. Returns
     the keys it set and their values."""
+    from llds_jax.runtime import distributed
+
     values = prepare(cfg) if distributed.is_main_process() else {}
     distributed.barrier("demo_assets")
     return values if distributed.is_main_process() else prepare(cfg)

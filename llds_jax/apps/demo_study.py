@@ -91,7 +91,7 @@ from collections.abc import Mapping, Sequence
 
 from llds_jax.apps.study import (arms, auc, budget, early_warning, outcomes, paired, plots, plan, primary, runner,
                                  sequence, steps, survival, table)
-from llds_jax.train.metrics import format_duration
+from llds_jax.train.formats import format_duration
 
 # llds_jax.sft.stage.DONE_FILE, written last into sft.output_dir (not imported: that module loads JAX, which the
 # study's own process never needs).

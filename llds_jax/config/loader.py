@@ -9,7 +9,6 @@ unknown key (with a suggestion), an argument that is not a flag.
 """
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import re
@@ -59,11 +58,42 @@ def config_path(argv: list[str]) -> str | None:
     return None if spec is None else file_of(spec)
 
 
+def edit_distance(a: str, b: str) -> int:
+    """The optimal string alignment distance of `a` and `b`: insertions, deletions, substitutions and swaps of two
+    adjacent characters, each 1 (`totl_steps` -> `total_steps`: 1, `trian` -> `train`: 1)."""
+    previous, row = None, list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        before, previous, row = previous, row, [i] + [0] * len(b)
+        for j, y in enumerate(b, 1):
+            row[j] = min(previous[j] + 1, row[j - 1] + 1, previous[j - 1] + (x != y))
+            if before is not None and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                row[j] = min(row[j], before[j - 2] + 1)
+    return row[-1]
+
+
+def _holds_words(longer: str, shorter: str) -> bool:
+    """Whether the `_`-separated words of `shorter` are consecutive words of `longer` (`max_turn` in
+    `max_turn_tokens`, `steps` in `total_steps`; not `step` in `steps`)."""
+    words, part = longer.split("_"), shorter.split("_")
+    return any(words[i:i + len(part)] == part for i in range(len(words) - len(part) + 1))
+
+
+def close_names(name: str, names: Sequence[str]) -> list[str]:
+    """Up to 3 of `names` close to `name`, closest first: within a small edit distance (1 for a name of up to 4
+    characters, else 2; `edit_distance`), then those whose words hold its words or are held by them
+    (`_holds_words`)."""
+    limit = 1 if len(name) <= 4 else 2
+    near = sorted((d, k) for k in names if (d := edit_distance(name, k)) <= limit)
+    close = [k for _, k in near]
+    close += sorted(k for k in names if k not in close and (_holds_words(k, name) or _holds_words(name, k)))
+    return close[:3]
+
+
 def nearest_keys(key: str, spec: str) -> list[str]:
-    """Up to 3 keys of the config `spec` (`PATH[:ARGS]`) close to the unknown dotted `key`, closest first: where a
-    section of its path is unknown (`trian.total_steps`), the key with that section replaced by a close one
-    (`train.total_steps`); else those beside it whose names are close to its last part (difflib's ratio >= 0.6, or
-    one name holding the other). [] when none is or the file cannot be read."""
+    """Up to 3 keys of the config `spec` (`PATH[:ARGS]`) close to the unknown dotted `key` (`close_names`), closest
+    first: where a section of its path is unknown (`trian.total_steps`), the key with that section replaced by a
+    close one (`train.total_steps`); else those beside it whose names are close to its last part. [] when none is
+    or the file cannot be read."""
     parts = key.split(".")
     try:
         section = load_config(spec)
@@ -74,10 +104,7 @@ def nearest_keys(key: str, spec: str) -> list[str]:
             section = section[part]
     except Exception:  # noqa: BLE001 - a suggestion is optional; the error itself is reported either way
         return []
-    name = parts[depth]
-    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-    close += sorted(k for k in names if k not in close and (name in k or k in name))
-    return [".".join(parts[:depth] + [k] + parts[depth + 1:]) for k in close[:3]]
+    return [".".join(parts[:depth] + [k] + parts[depth + 1:]) for k in close_names(parts[depth], names)]
 
 
 def file_problem(path: str) -> str | None:

@@ -33,8 +33,6 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import elasticsearch
-
 from llds_jax.bounds import AT_LEAST_1
 from llds_jax.runtime import redaction
 from llds_jax.errors import InputError
@@ -43,7 +41,9 @@ from llds_jax.search.options import REQUIRED, RetrieverOptions, option, register
 from llds_jax.search.retry import GiveUpError, RequestPolicy, call_with_retries, describe
 from llds_jax.search.types import BatchedRetriever, RetrieverUnavailableError, SearchResult, check_k, received
 
-if TYPE_CHECKING:  # the encoder (and JAX) is imported only by a dense retriever
+if TYPE_CHECKING:  # the encoder (and JAX) is imported only by a dense retriever, the client only when one is made
+    import elasticsearch
+
     from llds_jax.search.e5 import E5Embedder
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,8 @@ def make_client(hosts: Sequence[str], *, timeout_s: float | None,
     """
     if not verify_certs:
         log.warning("elasticsearch at %s: TLS certificate verification is OFF", hosts_for_display(hosts))
+    import elasticsearch  # here, not at the top: `--help` of the server and index_builder do not pay for it
+
     options = {"ca_certs": ca_certs} if ca_certs else {}
     try:
         return elasticsearch.AsyncElasticsearch(
@@ -169,6 +171,8 @@ def make_client(hosts: Sequence[str], *, timeout_s: float | None,
 
 def is_permanent(error: BaseException) -> bool:
     """Whether an Elasticsearch error will not go away on retry (a 4xx other than 408/429, or a non-network bug)."""
+    import elasticsearch  # loaded by then: only a client's requests raise these errors
+
     if isinstance(error, elasticsearch.ApiError):
         return 400 <= error.meta.status < 500 and error.meta.status not in (408, 429)
     return not isinstance(error, elasticsearch.TransportError) or isinstance(error, elasticsearch.SerializationError)

@@ -39,6 +39,7 @@ from tensorboardX import summary
 from llds_jax.config.sections import TrainConfig
 from llds_jax.runtime import gcs, storage
 from llds_jax.errors import InputError
+from llds_jax.train.formats import format_duration, format_number, format_percent, format_si
 
 # (label, metric name, format) of the console line; format is "num", "pct" or "si".
 CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -68,38 +69,6 @@ BUDGET_FIELDS: tuple[tuple[str, str, str], ...] = (
      "conversations dropped (sampled in groups of another data.samples_per_prompt)",
      "rollout/partial/dropped_group_size"),
 )
-
-
-def format_number(x: float) -> str:
-    """Three significant digits; SI suffixes from 1000 on: 0.41234 -> '0.412', 12345 -> '12.3k'."""
-    return format_si(x) if abs(x) >= 1000 else f"{x:.3g}"
-
-
-def format_si(x: float) -> str:
-    """1234.5 -> '1.23k', 2.5e6 -> '2.5M', 12 -> '12'."""
-    if not math.isfinite(x):
-        return str(x)
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{suffix}"
-    return f"{x:.3g}"
-
-
-def format_percent(x: float) -> str:
-    """A fraction as a percentage: 0.031 -> '3.1%'."""
-    return f"{100 * x:.1f}%"
-
-
-def format_duration(seconds: float) -> str:
-    """Compact duration: 42 -> '42s', 245 -> '4m05s', 11520 -> '3h12m', 273600 -> '3d04h'."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 _FORMATS: dict[str, Callable[[float], str]] = {"num": format_number, "pct": format_percent, "si": format_si}

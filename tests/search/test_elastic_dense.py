@@ -8,8 +8,8 @@ import uuid
 import numpy as np
 import pytest
 
-from index_builder.__main__ import EXIT_INDEX
 from index_builder.__main__ import main as index_builder_main
+from index_builder.build import EXIT_INDEX
 from llds_jax.search import RetrieverUnavailableError, make_retriever
 from llds_jax.search.elastic import index_body, knn_body
 from llds_jax.search.synthetic import SyntheticCorpus

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from index_builder.__main__ import EXIT_BAD_CORPUS, EXIT_INDEX
 from index_builder.__main__ import main as index_builder_main
+from index_builder.build import EXIT_BAD_CORPUS, EXIT_INDEX
 from index_builder.corpus import CorpusError, CorpusReader, parse_line
 from index_builder.to_bm25 import build_bm25
 from index_builder.to_elasticsearch import build_elasticsearch

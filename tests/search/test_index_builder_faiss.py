@@ -7,8 +7,8 @@ import faiss
 import numpy as np
 import pytest
 
-from index_builder.__main__ import EXIT_BAD_CORPUS
 from index_builder.__main__ import main as index_builder_main
+from index_builder.build import EXIT_BAD_CORPUS
 from llds_jax.search.dense import FaissRetriever
 from llds_jax.search.synthetic import SyntheticCorpus
 from tests.search.test_dense import MAX_LENGTH, assert_brute_force, brute_force, search

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from llds_jax.train.metrics import (MetricsWriter, as_preformatted, budget_line, console_line, format_duration,
-                                    format_number, format_percent, format_si)
+from llds_jax.train.formats import format_duration, format_number, format_percent, format_si
+from llds_jax.train.metrics import MetricsWriter, as_preformatted, budget_line, console_line
 
 
 class FakeClock:
