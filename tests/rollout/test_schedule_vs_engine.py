@@ -27,6 +27,7 @@ once waited a call for every observation as for a search's and dropped every tur
 8 + 9 + 3 + 20 + 6 = 46 calls predicted in buckets 8, 64, 128, 256 and 512 against that launch's logged 2 + 3 + 3 +
 20 + 6 = 34; a steered model of that shape reproduces it, and the counts now agree call for call in every bucket."""
 import dataclasses
+import time
 
 import jax
 import pytest
@@ -34,6 +35,7 @@ import pytest
 from llds_jax.aot import rollout_schedule, step_lengths
 from llds_jax.config.sections import DataConfig, RolloutConfig, RunConfig, UpdateConfig
 from llds_jax.rollout import agent
+from llds_jax.rollout import engine as engine_lib
 from llds_jax.rollout.config import AgentConfig, PagingConfig
 from llds_jax.rollout.paged_sampler import PagedSampler, engine_config
 from tests.rollout.test_agent import NEWLINE, THE, EchoRetriever, example, steered_params
@@ -136,11 +138,21 @@ def test_turns_at_their_budget_and_invalid_actions_as_the_demo_launch(qwen_token
     assert schedule.calls_per_bucket == {b: calls for b, (calls, _) in logged.items() if calls}, logged
 
 
+STEP_S = 0.02  # the least seconds of a real engine step in the identity test (a device step's order)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("continuous", [False, True], ids=["barrier", "continuous"])
-def test_the_schedule_of_a_rollouts_own_lengths_is_its_calls(qwen_tokenizer, tiny, sampled, continuous):
+def test_the_schedule_of_a_rollouts_own_lengths_is_its_calls(qwen_tokenizer, tiny, sampled, continuous, monkeypatch):
     """The estimate's rollout is the run's: the real driver over the real engine (`rollout_schedule.run`), fed each
-    trajectory's own lengths, makes the engine's calls bucket for bucket and token for token."""
+    trajectory's own lengths, makes the engine's calls bucket for bucket and token for token.
+
+    The estimate takes a search to be back by the engine's next step, as on a device, whose steps take milliseconds
+    while the event loop answers the echo retriever. The tiny model's steps on the CPU take about as long as that
+    answer, so on a loaded machine a search could come back a step later (once: 2 more calls of 48 tokens); each
+    real step here takes at least STEP_S, a device's pace."""
+    step = engine_lib.Engine.step
+    monkeypatch.setattr(engine_lib.Engine, "step", lambda self: time.sleep(STEP_S) or step(self))
     agent_cfg, engine, result = engine_rollout(qwen_tokenizer, tiny, sampled, run_config(continuous))
     records = [{**{f"rollout/{k}": v for k, v in result.metrics.items()}, "perf/tokens_per_s": 1.0, "perf/step_s": 1.0}]
     logged = step_lengths.logged_step_counts(records, "the rollout")
