@@ -29,15 +29,17 @@ from llds_jax.train.rewards import named_rewards
 from llds_jax.train.step_hooks import step_hooks
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
+def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None, typed: RunConfig | None = None
+             ) -> RunConfig:
     """Everything a run cannot start with; each error names the run-config key. Returns the typed run config (a
     launch builds it here, once).
 
     Without `num_devices` (the launch command's check before anything runs, in the modes that read the checkpoint)
     the mesh is not checked, and the local folders of model.path and model.tokenizer_path must exist (except keys
     the application sets when the run starts); with it (`--mode=compile`, which compiles a model.preset without its
-    checkpoint) the mesh is checked (`check_mesh`) and the folders are not."""
-    run = check_components(cfg)
+    checkpoint) the mesh is checked (`check_mesh`) and the folders are not. `typed`: the config's typed form where
+    the caller built it already (`config.check`: the launch command checks the values before its heavy imports)."""
+    run = check_components(cfg, typed)
     if num_devices is None:
         app = application.load(cfg)
         _check_model_folders(run, app.provided_keys(cfg) if app is not None else ())
@@ -46,11 +48,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> 
     return run
 
 
-def check_components(cfg: ml_collections.ConfigDict) -> RunConfig:
+def check_components(cfg: ml_collections.ConfigDict, typed: RunConfig | None = None) -> RunConfig:
     """The config (`config.check`, with its application's sections and checks) against the components: loss terms
     and the other registered names (rewards and step hooks among them), retriever backends, model presets, TPU
-    topologies. Returns the typed run config."""
-    run = config_lib.check(cfg, application.load(cfg))
+    topologies. Returns the typed run config (`typed`, where given: `config.check`'s of `cfg`)."""
+    run = typed if typed is not None else config_lib.check(cfg, application.load(cfg))
     for registry in (LOSS_TERMS, ADVANTAGES, GATES, ANSWER_WEIGHTINGS, KL_ESTIMATORS, AGGREGATIONS):
         config_lib.check_choice(cfg, registry.key, registry.names())
     named_rewards(run.reward.functions)  # registered names, none twice

@@ -127,10 +127,11 @@ def _params_for_eval(trainer):
 
 
 def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: bool = False,
-        estimate_from: str = "") -> int:
+        estimate_from: str = "", typed=None) -> int:
     """Runs one mode; returns the process exit status. `print_config`: print the whole config (redacted) before
     the run, not its summary; `estimate_from`: --mode=compile's run folder of expected lengths. The typed run config
-    (`llds_jax.config.sections.RunConfig`) is built here, once, and is what every component takes."""
+    (`llds_jax.config.sections.RunConfig`) is built once, here or (`typed`) by the caller's `config.check` of `cfg`,
+    and is what every component takes."""
     from llds_jax import checks
 
     if estimate_from and mode != "compile":
@@ -138,11 +139,11 @@ def run(cfg, mode: str, export_dir: str = "", topology: str = "", print_config: 
     if mode == "compile":  # compile_check checks the mesh against the topology's device count
         from llds_jax.aot import compile_check
 
-        run_cfg = checks.check_components(cfg)
+        run_cfg = checks.check_components(cfg, typed)
         if not (topology or run_cfg.mesh.topology):
             raise InputError("--mode=compile needs a TPU topology: --topology=NAME or the config key mesh.topology")
         return compile_check.run(run_cfg, topology or run_cfg.mesh.topology, estimate_from)
-    run_cfg = checks.validate(cfg)
+    run_cfg = checks.validate(cfg, typed=typed)
     from llds_jax.train.preemption import PreemptionGuard
 
     with PreemptionGuard() as guard:  # a stop before the training loop ends the command at once (status 0)
@@ -352,7 +353,7 @@ def main(argv) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:  # the config's values (each section's bounds and choices), in a second, before the heavy imports below
-        config_lib.check(_CONFIG.value, application.load(_CONFIG.value))
+        typed = config_lib.check(_CONFIG.value, application.load(_CONFIG.value))
     except InputError as e:
         print(f"llds_jax: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
@@ -363,7 +364,7 @@ def main(argv) -> None:
 
     try:
         sys.exit(run(_CONFIG.value, _MODE.value, _EXPORT_DIR.value, _TOPOLOGY.value, _PRINT_CONFIG.value,
-                     _ESTIMATE_FROM.value))
+                     _ESTIMATE_FROM.value, typed))
     except StopRequested as e:  # every `with` of the run has exited: its lease released, its files closed
         print(f"llds_jax: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
